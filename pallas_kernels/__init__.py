@@ -1,0 +1,63 @@
+"""Pallas kernels for TPU (Mosaic) and GPU, each beside a pure-JAX reference.
+
+Public ops (each takes ``backend=None | "mosaic_tpu" | "gpu" | "interpret" |
+"reference"``; see ``pallas_kernels._backend`` for how None is resolved):
+
+  attention:   flash_attention, shard_flash_attention
+  int8 matmul: quantize_int8, int8_matmul, nn.int8_dense
+  boxes:       giou, pairwise_giou, giou_loss, box_iou, ... ; nms, batched_nms
+
+``pallas_kernels.reference`` holds the plain-JAX versions with identical
+semantics. ``force_interpret()`` runs everything in Pallas interpret mode.
+"""
+from __future__ import annotations
+
+import importlib
+
+from pallas_kernels._backend import BACKENDS, force_interpret  # noqa: F401
+
+__version__ = "0.1.0"
+
+# Public name -> module that defines it. Families load on first use, so
+# ``import pallas_kernels`` stays cheap and one family never breaks another.
+_EXPORTS = {
+    "flash_attention": "pallas_kernels.attention",
+    "shard_flash_attention": "pallas_kernels.attention",
+    "quantize_int8": "pallas_kernels.int8_matmul",
+    "int8_matmul": "pallas_kernels.int8_matmul",
+    "giou": "pallas_kernels.giou",
+    "pairwise_giou": "pallas_kernels.giou",
+    "giou_loss": "pallas_kernels.giou",
+    "box_iou": "pallas_kernels.giou",
+    "iou": "pallas_kernels.giou",
+    "diou": "pallas_kernels.giou",
+    "ciou": "pallas_kernels.giou",
+    "pairwise_iou": "pallas_kernels.giou",
+    "pairwise_diou": "pallas_kernels.giou",
+    "pairwise_ciou": "pallas_kernels.giou",
+    "iou_loss": "pallas_kernels.giou",
+    "diou_loss": "pallas_kernels.giou",
+    "ciou_loss": "pallas_kernels.giou",
+    "nms": "pallas_kernels.nms",
+    "batched_nms": "pallas_kernels.nms",
+    "soft_nms": "pallas_kernels.nms",
+}
+_SUBMODULES = ("reference", "nn", "tpu_aot", "attention", "int8_matmul",
+               "giou", "nms")
+
+__all__ = sorted(_EXPORTS) + ["BACKENDS", "force_interpret"] + list(_SUBMODULES)
+
+
+def __getattr__(name):
+  if name in _EXPORTS:
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+  elif name in _SUBMODULES:
+    value = importlib.import_module(f"pallas_kernels.{name}")
+  else:
+    raise AttributeError(f"module 'pallas_kernels' has no attribute {name!r}")
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return __all__

@@ -1,0 +1,93 @@
+"""Differences between the supported jax releases (0.7.1 through the newest).
+
+Everything version-dependent lives here so kernels can be written once.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+def _first_attr(module, *names):
+  for name in names:
+    if hasattr(module, name):
+      return getattr(module, name)
+  return None
+
+
+# The TPU-semantics interpreter was called TPUInterpretParams before it became
+# InterpretParams; very old releases have neither.
+TpuInterpretParams = _first_attr(pltpu, "InterpretParams", "TPUInterpretParams")
+HAS_TPU_INTERPRETER = TpuInterpretParams is not None
+
+_TpuCompilerParams = _first_attr(pltpu, "CompilerParams", "TPUCompilerParams")
+
+
+def tpu_compiler_params(**kwargs):
+  """Mosaic compiler params (dimension_semantics, vmem_limit_bytes, ...)."""
+  accepted = inspect.signature(_TpuCompilerParams).parameters
+  return _TpuCompilerParams(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def gpu_compiler_params(**kwargs):
+  """Triton compiler params (num_warps, num_stages)."""
+  from jax.experimental.pallas import triton as pltriton
+  cls = _first_attr(pltriton, "CompilerParams", "TritonCompilerParams")
+  accepted = inspect.signature(cls).parameters
+  return cls(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def tpu_interpret_params(detect_races: bool = False):
+  """Interpret value that simulates TPU semantics (DMAs, semaphores, races)."""
+  if not HAS_TPU_INTERPRETER:
+    return True
+  accepted = inspect.signature(TpuInterpretParams).parameters
+  kwargs = {}
+  if "detect_races" in accepted:
+    kwargs["detect_races"] = detect_races
+  return TpuInterpretParams(**kwargs)
+
+
+def races_found() -> bool:
+  """Whether the TPU interpreter saw a data race since its state was reset."""
+  for path in ("jax._src.pallas.mosaic.interpret.interpret_pallas_call",
+               "jax._src.pallas.mosaic.interpret"):
+    try:
+      module = importlib.import_module(path)
+    except ImportError:
+      continue
+    races = getattr(module, "races", None)
+    if races is not None:
+      return bool(getattr(races, "races_found", False))
+  return False
+
+
+def shard_map(fn, *, mesh, in_specs, out_specs):
+  """shard_map without replication checks (Pallas outputs carry no vma)."""
+  if hasattr(jax, "shard_map"):
+    params = inspect.signature(jax.shard_map).parameters
+    flag = "check_vma" if "check_vma" in params else "check_rep"
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                         out_specs=out_specs, **{flag: False})
+  from jax.experimental.shard_map import shard_map as legacy_shard_map
+  return legacy_shard_map(fn, mesh=mesh, in_specs=in_specs,
+                          out_specs=out_specs, check_rep=False)
+
+
+@functools.cache
+def platform_dependent_available() -> bool:
+  return hasattr(jax.lax, "platform_dependent")
+
+
+__all__ = [
+    "JAX_VERSION", "HAS_TPU_INTERPRETER", "TpuInterpretParams", "pl", "pltpu",
+    "tpu_compiler_params", "gpu_compiler_params", "tpu_interpret_params",
+    "races_found", "shard_map",
+]

@@ -1,0 +1,32 @@
+"""Keeps libtpu's start-up noise away on machines without a TPU.
+
+With libtpu installed (needed for AOT TPU compilation), JAX probes for a TPU
+when it first initialises backends and libtpu logs warnings about a missing
+TPU VM environment. Where no TPU is attached and the user chose no platform,
+we select the CPU platform for *execution*; compile-only TPU topologies
+(``pallas_kernels.tpu_aot``) keep working.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+
+def tpu_attached() -> bool:
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def gpu_attached() -> bool:
+  return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def select_cpu_when_no_accelerator() -> None:
+  """Sets JAX_PLATFORMS=cpu unless the user chose or a device is present."""
+  if os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORM_NAME"):
+    return
+  if tpu_attached() or gpu_attached():
+    return
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  # Silence C++ logging that libtpu emits while being probed.
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

@@ -1,0 +1,73 @@
+"""Test setup: CPU execution, interpret mode, markers and shared fixtures."""
+from __future__ import annotations
+
+import os
+
+from pallas_kernels import _quiet
+
+_quiet.select_cpu_when_no_accelerator()
+os.environ.setdefault("JAX_ENABLE_X64", "0")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Interpret-mode kernels are slow per example: keep hypothesis runs short and
+# free of deadlines; CI=true keeps the same budget but derandomizes nothing.
+settings.register_profile(
+    "default", max_examples=12, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "thorough", max_examples=100, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: long-running; run with --runslow")
+  config.addinivalue_line(
+      "markers", "tpu_aot: AOT-compiles for real TPU topologies (needs libtpu)")
+  config.addinivalue_line("markers", "torch: needs the torch/torch_xla stack")
+
+
+def pytest_addoption(parser):
+  parser.addoption("--runslow", action="store_true", default=False,
+                   help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+  if config.getoption("--runslow"):
+    return
+  skip = pytest.mark.skip(reason="slow: pass --runslow")
+  for item in items:
+    if "slow" in item.keywords:
+      item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+  """A fresh numpy Generator per test; the seed is printed on failure."""
+  seed = int.from_bytes(os.urandom(4), "little")
+  request.node.user_properties.append(("seed", seed))
+  print(f"numpy seed: {seed}")
+  return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def tpu_topologies():
+  """TPU topologies the installed libtpu can compile for (skip if none)."""
+  from pallas_kernels import tpu_aot
+  if not tpu_aot.libtpu_installed():
+    pytest.skip("libtpu not installed")
+  found = tpu_aot.available_topologies()
+  if not found:
+    pytest.skip("libtpu knows none of the test topologies")
+  return found
+
+
+def pytest_report_header(config):
+  from pallas_kernels import _compat
+  return (f"jax {jax.__version__}, TPU interpreter: "
+          f"{_compat.HAS_TPU_INTERPRETER}")
