@@ -1,0 +1,162 @@
+"""Shared benchmark utilities: timing, device facts, results files, tables.
+
+Timing rules: warm-up calls first (compilation, autotuning), then the median
+of many runs. JAX calls are waited for with ``block_until_ready``; torch CUDA
+calls are timed with CUDA events on the stream, so host overhead between
+launches is not counted twice.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def time_jax(fn: Callable, *args, warmup: int = 3, iters: int = 20,
+             min_seconds: float = 0.0) -> float:
+  """Median seconds of ``fn(*args)`` (JAX), after ``warmup`` calls."""
+  import jax
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  samples = []
+  start_all = time.perf_counter()
+  while len(samples) < iters or time.perf_counter() - start_all < min_seconds:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    samples.append(time.perf_counter() - start)
+  return statistics.median(samples)
+
+
+def time_torch_cuda(fn: Callable[[], Any], warmup: int = 3,
+                    iters: int = 20) -> float:
+  """Median seconds of ``fn()`` on the current CUDA stream (CUDA events)."""
+  import torch
+  for _ in range(warmup):
+    fn()
+  torch.cuda.synchronize()
+  samples = []
+  for _ in range(iters):
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    samples.append(start.elapsed_time(end) / 1e3)
+  return statistics.median(samples)
+
+
+def time_host(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
+  """Median wall seconds of a call that synchronises itself (e.g. .cpu())."""
+  for _ in range(warmup):
+    fn()
+  samples = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    fn()
+    samples.append(time.perf_counter() - start)
+  return statistics.median(samples)
+
+
+def _version(module: str) -> str | None:
+  try:
+    mod = __import__(module)
+  except Exception:
+    return None
+  return getattr(mod, "__version__", "unknown")
+
+
+def device_info() -> dict:
+  """What ran the benchmark: device kind, host, library versions."""
+  info: dict[str, Any] = {
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+          timespec="seconds"),
+      "host": platform.node(),
+      "python": sys.version.split()[0],
+  }
+  for name in ("jax", "jaxlib", "torch", "triton", "torchvision", "numpy"):
+    version = _version(name)
+    if version:
+      info[name] = version
+  try:
+    import jax
+    dev = jax.devices()[0]
+    info["jax_platform"] = dev.platform
+    info["device"] = dev.device_kind
+  except Exception as e:
+    info["device"] = f"unknown ({e})"
+  try:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+         "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+    if out.returncode == 0:
+      info["nvidia_smi"] = out.stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    pass
+  return info
+
+
+def device_slug(info: dict | None = None) -> str:
+  info = info or device_info()
+  name = str(info.get("device", "unknown")).lower()
+  for key in ("h200", "h100", "a100", "v5e", "v5 lite", "v6e", "v6 lite",
+              "v5p", "v4", "cpu"):
+    if key in name:
+      return key.replace(" ", "")
+  return "".join(c if c.isalnum() else "_" for c in name)[:24] or "unknown"
+
+
+def write_results(name: str, rows: Sequence[dict], extra: dict | None = None,
+                  directory: str | None = None) -> str:
+  """Writes ``<name>-<device>-<date>.json`` with device facts and the rows."""
+  info = device_info()
+  directory = directory or os.environ.get("BENCH_RESULTS_DIR") or RESULTS_DIR
+  os.makedirs(directory, exist_ok=True)
+  date = info["date"][:10]
+  path = os.path.join(directory, f"{name}-{device_slug(info)}-{date}.json")
+  with open(path, "w") as f:
+    json.dump({"benchmark": name, **info, **(extra or {}), "rows": list(rows)},
+              f, indent=2, default=str)
+  return path
+
+
+def _fmt(value) -> str:
+  if isinstance(value, float):
+    if value != value:
+      return "nan"
+    if abs(value) >= 1000 or (value != 0 and abs(value) < 0.01):
+      return f"{value:.3g}"
+    return f"{value:.3f}"
+  return str(value)
+
+
+def print_table(rows: Iterable[dict], columns: Sequence[str] | None = None,
+                file=None) -> None:
+  rows = list(rows)
+  if not rows:
+    print("(no rows)", file=file)
+    return
+  columns = list(columns or rows[0].keys())
+  cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+  widths = [max(len(c), *(len(row[i]) for row in cells))
+            for i, c in enumerate(columns)]
+  print("  ".join(c.ljust(w) for c, w in zip(columns, widths)), file=file)
+  print("  ".join("-" * w for w in widths), file=file)
+  for row in cells:
+    print("  ".join(v.ljust(w) for v, w in zip(row, widths)), file=file)
+  sys.stdout.flush()
+
+
+def ratio(baseline_s: float | None, ours_s: float | None) -> float | None:
+  """How many times faster ours is than baseline (>1 means faster)."""
+  if not baseline_s or not ours_s:
+    return None
+  return baseline_s / ours_s

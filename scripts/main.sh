@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The main job: every kernel on this machine vs its reference, as a table.
+#   bash scripts/main.sh [--size small|medium|large] [--ops NAME ...] [--help]
+# shellcheck source=_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+ensure_env jax "$REPO_ROOT/requirements/jax-latest.txt"
+cd "$REPO_ROOT" || exit 1
+exec "$ENV_PYTHON" -m pallas_kernels "$@"
