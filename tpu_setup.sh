@@ -5,7 +5,7 @@
 #
 # Installs, into a virtual environment (default: .venvs/tpu), the pinned TPU
 # stack: torch 2.9.0 + torch_xla[tpu,pallas] 2.9.0 (which pins jax/jaxlib
-# 0.7.1 and its libtpu), torchax, and this package. Then it lists the TPU
+# 0.7.1 and libtpu 0.0.21), torchax, and this package. Then it lists the TPU
 # devices, runs every kernel once against its reference on the TPU
 # (python -m pallas_kernels), and runs a few steps of the torch_xla FSDP demo.
 #
@@ -69,7 +69,7 @@ run "${PYTHON:-python3}" -m venv "$VENV"
 run "$PY" -m pip install --upgrade pip
 run "$PY" -m pip install "torch==$TORCH_VERSION" \
   "torch_xla[tpu,pallas]==$TORCH_XLA_VERSION" \
-  "jax[tpu]==$JAX_VERSION" "jaxlib==$JAX_VERSION" \
+  "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" \
   "torchax==$TORCHAX_VERSION"
 run "$PY" -m pip install --no-deps -e "$REPO_ROOT"
 

@@ -4,6 +4,7 @@ Everything version-dependent lives here so kernels can be written once.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -81,13 +82,34 @@ def shard_map(fn, *, mesh, in_specs, out_specs):
                           out_specs=out_specs, check_rep=False)
 
 
-@functools.cache
-def platform_dependent_available() -> bool:
-  return hasattr(jax.lax, "platform_dependent")
+@contextlib.contextmanager
+def mosaic_version_for_aot(max_version: int = 7):
+  """Caps the Mosaic serialization version while AOT-compiling from a CPU host.
+
+  jax < 0.8 picks the Mosaic IR version by asking the *running* backend's
+  libtpu how old it is; on a CPU host there is none, so it emits the newest
+  version (8), which the libtpu paired with jax 0.7.1 (0.0.20/0.0.21) cannot
+  read. A real TPU takes the version check's own path and is not affected.
+  """
+  if JAX_VERSION >= (0, 8, 0):
+    yield
+    return
+  from jax._src import tpu_custom_call
+  original = tpu_custom_call.get_ir_version
+
+  def capped(ctx):
+    version = original(ctx)
+    return max_version if version is None else min(version, max_version)
+
+  tpu_custom_call.get_ir_version = capped
+  try:
+    yield
+  finally:
+    tpu_custom_call.get_ir_version = original
 
 
 __all__ = [
     "JAX_VERSION", "HAS_TPU_INTERPRETER", "TpuInterpretParams", "pl", "pltpu",
     "tpu_compiler_params", "gpu_compiler_params", "tpu_interpret_params",
-    "races_found", "shard_map",
+    "races_found", "shard_map", "mosaic_version_for_aot",
 ]

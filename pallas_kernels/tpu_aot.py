@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _quiet
 
 # Topologies the test-suite compiles for; each is (generation, chips).
 KNOWN_TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v4:2x2x1", "v5p:2x2x1")
@@ -91,6 +91,10 @@ def topology_devices(topology: str = "v5e:2x2") -> tuple:
     raise LibtpuUnavailable(
         "libtpu is not installed: pip install \"jax[tpu]==%s\"" % jax.__version__)
   from jax.experimental import topologies
+  if not _quiet.tpu_attached():
+    # Compile-only use needs no exclusive TPU: let parallel processes (pytest
+    # workers, helpers) each load libtpu instead of failing on its lockfile.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   with _captured_stderr() as log:
     try:
       desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
@@ -156,7 +160,7 @@ def compile_for_tpu(fn: Callable, *args: jax.ShapeDtypeStruct,
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype,
                                   sharding=NamedSharding(mesh, spec))
              for a, spec in zip(args, in_specs)]
-  with _captured_stderr():
+  with _captured_stderr(), _compat.mosaic_version_for_aot():
     try:
       lowered = jax.jit(call).lower(*specs)
       compiled = lowered.compile()

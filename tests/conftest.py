@@ -57,14 +57,17 @@ def rng(request):
 
 @pytest.fixture(scope="session")
 def tpu_topologies():
-  """TPU topologies the installed libtpu can compile for (skip if none)."""
+  """TPU topologies the installed libtpu can compile for.
+
+  Both test environments install libtpu, so a missing libtpu or a claimed
+  generation (v5e, v6e) that cannot be compiled for is a failure, not a skip.
+  """
   from pallas_kernels import tpu_aot
   if not tpu_aot.libtpu_installed():
-    pytest.skip("libtpu not installed")
-  found = tpu_aot.available_topologies()
-  if not found:
-    pytest.skip("libtpu knows none of the test topologies")
-  return found
+    pytest.fail("libtpu is not installed: the AOT TPU tests need jax[tpu]")
+  for required in ("v5e:2x2", "v6e:2x2"):
+    tpu_aot.topology_devices(required)  # raises with libtpu's reason
+  return tpu_aot.available_topologies()
 
 
 def pytest_report_header(config):

@@ -1,0 +1,608 @@
+"""Mosaic TPU flash attention: forward, dq and dk/dv kernels.
+
+Forward (online softmax). Grid ``(batch, heads, q blocks, kv blocks)``, the
+last axis sequential ("arbitrary"), the others "parallel". For each query
+block the kernel keeps the running row maximum ``m``, the running sum ``l``
+(both float32, lane-replicated ``[block_q, 128]``) and the float32 output
+accumulator in VMEM scratch; each kv block rescales them by
+``exp(m_old - m_new)``. The last kv step writes ``acc / l`` and
+``lse = m + log l``; ``lse`` is stored lane-dense as ``[B, H, 1, Lq]`` by
+transposing the lane-replicated column once per query block.
+
+Backward. ``di = rowsum(dO * O)`` (minus the lse cotangent, if any) is a cheap
+XLA reduction. Two kernels recompute the probabilities from ``lse``:
+  dq:    grid ``(B, H, q blocks, kv blocks)``; ``ds = p * (dO V^T - di)``,
+         ``dq += ds K``; also writes ``dbias = ds`` blocks when a bias is given.
+  dk/dv: grid ``(B, Hkv, kv blocks, group * q blocks)``: the inner axis walks
+         the query blocks of every query head sharing the kv head, so GQA
+         gradients are summed in VMEM. It works on transposed logits
+         ``[block_kv, block_q]`` so ``lse``/``di`` rows broadcast without
+         transposes: ``dv += p^T dO``, ``dk += ds^T Q``.
+
+Skipping. Causal and sliding-window structure gives each query block a
+contiguous range of kv blocks (and each kv block a range of query blocks).
+Blocks outside it are skipped by ``pl.when``, and the index maps clamp the
+block index into the range, so a skipped step re-uses the block already in
+VMEM and issues no DMA. Blocks wholly inside the allowed band and free of
+padding skip the element mask too. Segment ids are not used for skipping
+(they need data-dependent ranges).
+
+Layout. Segment ids travel lane-dense: the side that indexes rows of the
+logits tile as ``[B, L, 128]`` (lane-broadcast), the side that indexes
+columns as ``[B, 1, L]``. GQA never repeats k/v in HBM: index maps read kv
+head ``h // group``. Sequences are padded to block multiples and ``head_dim``
+to a multiple of 128 (64 kept) with zeros; padded keys are masked, padded
+queries dropped (they get ``lse = +inf`` in the backward so they contribute
+nothing). Fully masked rows give ``out = 0`` and ``lse = -inf``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat
+from pallas_kernels._compat import pl, pltpu
+from pallas_kernels.attention import block_sizes as _bs
+
+LANES = _bs.LANES
+_SQ = pl.Squeezed() if hasattr(pl, "Squeezed") else None
+_NT = (((1,), (1,)), ((), ()))   # a @ b^T
+_NN = (((1,), (0,)), ((), ()))   # a @ b
+
+
+def _round_up(x, m):
+  return -(-x // m) * m
+
+
+def _div(a, b):
+  """Integer division of non-negative traced scalars."""
+  return lax.div(a, jnp.int32(b))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+  """Static problem geometry plus the block-level skip/mask predicates."""
+  q_len: int
+  kv_len: int
+  block_q: int
+  block_kv: int
+  left: int | None        # window reach to the left (None: unbounded)
+  right: int | None       # to the right, causal already folded in
+  has_segments: bool
+
+  @property
+  def offset(self):
+    return self.kv_len - self.q_len
+
+  @property
+  def q_pad(self):
+    return _round_up(self.q_len, self.block_q)
+
+  @property
+  def kv_pad(self):
+    return _round_up(self.kv_len, self.block_kv)
+
+  @property
+  def num_q(self):
+    return self.q_pad // self.block_q
+
+  @property
+  def num_kv(self):
+    return self.kv_pad // self.block_kv
+
+  @property
+  def banded(self):
+    return self.left is not None or self.right is not None
+
+  @property
+  def may_mask(self):
+    return (self.banded or self.has_segments or self.kv_pad != self.kv_len)
+
+  def _last_row(self, i):
+    return jnp.minimum((i + 1) * self.block_q, self.q_len) - 1
+
+  def kv_range(self, i):
+    """First and last kv block with an allowed key for query block i."""
+    if not self.banded:
+      return jnp.int32(0), jnp.int32(self.num_kv - 1)
+    first_col = (i * self.block_q + self.offset - self.left
+                 if self.left is not None else jnp.int32(0))
+    last_col = (self._last_row(i) + self.offset + self.right
+                if self.right is not None else jnp.int32(self.kv_len - 1))
+    first_col = jnp.clip(first_col, 0, self.kv_len)
+    last_col = jnp.clip(last_col, -1, self.kv_len - 1)
+    return (_div(first_col, self.block_kv),
+            _div(last_col + self.block_kv, self.block_kv) - 1)
+
+  def q_range(self, j):
+    """First and last query block with an allowed key in kv block j."""
+    if not self.banded:
+      return jnp.int32(0), jnp.int32(self.num_q - 1)
+    last_col = jnp.minimum((j + 1) * self.block_kv, self.kv_len) - 1
+    first_row = (j * self.block_kv - self.right - self.offset
+                 if self.right is not None else jnp.int32(0))
+    last_row = (last_col + self.left - self.offset
+                if self.left is not None else jnp.int32(self.q_len - 1))
+    first_row = jnp.clip(first_row, 0, self.q_len)
+    last_row = jnp.clip(last_row, -1, self.q_len - 1)
+    return (_div(first_row, self.block_q),
+            _div(last_row + self.block_q, self.block_q) - 1)
+
+  def needs_mask(self, i, j):
+    """Whether block (i, j) has a masked entry in a real query row."""
+    if self.has_segments:
+      return jnp.bool_(True)
+    partial = jnp.bool_(self.kv_pad != self.kv_len) & (j == self.num_kv - 1)
+    if self.left is not None:
+      partial |= (j * self.block_kv
+                  < self._last_row(i) + self.offset - self.left)
+    if self.right is not None:
+      partial |= ((j + 1) * self.block_kv - 1
+                  > i * self.block_q + self.offset + self.right)
+    return partial
+
+  def mask(self, i, j, shape, transposed):
+    """Allowed-entry mask of block (i, j); rows are keys when transposed."""
+    q_axis, kv_axis = (1, 0) if transposed else (0, 1)
+    rows = i * self.block_q + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    cols = j * self.block_kv + lax.broadcasted_iota(jnp.int32, shape, kv_axis)
+    mask = cols < self.kv_len
+    diag = rows + self.offset
+    if self.right is not None:
+      mask &= cols <= diag + self.right
+    if self.left is not None:
+      mask &= cols >= diag - self.left
+    return mask
+
+
+def _clamp(x, lo, hi, size):
+  return jnp.clip(jnp.clip(x, lo, hi), 0, size - 1)
+
+
+def _scores(a, b, sm_scale, cap):
+  """Scaled (and soft-capped) a @ b^T in float32; returns (s, tanh or None)."""
+  s = lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
+  s = s * sm_scale
+  if cap is None:
+    return s, None
+  t = jnp.tanh(s / cap)
+  return cap * t, t
+
+
+def _row_to_column(row):
+  """[1, n] float32 -> [n, 128] lane-replicated column (n % 128 == 0)."""
+  return jnp.broadcast_to(row, (LANES, row.shape[1])).T
+
+
+# ---------------------------------------------------------------- forward --
+
+def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
+  it = iter(refs)
+  q_ref, k_ref, v_ref = next(it), next(it), next(it)
+  qseg_ref = kvseg_ref = bias_ref = None
+  if geom.has_segments:
+    qseg_ref, kvseg_ref = next(it), next(it)
+  if has_bias:
+    bias_ref = next(it)
+  o_ref, lse_ref, m_ref, l_ref, acc_ref = it
+  i, j = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  def step(masked):
+    s, _ = _scores(q_ref[...], k_ref[...], sm_scale, cap)
+    if has_bias:
+      s = s + bias_ref[...].astype(jnp.float32)
+    if masked:
+      mask = geom.mask(i, j, s.shape, transposed=False)
+      if geom.has_segments:
+        mask &= qseg_ref[...][:, :1] == kvseg_ref[...]
+      s = jnp.where(mask, s, -jnp.inf)
+    m_prev, l_prev = m_ref[...][:, :1], l_ref[...][:, :1]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_safe)
+    alpha = jnp.exp(m_prev - m_safe)
+    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    v = v_ref[...]
+    pv = lax.dot_general(p.astype(v.dtype), v, _NN,
+                         preferred_element_type=jnp.float32)
+    acc_ref[...] = alpha * acc_ref[...] + pv
+    m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
+    l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+
+  lo, hi = geom.kv_range(i)
+  run = (j >= lo) & (j <= hi)
+  if geom.may_mask:
+    needs_mask = geom.needs_mask(i, j)
+    pl.when(run & needs_mask)(lambda: step(True))
+    pl.when(run & jnp.logical_not(needs_mask))(lambda: step(False))
+  else:
+    pl.when(run)(lambda: step(False))
+
+  @pl.when(j == geom.num_kv - 1)
+  def _finish():
+    l = l_ref[...][:, :1]
+    has_keys = l > 0
+    safe_l = jnp.where(has_keys, l, 1.0)
+    o_ref[...] = jnp.where(has_keys, acc_ref[...] / safe_l, 0.0).astype(
+        o_ref.dtype)
+    lse = jnp.where(has_keys, m_ref[...] + jnp.log(safe_l), -jnp.inf)
+    lse_ref[...] = lse.T[:1, :]
+
+
+# --------------------------------------------------------------- backward --
+
+def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
+  it = iter(refs)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = (next(it) for _ in range(6))
+  qseg_ref = kvseg_ref = bias_ref = dbias_ref = None
+  if geom.has_segments:
+    qseg_ref, kvseg_ref = next(it), next(it)
+  if has_bias:
+    bias_ref = next(it)
+  dq_ref = next(it)
+  if has_bias:
+    dbias_ref = next(it)
+  dq_acc, lse_col, di_col = it
+  i, j = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _init():
+    dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+    lse_col[...] = _row_to_column(lse_ref[...])
+    di_col[...] = _row_to_column(di_ref[...])
+
+  def step(masked):
+    q, k, v = q_ref[...], k_ref[...], v_ref[...]
+    s, t = _scores(q, k, sm_scale, cap)
+    if has_bias:
+      s = s + bias_ref[...].astype(jnp.float32)
+    if masked:
+      mask = geom.mask(i, j, s.shape, transposed=False)
+      if geom.has_segments:
+        mask &= qseg_ref[...][:, :1] == kvseg_ref[...]
+      s = jnp.where(mask, s, -jnp.inf)
+    p = jnp.exp(s - lse_col[...][:, :1])
+    dp = lax.dot_general(do_ref[...], v, _NT,
+                         preferred_element_type=jnp.float32)
+    ds = p * (dp - di_col[...][:, :1])
+    if has_bias:
+      dbias_ref[...] = ds.astype(dbias_ref.dtype)
+    if cap is not None:
+      ds = ds * (1.0 - t * t)
+    dq_acc[...] += lax.dot_general((ds * sm_scale).astype(k.dtype), k, _NN,
+                                   preferred_element_type=jnp.float32)
+
+  lo, hi = geom.kv_range(i)
+  run = (j >= lo) & (j <= hi)
+  if geom.may_mask:
+    needs_mask = geom.needs_mask(i, j)
+    pl.when(run & needs_mask)(lambda: step(True))
+    pl.when(run & jnp.logical_not(needs_mask))(lambda: step(False))
+  else:
+    pl.when(run)(lambda: step(False))
+  if has_bias:
+    @pl.when(jnp.logical_not(run))
+    def _zero_dbias():
+      dbias_ref[...] = jnp.zeros(dbias_ref.shape, dbias_ref.dtype)
+
+  @pl.when(j == geom.num_kv - 1)
+  def _finish():
+    dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+
+
+def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias, group):
+  it = iter(refs)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = (next(it) for _ in range(6))
+  qseg_ref = kvseg_ref = bias_ref = None
+  if geom.has_segments:
+    qseg_ref, kvseg_ref = next(it), next(it)
+  if has_bias:
+    bias_ref = next(it)
+  dk_ref, dv_ref, dk_acc, dv_acc = it
+  j, t = pl.program_id(2), pl.program_id(3)
+  i = t % geom.num_q
+
+  @pl.when(t == 0)
+  def _init():
+    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+  def step(masked):
+    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    s, th = _scores(k, q, sm_scale, cap)             # [block_kv, block_q]
+    if has_bias:
+      s = s + bias_ref[...].astype(jnp.float32).T
+    if masked:
+      mask = geom.mask(i, j, s.shape, transposed=True)
+      if geom.has_segments:
+        mask &= kvseg_ref[...][:, :1] == qseg_ref[...]
+      s = jnp.where(mask, s, -jnp.inf)
+    p = jnp.exp(s - lse_ref[...])
+    dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _NN,
+                                   preferred_element_type=jnp.float32)
+    dp = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
+    ds = p * (dp - di_ref[...])
+    if cap is not None:
+      ds = ds * (1.0 - th * th)
+    dk_acc[...] += lax.dot_general((ds * sm_scale).astype(q.dtype), q, _NN,
+                                   preferred_element_type=jnp.float32)
+
+  lo, hi = geom.q_range(j)
+  run = (i >= lo) & (i <= hi)
+  if geom.may_mask:
+    needs_mask = geom.needs_mask(i, j)
+    pl.when(run & needs_mask)(lambda: step(True))
+    pl.when(run & jnp.logical_not(needs_mask))(lambda: step(False))
+  else:
+    pl.when(run)(lambda: step(False))
+
+  @pl.when(t == group * geom.num_q - 1)
+  def _finish():
+    dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+# ------------------------------------------------------------ host side --
+
+def _pad_axis(x, axis, size, value=0):
+  extra = size - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_head_dim(x, dim):
+  return _pad_axis(x, 3, dim)
+
+
+def _geometry(q, k, block_q, block_kv, q_segment_ids, causal, window_left,
+              window_right):
+  right = window_right
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  return _Geometry(q_len=q.shape[2], kv_len=k.shape[2], block_q=block_q,
+                   block_kv=block_kv, left=window_left, right=right,
+                   has_segments=q_segment_ids is not None)
+
+
+def _segment_layouts(segment_ids, length):
+  """([B, L, 128] lane-broadcast, [B, 1, L] lane-dense), padded with -1."""
+  ids = _pad_axis(segment_ids.astype(jnp.int32), 1, length, value=-1)
+  column = jnp.broadcast_to(ids[:, :, None], ids.shape + (LANES,))
+  return column, ids[:, None, :]
+
+
+def _bias_index(bias, b, h, i, j):
+  return (b if bias.shape[0] > 1 else 0, h if bias.shape[1] > 1 else 0, i, j)
+
+
+def vmem_bytes(block_q, block_kv, head_dim, itemsize, has_bias=False):
+  """Rough VMEM use of the backward step (the largest of the three)."""
+  tiles = 4 * 2 * max(block_q, block_kv) * head_dim * itemsize  # q k v dO x2
+  temps = 5 * block_q * block_kv * 4
+  accs = 2 * block_kv * head_dim * 4 + 3 * block_q * LANES * 4
+  bias = 2 * 2 * block_q * block_kv * 4 if has_bias else 0
+  return tiles + temps + accs + bias
+
+
+def _compiler_params(semantics, estimate):
+  limit = None
+  if estimate > 12 * 2**20:
+    limit = min(max(2 * estimate, 32 * 2**20), 96 * 2**20)
+  return _compat.tpu_compiler_params(dimension_semantics=semantics,
+                                     vmem_limit_bytes=limit)
+
+
+def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
+            window_left, window_right, logit_soft_cap, block_sizes, interpret):
+  """(out [B, H, Lq, D] q.dtype, lse [B, H, Lq] float32)."""
+  batch, heads, q_len, head_dim = q.shape
+  kv_heads = k.shape[1]
+  group = heads // kv_heads
+  blocks = _bs.choose(q_len, k.shape[2], head_dim, block_sizes)
+  geom = _geometry(q, k, blocks.fwd_q, blocks.fwd_kv, q_segment_ids, causal,
+                   window_left, window_right)
+  dim = _bs.padded_head_dim(head_dim)
+  bq, bk = geom.block_q, geom.block_kv
+  qp = _pad_head_dim(_pad_axis(q, 2, geom.q_pad), dim)
+  kp = _pad_head_dim(_pad_axis(k, 2, geom.kv_pad), dim)
+  vp = _pad_head_dim(_pad_axis(v, 2, geom.kv_pad), dim)
+
+  def kv_block(i, j):
+    lo, hi = geom.kv_range(i)
+    return _clamp(j, lo, hi, geom.num_kv)
+
+  in_specs = [
+      pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, j: (b, h, i, 0)),
+      pl.BlockSpec((_SQ, _SQ, bk, dim),
+                   lambda b, h, i, j: (b, h // group, kv_block(i, j), 0)),
+      pl.BlockSpec((_SQ, _SQ, bk, dim),
+                   lambda b, h, i, j: (b, h // group, kv_block(i, j), 0)),
+  ]
+  args = [qp, kp, vp]
+  if geom.has_segments:
+    q_col, _ = _segment_layouts(q_segment_ids, geom.q_pad)
+    _, kv_row = _segment_layouts(kv_segment_ids, geom.kv_pad)
+    in_specs += [
+        pl.BlockSpec((_SQ, bq, LANES), lambda b, h, i, j: (b, i, 0)),
+        pl.BlockSpec((_SQ, 1, bk), lambda b, h, i, j: (b, 0, kv_block(i, j))),
+    ]
+    args += [q_col, kv_row]
+  if bias is not None:
+    bias_p = _pad_axis(_pad_axis(bias, 2, geom.q_pad), 3, geom.kv_pad)
+    in_specs.append(pl.BlockSpec(
+        (_SQ, _SQ, bq, bk),
+        lambda b, h, i, j: _bias_index(bias, b, h, i, kv_block(i, j))))
+    args.append(bias_p)
+
+  kernel = functools.partial(_forward_kernel, geom=geom, sm_scale=sm_scale,
+                             cap=logit_soft_cap, has_bias=bias is not None)
+  estimate = vmem_bytes(bq, bk, dim, q.dtype.itemsize, bias is not None)
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=(batch, heads, geom.num_q, geom.num_kv),
+      in_specs=in_specs,
+      out_specs=[
+          pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, j: (b, h, i, 0)),
+          pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, j: (b, h, 0, i)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((batch, heads, geom.q_pad, dim), q.dtype),
+          jax.ShapeDtypeStruct((batch, heads, 1, geom.q_pad), jnp.float32),
+      ],
+      scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
+                      pltpu.VMEM((bq, LANES), jnp.float32),
+                      pltpu.VMEM((bq, dim), jnp.float32)],
+      compiler_params=_compiler_params(
+          ("parallel", "parallel", "parallel", "arbitrary"), estimate),
+      interpret=interpret,
+      name="flash_attention_fwd",
+  )(*args)
+  return out[:, :, :q_len, :head_dim], lse[:, :, 0, :q_len]
+
+
+def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
+             *, sm_scale, causal, window_left, window_right, logit_soft_cap,
+             block_sizes, interpret, d_lse=None):
+  """(dq, dk, dv, dbias or None); ``d_lse`` is the cotangent of lse."""
+  batch, heads, q_len, head_dim = q.shape
+  kv_heads, kv_len = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  blocks = _bs.choose(q_len, kv_len, head_dim, block_sizes)
+  geom = _geometry(q, k, blocks.bwd_q, blocks.bwd_kv, q_segment_ids, causal,
+                   window_left, window_right)
+  dim = _bs.padded_head_dim(head_dim)
+  bq, bk = geom.block_q, geom.block_kv
+  nq, nk = geom.num_q, geom.num_kv
+
+  di = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
+  if d_lse is not None:
+    di = di - d_lse.astype(jnp.float32)
+  # lse = +inf turns p into 0 for empty rows and padded queries.
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32))
+  lse_row = _pad_axis(lse, 2, geom.q_pad, value=jnp.inf)[:, :, None, :]
+  di_row = _pad_axis(di, 2, geom.q_pad)[:, :, None, :]
+  qp = _pad_head_dim(_pad_axis(q, 2, geom.q_pad), dim)
+  dop = _pad_head_dim(_pad_axis(d_out.astype(q.dtype), 2, geom.q_pad), dim)
+  kp = _pad_head_dim(_pad_axis(k, 2, geom.kv_pad), dim)
+  vp = _pad_head_dim(_pad_axis(v, 2, geom.kv_pad), dim)
+  has_bias = bias is not None
+  bias_p = None
+  if has_bias:
+    bias_p = _pad_axis(_pad_axis(bias, 2, geom.q_pad), 3, geom.kv_pad)
+  segs = None
+  if geom.has_segments:
+    segs = (_segment_layouts(q_segment_ids, geom.q_pad),
+            _segment_layouts(kv_segment_ids, geom.kv_pad))
+  estimate = vmem_bytes(bq, bk, dim, q.dtype.itemsize, has_bias)
+  statics = dict(geom=geom, sm_scale=sm_scale, cap=logit_soft_cap,
+                 has_bias=has_bias)
+
+  # dq (and dbias): grid (B, H, q blocks, kv blocks).
+  def kv_block(i, j):
+    lo, hi = geom.kv_range(i)
+    return _clamp(j, lo, hi, nk)
+
+  q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, j: (b, h, i, 0))
+  kv_spec = pl.BlockSpec((_SQ, _SQ, bk, dim),
+                         lambda b, h, i, j: (b, h // group, kv_block(i, j), 0))
+  row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, j: (b, h, 0, i))
+  in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  args = [qp, kp, vp, dop, lse_row, di_row]
+  if segs is not None:
+    (q_col, _), (_, kv_row) = segs
+    in_specs += [
+        pl.BlockSpec((_SQ, bq, LANES), lambda b, h, i, j: (b, i, 0)),
+        pl.BlockSpec((_SQ, 1, bk), lambda b, h, i, j: (b, 0, kv_block(i, j))),
+    ]
+    args += [q_col, kv_row]
+  out_specs = [q_spec]
+  out_shape = [jax.ShapeDtypeStruct(qp.shape, q.dtype)]
+  if has_bias:
+    in_specs.append(pl.BlockSpec(
+        (_SQ, _SQ, bq, bk),
+        lambda b, h, i, j: _bias_index(bias, b, h, i, kv_block(i, j))))
+    args.append(bias_p)
+    out_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk),
+                                  lambda b, h, i, j: (b, h, i, j)))
+    out_shape.append(jax.ShapeDtypeStruct(
+        (batch, heads, geom.q_pad, geom.kv_pad), jnp.float32))
+  results = pl.pallas_call(
+      functools.partial(_dq_kernel, **statics),
+      grid=(batch, heads, nq, nk),
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      scratch_shapes=[pltpu.VMEM((bq, dim), jnp.float32),
+                      pltpu.VMEM((bq, LANES), jnp.float32),
+                      pltpu.VMEM((bq, LANES), jnp.float32)],
+      compiler_params=_compiler_params(
+          ("parallel", "parallel", "parallel", "arbitrary"), estimate),
+      interpret=interpret,
+      name="flash_attention_dq",
+  )(*args)
+  dq = results[0][:, :, :q_len, :head_dim]
+  dbias = None
+  if has_bias:
+    dbias = results[1][:, :, :q_len, :kv_len]
+    reduce_axes = tuple(a for a in (0, 1) if bias.shape[a] == 1)
+    if reduce_axes:
+      dbias = jnp.sum(dbias, axis=reduce_axes, keepdims=True)
+    dbias = dbias.astype(bias.dtype)
+
+  # dk, dv: grid (B, Hkv, kv blocks, group * q blocks).
+  def q_block(j, t):
+    lo, hi = geom.q_range(j)
+    return _clamp(t % nq, lo, hi, nq)
+
+  def head(hk, t):
+    return hk * group + t // nq
+
+  q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim),
+                        lambda b, hk, j, t: (b, head(hk, t), q_block(j, t), 0))
+  kv_spec = pl.BlockSpec((_SQ, _SQ, bk, dim),
+                         lambda b, hk, j, t: (b, hk, j, 0))
+  row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq),
+                          lambda b, hk, j, t: (b, head(hk, t), 0, q_block(j, t)))
+  in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  args = [qp, kp, vp, dop, lse_row, di_row]
+  if segs is not None:
+    (_, q_row), (kv_col, _) = segs
+    in_specs += [
+        pl.BlockSpec((_SQ, 1, bq), lambda b, hk, j, t: (b, 0, q_block(j, t))),
+        pl.BlockSpec((_SQ, bk, LANES), lambda b, hk, j, t: (b, j, 0)),
+    ]
+    args += [q_row, kv_col]
+  if has_bias:
+    in_specs.append(pl.BlockSpec(
+        (_SQ, _SQ, bq, bk),
+        lambda b, hk, j, t: _bias_index(bias, b, head(hk, t), q_block(j, t),
+                                        j)))
+    args.append(bias_p)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, group=group, **statics),
+      grid=(batch, kv_heads, nk, group * nq),
+      in_specs=in_specs,
+      out_specs=[kv_spec, kv_spec],
+      out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype),
+                 jax.ShapeDtypeStruct(vp.shape, v.dtype)],
+      scratch_shapes=[pltpu.VMEM((bk, dim), jnp.float32),
+                      pltpu.VMEM((bk, dim), jnp.float32)],
+      compiler_params=_compiler_params(
+          ("parallel", "parallel", "parallel", "arbitrary"), estimate),
+      interpret=interpret,
+      name="flash_attention_dkv",
+  )(*args)
+  return (dq, dk[:, :, :kv_len, :head_dim], dv[:, :, :kv_len, :head_dim],
+          dbias)

@@ -1,0 +1,108 @@
+"""Plain-JAX attention with exactly the semantics of the flash kernels.
+
+Shapes: q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` with ``H % Hkv == 0``;
+query head ``h`` reads kv head ``h // (H // Hkv)``.
+
+    s[i, j] = sm_scale * q_i . k_j                      (float32)
+    s = cap * tanh(s / cap)                             (logit_soft_cap)
+    s = s + bias[b, h, i, j]                            (bias, broadcast)
+    mask: offset = Lk - Lq (ends aligned, as in decoding)
+          causal:          j <= i + offset
+          window (l, r):   i + offset - l <= j <= i + offset + r
+          segment ids:     q_seg[b, i] == kv_seg[b, j]
+    out = softmax over unmasked j of s, times v (float32), cast to q.dtype
+    lse[b, h, i] = log sum_j exp(s_ij) over unmasked j (float32)
+
+A row with no unmasked key (or whose unmasked logits are all -inf) gives
+``out = 0``, ``lse = -inf`` and zero gradients.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def normalize_window(sliding_window, causal: bool):
+  """``sliding_window`` -> (left, right), None meaning unbounded."""
+  if sliding_window is None:
+    left, right = None, None
+  elif isinstance(sliding_window, (tuple, list)):
+    left, right = sliding_window
+  else:
+    left = sliding_window
+    right = 0 if causal else sliding_window
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  return left, right
+
+
+def attention_mask(q_len, kv_len, q_segment_ids=None, kv_segment_ids=None, *,
+                   window_left=None, window_right=None):
+  """Boolean ``[B or 1, 1, Lq, Lk]`` mask, True where attention is allowed."""
+  offset = kv_len - q_len
+  rows = jnp.arange(q_len)[:, None] + offset
+  cols = jnp.arange(kv_len)[None, :]
+  mask = jnp.ones((q_len, kv_len), bool)
+  if window_right is not None:
+    mask &= cols <= rows + window_right
+  if window_left is not None:
+    mask &= cols >= rows - window_left
+  mask = mask[None, None]
+  if q_segment_ids is not None:
+    same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    mask = mask & same[:, None]
+  return mask
+
+
+def attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, bias=None, *,
+              sm_scale, causal=False, window_left=None, window_right=None,
+              logit_soft_cap=None):
+  """(out, lse) with the internal backend signature (window already split)."""
+  if causal:
+    window_right = 0 if window_right is None else min(window_right, 0)
+  batch, heads, q_len, _ = q.shape
+  kv_heads, kv_len = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  qg = q.reshape(batch, kv_heads, group, q_len, -1)
+  s = jnp.einsum("bkgqd,bkld->bkgql", qg, k,
+                 preferred_element_type=jnp.float32,
+                 precision=jax.lax.Precision.HIGHEST).astype(jnp.float32)
+  s = s.reshape(batch, heads, q_len, kv_len) * sm_scale
+  if logit_soft_cap is not None:
+    s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
+  if bias is not None:
+    s = s + bias.astype(jnp.float32)
+  mask = attention_mask(q_len, kv_len, q_segment_ids, kv_segment_ids,
+                        window_left=window_left, window_right=window_right)
+  mask = jnp.broadcast_to(mask, s.shape)
+  # Double `where` keeps masked entries out of both values and gradients.
+  s_kept = jnp.where(mask, s, 0.0)
+  row_max = jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1, keepdims=True)
+  row_max = jax.lax.stop_gradient(
+      jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  e = jnp.where(mask, jnp.exp(s_kept - row_max), 0.0)
+  total = jnp.sum(e, axis=-1, keepdims=True)
+  has_keys = total > 0
+  safe_total = jnp.where(has_keys, total, 1.0)
+  p = e / safe_total
+  pg = p.reshape(batch, kv_heads, group, q_len, kv_len)
+  out = jnp.einsum("bkgql,bkld->bkgqd", pg, v.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  out = out.reshape(batch, heads, q_len, -1).astype(q.dtype)
+  lse = jnp.where(has_keys, row_max + jnp.log(safe_total), -jnp.inf)[..., 0]
+  return out, lse
+
+
+def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
+                    sliding_window=None, logit_soft_cap=None, bias=None,
+                    return_lse=False, block_sizes=None):
+  """Reference for :func:`pallas_kernels.flash_attention` (same arguments).
+
+  ``block_sizes`` is accepted and ignored, so calls can switch freely.
+  """
+  del block_sizes
+  from pallas_kernels.attention import api
+  return api.flash_attention(
+      q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids,
+      sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, bias=bias,
+      return_lse=return_lse, backend="reference")

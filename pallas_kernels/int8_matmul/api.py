@@ -1,0 +1,243 @@
+"""Public int8 ops: ``quantize_int8`` and ``int8_matmul``.
+
+Modes of ``int8_matmul(x, w, ...)`` (w is always int8 [K, N]):
+
+  raw          x int8, no scales, no bias, out_dtype None/int32: exact int32
+               x @ w. int32 accumulation is exact while K <= MAX_INT8_K
+               (= floor((2**31 - 1) / 128**2) = 131071: the worst product is
+               (-128) * (-128)); larger K raises ValueError in every int8 x
+               int8 mode rather than risk overflow.
+  dequant      x int8 with x_scale and/or w_scale, bias or a float out_dtype:
+               ((acc * x_scale) * w_scale + bias) in float32, cast to
+               out_dtype (default bfloat16), fused into the kernel epilogue.
+  dynamic      x float ("w8a8 dynamic"): x is quantized per row
+               (``quantize_int8(x, axis=-1)``, a one-pass Pallas kernel on
+               TPU) and then multiplied as in dequant mode.
+  weight_only  x float with ``weight_only=True`` ("w8a16"): w is upcast to x's
+               dtype inside the kernel, float32 accumulation, then
+               ``* w_scale + bias``. float16 x is computed as float32.
+
+Scales: x_scale is a scalar (any size-1 array) or x.shape[:-1] + (1,) (as
+``quantize_int8(x, axis=-1)`` returns); w_scale a scalar, [N] or [1, N] (as
+``quantize_int8(w, axis=0)`` returns); bias [N] or [1, N]. All are used in
+float32. Float outputs default to bfloat16 for int8 x and to x's dtype for
+float x. Any M, N, K; leading batch dimensions of x are kept. Empty inputs
+give empty (or, for K == 0, bias-only) outputs. These ops are not
+differentiable; train through ``pallas_kernels.nn.int8_dense``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import _backend
+from pallas_kernels.int8_matmul import block_sizes as bs
+from pallas_kernels.int8_matmul import gpu, mosaic_tpu, reference
+
+MAX_INT8_K = (2**31 - 1) // (128 * 128)  # 131071
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+FLOAT_OUT_DTYPES = FLOAT_DTYPES
+
+
+def _is_float(dtype) -> bool:
+  return any(jnp.dtype(dtype) == jnp.dtype(d) for d in FLOAT_DTYPES)
+
+
+def _dtype_name(dtype) -> str:
+  return jnp.dtype(dtype).name
+
+
+def _check_array(name, value):
+  if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(value).__name__}")
+
+
+# ----------------------------------------------------------------------------
+# quantize_int8
+
+
+def quantize_int8(x, *, axis=-1, backend=None):
+  """Symmetric int8 quantization: ``(q, scale)`` with ``x ~= q * scale``.
+
+  scale = max|x| / 127 over ``axis`` (kept as size 1; ``axis=None`` gives
+  one 0-d scale for the whole tensor), or 1 where that max is 0; q =
+  clip(round_half_even(x / scale), -127, 127) as int8 (NaN -> 0, and the
+  row's scale is NaN). ``x`` must be bfloat16, float16 or float32. The last
+  axis uses a one-pass Pallas kernel on TPU; other axes use XLA.
+  """
+  _check_array("x", x)
+  if not _is_float(x.dtype):
+    raise TypeError(f"quantize_int8: x must be bfloat16, float16 or float32, "
+                    f"got {_dtype_name(x.dtype)}")
+  _backend.check_backend("quantize_int8", backend)
+  if axis is not None:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+      raise TypeError(f"quantize_int8: axis must be an int or None, got {axis!r}")
+    if not -x.ndim <= axis < x.ndim:
+      raise ValueError(f"quantize_int8: axis={axis} is out of range for x of "
+                       f"rank {x.ndim}")
+    axis = int(axis) % x.ndim
+  xla = functools.partial(reference.quantize_xla, axis=axis)
+  if axis is None or axis != x.ndim - 1 or x.size == 0:
+    return xla(x)
+
+  def rows(kernel):
+    def run(x_):
+      q, s = kernel(x_.reshape(-1, x_.shape[-1]))
+      return q.reshape(x_.shape), s.reshape(x_.shape[:-1] + (1,))
+    return run
+
+  return _backend.dispatch(
+      "quantize_int8", backend,
+      {"mosaic_tpu": lambda x_, interpret=False: rows(functools.partial(
+          mosaic_tpu.quantize_rows, interpret=interpret))(x_),
+       "gpu": xla,
+       "reference": xla},
+      x)
+
+
+# ----------------------------------------------------------------------------
+# int8_matmul
+
+
+def _as_block_sizes(block_sizes):
+  """None | BlockSizes | (bm, bk, bn[, warps, stages]) | dict | TPU gen name."""
+  if block_sizes is None or isinstance(block_sizes, bs.BlockSizes):
+    return block_sizes, None
+  if isinstance(block_sizes, str):
+    if block_sizes not in bs.TPU_GENERATIONS:
+      raise ValueError(f"int8_matmul: block_sizes={block_sizes!r} names no TPU "
+                       f"generation of {bs.TPU_GENERATIONS}")
+    return None, block_sizes
+  if isinstance(block_sizes, dict):
+    return bs.BlockSizes(**block_sizes), None
+  if isinstance(block_sizes, (tuple, list)) and 3 <= len(block_sizes) <= 5:
+    return bs.BlockSizes(*block_sizes), None
+  raise TypeError(f"int8_matmul: block_sizes={block_sizes!r} must be None, a "
+                  "BlockSizes, a (bm, bk, bn) tuple, a dict or a TPU "
+                  "generation name")
+
+
+def _scale_or_bias(name, value, allowed_shapes, described):
+  if value is None:
+    return None
+  _check_array(name, value)
+  value = jnp.asarray(value)
+  if not _is_float(value.dtype):
+    raise TypeError(f"int8_matmul: {name} must be a float array, got "
+                    f"{_dtype_name(value.dtype)}")
+  if value.shape not in allowed_shapes:
+    raise ValueError(f"int8_matmul: {name} has shape {value.shape}; expected "
+                     f"{described}")
+  return value.astype(jnp.float32)
+
+
+def _mode(x, weight_only, x_scale, w_scale, bias, out_dtype):
+  if _is_float(x.dtype):
+    if x_scale is not None:
+      raise ValueError("int8_matmul: x_scale is only for int8 x; float x is "
+                       "quantized per row on the fly (or weight_only=True)")
+    return "weight_only" if weight_only else "dynamic"
+  if weight_only:
+    raise ValueError("int8_matmul: weight_only=True needs float x (bfloat16, "
+                     f"float16 or float32), got {_dtype_name(x.dtype)}")
+  float_out = out_dtype is not None and jnp.dtype(out_dtype) != jnp.int32
+  if x_scale is None and w_scale is None and bias is None and not float_out:
+    return "raw"
+  return "dequant"
+
+
+def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
+                block_sizes=None, weight_only=False, backend=None):
+  """int8 x @ int8 w with int32 accumulation; modes in the module docstring.
+
+  Args:
+    x: [..., K] int8, or bfloat16/float16/float32 (dynamic or weight-only).
+    w: [K, N] int8.
+    x_scale: scalar or x.shape[:-1] + (1,) float, int8 x only.
+    w_scale: scalar, [N] or [1, N] float (per output channel).
+    bias: [N] or [1, N] float, added after scaling.
+    out_dtype: int32 (raw mode only) or a float dtype.
+    block_sizes: None (table), BlockSizes / (bm, bk, bn[, warps, stages]),
+      or a TPU generation name ("v5e", "v6e", ...) to use that table row.
+    weight_only: float x is multiplied by the dequantized w (w8a16).
+    backend: None, "mosaic_tpu", "gpu", "interpret" or "reference".
+  """
+  _check_array("x", x)
+  _check_array("w", w)
+  _backend.check_backend("int8_matmul", backend)
+  if jnp.dtype(x.dtype) != jnp.int8 and not _is_float(x.dtype):
+    raise TypeError(f"int8_matmul: x must be int8, bfloat16, float16 or "
+                    f"float32, got {_dtype_name(x.dtype)}")
+  if jnp.dtype(w.dtype) != jnp.int8:
+    raise TypeError(f"int8_matmul: w must be int8, got {_dtype_name(w.dtype)}")
+  if x.ndim < 1:
+    raise ValueError("int8_matmul: x must have at least one dimension [..., K]")
+  if w.ndim != 2:
+    raise ValueError(f"int8_matmul: w must be 2-D [K, N], got shape {w.shape}")
+  if x.shape[-1] != w.shape[0]:
+    raise ValueError(f"int8_matmul: x's last dimension ({x.shape[-1]}) must "
+                     f"equal w's first (K = {w.shape[0]})")
+  batch, k, n = x.shape[:-1], w.shape[0], w.shape[1]
+  m = math.prod(batch)
+
+  x_scale = _scale_or_bias(
+      "x_scale", x_scale, {(), (1,), batch + (1,)} | {(1,) * x.ndim},
+      f"a scalar or x.shape[:-1] + (1,) = {batch + (1,)}")
+  w_scale = _scale_or_bias("w_scale", w_scale, {(), (1,), (1, 1), (n,), (1, n)},
+                           f"a scalar, ({n},) or (1, {n})")
+  bias = _scale_or_bias("bias", bias, {(n,), (1, n)}, f"({n},) or (1, {n})")
+
+  if out_dtype is not None:
+    try:
+      out_dtype = jnp.dtype(out_dtype)
+    except TypeError as e:
+      raise TypeError(f"int8_matmul: out_dtype={out_dtype!r} is no dtype") from e
+    if out_dtype != jnp.int32 and not _is_float(out_dtype):
+      raise TypeError(f"int8_matmul: out_dtype must be int32 or a float dtype, "
+                      f"got {out_dtype.name}")
+  mode = _mode(x, weight_only, x_scale, w_scale, bias, out_dtype)
+  if out_dtype is not None and out_dtype == jnp.int32 and mode != "raw":
+    raise ValueError("int8_matmul: out_dtype=int32 is only for the raw mode "
+                     "(int8 x, no x_scale, w_scale or bias)")
+  if mode != "weight_only" and k > MAX_INT8_K:
+    raise ValueError(
+        f"int8_matmul: K={k} exceeds {MAX_INT8_K}, beyond which the int32 "
+        "accumulator could overflow ((2**31 - 1) // 128**2); split K and add "
+        "the (scaled) partial results, or use weight_only=True")
+  if out_dtype is None:
+    out_dtype = (jnp.dtype(jnp.int32) if mode == "raw" else
+                 jnp.dtype(jnp.bfloat16) if mode == "dequant" else
+                 jnp.dtype(x.dtype))
+  user_blocks, generation = _as_block_sizes(block_sizes)
+
+  x2 = x.reshape(m, k)
+  if mode == "weight_only" and x2.dtype == jnp.float16:
+    x2 = x2.astype(jnp.float32)
+  if x_scale is not None:
+    x_scale = (jnp.broadcast_to(x_scale.reshape(1, 1), (m, 1))
+               if x_scale.size == 1 else x_scale.reshape(m, 1))
+  if w_scale is not None:
+    w_scale = jnp.broadcast_to(w_scale.reshape(1, -1), (1, n))
+  if bias is not None:
+    bias = bias.reshape(1, n)
+
+  static = dict(mode=mode, out_dtype=out_dtype)
+  ref = functools.partial(reference.matmul_2d, **static)
+  if m == 0 or n == 0 or k == 0:
+    out = ref(x2, w, x_scale, w_scale, bias)
+  else:
+    out = _backend.dispatch(
+        "int8_matmul", backend,
+        {"mosaic_tpu": functools.partial(mosaic_tpu.matmul, **static,
+                                         block_sizes=user_blocks,
+                                         generation=generation),
+         "gpu": functools.partial(gpu.matmul, **static,
+                                  block_sizes=user_blocks),
+         "reference": ref},
+        x2, w, x_scale, w_scale, bias)
+  return out.reshape(batch + (n,))

@@ -1,0 +1,248 @@
+"""Block sizes for the int8 matmul kernels: per TPU generation and shape class.
+
+TPU (Mosaic). A config is (bm, bk, bn): the x tile is bm x bk, the w tile
+bk x bn, the output tile bm x bn; the grid is (M/bm, N/bn, K/bk) with K last
+("arbitrary") and M, N "parallel" (megacore chips split those).
+VMEM bytes of a config, which must stay inside the generation's budget:
+
+  2 * (bm*bk*x_bytes + bk*bn*w_bytes)     double-buffered input tiles
+  + bm*bn*4                               int32/float32 accumulator scratch
+                                          (dequantized modes with K/bk > 1)
+  + bm*bn*4                               the dot's result before accumulation
+  + 2 * bm*bn*out_bytes                   double-buffered output tile
+  + bk*bn*x_bytes                         weight-only: the upcast w tile
+  + 2 * (bm*128*4 + 8*bn*4 * 2)           scale/bias tiles (padded to (8,128))
+
+Shape classes: "decode" (M <= 128: memory-bound on the weights, so big
+weight tiles to amortize the ~0.35 us per grid step), "medium" (M <= 1024)
+and "large". Arithmetic intensity of a tile is about 2*bm*bn/(bm+bn) int8
+ops per byte; v5e needs ~480 (394 TOP/s over 819 GB/s), v6e ~560 (918 over
+1640), hence 1024-wide tiles for large problems.
+
+| gen     | decode (bm=M)   | medium           | large             | budget / limit |
+|---------|-----------------|------------------|-------------------|----------------|
+| v5e     | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
+| v6e     | bk 4096 bn 2048 | 512 x 1024 x 2048| 1024 x 1024 x 1024| 40 / 64 MiB    |
+| v5p     | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
+| v4, ??? | bk 2048 bn 1024 | 256 x 1024 x 1024| 512 x 1024 x 1024 | 12 / 16 MiB    |
+
+These are chosen from the rates and the VMEM budget; they are untuned on
+real TPUs (no TPU was available), so tune them when one is. A config is
+clamped to the problem (a dimension smaller than its tile uses the whole
+dimension), K tiles divide K (K is zero-padded to a multiple of 128 only
+when it is not one and exceeds the tile), and a config over the budget is
+shrunk by halving its largest tile dimension.
+
+GPU (Triton). (bm, bk, bn, num_warps, num_stages); every tile dimension a
+power of two (a Triton requirement), M, N, K zero-padded to tile multiples.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes; for GPU also warps per program and pipeline stages."""
+  bm: int
+  bk: int
+  bn: int
+  num_warps: int | None = None
+  num_stages: int | None = None
+
+  def __post_init__(self):
+    for name in ("bm", "bk", "bn"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"block_sizes.{name}={value!r} must be a positive int")
+
+
+# (bm, bk, bn) per generation and shape class; bm None means "all of M".
+TPU_TABLE = {
+    "v5e": {"decode": (None, 2048, 2048), "medium": (256, 1024, 2048),
+            "large": (1024, 512, 1024)},
+    "v6e": {"decode": (None, 4096, 2048), "medium": (512, 1024, 2048),
+            "large": (1024, 1024, 1024)},
+    "v5p": {"decode": (None, 2048, 2048), "medium": (256, 1024, 2048),
+            "large": (1024, 512, 1024)},
+    "default": {"decode": (None, 2048, 1024), "medium": (256, 1024, 1024),
+                "large": (512, 1024, 1024)},
+}
+TPU_VMEM = {  # (bytes a config may use, vmem_limit_bytes passed to Mosaic)
+    "v5e": (28 * MiB, 48 * MiB), "v6e": (40 * MiB, 64 * MiB),
+    "v5p": (28 * MiB, 48 * MiB), "v4": (12 * MiB, 16 * MiB),
+    "default": (12 * MiB, 16 * MiB),
+}
+TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e")
+
+DECODE_MAX_M = 128
+MEDIUM_MAX_M = 1024
+
+# Triton configs per shape class: (bm, bk, bn, num_warps, num_stages).
+GPU_TABLE = {
+    "decode": (16, 256, 64, 4, 4),
+    "medium": (64, 128, 128, 4, 4),
+    "large": (128, 128, 256, 8, 3),
+}
+GPU_TABLE_WEIGHT_ONLY = {
+    "decode": (16, 256, 64, 4, 4),
+    "medium": (64, 64, 128, 4, 4),
+    "large": (128, 64, 128, 8, 3),
+}
+
+
+def shape_class(m: int) -> str:
+  if m <= DECODE_MAX_M:
+    return "decode"
+  return "medium" if m <= MEDIUM_MAX_M else "large"
+
+
+def tpu_generation() -> str | None:
+  """The TPU generation of the default device, or None off TPU."""
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:
+    return None
+  if device.platform != "tpu":
+    return None
+  kind = device.device_kind.lower()
+  if "v6" in kind:
+    return "v6e"
+  if "v5" in kind:
+    return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
+  if "v4" in kind:
+    return "v4"
+  return None
+
+
+def round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _largest_divisor_tile(dim: int, target: int, unit: int) -> int:
+  """Largest multiple of ``unit`` <= target dividing ``dim`` (a unit multiple)."""
+  units = dim // unit
+  best = 1
+  for d in range(1, min(units, target // unit) + 1):
+    if units % d == 0:
+      best = d
+  return best * unit
+
+
+def tpu_vmem_bytes(bm, bk, bn, *, x_bytes, out_bytes, accumulator, weight_only):
+  total = 2 * (bm * bk * x_bytes + bk * bn * 1)
+  total += bm * bn * 4                      # dot result
+  total += bm * bn * 4 if accumulator else 0
+  total += 2 * bm * bn * out_bytes
+  total += bk * bn * x_bytes if weight_only else 0
+  total += 2 * (max(bm, 8) * 128 * 4 + 2 * 8 * max(bn, 128) * 4)
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuPlan:
+  bm: int
+  bk: int
+  bn: int
+  k_padded: int
+  vmem_bytes: int
+  vmem_limit_bytes: int
+
+
+def plan_tpu(m, k, n, *, x_bytes, out_bytes, mode, generation=None,
+             block_sizes: BlockSizes | None = None) -> TpuPlan:
+  """Tiles for an [m, k] x [k, n] problem (see the module docstring)."""
+  gen = generation if generation in TPU_TABLE else "default"
+  budget, limit = TPU_VMEM.get(generation or "default", TPU_VMEM["default"])
+  weight_only = mode == "weight_only"
+  accumulating_in_scratch = mode != "raw"
+
+  if block_sizes is not None:
+    bm, bk, bn = block_sizes.bm, block_sizes.bk, block_sizes.bn
+    for name, value, unit in (("bm", bm, 32), ("bk", bk, 128), ("bn", bn, 128)):
+      if value % unit:
+        raise ValueError(
+            f"block_sizes.{name}={value} must be a multiple of {unit} on TPU")
+  else:
+    bm, bk, bn = TPU_TABLE[gen][shape_class(m)]
+    bm = bm or m
+
+  def vmem(bm_, bk_, bn_, nk_):
+    return tpu_vmem_bytes(bm_, bk_, bn_, x_bytes=x_bytes, out_bytes=out_bytes,
+                          accumulator=accumulating_in_scratch and nk_ > 1,
+                          weight_only=weight_only)
+
+  while True:
+    tm = m if m <= bm else bm
+    tn = n if n <= bn else _prefer_divisor(n, bn)
+    if k <= bk:
+      tk, k_padded = k, k
+    else:
+      k_padded = round_up(k, 128)
+      tk = _largest_divisor_tile(k_padded, bk, 128)
+      if tk * 4 < bk:  # a poor divisor: pad K to a multiple of the tile
+        tk, k_padded = bk, round_up(k, bk)
+    used = vmem(tm, tk, tn, k_padded // tk)
+    if used <= budget or block_sizes is not None:
+      break
+    # Halve the largest tile dimension that can still shrink.
+    options = [(bk, "k"), (bn, "n"), (bm if m > 32 else 0, "m")]
+    size, which = max(options)
+    if size <= 128 and which != "m" or size == 0:
+      break
+    if which == "k":
+      bk //= 2
+    elif which == "n":
+      bn //= 2
+    else:
+      bm = max(32, round_up(min(bm, m) // 2, 32))
+  limit = max(limit, round_up(int(used * 1.25), MiB))
+  return TpuPlan(tm, tk, tn, k_padded, used, limit)
+
+
+def _prefer_divisor(dim: int, target: int) -> int:
+  """A tile <= target dividing dim if one is at least half the target."""
+  if dim % 128 == 0:
+    tile = _largest_divisor_tile(dim, target, 128)
+    if tile * 2 >= target:
+      return tile
+  return target
+
+
+def _pow2_at_most(x: int) -> int:
+  p = 1
+  while p * 2 <= x:
+    p *= 2
+  return p
+
+
+def _pow2_at_least(x: int) -> int:
+  p = 1
+  while p < x:
+    p *= 2
+  return p
+
+
+def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None):
+  """(bm, bk, bn, num_warps, num_stages) for Triton, tiles powers of two."""
+  if block_sizes is not None:
+    for name in ("bm", "bk", "bn"):
+      value = getattr(block_sizes, name)
+      if value < 16 or value & (value - 1):
+        raise ValueError(f"block_sizes.{name}={value} must be a power of two "
+                         ">= 16 on GPU (a Triton requirement)")
+    bm, bk, bn = block_sizes.bm, block_sizes.bk, block_sizes.bn
+    warps = block_sizes.num_warps or 4
+    stages = block_sizes.num_stages or 3
+  else:
+    table = GPU_TABLE_WEIGHT_ONLY if mode == "weight_only" else GPU_TABLE
+    bm, bk, bn, warps, stages = table[shape_class(m)]
+    # Small problems: shrink tiles towards the problem (Triton dots need 16).
+    bm = min(bm, max(16, _pow2_at_least(m)))
+    bn = min(bn, max(16, _pow2_at_least(n)))
+    bk = min(bk, max(32, _pow2_at_least(k)))
+  return bm, bk, bn, warps, stages

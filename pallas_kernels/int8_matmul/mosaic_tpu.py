@@ -1,0 +1,180 @@
+"""Mosaic TPU kernels: tiled int8 matmul with fused epilogue, row quantization.
+
+Matmul. Grid (M/bm, N/bn, K/bk), K innermost and "arbitrary", M and N
+"parallel" (megacore chips split them). Each step multiplies an x tile by a
+w tile on the MXU: int8 x int8 with int32 accumulation, or for weight-only
+mode the int8 w tile upcast in VMEM to x's float dtype (exact: |w| <= 128
+fits bf16's 8-bit significand) with float32 accumulation. The running sum
+lives in VMEM; at the last K step the epilogue converts it to float32,
+multiplies by x_scale [bm, 1] and w_scale [1, bn], adds bias [1, bn] and
+stores out_dtype: no int32 matrix reaches HBM. Raw int32 mode accumulates
+straight into the resident output tile (its index ignores k), with no
+scratch. A single K step skips the accumulator altogether.
+
+Padding. M and N need none: edge tiles past the array read unspecified
+values that only reach output rows/columns that are never stored. K must be
+exact, so x and w are zero-padded along K (costs a copy of both) only when K
+exceeds the K tile and is not a multiple of 128; block_sizes picks K tiles
+that divide K otherwise.
+
+Row quantization ("w8a8 dynamic" pre-pass). Grid over row blocks of
+[bm, K]: one read of x computes each row's amax, the scale and the int8 row
+(reference.quantize_xla's formula, shared code), one write of int8 + scale.
+XLA's version reads x twice (reduction, then the elementwise pass). Rows
+longer than the VMEM budget allows fall back to XLA.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _compat
+from pallas_kernels._compat import pl, pltpu
+from pallas_kernels.int8_matmul import block_sizes as bs
+from pallas_kernels.int8_matmul import reference
+
+MiB = 1 << 20
+QUANTIZE_VMEM_BUDGET = 8 * MiB
+
+
+def _dot(x, w, mode):
+  if mode == "weight_only":
+    precision = (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
+                 else jax.lax.Precision.DEFAULT)
+    return jnp.dot(x, w.astype(x.dtype), precision=precision,
+                   preferred_element_type=jnp.float32)
+  return jnp.dot(x, w, preferred_element_type=jnp.int32)
+
+
+def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b):
+  refs = list(refs)
+  x_ref, w_ref = refs.pop(0), refs.pop(0)
+  xs_ref = refs.pop(0) if has_xs else None
+  ws_ref = refs.pop(0) if has_ws else None
+  b_ref = refs.pop(0) if has_b else None
+  o_ref = refs.pop(0)
+  acc_ref = refs.pop(0) if refs else None
+
+  part = _dot(x_ref[...], w_ref[...], mode)
+
+  def finish(acc):
+    if mode == "raw":
+      o_ref[...] = acc
+    else:
+      o_ref[...] = reference.epilogue(
+          acc, None if xs_ref is None else xs_ref[...],
+          None if ws_ref is None else ws_ref[...],
+          None if b_ref is None else b_ref[...], o_ref.dtype)
+
+  if nk == 1:
+    finish(part)
+    return
+  # Raw mode sums in the resident int32 output tile itself.
+  acc = o_ref if mode == "raw" else acc_ref
+  k = pl.program_id(2)
+
+  @pl.when(k == 0)
+  def _():
+    acc[...] = part
+
+  @pl.when(jnp.logical_and(k > 0, k < nk - 1))
+  def _():
+    acc[...] += part
+
+  @pl.when(k == nk - 1)
+  def _():
+    finish(acc[...] + part)
+
+
+def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
+           generation=None, interpret=False):
+  """[M, K] x [K, N] for modes raw / dequant / dynamic / weight_only."""
+  if mode == "dynamic":
+    x2, x_scale = quantize_rows(x2, interpret=interpret)
+    mode = "dequant"
+  m, k = x2.shape
+  n = w.shape[1]
+  generation = generation or bs.tpu_generation()
+  out_dtype = jnp.dtype(jnp.int32 if mode == "raw" else out_dtype)
+  plan = bs.plan_tpu(m, k, n, x_bytes=x2.dtype.itemsize,
+                     out_bytes=out_dtype.itemsize, mode=mode,
+                     generation=generation, block_sizes=block_sizes)
+  if plan.k_padded != k:
+    x2 = jnp.pad(x2, ((0, 0), (0, plan.k_padded - k)))
+    w = jnp.pad(w, ((0, plan.k_padded - k), (0, 0)))
+  bm, bk, bn = plan.bm, plan.bk, plan.bn
+  nk = plan.k_padded // bk
+  grid = (pl.cdiv(m, bm), pl.cdiv(n, bn), nk)
+
+  operands = [x2, w]
+  in_specs = [pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+              pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))]
+  if x_scale is not None:
+    operands.append(x_scale)
+    in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, kk: (i, 0)))
+  for row_vector in (w_scale, bias):
+    if row_vector is not None:
+      operands.append(row_vector)
+      in_specs.append(pl.BlockSpec((1, bn), lambda i, j, kk: (0, j)))
+  scratch = []
+  if mode != "raw" and nk > 1:
+    acc_dtype = jnp.float32 if mode == "weight_only" else jnp.int32
+    scratch.append(pltpu.VMEM((bm, bn), acc_dtype))
+
+  kernel = functools.partial(
+      _matmul_kernel, mode=mode, nk=nk, has_xs=x_scale is not None,
+      has_ws=w_scale is not None, has_b=bias is not None)
+  return pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      scratch_shapes=scratch,
+      compiler_params=_compat.tpu_compiler_params(
+          dimension_semantics=("parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=plan.vmem_limit_bytes),
+      interpret=interpret,
+  )(*operands)
+
+
+def _quantize_kernel(x_ref, q_ref, s_ref):
+  x = x_ref[...].astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+  scale = reference.scale_from_amax(amax)
+  q_ref[...] = reference.round_to_int8(x, scale)
+  s_ref[...] = scale
+
+
+def quantize_rows_block(m: int, k: int, in_bytes: int) -> int | None:
+  """Rows per block so a [bm, K] block fits the budget; None if none fits."""
+  # Double-buffered input and int8 output, plus float32 temporaries.
+  per_row = k * (2 * in_bytes + 2 + 8) + 2 * 128 * 4
+  rows = QUANTIZE_VMEM_BUDGET // per_row
+  if m <= rows:
+    return m
+  rows = min(rows, 512) // 32 * 32
+  return rows or None
+
+
+def quantize_rows(x2, *, interpret=False):
+  """Per-row int8 quantization of [M, K] float x: (int8 [M, K], f32 [M, 1])."""
+  m, k = x2.shape
+  bm = quantize_rows_block(m, k, x2.dtype.itemsize)
+  if bm is None or m == 0 or k == 0:
+    return reference.quantize_xla(x2, axis=-1)
+  return pl.pallas_call(
+      _quantize_kernel,
+      grid=(pl.cdiv(m, bm),),
+      in_specs=[pl.BlockSpec((bm, k), lambda i: (i, 0))],
+      out_specs=[pl.BlockSpec((bm, k), lambda i: (i, 0)),
+                 pl.BlockSpec((bm, 1), lambda i: (i, 0))],
+      out_shape=[jax.ShapeDtypeStruct((m, k), jnp.int8),
+                 jax.ShapeDtypeStruct((m, 1), jnp.float32)],
+      compiler_params=_compat.tpu_compiler_params(
+          dimension_semantics=("parallel",),
+          vmem_limit_bytes=2 * QUANTIZE_VMEM_BUDGET),
+      interpret=interpret,
+  )(x2)
