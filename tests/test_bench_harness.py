@@ -1,0 +1,55 @@
+"""The benchmark harness: timing, results files, tables, roofline."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import harness, roofline  # noqa: E402
+
+
+def test_time_jax_waits_for_results():
+  seconds = harness.time_jax(lambda x: x @ x, jnp.ones((64, 64)), warmup=1,
+                             iters=3)
+  assert 0 < seconds < 5
+
+
+def test_results_file_records_device_versions_date(tmp_path):
+  rows = [{"shape": "4x4", "ours_ms": 1.0, "peer_ms": 2.0,
+           "speedup": harness.ratio(2.0, 1.0)}]
+  path = harness.write_results("demo", rows, extra={"note": "x"},
+                               directory=str(tmp_path))
+  data = json.loads(open(path).read())
+  assert data["benchmark"] == "demo" and data["rows"] == rows
+  assert data["jax"] and data["device"] and data["date"][:4].isdigit()
+  assert os.path.basename(path).startswith("demo-cpu-")
+  assert rows[0]["speedup"] == 2.0
+  assert harness.ratio(None, 1.0) is None
+
+
+def test_print_table_aligns_columns(capsys):
+  harness.print_table([{"op": "a", "ms": 1.23456}, {"op": "bbbb", "ms": 12345.0}])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].startswith("op  ") and len({len(l.rstrip()) for l in lines[2:]}) >= 1
+  assert "1.235" in lines[2] and "1.23e+04" in lines[3]
+
+
+def test_roofline_bound_and_int8_rate():
+  # 8192^3 matmul in bf16 on v5e: compute bound, 2*n^3 / 197e12 s.
+  n = 8192
+  est = roofline.roofline("v5e", 2 * n**3, 3 * n * n * 2, "bf16")
+  assert est["bound"] == "compute"
+  assert est["time_s"] == pytest.approx(2 * n**3 / 197e12)
+  int8 = roofline.roofline("v5e", 2 * n**3, 3 * n * n, "int8")
+  assert int8["time_s"] == pytest.approx(est["time_s"] / 2)
+  copy = roofline.roofline("h100", 0, 1e9)
+  assert copy["bound"] == "memory" and copy["time_s"] == pytest.approx(1e9 / 3.35e12)
+
+
+def test_run_lists_and_rejects_unknown(capsys):
+  from bench import run
+  assert run.main(["no_such_bench"]) == 2
