@@ -1,1 +1,69 @@
-"""Placeholder; filled in below."""
+"""pallas_kernels as PyTorch ops: torch_xla graphs, CPU and CUDA tensors.
+
+    from torch_bridge import flash_attention, Int8Linear, GIoULoss
+
+Ops (``torch_bridge.ops``, also ``torch.ops.pallas_kernels.*``):
+flash_attention, quantize_int8, int8_matmul, int8_dense, giou, pairwise_giou,
+giou_loss, nms, batched_nms. Modules (``torch_bridge.modules``): Attention,
+Int8Linear, GIoULoss.
+
+How it works (``torch_bridge._core``): every op is a JAX function wrapped
+once, generically, as a ``torch.library`` custom op with a fake (meta)
+implementation and an autograd formula that runs the JAX VJP.
+
+  XLA tensors   the JAX op is lowered for torch_xla's platform and spliced
+                into the lazy graph (no host transfer, no extra compile per
+                step); on TPU that is the Mosaic kernel, on PJRT_DEVICE=CPU
+                the generic Pallas interpreter. Under SPMD pass
+                ``partition_spec``/``mesh`` (batch, heads) to run the kernel
+                per shard (``_xla.py``).
+  CPU / CUDA    DLPack to a jitted JAX call and back (``_convert.py``).
+  meta / fake   shapes from ``jax.eval_shape``.
+
+Known limits:
+  * Backward recomputes the forward (only inputs are saved).
+  * Import torch_xla and touch its device (``torch_xla.device()``) before the
+    first CPU backward of the process when you will also train on XLA
+    devices: torch's autograd engine sizes its device queues once
+    (otherwise an internal assert in engine.cpp fires).
+  * ``torch.compile``: static shapes only (the fake implementation needs
+    concrete shapes); backend "openxla" for XLA tensors.
+  * The TPU-semantics interpreter (``force_interpret("tpu")``) cannot run
+    inside a torch_xla graph; XLA tensors use the generic interpreter.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "flash_attention": "torch_bridge.ops",
+    "quantize_int8": "torch_bridge.ops",
+    "int8_matmul": "torch_bridge.ops",
+    "int8_dense": "torch_bridge.ops",
+    "giou": "torch_bridge.ops",
+    "pairwise_giou": "torch_bridge.ops",
+    "giou_loss": "torch_bridge.ops",
+    "nms": "torch_bridge.ops",
+    "batched_nms": "torch_bridge.ops",
+    "Attention": "torch_bridge.modules",
+    "Int8Linear": "torch_bridge.modules",
+    "GIoULoss": "torch_bridge.modules",
+    "ViTBlock": "torch_bridge.modules",
+}
+
+__all__ = sorted(_EXPORTS) + ["ops", "modules"]
+
+
+def __getattr__(name):
+  if name in _EXPORTS:
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+  elif name in ("ops", "modules"):
+    value = importlib.import_module(f"torch_bridge.{name}")
+  else:
+    raise AttributeError(f"module 'torch_bridge' has no attribute {name!r}")
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return __all__

@@ -7,6 +7,8 @@ here: they are embedded into the torch_xla graph (``_xla.py``).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +54,54 @@ def _numpy_copy(t: torch.Tensor) -> np.ndarray:
   return t.numpy()
 
 
+# dtypes JAX keeps as they are without x64 (others it would canonicalize).
+_FAST_DTYPES = {torch.float32, torch.bfloat16, torch.float16, torch.int8,
+                torch.uint8, torch.int16, torch.int32, torch.bool}
+_fast_import_arity: list[int | None] = []  # [] unknown, [None] unavailable
+
+
+def _ready_stream(device):
+  try:
+    return device.get_stream_for_external_ready_events()
+  except Exception:  # CPU: no streams
+    return None
+
+
+_STREAMS: dict[Any, Any] = {}
+
+
+def _fast_import(t: torch.Tensor, device):
+  """DLPack import without ``jax.dlpack.from_dlpack``'s ``jnp.asarray``
+  re-wrap (which costs ~60 us a tensor); None where this jaxlib's private
+  entry point has another shape, and the public path is used instead."""
+  if _fast_import_arity == [None] or t.dtype not in _FAST_DTYPES:
+    return None
+  try:
+    from jax._src.lib import _jax as jaxlib_ext
+  except ImportError:
+    from jax._src.lib import xla_client
+    jaxlib_ext = xla_client._xla
+  to_buffer = getattr(jaxlib_ext, "dlpack_managed_tensor_to_buffer", None)
+  if to_buffer is None:
+    _fast_import_arity[:] = [None]
+    return None
+  if device not in _STREAMS:
+    _STREAMS[device] = _ready_stream(device)
+  stream = _STREAMS[device]
+  capsule = t.__dlpack__(stream=stream)
+  arities = _fast_import_arity or [3, 4, 5]
+  for arity in arities:
+    extra = (None, 1 if device.platform == "cpu" else 2)[:arity - 3]
+    try:
+      out = to_buffer(capsule, device, stream, *extra)
+    except TypeError:  # another signature: the capsule is still unused
+      continue
+    _fast_import_arity[:] = [arity]
+    return out
+  _fast_import_arity[:] = [None]
+  return None
+
+
 def to_jax(t: torch.Tensor | None, device=None):
   """A JAX array sharing ``t``'s buffer (CPU or CUDA); None stays None."""
   if t is None:
@@ -60,6 +110,13 @@ def to_jax(t: torch.Tensor | None, device=None):
   if not t.is_contiguous():
     t = t.contiguous()
   if t.numel() > 0:
+    if device is not None:
+      try:
+        fast = _fast_import(t, device)
+      except Exception:  # e.g. a misaligned CPU buffer: the public path
+        fast = None
+      if fast is not None:
+        return fast
     try:
       return jax.dlpack.from_dlpack(t)
     except Exception:  # alignment / dtype DLPack refuses: copy instead

@@ -7,7 +7,7 @@
                              Tensor?[] cotangents) -> Tensor[]
 
 ``fn(*arrays, **static)`` is a JAX function returning an array or a tuple of
-arrays; ``static`` holds the non-array parameters, JSON-encoded into the
+arrays; ``static`` holds the non-array parameters, encoded as a Python literal in the
 ``static`` string so the ops have a fixed schema that ``torch.compile`` can
 trace. Keys starting with ``_`` are the bridge's own (``_partition_spec``,
 ``_mesh``) and are not passed to ``fn``.
@@ -27,9 +27,9 @@ outputs take no cotangent.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
-import json
 from typing import Any, Callable, Sequence
 
 import jax
@@ -44,33 +44,34 @@ NAMESPACE = "pallas_kernels"
 _OPS: dict[str, "JaxOp"] = {}
 
 
-def _to_json(value):
+def _literal(value) -> str:
+  # Plain string building (no json module): dynamo traces it as constants.
   if isinstance(value, (tuple, list)):
-    return [_to_json(v) for v in value]
+    return "(" + "".join(_literal(v) + "," for v in value) + ")"
+  if isinstance(value, bool) or value is None:
+    return str(value)
+  if isinstance(value, (int, np.integer)):
+    return str(int(value))
+  if isinstance(value, (float, np.floating)):
+    return repr(float(value))
+  if isinstance(value, str):
+    return repr(value)
   if isinstance(value, dict):
-    return {k: _to_json(v) for k, v in value.items()}
-  if isinstance(value, (np.integer,)):
-    return int(value)
-  if isinstance(value, (np.floating,)):
-    return float(value)
-  return value
-
-
-def _from_json(value):
-  if isinstance(value, list):
-    return tuple(_from_json(v) for v in value)
-  if isinstance(value, dict):
-    return {k: _from_json(v) for k, v in value.items()}
-  return value
+    return "{" + "".join(repr(k) + ":" + _literal(value[k]) + ","
+                         for k in sorted(value)) + "}"
+  raise TypeError(f"static parameter of type {type(value).__name__} "
+                  f"({value!r}) cannot be passed to a torch op")
 
 
 def encode_static(static: dict[str, Any]) -> str:
-  return json.dumps(_to_json(static), sort_keys=True)
+  """Static parameters as a Python literal (sorted keys; lists -> tuples)."""
+  return "{" + "".join(repr(k) + ":" + _literal(static[k]) + ","
+                       for k in sorted(static)) + "}"
 
 
 @functools.lru_cache(maxsize=4096)
 def decode_static(text: str) -> dict[str, Any]:
-  return _from_json(json.loads(text))
+  return ast.literal_eval(text)
 
 
 def _kernel_kwargs(static: dict[str, Any]) -> dict[str, Any]:
@@ -90,10 +91,17 @@ ShardSpecsFn = Callable[[dict, Sequence[Any], Sequence[Any]], tuple]
 class JaxOp:
   """A JAX function registered as ``torch.ops.pallas_kernels.<name>``.
 
+  ``fn(*arrays, **static)`` takes its arrays positionally (None for absent
+  optional ones). ``differentiable`` lists the positions that may receive
+  gradients (default: every floating-point one).
   ``shard_specs(static, partition_spec, arrays) -> (in_specs, out_specs)``
   maps the user's ``partition_spec`` (for the op's main operand) to one spec
-  per input and output; ops without it run unsharded under SPMD (the
-  partitioner then gathers their operands).
+  per input position and output; ops without it run unsharded under SPMD
+  (the partitioner then gathers their operands).
+
+  torch.library cannot carry None inside a tensor list through autograd, so
+  the custom ops take the present tensors only, and the static string
+  records which positions they fill (``_layout``).
   """
   name: str
   fn: Callable
@@ -107,45 +115,58 @@ class JaxOp:
     self.forward_op = _register_forward(self)
     self.vjp_op = _register_vjp(self)
 
-  # ---- JAX side -----------------------------------------------------------
   def jax_forward(self, static_text: str) -> Callable:
-    """``(*arrays) -> tuple of arrays`` for the given static parameters."""
+    """``(*present arrays) -> tuple of arrays`` for these static params."""
     return _jax_forward(self.name, static_text)
 
-  def jax_vjp(self, static_text: str, mask: tuple[bool, ...],
-              n_arrays: int) -> Callable:
-    return _jax_vjp(self.name, static_text, mask, n_arrays)
+  def jax_vjp(self, static_text: str, mask: tuple[bool, ...]) -> Callable:
+    """``(*present arrays, *float cotangents) -> grads of masked arrays``."""
+    return _jax_vjp(self.name, static_text, mask)
 
-  def grad_mask(self, arrays) -> tuple[bool, ...]:
-    allowed = (range(len(arrays)) if self.differentiable is None
+  def grad_mask(self, static_text: str, arrays) -> tuple[bool, ...]:
+    """Which present arrays get gradients."""
+    positions = [i for i, here in enumerate(_layout(static_text)) if here]
+    allowed = (positions if self.differentiable is None
                else self.differentiable)
-    return tuple(i in allowed and _is_float(a) for i, a in enumerate(arrays))
+    return tuple(i in allowed and _is_float(a)
+                 for i, a in zip(positions, arrays))
 
-  # ---- torch side ---------------------------------------------------------
   def __call__(self, arrays: Sequence[torch.Tensor | None],
                **static) -> list[torch.Tensor]:
-    return list(self.forward_op(encode_static(static), list(arrays)))
+    static["_layout"] = tuple(a is not None for a in arrays)
+    present = [a for a in arrays if a is not None]
+    return list(self.forward_op(encode_static(static), present))
+
+
+def _layout(static_text: str) -> tuple[bool, ...]:
+  return decode_static(static_text)["_layout"]
+
+
+def _fill(layout, present) -> list:
+  it = iter(present)
+  return [next(it) if here else None for here in layout]
 
 
 @functools.lru_cache(maxsize=None)
 def _jax_forward(name: str, static_text: str) -> Callable:
   op = _OPS[name]
+  layout = _layout(static_text)
   kwargs = _kernel_kwargs(decode_static(static_text))
 
-  def forward(*arrays):
-    out = op.fn(*arrays, **kwargs)
+  def forward(*present):
+    out = op.fn(*_fill(layout, present), **kwargs)
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
   return forward
 
 
 @functools.lru_cache(maxsize=None)
-def _jax_vjp(name: str, static_text: str, mask: tuple[bool, ...],
-             n_arrays: int) -> Callable:
+def _jax_vjp(name: str, static_text: str, mask: tuple[bool, ...]) -> Callable:
   forward = _jax_forward(name, static_text)
+  n_arrays = len(mask)
   diff_index = [i for i, m in enumerate(mask) if m]
 
   def vjp(*flat):
-    arrays, cotangents = list(flat[:n_arrays]), flat[n_arrays:]
+    arrays, cotangents = list(flat[:n_arrays]), iter(flat[n_arrays:])
 
     def of_differentiable(*diff):
       full = list(arrays)
@@ -155,28 +176,21 @@ def _jax_vjp(name: str, static_text: str, mask: tuple[bool, ...],
 
     outs, pullback = jax.vjp(of_differentiable,
                              *[arrays[i] for i in diff_index])
-    cts = []
-    for out, ct in zip(outs, cotangents):
-      if not jnp.issubdtype(out.dtype, jnp.inexact):
-        cts.append(np.zeros(out.shape, jax.dtypes.float0))
-      elif ct is None:
-        cts.append(jnp.zeros_like(out))
-      else:
-        cts.append(ct.astype(out.dtype))
-    return tuple(pullback(tuple(cts)))
+    cts = tuple(next(cotangents).astype(out.dtype)
+                if jnp.issubdtype(out.dtype, jnp.inexact)
+                else np.zeros(out.shape, jax.dtypes.float0) for out in outs)
+    return tuple(pullback(cts))
   return vjp
 
 
 # ---- execution on each kind of device ---------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _jitted(name: str, static_text: str, flavour: str | None, kind: str,
-            extra=None) -> Callable:
+def _jitted(name: str, static_text: str, flavour: str | None,
+            mask: tuple[bool, ...] | None) -> Callable:
   del flavour  # part of the cache key only: it changes what is traced
-  if kind == "forward":
-    fn = _jax_forward(name, static_text)
-  else:
-    fn = _jax_vjp(name, static_text, *extra)
+  fn = (_jax_forward(name, static_text) if mask is None
+        else _jax_vjp(name, static_text, mask))
   return jax.jit(fn)
 
 
@@ -196,33 +210,59 @@ def _check_same_device(name: str, tensors) -> torch.device:
   return device
 
 
-def _run_eager(name, static_text, kind, extra, tensors, device):
+def _run_eager(name, static_text, mask, tensors, device):
   flavour = _backend.forced_interpret_flavour()
-  fn = _jitted(name, static_text, flavour, kind, extra)
+  fn = _jitted(name, static_text, flavour, mask)
   jax_device = _convert.jax_device_for(device)
   arrays = [_convert.to_jax(t, jax_device) for t in tensors]
   outs = fn(*arrays)
   result = [_convert.to_torch(o, device) for o in outs]
   # A custom op's outputs may not alias its inputs (jit can hand an input
   # buffer straight back): copy those.
-  in_ptrs = {t.data_ptr() for t in tensors if t is not None and t.numel()}
+  in_ptrs = {t.data_ptr() for t in tensors if t.numel()}
   return [r.clone() if r.numel() and r.data_ptr() in in_ptrs else r
           for r in result]
 
 
-def _run_xla(op, static_text, kind, extra, tensors, shard):
+def _run_xla(op, static_text, mask, tensors, shard):
   from torch_bridge import _xla
-  if kind == "forward":
-    fn = op.jax_forward(static_text)
-  else:
-    fn = op.jax_vjp(static_text, *extra)
-  key = (op.name, kind, static_text, extra)
-  if shard is not None:
+  fn = (op.jax_forward(static_text) if mask is None
+        else op.jax_vjp(static_text, mask))
+  key = (op.name, static_text, mask)
+  if shard is None:
+    return _xla.call(key, fn, tensors)
+  shard, partial = shard
+  if not any(partial):
     return _xla.call_sharded(key, fn, tensors, shard)
-  return _xla.call(key, fn, tensors)
+  # A gradient of an input replicated over mesh axes that other inputs are
+  # split on is a per-device partial sum: stack the partials on a new leading
+  # axis sharded over those axes and sum it outside the manual region, where
+  # the SPMD partitioner turns the sum into an all-reduce.
+  def stacked(*arrays):
+    return tuple(g[None] if axes else g
+                 for g, axes in zip(fn(*arrays), partial))
+  outs = _xla.call_sharded(key + (partial,), stacked, tensors, shard)
+  return [o.sum(0) if axes else o for o, axes in zip(outs, partial)]
 
 
-def _shard_for(op: JaxOp, static: dict, arrays, kind: str, mask=None):
+def _axes_of(spec) -> set:
+  axes = set()
+  for entry in spec or ():
+    if entry is None:
+      continue
+    axes.update(entry if isinstance(entry, (tuple, list)) else (entry,))
+  return axes
+
+
+def _shard_for(op: JaxOp, static_text: str, arrays, float_outputs=None,
+               mask=None):
+  """(ShardSpec, partial-sum axes per output) or None (run unsharded).
+
+  ``arrays`` are the present inputs; for the VJP, ``float_outputs`` marks
+  the forward outputs that have cotangents and ``mask`` the inputs that get
+  gradients.
+  """
+  static = decode_static(static_text)
   spec = static.get("_partition_spec")
   if spec is None or op.shard_specs is None:
     return None
@@ -230,11 +270,23 @@ def _shard_for(op: JaxOp, static: dict, arrays, kind: str, mask=None):
   if not _xla.spmd_active():
     return None
   mesh = _mesh_from(static.get("_mesh"))
-  ins, outs = op.shard_specs(static, spec, arrays)
-  if kind == "forward":
-    return _xla.ShardSpec(mesh, tuple(ins), tuple(outs))
-  grads = tuple(s for s, m in zip(ins, mask) if m)
-  return _xla.ShardSpec(mesh, tuple(ins) + tuple(outs), grads)
+  layout = static["_layout"]
+  full_ins, outs = op.shard_specs(static, spec, _fill(layout, arrays))
+  ins = [s for s, here in zip(full_ins, layout) if here]
+  ins = [tuple(s) if s is not None else (None,) * a.dim()
+         for s, a in zip(ins, arrays)]
+  if mask is None:
+    return _xla.ShardSpec(mesh, tuple(ins), tuple(outs)), ((),) * len(outs)
+  used = set().union(*(_axes_of(s) for s in ins))
+  grads, partial = [], []
+  for s, m in zip(ins, mask):
+    if m:
+      axes = tuple(sorted(used - _axes_of(s), key=str))
+      grads.append(((axes,) + s) if axes else s)
+      partial.append(axes)
+  ct_specs = [s for s, f in zip(outs, float_outputs) if f]
+  return (_xla.ShardSpec(mesh, tuple(ins) + tuple(ct_specs), tuple(grads)),
+          tuple(partial))
 
 
 def _mesh_from(text):
@@ -249,7 +301,7 @@ def _mesh_from(text):
 
 
 def _fake_outputs(fn, tensors, device):
-  specs = [None if t is None else _convert.shape_dtype(t) for t in tensors]
+  specs = [_convert.shape_dtype(t) for t in tensors]
   shapes = jax.eval_shape(fn, *specs)
   return [torch.empty(tuple(s.shape), dtype=_convert.torch_dtype(s.dtype),
                       device=device) for s in shapes]
@@ -258,16 +310,15 @@ def _fake_outputs(fn, tensors, device):
 def _register_forward(op: JaxOp):
   qualname = f"{NAMESPACE}::{op.name}"
 
-  def impl(static: str, arrays: list[torch.Tensor | None]):
+  def impl(static: str, arrays: list[torch.Tensor]):
     device = _check_same_device(op.name, arrays)
     if device.type == "xla":
-      shard = _shard_for(op, decode_static(static), arrays, "forward")
-      return _run_xla(op, static, "forward", None, arrays, shard)
-    return _run_eager(op.name, static, "forward", None, arrays, device)
+      return _run_xla(op, static, None, arrays, _shard_for(op, static, arrays))
+    return _run_eager(op.name, static, None, arrays, device)
 
   custom = torch.library.custom_op(
       qualname, impl, mutates_args=(),
-      schema="(str static, Tensor?[] arrays) -> Tensor[]")
+      schema="(str static, Tensor[] arrays) -> Tensor[]")
 
   @custom.register_fake
   def _(static, arrays):
@@ -276,21 +327,23 @@ def _register_forward(op: JaxOp):
   def setup_context(ctx, inputs, output):
     static, arrays = inputs
     ctx.static = static
-    ctx.layout = tuple(a is not None for a in arrays)
-    ctx.mask = op.grad_mask(arrays)
-    ctx.save_for_backward(*[a for a in arrays if a is not None])
+    ctx.mask = op.grad_mask(static, arrays)
+    ctx.float_outputs = tuple(o.dtype.is_floating_point for o in output)
+    ctx.output_meta = [(o.shape, o.dtype) for o in output]
+    ctx.save_for_backward(*arrays)
 
   def backward(ctx, grads):
-    n = len(ctx.layout)
+    arrays = ctx.saved_tensors
     if not any(ctx.mask):
-      return None, [None] * n
-    saved = iter(ctx.saved_tensors)
-    arrays = [next(saved) if here else None for here in ctx.layout]
-    cotangents = [g if g is not None and g.dtype.is_floating_point else None
-                  for g in grads]
-    diff = op.vjp_op(ctx.static, arrays, cotangents)
-    it = iter(diff)
-    return None, [next(it) if m else None for m in ctx.mask]
+      return None, [None] * len(arrays)
+    cotangents = []
+    for g, is_float, (shape, dtype) in zip(grads, ctx.float_outputs,
+                                           ctx.output_meta):
+      if is_float:
+        cotangents.append(g if g is not None else torch.zeros(
+            shape, dtype=dtype, device=arrays[0].device))
+    diff = iter(op.vjp_op(ctx.static, list(arrays), cotangents))
+    return None, [next(diff) if m else None for m in ctx.mask]
 
   torch.library.register_autograd(qualname, backward,
                                   setup_context=setup_context)
@@ -300,29 +353,39 @@ def _register_forward(op: JaxOp):
 def _register_vjp(op: JaxOp):
   qualname = f"{NAMESPACE}::{op.name}_vjp"
 
-  def impl(static: str, arrays: list[torch.Tensor | None],
-           cotangents: list[torch.Tensor | None]):
+  def impl(static: str, arrays: list[torch.Tensor],
+           cotangents: list[torch.Tensor]):
     device = _check_same_device(op.name, arrays)
-    mask = op.grad_mask(arrays)
-    extra = (mask, len(arrays))
+    mask = op.grad_mask(static, arrays)
     tensors = list(arrays) + list(cotangents)
     if device.type == "xla":
-      shard = _shard_for(op, decode_static(static), arrays, "vjp", mask)
-      return _run_xla(op, static, "vjp", extra, tensors, shard)
-    return _run_eager(op.name, static, "vjp", extra, tensors, device)
+      float_outputs = _float_outputs(op, static, arrays)
+      shard = _shard_for(op, static, arrays, float_outputs, mask)
+      return _run_xla(op, static, mask, tensors, shard)
+    return _run_eager(op.name, static, mask, tensors, device)
 
   custom = torch.library.custom_op(
       qualname, impl, mutates_args=(),
-      schema="(str static, Tensor?[] arrays, Tensor?[] cotangents) "
+      schema="(str static, Tensor[] arrays, Tensor[] cotangents) "
              "-> Tensor[]")
 
   @custom.register_fake
   def _(static, arrays, cotangents):
-    mask = op.grad_mask(arrays)
-    fn = op.jax_vjp(static, mask, len(arrays))
+    fn = op.jax_vjp(static, op.grad_mask(static, arrays))
     return _fake_outputs(fn, list(arrays) + list(cotangents),
                          _device_of(arrays))
   return custom
+
+
+def _float_outputs(op, static, arrays) -> tuple[bool, ...]:
+  specs = tuple(_convert.shape_dtype(t) for t in arrays)
+  return _float_outputs_cached(op.name, static, specs)
+
+
+@functools.lru_cache(maxsize=None)
+def _float_outputs_cached(name, static, specs) -> tuple[bool, ...]:
+  outs = jax.eval_shape(_jax_forward(name, static), *specs)
+  return tuple(bool(jnp.issubdtype(o.dtype, jnp.inexact)) for o in outs)
 
 
 def registered_ops() -> dict[str, JaxOp]:

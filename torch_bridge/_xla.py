@@ -130,6 +130,18 @@ def _full_shape(local_shape, spec, mesh) -> tuple[int, ...]:
   return tuple(full)
 
 
+def _enter_manual(torch_xla, xs, t, spec, mesh):
+  """``t``'s local shard under ``spec``, in manual-sharding mode."""
+  if torch_xla._XLAC._get_xla_sharding_spec(t):
+    # Already sharded (an FSDP parameter, a marked input): mark_sharding
+    # would refuse to re-annotate, so annotate a copy with a custom-sharding
+    # node instead (XLA elides the copy).
+    t = xs.annotate_custom_sharding(t.clone(), mesh, spec).global_tensor
+  else:
+    t = xs.mark_sharding(t, mesh, spec).global_tensor
+  return torch_xla._XLAC._spmd_full_to_shard_shape(t)
+
+
 def call_sharded(key, fn: Callable, tensors: Sequence[torch.Tensor | None],
                  shard: ShardSpec) -> list[torch.Tensor]:
   """``call`` with each input/output manually sharded over ``shard.mesh``."""
@@ -137,17 +149,14 @@ def call_sharded(key, fn: Callable, tensors: Sequence[torch.Tensor | None],
   if len(shard.inputs) != len(tensors):
     raise AssertionError(f"{key}: {len(tensors)} inputs, "
                          f"{len(shard.inputs)} specs")
+  torch_xla = _torch_xla()
   local = []
   for t, spec in zip(tensors, shard.inputs):
     if t is None:
       local.append(None)
-    elif spec is None:  # replicated: every device sees the whole array
-      spec = (None,) * t.dim()
-      local.append(xs.enable_manual_sharding(t, spec, mesh=shard.mesh)
-                   .global_tensor)
-    else:
-      local.append(xs.enable_manual_sharding(t, tuple(spec), mesh=shard.mesh)
-                   .global_tensor)
+      continue
+    spec = (None,) * t.dim() if spec is None else tuple(spec)
+    local.append(_enter_manual(torch_xla, xs, t, spec, shard.mesh))
   outs = call(key, fn, local)
   if len(outs) != len(shard.outputs):
     raise AssertionError(f"{key}: {len(outs)} outputs, "

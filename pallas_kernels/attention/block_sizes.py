@@ -15,11 +15,17 @@ v6e 32 MiB of 128 MiB):
   v5e / v4    <= 128     (512, 512)        (512, 512)
   v5e / v4    256        (512, 512)        (256, 512)
   v5p         any        (512, 1024)       (512, 512)
-  v6e         <= 128     (512, 1024)       (512, 1024)
-  v6e         256        (512, 1024)       (512, 512)
+  v6e         <= 128     (1024, 512)       (512, 1024)
+  v6e         256        (1024, 512)       (512, 512)
 
-Larger kv blocks halve the per-grid-step overhead (about 0.35 us) and keep the
-MXU busy; v6e's 256x256 MXU and doubled scoped VMEM make 1024 worthwhile.
+Why: the forward re-reads k/v once per query block, so its arithmetic
+intensity is about ``block_q`` flops per HBM byte; the dq kernel's is
+``1.5 * block_q`` and the dk/dv kernel's ``2 * block_kv``. The chip's
+flop/byte balance (v5e 197 TFLOP/s / 819 GB/s = 240, v6e 918 / 1640 = 560,
+v5p 459 / 2765 = 166) sets the least block that keeps the MXU fed: 512 on
+v5e/v5p, 1024 for v6e's forward. Larger blocks also amortize the per-grid-
+step overhead (about 0.35 us). ``mosaic_tpu.roofline_rows()`` prints the
+resulting estimate.
 
 Short sequences: a block never exceeds the sequence rounded up to 128, and it
 is halved (down to 128) while rounding the sequence up to it would pad more
@@ -31,9 +37,12 @@ does the work of 128 query rows.
 
 The generation comes from ``jax.devices()[0].device_kind`` when the default
 backend is a TPU; otherwise (CPU interpret runs, ahead-of-time compiles from a
-CPU host) the v5e row is used. Override with
+CPU host) the v5e row is used; ``table_block_sizes("v6e", head_dim)`` gives
+another generation's row for ahead-of-time compiles. Override with
 ``flash_attention(..., block_sizes=BlockSizes(...))``, a ``(block_q,
-block_kv)`` pair, or a dict of ``BlockSizes`` fields.
+block_kv)`` pair, or a dict of ``BlockSizes`` fields. A ``GpuBlockSizes``
+(``pallas_kernels.attention.gpu``) is handed to the GPU kernel and ignored
+here; the GPU kernel likewise ignores a ``BlockSizes``.
 """
 from __future__ import annotations
 
@@ -48,7 +57,7 @@ TABLE = {
     "v5e": ((128, (512, 512), (512, 512)), (None, (512, 512), (256, 512))),
     "v4": ((128, (512, 512), (512, 512)), (None, (512, 512), (256, 512))),
     "v5p": ((None, (512, 1024), (512, 512)),),
-    "v6e": ((128, (512, 1024), (512, 1024)), (None, (512, 1024), (512, 512))),
+    "v6e": ((128, (1024, 512), (512, 1024)), (None, (1024, 512), (512, 512))),
 }
 
 
@@ -78,9 +87,17 @@ class BlockSizes:
                          f"multiple of {LANES}")
 
 
-def as_block_sizes(value) -> BlockSizes | None:
-  """Normalizes the user's ``block_sizes=`` argument."""
+def as_block_sizes(value):
+  """Normalizes the user's ``block_sizes=`` argument.
+
+  Another backend's frozen block-size dataclass (``gpu.GpuBlockSizes``) is
+  passed through unchanged: the GPU kernel reads it, the TPU kernel uses its
+  table instead.
+  """
   if value is None or isinstance(value, BlockSizes):
+    return value
+  if (dataclasses.is_dataclass(value) and not isinstance(value, type)
+      and type(value).__dataclass_params__.frozen):
     return value
   if isinstance(value, dict):
     unknown = set(value) - {f.name for f in dataclasses.fields(BlockSizes)}
@@ -145,18 +162,28 @@ class ChosenBlocks:
   bwd_kv: int
 
 
-def choose(q_len: int, kv_len: int, head_dim: int,
-           override: BlockSizes | None = None,
-           generation: str | None = None) -> ChosenBlocks:
-  """Block sizes for one problem: the table, then the user's override."""
-  generation = generation or tpu_generation()
+def table_block_sizes(generation: str, head_dim: int) -> BlockSizes:
+  """The table's unshrunk blocks for a generation, e.g. to AOT-compile for
+  v6e from a host whose own default is the v5e row."""
   rows = TABLE.get(generation, TABLE[DEFAULT_GENERATION])
   for max_dim, fwd, bwd in rows:
     if max_dim is None or head_dim <= max_dim:
       break
-  override = override or BlockSizes()
-  fq = override.block_q or fit_block(fwd[0], q_len)
-  fk = override.block_kv or fit_block(fwd[1], kv_len)
-  bq = override.block_q_bwd or (override.block_q or fit_block(bwd[0], q_len))
-  bk = override.block_kv_bwd or (override.block_kv or fit_block(bwd[1], kv_len))
+  return BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0],
+                    block_kv_bwd=bwd[1])
+
+
+def choose(q_len: int, kv_len: int, head_dim: int,
+           override: BlockSizes | None = None,
+           generation: str | None = None) -> ChosenBlocks:
+  """Block sizes for one problem: the table, then the user's override."""
+  table = table_block_sizes(generation or tpu_generation(), head_dim)
+  if not isinstance(override, BlockSizes):
+    override = BlockSizes()     # None, or another backend's block sizes
+  fq = override.block_q or fit_block(table.block_q, q_len)
+  fk = override.block_kv or fit_block(table.block_kv, kv_len)
+  bq = override.block_q_bwd or (override.block_q
+                                or fit_block(table.block_q_bwd, q_len))
+  bk = override.block_kv_bwd or (override.block_kv
+                                 or fit_block(table.block_kv_bwd, kv_len))
   return ChosenBlocks(fq, fk, bq, bk)

@@ -33,18 +33,26 @@ Padding (where it costs speed)
   shapes (``L % 128 == 0``, ``head_dim`` in {16, 32, 64, 128, 256}) pay nothing.
   A head_dim such as 80 or 96 wastes the padded fraction of the matmul work.
 
-Block sizes (``GpuBlockSizes``; tuned on an H100 at head_dim 128, bf16)
-  ============  =========  ========  =========  ==========
-  kernel        block_q    block_k   num_warps  num_stages
-  ============  =========  ========  =========  ==========
-  forward       128        64        4 (D<=64)  3
-                                     8 (D>64)
-  dq            64         64        4          2
-  dk/dv         64         64        4          2
-  ============  =========  ========  =========  ==========
-  Blocks shrink to the (power-of-two, >= 16) sequence length for short inputs.
-  Pass a ``GpuBlockSizes`` as ``block_sizes`` to override; other values (for
-  instance the TPU kernel's block sizes) are ignored here.
+Block sizes (``GpuBlockSizes``), by bytes per row (head_dim * itemsize);
+(block_q, block_k, num_warps, num_stages). The middle row was tuned on an H100
+(bf16, B=4, H=16, L=4096, D=128: bench/bench_attention.py --tune); the others
+follow the usual Triton choices and were checked for correctness there, not
+tuned.
+  ==============  =====================  ==============  ==============
+  row bytes       forward                dq              dk/dv
+  ==============  =====================  ==============  ==============
+  <= 128 (D<=64)  128, 64, 4, 3          64, 64, 4, 2    64, 64, 4, 2
+  256 (D=128)     256, 64, 8, 3 full     64, 64, 4, 2    64, 64, 4, 2
+                  128, 64, 8, 3 banded
+                    or with a bias
+  > 256           64, 32, 4, 2           64, 32, 4, 2    32, 64, 4, 2
+  ==============  =====================  ==============  ==============
+  ("banded": causal or sliding window. With a bias the 256-row forward tile
+  and its float32 bias tiles overflow the H100's 227 KiB of shared memory.)
+  Blocks shrink to the power-of-two
+  (>= 16) sequence length for short inputs. Pass a ``GpuBlockSizes`` as
+  ``block_sizes`` to override any field; other values (for instance the TPU
+  kernel's block sizes) are ignored here.
 """
 from __future__ import annotations
 
@@ -68,26 +76,39 @@ MIN_BLOCK = 16  # smallest tile dimension a Triton dot accepts
 
 @dataclasses.dataclass(frozen=True)
 class GpuBlockSizes:
-  """Tile sizes and launch parameters; None picks the default for head_dim."""
+  """Tile sizes and launch parameters; None picks the default (see table)."""
   block_q: int | None = None
   block_k: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
   block_q_dq: int | None = None
   block_k_dq: int | None = None
+  num_warps_dq: int | None = None
+  num_stages_dq: int | None = None
   block_q_dkv: int | None = None
   block_k_dkv: int | None = None
-  num_warps_bwd: int | None = None
-  num_stages_bwd: int | None = None
+  num_warps_dkv: int | None = None
+  num_stages_dkv: int | None = None
 
-  def resolved(self, head_dim_padded: int) -> "GpuBlockSizes":
-    big = head_dim_padded > 64
-    defaults = dict(
-        block_q=128, block_k=64 if head_dim_padded <= 128 else 32,
-        num_warps=8 if big else 4, num_stages=3 if head_dim_padded <= 128 else 2,
-        block_q_dq=64, block_k_dq=64 if head_dim_padded <= 128 else 32,
-        block_q_dkv=64, block_k_dkv=64 if head_dim_padded <= 128 else 32,
-        num_warps_bwd=4, num_stages_bwd=2)
+  def resolved(self, row_bytes: int, banded: bool,
+               bias: bool = False) -> "GpuBlockSizes":
+    """Fills the defaults (module docstring's table).
+
+    ``row_bytes``: bytes of one padded q/k/v row (head_dim * itemsize);
+    ``banded``: causal or sliding window; ``bias``: a bias is given (its
+    float32 tiles also sit in shared memory).
+    """
+    if row_bytes <= 128:  # head_dim <= 64 in bf16
+      fwd, dq, dkv = (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)
+    elif row_bytes <= 256:  # head_dim 128 in bf16 (tuned on the H100)
+      fwd = (128, 64, 8, 3) if banded or bias else (256, 64, 8, 3)
+      dq, dkv = (64, 64, 4, 2), (64, 64, 4, 2)
+    else:  # head_dim 256 in bf16, or 128 in float32: keep tiles in smem
+      fwd, dq, dkv = (64, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)
+    names = ("block_q{}", "block_k{}", "num_warps{}", "num_stages{}")
+    defaults = {}
+    for suffix, config in (("", fwd), ("_dq", dq), ("_dkv", dkv)):
+      defaults.update({n.format(suffix): c for n, c in zip(names, config)})
     values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     for name, value in values.items():
       if value is None:
@@ -97,6 +118,8 @@ class GpuBlockSizes:
         raise ValueError(
             f"GpuBlockSizes.{name}={value}: must be a power of two >= "
             f"{MIN_BLOCK}")
+      elif value < 1:
+        raise ValueError(f"GpuBlockSizes.{name}={value}: must be >= 1")
     return GpuBlockSizes(**values)
 
 
@@ -219,16 +242,11 @@ def _q_blocks(col0, cols: int, block_q: int, mask: _Mask):
 
 def _band_mask(rows, cols, mask: _Mask):
   """Boolean mask (True = attend) from broadcastable row/col index arrays."""
-  ok = None
-
-  def both(x, y):
-    return y if x is None else jnp.logical_and(x, y)
-
-  ok = both(ok, cols < mask.lk)  # padded keys
+  ok = cols < mask.lk  # padded keys
   if mask.right is not None:
-    ok = both(ok, cols <= rows + (mask.offset + mask.right))
+    ok = jnp.logical_and(ok, cols <= rows + (mask.offset + mask.right))
   if mask.left is not None:
-    ok = both(ok, cols >= rows + (mask.offset - mask.left))
+    ok = jnp.logical_and(ok, cols >= rows + (mask.offset - mask.left))
   return ok
 
 
@@ -340,10 +358,20 @@ def _head_dim_padded(head_dim: int) -> int:
   return max(MIN_BLOCK, _next_pow2(head_dim))
 
 
-def _sizes(block_sizes, dp: int) -> GpuBlockSizes:
+def _sizes(block_sizes, dp: int, dtype, mask: _Mask,
+           bias) -> GpuBlockSizes:
   if not isinstance(block_sizes, GpuBlockSizes):
     block_sizes = GpuBlockSizes()
-  return block_sizes.resolved(dp)
+  banded = mask.left is not None or mask.right is not None
+  return block_sizes.resolved(dp * jnp.dtype(dtype).itemsize, banded,
+                              bias is not None)
+
+
+def _crop(x, shape):
+  """x[:shape] without emitting a slice when nothing is cut."""
+  if tuple(x.shape) == tuple(shape):
+    return x
+  return x[tuple(slice(0, n) for n in shape)]
 
 
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
@@ -357,11 +385,11 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
             jnp.full((batch, heads, lq), NEG_INF, jnp.float32))
   group = heads // kv_heads
   dp = _head_dim_padded(dim)
-  sizes = _sizes(block_sizes, dp)
-  bq = _fit_block(sizes.block_q, lq)
-  bk = _fit_block(sizes.block_k, lk)
   segments = q_segment_ids is not None
   mask = _make_mask(lq, lk, causal, window_left, window_right, segments)
+  sizes = _sizes(block_sizes, dp, q.dtype, mask, bias)
+  bq = _fit_block(sizes.block_q, lq)
+  bk = _fit_block(sizes.block_k, lk)
   q, k, v, qseg, kvseg, bias = _prepare(
       q, k, v, q_segment_ids, kv_segment_ids, bias, bq, bk, dp)
   lq_pad, lk_pad = q.shape[2], k.shape[2]
@@ -422,7 +450,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       interpret=interpret,
       name="flash_attention_fwd_gpu",
   )(*args)
-  return out[:, :, :lq, :dim], lse[:, :, :lq]
+  return _crop(out, (batch, heads, lq, dim)), _crop(lse, (batch, heads, lq))
 
 
 # ---------------------------------------------------------------------------
@@ -547,13 +575,13 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
             None if bias is None else jnp.zeros_like(bias))
   group = heads // kv_heads
   dp = _head_dim_padded(dim)
-  sizes = _sizes(block_sizes, dp)
+  segments = q_segment_ids is not None
+  mask = _make_mask(lq, lk, causal, window_left, window_right, segments)
+  sizes = _sizes(block_sizes, dp, q.dtype, mask, bias)
   bq_dq = _fit_block(sizes.block_q_dq, lq)
   bk_dq = _fit_block(sizes.block_k_dq, lk)
   bq_kv = _fit_block(sizes.block_q_dkv, lq)
   bk_kv = _fit_block(sizes.block_k_dkv, lk)
-  segments = q_segment_ids is not None
-  mask = _make_mask(lq, lk, causal, window_left, window_right, segments)
 
   delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
   bias_shape, bias_dtype = (None, None) if bias is None else (bias.shape,
@@ -568,8 +596,6 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
   per_batch = per_head = False
   if bias is not None:
     per_batch, per_head = bias.shape[0] != 1, bias.shape[1] != 1
-  params = _compat.gpu_compiler_params(
-      num_warps=sizes.num_warps_bwd, num_stages=sizes.num_stages_bwd)
 
   # dq (and dS for the bias gradient): grid over q blocks.
   nq, nk = lq_pad // bq_dq, lk_pad // bk_dq
@@ -617,7 +643,9 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
 
   results = pl.pallas_call(
       dq_kernel, grid=(nq, batch, heads), in_specs=in_specs,
-      out_specs=out_specs, out_shape=out_shape, compiler_params=params,
+      out_specs=out_specs, out_shape=out_shape,
+      compiler_params=_compat.gpu_compiler_params(
+          num_warps=sizes.num_warps_dq, num_stages=sizes.num_stages_dq),
       interpret=interpret, name="flash_attention_dq_gpu",
   )(*args)
   dq = results[0]
@@ -664,15 +692,16 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
       out_specs=[kv_block, kv_block],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=params, interpret=interpret,
-      name="flash_attention_dkv_gpu",
+      compiler_params=_compat.gpu_compiler_params(
+          num_warps=sizes.num_warps_dkv, num_stages=sizes.num_stages_dkv),
+      interpret=interpret, name="flash_attention_dkv_gpu",
   )(*args)
 
-  dq = dq[:, :, :lq, :dim]
-  dk = dk[:, :, :lk, :dim]
-  dv = dv[:, :, :lk, :dim]
+  dq = _crop(dq, (batch, heads, lq, dim))
+  dk = _crop(dk, (batch, kv_heads, lk, dim))
+  dv = _crop(dv, (batch, kv_heads, lk, dim))
   if dbias is not None:
-    dbias = dbias[:, :, :lq, :lk]
+    dbias = _crop(dbias, (batch, heads, lq, lk))
     axes = tuple(a for a in (0, 1) if bias_shape[a] == 1)
     if axes:
       dbias = jnp.sum(dbias, axis=axes, keepdims=True)

@@ -24,25 +24,36 @@ contiguous range of kv blocks (and each kv block a range of query blocks).
 Blocks outside it are skipped by ``pl.when``, and the index maps clamp the
 block index into the range, so a skipped step re-uses the block already in
 VMEM and issues no DMA. Blocks wholly inside the allowed band and free of
-padding skip the element mask too. Segment ids are not used for skipping
-(they need data-dependent ranges).
+padding skip the element mask too. With segment ids, each block's min/max id
+(computed by XLA, passed as a scalar-prefetch SMEM vector) skips the compute
+of blocks whose id ranges are disjoint: packed sorted sequences cost about
+the sum of their own attention, not the whole row's (their k/v blocks are
+still fetched; unsorted ids simply skip nothing).
 
 Layout. Segment ids travel lane-dense: the side that indexes rows of the
 logits tile as ``[B, L, 128]`` (lane-broadcast), the side that indexes
 columns as ``[B, 1, L]``. GQA never repeats k/v in HBM: index maps read kv
-head ``h // group``. Sequences are padded to block multiples and ``head_dim``
-to a multiple of 128 (64 kept) with zeros; padded keys are masked, padded
-queries dropped (they get ``lse = +inf`` in the backward so they contribute
-nothing). Fully masked rows give ``out = 0`` and ``lse = -inf``.
+head ``h // group``. Sequences are padded to block multiples and
+``head_dim`` to a multiple of 128 (64 kept) with zeros; padded keys are
+masked, padded queries dropped (they get ``lse = +inf`` in the backward so
+they contribute nothing). Fully masked rows give ``out = 0`` and
+``lse = -inf``. The dq kernel turns the ``lse``/``di`` rows into columns once
+per query block (broadcast to ``[128, block_q]``, transpose).
+
+Costs to know: a bias adds a ``[block_q, block_kv]`` read per visited block
+and, under ``grad``, a float32 ``[B, H, Lq, Lk]`` dbias write (then summed
+over broadcast dimensions by XLA). float16 inputs run as float32 (Mosaic has
+no float16 matmul on v5e/v6e). Index maps divide with ``lax.div``: Python
+``//`` lowers through ``sign``, which Mosaic only lowers on a TPU host.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels import _compat
@@ -103,21 +114,24 @@ class _Geometry:
   def may_mask(self):
     return (self.banded or self.has_segments or self.kv_pad != self.kv_len)
 
-  def _last_row(self, i):
-    return jnp.minimum((i + 1) * self.block_q, self.q_len) - 1
+  def _last_row(self, i, xp=jnp):
+    return xp.minimum((i + 1) * self.block_q, self.q_len) - 1
 
-  def kv_range(self, i):
-    """First and last kv block with an allowed key for query block i."""
+  def kv_range(self, i, xp=jnp):
+    """First and last kv block with an allowed key for query block i.
+
+    ``xp=numpy`` evaluates it on host integers (cost model)."""
+    div = _div if xp is jnp else np.floor_divide
     if not self.banded:
-      return jnp.int32(0), jnp.int32(self.num_kv - 1)
+      return xp.int32(0), xp.int32(self.num_kv - 1)
     first_col = (i * self.block_q + self.offset - self.left
-                 if self.left is not None else jnp.int32(0))
-    last_col = (self._last_row(i) + self.offset + self.right
-                if self.right is not None else jnp.int32(self.kv_len - 1))
-    first_col = jnp.clip(first_col, 0, self.kv_len)
-    last_col = jnp.clip(last_col, -1, self.kv_len - 1)
-    return (_div(first_col, self.block_kv),
-            _div(last_col + self.block_kv, self.block_kv) - 1)
+                 if self.left is not None else xp.int32(0))
+    last_col = (self._last_row(i, xp) + self.offset + self.right
+                if self.right is not None else xp.int32(self.kv_len - 1))
+    first_col = xp.clip(first_col, 0, self.kv_len)
+    last_col = xp.clip(last_col, -1, self.kv_len - 1)
+    return (div(first_col, self.block_kv),
+            div(last_col + self.block_kv, self.block_kv) - 1)
 
   def q_range(self, j):
     """First and last query block with an allowed key in kv block j."""
@@ -132,6 +146,12 @@ class _Geometry:
     last_row = jnp.clip(last_row, -1, self.q_len - 1)
     return (_div(first_row, self.block_q),
             _div(last_row + self.block_q, self.block_q) - 1)
+
+  def visited_blocks(self) -> int:
+    """(q block, kv block) pairs the kernels compute (the rest are skipped)."""
+    lo, hi = self.kv_range(np.arange(self.num_q), xp=np)
+    return int(np.sum(np.maximum(np.broadcast_to(hi - lo + 1, (self.num_q,)),
+                                 0)))
 
   def needs_mask(self, i, j):
     """Whether block (i, j) has a masked entry in a real query row."""
@@ -183,6 +203,7 @@ def _row_to_column(row):
 
 def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
   it = iter(refs)
+  ranges_ref = next(it) if geom.has_segments else None
   q_ref, k_ref, v_ref = next(it), next(it), next(it)
   qseg_ref = kvseg_ref = bias_ref = None
   if geom.has_segments:
@@ -222,6 +243,8 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
 
   lo, hi = geom.kv_range(i)
   run = (j >= lo) & (j <= hi)
+  if geom.has_segments:
+    run &= _segments_meet(ranges_ref, geom, pl.program_id(0), i, j)
   if geom.may_mask:
     needs_mask = geom.needs_mask(i, j)
     pl.when(run & needs_mask)(lambda: step(True))
@@ -232,7 +255,7 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
   @pl.when(j == geom.num_kv - 1)
   def _finish():
     l = l_ref[...][:, :1]
-    has_keys = l > 0
+    has_keys = l != 0          # NaN inputs stay NaN rather than "empty"
     safe_l = jnp.where(has_keys, l, 1.0)
     o_ref[...] = jnp.where(has_keys, acc_ref[...] / safe_l, 0.0).astype(
         o_ref.dtype)
@@ -244,6 +267,7 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
 
 def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
   it = iter(refs)
+  ranges_ref = next(it) if geom.has_segments else None
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = (next(it) for _ in range(6))
   qseg_ref = kvseg_ref = bias_ref = dbias_ref = None
   if geom.has_segments:
@@ -285,6 +309,8 @@ def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
 
   lo, hi = geom.kv_range(i)
   run = (j >= lo) & (j <= hi)
+  if geom.has_segments:
+    run &= _segments_meet(ranges_ref, geom, pl.program_id(0), i, j)
   if geom.may_mask:
     needs_mask = geom.needs_mask(i, j)
     pl.when(run & needs_mask)(lambda: step(True))
@@ -303,6 +329,7 @@ def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
 
 def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias, group):
   it = iter(refs)
+  ranges_ref = next(it) if geom.has_segments else None
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = (next(it) for _ in range(6))
   qseg_ref = kvseg_ref = bias_ref = None
   if geom.has_segments:
@@ -311,7 +338,7 @@ def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias, group):
     bias_ref = next(it)
   dk_ref, dv_ref, dk_acc, dv_acc = it
   j, t = pl.program_id(2), pl.program_id(3)
-  i = t % geom.num_q
+  i = lax.rem(t, jnp.int32(geom.num_q))
 
   @pl.when(t == 0)
   def _init():
@@ -340,6 +367,8 @@ def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias, group):
 
   lo, hi = geom.q_range(j)
   run = (i >= lo) & (i <= hi)
+  if geom.has_segments:
+    run &= _segments_meet(ranges_ref, geom, pl.program_id(0), i, j)
   if geom.may_mask:
     needs_mask = geom.needs_mask(i, j)
     pl.when(run & needs_mask)(lambda: step(True))
@@ -354,6 +383,11 @@ def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias, group):
 
 
 # ------------------------------------------------------------ host side --
+
+def _f16_to_f32(*arrays):
+  return tuple(x.astype(jnp.float32) if x is not None
+               and x.dtype == jnp.float16 else x for x in arrays)
+
 
 def _pad_axis(x, axis, size, value=0):
   extra = size - x.shape[axis]
@@ -385,6 +419,46 @@ def _segment_layouts(segment_ids, length):
   return column, ids[:, None, :]
 
 
+def _segment_ranges(q_segment_ids, kv_segment_ids, geom):
+  """Per-block min/max segment ids, flattened for SMEM:
+  [q_min (B*nq), q_max (B*nq), kv_min (B*nk), kv_max (B*nk)]. Padding repeats
+  the last real id so it never widens a range."""
+  def ranges(ids, length, block):
+    ids = ids.astype(jnp.int32)
+    extra = length - ids.shape[1]
+    if extra:
+      ids = jnp.pad(ids, ((0, 0), (0, extra)), mode="edge")
+    ids = ids.reshape(ids.shape[0], -1, block)
+    return ids.min(axis=2).ravel(), ids.max(axis=2).ravel()
+  q_min, q_max = ranges(q_segment_ids, geom.q_pad, geom.block_q)
+  kv_min, kv_max = ranges(kv_segment_ids, geom.kv_pad, geom.block_kv)
+  return jnp.concatenate([q_min, q_max, kv_min, kv_max])
+
+
+def _segments_meet(ranges_ref, geom, b, i, j):
+  """False when block (i, j)'s id ranges are disjoint (no equal ids)."""
+  nq, nk = geom.num_q, geom.num_kv
+  batch = ranges_ref.shape[0] // (2 * (nq + nk))
+  q_at, kv_at = b * nq + i, 2 * batch * nq + b * nk + j
+  q_min, q_max = ranges_ref[q_at], ranges_ref[batch * nq + q_at]
+  kv_min, kv_max = ranges_ref[kv_at], ranges_ref[batch * nk + kv_at]
+  return (q_max >= kv_min) & (kv_max >= q_min)
+
+
+def _pallas_call(kernel, seg_ranges, args, *, grid, in_specs, out_specs,
+                 out_shape, scratch_shapes, compiler_params, interpret,
+                 cost_estimate, name):
+  """pallas_call with the segment ranges as a scalar-prefetch (SMEM) input."""
+  prefetch = [] if seg_ranges is None else [seg_ranges]
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs,
+      out_specs=out_specs, scratch_shapes=scratch_shapes)
+  return pl.pallas_call(
+      kernel, grid_spec=grid_spec, out_shape=out_shape,
+      compiler_params=compiler_params, interpret=interpret,
+      cost_estimate=cost_estimate, name=name)(*prefetch, *args)
+
+
 def _bias_index(bias, b, h, i, j):
   return (b if bias.shape[0] > 1 else 0, h if bias.shape[1] > 1 else 0, i, j)
 
@@ -398,6 +472,62 @@ def vmem_bytes(block_q, block_kv, head_dim, itemsize, has_bias=False):
   return tiles + temps + accs + bias
 
 
+def cost(batch, heads, q_len, kv_len, head_dim, itemsize, *, kv_heads=None,
+         causal=False, window_left=None, window_right=None, block_q=512,
+         block_kv=512, backward=False, bias_itemsize=0):
+  """Work of the kernels as they run (skipped blocks excluded).
+
+  Returns dict(flops, transcendentals, bytes_accessed, visited_blocks,
+  total_blocks, vmem_bytes): matmul flops are 4 * bq * bk * D per visited
+  block forward, 14 * bq * bk * D backward (dq: 3 matmuls, dk/dv: 4). HBM
+  bytes count the k/v (or q/dO) blocks streamed per visited block plus one
+  pass over the other operands and the outputs.
+  """
+  kv_heads = kv_heads or heads
+  right = window_right
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  geom = _Geometry(q_len=q_len, kv_len=kv_len, block_q=block_q,
+                   block_kv=block_kv, left=window_left, right=right,
+                   has_segments=False)
+  dim = _bs.padded_head_dim(head_dim)
+  visited = geom.visited_blocks()
+  per_block = block_q * block_kv
+  n = batch * heads
+  q_bytes = batch * heads * geom.q_pad * dim * itemsize
+  kv_bytes = batch * kv_heads * geom.kv_pad * dim * itemsize
+  bias_stream = bias_itemsize * per_block
+  if backward:
+    flops = n * visited * 14 * per_block * dim
+    trans = n * visited * 2 * per_block
+    streamed = n * visited * (2 * block_kv * dim * itemsize
+                              + 2 * block_q * dim * itemsize + 2 * bias_stream)
+    bytes_accessed = streamed + 3 * q_bytes + 4 * kv_bytes
+  else:
+    flops = n * visited * 4 * per_block * dim
+    trans = n * visited * per_block
+    streamed = n * visited * (2 * block_kv * dim * itemsize + bias_stream)
+    bytes_accessed = streamed + 2 * q_bytes + 4 * n * geom.q_pad
+  return dict(flops=int(flops), transcendentals=int(trans),
+              bytes_accessed=int(bytes_accessed), visited_blocks=visited,
+              total_blocks=geom.num_q * geom.num_kv,
+              vmem_bytes=vmem_bytes(block_q, block_kv, dim, itemsize,
+                                    bias_itemsize > 0))
+
+
+def _cost_estimate(batch, heads, geom, dim, itemsize, matmuls, has_bias):
+  """pl.CostEstimate so XLA can schedule around the kernel."""
+  visited = geom.visited_blocks()
+  per_block = geom.block_q * geom.block_kv
+  n = batch * heads
+  streamed = visited * (2 * geom.block_kv * dim * itemsize
+                        + (4 * per_block if has_bias else 0))
+  return pl.CostEstimate(
+      flops=int(n * visited * 2 * matmuls * per_block * dim),
+      transcendentals=int(n * visited * per_block),
+      bytes_accessed=int(n * (streamed + 3 * geom.q_pad * dim * itemsize)))
+
+
 def _compiler_params(semantics, estimate):
   limit = None
   if estimate > 12 * 2**20:
@@ -409,6 +539,15 @@ def _compiler_params(semantics, estimate):
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
             window_left, window_right, logit_soft_cap, block_sizes, interpret):
   """(out [B, H, Lq, D] q.dtype, lse [B, H, Lq] float32)."""
+  if q.dtype == jnp.float16 or (bias is not None and bias.dtype == jnp.float16):
+    # Mosaic has no float16 matmul on v5e/v6e: run float16 as float32.
+    out, lse = forward(
+        *_f16_to_f32(q, k, v), q_segment_ids, kv_segment_ids,
+        *_f16_to_f32(bias), sm_scale=sm_scale, causal=causal,
+        window_left=window_left, window_right=window_right,
+        logit_soft_cap=logit_soft_cap, block_sizes=block_sizes,
+        interpret=interpret)
+    return out.astype(q.dtype), lse
   batch, heads, q_len, head_dim = q.shape
   kv_heads = k.shape[1]
   group = heads // kv_heads
@@ -426,38 +565,40 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
     return _clamp(j, lo, hi, geom.num_kv)
 
   in_specs = [
-      pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, j: (b, h, i, 0)),
+      pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, j, *_: (b, h, i, 0)),
       pl.BlockSpec((_SQ, _SQ, bk, dim),
-                   lambda b, h, i, j: (b, h // group, kv_block(i, j), 0)),
+                   lambda b, h, i, j, *_: (b, _div(h, group), kv_block(i, j), 0)),
       pl.BlockSpec((_SQ, _SQ, bk, dim),
-                   lambda b, h, i, j: (b, h // group, kv_block(i, j), 0)),
+                   lambda b, h, i, j, *_: (b, _div(h, group), kv_block(i, j), 0)),
   ]
   args = [qp, kp, vp]
+  seg_ranges = None
   if geom.has_segments:
+    seg_ranges = _segment_ranges(q_segment_ids, kv_segment_ids, geom)
     q_col, _ = _segment_layouts(q_segment_ids, geom.q_pad)
     _, kv_row = _segment_layouts(kv_segment_ids, geom.kv_pad)
     in_specs += [
-        pl.BlockSpec((_SQ, bq, LANES), lambda b, h, i, j: (b, i, 0)),
-        pl.BlockSpec((_SQ, 1, bk), lambda b, h, i, j: (b, 0, kv_block(i, j))),
+        pl.BlockSpec((_SQ, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
+        pl.BlockSpec((_SQ, 1, bk), lambda b, h, i, j, *_: (b, 0, kv_block(i, j))),
     ]
     args += [q_col, kv_row]
   if bias is not None:
     bias_p = _pad_axis(_pad_axis(bias, 2, geom.q_pad), 3, geom.kv_pad)
     in_specs.append(pl.BlockSpec(
         (_SQ, _SQ, bq, bk),
-        lambda b, h, i, j: _bias_index(bias, b, h, i, kv_block(i, j))))
+        lambda b, h, i, j, *_: _bias_index(bias, b, h, i, kv_block(i, j))))
     args.append(bias_p)
 
   kernel = functools.partial(_forward_kernel, geom=geom, sm_scale=sm_scale,
                              cap=logit_soft_cap, has_bias=bias is not None)
   estimate = vmem_bytes(bq, bk, dim, q.dtype.itemsize, bias is not None)
-  out, lse = pl.pallas_call(
-      kernel,
+  out, lse = _pallas_call(
+      kernel, seg_ranges, args,
       grid=(batch, heads, geom.num_q, geom.num_kv),
       in_specs=in_specs,
       out_specs=[
-          pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, j: (b, h, i, 0)),
-          pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, j: (b, h, 0, i)),
+          pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, j, *_: (b, h, i, 0)),
+          pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i)),
       ],
       out_shape=[
           jax.ShapeDtypeStruct((batch, heads, geom.q_pad, dim), q.dtype),
@@ -469,8 +610,9 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
       compiler_params=_compiler_params(
           ("parallel", "parallel", "parallel", "arbitrary"), estimate),
       interpret=interpret,
-      name="flash_attention_fwd",
-  )(*args)
+      cost_estimate=_cost_estimate(batch, heads, geom, dim, q.dtype.itemsize,
+                                   2, bias is not None),
+      name="flash_attention_fwd")
   return out[:, :, :q_len, :head_dim], lse[:, :, 0, :q_len]
 
 
@@ -478,6 +620,16 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
              *, sm_scale, causal, window_left, window_right, logit_soft_cap,
              block_sizes, interpret, d_lse=None):
   """(dq, dk, dv, dbias or None); ``d_lse`` is the cotangent of lse."""
+  if q.dtype == jnp.float16 or (bias is not None and bias.dtype == jnp.float16):
+    q32, k32, v32, bias32, out32, d_out32 = _f16_to_f32(q, k, v, bias, out,
+                                                        d_out)
+    dq, dk, dv, dbias = backward(
+        q32, k32, v32, q_segment_ids, kv_segment_ids, bias32, out32, lse,
+        d_out32, sm_scale=sm_scale, causal=causal, window_left=window_left,
+        window_right=window_right, logit_soft_cap=logit_soft_cap,
+        block_sizes=block_sizes, interpret=interpret, d_lse=d_lse)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            None if dbias is None else dbias.astype(bias.dtype))
   batch, heads, q_len, head_dim = q.shape
   kv_heads, kv_len = k.shape[1], k.shape[2]
   group = heads // kv_heads
@@ -503,8 +655,9 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   bias_p = None
   if has_bias:
     bias_p = _pad_axis(_pad_axis(bias, 2, geom.q_pad), 3, geom.kv_pad)
-  segs = None
+  segs = seg_ranges = None
   if geom.has_segments:
+    seg_ranges = _segment_ranges(q_segment_ids, kv_segment_ids, geom)
     segs = (_segment_layouts(q_segment_ids, geom.q_pad),
             _segment_layouts(kv_segment_ids, geom.kv_pad))
   estimate = vmem_bytes(bq, bk, dim, q.dtype.itemsize, has_bias)
@@ -516,17 +669,17 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
     lo, hi = geom.kv_range(i)
     return _clamp(j, lo, hi, nk)
 
-  q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, j: (b, h, i, 0))
+  q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, j, *_: (b, h, i, 0))
   kv_spec = pl.BlockSpec((_SQ, _SQ, bk, dim),
-                         lambda b, h, i, j: (b, h // group, kv_block(i, j), 0))
-  row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, j: (b, h, 0, i))
+                         lambda b, h, i, j, *_: (b, _div(h, group), kv_block(i, j), 0))
+  row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   args = [qp, kp, vp, dop, lse_row, di_row]
   if segs is not None:
     (q_col, _), (_, kv_row) = segs
     in_specs += [
-        pl.BlockSpec((_SQ, bq, LANES), lambda b, h, i, j: (b, i, 0)),
-        pl.BlockSpec((_SQ, 1, bk), lambda b, h, i, j: (b, 0, kv_block(i, j))),
+        pl.BlockSpec((_SQ, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
+        pl.BlockSpec((_SQ, 1, bk), lambda b, h, i, j, *_: (b, 0, kv_block(i, j))),
     ]
     args += [q_col, kv_row]
   out_specs = [q_spec]
@@ -534,14 +687,14 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   if has_bias:
     in_specs.append(pl.BlockSpec(
         (_SQ, _SQ, bq, bk),
-        lambda b, h, i, j: _bias_index(bias, b, h, i, kv_block(i, j))))
+        lambda b, h, i, j, *_: _bias_index(bias, b, h, i, kv_block(i, j))))
     args.append(bias_p)
     out_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk),
-                                  lambda b, h, i, j: (b, h, i, j)))
+                                  lambda b, h, i, j, *_: (b, h, i, j)))
     out_shape.append(jax.ShapeDtypeStruct(
         (batch, heads, geom.q_pad, geom.kv_pad), jnp.float32))
-  results = pl.pallas_call(
-      functools.partial(_dq_kernel, **statics),
+  results = _pallas_call(
+      functools.partial(_dq_kernel, **statics), seg_ranges, args,
       grid=(batch, heads, nq, nk),
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((bq, dim), jnp.float32),
@@ -550,8 +703,9 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
       compiler_params=_compiler_params(
           ("parallel", "parallel", "parallel", "arbitrary"), estimate),
       interpret=interpret,
-      name="flash_attention_dq",
-  )(*args)
+      cost_estimate=_cost_estimate(batch, heads, geom, dim, q.dtype.itemsize,
+                                   3, has_bias),
+      name="flash_attention_dq")
   dq = results[0][:, :, :q_len, :head_dim]
   dbias = None
   if has_bias:
@@ -564,35 +718,35 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   # dk, dv: grid (B, Hkv, kv blocks, group * q blocks).
   def q_block(j, t):
     lo, hi = geom.q_range(j)
-    return _clamp(t % nq, lo, hi, nq)
+    return _clamp(lax.rem(t, jnp.int32(nq)), lo, hi, nq)
 
   def head(hk, t):
-    return hk * group + t // nq
+    return hk * group + _div(t, nq)
 
   q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim),
-                        lambda b, hk, j, t: (b, head(hk, t), q_block(j, t), 0))
+                        lambda b, hk, j, t, *_: (b, head(hk, t), q_block(j, t), 0))
   kv_spec = pl.BlockSpec((_SQ, _SQ, bk, dim),
-                         lambda b, hk, j, t: (b, hk, j, 0))
+                         lambda b, hk, j, t, *_: (b, hk, j, 0))
   row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq),
-                          lambda b, hk, j, t: (b, head(hk, t), 0, q_block(j, t)))
+                          lambda b, hk, j, t, *_: (b, head(hk, t), 0, q_block(j, t)))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   args = [qp, kp, vp, dop, lse_row, di_row]
   if segs is not None:
     (_, q_row), (kv_col, _) = segs
     in_specs += [
-        pl.BlockSpec((_SQ, 1, bq), lambda b, hk, j, t: (b, 0, q_block(j, t))),
-        pl.BlockSpec((_SQ, bk, LANES), lambda b, hk, j, t: (b, j, 0)),
+        pl.BlockSpec((_SQ, 1, bq), lambda b, hk, j, t, *_: (b, 0, q_block(j, t))),
+        pl.BlockSpec((_SQ, bk, LANES), lambda b, hk, j, t, *_: (b, j, 0)),
     ]
     args += [q_row, kv_col]
   if has_bias:
     in_specs.append(pl.BlockSpec(
         (_SQ, _SQ, bq, bk),
-        lambda b, hk, j, t: _bias_index(bias, b, head(hk, t), q_block(j, t),
+        lambda b, hk, j, t, *_: _bias_index(bias, b, head(hk, t), q_block(j, t),
                                         j)))
     args.append(bias_p)
-  dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, group=group, **statics),
-      grid=(batch, kv_heads, nk, group * nq),
+  dk, dv = _pallas_call(
+      functools.partial(_dkv_kernel, group=group, **statics), seg_ranges,
+      args, grid=(batch, kv_heads, nk, group * nq),
       in_specs=in_specs,
       out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype),
@@ -602,7 +756,53 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
       compiler_params=_compiler_params(
           ("parallel", "parallel", "parallel", "arbitrary"), estimate),
       interpret=interpret,
-      name="flash_attention_dkv",
-  )(*args)
+      cost_estimate=_cost_estimate(batch, heads, geom, dim, q.dtype.itemsize,
+                                   4, has_bias),
+      name="flash_attention_dkv")
   return (dq, dk[:, :, :kv_len, :head_dim], dv[:, :, :kv_len, :head_dim],
           dbias)
+
+
+def roofline_rows(batch=4, heads=16, seq=4096, head_dim=128, kv_heads=None,
+                  generations=("v5e", "v6e")) -> list[dict]:
+  """Roofline estimate of the TPU kernels per generation (for bench/).
+
+  One row per generation x causal x pass ("fwd", "fwd+bwd") with the table's
+  block sizes, the matmul FLOPs and HBM bytes the kernels actually do
+  (skipped blocks excluded), VMEM per step, and, when ``bench.roofline`` is
+  importable (run from the repository root), the bound time and TFLOP/s of
+  useful work (causal counts half of the full square, as usual).
+  """
+  try:
+    from bench import roofline as _roofline
+  except ImportError:
+    _roofline = None
+  rows = []
+  useful_full = 4 * batch * heads * seq * seq * head_dim
+  for generation in generations:
+    blocks = _bs.table_block_sizes(generation, head_dim)
+    for causal in (False, True):
+      fwd = cost(batch, heads, seq, seq, head_dim, 2, kv_heads=kv_heads,
+                 causal=causal, block_q=blocks.block_q,
+                 block_kv=blocks.block_kv)
+      bwd = cost(batch, heads, seq, seq, head_dim, 2, kv_heads=kv_heads,
+                 causal=causal, block_q=blocks.block_q_bwd,
+                 block_kv=blocks.block_kv_bwd, backward=True)
+      for name, parts, useful in (("fwd", [fwd], 1.0), ("fwd+bwd", [fwd, bwd],
+                                                        3.5)):
+        flops = sum(p["flops"] for p in parts)
+        nbytes = sum(p["bytes_accessed"] for p in parts)
+        row = dict(chip=generation, causal=causal, pass_=name,
+                   blocks=f"{blocks.block_q}x{blocks.block_kv}/"
+                          f"{blocks.block_q_bwd}x{blocks.block_kv_bwd}",
+                   gflop=flops / 1e9, mbytes=nbytes / 1e6,
+                   skipped=1 - parts[0]["visited_blocks"]
+                   / parts[0]["total_blocks"],
+                   vmem_mib=max(p["vmem_bytes"] for p in parts) / 2**20)
+        if _roofline is not None:
+          bound = _roofline.roofline(generation, flops, nbytes)
+          useful_flops = useful_full * useful * (0.5 if causal else 1.0)
+          row.update(time_ms=bound["time_s"] * 1e3, bound=bound["bound"],
+                     useful_tflops=useful_flops / bound["time_s"] / 1e12)
+        rows.append(row)
+  return rows

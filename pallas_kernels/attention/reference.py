@@ -82,7 +82,7 @@ def attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, bias=None, *,
       jnp.where(jnp.isfinite(row_max), row_max, 0.0))
   e = jnp.where(mask, jnp.exp(s_kept - row_max), 0.0)
   total = jnp.sum(e, axis=-1, keepdims=True)
-  has_keys = total > 0
+  has_keys = total != 0          # NaN inputs stay NaN rather than "empty"
   safe_total = jnp.where(has_keys, total, 1.0)
   p = e / safe_total
   pg = p.reshape(batch, kv_heads, group, q_len, kv_len)

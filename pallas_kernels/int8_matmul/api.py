@@ -63,8 +63,9 @@ def _check_array(name, value):
 def quantize_int8(x, *, axis=-1, backend=None):
   """Symmetric int8 quantization: ``(q, scale)`` with ``x ~= q * scale``.
 
-  scale = max|x| / 127 over ``axis`` (kept as size 1; ``axis=None`` gives
-  one 0-d scale for the whole tensor), or 1 where that max is 0; q =
+  scale = max|x| * float32(1/127) over ``axis`` (kept as size 1;
+  ``axis=None`` gives one 0-d scale for the whole tensor), or 1 where that
+  max is 0; q =
   clip(round_half_even(x / scale), -127, 127) as int8 (NaN -> 0, and the
   row's scale is NaN). ``x`` must be bfloat16, float16 or float32. The last
   axis uses a one-pass Pallas kernel on TPU; other axes use XLA.

@@ -33,8 +33,9 @@ dimension), K tiles divide K (K is zero-padded to a multiple of 128 only
 when it is not one and exceeds the tile), and a config over the budget is
 shrunk by halving its largest tile dimension.
 
-GPU (Triton). (bm, bk, bn, num_warps, num_stages); every tile dimension a
-power of two (a Triton requirement), M, N, K zero-padded to tile multiples.
+GPU (Triton). (bm, bk, bn, num_warps, num_stages, w_kmajor, split_k,
+int8_via_bf16); every tile dimension a power of two (a Triton requirement),
+M, N, K zero-padded to tile multiples; gpu.py explains the three switches.
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ class BlockSizes:
   bn: int
   num_warps: int | None = None
   num_stages: int | None = None
+  w_kmajor: bool | None = None   # GPU: feed the kernel w.T (see gpu.py)
+  split_k: int | None = None     # GPU: K split over this many programs
+  int8_via_bf16: bool | None = None  # GPU: exact int8 dots on bf16 units
 
   def __post_init__(self):
     for name in ("bm", "bk", "bn"):
@@ -82,23 +86,36 @@ TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e")
 DECODE_MAX_M = 128
 MEDIUM_MAX_M = 1024
 
-# Triton configs per shape class: (bm, bk, bn, num_warps, num_stages).
+# Triton configs per GPU shape class (M <= 64, <= 2048, larger):
+# (bm, bk, bn, num_warps, num_stages, w_kmajor, split_k (0: auto),
+#  int8_via_bf16). Chosen from a sweep on an H100
+# (bench/results/int8_matmul_sweep-h100-*.json): K-major w is 3-9x faster
+# for the int8 MMA once M is large enough to pay for the transpose.
 GPU_TABLE = {
-    "decode": (16, 256, 64, 4, 4),
-    "medium": (64, 128, 128, 4, 4),
-    "large": (128, 128, 256, 8, 3),
+    "decode": (16, 256, 128, 4, 4, False, 0, False),
+    "medium": (128, 128, 128, 4, 4, True, 1, False),
+    "large": (128, 128, 256, 8, 3, True, 1, False),
 }
 GPU_TABLE_WEIGHT_ONLY = {
-    "decode": (16, 256, 64, 4, 4),
-    "medium": (64, 64, 128, 4, 4),
-    "large": (128, 64, 128, 8, 3),
+    "decode": (16, 256, 128, 4, 4, False, 0, False),
+    "medium": (64, 128, 128, 4, 4, False, 1, False),
+    "large": (128, 64, 128, 8, 3, False, 1, False),
 }
+GPU_DECODE_MAX_M = 64
+GPU_MEDIUM_MAX_M = 2048
+GPU_TARGET_PROGRAMS = 264
 
 
 def shape_class(m: int) -> str:
   if m <= DECODE_MAX_M:
     return "decode"
   return "medium" if m <= MEDIUM_MAX_M else "large"
+
+
+def gpu_shape_class(m: int) -> str:
+  if m <= GPU_DECODE_MAX_M:
+    return "decode"
+  return "medium" if m <= GPU_MEDIUM_MAX_M else "large"
 
 
 def tpu_generation() -> str | None:
@@ -163,8 +180,9 @@ def plan_tpu(m, k, n, *, x_bytes, out_bytes, mode, generation=None,
 
   if block_sizes is not None:
     bm, bk, bn = block_sizes.bm, block_sizes.bk, block_sizes.bn
-    for name, value, unit in (("bm", bm, 32), ("bk", bk, 128), ("bn", bn, 128)):
-      if value % unit:
+    for name, value, dim, unit in (("bm", bm, m, 32), ("bk", bk, k, 128),
+                                   ("bn", bn, n, 128)):
+      if value < dim and value % unit:
         raise ValueError(
             f"block_sizes.{name}={value} must be a multiple of {unit} on TPU")
   else:
@@ -228,7 +246,8 @@ def _pow2_at_least(x: int) -> int:
 
 
 def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None):
-  """(bm, bk, bn, num_warps, num_stages) for Triton, tiles powers of two."""
+  """(bm, bk, bn, warps, stages, w_kmajor, split_k, int8_via_bf16) for
+  Triton (tiles are powers of two)."""
   if block_sizes is not None:
     for name in ("bm", "bk", "bn"):
       value = getattr(block_sizes, name)
@@ -238,11 +257,25 @@ def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None):
     bm, bk, bn = block_sizes.bm, block_sizes.bk, block_sizes.bn
     warps = block_sizes.num_warps or 4
     stages = block_sizes.num_stages or 3
+    kmajor = bool(block_sizes.w_kmajor)
+    split = block_sizes.split_k or 1
+    via_bf16 = bool(block_sizes.int8_via_bf16)
   else:
     table = GPU_TABLE_WEIGHT_ONLY if mode == "weight_only" else GPU_TABLE
-    bm, bk, bn, warps, stages = table[shape_class(m)]
+    bm, bk, bn, warps, stages, kmajor, split, via_bf16 = table[
+        gpu_shape_class(m)]
     # Small problems: shrink tiles towards the problem (Triton dots need 16).
     bm = min(bm, max(16, _pow2_at_least(m)))
     bn = min(bn, max(16, _pow2_at_least(n)))
     bk = min(bk, max(32, _pow2_at_least(k)))
-  return bm, bk, bn, warps, stages
+  if via_bf16 and bk > 1024:
+    raise ValueError(f"block_sizes.bk={bk}: int8_via_bf16 is exact only for "
+                     "bk <= 1024")
+  if split == 0:  # auto: enough programs for two waves on ~132 SMs
+    programs = -(-m // bm) * -(-n // bn)
+    split = 1
+    while programs * split < GPU_TARGET_PROGRAMS and split < 8:
+      split *= 2
+  # Never split K finer than one tile per program.
+  split = max(1, min(split, -(-k // bk)))
+  return bm, bk, bn, warps, stages, kmajor, split, via_bf16

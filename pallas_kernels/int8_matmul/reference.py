@@ -2,7 +2,7 @@
 
 quantize_int8(x, axis)
   amax  = max |x| over ``axis`` (keepdims; every axis when ``axis=None``)
-  scale = amax / 127, or 1 where amax == 0 (never a division by zero)
+  scale = amax * float32(1/127), or 1 where amax == 0 (never a division by 0)
   q     = clip(round_half_to_even(x / scale), -127, 127) as int8; NaN -> 0
   Returned scale is float32 with ``axis`` kept as size 1 (a 0-d scalar for
   ``axis=None``), so ``q * scale`` broadcasts back to ``x``. A row holding
@@ -34,7 +34,9 @@ def round_to_int8(x, scale):
 
 
 def scale_from_amax(amax):
-  return jnp.where(amax == 0, jnp.float32(1), amax / jnp.float32(INT8_MAX))
+  # A multiply, not a division: compilers may turn a division by a constant
+  # into one, and kernel and reference must round identically.
+  return jnp.where(amax == 0, jnp.float32(1), amax * jnp.float32(1 / INT8_MAX))
 
 
 def quantize_xla(x, axis=-1):

@@ -1,0 +1,569 @@
+"""Flash attention benchmark: this package's GPU kernel against its peers.
+
+On a CUDA machine (the H100): batch 4, heads 16, seq 4096, head_dim 128, bf16,
+causal and not, forward and forward+backward, for
+  ours         pallas_kernels.attention.gpu (Pallas, Triton lowering)
+  cudnn / xla  jax.nn.dot_product_attention(implementation=...)
+  jax_mha      jax.experimental.pallas.ops.gpu.attention.mha (Pallas Triton)
+  jax_mgpu     jax.experimental.pallas.ops.gpu.attention_mgpu (Mosaic GPU)
+  tokamax      if importable
+  torch_flash / torch_cudnn   torch SDPA with that backend forced
+plus an 8192^3 bf16 matmul (jax) as the measured peak. FLOPs: forward
+4*B*H*L*L*D (causal: half); forward+backward 3.5x that (backward does 5 of the
+7 matmuls; the recomputed QK^T is not counted, as is usual). Before timing it
+checks the kernel's forward and gradients against a float32 reference on
+several feature combinations (odd lengths, GQA, masks, bias, soft cap).
+
+Elsewhere (CPU) ``--quick`` runs a small shape with the kernel in interpret
+mode beside the reference: a smoke test, not a speed figure.
+
+  python bench/bench_attention.py [--quick] [--tune] [--no-check] [--no-peers]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if os.path.dirname(HERE) not in sys.path:
+  sys.path.insert(0, os.path.dirname(HERE))
+if HERE not in sys.path:
+  sys.path.insert(0, HERE)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import harness  # noqa: E402
+from pallas_kernels.attention import gpu  # noqa: E402
+
+
+def attention_flops(batch, heads, lq, lk, dim, causal, backward):
+  flops = 4.0 * batch * heads * lq * lk * dim
+  if causal:
+    flops /= 2
+  return flops * (3.5 if backward else 1.0)
+
+
+def reference_attention(q, k, v, q_seg=None, kv_seg=None, bias=None, *,
+                        sm_scale, causal=False, left=None, right=None,
+                        cap=None):
+  """float32 attention, [B,H,L,D] layout, same semantics as the kernel."""
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  group = q.shape[1] // k.shape[1]
+  k = jnp.repeat(k, group, axis=1)
+  v = jnp.repeat(v, group, axis=1)
+  s = jnp.einsum("bhid,bhjd->bhij", q, k,
+                 precision=jax.lax.Precision.HIGHEST) * sm_scale
+  if cap is not None:
+    s = cap * jnp.tanh(s / cap)
+  if bias is not None:
+    s = s + bias.astype(jnp.float32)
+  lq, lk = q.shape[2], k.shape[2]
+  rows = jnp.arange(lq)[:, None] + (lk - lq)
+  cols = jnp.arange(lk)[None, :]
+  ok = jnp.ones((lq, lk), bool)
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  if right is not None:
+    ok &= cols <= rows + right
+  if left is not None:
+    ok &= cols >= rows - left
+  ok = ok[None, None]
+  if q_seg is not None:
+    ok = ok & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
+  ok = jnp.broadcast_to(ok, s.shape)
+  m = jax.lax.stop_gradient(jnp.max(jnp.where(ok, s, -jnp.inf), -1,
+                                    keepdims=True))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  e = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - m), 0.0)
+  total = e.sum(-1, keepdims=True)
+  p = e / jnp.where(total > 0, total, 1.0)
+  return jnp.einsum("bhij,bhjd->bhid", p, v,
+                    precision=jax.lax.Precision.HIGHEST)
+
+
+def ours_fn(causal, sm_scale, sizes=None, interpret=False, **features):
+  """Differentiable (q, k, v) -> out through the kernel's forward/backward."""
+  arrays = dict(q_seg=None, kv_seg=None, bias=None)
+  arrays.update({k: features.pop(k) for k in list(features) if k in arrays})
+  kw = dict(sm_scale=sm_scale, causal=causal,
+            window_left=features.get("left"),
+            window_right=features.get("right"),
+            logit_soft_cap=features.get("cap"), block_sizes=sizes,
+            interpret=interpret)
+  extra = (arrays["q_seg"], arrays["kv_seg"], arrays["bias"])
+
+  @jax.custom_vjp
+  def attend(q, k, v):
+    return gpu.forward(q, k, v, *extra, **kw)[0]
+
+  def attend_fwd(q, k, v):
+    out, lse = gpu.forward(q, k, v, *extra, **kw)
+    return out, (q, k, v, out, lse)
+
+  def attend_bwd(res, d_out):
+    q, k, v, out, lse = res
+    dq, dk, dv, _ = gpu.backward(q, k, v, *extra, out, lse, d_out, **kw)
+    return dq, dk, dv
+
+  attend.defvjp(attend_fwd, attend_bwd)
+  return attend
+
+
+def rel_err(x, ref):
+  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+  if not np.isfinite(x).all():
+    return float("inf")
+  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+CHECK_CASES = [
+    # (B, H, Hkv, Lq, Lk, D, dtype, features)
+    (2, 4, 4, 256, 256, 128, "bfloat16", dict()),
+    (2, 4, 4, 256, 256, 128, "bfloat16", dict(causal=True)),
+    (1, 8, 2, 300, 300, 64, "bfloat16", dict(causal=True)),
+    (1, 4, 1, 129, 517, 80, "bfloat16", dict(causal=True, left=100)),
+    (2, 2, 2, 200, 200, 64, "bfloat16", dict(segments=True, left=50, right=7)),
+    (1, 4, 2, 130, 260, 128, "bfloat16", dict(bias=True, cap=20.0)),
+    (1, 2, 1, 7, 1000, 32, "float32", dict(causal=True)),
+    (1, 2, 2, 1, 33, 16, "float32", dict()),
+    # Default tiles of the other table rows, at sizes that fill them.
+    (1, 4, 2, 1024, 1024, 128, "float32", dict(causal=True)),
+    (1, 4, 4, 1024, 1024, 256, "bfloat16", dict()),
+    (1, 4, 4, 1024, 1024, 256, "bfloat16", dict(causal=True)),
+    (2, 4, 4, 1024, 1024, 64, "bfloat16", dict(causal=True)),
+    (1, 4, 4, 1024, 1024, 64, "bfloat16", dict()),
+]
+
+
+def run_checks(key, interpret=False):
+  rows = []
+  for case in CHECK_CASES:
+    try:
+      rows.append(_check_case(case, key, interpret))
+    except Exception as e:  # report and go on: the timings still matter
+      traceback.print_exc(limit=3)
+      rows.append(dict(case=str(case), ok=False,
+                       error=f"{type(e).__name__}: {str(e)[:300]}"))
+    key = jax.random.split(key)[0]
+  return rows
+
+
+def _check_case(case, key, interpret):
+  b, h, hkv, lq, lk, d, dtype, feat = case
+  feat = dict(feat)
+  keys = jax.random.split(key, 8)
+  key = keys[0]
+  dt = jnp.dtype(dtype)
+  q = jax.random.normal(keys[1], (b, h, lq, d), dt)
+  k = jax.random.normal(keys[2], (b, hkv, lk, d), dt)
+  v = jax.random.normal(keys[3], (b, hkv, lk, d), dt)
+  do = jax.random.normal(keys[4], (b, h, lq, d), dt)
+  arrays = {}
+  if feat.pop("segments", False):
+    arrays["q_seg"] = jnp.sort(jax.random.randint(keys[5], (b, lq), 0, 3), 1)
+    arrays["kv_seg"] = jnp.sort(jax.random.randint(keys[6], (b, lk), 0, 3), 1)
+  if feat.pop("bias", False):
+    arrays["bias"] = jax.random.normal(keys[7], (1, h, lq, lk), jnp.float32)
+  causal = feat.pop("causal", False)
+  scale = 1 / math.sqrt(d)
+  ours = ours_fn(causal, scale, interpret=interpret, **arrays, **feat)
+  ref = functools.partial(reference_attention, **arrays, sm_scale=scale,
+                          causal=causal, **feat)
+  out, vjp = jax.vjp(ours, q, k, v)
+  grads = vjp(do)
+  ref_out, ref_vjp = jax.vjp(lambda *a: ref(*a), q, k, v)
+  ref_grads = ref_vjp(do.astype(jnp.float32))
+  errs = [rel_err(out, ref_out)] + [rel_err(g, r)
+                                    for g, r in zip(grads, ref_grads)]
+  if "bias" in arrays:
+    _, vjp_bias = jax.vjp(
+        lambda bb: reference_attention(
+            q, k, v, arrays.get("q_seg"), arrays.get("kv_seg"), bb,
+            sm_scale=scale, causal=causal, **feat), arrays["bias"])
+    ref_db = vjp_bias(do.astype(jnp.float32))[0]
+    kw = dict(sm_scale=scale, causal=causal, window_left=feat.get("left"),
+              window_right=feat.get("right"),
+              logit_soft_cap=feat.get("cap"), block_sizes=None,
+              interpret=interpret)
+    o, lse = gpu.forward(q, k, v, None, None, arrays["bias"], **kw)
+    db = gpu.backward(q, k, v, None, None, arrays["bias"], o, lse, do,
+                      **kw)[3]
+    errs.append(rel_err(db, ref_db))
+  tol = 2e-2 if dtype == "bfloat16" else 2e-3
+  return dict(
+      case=f"B{b} H{h}/{hkv} L{lq}x{lk} D{d} {dtype} causal={causal} "
+           + " ".join(f"{k}" for k in list(arrays) + list(feat)),
+      err_out=errs[0], err_dq=errs[1], err_dk=errs[2], err_dv=errs[3],
+      err_dbias=errs[4] if len(errs) > 4 else None,
+      ok=all(e <= tol for e in errs))
+
+
+# ---------------------------------------------------------------------------
+# Peers. Each builder returns (fwd_callable, fwd_bwd_callable) or raises.
+
+
+def _jax_pair(fn, q, k, v, do):
+  fwd = jax.jit(fn)
+  fwd_bwd = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
+  return (lambda: fwd(q, k, v)), (lambda: fwd_bwd(q, k, v, do))
+
+
+def build_ours(causal, q, k, v, do, sizes=None):
+  fn = ours_fn(causal, 1 / math.sqrt(q.shape[-1]), sizes)
+  return _jax_pair(fn, q, k, v, do)
+
+
+def build_ours_api(causal, q, k, v, do):
+  """The public op (its own custom_vjp) on the gpu backend."""
+  from pallas_kernels.attention import api
+  fn = functools.partial(api.flash_attention, causal=causal, backend="gpu")
+  return _jax_pair(fn, q, k, v, do)
+
+
+def build_dpa(implementation, causal, q, k, v, do):
+  t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B,L,H,D]
+  fn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                         implementation=implementation)
+  return _jax_pair(fn, t(q), t(k), t(v), t(do))
+
+
+def build_jax_mha(causal, q, k, v, do):
+  from jax.experimental.pallas.ops.gpu import attention as jax_attention
+  t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+  fn = functools.partial(jax_attention.mha, segment_ids=None,
+                         sm_scale=1 / math.sqrt(q.shape[-1]), causal=causal)
+  return _jax_pair(fn, t(q), t(k), t(v), t(do))
+
+
+def build_jax_mgpu(causal, q, k, v, do):
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
+  t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+  # Its kernel applies no softmax scale: pre-scale q to match. It only takes
+  # float16 (bf16 fails to lower), so it runs on float16 copies.
+  scale = 1 / math.sqrt(q.shape[-1])
+  qs = (q * scale).astype(jnp.float16)
+  k, v, do = (x.astype(jnp.float16) for x in (k, v, do))
+  config = attention_mgpu.TuningConfig(
+      block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
+      block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+  fn = functools.partial(attention_mgpu.attention, config=config)
+  fwd, fwd_bwd = _jax_pair(fn, t(qs), t(k), t(v), t(do))
+  return fwd, (None if causal else fwd_bwd)
+
+
+def build_tokamax(causal, q, k, v, do):
+  import tokamax  # noqa: F401  (probably not installed)
+  t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+  fn = functools.partial(tokamax.dot_product_attention, is_causal=causal)
+  return _jax_pair(fn, t(q), t(k), t(v), t(do))
+
+
+def build_torch(backend_name, causal, q, k, v, do):
+  import torch
+  from torch.nn.attention import SDPBackend, sdpa_kernel
+  backend = {"flash": SDPBackend.FLASH_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+  conv = lambda x: torch.from_numpy(  # noqa: E731
+      np.asarray(x.astype(jnp.float32))).to("cuda", torch.bfloat16)
+  tq, tk, tv, tdo = (conv(x) for x in (q, k, v, do))
+  for x in (tq, tk, tv):
+    x.requires_grad_(True)
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+
+  def fwd():
+    with sdpa_kernel([backend]), torch.no_grad():
+      return sdpa(tq, tk, tv, is_causal=causal)
+
+  def fwd_bwd():
+    with sdpa_kernel([backend]):
+      out = sdpa(tq, tk, tv, is_causal=causal)
+      return torch.autograd.grad(out, (tq, tk, tv), tdo)
+
+  return fwd, fwd_bwd
+
+
+REPS = 5  # calls per timing sample: hides JAX's per-call host overhead
+
+
+def time_callable(name, fn, iters):
+  """Median seconds per call. A sample is REPS calls queued back to back."""
+  if name.startswith("torch"):
+    def batch():
+      for _ in range(REPS - 1):
+        fn()
+      return fn()
+    return harness.time_torch_cuda(batch, warmup=1, iters=iters) / REPS
+
+  def batch():
+    for _ in range(REPS - 1):
+      fn()
+    return fn()
+  return harness.time_jax(batch, warmup=1, iters=iters) / REPS
+
+
+def matmul_peak(iters=20):
+  """bf16 8192^3 matmul rate (FLOP/s) through jax and through torch."""
+  n = 8192
+  a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+  f = jax.jit(lambda a, b: a @ b)
+  rates = {"jax": 2.0 * n ** 3 / time_callable("jax", lambda: f(a, b), iters)}
+  try:
+    import torch
+    ta = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    tb = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    rates["torch"] = 2.0 * n ** 3 / time_callable(
+        "torch", lambda: ta @ tb, iters)
+  except Exception as e:
+    print(f"torch matmul: {type(e).__name__}: {e}")
+  return rates
+
+
+TUNE_FWD = {
+    False: [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3),
+            (128, 64, 8, 3), (256, 64, 8, 3), (128, 64, 4, 4)],
+    True: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3),
+           (64, 64, 4, 3), (64, 64, 4, 4), (128, 32, 4, 3)],
+}
+# (block_q, block_k, num_warps, num_stages) of one backward kernel; the other
+# keeps its default while one is swept.
+TUNE_DQ = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 4, 2),
+           (64, 128, 4, 2), (128, 32, 4, 2), (64, 32, 4, 3)]
+TUNE_DKV = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 2),
+            (128, 64, 8, 2), (32, 64, 4, 3), (64, 128, 4, 2)]
+
+
+def _backward_only(causal, q, k, v, do, sizes):
+  kw = dict(sm_scale=1 / math.sqrt(q.shape[-1]), causal=causal,
+            window_left=None, window_right=None, logit_soft_cap=None,
+            block_sizes=sizes, interpret=False)
+  out, lse = jax.jit(lambda q, k, v: gpu.forward(q, k, v, None, None, None,
+                                                 **kw))(q, k, v)
+  bwd = jax.jit(lambda q, k, v, out, lse, do: gpu.backward(
+      q, k, v, None, None, None, out, lse, do, **kw)[:3])
+  return lambda: bwd(q, k, v, out, lse, do)
+
+
+def tune(q, k, v, do, iters):
+  rows = []
+
+  def measure(kind, causal, cfg, make):
+    try:
+      seconds = time_callable("ours", make(), iters)
+    except Exception as e:  # a config that fails to compile is a result too
+      seconds = float("nan")
+      print(f"tune {kind} {cfg}: {type(e).__name__}: {str(e)[:200]}")
+    rows.append(dict(kind=kind, causal=causal, config=str(cfg),
+                     ms=seconds * 1e3))
+    print("tune", rows[-1], flush=True)
+
+  for causal in (False, True):
+    for cfg in TUNE_FWD[causal]:
+      sizes = gpu.GpuBlockSizes(block_q=cfg[0], block_k=cfg[1],
+                                num_warps=cfg[2], num_stages=cfg[3])
+      measure("fwd", causal, cfg,
+              lambda: build_ours(causal, q, k, v, do, sizes)[0])
+    for cfg in TUNE_DQ:
+      sizes = gpu.GpuBlockSizes(block_q_dq=cfg[0], block_k_dq=cfg[1],
+                                num_warps_dq=cfg[2], num_stages_dq=cfg[3])
+      measure("bwd(dq swept)", causal, cfg,
+              lambda: _backward_only(causal, q, k, v, do, sizes))
+    for cfg in TUNE_DKV:
+      sizes = gpu.GpuBlockSizes(block_q_dkv=cfg[0], block_k_dkv=cfg[1],
+                                num_warps_dkv=cfg[2], num_stages_dkv=cfg[3])
+      measure("bwd(dkv swept)", causal, cfg,
+              lambda: _backward_only(causal, q, k, v, do, sizes))
+  return rows
+
+
+PEERS = ["ours", "ours_api", "cudnn", "xla", "jax_mha", "jax_mgpu", "tokamax",
+         "torch_flash", "torch_cudnn"]
+
+
+def builder(name):
+  return {
+      "ours": build_ours,
+      "ours_api": build_ours_api,
+      "cudnn": functools.partial(build_dpa, "cudnn"),
+      "xla": functools.partial(build_dpa, "xla"),
+      "jax_mha": build_jax_mha,
+      "jax_mgpu": build_jax_mgpu,
+      "tokamax": build_tokamax,
+      "torch_flash": functools.partial(build_torch, "flash"),
+      "torch_cudnn": functools.partial(build_torch, "cudnn"),
+  }[name]
+
+
+def bench_gpu(args):
+  b, h, l, d = args.batch, args.heads, args.seq, args.head_dim
+  key = jax.random.key(0)
+  kq, kk, kv, kd = jax.random.split(key, 4)
+  q = jax.random.normal(kq, (b, h, l, d), jnp.bfloat16)
+  k = jax.random.normal(kk, (b, h, l, d), jnp.bfloat16)
+  v = jax.random.normal(kv, (b, h, l, d), jnp.bfloat16)
+  do = jax.random.normal(kd, (b, h, l, d), jnp.bfloat16)
+  extra = {"shape": dict(batch=b, heads=h, seq=l, head_dim=d, dtype="bf16")}
+
+  if not args.no_check:
+    checks = run_checks(jax.random.key(int(time.time())))
+    harness.print_table(checks, ["case", "err_out", "err_dq", "err_dk",
+                                 "err_dv", "err_dbias", "ok"])
+    extra["checks"] = checks
+  if args.tune:
+    tuned = tune(q, k, v, do, args.iters)
+    harness.print_table(tuned, ["kind", "causal", "ms", "config"])
+    extra["tuning"] = tuned
+
+  rates = matmul_peak()
+  peak = max(rates.values())
+  extra["matmul_bf16_8192_tflops"] = {k: r / 1e12 for k, r in rates.items()}
+  extra["peak_used_tflops"] = peak / 1e12
+  print("measured bf16 matmul (8192^3) TFLOP/s:",
+        {k: round(r / 1e12, 1) for k, r in rates.items()}, flush=True)
+
+  names = PEERS if not args.no_peers else ["ours", "cudnn"]
+  rows = []
+  for causal in (False, True):
+    for name in names:
+      try:
+        fwd, fwd_bwd = builder(name)(causal, q, k, v, do)
+      except Exception as e:
+        reason = f"not available: {type(e).__name__}: {str(e)[:160]}"
+        for mode in ("fwd", "fwd+bwd"):
+          rows.append(dict(impl=name, causal=causal, mode=mode, ms=None,
+                           note=reason))
+        continue
+      for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        row = dict(impl=name, causal=causal, mode=mode, ms=None,
+                   note="float16 inputs (no bf16 path)"
+                   if name == "jax_mgpu" else "")
+        if fn is None:
+          row["note"] = "not supported by this implementation"
+        else:
+          try:
+            seconds = time_callable(name, fn, args.iters)
+            flops = attention_flops(b, h, l, l, d, causal, mode != "fwd")
+            row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12,
+                       frac_peak=flops / seconds / peak)
+          except Exception as e:
+            row["note"] += f" failed: {type(e).__name__}: {str(e)[:160]}"
+            traceback.print_exc(limit=2)
+        rows.append(row)
+        print(f"{name:12s} causal={causal!s:5s} {mode:8s} "
+              f"{row['ms'] if row['ms'] is None else round(row['ms'], 3)} ms "
+              f"{row['note']}", flush=True)
+  for dim in args.head_dims:
+    # Other head dims: only ours and cuDNN, to check the default tiles.
+    dq, dk, dv, ddo = (jax.random.normal(kk, (b, h, l, dim), jnp.bfloat16)
+                       for kk in jax.random.split(jax.random.key(dim), 4))
+    for causal in (False, True):
+      for name in ("ours", "cudnn"):
+        for mode in ("fwd", "fwd+bwd"):
+          row = dict(impl=name, causal=causal, mode=mode, head_dim=dim,
+                     ms=None, note="")
+          try:
+            fns = builder(name)(causal, dq, dk, dv, ddo)
+            seconds = time_callable(name, fns[mode != "fwd"], args.iters)
+            flops = attention_flops(b, h, l, l, dim, causal, mode != "fwd")
+            row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12,
+                       frac_peak=flops / seconds / peak)
+          except Exception as e:
+            row["note"] = f"failed: {type(e).__name__}: {str(e)[:160]}"
+          rows.append(row)
+          print(row, flush=True)
+  for row in rows:
+    row.setdefault("head_dim", d)
+  # Ratios: how many times faster ours is than each peer (>1: ours faster).
+  for row in rows:
+    same = lambda r: (r["causal"] == row["causal"]  # noqa: E731
+                      and r["mode"] == row["mode"]
+                      and r.get("head_dim", d) == row.get("head_dim", d))
+    ours = next((r for r in rows if r["impl"] == "ours" and same(r)), None)
+    cudnn = next((r for r in rows if r["impl"] == "cudnn" and same(r)), None)
+    if row["ms"] and ours and ours["ms"]:
+      row["ours_speedup_vs_this"] = row["ms"] / ours["ms"]
+    if row["ms"] and cudnn and cudnn["ms"]:
+      row["this_vs_cudnn"] = cudnn["ms"] / row["ms"]
+  columns = ["impl", "head_dim", "causal", "mode", "ms", "tflops", "frac_peak",
+             "this_vs_cudnn", "ours_speedup_vs_this", "note"]
+  harness.print_table(rows, columns)
+  path = harness.write_results("attention", rows, extra=extra,
+                               directory=args.out)
+  print("wrote", path)
+  return 0
+
+
+def bench_cpu(args):
+  """Smoke run: the kernel in Pallas' interpreter beside the reference."""
+  b, h, l, d = 1, 2, 256, 64
+  key = jax.random.key(0)
+  kq, kk, kv, kd = jax.random.split(key, 4)
+  q = jax.random.normal(kq, (b, h, l, d), jnp.float32)
+  k = jax.random.normal(kk, (b, h, l, d), jnp.float32)
+  v = jax.random.normal(kv, (b, h, l, d), jnp.float32)
+  do = jax.random.normal(kd, (b, h, l, d), jnp.float32)
+  rows = []
+  for causal in (False, True):
+    scale = 1 / math.sqrt(d)
+    impls = {
+        "ours (interpret)": ours_fn(causal, scale, interpret=True),
+        "reference": functools.partial(reference_attention, sm_scale=scale,
+                                       causal=causal),
+        "xla": lambda q, k, v, c=causal: jnp.swapaxes(
+            jax.nn.dot_product_attention(
+                *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), is_causal=c,
+                implementation="xla"), 1, 2),
+    }
+    ref_out = impls["reference"](q, k, v)
+    for name, fn in impls.items():
+      fwd, fwd_bwd = _jax_pair(fn, q, k, v, do)
+      for mode, call in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        seconds = harness.time_jax(call, warmup=1, iters=3)
+        rows.append(dict(impl=name, causal=causal, mode=mode,
+                         ms=seconds * 1e3,
+                         err=rel_err(fwd(), ref_out) if mode == "fwd" else None))
+  harness.print_table(rows, ["impl", "causal", "mode", "ms", "err"])
+  if args.write:
+    print("wrote", harness.write_results(
+        "attention", rows, extra={"note": "CPU smoke run (interpret mode)"},
+        directory=args.out))
+  return 0
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="small CPU-sized smoke run when no GPU is present")
+  parser.add_argument("--tune", action="store_true",
+                      help="also sweep the kernel's block sizes")
+  parser.add_argument("--no-check", action="store_true")
+  parser.add_argument("--no-peers", action="store_true")
+  parser.add_argument("--write", action="store_true",
+                      help="write a results file for the CPU smoke run too")
+  parser.add_argument("--batch", type=int, default=4)
+  parser.add_argument("--heads", type=int, default=16)
+  parser.add_argument("--seq", type=int, default=4096)
+  parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--head-dims", type=lambda x: [int(v) for v in
+                                                     x.split(",") if v],
+                      default=[], help="extra head dims (ours vs cuDNN)")
+  parser.add_argument("--out", default=None, help="results directory")
+  args = parser.parse_args(argv)
+  if jax.devices()[0].platform == "gpu":
+    return bench_gpu(args)
+  return bench_cpu(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

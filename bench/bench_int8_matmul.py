@@ -1,0 +1,410 @@
+"""int8 matmul benchmark: this package's kernels against their peers.
+
+On a CUDA machine, at 8192^3 and at LLM shapes (M = 16, 128, 2048 tokens x
+(K, N) = (4096, 14336) and (14336, 4096)):
+  ours_raw      int8_matmul(x_i8, w_i8) -> int32 (Pallas, Triton lowering)
+  ours_fused    int8_matmul(x_i8, w_i8, x_scale, w_scale, bias) -> bf16
+  ours_dynamic  int8_matmul(x_bf16, w_i8, w_scale) (row quantization + matmul;
+                at 8192^3 and M = 16 only, to fit the run)
+  alt_fused_viabf16  ours_fused with int8 dots on bf16 units, w kept [K, N]
+                (M <= 2048; an alternative configuration, see gpu.py)
+  xla_int8      jax.lax.dot(int8, int8, preferred_element_type=int32)
+  xla_fused     the reference backend: XLA int8 dot + scaling epilogue -> bf16
+  xla_bf16      jnp.dot(bf16, bf16) -> bf16
+  torch_int_mm  torch._int_mm (cuBLASLt int8 -> int32; needs M > 16)
+  torch_bf16    torch.mm(bf16, bf16) (cuBLAS)
+Also printed (every run): per TPU generation the tiles the block-size table
+picks, their VMEM bytes and the roofline time of int8 vs bf16 (estimates;
+no TPU was measured).
+And weight-only rows (M = 16, 128): ours_w8a16 int8_matmul(x_bf16, w_i8,
+w_scale, weight_only=True) against xla_bf16 and torch_bf16 (and XLA's own
+dequantize-then-dot). Ratios: ``peer / ours`` (> 1 means ours is faster).
+Every op is first checked against the reference (int32 exact, float within
+tolerance). JAX ops are timed as one jitted program of R independent calls
+on distinct copies of the inputs (R = 2..10 by size: no host dispatch in the
+numbers, no dot merging, no L2 reuse), median of 5; torch ops with CUDA
+events around R back-to-back launches.
+
+``--sweep`` instead times candidate Triton block configurations (and the
+peers) at representative shapes; its file is int8_matmul_sweep-*. Elsewhere (CPU) ``--quick`` runs one small shape with
+the kernel in interpret mode beside the reference: a smoke test only.
+
+  python bench/bench_int8_matmul.py [--quick] [--sweep] [--shapes all|square|llm]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if os.path.dirname(HERE) not in sys.path:
+  sys.path.insert(0, os.path.dirname(HERE))
+if HERE not in sys.path:
+  sys.path.insert(0, HERE)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import harness  # noqa: E402
+import roofline  # noqa: E402
+from pallas_kernels.int8_matmul import api, block_sizes as bs  # noqa: E402
+
+LLM_SHAPES = [(m, k, n) for m in (16, 128, 2048)
+              for k, n in ((4096, 14336), (14336, 4096))]
+SQUARE = (8192, 8192, 8192)
+
+SWEEP = [  # (shape, ops, configs (bm, bk, bn, warps, stages, w_kmajor, split_k))
+    ((8192, 8192, 8192), ("ours_fused",),
+     [(128, 128, 256, 8, 3, True, 1), (128, 128, 256, 8, 3, False, 1),
+      (128, 128, 128, 4, 4, True, 1), (256, 128, 128, 8, 3, True, 1),
+      (128, 256, 128, 8, 3, True, 1), (128, 64, 256, 8, 4, True, 1)]),
+    ((2048, 4096, 14336), ("ours_fused",),
+     [(128, 128, 256, 8, 3, True, 1), (64, 128, 128, 4, 4, True, 1),
+      (128, 128, 128, 4, 4, True, 1), (128, 128, 128, 4, 4, False, 1)]),
+    ((128, 4096, 14336), ("ours_fused",),
+     [(64, 128, 128, 4, 4, True, 1), (64, 128, 128, 4, 4, False, 1),
+      (32, 256, 128, 4, 4, True, 1), (128, 128, 128, 4, 4, True, 1),
+      (64, 128, 128, 4, 4, True, 2)]),
+    ((128, 14336, 4096), ("ours_fused",),
+     [(64, 128, 128, 4, 4, True, 1), (64, 128, 128, 4, 4, True, 4),
+      (128, 128, 128, 4, 4, True, 4)]),
+    ((16, 4096, 14336), ("ours_fused", "ours_w8a16"),
+     [(16, 256, 64, 4, 4, False, 1), (16, 256, 128, 4, 4, False, 1),
+      (16, 256, 128, 4, 4, False, 2), (16, 256, 64, 4, 4, True, 1),
+      (16, 512, 64, 4, 3, False, 1), (16, 128, 256, 4, 4, False, 4)]),
+    ((16, 14336, 4096), ("ours_fused", "ours_w8a16"),
+     [(16, 256, 64, 4, 4, False, 1), (16, 256, 64, 4, 4, False, 4),
+      (16, 256, 128, 4, 4, False, 4), (16, 512, 32, 4, 4, False, 1),
+      (16, 256, 64, 4, 4, True, 2)]),
+]
+
+
+def replicas_for(m, k, n):
+  """Independent calls per timed program: enough to hide the host."""
+  work = m * k * n
+  return 2 if work >= 2**36 else 4 if work >= 2**33 else 10
+
+
+def time_replicated_jax(op, args, reps, iters=5, warmup=1):
+  """(seconds per call of ``op``, first output): one jitted program runs
+  ``reps`` calls on distinct copies of the inputs (no CSE, no dot merging,
+  no L2 reuse), so neither host dispatch nor caching flatters small
+  problems."""
+  n = len(args)
+  flat = [jnp.array(a, copy=True) for _ in range(reps) for a in args]
+  program = jax.jit(lambda *f: [op(*f[i * n:(i + 1) * n]) for i in range(reps)])
+  first = jax.block_until_ready(program(*flat))[0]
+  seconds = harness.time_jax(program, *flat, warmup=warmup, iters=iters) / reps
+  return seconds, first
+
+
+def time_batched_torch(fn, reps=10, iters=15, warmup=2):
+  import torch
+  for _ in range(warmup):
+    fn()
+  torch.cuda.synchronize()
+  samples = []
+  for _ in range(iters):
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+      fn()
+    end.record()
+    end.synchronize()
+    samples.append(start.elapsed_time(end) / 1e3 / reps)
+  return statistics.median(samples)
+
+
+def make_inputs(m, k, n, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+  x8 = jax.random.randint(keys[0], (m, k), -128, 128, jnp.int32).astype(jnp.int8)
+  w8 = jax.random.randint(keys[1], (k, n), -128, 128, jnp.int32).astype(jnp.int8)
+  xs = jax.random.uniform(keys[2], (m, 1), jnp.float32, 1e-3, 2e-3)
+  ws = jax.random.uniform(keys[3], (n,), jnp.float32, 1e-3, 2e-3)
+  bias = jax.random.normal(keys[4], (n,), jnp.float32)
+  xb = jax.random.normal(keys[5], (m, k), jnp.bfloat16)
+  wb = (w8.astype(jnp.float32) * ws).astype(jnp.bfloat16)
+  return dict(x8=x8, w8=w8, xs=xs, ws=ws, bias=bias, xb=xb, wb=wb)
+
+
+def jax_ops(backend, blocks=None):
+  """name -> (fn, argument names); ours at ``backend``."""
+  def ours(names, **flags):
+    def fn(x, w, *rest):
+      return api.int8_matmul(x, w, **dict(zip(names, rest)), backend=backend,
+                             block_sizes=blocks, **flags)
+    return fn
+  return {
+      "ours_raw": (ours(()), ("x8", "w8")),
+      "ours_fused": (ours(("x_scale", "w_scale", "bias")),
+                     ("x8", "w8", "xs", "ws", "bias")),
+      "ours_dynamic": (ours(("w_scale",)), ("xb", "w8", "ws")),
+      "ours_w8a16": (ours(("w_scale",), weight_only=True), ("xb", "w8", "ws")),
+  }
+
+
+def peer_jax_ops():
+  ref = jax_ops("reference")
+  return {
+      "xla_int8": (lambda x, w: jax.lax.dot(
+          x, w, preferred_element_type=jnp.int32), ("x8", "w8")),
+      "xla_fused": ref["ours_fused"],
+      "xla_dynamic": ref["ours_dynamic"],
+      "xla_w8a16": ref["ours_w8a16"],
+      "xla_bf16": (lambda x, w: jnp.dot(x, w), ("xb", "wb")),
+  }
+
+
+def reference_of(name):
+  name = name.replace("alt_", "ours_").replace("_viabf16", "")
+  return "xla_int8" if name == "ours_raw" else name.replace("ours", "xla")
+
+
+def alt_ops(m, k, n):
+  """The same kernel with int8 dots on bf16 units and w kept [K, N]."""
+  cls = bs.gpu_shape_class(m)
+  if cls == "large":
+    return {}
+  cfg = list(bs.GPU_TABLE[cls])
+  cfg[5], cfg[7] = False, True
+  ops = jax_ops("gpu", bs.BlockSizes(*cfg))
+  return {"alt_fused_viabf16": ops["ours_fused"]}
+
+
+SKIP_AT_LLM_SHAPES = ("ours_dynamic", "xla_dynamic")
+
+
+def check(name, out, expected):
+  """Max relative error vs the reference, raising if beyond tolerance."""
+  out, expected = np.asarray(out), np.asarray(expected)
+  if out.dtype == np.int32:
+    bad = int(np.sum(out != expected))
+    if bad:
+      raise AssertionError(f"{name}: {bad} int32 elements differ")
+    return 0.0
+  out = out.astype(np.float64)
+  expected = expected.astype(np.float64)
+  rel = float(np.abs(out - expected).max() / (np.abs(expected).max() + 1e-30))
+  if not np.isfinite(out).all() or rel > 2e-2:
+    raise AssertionError(f"{name}: relative error {rel:.3g}")
+  return rel
+
+
+def run_op(name, fn, argnames, data, reps, peers, errors, check_it=True):
+  args = [data[a] for a in argnames]
+  try:
+    seconds, out = time_replicated_jax(fn, args, reps)
+    if check_it and name.startswith(("ours", "alt")):
+      ref_fn, ref_args = peers[reference_of(name)]
+      errors[name] = check(name, out,
+                           jax.jit(ref_fn)(*[data[a] for a in ref_args]))
+    return seconds
+  except Exception as e:  # record and go on: one failure hides nothing else
+    errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+    traceback.print_exc(limit=1)
+    return None
+
+
+def bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, only=None):
+  data = make_inputs(m, k, n)
+  reps = replicas_for(m, k, n)
+  times, errors = {}, {}
+  for name, (fn, argnames) in {**ops, **alt_ops(m, k, n), **peers}.items():
+    if name.endswith("w8a16") and m > 128 or (only and name not in only):
+      continue
+    if (m, k, n) != SQUARE and m != 16 and name in SKIP_AT_LLM_SHAPES:
+      continue
+    times[name] = run_op(name, fn, argnames, data, reps, peers, errors)
+  for name, make in torch_ops.items():
+    try:
+      fn = make(data, m, k, n)
+      times[name] = None if fn is None else time_batched_torch(fn, reps=reps)
+    except Exception as e:
+      times[name] = None
+      errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+  flops = 2.0 * m * n * k
+  row = dict(shape=f"{m}x{k}x{n}", m=m, k=k, n=n, replicas=reps)
+  for name, t in times.items():
+    row[f"{name}_us"] = None if t is None else t * 1e6
+  for ours in ("ours_raw", "ours_fused", "ours_dynamic"):
+    t = times.get(ours)
+    if t:
+      row[f"{ours}_tops"] = flops / t / 1e12
+      for peer in ("torch_int_mm", "xla_int8", "xla_fused", "xla_dynamic",
+                   "torch_bf16", "xla_bf16"):
+        row[f"{ours}_vs_{peer}"] = harness.ratio(times.get(peer), t)
+  if times.get("alt_fused_viabf16"):
+    row["alt_fused_viabf16_vs_ours_fused"] = harness.ratio(
+        times.get("ours_fused"), times["alt_fused_viabf16"])
+  if times.get("ours_w8a16"):
+    for peer in ("torch_bf16", "xla_bf16", "xla_w8a16"):
+      row[f"ours_w8a16_vs_{peer}"] = harness.ratio(times.get(peer),
+                                                   times["ours_w8a16"])
+  if chip in roofline.SPECS:
+    row["roofline_int8_us"] = roofline.roofline(
+        chip, flops, m * k + k * n + m * n * 2, "int8")["time_s"] * 1e6
+    row["roofline_bf16_us"] = roofline.roofline(
+        chip, flops, 2 * (m * k + k * n + m * n))["time_s"] * 1e6
+  row["errors"] = errors
+  rows.append(row)
+  print({k: (round(v, 2) if isinstance(v, float) else v)
+         for k, v in row.items() if k != "errors"}, flush=True)
+  print("  errors:", errors, flush=True)
+
+
+def torch_peer_ops():
+  import torch
+
+  def int_mm(data, m, k, n):
+    if m <= 16:
+      return None  # torch._int_mm requires M > 16
+    a = torch.from_numpy(np.array(data["x8"])).cuda()
+    b = torch.from_numpy(np.array(data["w8"])).cuda()
+    got = torch._int_mm(a, b)[:64].cpu().numpy()
+    want = np.asarray(data["x8"], np.int64)[:64] @ np.asarray(data["w8"], np.int64)
+    if not np.array_equal(got, want):
+      raise AssertionError("torch._int_mm disagrees with numpy")
+    return lambda: torch._int_mm(a, b)
+
+  def bf16(data, m, k, n):
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    return lambda: torch.mm(a, b)
+
+  return {"torch_int_mm": int_mm, "torch_bf16": bf16}
+
+
+def sweep(rows, torch_ops):
+  """Times candidate Triton configs (and the peers) at representative shapes."""
+  peers = peer_jax_ops()
+  for (m, k, n), names, configs in SWEEP:
+    data = make_inputs(m, k, n)
+    reps = replicas_for(m, k, n)
+    errors = {}
+    base = dict(sweep=True, shape=f"{m}x{k}x{n}")
+    for peer in ("xla_int8", "xla_fused", "xla_bf16") + (
+        ("xla_w8a16",) if m <= 128 else ()):
+      fn, argnames = peers[peer]
+      base[f"{peer}_us"] = _us(run_op(peer, fn, argnames, data, reps, peers,
+                                      errors))
+    for name, make in torch_ops.items():
+      try:
+        fn = make(data, m, k, n)
+        base[f"{name}_us"] = None if fn is None else _us(
+            time_batched_torch(fn, reps=reps))
+      except Exception as e:
+        errors[name] = str(e)[:200]
+    rows.append(dict(base, errors=errors))
+    print(rows[-1], flush=True)
+    for cfg in configs:
+      ops = jax_ops("gpu", bs.BlockSizes(*cfg))
+      row = dict(sweep=True, shape=f"{m}x{k}x{n}", config=str(cfg))
+      errs = {}
+      for name in names:
+        fn, argnames = ops[name]
+        row[f"{name}_us"] = _us(run_op(name, fn, argnames, data, reps, peers,
+                                       errs))
+      row["errors"] = errs
+      rows.append(row)
+      print(row, flush=True)
+
+
+def tpu_estimates():
+  """Per TPU generation: the chosen tiles, their VMEM use and the roofline
+  time of the fused int8 matmul against a bf16 matmul (no TPU measured)."""
+  rows = []
+  for chip in ("v5e", "v6e", "v5p", "v4"):
+    for m, k, n in [SQUARE] + LLM_SHAPES:
+      plan = bs.plan_tpu(m, k, n, x_bytes=1, out_bytes=2, mode="dequant",
+                         generation=chip)
+      flops = 2.0 * m * k * n
+      int8 = roofline.roofline(chip, flops, m * k + k * n + 2 * m * n, "int8")
+      bf16 = roofline.roofline(chip, flops, 2 * (m * k + k * n + m * n))
+      rows.append(dict(chip=chip, shape=f"{m}x{k}x{n}",
+                       tiles=f"{plan.bm}x{plan.bk}x{plan.bn}",
+                       vmem_mib=plan.vmem_bytes / 2**20,
+                       vmem_limit_mib=plan.vmem_limit_bytes / 2**20,
+                       int8_us=int8["time_s"] * 1e6, bound=int8["bound"],
+                       bf16_us=bf16["time_s"] * 1e6,
+                       int8_speedup=bf16["time_s"] / int8["time_s"]))
+  return rows
+
+
+def _us(seconds):
+  return None if seconds is None else seconds * 1e6
+
+
+def quick():
+  """CPU smoke test: small shape, kernel in interpret mode vs reference."""
+  m, k, n = 40, 300, 200
+  data = make_inputs(m, k, n)
+  ops = jax_ops("interpret", bs.BlockSizes(32, 128, 128))
+  peers = peer_jax_ops()
+  rows = []
+  for name, (fn, argnames) in ops.items():
+    errors = {}
+    t = run_op(name, fn, argnames, data, 1, peers, errors)
+    ref_fn, ref_args = peers[reference_of(name)]
+    t_ref = run_op(reference_of(name), ref_fn, ref_args, data, 1, peers, {})
+    rows.append(dict(op=name, shape=f"{m}x{k}x{n}", interpret_ms=t * 1e3,
+                     reference_ms=t_ref * 1e3, max_rel_error=errors[name]))
+  return rows
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--sweep", action="store_true",
+                      help="time candidate GPU block configs instead")
+  parser.add_argument("--shapes", default="all", help="all | square | llm")
+  args = parser.parse_args(argv)
+  on_gpu = jax.default_backend() == "gpu"
+  estimates = tpu_estimates()
+  harness.print_table(estimates)
+  if args.quick or not on_gpu:
+    rows = quick()
+    harness.print_table(rows)
+    if on_gpu or os.environ.get("BENCH_RESULTS_DIR"):
+      print("wrote", harness.write_results("int8_matmul", rows,
+                                           extra=dict(quick=True)))
+    return 0
+  chip = harness.device_slug(harness.device_info())
+  torch_ops = torch_peer_ops()
+  if args.sweep:
+    rows = []
+    sweep(rows, torch_ops)
+    print("wrote", harness.write_results("int8_matmul_sweep", rows))
+    return 0
+  rows = []
+  extra = dict(tpu_estimates=estimates, gpu_table=bs.GPU_TABLE,
+               gpu_table_weight_only=bs.GPU_TABLE_WEIGHT_ONLY,
+               timing="jax: one program of R independent calls on distinct "
+                      "input copies, median of 5; torch: CUDA events around "
+                      "R launches")
+  shapes = ([SQUARE] if args.shapes in ("all", "square") else []) + (
+      LLM_SHAPES if args.shapes in ("all", "llm") else [])
+  ops, peers = jax_ops("gpu"), peer_jax_ops()
+  for m, k, n in shapes:
+    bench_shape(m, k, n, ops, peers, torch_ops, rows, chip)
+    harness.write_results("int8_matmul", rows, extra=extra)  # partial results
+  harness.print_table(rows, [
+      "shape", "ours_raw_us", "ours_fused_us", "torch_int_mm_us", "xla_int8_us",
+      "torch_bf16_us", "xla_bf16_us", "ours_fused_vs_torch_int_mm",
+      "ours_fused_vs_torch_bf16", "ours_raw_vs_xla_int8", "ours_fused_tops"])
+  harness.print_table([r for r in rows if r.get("ours_w8a16_us")], [
+      "shape", "ours_w8a16_us", "xla_w8a16_us", "torch_bf16_us", "xla_bf16_us",
+      "ours_w8a16_vs_torch_bf16", "ours_w8a16_vs_xla_bf16"])
+  print("wrote", harness.write_results("int8_matmul", rows, extra=extra))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

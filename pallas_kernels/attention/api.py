@@ -1,0 +1,396 @@
+"""Public flash-attention API: validation, custom VJP, backend dispatch.
+
+``flash_attention`` computes softmax attention with the semantics documented
+in :mod:`pallas_kernels.attention.reference` (causal masks align the *ends* of
+the query and key sequences, as in decoding: with ``q_len < kv_len`` query
+``i`` sees keys ``j <= i + kv_len - q_len``). Gradients run the backend's own
+backward kernels (``jax.custom_vjp``): the Mosaic dq and dk/dv kernels on TPU,
+the GPU kernels on CUDA, and autodiff of the reference for
+``backend="reference"``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _backend, _compat
+from pallas_kernels.attention import block_sizes as _bs
+from pallas_kernels.attention import reference as _reference
+
+OP = "flash_attention"
+_FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Static parameters (hashable: they key the custom VJP's traces)."""
+  sm_scale: float
+  causal: bool
+  window_left: int | None
+  window_right: int | None
+  logit_soft_cap: float | None
+  block_sizes: _bs.BlockSizes | None
+  backend: str | None
+  return_lse: bool
+
+  def kernel_kwargs(self):
+    return dict(sm_scale=self.sm_scale, causal=self.causal,
+                window_left=self.window_left, window_right=self.window_right,
+                logit_soft_cap=self.logit_soft_cap,
+                block_sizes=self.block_sizes)
+
+
+# ------------------------------------------------------------- backends --
+
+def _gpu_module():
+  """The GPU kernels, or a string saying why they cannot be used."""
+  try:
+    from pallas_kernels.attention import gpu
+  except Exception as e:  # missing module or a broken optional dependency
+    return f"the GPU attention kernels could not be imported: {e}"
+  if not (hasattr(gpu, "forward") and hasattr(gpu, "backward")):
+    return "pallas_kernels.attention.gpu lacks forward/backward"
+  return gpu
+
+
+def _tpu_forward(config, *arrays, interpret=False):
+  from pallas_kernels.attention import mosaic_tpu
+  return mosaic_tpu.forward(*arrays, interpret=interpret,
+                            **config.kernel_kwargs())
+
+
+def _tpu_backward(config, *arrays, interpret=False):
+  from pallas_kernels.attention import mosaic_tpu
+  *arrays, d_lse = arrays
+  return mosaic_tpu.backward(*arrays, d_lse=d_lse, interpret=interpret,
+                             **config.kernel_kwargs())
+
+
+def _reference_forward(config, q, k, v, q_seg, kv_seg, bias):
+  kwargs = config.kernel_kwargs()
+  del kwargs["block_sizes"]
+  return _reference.attention(q, k, v, q_seg, kv_seg, bias, **kwargs)
+
+
+def _reference_backward(config, q, k, v, q_seg, kv_seg, bias, out, lse, d_out,
+                        d_lse):
+  del out, lse
+  def fn(q, k, v, bias):
+    return _reference_forward(config, q, k, v, q_seg, kv_seg, bias)
+  _, vjp = jax.vjp(fn, q, k, v, bias)
+  if d_lse is None:
+    d_lse = jnp.zeros(q.shape[:3], jnp.float32)
+  return vjp((d_out, d_lse))
+
+
+def _gpu_forward(gpu, config, *arrays):
+  return gpu.forward(*arrays, interpret=False, **config.kernel_kwargs())
+
+
+def _gpu_backward(gpu, config, q, k, v, q_seg, kv_seg, bias, out, lse, d_out,
+                  d_lse):
+  kwargs = config.kernel_kwargs()
+  if d_lse is None:
+    return gpu.backward(q, k, v, q_seg, kv_seg, bias, out, lse, d_out,
+                        interpret=False, **kwargs)
+  # The lse cotangent adds p * d_lse to ds. One extra head_dim column with
+  # v = 1, o = 0 and dO = d_lse injects it into dp = dO V^T exactly.
+  def extend(x, value):
+    column = jnp.broadcast_to(jnp.asarray(value, x.dtype), x.shape[:-1] + (1,))
+    return jnp.concatenate([x, column], axis=-1)
+  dq, dk, dv, dbias = gpu.backward(
+      extend(q, 0), extend(k, 0), extend(v, 1), q_seg, kv_seg, bias,
+      extend(out, 0),
+      lse, jnp.concatenate([d_out, d_lse[..., None].astype(d_out.dtype)], -1),
+      interpret=False, **kwargs)
+  return dq[..., :-1], dk[..., :-1], dv[..., :-1], dbias
+
+
+def _implementations(config, forward: bool):
+  gpu = _gpu_module()
+  if forward:
+    impls = {"mosaic_tpu": functools.partial(_tpu_forward, config),
+             "reference": functools.partial(_reference_forward, config)}
+    if not isinstance(gpu, str):
+      gpu = functools.partial(_gpu_forward, gpu, config)
+  else:
+    impls = {"mosaic_tpu": functools.partial(_tpu_backward, config),
+             "reference": functools.partial(_reference_backward, config)}
+    if not isinstance(gpu, str):
+      gpu = functools.partial(_gpu_backward, gpu, config)
+  impls["gpu"] = gpu
+  return impls
+
+
+def _forward(config, q, k, v, q_seg, kv_seg, bias):
+  return _backend.dispatch(OP, config.backend, _implementations(config, True),
+                           q, k, v, q_seg, kv_seg, bias)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(config, q, k, v, q_seg, kv_seg, bias):
+  return _forward(config, q, k, v, q_seg, kv_seg, bias)
+
+
+def _attention_fwd(config, q, k, v, q_seg, kv_seg, bias):
+  out, lse = _forward(config, q, k, v, q_seg, kv_seg, bias)
+  return (out, lse), (q, k, v, q_seg, kv_seg, bias, out, lse)
+
+
+def _attention_bwd(config, residuals, cotangents):
+  q, k, v, q_seg, kv_seg, bias, out, lse = residuals
+  d_out, d_lse = cotangents
+  if not config.return_lse:
+    d_lse = None
+  dq, dk, dv, dbias = _backend.dispatch(
+      OP, config.backend, _implementations(config, False),
+      q, k, v, q_seg, kv_seg, bias, out, lse, d_out.astype(q.dtype), d_lse)
+  return (dq, dk, dv, _integer_cotangent(q_seg), _integer_cotangent(kv_seg),
+          dbias)
+
+
+def _integer_cotangent(x):
+  if x is None:
+    return None
+  return jnp.zeros(x.shape, jax.dtypes.float0)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------- validation --
+
+def _is_static_number(x):
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_array(name, x, ndim):
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{OP}: {name} must be an array, got {type(x).__name__}")
+  if x.ndim != ndim:
+    raise ValueError(f"{OP}: {name} must have {ndim} dimensions, got shape "
+                     f"{tuple(x.shape)}")
+
+
+def _check_float(name, x):
+  if x.dtype not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
+    raise TypeError(f"{OP}: {name} must be bfloat16, float16 or float32, got "
+                    f"{x.dtype}")
+
+
+def _window(sliding_window, causal):
+  if sliding_window is None:
+    return None, (0 if causal else None)
+  def check(value, what):
+    if value is None:
+      return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+      raise TypeError(f"{OP}: sliding_window {what} must be an int or None, "
+                      f"got {value!r}")
+    if value < 0:
+      raise ValueError(f"{OP}: sliding_window {what} must be >= 0, got {value}")
+    return int(value)
+  if isinstance(sliding_window, (tuple, list)):
+    if len(sliding_window) != 2:
+      raise ValueError(f"{OP}: sliding_window must be an int or a (left, "
+                       f"right) pair, got {sliding_window!r}")
+    left = check(sliding_window[0], "left")
+    right = check(sliding_window[1], "right")
+  else:
+    left = check(sliding_window, "size")
+    if left is None:
+      raise TypeError(f"{OP}: sliding_window must be an int or a pair")
+    right = 0 if causal else left
+  return _reference.normalize_window((left, right), causal)
+
+
+def _validate(q, k, v, causal, sm_scale, segment_ids, sliding_window,
+              logit_soft_cap, bias, return_lse, block_sizes, backend):
+  _backend.check_backend(OP, backend)
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    _check_array(name, x, 4)
+    _check_float(name, x)
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(f"{OP}: q, k and v must share a dtype, got {q.dtype}, "
+                    f"{k.dtype}, {v.dtype}")
+  batch, heads, q_len, head_dim = q.shape
+  if k.shape != v.shape:
+    raise ValueError(f"{OP}: k and v must have the same shape, got "
+                     f"{tuple(k.shape)} and {tuple(v.shape)}")
+  if k.shape[0] != batch:
+    raise ValueError(f"{OP}: batch of k/v ({k.shape[0]}) != batch of q "
+                     f"({batch})")
+  if k.shape[3] != head_dim:
+    raise ValueError(f"{OP}: head_dim of k/v ({k.shape[3]}) != head_dim of q "
+                     f"({head_dim})")
+  if head_dim < 1:
+    raise ValueError(f"{OP}: head_dim must be >= 1")
+  kv_heads = k.shape[1]
+  if kv_heads < 1 or heads % kv_heads:
+    raise ValueError(f"{OP}: heads ({heads}) must be a multiple of kv_heads "
+                     f"({kv_heads})")
+  if not isinstance(causal, (bool, jnp.bool_)):
+    raise TypeError(f"{OP}: causal must be a bool, got {causal!r}")
+  if not isinstance(return_lse, bool):
+    raise TypeError(f"{OP}: return_lse must be a bool, got {return_lse!r}")
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(head_dim)
+  elif not _is_static_number(sm_scale):
+    raise TypeError(f"{OP}: sm_scale must be a Python number (it is static), "
+                    f"got {type(sm_scale).__name__}")
+  if not math.isfinite(sm_scale):
+    raise ValueError(f"{OP}: sm_scale must be finite, got {sm_scale}")
+  if logit_soft_cap is not None:
+    if not _is_static_number(logit_soft_cap):
+      raise TypeError(f"{OP}: logit_soft_cap must be a Python number, got "
+                      f"{type(logit_soft_cap).__name__}")
+    if not (logit_soft_cap > 0 and math.isfinite(logit_soft_cap)):
+      raise ValueError(f"{OP}: logit_soft_cap must be > 0 and finite, got "
+                       f"{logit_soft_cap}")
+    logit_soft_cap = float(logit_soft_cap)
+  left, right = _window(sliding_window, bool(causal))
+  kv_len = k.shape[2]
+  q_seg = kv_seg = None
+  if segment_ids is not None:
+    if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
+      raise TypeError(f"{OP}: segment_ids must be a (q_segment_ids, "
+                      "kv_segment_ids) pair")
+    q_seg, kv_seg = segment_ids
+    for name, ids, length in (("q_segment_ids", q_seg, q_len),
+                              ("kv_segment_ids", kv_seg, kv_len)):
+      _check_array(f"segment_ids[{name}]", ids, 2)
+      if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{OP}: {name} must be integers, got {ids.dtype}")
+      if tuple(ids.shape) != (batch, length):
+        raise ValueError(f"{OP}: {name} must have shape {(batch, length)}, "
+                         f"got {tuple(ids.shape)}")
+    q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+  if bias is not None:
+    _check_array("bias", bias, 4)
+    _check_float("bias", bias)
+    b0, b1, b2, b3 = bias.shape
+    if b0 not in (1, batch) or b1 not in (1, heads) or (b2, b3) != (q_len,
+                                                                     kv_len):
+      raise ValueError(
+          f"{OP}: bias must have shape [batch or 1, heads or 1, q_len, "
+          f"kv_len] = [{batch} or 1, {heads} or 1, {q_len}, {kv_len}], got "
+          f"{tuple(bias.shape)}")
+  blocks = _bs.as_block_sizes(block_sizes)
+  config = _Config(sm_scale=float(sm_scale), causal=bool(causal),
+                   window_left=left, window_right=right,
+                   logit_soft_cap=logit_soft_cap, block_sizes=blocks,
+                   backend=backend, return_lse=return_lse)
+  return config, q_seg, kv_seg
+
+
+def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
+                    sliding_window=None, logit_soft_cap=None, bias=None,
+                    return_lse=False, block_sizes=None, backend=None):
+  """Softmax attention ``softmax(mask(cap(sm_scale q k^T) + bias)) v``.
+
+  Args:
+    q: ``[batch, heads, q_len, head_dim]``, bfloat16/float16/float32.
+    k, v: ``[batch, kv_heads, kv_len, head_dim]`` with ``heads % kv_heads ==
+      0`` (MHA, GQA, MQA); query head ``h`` uses kv head
+      ``h // (heads // kv_heads)``.
+    causal: query ``i`` sees keys ``j <= i + kv_len - q_len`` (ends aligned).
+    sm_scale: logit scale, default ``1 / sqrt(head_dim)``.
+    segment_ids: ``(q_segment_ids [batch, q_len], kv_segment_ids [batch,
+      kv_len])`` integers; attention only between equal ids.
+    sliding_window: ``w`` (``(w, 0)`` if causal else ``(w, w)``) or
+      ``(left, right)``: query ``i`` sees keys ``i + off - left <= j <= i +
+      off + right`` (None in the pair: unbounded on that side).
+    logit_soft_cap: ``cap * tanh(logits / cap)`` before bias and mask.
+    bias: additive float ``[batch or 1, heads or 1, q_len, kv_len]``.
+    return_lse: also return the float32 log-sum-exp ``[batch, heads, q_len]``
+      (differentiable).
+    block_sizes: ``BlockSizes``, ``(block_q, block_kv)`` or dict; None uses
+      the per-generation table (``pallas_kernels.attention.block_sizes``).
+    backend: None (by platform), "mosaic_tpu", "gpu", "interpret" or
+      "reference".
+
+  Returns:
+    ``out`` with q's shape and dtype, or ``(out, lse)``. A query row with no
+    allowed key gets ``out = 0``, ``lse = -inf`` and zero gradients.
+  """
+  config, q_seg, kv_seg = _validate(
+      q, k, v, causal, sm_scale, segment_ids, sliding_window, logit_soft_cap,
+      bias, return_lse, block_sizes, backend)
+  batch, heads, q_len, head_dim = q.shape
+  if 0 in (batch, heads, q_len, k.shape[2]):
+    # Nothing to attend to: zero output, -inf lse, zero gradients.
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.full((batch, heads, q_len), -jnp.inf, jnp.float32)
+  else:
+    out, lse = _attention(config, q, k, v, q_seg, kv_seg, bias)
+  return (out, lse) if return_lse else out
+
+
+def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
+                          head_axis="model", segment_ids=None, bias=None,
+                          **kwargs):
+  """``flash_attention`` with batch and heads sharded over ``mesh``.
+
+  Mosaic kernels cannot be partitioned by XLA, so this wraps the op in
+  ``shard_map``: batch is split over mesh axis ``batch_axis`` and the query
+  and kv heads over ``head_axis`` (either may be None to replicate). Each
+  device runs the kernel on its shard with no communication; GQA groups stay
+  intact because both head counts are split evenly. ``segment_ids`` follow
+  the batch; a bias with a size-1 batch or head dimension is replicated
+  along it. Other keyword arguments are passed to ``flash_attention``.
+
+  Example::
+
+      mesh = jax.make_mesh((2, 4), ("data", "model"))
+      out = shard_flash_attention(mesh, q, k, v, causal=True)
+  """
+  from jax.sharding import PartitionSpec as P
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    _check_array(name, x, 4)
+  def axis_size(axis):
+    if axis is None:
+      return 1
+    if axis not in mesh.shape:
+      raise ValueError(f"shard_flash_attention: mesh has no axis {axis!r} "
+                       f"(axes: {tuple(mesh.shape)})")
+    return mesh.shape[axis]
+  n_batch, n_head = axis_size(batch_axis), axis_size(head_axis)
+  if q.shape[0] % n_batch:
+    raise ValueError(f"shard_flash_attention: batch {q.shape[0]} is not "
+                     f"divisible by mesh axis {batch_axis!r} ({n_batch})")
+  if q.shape[1] % n_head or k.shape[1] % n_head:
+    raise ValueError(f"shard_flash_attention: heads ({q.shape[1]}) and "
+                     f"kv_heads ({k.shape[1]}) must be divisible by mesh axis "
+                     f"{head_axis!r} ({n_head})")
+  return_lse = kwargs.get("return_lse", False)
+  qkv_spec = P(batch_axis, head_axis, None, None)
+  in_specs = [qkv_spec, qkv_spec, qkv_spec]
+  args = [q, k, v]
+  has_segments = segment_ids is not None
+  if has_segments:
+    if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
+      raise TypeError("shard_flash_attention: segment_ids must be a pair")
+    in_specs += [P(batch_axis, None), P(batch_axis, None)]
+    args += list(segment_ids)
+  if bias is not None:
+    _check_array("bias", bias, 4)
+    in_specs.append(P(batch_axis if bias.shape[0] > 1 else None,
+                      head_axis if bias.shape[1] > 1 else None, None, None))
+    args.append(bias)
+
+  def local(*arrays):
+    q, k, v, *rest = arrays
+    segs = (rest.pop(0), rest.pop(0)) if has_segments else None
+    local_bias = rest.pop(0) if rest else None
+    return flash_attention(q, k, v, segment_ids=segs, bias=local_bias,
+                           **kwargs)
+
+  out_spec = P(batch_axis, head_axis, None, None)
+  out_specs = (out_spec, P(batch_axis, head_axis, None)) if return_lse else out_spec
+  return _compat.shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
+                           out_specs=out_specs)(*args)

@@ -1,0 +1,386 @@
+"""Public IoU-family ops: validation, custom VJPs and backend dispatch.
+
+Three groups, all matching torchvision (``torchvision.ops``):
+
+* elementwise metrics ``iou, giou, diou, ciou(boxes1 [..., 4], boxes2 [..., 4])
+  -> [...]``: the diagonal of torchvision's pairwise functions, i.e. the
+  ``box_iou`` / ``generalized_box_iou`` / ``distance_box_iou`` /
+  ``complete_box_iou`` formulas applied to matching boxes (shapes broadcast);
+* pairwise matrices ``pairwise_iou`` (alias ``box_iou``, which also takes
+  ``iou_kind=``), ``pairwise_giou``, ``pairwise_diou``, ``pairwise_ciou``:
+  ``[..., N, 4] x [..., M, 4] -> [..., N, M]`` (leading dims broadcast);
+* losses ``iou_loss, giou_loss, diou_loss, ciou_loss(pred, target, *,
+  reduction="none"|"mean"|"sum", eps=1e-7)``: torchvision's
+  ``*_box_iou_loss`` formulas (``iou_loss`` = 1 - IoU with the same eps).
+
+Boxes are ``xyxy`` unless ``box_format="cxcywh"``. Kernels compute in
+float32; results have the inputs' floating dtype (float32 for integers);
+float64 boxes are accepted by ``backend="reference"`` only. Degenerate boxes
+(zero area, x2 < x1, identical, far apart) give finite values and finite
+gradients; where torchvision divides by zero the quotient is defined as 0
+(details in ``pallas_kernels.giou._math``). NaN coordinates propagate.
+
+Gradients: elementwise metrics and losses differentiate through a Pallas
+backward kernel (one pass: boxes and cotangent in, both box gradients out;
+reduced losses read no cotangent array). Pairwise ops differentiate through
+the reference formula (XLA). ``backend="reference"`` uses plain JAX autodiff
+throughout, an independent check of the kernels' gradients.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import _backend
+from pallas_kernels.giou import _math, gpu, mosaic_tpu, reference
+
+DEFAULT_EPS = reference.DEFAULT_EPS
+REDUCTIONS = ("none", "mean", "sum")
+
+
+# ----------------------------------------------------------------- validation
+def _check_boxes(op, name, boxes, min_ndim=1):
+  if isinstance(boxes, (list, tuple)):
+    boxes = np.asarray(boxes)
+  if not hasattr(boxes, "shape") or not hasattr(boxes, "dtype"):
+    raise TypeError(f"{op}: {name} must be an array of boxes [..., 4], got "
+                    f"{type(boxes).__name__}")
+  dtype = jnp.dtype(boxes.dtype)
+  if not (jnp.issubdtype(dtype, jnp.floating)
+          or jnp.issubdtype(dtype, jnp.integer)) or dtype == jnp.bool_:
+    raise TypeError(f"{op}: {name} must have a real floating or integer "
+                    f"dtype, got {dtype}")
+  if len(boxes.shape) < min_ndim or boxes.shape[-1] != 4:
+    want = "[..., 4]" if min_ndim == 1 else "[..., N, 4]"
+    raise ValueError(f"{op}: {name} must have shape {want} (4 coordinates "
+                     f"last), got shape {tuple(boxes.shape)}")
+  return boxes
+
+
+def _check_options(op, backend, box_format, eps=None, reduction=None):
+  _backend.check_backend(op, backend)
+  if box_format not in _math.BOX_FORMATS:
+    raise ValueError(f"{op}: box_format={box_format!r} is not one of "
+                     f"{_math.BOX_FORMATS}")
+  if eps is not None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)):
+      raise TypeError(f"{op}: eps must be a Python float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+      raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
+  if reduction is not None and reduction not in REDUCTIONS:
+    raise ValueError(f"{op}: reduction={reduction!r} is not one of {REDUCTIONS}")
+
+
+def _check_dtype_for_backend(op, backend, dtype):
+  if dtype == jnp.float64 and backend != "reference":
+    raise TypeError(f"{op}: float64 boxes need backend='reference' (the "
+                    "kernels compute in float32); cast to float32 instead")
+
+
+def _kernel_dtype(dtype):
+  return dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.dtype(jnp.float32)
+
+
+# ----------------------------------------------------------- elementwise ops
+class _Config(NamedTuple):
+  op: str
+  kind: str
+  formula: str
+  eps: float
+  box_format: str
+  as_loss: bool
+  reduction: str
+  backend: str | None
+  out_dtype: object
+
+
+def _forward_impls(cfg):
+  common = dict(kind=cfg.kind, formula=cfg.formula, eps=cfg.eps,
+                box_format=cfg.box_format, as_loss=cfg.as_loss,
+                reduce=cfg.reduction != "none")
+  if cfg.reduction == "none":
+    common["out_dtype"] = cfg.out_dtype
+
+  def ref(b1, b2):
+    value = reference.elementwise_score(cfg.kind, cfg.formula, cfg.eps,
+                                        cfg.box_format, b1, b2)
+    if cfg.as_loss:
+      value = 1.0 - value
+    if cfg.reduction != "none":
+      return jnp.sum(value.astype(jnp.float32))
+    return value.astype(cfg.out_dtype)
+
+  return {"mosaic_tpu": functools.partial(mosaic_tpu.elementwise, **common),
+          "gpu": functools.partial(gpu.elementwise, **common,
+                                   interpret=_gpu_interpret()),
+          "reference": ref}
+
+
+def _gpu_interpret():
+  # Under forced interpret mode the GPU branch (traced everywhere) must not
+  # need a GPU either.
+  return _backend.forced_interpret_flavour() is not None
+
+
+def _backward_impls(cfg, shared):
+  common = dict(kind=cfg.kind, formula=cfg.formula, eps=cfg.eps,
+                box_format=cfg.box_format, shared_cotangent=shared)
+
+  def ref(b1, b2, cot):
+    def fn(x, y):
+      return reference.elementwise_score(cfg.kind, cfg.formula, cfg.eps,
+                                         cfg.box_format, x, y).astype(jnp.float32)
+    _, pullback = jax.vjp(fn, b1, b2)
+    cot = jnp.broadcast_to(cot, (b1.shape[0],)) if shared else cot
+    return pullback(cot)
+
+  return {"mosaic_tpu": functools.partial(mosaic_tpu.elementwise_vjp, **common),
+          "gpu": functools.partial(gpu.elementwise_vjp, **common,
+                                   interpret=_gpu_interpret()),
+          "reference": ref}
+
+
+def _elementwise_forward(cfg, b1, b2):
+  out = _backend.dispatch(cfg.op, cfg.backend, _forward_impls(cfg), b1, b2)
+  if cfg.reduction == "mean":
+    out = out / max(b1.shape[0], 1)
+  return out.astype(cfg.out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _elementwise_kernel_op(cfg, b1, b2):
+  return _elementwise_forward(cfg, b1, b2)
+
+
+def _elementwise_fwd(cfg, b1, b2):
+  return _elementwise_forward(cfg, b1, b2), (b1, b2)
+
+
+def _elementwise_bwd(cfg, residuals, g):
+  b1, b2 = residuals
+  sign = -1.0 if cfg.as_loss else 1.0
+  g = g.astype(jnp.float32) * sign
+  shared = cfg.reduction != "none"
+  if cfg.reduction == "mean":
+    g = g / max(b1.shape[0], 1)
+  cot = g.reshape(1) if shared else g
+  return _backend.dispatch(cfg.op + "_backward", cfg.backend,
+                           _backward_impls(cfg, shared), b1, b2, cot)
+
+
+_elementwise_kernel_op.defvjp(_elementwise_fwd, _elementwise_bwd)
+
+
+def _elementwise(op, kind, formula, eps, box_format, as_loss, reduction,
+                 backend, boxes1, boxes2):
+  shape = jnp.broadcast_shapes(tuple(boxes1.shape), tuple(boxes2.shape))
+  out_dtype = reference.result_dtype(boxes1, boxes2)
+  _check_dtype_for_backend(op, backend, out_dtype)
+  if backend == "reference":
+    value = reference.elementwise_score(
+        kind, formula, eps, box_format, jnp.broadcast_to(boxes1, shape),
+        jnp.broadcast_to(boxes2, shape))
+    if as_loss:
+      return reference.reduce_loss(1.0 - value, reduction).astype(out_dtype)
+    return value.astype(out_dtype)
+  dtype = _kernel_dtype(out_dtype)
+  b1 = jnp.broadcast_to(jnp.asarray(boxes1).astype(dtype), shape).reshape(-1, 4)
+  b2 = jnp.broadcast_to(jnp.asarray(boxes2).astype(dtype), shape).reshape(-1, 4)
+  cfg = _Config(op, kind, formula, float(eps), box_format, as_loss,
+                reduction, backend, jnp.dtype(out_dtype))
+  if b1.shape[0] == 0:  # nothing for a kernel to do
+    cfg = cfg._replace(backend="reference")
+  out = _elementwise_kernel_op(cfg, b1, b2)
+  return out if reduction != "none" else out.reshape(shape[:-1])
+
+
+def _metric(op, kind, boxes1, boxes2, eps, box_format, backend):
+  boxes1 = _check_boxes(op, "boxes1", boxes1)
+  boxes2 = _check_boxes(op, "boxes2", boxes2)
+  _check_options(op, backend, box_format, eps=eps)
+  _check_broadcast(op, boxes1, boxes2, "boxes1", "boxes2")
+  return _elementwise(op, kind, "pairwise", eps, box_format, False, "none",
+                      backend, boxes1, boxes2)
+
+
+def _loss(op, kind, pred, target, reduction, eps, box_format, backend):
+  pred = _check_boxes(op, "pred", pred)
+  target = _check_boxes(op, "target", target)
+  _check_options(op, backend, box_format, eps=eps, reduction=reduction)
+  _check_broadcast(op, pred, target, "pred", "target")
+  return _elementwise(op, kind, "loss", eps, box_format, True, reduction,
+                      backend, pred, target)
+
+
+def _check_broadcast(op, a, b, name_a, name_b, skip_last=1):
+  try:
+    jnp.broadcast_shapes(tuple(a.shape[:len(a.shape) - skip_last]),
+                         tuple(b.shape[:len(b.shape) - skip_last]))
+  except ValueError:
+    raise ValueError(f"{op}: shapes of {name_a} {tuple(a.shape)} and {name_b} "
+                     f"{tuple(b.shape)} do not broadcast") from None
+
+
+def iou(boxes1, boxes2, *, box_format="xyxy", backend=None):
+  """IoU of matching boxes: [..., 4] x [..., 4] -> [...] (diag of box_iou)."""
+  return _metric("iou", "iou", boxes1, boxes2, 0.0, box_format, backend)
+
+
+def giou(boxes1, boxes2, *, box_format="xyxy", backend=None):
+  """Generalized IoU of matching boxes, in [-1, 1]: [..., 4] x [..., 4] -> [...]."""
+  return _metric("giou", "giou", boxes1, boxes2, 0.0, box_format, backend)
+
+
+def diou(boxes1, boxes2, *, eps=DEFAULT_EPS, box_format="xyxy", backend=None):
+  """Distance IoU of matching boxes (torchvision's distance_box_iou formula)."""
+  return _metric("diou", "diou", boxes1, boxes2, eps, box_format, backend)
+
+
+def ciou(boxes1, boxes2, *, eps=DEFAULT_EPS, box_format="xyxy", backend=None):
+  """Complete IoU of matching boxes (torchvision's complete_box_iou formula)."""
+  return _metric("ciou", "ciou", boxes1, boxes2, eps, box_format, backend)
+
+
+def iou_loss(pred, target, *, reduction="none", eps=DEFAULT_EPS,
+             box_format="xyxy", backend=None):
+  """1 - inter / (union + eps), reduced as torchvision's losses are."""
+  return _loss("iou_loss", "iou", pred, target, reduction, eps, box_format,
+               backend)
+
+
+def giou_loss(pred, target, *, reduction="none", eps=DEFAULT_EPS,
+              box_format="xyxy", backend=None):
+  """torchvision's generalized_box_iou_loss; Pallas forward and backward."""
+  return _loss("giou_loss", "giou", pred, target, reduction, eps, box_format,
+               backend)
+
+
+def diou_loss(pred, target, *, reduction="none", eps=DEFAULT_EPS,
+              box_format="xyxy", backend=None):
+  """torchvision's distance_box_iou_loss; Pallas forward and backward."""
+  return _loss("diou_loss", "diou", pred, target, reduction, eps, box_format,
+               backend)
+
+
+def ciou_loss(pred, target, *, reduction="none", eps=DEFAULT_EPS,
+              box_format="xyxy", backend=None):
+  """torchvision's complete_box_iou_loss; Pallas forward and backward."""
+  return _loss("ciou_loss", "ciou", pred, target, reduction, eps, box_format,
+               backend)
+
+
+# -------------------------------------------------------------- pairwise ops
+class _PairConfig(NamedTuple):
+  op: str
+  kind: str
+  eps: float
+  backend: str | None
+  out_dtype: object
+
+
+def _pairwise_forward(cfg, a, b):
+  impls = {
+      "mosaic_tpu": functools.partial(mosaic_tpu.pairwise, kind=cfg.kind,
+                                      eps=cfg.eps, out_dtype=cfg.out_dtype),
+      "gpu": functools.partial(gpu.pairwise, kind=cfg.kind, eps=cfg.eps,
+                               out_dtype=cfg.out_dtype,
+                               interpret=_gpu_interpret()),
+      "reference": lambda a, b: reference.pairwise_score(
+          cfg.kind, cfg.eps, "xyxy", a, b).astype(cfg.out_dtype),
+  }
+  return _backend.dispatch(cfg.op, cfg.backend, impls, a, b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _pairwise_kernel_op(cfg, a, b):
+  return _pairwise_forward(cfg, a, b)
+
+
+def _pairwise_fwd(cfg, a, b):
+  return _pairwise_forward(cfg, a, b), (a, b)
+
+
+def _pairwise_bwd(cfg, residuals, g):
+  a, b = residuals
+  _, pullback = jax.vjp(
+      lambda x, y: reference.pairwise_score(cfg.kind, cfg.eps, "xyxy", x, y),
+      a, b)
+  return pullback(g.astype(jnp.float32))
+
+
+_pairwise_kernel_op.defvjp(_pairwise_fwd, _pairwise_bwd)
+
+
+def _pairwise(op, kind, boxes1, boxes2, eps, box_format, backend):
+  boxes1 = _check_boxes(op, "boxes1", boxes1, min_ndim=2)
+  boxes2 = _check_boxes(op, "boxes2", boxes2, min_ndim=2)
+  _check_options(op, backend, box_format, eps=eps)
+  _check_broadcast(op, boxes1, boxes2, "boxes1", "boxes2", skip_last=2)
+  out_dtype = reference.result_dtype(boxes1, boxes2)
+  _check_dtype_for_backend(op, backend, out_dtype)
+  if backend == "reference":
+    return reference.pairwise_score(kind, eps, box_format, boxes1,
+                                    boxes2).astype(out_dtype)
+  batch = jnp.broadcast_shapes(tuple(boxes1.shape[:-2]),
+                               tuple(boxes2.shape[:-2]))
+  n, m = boxes1.shape[-2], boxes2.shape[-2]
+
+  def prepare(boxes, count):
+    boxes = jnp.asarray(boxes).astype(jnp.float32)
+    planes = _math.to_xyxy(box_format, *(boxes[..., c] for c in range(4)))
+    boxes = jnp.stack(planes, axis=-1)
+    return jnp.broadcast_to(boxes, batch + (count, 4)).reshape(-1, count, 4)
+
+  a, b = prepare(boxes1, n), prepare(boxes2, m)
+  cfg = _PairConfig(op, kind, float(eps), backend, jnp.dtype(out_dtype))
+  if a.shape[0] == 0 or n == 0 or m == 0:
+    cfg = cfg._replace(backend="reference")
+  return _pairwise_kernel_op(cfg, a, b).reshape(batch + (n, m))
+
+
+def pairwise_iou(boxes1, boxes2, *, box_format="xyxy", backend=None):
+  """torchvision's box_iou: [..., N, 4] x [..., M, 4] -> [..., N, M]."""
+  return _pairwise("pairwise_iou", "iou", boxes1, boxes2, 0.0, box_format,
+                   backend)
+
+
+def pairwise_giou(boxes1, boxes2, *, box_format="xyxy", backend=None):
+  """torchvision's generalized_box_iou (the DETR matching cost matrix)."""
+  return _pairwise("pairwise_giou", "giou", boxes1, boxes2, 0.0, box_format,
+                   backend)
+
+
+def pairwise_diou(boxes1, boxes2, *, eps=DEFAULT_EPS, box_format="xyxy",
+                  backend=None):
+  """torchvision's distance_box_iou: [..., N, 4] x [..., M, 4] -> [..., N, M]."""
+  return _pairwise("pairwise_diou", "diou", boxes1, boxes2, eps, box_format,
+                   backend)
+
+
+def pairwise_ciou(boxes1, boxes2, *, eps=DEFAULT_EPS, box_format="xyxy",
+                  backend=None):
+  """torchvision's complete_box_iou: [..., N, 4] x [..., M, 4] -> [..., N, M]."""
+  return _pairwise("pairwise_ciou", "ciou", boxes1, boxes2, eps, box_format,
+                   backend)
+
+
+def box_iou(boxes1, boxes2, *, iou_kind="iou", eps=DEFAULT_EPS,
+            box_format="xyxy", backend=None):
+  """Pairwise IoU-family matrix; ``iou_kind`` in ("iou", "giou", "diou", "ciou").
+
+  With the default ``iou_kind="iou"`` this is torchvision's ``box_iou``.
+  ``eps`` is used by "diou" and "ciou" only.
+  """
+  if iou_kind not in _math.KINDS:
+    raise ValueError(f"box_iou: iou_kind={iou_kind!r} is not one of "
+                     f"{_math.KINDS}")
+  if iou_kind in ("iou", "giou"):
+    _check_options("box_iou", backend, box_format, eps=eps)
+    eps = 0.0
+  return _pairwise("box_iou", iou_kind, boxes1, boxes2, eps, box_format,
+                   backend)

@@ -1,0 +1,301 @@
+"""Mosaic TPU kernels for the IoU family.
+
+Layout (elementwise ops and the losses)
+---------------------------------------
+XLA stores a float ``[P, 4]`` array on TPU with layout ``{0,1:T(4,128)}``:
+per group of 128 boxes, the 4 coordinates each as 128 contiguous values. In
+other words TPU HBM already holds boxes as coordinate planes, and the view
+``boxes.reshape(P/128, 128, 4).swapaxes(1, 2).reshape(4 P/128, 128)`` is a
+bitcast (checked in the AOT tests: no copy, no temp buffer). The kernels take
+that ``[4 R, 128]`` view (row 4 s + c = coordinate c of boxes 128 s ..
+128 s + 127) and read coordinate plane c with a sublane-strided load
+(rows c, c+4, ...), eight rows (one vreg, 1024 boxes) at a time, so all
+arithmetic runs on full vregs and the result ``[R, 128]`` is row-major
+``[P]``. The same holds for ``[..., N, 4]`` when N is a multiple of 128.
+Otherwise (or when P is not a multiple of 128) the view costs one relayout
+copy of the inputs; P is also padded to at least 1024 boxes.
+
+Traffic per box pair: forward reads 32 B (f32) and writes 4 B, or nothing
+with reduction="sum"/"mean" (per-step partial sums of shape ``[8, 128]``);
+backward reads 32 B (+4 B cotangent unless reduced) and writes 32 B, the
+gradient planes going out through sublane-strided stores. The backward
+kernel evaluates closed-form derivatives of the same formula
+(``_math.score_vjp``) on the planes. Mosaic's strided loads/stores need
+32-bit data, so bf16/f16 blocks are first widened into an f32 VMEM scratch.
+A trailing partial grid block is read/written masked by Pallas; padded boxes
+are excluded from sums by index.
+
+Pairwise ops: boxes1 ``[N, 4]`` is read as a ``[TN, 4]`` block and each
+coordinate broadcast across lanes; boxes2 is passed transposed with each
+coordinate row repeated on 8 sublanes, ``[32, M]`` (an O(M) copy, negligible
+next to the O(NM) output), so its planes are plain ``[8, 128]`` loads. The output tile
+``[TN, TM]`` (N on sublanes, M on lanes) is computed 8 x 128 at a time and
+written once; edge tiles are masked by Pallas, so the output is never padded
+unless N < 8 or M < 128.
+
+Block sizes (rows of 128 boxes per grid step; VMEM with double buffering):
+  forward   1024 rows: f32 inputs 2 x 2 x 2 MiB
+  backward   512 rows: f32 inputs + outputs 4 x 2 x 1 MiB
+            (bf16 adds f32 widening scratch of the same size)
+  pairwise  TN x TM = 256 x 512 output tile (512 KiB f32, x2 buffers)
+The scoped VMEM limit is raised to 40 MiB (v5e and v6e have 128 MiB).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _compat
+from pallas_kernels._compat import pl, pltpu
+from pallas_kernels.giou import _math
+
+LANES = 128
+COORDS = 4
+GROUP = 8            # plane rows per inner step: one vreg per coordinate
+FORWARD_BLOCK_ROWS = 1024
+BACKWARD_BLOCK_ROWS = 512
+PAIRWISE_TILE = (256, 512)
+VMEM_LIMIT_BYTES = 40 * 1024 * 1024
+
+
+def _round_up(x, m):
+  return -(-x // m) * m
+
+
+def _rows_layout(num_boxes, block_rows):
+  """(rows, block): rows of 128 boxes (>= 8), block a multiple of 8."""
+  rows = max(_round_up(num_boxes, LANES) // LANES, GROUP)
+  block = min(block_rows, rows // GROUP * GROUP)
+  return rows, block
+
+
+def as_planes(boxes, rows):
+  """[P, 4] -> [4 rows, 128] coordinate planes (a bitcast on TPU)."""
+  pad = rows * LANES - boxes.shape[0]
+  if pad:
+    boxes = jnp.pad(boxes, ((0, pad), (0, 0)))
+  return boxes.reshape(rows, LANES, COORDS).swapaxes(1, 2).reshape(
+      rows * COORDS, LANES)
+
+
+def from_planes(planes, num_boxes):
+  rows = planes.shape[0] // COORDS
+  boxes = planes.reshape(rows, COORDS, LANES).swapaxes(1, 2).reshape(
+      rows * LANES, COORDS)
+  return boxes if rows * LANES == num_boxes else boxes[:num_boxes]
+
+
+def _widened(ref, scratch):
+  """An f32 ref holding ref's block (strided access needs 32-bit data)."""
+  if ref.dtype == jnp.float32:
+    return ref
+  scratch[...] = ref[...].astype(jnp.float32)
+  return scratch
+
+
+def _planes(ref, group):
+  """Coordinate planes [8, 128] of plane rows 8*group .. 8*group+7."""
+  start = group * (GROUP * COORDS)
+  return tuple(ref[pl.ds(start + c, GROUP, stride=COORDS), :]
+               for c in range(COORDS))
+
+
+def _widening_scratch(dtype, block):
+  shape = (block * COORDS, LANES) if dtype != jnp.float32 else (8, LANES)
+  return pltpu.VMEM(shape, jnp.float32)
+
+
+def _forward_kernel(b1_ref, b2_ref, out_ref, w1_ref, w2_ref, *, kind, formula,
+                    eps, box_format, as_loss, num_boxes, block_rows, reduce):
+  step = pl.program_id(0)
+  b1 = _widened(b1_ref, w1_ref)
+  b2 = _widened(b2_ref, w2_ref)
+
+  def group_body(group, acc):
+    value = _math.score_from_planes(kind, formula, eps, box_format,
+                                    _planes(b1, group), _planes(b2, group))
+    if as_loss:
+      value = 1.0 - value
+    if reduce:
+      sub = jax.lax.broadcasted_iota(jnp.int32, (GROUP, LANES), 0)
+      lane = jax.lax.broadcasted_iota(jnp.int32, (GROUP, LANES), 1)
+      row = step * block_rows + group * GROUP + sub
+      return acc + jnp.where(row * LANES + lane < num_boxes, value, 0.0)
+    out_ref[pl.ds(group * GROUP, GROUP), :] = value.astype(out_ref.dtype)
+    return acc
+
+  acc = jax.lax.fori_loop(0, block_rows // GROUP, group_body,
+                          jnp.zeros((GROUP, LANES), jnp.float32))
+  if reduce:
+    out_ref[0] = acc
+
+
+def _compiler_params():
+  return _compat.tpu_compiler_params(dimension_semantics=("parallel",),
+                                     vmem_limit_bytes=VMEM_LIMIT_BYTES)
+
+
+def elementwise(boxes1, boxes2, *, kind, formula, eps, box_format,
+                as_loss=False, reduce=False, out_dtype=jnp.float32,
+                interpret=False, block_rows=FORWARD_BLOCK_ROWS):
+  """Score (or 1 - score) of matching boxes: [P, 4] x [P, 4] -> [P].
+
+  With ``reduce`` the result is the float32 sum over the P boxes instead.
+  """
+  num_boxes = boxes1.shape[0]
+  rows, block = _rows_layout(num_boxes, block_rows)
+  x1, x2 = as_planes(boxes1, rows), as_planes(boxes2, rows)
+  steps = pl.cdiv(rows, block)
+  in_spec = pl.BlockSpec((block * COORDS, LANES), lambda i: (i, 0))
+  if reduce:
+    out_shape = jax.ShapeDtypeStruct((steps, GROUP, LANES), jnp.float32)
+    out_spec = pl.BlockSpec((1, GROUP, LANES), lambda i: (i, 0, 0))
+  else:
+    out_shape = jax.ShapeDtypeStruct((rows, LANES), out_dtype)
+    out_spec = pl.BlockSpec((block, LANES), lambda i: (i, 0))
+  kernel = functools.partial(
+      _forward_kernel, kind=kind, formula=formula, eps=eps,
+      box_format=box_format, as_loss=as_loss, num_boxes=num_boxes,
+      block_rows=block, reduce=reduce)
+  out = pl.pallas_call(
+      kernel,
+      grid=(steps,),
+      in_specs=[in_spec, in_spec],
+      out_specs=out_spec,
+      out_shape=out_shape,
+      scratch_shapes=[_widening_scratch(x1.dtype, block),
+                      _widening_scratch(x2.dtype, block)],
+      compiler_params=_compiler_params(),
+      interpret=interpret,
+  )(x1, x2)
+  if reduce:
+    return jnp.sum(out)
+  out = out.reshape(-1)
+  return out if out.shape[0] == num_boxes else out[:num_boxes]
+
+
+def _backward_kernel(b1_ref, b2_ref, g_ref, d1_ref, d2_ref, w1_ref, w2_ref,
+                     *, kind, formula, eps, box_format, block_rows,
+                     scalar_cotangent):
+  b1 = _widened(b1_ref, w1_ref)
+  b2 = _widened(b2_ref, w2_ref)
+  # Gradients go straight to f32 outputs, else to the widening scratch
+  # (each group overwrites only the rows it has just read).
+  o1 = d1_ref if d1_ref.dtype == jnp.float32 else b1
+  o2 = d2_ref if d2_ref.dtype == jnp.float32 else b2
+  scale = g_ref[0] if scalar_cotangent else None
+
+  def group_body(group, carry):
+    planes1 = _planes(b1, group)
+    planes2 = _planes(b2, group)
+    if scalar_cotangent:
+      cot = jnp.full((GROUP, LANES), scale, jnp.float32)
+    else:
+      cot = g_ref[pl.ds(group * GROUP, GROUP), :]
+    grads1, grads2 = _math.score_vjp(kind, formula, eps, box_format,
+                                     planes1, planes2, cot)
+    start = group * (GROUP * COORDS)
+    for c in range(COORDS):
+      o1[pl.ds(start + c, GROUP, stride=COORDS), :] = grads1[c]
+      o2[pl.ds(start + c, GROUP, stride=COORDS), :] = grads2[c]
+    return carry
+
+  jax.lax.fori_loop(0, block_rows // GROUP, group_body, 0)
+  if o1 is not d1_ref:
+    d1_ref[...] = o1[...].astype(d1_ref.dtype)
+  if o2 is not d2_ref:
+    d2_ref[...] = o2[...].astype(d2_ref.dtype)
+
+
+def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
+                    box_format, shared_cotangent=False, interpret=False,
+                    block_rows=BACKWARD_BLOCK_ROWS):
+  """Gradients of sum(cotangent * score) w.r.t. boxes1 and boxes2 ([P, 4]).
+
+  ``cotangent`` is [P] float32, or with ``shared_cotangent`` shape (1,): one
+  value for all boxes (reduced losses: no cotangent traffic at all).
+  """
+  num_boxes = boxes1.shape[0]
+  rows, block = _rows_layout(num_boxes, block_rows)
+  x1, x2 = as_planes(boxes1, rows), as_planes(boxes2, rows)
+  steps = pl.cdiv(rows, block)
+  box_spec = pl.BlockSpec((block * COORDS, LANES), lambda i: (i, 0))
+  if shared_cotangent:
+    g = cotangent.astype(jnp.float32).reshape(1)
+    g_spec = pl.BlockSpec(memory_space=pltpu.SMEM)
+  else:
+    g = cotangent.astype(jnp.float32).reshape(-1)
+    if rows * LANES != num_boxes:
+      g = jnp.pad(g, (0, rows * LANES - num_boxes))
+    g = g.reshape(rows, LANES)
+    g_spec = pl.BlockSpec((block, LANES), lambda i: (i, 0))
+  kernel = functools.partial(
+      _backward_kernel, kind=kind, formula=formula, eps=eps,
+      box_format=box_format, block_rows=block,
+      scalar_cotangent=shared_cotangent)
+  d1, d2 = pl.pallas_call(
+      kernel,
+      grid=(steps,),
+      in_specs=[box_spec, box_spec, g_spec],
+      out_specs=[box_spec, box_spec],
+      out_shape=[jax.ShapeDtypeStruct(x1.shape, boxes1.dtype),
+                 jax.ShapeDtypeStruct(x2.shape, boxes2.dtype)],
+      scratch_shapes=[_widening_scratch(x1.dtype, block),
+                      _widening_scratch(x2.dtype, block)],
+      compiler_params=_compiler_params(),
+      interpret=interpret,
+  )(x1, x2, g)
+  return from_planes(d1, num_boxes), from_planes(d2, num_boxes)
+
+
+def _pairwise_kernel(a_ref, b_ref, o_ref, *, kind, eps, tile_n, tile_m):
+  def group_body(group, carry):
+    rows = pl.ds(group * GROUP, GROUP)
+    a = a_ref[rows, :]
+    a_cols = tuple(jnp.broadcast_to(a[:, c:c + 1], (GROUP, LANES))
+                   for c in range(COORDS))
+    for j in range(tile_m // LANES):
+      # boxes2 rows arrive repeated on 8 sublanes: plain [8, 128] loads.
+      b = tuple(b_ref[pl.ds(c * GROUP, GROUP), pl.ds(j * LANES, LANES)]
+                for c in range(COORDS))
+      value = _math.score(kind, "pairwise", eps, a_cols, b)
+      o_ref[rows, pl.ds(j * LANES, LANES)] = value.astype(o_ref.dtype)
+    return carry
+
+  jax.lax.fori_loop(0, tile_n // GROUP, group_body, 0)
+
+
+def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=False,
+             tile=PAIRWISE_TILE):
+  """[B, N, 4] x [B, M, 4] (xyxy, float32) -> [B, N, M] in ``out_dtype``."""
+  batch, n, _ = boxes1.shape
+  m = boxes2.shape[1]
+  n_out, m_out = max(n, GROUP), max(m, LANES)
+  tile_n = min(tile[0], n_out // GROUP * GROUP)
+  tile_m = min(tile[1], m_out // LANES * LANES)
+  grid_n, grid_m = pl.cdiv(n_out, tile_n), pl.cdiv(m_out, tile_m)
+  a = jnp.pad(boxes1, ((0, 0), (0, grid_n * tile_n - n), (0, 0)))
+  b = jnp.pad(jnp.swapaxes(boxes2, 1, 2),
+              ((0, 0), (0, 0), (0, grid_m * tile_m - m)))
+  b = jnp.repeat(b, GROUP, axis=1)  # [B, 4 * 8, M]: 32 B per box, O(M)
+  kernel = functools.partial(_pairwise_kernel, kind=kind, eps=eps,
+                             tile_n=tile_n, tile_m=tile_m)
+  out = pl.pallas_call(
+      kernel,
+      grid=(batch, grid_n, grid_m),
+      in_specs=[pl.BlockSpec((None, tile_n, COORDS),
+                             lambda b_, i, j: (b_, i, 0)),
+                pl.BlockSpec((None, COORDS * GROUP, tile_m),
+                             lambda b_, i, j: (b_, 0, j))],
+      out_specs=pl.BlockSpec((None, tile_n, tile_m),
+                             lambda b_, i, j: (b_, i, j)),
+      out_shape=jax.ShapeDtypeStruct((batch, n_out, m_out), out_dtype),
+      compiler_params=_compat.tpu_compiler_params(
+          dimension_semantics=("parallel", "parallel", "parallel")),
+      interpret=interpret,
+  )(a, b)
+  if (n_out, m_out) != (n, m):
+    out = out[:, :n, :m]
+  return out

@@ -1,0 +1,62 @@
+"""Main-job cases for the int8 matmul family (``python -m pallas_kernels``)."""
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_kernels._cases import Case, max_abs_error
+from pallas_kernels.int8_matmul import api
+
+SHAPES = {  # (M, K, N)
+    "small": (40, 300, 200),
+    "medium": (256, 1024, 512),
+    "large": (2048, 4096, 4096),
+}
+
+
+def _int8(rng, shape):
+  return rng.integers(-128, 128, shape).astype(np.int8)
+
+
+def _relative_error(out, ref):
+  scale = float(np.max(np.abs(np.asarray(ref, np.float64)))) or 1.0
+  return max_abs_error(out, ref) / scale
+
+
+def main_job_cases(size):
+  import jax.numpy as jnp
+  m, k, n = SHAPES[size]
+  rng = np.random.default_rng(0)
+  x8, w8 = jnp.asarray(_int8(rng, (m, k))), jnp.asarray(_int8(rng, (k, n)))
+  xs = jnp.asarray(rng.uniform(1e-3, 2e-3, (m, 1)), jnp.float32)
+  ws = jnp.asarray(rng.uniform(1e-3, 2e-3, (n,)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(n), jnp.float32)
+  xb = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  shape = f"{m}x{k}x{n}"
+
+  def raw(x, w, backend=None):
+    return api.int8_matmul(x, w, backend=backend)
+
+  def fused(x, w, xs_, ws_, b, backend=None):
+    return api.int8_matmul(x, w, x_scale=xs_, w_scale=ws_, bias=b,
+                           backend=backend)
+
+  def dynamic(x, w, ws_, backend=None):
+    return api.int8_matmul(x, w, w_scale=ws_, backend=backend)
+
+  def weight_only(x, w, ws_, backend=None):
+    return api.int8_matmul(x, w, w_scale=ws_, weight_only=True,
+                           backend=backend)
+
+  def quantize(x, backend=None):
+    return api.quantize_int8(x, axis=-1, backend=backend)
+
+  return [
+      Case("int8_matmul", f"{shape} raw int32", raw, (x8, w8), 0.0),
+      Case("int8_matmul", f"{shape} fused bf16", fused, (x8, w8, xs, ws, bias),
+           2**-7, _relative_error),
+      Case("int8_matmul", f"{shape} w8a8 dynamic", dynamic, (xb, w8, ws),
+           2**-7, _relative_error),
+      Case("int8_matmul", f"{shape} w8a16", weight_only, (xb, w8, ws),
+           2**-7, _relative_error),
+      Case("quantize_int8", f"{m}x{k} rows", quantize, (xb,), 0.0),
+  ]

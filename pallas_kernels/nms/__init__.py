@@ -1,0 +1,24 @@
+"""Greedy non-maximum suppression: blocked on-chip kernels for TPU and GPU.
+
+``nms`` (one image), ``batched_nms`` (many images, optionally class-aware)
+and ``soft_nms`` (reference only). See ``reference`` for the semantics,
+``mosaic_tpu`` and ``gpu`` for the algorithms.
+
+``pallas_kernels.nms`` names both this package and the op: once the package
+is imported, Python binds the package to that attribute, so the package
+itself is made callable and calling it runs :func:`nms`.
+"""
+import sys
+import types
+
+from pallas_kernels.nms.api import batched_nms, nms, soft_nms
+
+__all__ = ["nms", "batched_nms", "soft_nms"]
+
+
+class _CallableFamily(types.ModuleType):
+  def __call__(self, *args, **kwargs):
+    return nms(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableFamily

@@ -1,0 +1,267 @@
+"""Public NMS ops: validation, the shared score sort, backend dispatch.
+
+See ``reference`` for the exact semantics and ``mosaic_tpu`` / ``gpu`` for
+the kernels. Thresholds and ``max_output_size`` are static (Python numbers):
+the output shape is ``[max_output_size]`` so everything works under jit.
+"""
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import _backend
+from pallas_kernels.nms import block_sizes, gpu, mosaic_tpu, reference
+
+
+# ----------------------------------------------------------------- validation
+
+def _static_number(op, name, value, *, allow_none=False, minimum=None):
+  if value is None and allow_none:
+    return None
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+      value, (numbers.Real, np.floating, np.integer)):
+    raise TypeError(f"{op}: {name} must be a Python float (static), got "
+                    f"{type(value).__name__}")
+  value = float(value)
+  if not np.isfinite(value):
+    raise ValueError(f"{op}: {name} must be finite, got {value}")
+  if minimum is not None and value < minimum:
+    raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
+  return value
+
+
+def _static_size(op, name, value):
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+      value, (numbers.Integral, np.integer)):
+    raise TypeError(f"{op}: {name} must be a Python int (static), got "
+                    f"{type(value).__name__}")
+  if value < 0:
+    raise ValueError(f"{op}: {name} must be >= 0, got {value}")
+  return int(value)
+
+
+def _array(op, name, value, ndim, kind):
+  try:
+    value = jnp.asarray(value)
+  except TypeError as e:
+    raise TypeError(f"{op}: {name} must be an array, got "
+                    f"{type(value).__name__}") from e
+  if value.ndim != len(ndim):
+    raise ValueError(f"{op}: {name} must have shape {ndim}, got "
+                     f"{tuple(value.shape)}")
+  if kind == "real" and not (jnp.issubdtype(value.dtype, jnp.floating)
+                             or jnp.issubdtype(value.dtype, jnp.integer)):
+    raise TypeError(f"{op}: {name} must be real (float or int), got "
+                    f"{value.dtype}")
+  if kind == "int" and not jnp.issubdtype(value.dtype, jnp.integer):
+    raise TypeError(f"{op}: {name} must have an integer dtype, got "
+                    f"{value.dtype}")
+  return value
+
+
+def _validate(op, boxes, scores, class_ids, iou_threshold, max_output_size,
+              score_threshold, batched):
+  lead = ("B", "N") if batched else ("N",)
+  boxes = _array(op, "boxes", boxes, lead + ("4",), "real")
+  scores = _array(op, "scores", scores, lead, "real")
+  if boxes.shape[-1] != 4:
+    raise ValueError(f"{op}: boxes must have shape [{', '.join(lead)}, 4] "
+                     f"(x1, y1, x2, y2), got {tuple(boxes.shape)}")
+  if scores.shape != boxes.shape[:-1]:
+    raise ValueError(f"{op}: scores must have shape {tuple(boxes.shape[:-1])} "
+                     f"to match boxes, got {tuple(scores.shape)}")
+  if class_ids is not None:
+    class_ids = _array(op, "class_ids", class_ids, lead, "int")
+    if class_ids.shape != scores.shape:
+      raise ValueError(f"{op}: class_ids must have shape "
+                       f"{tuple(scores.shape)}, got {tuple(class_ids.shape)}")
+    class_ids = class_ids.astype(jnp.int32)
+  iou_threshold = _static_number(op, "iou_threshold", iou_threshold, minimum=0.0)
+  max_output_size = _static_size(op, "max_output_size", max_output_size)
+  score_threshold = _static_number(op, "score_threshold", score_threshold,
+                                   allow_none=True)
+  return (boxes.astype(jnp.float32), scores.astype(jnp.float32), class_ids,
+          iou_threshold, max_output_size, score_threshold)
+
+
+# ------------------------------------------------------------ implementations
+
+def _sorted_inputs(boxes, scores, class_ids, score_threshold, padded):
+  """Per image: score order, planes [B, 5, Np], classes and flags [B, Np]."""
+  batch, n = scores.shape
+  order, valid = jax.vmap(
+      lambda s: reference.sort_by_score(s, score_threshold))(scores)
+  planes = jax.vmap(reference.sorted_planes)(boxes, order)
+  classes = (jnp.zeros((batch, n), jnp.int32) if class_ids is None
+             else jnp.take_along_axis(class_ids, order, axis=1))
+  pad = padded - n
+  planes = jnp.pad(planes, ((0, 0), (0, 0), (0, pad)))
+  classes = jnp.pad(classes, ((0, 0), (0, pad)))
+  flags = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, pad)))
+  return order, planes, classes, flags
+
+
+def _tpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
+                 score_threshold, interpret=False):
+  n = scores.shape[1]
+  tile = block_sizes.tpu_tile(n)
+  padded = block_sizes.padded_size(n, tile)
+  order, planes, classes, flags = _sorted_inputs(
+      boxes, scores, class_ids, score_threshold, padded)
+  rows = jnp.concatenate([
+      planes,
+      jax.lax.bitcast_convert_type(classes, jnp.float32)[:, None],
+      flags.astype(jnp.float32)[:, None],
+      jnp.zeros_like(planes[:, :1]),
+  ], axis=1)
+  keep = mosaic_tpu.keep_mask(rows, iou_threshold=iou_threshold,
+                              max_output_size=max_output_size, tile=tile,
+                              interpret=interpret)
+  return jax.vmap(functools.partial(
+      reference.keep_to_indices, max_output_size=max_output_size))(
+          keep[:, :n], order)
+
+
+def _bitmask_sizes():
+  return dict(rows=block_sizes.MASK_ROWS, words=block_sizes.MASK_WORDS,
+              chunk_rows=block_sizes.MASK_CHUNK_ROWS,
+              max_bytes=block_sizes.GPU_BITMASK_MAX_BYTES)
+
+
+def _gpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
+                 score_threshold, interpret=False):
+  batch, n = scores.shape
+  if gpu.bitmask_layout(batch, n, **_bitmask_sizes()) is not None:
+    order, planes, classes, flags = _sorted_inputs(
+        boxes, scores, class_ids, score_threshold, n)
+    keep = gpu.keep_words_bitmask(
+        planes, classes, flags, iou_threshold=iou_threshold,
+        max_output_size=max_output_size, rows=block_sizes.MASK_ROWS,
+        words=block_sizes.MASK_WORDS, mask_warps=block_sizes.MASK_WARPS,
+        scan_warps=block_sizes.SCAN_WARPS,
+        chunk_rows=block_sizes.MASK_CHUNK_ROWS,
+        max_bytes=block_sizes.GPU_BITMASK_MAX_BYTES, interpret=interpret)
+    return jax.vmap(functools.partial(
+        reference.keep_to_indices, max_output_size=max_output_size))(
+            keep, order)
+  tile = block_sizes.GPU_TILE
+  padded = block_sizes.padded_size(n, tile)
+  order, planes, classes, flags = _sorted_inputs(
+      boxes, scores, class_ids, score_threshold, padded)
+  pos, count = gpu.kept_positions(
+      *(planes[:, r] for r in range(5)), classes, flags,
+      iou_threshold=iou_threshold, max_output_size=max_output_size,
+      tile=tile, num_warps=block_sizes.GPU_NUM_WARPS, interpret=interpret)
+  count = jnp.minimum(count, max_output_size)
+  slots = jnp.arange(max_output_size, dtype=jnp.int32)
+  live = slots[None, :] < count[:, None]
+  indices = jnp.take_along_axis(order, jnp.clip(pos, 0, n - 1), axis=1)
+  return jnp.where(live, indices, -1), count.astype(jnp.int32)
+
+
+def _reference_batched(boxes, scores, class_ids, *, iou_threshold,
+                       max_output_size, score_threshold):
+  return reference.batched_nms(
+      boxes, scores, iou_threshold=iou_threshold,
+      max_output_size=max_output_size, score_threshold=score_threshold,
+      class_ids=class_ids)
+
+
+def _run(op, backend, boxes, scores, class_ids, iou_threshold,
+         max_output_size, score_threshold):
+  _backend.check_backend(op, backend)
+  batch, n = scores.shape
+  if n == 0 or max_output_size == 0 or batch == 0:
+    return (jnp.full((batch, max_output_size), -1, jnp.int32),
+            jnp.zeros((batch,), jnp.int32))
+  static = dict(iou_threshold=iou_threshold, max_output_size=max_output_size,
+                score_threshold=score_threshold)
+  return _backend.dispatch(op, backend, {
+      "mosaic_tpu": functools.partial(_tpu_batched, **static),
+      "gpu": functools.partial(_gpu_batched, **static),
+      "reference": functools.partial(_reference_batched, **static),
+  }, boxes, scores, class_ids)
+
+
+# -------------------------------------------------------------------- public
+
+def nms(boxes, scores, *, iou_threshold, max_output_size, score_threshold=None,
+        class_ids=None, backend=None):
+  """Greedy non-maximum suppression of one image (torchvision.ops.nms semantics).
+
+  Args:
+    boxes: [N, 4] (x1, y1, x2, y2), float (ints are converted to float32).
+    scores: [N] real.
+    iou_threshold: Python float >= 0; a box is dropped when its IoU with a
+      kept box is strictly greater.
+    max_output_size: Python int >= 0, the static output length.
+    score_threshold: optional Python float; scores <= it are never kept.
+    class_ids: optional [N] integer classes; different classes never
+      suppress each other (torchvision's ``batched_nms``).
+    backend: None, "mosaic_tpu", "gpu", "interpret" or "reference".
+
+  Returns:
+    (indices int32 [max_output_size]: kept box indices by decreasing score
+    (equal scores: lower index first), padded with -1; num_valid int32).
+  NaN scores are never kept; inverted boxes are empty (IoU 0 with all).
+  """
+  args = _validate("nms", boxes, scores, class_ids, iou_threshold,
+                   max_output_size, score_threshold, batched=False)
+  boxes, scores, class_ids = args[:3]
+  indices, count = _run(
+      "nms", backend, boxes[None], scores[None],
+      None if class_ids is None else class_ids[None], *args[3:])
+  return indices[0], count[0]
+
+
+def batched_nms(boxes, scores, *, iou_threshold, max_output_size,
+                score_threshold=None, class_ids=None, backend=None):
+  """:func:`nms` of B images at once: boxes [B, N, 4], scores [B, N].
+
+  Images are independent (the batch axis is parallel across cores / thread
+  blocks); ``class_ids`` [B, N] makes it class-aware like torchvision's
+  ``batched_nms``. Returns ([B, max_output_size] int32 padded -1, [B] int32).
+  """
+  args = _validate("batched_nms", boxes, scores, class_ids, iou_threshold,
+                   max_output_size, score_threshold, batched=True)
+  return _run("batched_nms", backend, *args)
+
+
+def soft_nms(boxes, scores, *, max_output_size, method="gaussian", sigma=0.5,
+             iou_threshold=0.3, score_threshold=0.001, class_ids=None,
+             backend=None):
+  """Soft-NMS of one image: decays overlapping scores instead of dropping boxes.
+
+  ``method="gaussian"``: score *= exp(-iou^2 / sigma); ``"linear"``:
+  score *= 1 - iou where iou > iou_threshold. Picks the highest current score
+  each step, stops after ``max_output_size`` picks or when nothing scores
+  above ``score_threshold``. Returns (indices [M] padded -1, decayed scores
+  [M] padded 0, count).
+
+  Only the reference (plain JAX, a while loop of K steps over all N boxes)
+  exists: each step rescores every remaining box, so a tiled kernel cannot
+  skip work the way greedy NMS does, and XLA already fuses each step into one
+  pass. Every backend therefore runs the reference.
+  """
+  op = "soft_nms"
+  _backend.check_backend(op, backend)
+  if method not in ("gaussian", "linear"):
+    raise ValueError(f"{op}: method must be 'gaussian' or 'linear', got "
+                     f"{method!r}")
+  boxes, scores, class_ids, iou_threshold, max_output_size, score_threshold = (
+      _validate(op, boxes, scores, class_ids, iou_threshold, max_output_size,
+                score_threshold, batched=False))
+  sigma = _static_number(op, "sigma", sigma)
+  if sigma <= 0:
+    raise ValueError(f"{op}: sigma must be > 0, got {sigma}")
+  if score_threshold is None:
+    score_threshold = -np.inf
+  # Every backend runs the reference (see above): no kernel to dispatch to.
+  return reference.soft_nms(
+      boxes, scores, max_output_size=max_output_size, method=method,
+      sigma=sigma, iou_threshold=iou_threshold,
+      score_threshold=score_threshold, class_ids=class_ids)

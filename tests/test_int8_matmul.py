@@ -1,0 +1,522 @@
+"""int8_matmul and quantize_int8: exactness, bounds, modes, errors.
+
+Tolerances. int32 results are compared bit-exactly with numpy int64.
+Dequantized results against float64: the int32 accumulator is exact, its
+float32 conversion, two scale multiplies and the bias add each round once
+(<= 4 * 2**-24 relative to |acc * xs * ws| + |bias|), and the final cast adds
+the unit roundoff of out_dtype (2**-8 bf16, 2**-11 f16, 2**-24 f32) relative to the result.
+Weight-only float32 sums of K exact products add K * 2**-24 * sum|x*w|.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import pallas_kernels as pk
+from pallas_kernels import force_interpret
+from pallas_kernels.int8_matmul import api, block_sizes as bs, gpu, reference
+
+MAX_K = api.MAX_INT8_K
+HALF_ULP = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11, jnp.float32: 2.0**-24}
+
+
+def int8_values(rng, shape, extremes=True):
+  a = rng.integers(-128, 128, shape).astype(np.int8)
+  if extremes and a.size:
+    flat = a.reshape(-1)
+    flat[rng.integers(0, flat.size, max(1, flat.size // 10))] = -128
+    flat[rng.integers(0, flat.size, max(1, flat.size // 10))] = 127
+  return a
+
+
+def exact_int(x, w):
+  return np.asarray(x, np.int64) @ np.asarray(w, np.int64)
+
+
+def check_dequant(out, acc, xs, ws, bias, out_dtype):
+  """out vs float64 ((acc * xs) * ws + bias) within the stated bound."""
+  acc = np.asarray(acc, np.float64)
+  prod = acc * np.asarray(xs, np.float64) * np.asarray(ws, np.float64)
+  b = 0.0 if bias is None else np.asarray(bias, np.float64)
+  want = prod + b
+  got = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+  bound = (4 * 2.0**-24 * (np.abs(prod) + np.abs(b))
+           + HALF_ULP[out_dtype] * np.abs(want) * 1.001 + 1e-30)
+  assert got.shape == want.shape
+  excess = np.abs(got - want) - bound
+  assert np.all(excess <= 0), f"max excess {excess.max():.3g}"
+
+
+# ----------------------------------------------------------------------------
+# raw int32: bit-exact
+
+
+RAW_CASES = [  # (x shape, N, block sizes)
+    ((1, 1), 1, None),
+    ((17, 1000), 17, None),
+    ((1, 17), 1000, None),
+    ((40, 300), 200, (32, 128, 128)),     # 2 x 2 x 3 grid, ragged M and N, K padded
+    ((2, 3, 129), 130, (32, 128, 128)),   # batch dims
+]
+
+
+@pytest.mark.parametrize("x_shape,n,blocks", RAW_CASES)
+def test_raw_int32_bit_exact_tpu_interpreter(rng, x_shape, n, blocks):
+  x = int8_values(rng, x_shape)
+  w = int8_values(rng, (x_shape[-1], n))
+  out = pk.int8_matmul(jnp.asarray(x), jnp.asarray(w), block_sizes=blocks,
+                       backend="interpret")
+  assert out.dtype == jnp.int32 and out.shape == x_shape[:-1] + (n,)
+  np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
+
+
+@pytest.mark.parametrize("x_shape,n,blocks", RAW_CASES)
+def test_raw_int32_bit_exact_gpu_kernel(rng, x_shape, n, blocks):
+  x = int8_values(rng, x_shape).reshape(-1, x_shape[-1])
+  w = int8_values(rng, (x_shape[-1], n))
+  block = None if blocks is None else bs.BlockSizes(16, 64, 32)
+  out = gpu.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
+                   mode="raw", out_dtype=None, block_sizes=block,
+                   interpret=True)
+  np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
+
+
+def test_no_data_races_in_tpu_interpreter(rng):
+  from pallas_kernels import _compat
+  x = jnp.asarray(int8_values(rng, (40, 300)))
+  w = jnp.asarray(int8_values(rng, (300, 130)))
+  ws = jnp.asarray(rng.uniform(1e-3, 2e-3, (130,)), jnp.float32)
+  with force_interpret("races"):
+    out = pk.int8_matmul(x, w, w_scale=ws, out_dtype=jnp.float32,
+                         block_sizes=(32, 128, 128))
+  check_dequant(out, exact_int(x, w), 1.0, np.asarray(ws), None, jnp.float32)
+  assert not _compat.races_found()
+
+
+def test_raw_worst_case_at_k_bound_does_not_overflow():
+  # Every product is (-128) * (-128): the sum reaches 131071 * 16384.
+  x = jnp.full((1, MAX_K), -128, jnp.int8)
+  w = jnp.full((MAX_K, 1), -128, jnp.int8)
+  want = MAX_K * 128 * 128
+  assert want <= 2**31 - 1 < (MAX_K + 1) * 128 * 128
+  with force_interpret("generic"):
+    out = pk.int8_matmul(x, w)
+  assert int(out[0, 0]) == want
+  assert int(pk.int8_matmul(x, w, backend="reference")[0, 0]) == want
+
+
+def test_k_above_bound_raises():
+  x = jax.ShapeDtypeStruct((1, MAX_K + 1), jnp.int8)
+  w = jax.ShapeDtypeStruct((MAX_K + 1, 1), jnp.int8)
+  for kwargs in ({}, {"w_scale": jnp.ones(1)}):
+    with pytest.raises(ValueError, match=r"K=131072 exceeds 131071"):
+      jax.eval_shape(functools.partial(pk.int8_matmul, **kwargs), x, w)
+  xf = jax.ShapeDtypeStruct((1, MAX_K + 1), jnp.bfloat16)
+  with pytest.raises(ValueError, match="K=131072"):
+    jax.eval_shape(pk.int8_matmul, xf, w)
+  # weight-only accumulates in float32: no bound.
+  out = jax.eval_shape(functools.partial(pk.int8_matmul, weight_only=True), xf, w)
+  assert out.shape == (1, 1)
+
+
+@pytest.mark.parametrize("mode", ["raw", "dequant", "weight_only"])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_gpu_kernel_k_major_weights_and_split_k(rng, mode, split_k):
+  m, k, n = 33, 200, 70
+  x = (jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+       if mode == "weight_only" else jnp.asarray(int8_values(rng, (m, k))))
+  w = jnp.asarray(int8_values(rng, (k, n)))
+  ws = jnp.asarray(rng.uniform(1e-3, 2e-3, (1, n)), jnp.float32)
+  ws = None if mode == "raw" else ws
+  run = functools.partial(gpu.matmul, x, w, None, ws, None, mode=mode,
+                          out_dtype=jnp.float32, interpret=True)
+  kmajor = run(block_sizes=bs.BlockSizes(16, 64, 32, 4, 3, w_kmajor=True,
+                                         split_k=split_k))
+  plain = run(block_sizes=bs.BlockSizes(16, 64, 32, 4, 3, w_kmajor=False))
+  if mode != "raw":  # float sums may associate differently
+    np.testing.assert_allclose(np.asarray(kmajor), np.asarray(plain), rtol=0,
+                               atol=2e-6 * float(np.abs(plain).max()))
+  else:
+    np.testing.assert_array_equal(np.asarray(kmajor), np.asarray(plain))
+  if mode == "raw":
+    np.testing.assert_array_equal(np.asarray(kmajor), exact_int(x, w))
+
+
+def test_gpu_int8_via_bf16_is_exact_at_its_worst_case(rng):
+  # bk = 1024 products of (-128) * (-128) sum to exactly 2**24 per tile.
+  k = 2048 + 40
+  x = np.full((16, k), -128, np.int8)
+  x[1:] = int8_values(rng, (15, k))
+  w = np.full((k, 32), -128, np.int8)
+  w[:, 1:] = int8_values(rng, (k, 31))
+  out = gpu.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
+                   mode="raw", out_dtype=None, interpret=True,
+                   block_sizes=bs.BlockSizes(16, 1024, 32, int8_via_bf16=True,
+                                             split_k=2))
+  np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
+  assert int(out[0, 0]) == k * 128 * 128
+  with pytest.raises(ValueError, match="exact only for bk <= 1024"):
+    gpu.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None, mode="raw",
+               out_dtype=None, interpret=True,
+               block_sizes=bs.BlockSizes(16, 2048, 32, int8_via_bf16=True))
+
+
+def test_gpu_auto_split_k_fills_the_gpu():
+  plan = bs.plan_gpu(16, 14336, 4096, mode="dequant")
+  bm, bk, bn, split = plan[0], plan[1], plan[2], plan[6]
+  assert (4096 // bn) * split >= min(bs.GPU_TARGET_PROGRAMS, (4096 // bn) * 8)
+  assert split <= 14336 // bk
+
+
+# ----------------------------------------------------------------------------
+# dequantized, dynamic and weight-only modes
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("scalar_scales", [False, True])
+def test_dequant_fused_epilogue_tpu_interpreter(rng, out_dtype, scalar_scales):
+  m, k, n = 40, 300, 200
+  x, w = int8_values(rng, (m, k)), int8_values(rng, (k, n))
+  if scalar_scales:
+    xs, ws = np.float32(rng.uniform(0.5, 2)), np.float32(rng.uniform(1e-3, 2e-3))
+  else:
+    xs = rng.uniform(0.5, 2, (m, 1)).astype(np.float32)
+    ws = rng.uniform(1e-3, 2e-3, (n,)).astype(np.float32)
+  bias = rng.standard_normal(n).astype(np.float32)
+  out = pk.int8_matmul(jnp.asarray(x), jnp.asarray(w), x_scale=jnp.asarray(xs),
+                       w_scale=jnp.asarray(ws), bias=jnp.asarray(bias),
+                       out_dtype=out_dtype, block_sizes=(32, 128, 128),
+                       backend="interpret")
+  assert out.dtype == out_dtype
+  check_dequant(out, exact_int(x, w), np.reshape(xs, (-1, 1)) if xs.ndim else xs,
+                ws, bias, out_dtype)
+
+
+@pytest.mark.parametrize("mode_kwargs", [
+    dict(x_scale=True, w_scale=True, bias=True),
+    dict(w_scale=True),
+    dict(bias=True, out_dtype=jnp.float32),
+    dict(w_scale=True, out_dtype=jnp.float16),
+    dict(out_dtype=jnp.float32),
+])
+def test_dequant_variants_gpu_kernel(rng, mode_kwargs):
+  m, k, n = 33, 70, 50
+  x, w = int8_values(rng, (m, k)), int8_values(rng, (k, n))
+  xs = rng.uniform(0.5, 2, (m, 1)).astype(np.float32)
+  ws = rng.uniform(1e-3, 2e-3, (1, n)).astype(np.float32)
+  bias = rng.standard_normal((1, n)).astype(np.float32)
+  out_dtype = mode_kwargs.get("out_dtype", jnp.bfloat16)
+  out = gpu.matmul(
+      jnp.asarray(x), jnp.asarray(w),
+      jnp.asarray(xs) if mode_kwargs.get("x_scale") else None,
+      jnp.asarray(ws) if mode_kwargs.get("w_scale") else None,
+      jnp.asarray(bias) if mode_kwargs.get("bias") else None,
+      mode="dequant", out_dtype=out_dtype, interpret=True)
+  check_dequant(out, exact_int(x, w),
+                xs if mode_kwargs.get("x_scale") else 1.0,
+                ws if mode_kwargs.get("w_scale") else 1.0,
+                bias if mode_kwargs.get("bias") else None, out_dtype)
+
+
+def test_dynamic_w8a8_matches_quantize_then_matmul(rng):
+  m, k, n = 3 * 13, 260, 130
+  x = (rng.standard_normal((3, 13, k)) * rng.uniform(0.1, 10, (3, 13, 1)))
+  x = jnp.asarray(x, jnp.bfloat16)
+  w = int8_values(rng, (k, n))
+  ws = rng.uniform(1e-3, 2e-3, (n,)).astype(np.float32)
+  out = pk.int8_matmul(x, jnp.asarray(w), w_scale=jnp.asarray(ws),
+                       block_sizes=(32, 128, 128), backend="interpret")
+  assert out.dtype == jnp.bfloat16 and out.shape == (3, 13, n)
+  q, s = pk.quantize_int8(x, backend="reference")
+  check_dequant(out.reshape(m, n),
+                exact_int(np.asarray(q).reshape(m, k), w),
+                np.asarray(s).reshape(m, 1), ws, None, jnp.bfloat16)
+  # ... and it approximates the float product within the quantization error.
+  xf = np.asarray(x, np.float64).reshape(m, k)
+  want = xf @ (np.asarray(w, np.float64) * ws)
+  quant_err = (np.asarray(s, np.float64).reshape(m, 1) / 2) @ np.abs(
+      np.asarray(w, np.float64) * ws).sum(0, keepdims=True)
+  got = np.asarray(out.astype(jnp.float32), np.float64).reshape(m, n)
+  assert np.all(np.abs(got - want) <= quant_err + 2**-8 * np.abs(want) + 1e-6)
+
+
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+def test_weight_only_w8a16(rng, x_dtype):
+  m, k, n = 20, 300, 140
+  x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
+  w = int8_values(rng, (k, n))
+  ws = rng.uniform(1e-3, 2e-3, (n,)).astype(np.float32)
+  bias = rng.standard_normal(n).astype(np.float32)
+  xf = np.asarray(x.astype(jnp.float32), np.float64)
+  prod = xf @ np.asarray(w, np.float64)
+  abs_sum = np.abs(xf) @ np.abs(np.asarray(w, np.float64))
+  want = prod * ws + bias
+  bound = ((k * 2.0**-24 * abs_sum) * ws + 4 * 2.0**-24 * (np.abs(prod * ws)
+           + np.abs(bias)) + HALF_ULP[x_dtype] * np.abs(want) * 1.001)
+  kernels = {
+      "tpu": lambda: pk.int8_matmul(x, jnp.asarray(w), w_scale=jnp.asarray(ws),
+                                    bias=jnp.asarray(bias), weight_only=True,
+                                    block_sizes=(32, 128, 128),
+                                    backend="interpret"),
+      "gpu": lambda: gpu.matmul(
+          x.astype(jnp.float32) if x_dtype == jnp.float16 else x,
+          jnp.asarray(w), None, jnp.asarray(ws).reshape(1, n),
+          jnp.asarray(bias).reshape(1, n), mode="weight_only",
+          out_dtype=x_dtype, interpret=True),
+  }
+  for name, run in kernels.items():
+    out = run()
+    assert out.dtype == x_dtype, name
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    assert np.all(np.abs(got - want) <= bound), name
+
+
+def test_backends_agree_and_auto_backend_under_jit(rng):
+  x = jnp.asarray(int8_values(rng, (24, 160)))
+  w = jnp.asarray(int8_values(rng, (160, 48)))
+  ws = jnp.asarray(rng.uniform(1e-3, 2e-3, (48,)), jnp.float32)
+  ref = pk.int8_matmul(x, w, w_scale=ws, backend="reference")
+  auto = jax.jit(lambda a, b, c: pk.int8_matmul(a, b, w_scale=c))(x, w, ws)
+  np.testing.assert_array_equal(np.asarray(auto, np.float32),
+                                np.asarray(ref, np.float32))
+
+
+def test_module_and_function_names_both_work():
+  # Importing the package binds pallas_kernels.int8_matmul to it; calling it
+  # must still run the op.
+  x = jnp.ones((2, 3), jnp.int8)
+  w = jnp.ones((3, 4), jnp.int8)
+  np.testing.assert_array_equal(np.asarray(pk.int8_matmul(x, w, backend="reference")),
+                                np.full((2, 4), 3))
+  from pallas_kernels import reference as ref_ns
+  np.testing.assert_array_equal(np.asarray(ref_ns.int8_matmul(x, w)),
+                                np.full((2, 4), 3))
+
+
+@pytest.mark.parametrize("m,k,n", [(0, 5, 3), (4, 5, 0), (4, 0, 3)])
+def test_empty_dimensions(m, k, n):
+  x = jnp.zeros((m, k), jnp.int8)
+  w = jnp.zeros((k, n), jnp.int8)
+  out = pk.int8_matmul(x, w, backend="interpret")
+  assert out.shape == (m, n) and out.dtype == jnp.int32
+  assert not np.any(np.asarray(out))
+  bias = jnp.arange(n, dtype=jnp.float32)
+  out = pk.int8_matmul(x, w, bias=bias, out_dtype=jnp.float32,
+                       backend="interpret")
+  np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(bias, (m, n)))
+
+
+def test_nan_scale_propagates_to_its_row_only(rng):
+  x = jnp.asarray(int8_values(rng, (8, 64)))
+  w = jnp.asarray(int8_values(rng, (64, 16)))
+  xs = np.ones((8, 1), np.float32)
+  xs[3] = np.nan
+  out = np.asarray(pk.int8_matmul(x, w, x_scale=jnp.asarray(xs),
+                                  out_dtype=jnp.float32, backend="interpret"))
+  assert np.all(np.isnan(out[3])) and np.all(np.isfinite(np.delete(out, 3, 0)))
+
+
+# ----------------------------------------------------------------------------
+# quantize_int8
+
+
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+def test_quantize_rows_properties(rng, backend):
+  x = rng.standard_normal((37, 300)) * rng.uniform(1e-3, 1e3, (37, 1))
+  x[5] = 0.0                       # amax == 0: scale 1, q 0
+  x[6, :3] = [2.5, -2.5, 0.5]      # ties: round half to even
+  x[6, 3:] = 0.0
+  x[6, 3] = 127.0                  # scale exactly 1
+  x = jnp.asarray(x, jnp.float32)
+  q, s = pk.quantize_int8(x, backend=backend)
+  q, s, xf = np.asarray(q), np.asarray(s, np.float64), np.asarray(x, np.float64)
+  assert q.dtype == np.int8 and s.shape == (37, 1)
+  assert np.all(np.abs(q) <= 127)
+  assert s[5, 0] == 1.0 and not np.any(q[5])
+  np.testing.assert_array_equal(q[6, :4], [2, -2, 0, 127])
+  amax = np.abs(xf).max(1, keepdims=True)
+  np.testing.assert_allclose(s[amax[:, 0] > 0], amax[amax > 0][:, None] / 127,
+                             rtol=2**-23)
+  # Each row's largest magnitude maps to +-127, and q * s is within s / 2.
+  rows = np.arange(37)
+  assert np.all(np.abs(q[rows, np.abs(xf).argmax(1)])[amax[:, 0] > 0] == 127)
+  assert np.all(np.abs(q * s - xf) <= s / 2 * (1 + 2**-20))
+
+
+def test_quantize_kernel_equals_reference_bitwise(rng):
+  x = jnp.asarray(rng.standard_normal((2, 45, 130)) * 3, jnp.bfloat16)
+  q1, s1 = pk.quantize_int8(x, backend="interpret")
+  q2, s2 = pk.quantize_int8(x, backend="reference")
+  np.testing.assert_array_equal(np.asarray(q1), np.asarray(q2))
+  np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
+  assert q1.shape == x.shape and s1.shape == (2, 45, 1)
+
+
+def test_quantize_axes_and_per_tensor(rng):
+  x = jnp.asarray(rng.standard_normal((6, 10)), jnp.float32)
+  q0, s0 = pk.quantize_int8(x, axis=0)
+  assert s0.shape == (1, 10)
+  np.testing.assert_allclose(np.asarray(s0), np.abs(np.asarray(x)).max(0, keepdims=True) / 127, rtol=1e-6)
+  qn, sn = pk.quantize_int8(x, axis=None)
+  assert sn.shape == () and qn.shape == x.shape
+  assert int(np.abs(np.asarray(qn)).max()) == 127
+  assert float(sn) == pytest.approx(float(np.abs(np.asarray(x)).max()) / 127)
+
+
+def test_quantize_non_finite_rows():
+  x = np.ones((3, 8), np.float32)
+  x[0, 2] = np.nan
+  x[1, 4] = np.inf
+  for backend in ("interpret", "reference"):
+    q, s = pk.quantize_int8(jnp.asarray(x), backend=backend)
+    q, s = np.asarray(q), np.asarray(s)
+    assert np.isnan(s[0, 0]) and q[0, 2] == 0
+    assert np.isinf(s[1, 0])
+    assert s[2, 0] == np.float32(1 / 127) and np.all(q[2] == 127)
+
+
+@given(m=st.integers(1, 70), k=st.integers(1, 300), n=st.integers(1, 300),
+       batch=st.integers(0, 2), seed=st.integers(0, 2**31 - 1))
+def test_hypothesis_shapes_raw_and_fused(m, k, n, batch, seed):
+  rng = np.random.default_rng(seed)
+  x = int8_values(rng, (m, k))
+  w = int8_values(rng, (k, n))
+  ws = rng.uniform(1e-3, 2e-3, (n,)).astype(np.float32)
+  xb = x.reshape((1,) * batch + (m, k))
+  with force_interpret("generic"):
+    raw = pk.int8_matmul(jnp.asarray(xb), jnp.asarray(w),
+                         block_sizes=(32, 128, 128))
+    fused = pk.int8_matmul(jnp.asarray(xb), jnp.asarray(w),
+                           w_scale=jnp.asarray(ws), out_dtype=jnp.float32)
+  assert raw.shape == xb.shape[:-1] + (n,)
+  acc = exact_int(x, w)
+  np.testing.assert_array_equal(np.asarray(raw).reshape(m, n), acc)
+  check_dequant(np.asarray(fused).reshape(m, n), acc, 1.0, ws, None, jnp.float32)
+
+
+@given(m=st.integers(1, 40), k=st.integers(1, 200), seed=st.integers(0, 2**31 - 1))
+def test_hypothesis_quantize_roundtrip(m, k, seed):
+  rng = np.random.default_rng(seed)
+  x = (rng.standard_normal((m, k)) * 10.0 ** rng.uniform(-3, 3)).astype(np.float32)
+  with force_interpret("generic"):
+    q, s = pk.quantize_int8(jnp.asarray(x))
+  q, s = np.asarray(q, np.float64), np.asarray(s, np.float64)
+  assert np.all(np.abs(q * s - x) <= s / 2 * (1 + 2**-20))
+
+
+# ----------------------------------------------------------------------------
+# block sizes
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e", None])
+@pytest.mark.parametrize("mode", ["raw", "dequant", "weight_only"])
+@pytest.mark.parametrize("mkn", [(16, 4096, 14336), (128, 14336, 4096),
+                                 (2048, 4096, 14336), (8192, 8192, 8192),
+                                 (1000, 1000, 17), (5, 131071, 3)])
+def test_tpu_plans_fit_vmem_and_tile(generation, mode, mkn):
+  m, k, n = mkn
+  x_bytes = 2 if mode == "weight_only" else 1
+  plan = bs.plan_tpu(m, k, n, x_bytes=x_bytes, out_bytes=4 if mode == "raw" else 2,
+                     mode=mode, generation=generation)
+  budget, _ = bs.TPU_VMEM.get(generation or "default")
+  assert plan.vmem_bytes <= budget <= plan.vmem_limit_bytes
+  assert plan.k_padded >= k and plan.k_padded % plan.bk == 0
+  assert plan.k_padded == k or k % 128  # pads only a ragged K
+  assert plan.bm == m or plan.bm % 32 == 0
+  assert plan.bn == n or plan.bn % 128 == 0
+
+
+# ----------------------------------------------------------------------------
+# bad inputs
+
+
+I8 = jnp.zeros((4, 8), jnp.int8)
+W8 = jnp.zeros((8, 6), jnp.int8)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(x=jnp.zeros((4, 8), jnp.int32)), TypeError, "x must be int8"),
+    (dict(w=jnp.zeros((8, 6), jnp.bfloat16)), TypeError, "w must be int8"),
+    (dict(w=jnp.zeros((8, 6, 1), jnp.int8)), ValueError, "w must be 2-D"),
+    (dict(w=jnp.zeros((7, 6), jnp.int8)), ValueError, r"x's last dimension \(8\)"),
+    (dict(x=np.int8(3)), ValueError, "at least one dimension"),
+    (dict(x=[1, 2]), TypeError, "x must be an array"),
+    (dict(x_scale=jnp.ones((4, 2))), ValueError, "x_scale has shape"),
+    (dict(x_scale=jnp.ones((4, 1), jnp.int32)), TypeError, "x_scale must be a float"),
+    (dict(w_scale=jnp.ones((5,))), ValueError, "w_scale has shape"),
+    (dict(bias=jnp.ones((6, 1))), ValueError, "bias has shape"),
+    (dict(bias=jnp.ones((6,)), out_dtype=jnp.int32), ValueError, "out_dtype=int32"),
+    (dict(out_dtype=jnp.int8), TypeError, "out_dtype must be"),
+    (dict(weight_only=True), ValueError, "weight_only=True needs float x"),
+    (dict(x=jnp.zeros((4, 8), jnp.bfloat16), x_scale=jnp.ones((4, 1))),
+     ValueError, "x_scale is only for int8 x"),
+    (dict(block_sizes=(32, 0, 128)), ValueError, "block_sizes.bk=0"),
+    (dict(block_sizes="v9"), ValueError, "names no TPU generation"),
+    (dict(block_sizes=3), TypeError, "block_sizes=3"),
+    (dict(backend="tpu"), ValueError, "backend='tpu' is not one of"),
+])
+def test_bad_inputs_raise_naming_the_argument(kwargs, error, match):
+  kwargs = dict(kwargs)
+  x = kwargs.pop("x", I8)
+  w = kwargs.pop("w", W8)
+  with pytest.raises(error, match=match):
+    pk.int8_matmul(x, w, **kwargs)
+
+
+def test_bad_block_sizes_for_a_kernel_raise():
+  x = jnp.zeros((64, 256), jnp.int8)
+  w = jnp.zeros((256, 256), jnp.int8)
+  with pytest.raises(ValueError, match="block_sizes.bk=96 must be a multiple of 128"):
+    pk.int8_matmul(x, w, block_sizes=(32, 96, 128), backend="interpret")
+  with pytest.raises(ValueError, match="power of two"):
+    gpu.matmul(x, w, None, None, None, mode="raw", out_dtype=None,
+               block_sizes=bs.BlockSizes(32, 96, 128), interpret=True)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(x=jnp.zeros((3,), jnp.int8)), TypeError, "x must be bfloat16"),
+    (dict(axis=2), ValueError, "axis=2 is out of range"),
+    (dict(axis=1.0), TypeError, "axis must be an int"),
+    (dict(backend="cuda"), ValueError, "backend='cuda'"),
+])
+def test_quantize_bad_inputs(kwargs, error, match):
+  kwargs = dict(kwargs)
+  x = kwargs.pop("x", jnp.zeros((3, 4), jnp.float32))
+  with pytest.raises(error, match=match):
+    pk.quantize_int8(x, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# GPU kernel lowers for CUDA (Triton) from this CPU host
+
+
+@pytest.mark.parametrize("m,k,n", [(16, 4096, 14336), (2048, 4096, 4096),
+                                   (40, 300, 200)])
+def test_gpu_kernel_lowers_for_cuda(m, k, n):
+  if not hasattr(jax.jit(lambda: 0), "trace"):
+    pytest.skip("this jax cannot lower for another platform")
+  specs = dict(x8=jax.ShapeDtypeStruct((m, k), jnp.int8),
+               xb=jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+               w=jax.ShapeDtypeStruct((k, n), jnp.int8),
+               ws=jax.ShapeDtypeStruct((n,), jnp.float32))
+  calls = {
+      "raw": (lambda x, w: pk.int8_matmul(x, w), ("x8", "w")),
+      "fused": (lambda x, w, s: pk.int8_matmul(x, w, w_scale=s), ("x8", "w", "ws")),
+      "dynamic": (lambda x, w, s: pk.int8_matmul(x, w, w_scale=s), ("xb", "w", "ws")),
+      "w8a16": (lambda x, w, s: pk.int8_matmul(x, w, w_scale=s, weight_only=True),
+                ("xb", "w", "ws")),
+  }
+  for name, (fn, args) in calls.items():
+    try:
+      lowered = jax.jit(fn).trace(*[specs[a] for a in args]).lower(
+          lowering_platforms=("cuda",))
+    except Exception as e:  # noqa: BLE001
+      if "cuda" in str(e).lower() and "unknown" in str(e).lower():
+        pytest.skip(f"no CUDA lowering here: {e}")
+      raise
+    assert "triton" in lowered.as_text().lower(), name

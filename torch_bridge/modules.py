@@ -1,0 +1,174 @@
+"""nn.Modules built on the bridged kernels.
+
+``Attention``     q/k/v projection + ``flash_attention`` + output projection
+                  (MHA or GQA, optional causal mask); with ``num_kv_heads ==
+                  num_heads`` it keeps the write-up's single ``qkv`` Linear,
+                  so its state dict matches ``TPUAttentionBlock``'s attention.
+``ViTBlock``      the write-up's ``TPUAttentionBlock`` (pre-norm attention and
+                  MLP with residuals) on ``Attention``; ``linear`` picks the
+                  Linear class (``nn.Linear`` or ``Int8Linear``).
+``Int8Linear``    drop-in ``nn.Linear``: int8 forward, straight-through
+                  backward (``ops.int8_dense``).
+``GIoULoss``      ``1 - GIoU`` with a reduction.
+
+SPMD: give ``batch_axis`` (and for attention ``head_axis``) to run the kernels
+per shard over ``mesh`` (default: the global mesh); e.g. ``batch_axis="fsdp"``
+under FSDPv2. ``use_kernel=False`` computes the same function with plain
+PyTorch (SDPA / F.linear), for comparisons on identical weights.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_bridge import ops
+
+
+class Int8Linear(nn.Linear):
+  """``nn.Linear`` whose forward runs the int8 kernel (see ``ops.int8_dense``).
+
+  The float weight stays the trainable parameter; each forward quantizes it
+  per output channel and the input per row. Gradients are those of the float
+  layer (straight-through estimator).
+  """
+
+  def __init__(self, in_features, out_features, bias=True, device=None,
+               dtype=None, *, batch_axis=None, mesh=None, backend=None,
+               use_kernel=True):
+    super().__init__(in_features, out_features, bias=bias, device=device,
+                     dtype=dtype)
+    self.batch_axis = batch_axis
+    self.mesh = mesh
+    self.backend = backend
+    self.use_kernel = use_kernel
+
+  @classmethod
+  def from_linear(cls, linear: nn.Linear, **kwargs) -> "Int8Linear":
+    """An Int8Linear sharing ``linear``'s parameters."""
+    new = cls(linear.in_features, linear.out_features,
+              bias=linear.bias is not None, device=linear.weight.device,
+              dtype=linear.weight.dtype, **kwargs)
+    new.weight = linear.weight
+    new.bias = linear.bias
+    return new
+
+  def forward(self, x: torch.Tensor) -> torch.Tensor:
+    if not self.use_kernel:
+      return F.linear(x, self.weight, self.bias)
+    spec = None
+    if self.batch_axis is not None:
+      spec = (self.batch_axis,) + (None,) * (x.dim() - 1)
+    return ops.int8_dense(x, self.weight, self.bias, backend=self.backend,
+                          partition_spec=spec, mesh=self.mesh)
+
+
+class Attention(nn.Module):
+  """Multi-head (or grouped-query) self-attention on ``[B, N, dim]``."""
+
+  def __init__(self, dim: int, num_heads: int, *, num_kv_heads=None,
+               qkv_bias=False, causal=False, sm_scale=None, linear=nn.Linear,
+               batch_axis=None, head_axis=None, mesh=None, backend=None,
+               use_kernel=True):
+    super().__init__()
+    if dim % num_heads:
+      raise ValueError(f"Attention: dim ({dim}) must be divisible by "
+                       f"num_heads ({num_heads})")
+    num_kv_heads = num_kv_heads or num_heads
+    if num_heads % num_kv_heads:
+      raise ValueError(f"Attention: num_heads ({num_heads}) must be a multiple "
+                       f"of num_kv_heads ({num_kv_heads})")
+    self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+    self.head_dim = dim // num_heads
+    self.causal = causal
+    self.sm_scale = (1.0 / math.sqrt(self.head_dim) if sm_scale is None
+                     else float(sm_scale))
+    self.batch_axis, self.head_axis, self.mesh = batch_axis, head_axis, mesh
+    self.backend, self.use_kernel = backend, use_kernel
+    kv_dim = num_kv_heads * self.head_dim
+    if num_kv_heads == num_heads:
+      self.qkv = linear(dim, 3 * dim, bias=qkv_bias)
+    else:
+      self.q = linear(dim, dim, bias=qkv_bias)
+      self.kv = linear(dim, 2 * kv_dim, bias=qkv_bias)
+    self.proj = linear(dim, dim)
+
+  def _project(self, x):
+    b, n, _ = x.shape
+    if self.num_kv_heads == self.num_heads:
+      qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim)
+      return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    q = self.q(x).reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+    kv = self.kv(x).reshape(b, n, 2, self.num_kv_heads, self.head_dim)
+    k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
+    return q, k, v
+
+  def attend(self, q, k, v):
+    """``[B, H, N, D]`` attention by the kernel or by PyTorch."""
+    if not self.use_kernel:
+      group = self.num_heads // self.num_kv_heads
+      if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+      return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
+                                            scale=self.sm_scale)
+    spec = None
+    if self.batch_axis is not None or self.head_axis is not None:
+      spec = (self.batch_axis, self.head_axis, None, None)
+    return ops.flash_attention(q, k, v, causal=self.causal,
+                               sm_scale=self.sm_scale, backend=self.backend,
+                               partition_spec=spec, mesh=self.mesh)
+
+  def forward(self, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 3:
+      raise ValueError(f"Attention: x must be [batch, tokens, dim], got shape "
+                       f"{tuple(x.shape)}")
+    b, n, c = x.shape
+    q, k, v = self._project(x)
+    out = self.attend(q, k, v)
+    return self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+class Mlp(nn.Module):
+  def __init__(self, dim, hidden, linear=nn.Linear):
+    super().__init__()
+    self.fc1 = linear(dim, hidden)
+    self.fc2 = linear(hidden, dim)
+
+  def forward(self, x):
+    return self.fc2(F.gelu(self.fc1(x)))
+
+
+class ViTBlock(nn.Module):
+  """The write-up's TPUAttentionBlock: x + attn(norm1(x)), + mlp(norm2(.))."""
+
+  def __init__(self, dim: int, num_heads: int, *, mlp_ratio=4.0,
+               linear=nn.Linear, **attention_kwargs):
+    super().__init__()
+    self.norm1 = nn.LayerNorm(dim)
+    self.norm2 = nn.LayerNorm(dim)
+    self.attn = Attention(dim, num_heads, linear=linear, **attention_kwargs)
+    self.mlp = Mlp(dim, int(dim * mlp_ratio), linear=linear)
+
+  def forward(self, x):
+    x = x + self.attn(self.norm1(x))
+    return x + self.mlp(self.norm2(x))
+
+
+class GIoULoss(nn.Module):
+  """``1 - GIoU(pred, target)`` for boxes ``[..., 4]`` (x1, y1, x2, y2)."""
+
+  def __init__(self, reduction: str = "mean", eps: float = 1e-7):
+    super().__init__()
+    if reduction not in ("none", "mean", "sum"):
+      raise ValueError(f"GIoULoss: reduction must be 'none', 'mean' or 'sum', "
+                       f"got {reduction!r}")
+    self.reduction, self.eps = reduction, eps
+
+  def forward(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ops.giou_loss(pred, target, reduction=self.reduction, eps=self.eps)
+
+
+__all__ = ["Attention", "Int8Linear", "ViTBlock", "GIoULoss", "Mlp"]
