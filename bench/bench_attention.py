@@ -559,10 +559,25 @@ def main(argv=None):
                                                      x.split(",") if v],
                       default=[], help="extra head dims (ours vs cuDNN)")
   parser.add_argument("--out", default=None, help="results directory")
+  parser.add_argument("--tpu-roofline", action="store_true",
+                      help="only print the TPU roofline estimate")
   args = parser.parse_args(argv)
+  print_tpu_roofline(args)
+  if args.tpu_roofline:
+    return 0
   if jax.devices()[0].platform == "gpu":
     return bench_gpu(args)
   return bench_cpu(args)
+
+
+def print_tpu_roofline(args):
+  """TPU estimate (no TPU here): the kernels' FLOPs/bytes vs peak rates."""
+  from pallas_kernels.attention import mosaic_tpu
+  rows = mosaic_tpu.roofline_rows(batch=args.batch, heads=args.heads,
+                                  seq=args.seq, head_dim=args.head_dim)
+  print(f"TPU roofline estimate, B{args.batch} H{args.heads} L{args.seq} "
+        f"D{args.head_dim} bf16 (model, not a measurement):")
+  harness.print_table(rows)
 
 
 if __name__ == "__main__":

@@ -342,22 +342,30 @@ def test_gradients_match_float64(feature, rng):
   _check_grads(rng, q, k, v, block_sizes=SMALL_BLOCKS, **kw)
 
 
+@pytest.mark.slow
+def test_gradients_long_odd_length_everything(rng):
+  b, h, hk, lq, lk, d = 1, 4, 2, 1000, 1000, 40
+  q, k, v = _inputs(rng, b, h, hk, lq, lk, d)
+  kw = _feature_kwargs("everything", rng, b, h, lq, lk)
+  _check_forward(q, k, v, **dict(kw))
+  _check_grads(rng, q, k, v, **kw)
+
+
 def test_gradient_through_lse(rng):
   q, k, v = _inputs(rng, 1, 2, 1, 140, 140, 16)
   _check_grads(rng, q, k, v, with_lse=True, causal=True,
                block_sizes=SMALL_BLOCKS)
 
 
-def test_lse_cotangent_trick_for_backends_without_it(rng):
-  """api._gpu_backward folds d_lse into one extra head_dim column; check it
-  with the TPU kernel (run without d_lse) standing in for the GPU one."""
-  from pallas_kernels.attention import api
+def test_gpu_backward_path_passes_lse_cotangent(rng):
+  """api._gpu_backward hands d_lse to the GPU backward (run interpreted)."""
+  from pallas_kernels.attention import api, gpu
 
-  class StandIn:
+  class InterpretedGpu:
     @staticmethod
     def backward(*arrays, interpret, **kw):
       del interpret
-      return mosaic_tpu.backward(*arrays, interpret=True, **kw)
+      return gpu.backward(*arrays, interpret=True, **kw)
 
   q, k, v = _inputs(rng, 1, 2, 1, 70, 90, 12)
   config = api._Config(sm_scale=0.3, causal=True, window_left=None,
@@ -367,8 +375,8 @@ def test_lse_cotangent_trick_for_backends_without_it(rng):
                                 interpret=True, **config.kernel_kwargs())
   d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
   d_lse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
-  grads = api._gpu_backward(StandIn, config, q, k, v, None, None, None, out,
-                            lse, d_out, d_lse)
+  grads = api._gpu_backward(InterpretedGpu, config, q, k, v, None, None, None,
+                            out, lse, d_out, d_lse)
   *_, ref = np_attention(q, k, v, causal=True, sm_scale=0.3, d_out=d_out,
                          d_lse=d_lse)
   for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
@@ -617,6 +625,11 @@ def test_cost_model_counts_skipped_blocks():
   window = mosaic_tpu.cost(1, 1, 32768, 32768, 128, 2, causal=True,
                            window_left=1024)
   assert window["visited_blocks"] <= 3 * 64
+  rows = mosaic_tpu.roofline_rows(generations=("v5e", "v6e"))
+  assert len(rows) == 8
+  for row in rows:
+    assert row["vmem_mib"] < (16 if row["chip"] == "v5e" else 32)
+    assert (row["skipped"] > 0.3) == row["causal"]
   backward = mosaic_tpu.cost(4, 16, 4096, 4096, 128, 2, backward=True)
   assert backward["flops"] == 3.5 * mosaic_tpu.cost(
       4, 16, 4096, 4096, 128, 2)["flops"]

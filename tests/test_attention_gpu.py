@@ -43,7 +43,8 @@ def _mask(lq, lk, q_seg, kv_seg, causal, left, right):
 
 
 def reference(q, k, v, q_seg=None, kv_seg=None, bias=None, d_out=None, *,
-              sm_scale, causal=False, left=None, right=None, cap=None):
+              sm_scale, causal=False, left=None, right=None, cap=None,
+              d_lse=None):
   """float64 (out, lse) and, given d_out, (dq, dk, dv, dbias)."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   b, h, lq, _ = q.shape
@@ -76,6 +77,8 @@ def reference(q, k, v, q_seg=None, kv_seg=None, bias=None, d_out=None, *,
   dv = np.einsum("bhij,bhid->bhjd", p, do)
   dp = np.einsum("bhid,bhjd->bhij", do, vr)
   ds = p * (dp - (do * out).sum(-1, keepdims=True))
+  if d_lse is not None:
+    ds = ds + p * np.asarray(d_lse, np.float64)[..., None]
   dbias = None
   if bias is not None:
     axes = tuple(a for a in (0, 1) if np.shape(bias)[a] == 1)
@@ -415,3 +418,18 @@ def test_bias_keeps_forward_tile_within_shared_memory():
   plain = gpu.GpuBlockSizes().resolved(256, banded=False, bias=False)
   with_bias = gpu.GpuBlockSizes().resolved(256, banded=False, bias=True)
   assert plain.block_q == 256 and with_bias.block_q == 128
+
+
+def test_lse_cotangent(rng):
+  q, k, v, do, q_seg, kv_seg, _ = _inputs(rng, 1, 4, 2, 40, 56, 16,
+                                          segments=True)
+  d_lse = rng.standard_normal((1, 4, 40)).astype(np.float32)
+  kw = _kernel_kwargs(0.25, causal=True)
+  out, lse = gpu.forward(q, k, v, q_seg, kv_seg, None, **kw)
+  grads = gpu.backward(q, k, v, q_seg, kv_seg, None, out, lse, do,
+                       d_lse=d_lse, **kw)
+  ref = reference(q, k, v, q_seg, kv_seg, None, do, sm_scale=0.25,
+                  causal=True, d_lse=d_lse)
+  for name, got, expected in zip(("dq", "dk", "dv"), grads, ref[2]):
+    np.testing.assert_allclose(np.asarray(got), expected, atol=1e-4,
+                               err_msg=name)

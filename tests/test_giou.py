@@ -582,3 +582,19 @@ def test_gpu_kernels_lower_for_cuda(rng):
         pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
       raise
     assert "triton" in lowered.as_text().lower() or "__gpu" in lowered.as_text()
+
+
+def test_gpu_padded_variant_interpreted(rng, monkeypatch):
+  # The fallback for ragged edges (pad to whole blocks) gives the same result.
+  monkeypatch.setattr(gpu, "RAGGED", "pad")
+  b1, b2 = random_boxes(rng, (300,)), random_boxes(rng, (300,))
+  common = dict(kind="giou", formula="loss", eps=EPS, box_format="xyxy",
+                interpret=True)
+  d1, _ = gpu.elementwise_vjp(b1, b2, jnp.ones((300,)), block=128, **common)
+  want = -_float64_grads("giou", "none", b1, b2, np.ones(300))[0]
+  np.testing.assert_allclose(d1, want, atol=np.max(np.abs(want)) * 2e-5)
+  pw = gpu.pairwise(jnp.asarray(b1[None, :70]), jnp.asarray(b2[None, :130]),
+                    kind="giou", eps=0.0, out_dtype=jnp.float32, interpret=True)
+  assert pw.shape == (1, 70, 130)
+  assert_matches_where_defined(pw[0], tv_pairwise("giou", b1[:70], b2[:130]),
+                               F32_ATOL)

@@ -520,3 +520,14 @@ def test_gpu_kernel_lowers_for_cuda(m, k, n):
         pytest.skip(f"no CUDA lowering here: {e}")
       raise
     assert "triton" in lowered.as_text().lower(), name
+
+
+def test_main_job_cases_match_reference():
+  from pallas_kernels.int8_matmul import cases
+  listed = cases.main_job_cases("small")
+  assert {c.op for c in listed} == {"int8_matmul", "quantize_int8"}
+  with force_interpret("generic"):
+    for case in listed:
+      out = jax.jit(functools.partial(case.fn, backend="interpret"))(*case.args)
+      ref = jax.jit(functools.partial(case.fn, backend="reference"))(*case.args)
+      assert case.error(out, ref) <= case.tolerance, case.shape

@@ -94,21 +94,9 @@ def _gpu_forward(gpu, config, *arrays):
 
 def _gpu_backward(gpu, config, q, k, v, q_seg, kv_seg, bias, out, lse, d_out,
                   d_lse):
-  kwargs = config.kernel_kwargs()
-  if d_lse is None:
-    return gpu.backward(q, k, v, q_seg, kv_seg, bias, out, lse, d_out,
-                        interpret=False, **kwargs)
-  # The lse cotangent adds p * d_lse to ds. One extra head_dim column with
-  # v = 1, o = 0 and dO = d_lse injects it into dp = dO V^T exactly.
-  def extend(x, value):
-    column = jnp.broadcast_to(jnp.asarray(value, x.dtype), x.shape[:-1] + (1,))
-    return jnp.concatenate([x, column], axis=-1)
-  dq, dk, dv, dbias = gpu.backward(
-      extend(q, 0), extend(k, 0), extend(v, 1), q_seg, kv_seg, bias,
-      extend(out, 0),
-      lse, jnp.concatenate([d_out, d_lse[..., None].astype(d_out.dtype)], -1),
-      interpret=False, **kwargs)
-  return dq[..., :-1], dk[..., :-1], dv[..., :-1], dbias
+  # The lse cotangent only shifts delta (ds = p * (dp - delta + d_lse)).
+  return gpu.backward(q, k, v, q_seg, kv_seg, bias, out, lse, d_out,
+                      interpret=False, d_lse=d_lse, **config.kernel_kwargs())
 
 
 def _implementations(config, forward: bool):
