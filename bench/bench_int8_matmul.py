@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 
 import harness  # noqa: E402
 import roofline  # noqa: E402
-from pallas_kernels.int8_matmul import api, block_sizes as bs  # noqa: E402
+from pallas_kernels.int8 import api, block_sizes as bs  # noqa: E402
 
 LLM_SHAPES = [(m, k, n) for m in (16, 128, 2048)
               for k, n in ((4096, 14336), (14336, 4096))]

@@ -23,8 +23,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "flash_attention": "pallas_kernels.attention",
     "shard_flash_attention": "pallas_kernels.attention",
-    "quantize_int8": "pallas_kernels.int8_matmul",
-    "int8_matmul": "pallas_kernels.int8_matmul",
+    "quantize_int8": "pallas_kernels.int8",
+    "int8_matmul": "pallas_kernels.int8",
     "giou": "pallas_kernels.giou",
     "pairwise_giou": "pallas_kernels.giou",
     "giou_loss": "pallas_kernels.giou",
@@ -42,7 +42,7 @@ _EXPORTS = {
     "batched_nms": "pallas_kernels.nms",
     "soft_nms": "pallas_kernels.nms",
 }
-_SUBMODULES = ("reference", "nn", "tpu_aot", "attention", "int8_matmul",
+_SUBMODULES = ("reference", "nn", "tpu_aot", "attention", "int8",
                "giou", "nms")
 
 __all__ = sorted(_EXPORTS) + ["BACKENDS", "force_interpret"] + list(_SUBMODULES)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-FAMILIES = ("attention", "int8_matmul", "giou", "nms")
+FAMILIES = ("attention", "int8", "giou", "nms")
 SIZES = ("small", "medium", "large")
 
 

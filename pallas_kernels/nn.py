@@ -32,7 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.int8_matmul import api as _int8
+from pallas_kernels.int8 import api as _int8
 
 __all__ = ["int8_dense"]
 

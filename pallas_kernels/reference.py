@@ -9,8 +9,8 @@ import importlib
 
 _EXPORTS = {
     "flash_attention": "pallas_kernels.attention.reference",
-    "quantize_int8": "pallas_kernels.int8_matmul.reference",
-    "int8_matmul": "pallas_kernels.int8_matmul.reference",
+    "quantize_int8": "pallas_kernels.int8.reference",
+    "int8_matmul": "pallas_kernels.int8.reference",
     "giou": "pallas_kernels.giou.reference",
     "pairwise_giou": "pallas_kernels.giou.reference",
     "giou_loss": "pallas_kernels.giou.reference",

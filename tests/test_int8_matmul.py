@@ -19,7 +19,7 @@ from hypothesis import given, strategies as st
 
 import pallas_kernels as pk
 from pallas_kernels import force_interpret
-from pallas_kernels.int8_matmul import api, block_sizes as bs, gpu, reference
+from pallas_kernels.int8 import api, block_sizes as bs, gpu, reference
 
 MAX_K = api.MAX_INT8_K
 HALF_ULP = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11, jnp.float32: 2.0**-24}
@@ -287,7 +287,7 @@ def test_backends_agree_and_auto_backend_under_jit(rng):
 
 
 def test_module_and_function_names_both_work():
-  # Importing the package binds pallas_kernels.int8_matmul to it; calling it
+  # Importing the package binds pallas_kernels.int8 to it; calling it
   # must still run the op.
   x = jnp.ones((2, 3), jnp.int8)
   w = jnp.ones((3, 4), jnp.int8)
@@ -523,7 +523,7 @@ def test_gpu_kernel_lowers_for_cuda(m, k, n):
 
 
 def test_main_job_cases_match_reference():
-  from pallas_kernels.int8_matmul import cases
+  from pallas_kernels.int8 import cases
   listed = cases.main_job_cases("small")
   assert {c.op for c in listed} == {"int8_matmul", "quantize_int8"}
   with force_interpret("generic"):

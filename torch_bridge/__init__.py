@@ -20,8 +20,28 @@ implementation and an autograd formula that runs the JAX VJP.
   CPU / CUDA    DLPack to a jitted JAX call and back (``_convert.py``).
   meta / fake   shapes from ``jax.eval_shape``.
 
+SPMD / FSDP:
+  * FSDPv2 (``SpmdFullyShardedDataParallel``): pass ``partition_spec`` to
+    the ops, or ``batch_axis``/``head_axis`` to the modules; the kernel runs
+    per shard in manual-sharding mode. Gradients of inputs replicated over an
+    axis the others are split on (a weight, a broadcast bias) are partial
+    sums, reduced by the SPMD partitioner. ``examples/train_vit_fsdp.py``
+    trains a ViT this way on 4 CPU XLA devices (a test runs it).
+  * FSDPv1 (``XlaFullyShardedDataParallel``): nothing to shard manually
+    (one replica per device); ``train_vit_fsdp.py --fsdp v1``. Unverified:
+    it cannot run on the CPU PJRT client here (see that script).
+
 Known limits:
-  * Backward recomputes the forward (only inputs are saved).
+  * Backward recomputes the forward (only inputs are saved): flash attention
+    fwd+bwd does one extra forward kernel.
+  * Per-call overhead on CUDA tensors (H100, 2026-11-22,
+    ``bench/results/torch_bridge-h100-*.json``): about 0.3-0.7 ms per
+    forward and about 2 ms per forward+backward more than calling the
+    jitted JAX op directly (torch.library dispatch, DLPack, a second jitted
+    call for the VJP plus its recomputed forward). Large shapes hide it,
+    small ones do not.
+  * ``int8_matmul`` and ``quantize_int8`` have no gradient; ``nms`` returns
+    indices (no gradient).
   * Import torch_xla and touch its device (``torch_xla.device()``) before the
     first CPU backward of the process when you will also train on XLA
     devices: torch's autograd engine sizes its device queues once

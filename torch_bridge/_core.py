@@ -2,15 +2,18 @@
 
 ``JaxOp(name, fn)`` registers two ``torch.library`` custom ops:
 
-  pallas_kernels::<name>(str static, Tensor?[] arrays) -> Tensor[]
-  pallas_kernels::<name>_vjp(str static, Tensor?[] arrays,
-                             Tensor?[] cotangents) -> Tensor[]
+  pallas_kernels::<name>(str static, Tensor[] arrays) -> Tensor[]
+  pallas_kernels::<name>_vjp(str static, Tensor[] arrays,
+                             Tensor[] cotangents) -> Tensor[]
 
 ``fn(*arrays, **static)`` is a JAX function returning an array or a tuple of
-arrays; ``static`` holds the non-array parameters, encoded as a Python literal in the
-``static`` string so the ops have a fixed schema that ``torch.compile`` can
-trace. Keys starting with ``_`` are the bridge's own (``_partition_spec``,
-``_mesh``) and are not passed to ``fn``.
+arrays; ``static`` holds the non-array parameters, encoded as a Python
+literal in the ``static`` string so the ops have a fixed schema that
+``torch.compile`` can trace. Keys starting with ``_`` are the bridge's own
+(``_layout``: which optional array positions are present, since a tensor
+list cannot carry None through autograd; ``_partition_spec``, ``_mesh``) and
+are not passed to ``fn``. The VJP op takes one cotangent per floating-point
+output.
 
 Where the arrays live decides how ``fn`` runs:
   XLA tensors   embedded into the torch_xla graph (``_xla.py``); nothing
@@ -53,7 +56,12 @@ def _literal(value) -> str:
   if isinstance(value, (int, np.integer)):
     return str(int(value))
   if isinstance(value, (float, np.floating)):
-    return repr(float(value))
+    value = float(value)
+    if value != value:
+      raise ValueError("static parameter is NaN")
+    if value in (float("inf"), float("-inf")):
+      return "1e999" if value > 0 else "-1e999"  # literal_eval reads inf
+    return repr(value)
   if isinstance(value, str):
     return repr(value)
   if isinstance(value, dict):

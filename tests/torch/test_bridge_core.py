@@ -94,7 +94,8 @@ def test_registered_in_torch_library(rng):
 
 
 def test_static_encoding_round_trips():
-  static = {"b": (1, (2.5, None)), "a": True, "s": "x'y", "d": {"k": 3}}
+  static = {"b": (1, (2.5, None)), "a": True, "s": "x'y", "d": {"k": 3},
+            "i": (float("inf"), -float("inf"))}
   text = _core.encode_static(static)
   assert _core.decode_static(text) == static
   assert text == _core.encode_static(dict(reversed(list(static.items()))))

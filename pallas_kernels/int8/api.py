@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _backend
-from pallas_kernels.int8_matmul import block_sizes as bs
-from pallas_kernels.int8_matmul import gpu, mosaic_tpu, reference
+from pallas_kernels.int8 import block_sizes as bs
+from pallas_kernels.int8 import gpu, mosaic_tpu, reference
 
 MAX_INT8_K = (2**31 - 1) // (128 * 128)  # 131071
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)

@@ -95,14 +95,14 @@ def matmul_2d(x2, w, x_scale, w_scale, bias, *, mode, out_dtype):
 
 def quantize_int8(x, *, axis=-1):
   """Same as ``pallas_kernels.quantize_int8(..., backend="reference")``."""
-  from pallas_kernels.int8_matmul import api
+  from pallas_kernels.int8 import api
   return api.quantize_int8(x, axis=axis, backend="reference")
 
 
 def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None,
                 out_dtype=None, weight_only=False):
   """Same as ``pallas_kernels.int8_matmul(..., backend="reference")``."""
-  from pallas_kernels.int8_matmul import api
+  from pallas_kernels.int8 import api
   return api.int8_matmul(x, w, x_scale=x_scale, w_scale=w_scale, bias=bias,
                          out_dtype=out_dtype, weight_only=weight_only,
                          backend="reference")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_kernels._cases import Case, max_abs_error
-from pallas_kernels.int8_matmul import api
+from pallas_kernels.int8 import api
 
 SHAPES = {  # (M, K, N)
     "small": (40, 300, 200),

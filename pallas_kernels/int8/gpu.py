@@ -57,8 +57,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import pl
-from pallas_kernels.int8_matmul import block_sizes as bs
-from pallas_kernels.int8_matmul import reference
+from pallas_kernels.int8 import block_sizes as bs
+from pallas_kernels.int8 import reference
 
 
 def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import pl, pltpu
-from pallas_kernels.int8_matmul import block_sizes as bs
-from pallas_kernels.int8_matmul import reference
+from pallas_kernels.int8 import block_sizes as bs
+from pallas_kernels.int8 import reference
 
 MiB = 1 << 20
 QUANTIZE_VMEM_BUDGET = 8 * MiB
