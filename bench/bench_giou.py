@@ -13,6 +13,10 @@ device-to-device copy (JAX ``x + 1`` over 1 GiB: read + write). Before
 timing, every GPU kernel is checked against the reference on random and
 degenerate boxes. TPU numbers are roofline estimates (memory-bound).
 ``--quick`` runs small shapes (a CPU smoke test: kernels run interpreted).
+On a GPU, ``--diagnose`` first checks each GPU kernel alone at a block-aligned
+and a ragged size for each kernel variant (``gpu.COLUMN_ACCESS``,
+``gpu.RAGGED``) and benchmarks the first that passes; ``--sweep`` times a
+few block sizes. Results: ``bench/results/giou-h100-*.json``.
 """
 from __future__ import annotations
 

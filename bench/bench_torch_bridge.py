@@ -220,7 +220,11 @@ def main(argv=None):
   args = parser.parse_args(argv)
 
   import jax
-  import torch
+  try:
+    import torch
+  except ImportError:
+    print("bench_torch_bridge: torch is not installed here; nothing to measure")
+    return []
 
   cuda = torch.cuda.is_available() and any(
       d.platform == "gpu" for d in jax.devices())

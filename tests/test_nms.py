@@ -13,6 +13,8 @@ import pallas_kernels as pk
 from pallas_kernels import force_interpret
 from pallas_kernels.nms import api, block_sizes, reference
 
+SLOW = pytest.mark.slow
+
 
 # ------------------------------------------------------------------ oracle
 
@@ -188,7 +190,8 @@ def test_reference_agrees_with_torchvision(rng):
 
 # ------------------------------------------------------------ TPU kernel
 
-@pytest.mark.parametrize("thr,m", [(0.5, 300), (0.1, 9), (0.7, 300)])
+@pytest.mark.parametrize("thr,m", [(0.5, 300), (0.1, 9),
+                                   pytest.param(0.7, 300, marks=SLOW)])
 def test_tpu_kernel_tpu_interpreter(rng, small_tiles, thr, m):
   """TPU-semantics interpreter (DMAs, SMEM state), three 128-box tiles."""
   boxes, scores = writeup_boxes(rng, 300)
@@ -197,7 +200,7 @@ def test_tpu_kernel_tpu_interpreter(rng, small_tiles, thr, m):
                         reference_out=run_reference(boxes, scores, thr, m))
 
 
-@pytest.mark.parametrize("thr", [0.1, 0.5, 0.7])
+@pytest.mark.parametrize("thr", [0.1, 0.5, pytest.param(0.7, marks=SLOW)])
 def test_tpu_kernel_matches_oracle(rng, small_tiles, thr):
   n = 259  # three 128-box tiles, the last one partial
   m = n if thr != 0.5 else 11
@@ -232,12 +235,15 @@ def test_tpu_kernel_long_suppression_chain(small_tiles):
 # ------------------------------------------------------------ GPU kernel
 
 @pytest.mark.parametrize("design,thr,m", [
-    ("bitmask", 0.1, 203), ("bitmask", 0.5, 203), ("bitmask", 0.7, 5),
-    ("chunked", 0.5, 203), ("chunked", 0.1, 5), ("blocked", 0.5, 203),
-    ("blocked", 0.1, 5)])
+    ("bitmask", 0.5, 203), ("bitmask", 0.1, 5), ("chunked", 0.5, 203),
+    ("blocked", 0.1, 203), pytest.param("bitmask", 0.7, 203, marks=SLOW),
+    pytest.param("chunked", 0.1, 5, marks=SLOW),
+    pytest.param("blocked", 0.5, 5, marks=SLOW)])
 def test_gpu_kernel_interpret_matches_oracle(rng, small_tiles, design, thr, m):
   n = 203  # seven 32-box words / blocked tiles, the last one partial
-  for kind in sorted(GENERATORS):
+  # Chunks of 64 rows: four mask + scan launches, slow to interpret.
+  kinds = ["clustered", "writeup"] if design == "chunked" else GENERATORS
+  for kind in sorted(kinds):
     boxes, scores = GENERATORS[kind](rng, n)
     got = run_gpu_kernel(boxes, scores, thr, m, design=design)
     assert_matches_oracle(got, boxes, scores, thr, m,

@@ -34,12 +34,16 @@ SPMD / FSDP:
 Known limits:
   * Backward recomputes the forward (only inputs are saved): flash attention
     fwd+bwd does one extra forward kernel.
-  * Per-call overhead on CUDA tensors (H100, 2026-11-22,
-    ``bench/results/torch_bridge-h100-*.json``): about 0.3-0.7 ms per
-    forward and about 2 ms per forward+backward more than calling the
-    jitted JAX op directly (torch.library dispatch, DLPack, a second jitted
-    call for the VJP plus its recomputed forward). Large shapes hide it,
-    small ones do not.
+  * Per-call overhead on CUDA tensors (H100, torch 2.11, jax 0.11.2,
+    ``bench/results/torch_bridge-h100-2026-11-22.json``): 0.2-0.6 ms per
+    forward and about 2.2-2.4 ms per forward+backward more than calling the
+    jitted JAX op directly; large shapes hide it (attention 4x16x4096x128
+    forward 1.29 vs 1.03 ms), small ones do not. cProfile there puts most of
+    it in torch.library's custom-op dispatch (``backend_impl``, about 0.5-1.5
+    ms of own time per call), not in DLPack (about 0.2 ms for three tensors)
+    or JAX dispatch; the backward adds a second dispatch and the recomputed
+    forward. An eager path that bypasses the custom op for CPU/CUDA tensors
+    would remove most of it (not done).
   * ``int8_matmul`` and ``quantize_int8`` have no gradient; ``nms`` returns
     indices (no gradient).
   * Import torch_xla and touch its device (``torch_xla.device()``) before the

@@ -91,10 +91,23 @@ def _sharding(static: dict, partition_spec, mesh, op: str):
 
 
 def _plain_block_sizes(block_sizes):
+  """A block-size dataclass as a literal dict (the op schema's static string)
+  tagged with its class, so ``_block_sizes_from_plain`` can rebuild it."""
   if dataclasses.is_dataclass(block_sizes):
-    return {k: v for k, v in dataclasses.asdict(block_sizes).items()
-            if v is not None}
+    fields = {k: v for k, v in dataclasses.asdict(block_sizes).items()
+              if v is not None}
+    return {"_class": type(block_sizes).__name__, **fields}
   return block_sizes
+
+
+def _block_sizes_from_plain(block_sizes):
+  if not isinstance(block_sizes, dict) or "_class" not in block_sizes:
+    return block_sizes
+  from pallas_kernels.attention import block_sizes as tpu_blocks, gpu
+  classes = {"BlockSizes": tpu_blocks.BlockSizes,
+             "GpuBlockSizes": gpu.GpuBlockSizes}
+  fields = dict(block_sizes)
+  return classes[fields.pop("_class")](**fields)
 
 
 # ------------------------------------------------------------- attention --
@@ -103,6 +116,7 @@ def _attention_jax(q, k, v, q_segment_ids, kv_segment_ids, bias, **static):
   import pallas_kernels
   segments = (None if q_segment_ids is None
               else (q_segment_ids, kv_segment_ids))
+  static["block_sizes"] = _block_sizes_from_plain(static.get("block_sizes"))
   return pallas_kernels.flash_attention(q, k, v, segment_ids=segments,
                                         bias=bias, **static)
 

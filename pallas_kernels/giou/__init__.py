@@ -9,7 +9,7 @@ is plain JAX.
 import sys
 import types
 
-from pallas_kernels.giou.api import (  # noqa: F401
+from .api import (  # noqa: F401
     box_iou, ciou, ciou_loss, diou, diou_loss, giou, giou_loss, iou, iou_loss,
     pairwise_ciou, pairwise_diou, pairwise_giou, pairwise_iou)
 
@@ -26,6 +26,8 @@ class _CallableFamilyModule(types.ModuleType):
   Importing the package binds the name ``giou`` on ``pallas_kernels`` to the
   module, shadowing the lazily exported function; calling the module calls
   the op, so ``pallas_kernels.giou(boxes1, boxes2)`` works either way.
+  Drop this once the family package is renamed (imports inside the package
+  are relative, so a rename needs no edits here).
   """
 
   def __call__(self, boxes1, boxes2, **kwargs):

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _backend
-from pallas_kernels.giou import _math, gpu, mosaic_tpu, reference
+from . import _math, gpu, mosaic_tpu, reference
 
 DEFAULT_EPS = reference.DEFAULT_EPS
 REDUCTIONS = ("none", "mean", "sum")

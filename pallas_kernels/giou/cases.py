@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_kernels._cases import Case
-from pallas_kernels.giou import api
+from . import api
 
 # (batch, boxes per row) for elementwise ops and losses; (N, M) pairwise.
 ELEMENTWISE = {"small": (4, 300), "medium": (1024, 256), "large": (4096, 4096)}

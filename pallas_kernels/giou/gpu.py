@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import pl
-from pallas_kernels.giou import _math
+from . import _math
 
 COORDS = 4
 ELEMENTWISE_BLOCK = 1024

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import pl, pltpu
-from pallas_kernels.giou import _math
+from . import _math
 
 LANES = 128
 COORDS = 4

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.giou import _math
+from . import _math
 
 DEFAULT_EPS = 1e-7
 

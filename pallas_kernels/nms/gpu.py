@@ -225,12 +225,19 @@ def _mask_kernel(count_ref, rx1, ry1, rx2, ry2, rarea, rcls, cx1, cy1, cx2,
              & (col_ids[None, :] > row_ids[:, None]))
       mask_ref[:, q] = jnp.sum(jnp.where(hit, bit[None, :], 0), axis=1)
 
-  jax.lax.cond(skip, zeros, compute)
+  if exact_ptx:
+    jax.lax.cond(skip, zeros, compute)
+  else:
+    # Interpret mode: a cond would thread the whole output through both
+    # branches; computing and masking is the same answer, much faster.
+    compute()
+    for q in range(words):
+      mask_ref[:, q] = jnp.where(skip, 0, mask_ref[:, q])
 
 
 def _scan_kernel(removed_ref, keep_ref, count_ref, mask_ref, removed_out,
                  keep_out, count_out, *, first_word, end_word,
-                 max_output_size):
+                 max_output_size, unrolled):
   """Greedy scan of one chunk's words, 32 boxes per step, one program/image."""
   padded_words = removed_ref.shape[0]
   lanes = jnp.arange(padded_words, dtype=jnp.int32)
@@ -239,15 +246,28 @@ def _scan_kernel(removed_ref, keep_ref, count_ref, mask_ref, removed_out,
     w, count, removed, keep = state
     alive = jnp.sum(jnp.where(lanes == w, ~removed, 0))
     row0 = (w - first_word) * WORD
-    diag = [mask_ref[row0 + r, w] for r in range(WORD)]
-    for r in range(WORD):  # the word's own greedy chain, in scalar bit ops
-      is_alive = jnp.bitwise_and(jnp.right_shift(alive, r), 1) != 0
-      alive = jnp.where(is_alive, alive & ~diag[r], alive)
     acc = jnp.zeros((padded_words,), jnp.int32)
-    for r in range(WORD):  # only kept boxes' rows are read
-      kept_r = jnp.bitwise_and(jnp.right_shift(alive, r), 1) != 0
-      acc = jax.lax.cond(kept_r, lambda a, r=r: a | mask_ref[row0 + r, :],
-                         lambda a: a, acc)
+    if unrolled:  # the compiled kernel: straight-line code, kept rows only
+      diag = [mask_ref[row0 + r, w] for r in range(WORD)]
+      for r in range(WORD):  # the word's own greedy chain, scalar bit ops
+        is_alive = jnp.bitwise_and(jnp.right_shift(alive, r), 1) != 0
+        alive = jnp.where(is_alive, alive & ~diag[r], alive)
+      for r in range(WORD):  # only kept boxes' rows are read
+        kept_r = jnp.bitwise_and(jnp.right_shift(alive, r), 1) != 0
+        acc = jax.lax.cond(kept_r, lambda a, r=r: a | mask_ref[row0 + r, :],
+                           lambda a: a, acc)
+    else:  # interpret mode: the same steps as loops (fast to interpret)
+      def chain(r, alive):
+        is_alive = jnp.bitwise_and(jnp.right_shift(alive, r), 1) != 0
+        return jnp.where(is_alive, alive & ~mask_ref[row0 + r, w], alive)
+
+      alive = jax.lax.fori_loop(0, WORD, chain, alive)
+
+      def gather(r, acc):
+        kept_r = jnp.bitwise_and(jnp.right_shift(alive, r), 1) != 0
+        return jnp.where(kept_r, acc | mask_ref[row0 + r, :], acc)
+
+      acc = jax.lax.fori_loop(0, WORD, gather, acc)
     keep = jnp.where(lanes == w, alive, keep)
     count = count + jax.lax.population_count(alive)
     return w + 1, count, removed | acc, keep
@@ -352,7 +372,8 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
     removed, keep, count = pl.pallas_call(
         functools.partial(_scan_kernel, first_word=first_word,
                           end_word=end_word,
-                          max_output_size=int(max_output_size)),
+                          max_output_size=int(max_output_size),
+                          unrolled=not interpret),
         grid=(batch,),
         in_specs=[words_spec, words_spec, count_spec,
                   pl.BlockSpec((None, chunk, padded_words),

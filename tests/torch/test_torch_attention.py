@@ -181,3 +181,38 @@ def test_mixed_devices_named(xla_device):
   q = torch.zeros(1, 1, 4, 8)
   with pytest.raises(ValueError, match="k is on xla"):
     tb.flash_attention(q, q.to(xla_device), q)
+
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+
+@given(batch=st.integers(1, 3), kv_heads=st.integers(1, 3),
+       group=st.integers(1, 3), q_len=st.integers(1, 300),
+       kv_len=st.integers(1, 300), head_dim=st.sampled_from([8, 64, 96, 128]),
+       causal=st.booleans(), return_lse=st.booleans())
+def test_meta_shape_property(batch, kv_heads, group, q_len, kv_len, head_dim,
+                             causal, return_lse):
+  heads = kv_heads * group
+  q = torch.empty(batch, heads, q_len, head_dim, device="meta",
+                  dtype=torch.bfloat16)
+  k = torch.empty(batch, kv_heads, kv_len, head_dim, device="meta",
+                  dtype=torch.bfloat16)
+  out = tb.flash_attention(q, k, k, causal=causal, return_lse=return_lse)
+  if return_lse:
+    out, lse = out
+    assert lse.shape == (batch, heads, q_len) and lse.dtype == torch.float32
+  assert out.shape == q.shape and out.dtype == q.dtype
+
+
+@pytest.mark.parametrize("kind", ["tpu", "gpu"])
+def test_block_size_dataclasses_cross_the_op_schema(kind):
+  from pallas_kernels.attention import BlockSizes
+  from pallas_kernels.attention.gpu import GpuBlockSizes
+  blocks = (BlockSizes(block_q=128, block_kv=128) if kind == "tpu"
+            else GpuBlockSizes(block_q=16, block_k=16))
+  gen = torch.Generator().manual_seed(3)
+  q, k, v = (torch.randn(1, 2, 150, 8, generator=gen) for _ in range(3))
+  out = tb.flash_attention(q, k, v, causal=True, block_sizes=blocks)
+  want = _sdpa(q.double(), k.double(), v.double(),
+               _allowed(150, 150, causal=True)).float()
+  torch.testing.assert_close(out, want, **TOL)

@@ -1,4 +1,9 @@
-"""The FSDPv2 ViT demo on 4 CPU XLA devices (own process: SPMD is global)."""
+"""The FSDPv2 ViT demo on 4 CPU XLA devices (own process: SPMD is global).
+
+A 2x2 (fsdp, model) mesh: batch split over "fsdp", attention heads over
+"model", so the kernels' manual sharding covers both axes and the int8
+weights' gradients take the cross-shard partial-sum path.
+"""
 from __future__ import annotations
 
 import json
@@ -21,11 +26,12 @@ def test_fsdpv2_vit_matches_plain_torch(tmp_path):
              JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "examples", "train_vit_fsdp.py"),
-       "--steps", "3", "--depth", "1", "--batch", "8", "--json", str(out)],
+       "--steps", "3", "--depth", "1", "--batch", "8", "--model-axis", "2",
+       "--json", str(out)],
       env=env, capture_output=True, text=True, timeout=600)
   assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
   summary = json.loads(out.read_text())
-  assert summary["devices"] == 4
+  assert summary["devices"] == 4 and summary["config"]["model_axis"] == 2
   checks = summary["checks"]
   assert checks["grads_ok_attention"], checks
   assert checks["grads_ok_int8"], checks

@@ -156,3 +156,19 @@ def test_torch_compile_cpu_inductor_free(rng):
       backend="aot_eager", fullgraph=True)
   a = torch.tensor(rng.standard_normal(5), dtype=torch.float32)
   torch.testing.assert_close(compiled(a), a + torch.sin(a))
+
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+_static_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) |
+    st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.tuples(inner, inner) | st.dictionaries(
+        st.text(min_size=1, max_size=3), inner, max_size=3),
+    max_leaves=6)
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=4), _static_values,
+                       max_size=4))
+def test_static_encoding_property(static):
+  assert _core.decode_static(_core.encode_static(static)) == static
