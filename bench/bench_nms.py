@@ -4,7 +4,8 @@ On a CUDA machine: N = 1k, 5k, 20k, 100k boxes (the write-up's generator:
 integer boxes in a 1024x1024 image, sizes 1..1023; distinct scores), IoU
 thresholds 0.1 and 0.5, max_output_size 128 and N, plus 16 images x 5k in
 one call, for
-  ours         pallas_kernels.nms / batched_nms, backend="gpu" (jitted)
+  ours         pallas_kernels.nms / batched_nms, backend="gpu" (jitted);
+               "design" says bitmask/<row chunks> or blocked
   torchvision  torchvision.ops.nms (batched: batched_nms with image ids),
                timed with the host sync its CPU pass needs
   reference    pallas_kernels.reference.nms, jitted pure JAX (while loop)
@@ -18,7 +19,11 @@ data (float boxes, clusters, classes, NaN scores, inverted boxes, tiny N).
 Elsewhere (CPU) ``--quick`` runs N = 300 with the kernel in interpret mode:
 a smoke test, not a speed figure.
 
-  python bench/bench_nms.py [--quick] [--tune] [--no-check] [--sizes 1000,5000]
+  python bench/bench_nms.py [--quick] [--tune] [--no-check] [--quick-check]
+                            [--sizes 1000,5000] [--iters 10] [--big-iters 3]
+
+The committed H100 run (bench/results/nms-h100-2026-11-22.json) used
+``--tune --quick-check --sizes 1000,5000,20000,100000``.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _backend
-from pallas_kernels.nms import block_sizes, gpu, mosaic_tpu, reference
+from . import block_sizes, gpu, mosaic_tpu, reference
 
 
 # ----------------------------------------------------------------- validation

@@ -6,7 +6,7 @@ import functools
 import numpy as np
 
 from pallas_kernels._cases import Case
-from pallas_kernels.nms.api import batched_nms, nms
+from .api import batched_nms, nms
 
 SIZES = {"small": 300, "medium": 2000, "large": 20000}
 

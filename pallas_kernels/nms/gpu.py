@@ -51,7 +51,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import pl
-from pallas_kernels.nms.reference import iou_exceeds
+from .reference import iou_exceeds
 
 DEFAULT_TILE = 128
 NUM_PLANES = 7  # x1, y1, x2, y2, area, class (int32), flag (int32)

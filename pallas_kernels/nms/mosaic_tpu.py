@@ -60,7 +60,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import pl, pltpu
-from pallas_kernels.nms.reference import iou_exceeds
+from .reference import iou_exceeds
 
 CLASS_ROW, FLAG_ROW = 5, 6
 PLANES = 8
