@@ -64,7 +64,7 @@ def _kernel_backend():
 # ------------------------------------------------------------ diagnosis
 def diagnose_gpu_kernels():
   """Each GPU kernel alone vs the reference, for both column-access modes."""
-  from pallas_kernels.giou import gpu, reference
+  from pallas_kernels.boxes.iou import gpu, reference
   rng = np.random.default_rng(1)
   rows = []
   variants = (("select", "mask"), ("strided", "mask"), ("select", "pad"))
@@ -118,7 +118,7 @@ def diagnose_gpu_kernels():
 
 def sweep_gpu_blocks(iters):
   """Times the GPU kernels at a few block sizes (16M pairs, 4096^2)."""
-  from pallas_kernels.giou import gpu
+  from pallas_kernels.boxes.iou import gpu
   rng = np.random.default_rng(2)
   p = jnp.asarray(_boxes(rng, (1 << 24,)))
   t = jnp.asarray(_boxes(rng, (1 << 24,)))
@@ -326,7 +326,7 @@ def main(argv=None):
   extra = {}
   if args.diagnose and backend == "gpu":
     extra["diagnosis"] = diagnose_gpu_kernels()
-    from pallas_kernels.giou import gpu
+    from pallas_kernels.boxes.iou import gpu
     extra["gpu_variant"] = [gpu.COLUMN_ACCESS, gpu.RAGGED]
   if args.sweep and backend == "gpu":
     extra["block_sweep"] = sweep_gpu_blocks(iters)

@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 
 import harness  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
-from pallas_kernels.nms import block_sizes, gpu as nms_gpu, reference  # noqa: E402,E501
+from pallas_kernels.boxes.nms import block_sizes, gpu as nms_gpu, reference  # noqa: E402,E501
 
 
 def writeup_boxes(rng, n, image=1024):

@@ -34,7 +34,7 @@ def _parse(argv):
   parser.add_argument("--ops", nargs="*", default=None,
                       help="only these ops (e.g. flash_attention nms)")
   parser.add_argument("--families", nargs="*", default=list(_cases.FAMILIES),
-                      choices=_cases.FAMILIES, help="kernel families to run")
+                      choices=list(_cases.FAMILIES), help="kernel families to run")
   parser.add_argument("--backend", default=None,
                       choices=[b for b in _backend.BACKENDS if b != "reference"],
                       help="force a backend instead of the platform's default")

@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 
 import pallas_kernels as pk
 from pallas_kernels import _compat, force_interpret
-from pallas_kernels.giou import api, gpu, mosaic_tpu
+from pallas_kernels.boxes.iou import api, gpu, mosaic_tpu
 
 KINDS = ("iou", "giou", "diou", "ciou")
 

@@ -44,7 +44,7 @@ def test_small_run_prints_table_and_every_case_matches(tmp_path):
 
 
 def test_unknown_op_is_rejected():
-  result = _main("--ops", "no_such_op", "--families", "giou")
+  result = _main("--ops", "no_such_op", "--families", "iou")
   assert result.returncode == 2
   assert "unknown op" in result.stderr
 

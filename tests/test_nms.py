@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 
 import pallas_kernels as pk
 from pallas_kernels import force_interpret
-from pallas_kernels.nms import api, block_sizes, reference
+from pallas_kernels.boxes.nms import api, block_sizes, reference
 
 SLOW = pytest.mark.slow
 
@@ -267,7 +267,7 @@ def test_gpu_kernel_classes_nan_inverted(rng, small_tiles, design):
 
 def test_gpu_bitmask_scratch_stays_within_budget():
   """Mask chunks shrink as N grows: scratch bounded, rows per chunk > 0."""
-  from pallas_kernels.nms import gpu
+  from pallas_kernels.boxes.nms import gpu
   budget = 256 << 20
   for n in (1, 31, 1000, 20_000, 100_000, 1_000_000, 10_000_000):
     words, chunk, chunks, nbytes = gpu.bitmask_layout(

@@ -51,7 +51,7 @@ def test_nms_compiles_large(tpu_topologies, n, m):
 @pytest.mark.parametrize("n", [10_000, 100_000])
 def test_kernel_compiles_bounded_vmem(tpu_topologies, n):
   """The Mosaic kernel alone (the sort is XLA's): VMEM does not grow with N."""
-  from pallas_kernels.nms import block_sizes, mosaic_tpu
+  from pallas_kernels.boxes.nms import block_sizes, mosaic_tpu
   tile = block_sizes.tpu_tile(n)
   padded = block_sizes.padded_size(n, tile)
   fn = functools.partial(mosaic_tpu.keep_mask, iou_threshold=0.5,

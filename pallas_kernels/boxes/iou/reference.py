@@ -5,7 +5,7 @@ measured against and the ``backend="reference"`` implementation. Arithmetic
 runs in float32 (float64 for float64 inputs); results come back in the
 inputs' floating dtype (float32 for integer boxes). Semantics, including the
 values defined where torchvision divides by zero, are described in
-``pallas_kernels.giou._math``.
+``pallas_kernels.boxes.iou._math``.
 """
 from __future__ import annotations
 

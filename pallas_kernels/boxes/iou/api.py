@@ -18,7 +18,7 @@ float32; results have the inputs' floating dtype (float32 for integers);
 float64 boxes are accepted by ``backend="reference"`` only. Degenerate boxes
 (zero area, x2 < x1, identical, far apart) give finite values and finite
 gradients; where torchvision divides by zero the quotient is defined as 0
-(details in ``pallas_kernels.giou._math``). NaN coordinates propagate.
+(details in ``pallas_kernels.boxes.iou._math``). NaN coordinates propagate.
 
 Gradients: elementwise metrics and losses differentiate through a Pallas
 backward kernel (one pass: boxes and cotangent in, both box gradients out;
