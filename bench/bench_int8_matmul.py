@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -106,21 +105,7 @@ def time_replicated_jax(op, args, reps, iters=5, warmup=1):
 
 
 def time_batched_torch(fn, reps=10, iters=15, warmup=2):
-  import torch
-  for _ in range(warmup):
-    fn()
-  torch.cuda.synchronize()
-  samples = []
-  for _ in range(iters):
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-      fn()
-    end.record()
-    end.synchronize()
-    samples.append(start.elapsed_time(end) / 1e3 / reps)
-  return statistics.median(samples)
+  return harness.time_torch_cuda(fn, warmup=warmup, iters=iters, reps=reps)
 
 
 def make_inputs(m, k, n, seed=0):

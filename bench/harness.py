@@ -36,8 +36,12 @@ def time_jax(fn: Callable, *args, warmup: int = 3, iters: int = 20,
 
 
 def time_torch_cuda(fn: Callable[[], Any], warmup: int = 3,
-                    iters: int = 20) -> float:
-  """Median seconds of ``fn()`` on the current CUDA stream (CUDA events)."""
+                    iters: int = 20, reps: int = 1) -> float:
+  """Median seconds of ``fn()`` on the current CUDA stream (CUDA events).
+
+  ``reps`` calls run between each pair of events (the time is divided by
+  it), which hides launch gaps of very short kernels.
+  """
   import torch
   for _ in range(warmup):
     fn()
@@ -47,10 +51,11 @@ def time_torch_cuda(fn: Callable[[], Any], warmup: int = 3,
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     start.record()
-    fn()
+    for _ in range(reps):
+      fn()
     end.record()
     end.synchronize()
-    samples.append(start.elapsed_time(end) / 1e3)
+    samples.append(start.elapsed_time(end) / 1e3 / reps)
   return statistics.median(samples)
 
 

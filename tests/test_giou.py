@@ -184,6 +184,32 @@ def test_losses_match_torchvision(kind, reduction, rng):
   assert_matches_where_defined(out, np.asarray(expected), F32_ATOL * scale)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_installed_torchvision(kind, rng):
+  """Against torchvision itself (installed in the torch_xla environment)."""
+  torch = pytest.importorskip("torch")
+  ops = pytest.importorskip("torchvision.ops")
+  pairwise = {"iou": ops.box_iou, "giou": ops.generalized_box_iou,
+              "diou": ops.distance_box_iou, "ciou": ops.complete_box_iou}
+  losses = {"giou": ops.generalized_box_iou_loss,
+            "diou": ops.distance_box_iou_loss, "ciou": ops.complete_box_iou_loss}
+  b1 = random_boxes(rng, (23,), degenerate_fraction=0.1)
+  b2 = random_boxes(rng, (131,), degenerate_fraction=0.1)
+  b2[:3] = b1[:3]
+  t1, t2 = torch.from_numpy(b1).double(), torch.from_numpy(b2).double()
+  with force_interpret("generic"):
+    out = PAIRWISE[kind](b1, b2, backend="interpret")
+  assert_matches_where_defined(out, pairwise[kind](t1, t2).numpy(), F32_ATOL)
+  if kind in losses:
+    pred = random_boxes(rng, (257,), degenerate_fraction=0.05)
+    target = random_boxes(rng, (257,))
+    want = losses[kind](torch.from_numpy(pred).double(),
+                        torch.from_numpy(target).double(), reduction="none")
+    with force_interpret("generic"):
+      got = LOSSES[kind](pred, target, backend="interpret")
+    assert_matches_where_defined(got, want.numpy(), F32_ATOL)
+
+
 def test_reference_backend_matches_torchvision_float64(rng):
   pred = random_boxes(rng, (200,), 0.05).astype(np.float64)
   target = random_boxes(rng, (200,)).astype(np.float64)

@@ -63,12 +63,9 @@ from pallas_kernels.int8 import reference
 
 def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
                    split, via_bf16):
-  refs = list(refs)
-  x_ref, w_ref = refs.pop(0), refs.pop(0)
-  xs_ref = refs.pop(0) if has_xs else None
-  ws_ref = refs.pop(0) if has_ws else None
-  b_ref = refs.pop(0) if has_b else None
-  o_ref = refs.pop(0)
+  x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs = (
+      reference.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
+                                  has_b=has_b))
   bm, bn = o_ref.shape[-2:]
   weight_only = mode == "weight_only"
   acc_dtype = jnp.float32 if weight_only else jnp.int32

@@ -49,12 +49,9 @@ def _dot(x, w, mode):
 
 
 def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b):
-  refs = list(refs)
-  x_ref, w_ref = refs.pop(0), refs.pop(0)
-  xs_ref = refs.pop(0) if has_xs else None
-  ws_ref = refs.pop(0) if has_ws else None
-  b_ref = refs.pop(0) if has_b else None
-  o_ref = refs.pop(0)
+  x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs = (
+      reference.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
+                                  has_b=has_b))
   acc_ref = refs.pop(0) if refs else None
 
   part = _dot(x_ref[...], w_ref[...], mode)

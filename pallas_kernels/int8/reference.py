@@ -106,3 +106,15 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None,
   return api.int8_matmul(x, w, x_scale=x_scale, w_scale=w_scale, bias=bias,
                          out_dtype=out_dtype, weight_only=weight_only,
                          backend="reference")
+
+
+def split_kernel_refs(refs, *, has_xs, has_ws, has_b):
+  """(x, w, x_scale|None, w_scale|None, bias|None, out, [scratch...]) from a
+  Pallas kernel's positional refs, in the order both kernels pass them."""
+  refs = list(refs)
+  x_ref, w_ref = refs.pop(0), refs.pop(0)
+  xs_ref = refs.pop(0) if has_xs else None
+  ws_ref = refs.pop(0) if has_ws else None
+  b_ref = refs.pop(0) if has_b else None
+  o_ref = refs.pop(0)
+  return x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs
