@@ -78,7 +78,7 @@ def main(argv=None) -> int:
       print(f"--ops: unknown op(s) {sorted(unknown)}", file=sys.stderr)
       return 2
     cases = [c for c in cases if c.op in args.ops]
-  header = (f"{'op':<22} {'shape':<34} {'backend':<11} {'max error':>10} "
+  header = (f"{'op':<22} {'shape':<48} {'backend':<11} {'max error':>10} "
             f"{'tol':>8} {'kernel ms':>10} {'ref ms':>9} {'speed-up':>8}  status")
   print(header)
   print("-" * len(header))
@@ -88,10 +88,10 @@ def main(argv=None) -> int:
     row["backend"] = shown_backend
     rows.append(row)
     if row["status"] == "ERROR":
-      print(f"{case.op:<22} {case.shape:<34} {shown_backend:<11} "
+      print(f"{case.op:<22} {case.shape:<48} {shown_backend:<11} "
             f"ERROR {row['error_message']}")
     else:
-      print(f"{case.op:<22} {case.shape:<34} {shown_backend:<11} "
+      print(f"{case.op:<22} {case.shape:<48} {shown_backend:<11} "
             f"{row['max_error']:>10.2e} {row['tolerance']:>8.1e} "
             f"{row['kernel_ms']:>10.2f} {row['reference_ms']:>9.2f} "
             f"{row['speedup']:>7.2f}x  {row['status']}", flush=True)

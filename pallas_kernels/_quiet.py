@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 
 
 def tpu_attached() -> bool:
@@ -27,6 +28,8 @@ def select_cpu_when_no_accelerator() -> None:
   if tpu_attached() or gpu_attached():
     return
   os.environ["JAX_PLATFORMS"] = "cpu"
+  if "jax" in sys.modules:  # jax reads JAX_PLATFORMS when it is imported
+    sys.modules["jax"].config.update("jax_platforms", "cpu")
   # Silence C++ logging that libtpu emits while being probed.
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

@@ -15,7 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _main(*args, timeout=600):
   env = dict(os.environ, PYTHONPATH=ROOT)
-  env.pop("PALLAS_KERNELS_INTERPRET", None)
+  # As a user starts it: no interpret forcing, no platform chosen.
+  for name in ("PALLAS_KERNELS_INTERPRET", "JAX_PLATFORMS", "JAX_PLATFORM_NAME"):
+    env.pop(name, None)
   return subprocess.run([sys.executable, "-m", "pallas_kernels", *args],
                         capture_output=True, text=True, cwd=ROOT, env=env,
                         timeout=timeout)
