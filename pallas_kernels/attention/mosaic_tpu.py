@@ -201,6 +201,22 @@ def _row_to_column(row):
 
 # ---------------------------------------------------------------- forward --
 
+
+def _run_block(step, in_band, geom, ranges_ref, i, j):
+  """Runs ``step`` on block (i, j) unless masking rules it out entirely;
+  blocks wholly inside the band skip the element mask. Returns whether the
+  block ran."""
+  run = in_band
+  if geom.has_segments:
+    run &= _segments_meet(ranges_ref, geom, pl.program_id(0), i, j)
+  if geom.may_mask:
+    needs_mask = geom.needs_mask(i, j)
+    pl.when(run & needs_mask)(lambda: step(True))
+    pl.when(run & jnp.logical_not(needs_mask))(lambda: step(False))
+  else:
+    pl.when(run)(lambda: step(False))
+  return run
+
 def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
   it = iter(refs)
   ranges_ref = next(it) if geom.has_segments else None
@@ -242,15 +258,7 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
     l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
 
   lo, hi = geom.kv_range(i)
-  run = (j >= lo) & (j <= hi)
-  if geom.has_segments:
-    run &= _segments_meet(ranges_ref, geom, pl.program_id(0), i, j)
-  if geom.may_mask:
-    needs_mask = geom.needs_mask(i, j)
-    pl.when(run & needs_mask)(lambda: step(True))
-    pl.when(run & jnp.logical_not(needs_mask))(lambda: step(False))
-  else:
-    pl.when(run)(lambda: step(False))
+  _run_block(step, (j >= lo) & (j <= hi), geom, ranges_ref, i, j)
 
   @pl.when(j == geom.num_kv - 1)
   def _finish():
@@ -308,15 +316,7 @@ def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
                                    preferred_element_type=jnp.float32)
 
   lo, hi = geom.kv_range(i)
-  run = (j >= lo) & (j <= hi)
-  if geom.has_segments:
-    run &= _segments_meet(ranges_ref, geom, pl.program_id(0), i, j)
-  if geom.may_mask:
-    needs_mask = geom.needs_mask(i, j)
-    pl.when(run & needs_mask)(lambda: step(True))
-    pl.when(run & jnp.logical_not(needs_mask))(lambda: step(False))
-  else:
-    pl.when(run)(lambda: step(False))
+  run = _run_block(step, (j >= lo) & (j <= hi), geom, ranges_ref, i, j)
   if has_bias:
     @pl.when(jnp.logical_not(run))
     def _zero_dbias():
@@ -366,15 +366,7 @@ def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias, group):
                                    preferred_element_type=jnp.float32)
 
   lo, hi = geom.q_range(j)
-  run = (i >= lo) & (i <= hi)
-  if geom.has_segments:
-    run &= _segments_meet(ranges_ref, geom, pl.program_id(0), i, j)
-  if geom.may_mask:
-    needs_mask = geom.needs_mask(i, j)
-    pl.when(run & needs_mask)(lambda: step(True))
-    pl.when(run & jnp.logical_not(needs_mask))(lambda: step(False))
-  else:
-    pl.when(run)(lambda: step(False))
+  _run_block(step, (i >= lo) & (i <= hi), geom, ranges_ref, i, j)
 
   @pl.when(t == group * geom.num_q - 1)
   def _finish():
