@@ -290,6 +290,24 @@ def _dot_nn(a, b):
 # Forward
 
 
+def _kv_block_logits(q, k, bias_ref, kvseg_ref, qseg, rows, c, kv_slice,
+                     masked, *, mask, sm_scale, soft_cap):
+  """Logits of a query block against kv block ``c`` (rows of the query block
+  in ``rows``); ``masked`` applies the band and segment masks as -inf."""
+  block_q, block_k = rows.shape
+  bias = None
+  if bias_ref is not None:
+    bias = bias_ref[:, kv_slice].astype(jnp.float32)
+  s, t = _logits(_dot_nt(q, k), bias, sm_scale=sm_scale, soft_cap=soft_cap)
+  if masked:
+    cols = c * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+    ok = _band_mask(rows, cols, mask)
+    if qseg is not None:
+      ok = jnp.logical_and(ok, qseg[:, None] == kvseg_ref[kv_slice][None, :])
+    s = jnp.where(ok, s, NEG_INF)
+  return s, t
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
                     o_ref, lse_ref, *, sm_scale, soft_cap, mask: _Mask,
                     block_q, block_k, reverse_q, nq):
@@ -305,18 +323,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
   def body(c, carry, masked):
     acc, m_prev, l_prev = carry
     kv_slice = pl.ds(c * block_k, block_k)
-    k = k_ref[kv_slice, :]
-    bias = None
-    if bias_ref is not None:
-      bias = bias_ref[:, kv_slice].astype(jnp.float32)
-    s, _ = _logits(_dot_nt(q, k), bias, sm_scale=sm_scale, soft_cap=soft_cap)
-    if masked:
-      cols = c * block_k + lax.broadcasted_iota(
-          jnp.int32, (block_q, block_k), 1)
-      ok = _band_mask(rows, cols, mask)
-      if qseg is not None:
-        ok = jnp.logical_and(ok, qseg[:, None] == kvseg_ref[kv_slice][None, :])
-      s = jnp.where(ok, s, NEG_INF)
+    s, _ = _kv_block_logits(q, k_ref[kv_slice, :], bias_ref, kvseg_ref, qseg,
+                            rows, c, kv_slice, masked, mask=mask,
+                            sm_scale=sm_scale, soft_cap=soft_cap)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     m_shift = m_next
     if masked or bias_ref is not None:
@@ -478,17 +487,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
     kv_slice = pl.ds(c * block_k, block_k)
     k = k_ref[kv_slice, :]
     v = v_ref[kv_slice, :]
-    bias = None
-    if bias_ref is not None:
-      bias = bias_ref[:, kv_slice].astype(jnp.float32)
-    s, t = _logits(_dot_nt(q, k), bias, sm_scale=sm_scale, soft_cap=soft_cap)
-    if masked:
-      cols = c * block_k + lax.broadcasted_iota(
-          jnp.int32, (block_q, block_k), 1)
-      ok = _band_mask(rows, cols, mask)
-      if qseg is not None:
-        ok = jnp.logical_and(ok, qseg[:, None] == kvseg_ref[kv_slice][None, :])
-      s = jnp.where(ok, s, NEG_INF)
+    s, t = _kv_block_logits(q, k, bias_ref, kvseg_ref, qseg,
+                            rows, c, kv_slice, masked, mask=mask,
+                            sm_scale=sm_scale, soft_cap=soft_cap)
     p = jnp.exp2(s - lse2[:, None])
     ds = p * (_dot_nt(do, v) - delta[:, None])
     if dbias_ref is not None:
