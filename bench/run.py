@@ -42,7 +42,9 @@ def main(argv=None) -> int:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     try:
-      code = module.main(passthrough) or 0
+      result = module.main(passthrough)
+      # main() returns an exit code, or its rows (success).
+      code = result if isinstance(result, int) else 0
     except Exception as e:  # keep going: one broken bench hides no others
       print(f"bench_{name} failed: {type(e).__name__}: {e}")
       code = 1

@@ -53,3 +53,15 @@ def test_roofline_bound_and_int8_rate():
 def test_run_lists_and_rejects_unknown(capsys):
   from bench import run
   assert run.main(["no_such_bench"]) == 2
+
+
+def test_run_counts_only_int_codes_as_failures(tmp_path, monkeypatch):
+  from bench import run
+  scripts = {"rows": "def main(argv):\n  return [{'a': 1}]\n",
+             "fails": "def main(argv):\n  return 3\n",
+             "ok": "def main(argv):\n  return None\n"}
+  for name, body in scripts.items():
+    (tmp_path / f"bench_{name}.py").write_text(body)
+  monkeypatch.setattr(run, "HERE", str(tmp_path))
+  assert run.main(["rows", "ok"]) == 0
+  assert run.main(["rows", "fails"]) == 1
