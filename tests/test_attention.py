@@ -448,28 +448,27 @@ def _problems(draw):
       seed=draw(st.integers(0, 2**31 - 1)))
 
 
-@given(_problems())
-def test_property_random_shapes_and_masks(problem):
-  p = problem
+def _problem_inputs(p):
+  """(rng, q, k, v, flash_attention kwargs) for a drawn problem."""
   rng = np.random.default_rng(p["seed"])
   q, k, v = _inputs(rng, p["b"], p["h"], p["hk"], p["lq"], p["lk"], p["d"])
   kw = dict(causal=p["causal"], sliding_window=p["window"],
             logit_soft_cap=p["cap"], block_sizes=p["blocks"])
   if p["segments"]:
     kw["segment_ids"] = _segments(rng, p["b"], p["lq"], p["lk"], n=2)
+  return rng, q, k, v, kw
+
+
+@given(_problems())
+def test_property_random_shapes_and_masks(problem):
+  _, q, k, v, kw = _problem_inputs(problem)
   _check_forward(q, k, v, **kw)
 
 
 @pytest.mark.slow
 @given(_problems())
 def test_property_gradients(problem):
-  p = problem
-  rng = np.random.default_rng(p["seed"])
-  q, k, v = _inputs(rng, p["b"], p["h"], p["hk"], p["lq"], p["lk"], p["d"])
-  kw = dict(causal=p["causal"], sliding_window=p["window"],
-            logit_soft_cap=p["cap"], block_sizes=p["blocks"])
-  if p["segments"]:
-    kw["segment_ids"] = _segments(rng, p["b"], p["lq"], p["lk"], n=2)
+  rng, q, k, v, kw = _problem_inputs(problem)
   _check_grads(rng, q, k, v, **kw)
 
 

@@ -290,6 +290,17 @@ def _dot_nn(a, b):
 # Forward
 
 
+def _split_refs(refs, segments, has_bias):
+  """(q, k, v, q_seg|None, kv_seg|None, bias|None, remaining refs)."""
+  q_ref, k_ref, v_ref, *rest = refs
+  qseg_ref = kvseg_ref = bias_ref = None
+  if segments:
+    qseg_ref, kvseg_ref, *rest = rest
+  if has_bias:
+    bias_ref, *rest = rest
+  return q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, rest
+
+
 def _kv_block_logits(q, k, bias_ref, kvseg_ref, qseg, rows, c, kv_slice,
                      masked, *, mask, sm_scale, soft_cap):
   """Logits of a query block against kv block ``c`` (rows of the query block
@@ -434,14 +445,8 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
     args.append(bias)
 
   def kernel(*refs):
-    refs = list(refs)
-    q_ref, k_ref, v_ref = refs[:3]
-    rest = refs[3:]
-    qseg_ref = kvseg_ref = bias_ref = None
-    if segments:
-      qseg_ref, kvseg_ref, *rest = rest
-    if bias is not None:
-      bias_ref, *rest = rest
+    (q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
+     rest) = _split_refs(refs, segments, bias is not None)
     o_ref, lse_ref = rest
     _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
                     o_ref, lse_ref, sm_scale=sm_scale,
@@ -684,14 +689,8 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
   args += [d_out, lse, delta]
 
   def dkv_kernel(*refs):
-    refs = list(refs)
-    q_ref, k_ref, v_ref = refs[:3]
-    rest = refs[3:]
-    qseg_ref = kvseg_ref = bias_ref = None
-    if segments:
-      qseg_ref, kvseg_ref, *rest = rest
-    if bias is not None:
-      bias_ref, *rest = rest
+    (q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
+     rest) = _split_refs(refs, segments, bias is not None)
     do_ref, lse_ref, delta_ref, dk_ref, dv_ref = rest
     _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
                 lse_ref, delta_ref, dk_ref, dv_ref, sm_scale=sm_scale,

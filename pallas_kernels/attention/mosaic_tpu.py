@@ -202,6 +202,21 @@ def _row_to_column(row):
 # ---------------------------------------------------------------- forward --
 
 
+def _query_major_logits(q, k, bias_ref, qseg_ref, kvseg_ref, geom, i, j,
+                        masked, sm_scale, cap):
+  """[block_q, block_kv] logits (and tanh for the soft cap) of block (i, j),
+  with the bias added and, if ``masked``, the band/segment mask as -inf."""
+  s, t = _scores(q, k, sm_scale, cap)
+  if bias_ref is not None:
+    s = s + bias_ref[...].astype(jnp.float32)
+  if masked:
+    mask = geom.mask(i, j, s.shape, transposed=False)
+    if geom.has_segments:
+      mask &= qseg_ref[...][:, :1] == kvseg_ref[...]
+    s = jnp.where(mask, s, -jnp.inf)
+  return s, t
+
+
 def _run_block(step, in_band, geom, ranges_ref, i, j):
   """Runs ``step`` on block (i, j) unless masking rules it out entirely;
   blocks wholly inside the band skip the element mask. Returns whether the
@@ -236,14 +251,8 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
   def step(masked):
-    s, _ = _scores(q_ref[...], k_ref[...], sm_scale, cap)
-    if has_bias:
-      s = s + bias_ref[...].astype(jnp.float32)
-    if masked:
-      mask = geom.mask(i, j, s.shape, transposed=False)
-      if geom.has_segments:
-        mask &= qseg_ref[...][:, :1] == kvseg_ref[...]
-      s = jnp.where(mask, s, -jnp.inf)
+    s, _ = _query_major_logits(q_ref[...], k_ref[...], bias_ref, qseg_ref,
+                               kvseg_ref, geom, i, j, masked, sm_scale, cap)
     m_prev, l_prev = m_ref[...][:, :1], l_ref[...][:, :1]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -296,14 +305,8 @@ def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
 
   def step(masked):
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
-    s, t = _scores(q, k, sm_scale, cap)
-    if has_bias:
-      s = s + bias_ref[...].astype(jnp.float32)
-    if masked:
-      mask = geom.mask(i, j, s.shape, transposed=False)
-      if geom.has_segments:
-        mask &= qseg_ref[...][:, :1] == kvseg_ref[...]
-      s = jnp.where(mask, s, -jnp.inf)
+    s, t = _query_major_logits(q, k, bias_ref, qseg_ref, kvseg_ref, geom, i,
+                               j, masked, sm_scale, cap)
     p = jnp.exp(s - lse_col[...][:, :1])
     dp = lax.dot_general(do_ref[...], v, _NT,
                          preferred_element_type=jnp.float32)
