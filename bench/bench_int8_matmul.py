@@ -1,39 +1,48 @@
 """int8 matmul benchmark: this package's kernels against their peers.
 
 On a CUDA machine, at 8192^3 and at LLM shapes (M = 16, 128, 2048 tokens x
-(K, N) = (4096, 14336) and (14336, 4096)):
+(K, N) = (4096, 14336) and (14336, 4096)), every shape:
   ours_raw      int8_matmul(x_i8, w_i8) -> int32 (Pallas, Triton lowering)
   ours_fused    int8_matmul(x_i8, w_i8, x_scale, w_scale, bias) -> bf16
-  ours_dynamic  int8_matmul(x_bf16, w_i8, w_scale) (row quantization + matmul;
-                at 8192^3 and M = 16 only, to fit the run)
-  alt_fused_viabf16  ours_fused with int8 dots on bf16 units, w kept [K, N]
-                (M <= 2048; an alternative configuration, see gpu.py)
+  ours_dynamic  int8_matmul(x_bf16, w_i8, w_scale) ("w8a8 dynamic": row
+                quantization + matmul)
+  ours_w8a16    int8_matmul(x_bf16, w_i8, w_scale, weight_only=True)
+                (M <= 128 only, to fit the run)
+  ours_*_nk     the same with the weight stored [N, K]
+                (weight_layout="nk", as inference weights are kept on GPUs:
+                no per-call transpose of w)
   xla_int8      jax.lax.dot(int8, int8, preferred_element_type=int32)
-  xla_fused     the reference backend: XLA int8 dot + scaling epilogue -> bf16
   xla_bf16      jnp.dot(bf16, bf16) -> bf16
+  xla_w8a16     XLA's dequantize-then-dot (the reference backend; M <= 128)
   torch_int_mm  torch._int_mm (cuBLASLt int8 -> int32; needs M > 16)
   torch_bf16    torch.mm(bf16, bf16) (cuBLAS)
+Ratios ``peer / ours`` (> 1 means ours is faster) for every one of ours
+against torch_int_mm, xla_int8, torch_bf16 and xla_bf16. At 8192^3 the run
+first times the ways to transpose w for the K-major path (XLA's and two
+Pallas kernels, gpu.transpose), checks each exact and uses the fastest.
 Also printed (every run): per TPU generation the tiles the block-size table
 picks, their VMEM bytes and the roofline time of int8 vs bf16 (estimates;
 no TPU was measured).
-And weight-only rows (M = 16, 128): ours_w8a16 int8_matmul(x_bf16, w_i8,
-w_scale, weight_only=True) against xla_bf16 and torch_bf16 (and XLA's own
-dequantize-then-dot). Ratios: ``peer / ours`` (> 1 means ours is faster).
 Every op is first checked against the reference (int32 exact, float within
 tolerance). JAX ops are timed as one jitted program of R independent calls
-on distinct copies of the inputs (R = 2..10 by size: no host dispatch in the
+on distinct copies of the inputs (R = 2..20 by size: no host dispatch in the
 numbers, no dot merging, no L2 reuse), median of 5; torch ops with CUDA
 events around R back-to-back launches.
 
 ``--sweep`` instead times candidate Triton block configurations (and the
-peers) at representative shapes; its file is int8_matmul_sweep-*. Elsewhere (CPU) ``--quick`` runs one small shape with
-the kernel in interpret mode beside the reference: a smoke test only.
+peers) at representative shapes; its file is int8_matmul_sweep-*. Elsewhere
+(CPU) ``--quick`` runs one small shape with the kernel in interpret mode
+beside the reference: a smoke test only.
 
-  python bench/bench_int8_matmul.py [--quick] [--sweep] [--shapes all|square|llm]
+  python bench/bench_int8_matmul.py [--quick] [--sweep] [--shapes SHAPES]
+
+SHAPES: all (default), square, llm, or a token count M (e.g. 2048: the LLM
+shapes of that M); anything but "all" writes int8_matmul_<SHAPES>-*.json.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -53,42 +62,51 @@ import numpy as np  # noqa: E402
 
 import harness  # noqa: E402
 import roofline  # noqa: E402
-from pallas_kernels.int8 import api, block_sizes as bs  # noqa: E402
+from pallas_kernels.int8 import api, block_sizes as bs, gpu  # noqa: E402
 
-LLM_SHAPES = [(m, k, n) for m in (16, 128, 2048)
-              for k, n in ((4096, 14336), (14336, 4096))]
+LLM_SHAPES = [(16, 4096, 14336), (16, 14336, 4096), (128, 4096, 14336),
+              (128, 14336, 4096), (2048, 14336, 4096), (2048, 4096, 14336)]
 SQUARE = (8192, 8192, 8192)
 
-SWEEP = [  # (shape, ops, configs (bm, bk, bn, warps, stages, w_kmajor, split_k))
-    ((8192, 8192, 8192), ("ours_fused",),
-     [(128, 128, 256, 8, 3, True, 1), (128, 128, 256, 8, 3, False, 1),
-      (128, 128, 128, 4, 4, True, 1), (256, 128, 128, 8, 3, True, 1),
-      (128, 256, 128, 8, 3, True, 1), (128, 64, 256, 8, 4, True, 1)]),
-    ((2048, 4096, 14336), ("ours_fused",),
-     [(128, 128, 256, 8, 3, True, 1), (64, 128, 128, 4, 4, True, 1),
-      (128, 128, 128, 4, 4, True, 1), (128, 128, 128, 4, 4, False, 1)]),
-    ((128, 4096, 14336), ("ours_fused",),
-     [(64, 128, 128, 4, 4, True, 1), (64, 128, 128, 4, 4, False, 1),
-      (32, 256, 128, 4, 4, True, 1), (128, 128, 128, 4, 4, True, 1),
-      (64, 128, 128, 4, 4, True, 2)]),
-    ((128, 14336, 4096), ("ours_fused",),
-     [(64, 128, 128, 4, 4, True, 1), (64, 128, 128, 4, 4, True, 4),
-      (128, 128, 128, 4, 4, True, 4)]),
-    ((16, 4096, 14336), ("ours_fused", "ours_w8a16"),
-     [(16, 256, 64, 4, 4, False, 1), (16, 256, 128, 4, 4, False, 1),
-      (16, 256, 128, 4, 4, False, 2), (16, 256, 64, 4, 4, True, 1),
-      (16, 512, 64, 4, 3, False, 1), (16, 128, 256, 4, 4, False, 4)]),
-    ((16, 14336, 4096), ("ours_fused", "ours_w8a16"),
-     [(16, 256, 64, 4, 4, False, 1), (16, 256, 64, 4, 4, False, 4),
-      (16, 256, 128, 4, 4, False, 4), (16, 512, 32, 4, 4, False, 1),
-      (16, 256, 64, 4, 4, True, 2)]),
+# Sweep rows: (shape, ops, configs); a config is BlockSizes' fields (bm, bk,
+# bn, warps, stages, w_kmajor, split_k, int8_via_bf16, group_m).
+_LARGE = [(128, 128, 256, 8, 3, True, 1, False, 1),
+          (128, 128, 256, 8, 3, True, 1, False, 16),
+          (128, 128, 256, 8, 4, True, 1, False, 8),
+          (256, 128, 128, 8, 4, True, 1, False, 8),
+          (256, 128, 128, 8, 4, True, 1, False, 16)]
+_DECODE_16 = [(16, 256, 128, 4, 4, False, 0, False, 1),
+              (16, 128, 128, 4, 4, False, 0, False, 1),
+              (16, 128, 128, 8, 4, False, 0, False, 1),
+              (16, 64, 128, 4, 6, False, 0, False, 1),
+              (16, 64, 128, 4, 6, False, 2, False, 1),
+              (16, 32, 128, 4, 8, False, 0, False, 1),
+              (16, 64, 256, 8, 6, False, 0, False, 1)]
+_DECODE_16_INT8 = [(16, 256, 128, 4, 4, False, 0, False, 1),
+                   (16, 128, 128, 4, 4, False, 0, True, 1)]
+_DECODE_128 = [(64, 128, 128, 4, 4, False, 1, False, 1),
+               (128, 64, 128, 8, 4, False, 0, False, 1),
+               (128, 128, 64, 4, 4, False, 0, False, 1)]
+SWEEP = [
+    ((8192, 8192, 8192), ("ours_fused",), _LARGE),
+    ((16, 4096, 14336), ("ours_w8a16",), _DECODE_16),
+    ((16, 14336, 4096), ("ours_w8a16",), _DECODE_16),
+    ((16, 4096, 14336), ("ours_fused",), _DECODE_16_INT8),
+    ((128, 4096, 14336), ("ours_w8a16",), _DECODE_128),
+    ((128, 14336, 4096), ("ours_w8a16",), _DECODE_128),
 ]
+# After the main run, while its time lasts: other weight-only configs at
+# 16x4096x14336 (rows named alt_w8a16, beside the table's ours_w8a16).
+ALT_WEIGHT_ONLY = ((16, 4096, 14336), _DECODE_16[4:] + [
+    (16, 64, 128, 8, 6, False, 0, False, 1)])
+BENCH_SECONDS = float(os.environ.get("INT8_BENCH_SECONDS", "265"))
+SWEEP_SECONDS = float(os.environ.get("INT8_SWEEP_SECONDS", "250"))
 
 
 def replicas_for(m, k, n):
   """Independent calls per timed program: enough to hide the host."""
   work = m * k * n
-  return 2 if work >= 2**36 else 4 if work >= 2**33 else 10
+  return 2 if work >= 2**36 else 4 if work >= 2**33 else 20
 
 
 def time_replicated_jax(op, args, reps, iters=5, warmup=1):
@@ -117,7 +135,8 @@ def make_inputs(m, k, n, seed=0):
   bias = jax.random.normal(keys[4], (n,), jnp.float32)
   xb = jax.random.normal(keys[5], (m, k), jnp.bfloat16)
   wb = (w8.astype(jnp.float32) * ws).astype(jnp.bfloat16)
-  return dict(x8=x8, w8=w8, xs=xs, ws=ws, bias=bias, xb=xb, wb=wb)
+  w8t = jnp.array(w8.T, copy=True)
+  return dict(x8=x8, w8=w8, w8t=w8t, xs=xs, ws=ws, bias=bias, xb=xb, wb=wb)
 
 
 def jax_ops(backend, blocks=None):
@@ -133,6 +152,11 @@ def jax_ops(backend, blocks=None):
                      ("x8", "w8", "xs", "ws", "bias")),
       "ours_dynamic": (ours(("w_scale",)), ("xb", "w8", "ws")),
       "ours_w8a16": (ours(("w_scale",), weight_only=True), ("xb", "w8", "ws")),
+      "ours_raw_nk": (ours((), weight_layout="nk"), ("x8", "w8t")),
+      "ours_fused_nk": (ours(("x_scale", "w_scale", "bias"), weight_layout="nk"),
+                        ("x8", "w8t", "xs", "ws", "bias")),
+      "ours_w8a16_nk": (ours(("w_scale",), weight_only=True, weight_layout="nk"),
+                        ("xb", "w8t", "ws")),
   }
 
 
@@ -149,22 +173,34 @@ def peer_jax_ops():
 
 
 def reference_of(name):
-  name = name.replace("alt_", "ours_").replace("_viabf16", "")
+  name = name.replace("alt_", "ours_").replace("_nk", "")
   return "xla_int8" if name == "ours_raw" else name.replace("ours", "xla")
 
 
-def alt_ops(m, k, n):
-  """The same kernel with int8 dots on bf16 units and w kept [K, N]."""
-  cls = bs.gpu_shape_class(m)
-  if cls == "large":
-    return {}
-  cfg = list(bs.GPU_TABLE[cls])
-  cfg[5], cfg[7] = False, True
-  ops = jax_ops("gpu", bs.BlockSizes(*cfg))
-  return {"alt_fused_viabf16": ops["ours_fused"]}
+TRANSPOSES = [("xla", 0, 0, 0), ("packed", 128, 128, 4),
+              ("packed", 128, 128, 8), ("packed", 256, 64, 4)]
 
 
-SKIP_AT_LLM_SHAPES = ("ours_dynamic", "xla_dynamic")
+def choose_transpose(data, reps):
+  """Times each way of the w_kmajor path's per-call transpose of w (checked
+  exact), sets block_sizes.GPU_TRANSPOSE to the fastest, returns the times."""
+  want = np.asarray(data["w8"]).T
+  times = {}
+  for cfg in TRANSPOSES:
+    bs.GPU_TRANSPOSE = cfg
+    try:
+      seconds, out = time_replicated_jax(lambda w: gpu.transpose(w),
+                                         [data["w8"]], reps)
+      if not np.array_equal(np.asarray(out), want):
+        raise AssertionError("transpose differs from w.T")
+      times[str(cfg)] = seconds * 1e6
+    except Exception as e:  # noqa: BLE001
+      times[str(cfg)] = f"{type(e).__name__}: {str(e)[:200]}"
+  timed = [(t, c) for c, t in times.items() if isinstance(t, float)]
+  best = min(timed)[1] if timed else str(TRANSPOSES[0])
+  bs.GPU_TRANSPOSE = next(c for c in TRANSPOSES if str(c) == best)
+  print("transposes (us):", times, "chosen:", best, flush=True)
+  return dict(transpose_us=times, transpose_chosen=best)
 
 
 def check(name, out, expected):
@@ -183,14 +219,23 @@ def check(name, out, expected):
   return rel
 
 
-def run_op(name, fn, argnames, data, reps, peers, errors, check_it=True):
+def run_op(name, fn, argnames, data, reps, peers, errors, check_it=True,
+           outputs=None):
+  """Seconds per call of ``fn`` (None on failure, recorded in ``errors``);
+  ours are checked against the reference output (taken from ``outputs``
+  where a timed peer already produced it)."""
   args = [data[a] for a in argnames]
   try:
     seconds, out = time_replicated_jax(fn, args, reps)
+    if outputs is not None:
+      outputs[name] = out
     if check_it and name.startswith(("ours", "alt")):
-      ref_fn, ref_args = peers[reference_of(name)]
-      errors[name] = check(name, out,
-                           jax.jit(ref_fn)(*[data[a] for a in ref_args]))
+      ref = reference_of(name)
+      expected = (outputs or {}).get(ref)
+      if expected is None:
+        ref_fn, ref_args = peers[ref]
+        expected = jax.jit(ref_fn)(*[data[a] for a in ref_args])
+      errors[name] = check(name, out, expected)
     return seconds
   except Exception as e:  # record and go on: one failure hides nothing else
     errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -198,16 +243,25 @@ def run_op(name, fn, argnames, data, reps, peers, errors, check_it=True):
     return None
 
 
-def bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, only=None):
+TIMED_PEERS = ("xla_int8", "xla_bf16", "xla_w8a16")
+WEIGHT_ONLY_MAX_M = 128  # w8a16 rows at decode shapes only (to fit the run)
+
+
+def bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, extra_row=None):
   data = make_inputs(m, k, n)
   reps = replicas_for(m, k, n)
-  times, errors = {}, {}
-  for name, (fn, argnames) in {**ops, **alt_ops(m, k, n), **peers}.items():
-    if name.endswith("w8a16") and m > 128 or (only and name not in only):
+  times, errors, outputs = {}, {}, {}
+  row = dict(shape=f"{m}x{k}x{n}", m=m, k=k, n=n, replicas=reps)
+  if extra_row:
+    row.update(extra_row(data, reps))
+  timed = {name: peers[name] for name in TIMED_PEERS}
+  timed.update(ops)
+  for name, (fn, argnames) in timed.items():
+    if "w8a16" in name and m > WEIGHT_ONLY_MAX_M:
       continue
-    if (m, k, n) != SQUARE and m != 16 and name in SKIP_AT_LLM_SHAPES:
-      continue
-    times[name] = run_op(name, fn, argnames, data, reps, peers, errors)
+    times[name] = run_op(name, fn, argnames, data, reps, peers, errors,
+                         outputs=outputs)
+  del outputs
   for name, make in torch_ops.items():
     try:
       fn = make(data, m, k, n)
@@ -216,23 +270,16 @@ def bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, only=None):
       times[name] = None
       errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
   flops = 2.0 * m * n * k
-  row = dict(shape=f"{m}x{k}x{n}", m=m, k=k, n=n, replicas=reps)
   for name, t in times.items():
     row[f"{name}_us"] = None if t is None else t * 1e6
-  for ours in ("ours_raw", "ours_fused", "ours_dynamic"):
+  for ours in ("ours_raw", "ours_fused", "ours_dynamic", "ours_w8a16",
+               "ours_raw_nk", "ours_fused_nk", "ours_w8a16_nk"):
     t = times.get(ours)
     if t:
       row[f"{ours}_tops"] = flops / t / 1e12
-      for peer in ("torch_int_mm", "xla_int8", "xla_fused", "xla_dynamic",
-                   "torch_bf16", "xla_bf16"):
+      for peer in ("torch_int_mm", "xla_int8", "torch_bf16", "xla_bf16") + (
+          ("xla_w8a16",) if "w8a16" in ours else ()):
         row[f"{ours}_vs_{peer}"] = harness.ratio(times.get(peer), t)
-  if times.get("alt_fused_viabf16"):
-    row["alt_fused_viabf16_vs_ours_fused"] = harness.ratio(
-        times.get("ours_fused"), times["alt_fused_viabf16"])
-  if times.get("ours_w8a16"):
-    for peer in ("torch_bf16", "xla_bf16", "xla_w8a16"):
-      row[f"ours_w8a16_vs_{peer}"] = harness.ratio(times.get(peer),
-                                                   times["ours_w8a16"])
   if chip in roofline.SPECS:
     row["roofline_int8_us"] = roofline.roofline(
         chip, flops, m * k + k * n + m * n * 2, "int8")["time_s"] * 1e6
@@ -267,29 +314,40 @@ def torch_peer_ops():
   return {"torch_int_mm": int_mm, "torch_bf16": bf16}
 
 
-def sweep(rows, torch_ops):
-  """Times candidate Triton configs (and the peers) at representative shapes."""
+def sweep(rows, torch_ops, out_name="int8_matmul_sweep"):
+  """Times candidate Triton configs (and the peers) at representative shapes,
+  stopping at SWEEP_SECONDS; also the per-call transpose of w at 8192^2."""
+  start = time.perf_counter()
   peers = peer_jax_ops()
+  done_peers = set()
   for (m, k, n), names, configs in SWEEP:
+    if time.perf_counter() - start > SWEEP_SECONDS:
+      break
     data = make_inputs(m, k, n)
     reps = replicas_for(m, k, n)
-    errors = {}
-    base = dict(sweep=True, shape=f"{m}x{k}x{n}")
-    for peer in ("xla_int8", "xla_fused", "xla_bf16") + (
-        ("xla_w8a16",) if m <= 128 else ()):
-      fn, argnames = peers[peer]
-      base[f"{peer}_us"] = _us(run_op(peer, fn, argnames, data, reps, peers,
-                                      errors))
-    for name, make in torch_ops.items():
-      try:
-        fn = make(data, m, k, n)
-        base[f"{name}_us"] = None if fn is None else _us(
-            time_batched_torch(fn, reps=reps))
-      except Exception as e:
-        errors[name] = str(e)[:200]
-    rows.append(dict(base, errors=errors))
-    print(rows[-1], flush=True)
+    if (m, k, n) not in done_peers:
+      done_peers.add((m, k, n))
+      errors = {}
+      base = dict(sweep=True, shape=f"{m}x{k}x{n}")
+      for peer in ("xla_bf16",) + (("xla_w8a16", "xla_fused")
+                                    if m <= 128 else ()):
+        fn, argnames = peers[peer]
+        base[f"{peer}_us"] = _us(run_op(peer, fn, argnames, data, reps, peers,
+                                        errors))
+      if m > 128:
+        base.update(choose_transpose(data, reps))
+      for name, make in torch_ops.items():
+        try:
+          fn = make(data, m, k, n)
+          base[f"{name}_us"] = None if fn is None else _us(
+              time_batched_torch(fn, reps=reps))
+        except Exception as e:
+          errors[name] = str(e)[:200]
+      rows.append(dict(base, errors=errors))
+      print(rows[-1], flush=True)
     for cfg in configs:
+      if time.perf_counter() - start > SWEEP_SECONDS:
+        break
       ops = jax_ops("gpu", bs.BlockSizes(*cfg))
       row = dict(sweep=True, shape=f"{m}x{k}x{n}", config=str(cfg))
       errs = {}
@@ -300,6 +358,7 @@ def sweep(rows, torch_ops):
       row["errors"] = errs
       rows.append(row)
       print(row, flush=True)
+    harness.write_results(out_name, rows)
 
 
 def tpu_estimates():
@@ -349,7 +408,8 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--sweep", action="store_true",
                       help="time candidate GPU block configs instead")
-  parser.add_argument("--shapes", default="all", help="all | square | llm")
+  parser.add_argument("--shapes", default="all",
+                      help="all | square | llm | a token count M")
   args = parser.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   estimates = tpu_estimates()
@@ -369,25 +429,66 @@ def main(argv=None):
     print("wrote", harness.write_results("int8_matmul_sweep", rows))
     return 0
   rows = []
-  extra = dict(tpu_estimates=estimates, gpu_table=bs.GPU_TABLE,
-               gpu_table_weight_only=bs.GPU_TABLE_WEIGHT_ONLY,
+  extra = dict(tpu_estimates=estimates,
+               gpu_table={c: list(dataclasses.astuple(b))
+                          for c, b in bs.GPU_TABLE.items()},
+               gpu_table_weight_only={
+                   c: list(dataclasses.astuple(b))
+                   for c, b in bs.GPU_TABLE_WEIGHT_ONLY.items()},
                timing="jax: one program of R independent calls on distinct "
                       "input copies, median of 5; torch: CUDA events around "
                       "R launches")
-  shapes = ([SQUARE] if args.shapes in ("all", "square") else []) + (
-      LLM_SHAPES if args.shapes in ("all", "llm") else [])
+  if args.shapes.isdigit():
+    shapes = [s_ for s_ in LLM_SHAPES if s_[0] == int(args.shapes)]
+  else:
+    shapes = ([SQUARE] if args.shapes in ("all", "square") else []) + (
+        LLM_SHAPES if args.shapes in ("all", "llm") else [])
+  if not shapes:
+    parser.error(f"--shapes {args.shapes}: no such shapes")
+  name = "int8_matmul" if args.shapes == "all" else f"int8_matmul_{args.shapes}"
   ops, peers = jax_ops("gpu"), peer_jax_ops()
+  start = time.perf_counter()
   for m, k, n in shapes:
-    bench_shape(m, k, n, ops, peers, torch_ops, rows, chip)
-    harness.write_results("int8_matmul", rows, extra=extra)  # partial results
-  harness.print_table(rows, [
-      "shape", "ours_raw_us", "ours_fused_us", "torch_int_mm_us", "xla_int8_us",
-      "torch_bf16_us", "xla_bf16_us", "ours_fused_vs_torch_int_mm",
-      "ours_fused_vs_torch_bf16", "ours_raw_vs_xla_int8", "ours_fused_tops"])
+    if time.perf_counter() - start > BENCH_SECONDS:
+      extra.setdefault("not_run", []).append(f"{m}x{k}x{n}")
+      continue
+    pick = None
+    if (m, k, n) == SQUARE:  # first: the transpose the w_kmajor path uses
+      def pick(data, reps):
+        chosen = choose_transpose(data, reps)
+        extra.update(chosen)
+        return chosen
+    bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, extra_row=pick)
+    extra["gpu_transpose"] = list(bs.GPU_TRANSPOSE)
+    harness.write_results(name, rows, extra=extra)  # partial results
+  (m, k, n), configs = ALT_WEIGHT_ONLY
+  if (m, k, n) in shapes and time.perf_counter() - start < BENCH_SECONDS:
+    data, errors = make_inputs(m, k, n), {}
+    for cfg in configs:
+      if time.perf_counter() - start > BENCH_SECONDS:
+        break
+      fn, argnames = jax_ops("gpu", bs.BlockSizes(*cfg))["ours_w8a16"]
+      t = run_op("alt_w8a16", fn, argnames, data, replicas_for(m, k, n),
+                 peers, errors)
+      rows.append(dict(shape=f"{m}x{k}x{n}", alt_w8a16_config=str(cfg),
+                       alt_w8a16_us=_us(t), errors=dict(errors)))
+      print(rows[-1], flush=True)
+    harness.write_results(name, rows, extra=extra)
+  harness.print_table([r for r in rows if "replicas" in r], [
+      "shape", "ours_raw_us", "ours_fused_us", "ours_fused_nk_us",
+      "torch_int_mm_us", "xla_int8_us", "torch_bf16_us", "xla_bf16_us",
+      "ours_fused_vs_torch_int_mm", "ours_fused_vs_torch_bf16",
+      "ours_fused_nk_vs_torch_bf16", "ours_raw_vs_xla_int8", "ours_fused_tops"])
   harness.print_table([r for r in rows if r.get("ours_w8a16_us")], [
-      "shape", "ours_w8a16_us", "xla_w8a16_us", "torch_bf16_us", "xla_bf16_us",
-      "ours_w8a16_vs_torch_bf16", "ours_w8a16_vs_xla_bf16"])
-  print("wrote", harness.write_results("int8_matmul", rows, extra=extra))
+      "shape", "ours_w8a16_us", "ours_w8a16_nk_us", "xla_w8a16_us",
+      "torch_bf16_us", "xla_bf16_us", "ours_w8a16_vs_torch_bf16",
+      "ours_w8a16_nk_vs_torch_bf16", "ours_w8a16_vs_xla_bf16",
+      "ours_w8a16_vs_xla_w8a16"])
+  harness.print_table([r for r in rows if r.get("ours_dynamic_us")], [
+      "shape", "ours_dynamic_us", "ours_dynamic_vs_torch_int_mm",
+      "ours_dynamic_vs_xla_int8", "ours_dynamic_vs_torch_bf16",
+      "ours_dynamic_vs_xla_bf16"])
+  print("wrote", harness.write_results(name, rows, extra=extra))
   return 0
 
 

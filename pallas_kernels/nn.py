@@ -78,8 +78,10 @@ def _bwd(int8_input_grad, backend, residuals, dy):
   x2 = x.reshape(-1, k)
   if int8_input_grad:
     w_q, w_scale = _int8.quantize_int8(w, axis=1, backend=backend)  # [K, 1]
-    dx = _int8.int8_matmul(dy2, w_q.T, w_scale=w_scale.reshape(k),
-                           out_dtype=x.dtype, backend=backend)
+    # dy @ w_q.T: w_q [K, N] is that product's weight in the "nk" layout.
+    dx = _int8.int8_matmul(dy2, w_q, w_scale=w_scale.reshape(k),
+                           out_dtype=x.dtype, weight_layout="nk",
+                           backend=backend)
   else:
     dx = jnp.dot(dy2, w.T.astype(dy2.dtype),
                  preferred_element_type=jnp.float32).astype(x.dtype)

@@ -166,6 +166,58 @@ def test_gpu_int8_via_bf16_is_exact_at_its_worst_case(rng):
                block_sizes=bs.BlockSizes(16, 2048, 32, int8_via_bf16=True))
 
 
+@pytest.mark.parametrize("transpose", [("xla", 0, 0, 0),
+                                       ("packed", 128, 128, 4),
+                                       ("packed", 64, 128, 4)])
+@pytest.mark.parametrize("shape", [(128, 256), (256, 128), (100, 64)])
+def test_gpu_transpose_is_exact(rng, monkeypatch, transpose, shape):
+  # (100, 64) is no tile multiple: XLA's transpose stands in.
+  monkeypatch.setattr(bs, "GPU_TRANSPOSE", transpose)
+  w = int8_values(rng, shape)
+  out = gpu.transpose(jnp.asarray(w), interpret=True)
+  assert out.dtype == jnp.int8
+  np.testing.assert_array_equal(np.asarray(out), w.T)
+
+
+def test_gpu_k_major_path_with_packed_transpose(rng, monkeypatch):
+  monkeypatch.setattr(bs, "GPU_TRANSPOSE", ("packed", 64, 64, 4))
+  x, w = int8_values(rng, (20, 128)), int8_values(rng, (128, 192))
+  out = gpu.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
+                   mode="raw", out_dtype=None, interpret=True,
+                   block_sizes=bs.BlockSizes(16, 64, 64, w_kmajor=True))
+  np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
+
+
+@pytest.mark.parametrize("ni,nj,group_m", [(5, 3, 2), (7, 4, 8), (1, 6, 4),
+                                          (8, 2, 4)])
+def test_gpu_grouped_tile_order_visits_every_tile_once(ni, nj, group_m):
+  grid, tile = gpu._tile_order(ni, nj, group_m)
+  seen = [tuple(int(v) for v in tile(jnp.int32(p), jnp.int32(q)))
+          for p in range(grid[0]) for q in range(grid[1])]
+  assert sorted(seen) == [(i, j) for i in range(ni) for j in range(nj)]
+  if group_m > 1 and ni > 1:  # consecutive programs share a column tile
+    assert seen[0][1] == seen[1][1] and seen[0][0] != seen[1][0]
+
+
+def test_gpu_grouped_order_raw_exact_and_dequant(rng):
+  # 5 row tiles in bands of 2 (the last band is short), split K too.
+  m, k, n = 70, 200, 100
+  x, w = int8_values(rng, (m, k)), int8_values(rng, (k, n))
+  blocks = bs.BlockSizes(16, 64, 32, 4, 3, split_k=2, group_m=2)
+  out = gpu.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
+                   mode="raw", out_dtype=None, interpret=True,
+                   block_sizes=blocks)
+  np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
+  xs = rng.uniform(1e-3, 2e-3, (m, 1)).astype(np.float32)
+  ws = rng.uniform(1e-3, 2e-3, (1, n)).astype(np.float32)
+  bias = rng.standard_normal((1, n)).astype(np.float32)
+  blocks = bs.BlockSizes(16, 64, 32, 4, 3, w_kmajor=True, group_m=3)
+  out = gpu.matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(xs),
+                   jnp.asarray(ws), jnp.asarray(bias), mode="dequant",
+                   out_dtype=jnp.float32, interpret=True, block_sizes=blocks)
+  check_dequant(out, exact_int(x, w), xs, ws, bias, jnp.float32)
+
+
 def test_gpu_auto_split_k_fills_the_gpu():
   plan = bs.plan_gpu(16, 14336, 4096, mode="dequant")
   bm, bk, bn, split = plan[0], plan[1], plan[2], plan[6]
@@ -459,6 +511,8 @@ W8 = jnp.zeros((8, 6), jnp.int8)
     (dict(block_sizes="v9"), ValueError, "names no TPU generation"),
     (dict(block_sizes=3), TypeError, "block_sizes=3"),
     (dict(backend="tpu"), ValueError, "backend='tpu' is not one of"),
+    (dict(weight_layout="kn_t"), ValueError, "weight_layout must be 'kn'"),
+    (dict(weight_layout="nk"), ValueError, r"w's second dimension for weight_layout='nk'"),
 ])
 def test_bad_inputs_raise_naming_the_argument(kwargs, error, match):
   kwargs = dict(kwargs)
@@ -489,6 +543,75 @@ def test_quantize_bad_inputs(kwargs, error, match):
   x = kwargs.pop("x", jnp.zeros((3, 4), jnp.float32))
   with pytest.raises(error, match=match):
     pk.quantize_int8(x, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# weight_layout="nk": w given as [N, K]
+
+
+@pytest.mark.parametrize("path", ["tpu_interpreter", "gpu_kernel", "reference"])
+@pytest.mark.parametrize("mode", ["raw", "dequant", "weight_only"])
+def test_nk_weight_layout_equals_kn_layout(rng, path, mode):
+  m, k, n = 19, 300, 137
+  w = int8_values(rng, (k, n))
+  w_nk = jnp.asarray(np.ascontiguousarray(w.T))
+  ws = jnp.asarray(rng.uniform(0.5, 2.0, n), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal(n), jnp.float32)
+  if mode == "weight_only":
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    kwargs = dict(w_scale=ws, bias=bias, weight_only=True)
+  else:
+    x = jnp.asarray(int8_values(rng, (m, k)))
+    kwargs = {} if mode == "raw" else dict(
+        x_scale=jnp.asarray(rng.uniform(0.5, 2.0, (m, 1)), jnp.float32),
+        w_scale=ws, bias=bias, out_dtype=jnp.float32)
+  if path == "gpu_kernel":
+    def run(w_arg, layout):
+      return _gpu_call(x, w_arg, layout=layout, **kwargs)
+  else:
+    backend = "reference" if path == "reference" else "interpret"
+    def run(w_arg, layout):
+      with force_interpret("tpu"):
+        return pk.int8_matmul(x, w_arg, weight_layout=layout, backend=backend,
+                              **kwargs)
+  got, want = run(w_nk, "nk"), run(jnp.asarray(w), "kn")
+  assert got.shape == (m, n) and got.dtype == want.dtype
+  if mode == "raw":
+    np.testing.assert_array_equal(np.asarray(got), exact_int(x, w))
+  elif mode == "dequant" and path == "gpu_kernel":
+    # The plan splits K here (float32 partial sums): same int32 partials
+    # either way, so the layouts agree bit for bit.
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  elif mode == "dequant":
+    check_dequant(got, exact_int(x, w), kwargs["x_scale"], ws, bias,
+                  jnp.float32)
+  else:  # float32 sums in another order: K * 2**-24 * sum|x w| apart
+    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(w.astype(np.float64))
+    bound = 2 * k * 2.0**-24 * scale * np.asarray(ws) + 1e-6
+    assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= bound)
+
+
+def _gpu_call(x, w, *, layout, x_scale=None, w_scale=None, bias=None,
+              weight_only=False, out_dtype=None):
+  mode = ("weight_only" if weight_only else
+          "raw" if x_scale is None else "dequant")
+  out_dtype = out_dtype or (jnp.int32 if mode == "raw" else x.dtype)
+  ws = None if w_scale is None else w_scale.reshape(1, -1)
+  b = None if bias is None else bias.reshape(1, -1)
+  return gpu.matmul(x, w, x_scale, ws, b, mode=mode, out_dtype=out_dtype,
+                    w_layout=layout, interpret=True)
+
+
+def test_nk_layout_with_batch_dims_and_empty_k(rng):
+  x = jnp.asarray(int8_values(rng, (2, 3, 40)))
+  w = int8_values(rng, (40, 9))
+  got = pk.int8_matmul(x, jnp.asarray(w.T), weight_layout="nk",
+                       backend="interpret")
+  np.testing.assert_array_equal(
+      np.asarray(got), exact_int(np.asarray(x).reshape(6, 40), w).reshape(2, 3, 9))
+  empty = pk.int8_matmul(jnp.zeros((4, 0), jnp.int8), jnp.zeros((5, 0), jnp.int8),
+                         weight_layout="nk")
+  assert empty.shape == (4, 5) and not np.asarray(empty).any()
 
 
 # ----------------------------------------------------------------------------

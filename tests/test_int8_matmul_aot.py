@@ -99,3 +99,22 @@ def test_plan_reports_vmem_for_each_generation():
       plan = bs.plan_tpu(m, 8192, 8192, x_bytes=1, out_bytes=2, mode="dequant",
                          generation=generation)
       assert plan.vmem_bytes <= bs.TPU_VMEM[generation][0]
+
+
+@pytest.mark.parametrize("topology", list(GENERATIONS))
+@pytest.mark.parametrize("mode", ["raw", "w8a16"])
+def test_nk_weight_layout_compiles(topology, tpu_topologies, mode):
+  if topology not in tpu_topologies:
+    pytest.skip(f"libtpu lacks {topology}")
+  m, k, n = 256, 4096, 1024
+  specs = _specs(mode, m, k, n)
+  specs[1] = S((n, k), jnp.int8)
+  _, names, flags = MODES[mode]
+
+  def fn(x, w, *arrays):
+    return api.int8_matmul(x, w, **dict(zip(names, arrays)), **flags,
+                           weight_layout="nk",
+                           block_sizes=GENERATIONS[topology],
+                           backend="mosaic_tpu")
+  result = tpu_aot.compile_for_tpu(fn, *specs, topology=topology)
+  assert "tpu_custom_call" in result.hlo_text

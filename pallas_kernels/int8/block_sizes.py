@@ -33,13 +33,12 @@ dimension), K tiles divide K (K is zero-padded to a multiple of 128 only
 when it is not one and exceeds the tile), and a config over the budget is
 shrunk by halving its largest tile dimension.
 
-GPU (Triton). (bm, bk, bn, num_warps, num_stages, w_kmajor, split_k,
-int8_via_bf16); every tile dimension a power of two (a Triton requirement),
-M, N, K zero-padded to tile multiples; gpu.py explains the three switches.
+GPU (Triton): see GPU_TABLE below and gpu.py for the switches.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 
@@ -57,6 +56,7 @@ class BlockSizes:
   w_kmajor: bool | None = None   # GPU: feed the kernel w.T (see gpu.py)
   split_k: int | None = None     # GPU: K split over this many programs
   int8_via_bf16: bool | None = None  # GPU: exact int8 dots on bf16 units
+  group_m: int | None = None     # GPU: row tiles per band of program order
 
   def __post_init__(self):
     for name in ("bm", "bk", "bn"):
@@ -86,24 +86,48 @@ TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e")
 DECODE_MAX_M = 128
 MEDIUM_MAX_M = 1024
 
-# Triton configs per GPU shape class (M <= 64, <= 2048, larger):
-# (bm, bk, bn, num_warps, num_stages, w_kmajor, split_k (0: auto),
-#  int8_via_bf16). Chosen from a sweep on an H100
-# (bench/results/int8_matmul_sweep-h100-*.json): K-major w is 3-9x faster
-# for the int8 MMA once M is large enough to pay for the transpose.
+# GPU (Triton) configs per shape class of M, for int8 x and for weight-only
+# (float x). Every tile dimension is a power of two (a Triton requirement);
+# M, N, K are zero-padded to tile multiples. Fields, gpu.py explains each:
+#   bm, bk, bn, num_warps, num_stages; w_kmajor (feed w.T); split_k (0:
+#   auto, enough programs for two waves); int8_via_bf16; group_m (program
+#   order in bands of group_m row tiles).
+# Chosen from sweeps on an H100 (bench/results/int8_matmul_sweep-h100-*):
+# K-major w is 3-9x faster for the int8 MMA once M pays for the transpose;
+# at 8192^3 128x128x256 with 8 warps, 3 stages and bands of 16 row tiles
+# was best (1132-1142 us; 256x128x128 / 4 stages 1143-1154 us, bk 64
+# 1430+ us). Weight-only decode (bm 16): bk 64 with 6 stages was best
+# (43-55 us, the 256-deep tiles 56-67 us); M = 128: 128x64x128 / 8 warps
+# (81-89 us, bm 64 or 32 97-136 us).
 GPU_TABLE = {
-    "decode": (16, 256, 128, 4, 4, False, 0, False),
-    "medium": (128, 128, 128, 4, 4, True, 1, False),
-    "large": (128, 128, 256, 8, 3, True, 1, False),
+    "decode": BlockSizes(16, 256, 128, 4, 4, False, 0, False, 1),
+    "medium": BlockSizes(128, 128, 128, 4, 4, True, 1, False, 8),
+    "large": BlockSizes(128, 128, 256, 8, 3, True, 1, False, 16),
 }
 GPU_TABLE_WEIGHT_ONLY = {
-    "decode": (16, 256, 128, 4, 4, False, 0, False),
-    "medium": (64, 128, 128, 4, 4, False, 1, False),
-    "large": (128, 64, 128, 8, 3, False, 1, False),
+    "decode": BlockSizes(16, 64, 128, 4, 6, False, 0, False, 1),
+    "medium": BlockSizes(128, 64, 128, 8, 4, False, 0, False, 8),
+    "large": BlockSizes(128, 64, 128, 8, 3, False, 1, False, 8),
 }
+# The per-call transpose of w for w_kmajor (gpu.transpose): (kind, tile_k,
+# tile_n, num_warps), kind "xla" or "packed". At 8192^2 on the H100 XLA's
+# and ("packed", 128, 128, 4) tied at 104 us; other packed tiles 138-196 us.
+GPU_TRANSPOSE = ("xla", 0, 0, 0)
 GPU_DECODE_MAX_M = 64
 GPU_MEDIUM_MAX_M = 2048
 GPU_TARGET_PROGRAMS = 264
+
+
+class GpuPlan(NamedTuple):
+  bm: int
+  bk: int
+  bn: int
+  num_warps: int
+  num_stages: int
+  w_kmajor: bool
+  split_k: int
+  int8_via_bf16: bool
+  group_m: int
 
 
 def shape_class(m: int) -> str:
@@ -245,29 +269,30 @@ def _pow2_at_least(x: int) -> int:
   return p
 
 
-def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None):
-  """(bm, bk, bn, warps, stages, w_kmajor, split_k, int8_via_bf16) for
-  Triton (tiles are powers of two)."""
+def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None
+             ) -> GpuPlan:
+  """The Triton plan for an [m, k] x [k, n] problem (tiles powers of two)."""
   if block_sizes is not None:
     for name in ("bm", "bk", "bn"):
       value = getattr(block_sizes, name)
       if value < 16 or value & (value - 1):
         raise ValueError(f"block_sizes.{name}={value} must be a power of two "
                          ">= 16 on GPU (a Triton requirement)")
-    bm, bk, bn = block_sizes.bm, block_sizes.bk, block_sizes.bn
-    warps = block_sizes.num_warps or 4
-    stages = block_sizes.num_stages or 3
-    kmajor = bool(block_sizes.w_kmajor)
-    split = block_sizes.split_k or 1
-    via_bf16 = bool(block_sizes.int8_via_bf16)
+    cfg = block_sizes
+    bm, bk, bn = cfg.bm, cfg.bk, cfg.bn
   else:
     table = GPU_TABLE_WEIGHT_ONLY if mode == "weight_only" else GPU_TABLE
-    bm, bk, bn, warps, stages, kmajor, split, via_bf16 = table[
-        gpu_shape_class(m)]
+    cfg = table[gpu_shape_class(m)]
     # Small problems: shrink tiles towards the problem (Triton dots need 16).
-    bm = min(bm, max(16, _pow2_at_least(m)))
-    bn = min(bn, max(16, _pow2_at_least(n)))
-    bk = min(bk, max(32, _pow2_at_least(k)))
+    bm = min(cfg.bm, max(16, _pow2_at_least(m)))
+    bn = min(cfg.bn, max(16, _pow2_at_least(n)))
+    bk = min(cfg.bk, max(32, _pow2_at_least(k)))
+  warps = cfg.num_warps or 4
+  stages = cfg.num_stages or 3
+  kmajor = bool(cfg.w_kmajor)
+  split = 1 if cfg.split_k is None else cfg.split_k
+  via_bf16 = bool(cfg.int8_via_bf16)
+  group_m = max(1, cfg.group_m or 1)
   if via_bf16 and bk > 1024:
     raise ValueError(f"block_sizes.bk={bk}: int8_via_bf16 is exact only for "
                      "bk <= 1024")
@@ -278,4 +303,4 @@ def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None):
       split *= 2
   # Never split K finer than one tile per program.
   split = max(1, min(split, -(-k // bk)))
-  return bm, bk, bn, warps, stages, kmajor, split, via_bf16
+  return GpuPlan(bm, bk, bn, warps, stages, kmajor, split, via_bf16, group_m)

@@ -1,6 +1,6 @@
 """GPU (Triton-lowered Pallas) int8 matmul with the same semantics as the TPU one.
 
-Grid (M/bm, N/bn); each program walks K in a ``fori_loop`` (Triton
+Grid (M/bm, N/bn, split_k); each program walks K in a ``fori_loop`` (Triton
 software-pipelines it, ``num_stages`` deep): int8 x int8 -> int32 dots on the
 tensor cores (``jnp.dot(..., preferred_element_type=jnp.int32)``), or for
 weight-only mode the int8 w tile upcast to x's dtype in registers, then a
@@ -8,11 +8,18 @@ float32-accumulating dot. The epilogue (x_scale [bm, 1], w_scale [1, bn],
 bias [1, bn], cast) runs on the accumulator in registers before the single
 store, so no int32 matrix is written to HBM.
 
+Program order (``group_m`` > 1): one flat program axis walks the output in
+bands of group_m row tiles, down a band's rows for one column tile before
+the next, so the ~132 programs resident together share their x rows and w
+columns in L2 (the plain order streams all of x once per column pair).
+
 Weight layout. Hopper's wgmma takes 8-bit operands only K-major, so with
-``w_kmajor`` the wrapper hands the kernel w.T ([N, K], one XLA transpose of
-w per call) and the kernel contracts both operands' last dimension; without
-it the kernel reads w [K, N] directly. The block-size table says which
-layout each shape class uses (measured on an H100, see the bench).
+``w_kmajor`` the wrapper hands the kernel w.T ([N, K], one transpose of w
+per call, ``transpose``) and the kernel contracts both operands' last
+dimension; without it the kernel reads w [K, N] directly, and Triton turns
+each int8 tile through shared memory (int8 MMA at ~105 TOP/s). The
+transpose of an 8192^2 int8 w costs 104 us (~1.3 TB/s, XLA's or the
+``packed`` Pallas kernel here: both tie), ~9% of the 8192^3 product.
 
 bf16 tensor cores for int8 (``int8_via_bf16``, for memory-bound shapes
 whose w stays [K, N]): each tile's x and w are upcast to bfloat16 (exact for
@@ -30,18 +37,22 @@ split_k x M x N (small for the decode shapes it is meant for); the float
 result may differ from the unsplit one by a few roundings.
 
 Measured on an H100 (bench/results/int8_matmul-h100-2026-11-22.json, jax
-0.11.2, triton 3.6; ratios are peer time / ours):
-  8192^3       fused bf16 1.21 ms = 908 TOP/s: 6.96x torch._int_mm, 1.32x XLA
-               int8, 1.17x torch bf16 (target 1.25x: missed), 1.28x XLA bf16
-  2048x4096x14336  fused 0.38 ms: 5.05x torch._int_mm, 1.88x XLA int8,
-               0.83x torch bf16, 1.13x XLA bf16
-  M = 128      fused 0.41-0.48x torch bf16: the per-call transpose of w (~35
-               us) and too few programs dominate
-  M = 16       fused 0.74-0.81x torch bf16, 0.81-0.89x XLA int8; weight-only
-               0.69-0.73x torch bf16 (target 1.5x: missed): these memory-bound
-               shapes reach ~1 TB/s of the 3.35 TB/s HBM
-The K-major switch was worth 3-9x at M >= 128 (int8 MMA with w [K, N] runs
-at ~105 TOP/s); int8_via_bf16 lost at every shape and is off by default.
+0.11.2, triton 3.6; one run; ratios are peer time / ours):
+  8192^3   fused bf16 1131 us = 972 TOP/s (was 1211): 7.44x torch._int_mm,
+           1.21x XLA int8, 1.22x torch bf16 (target 1.25x: missed by 2%),
+           1.37x XLA bf16. Raw int32 1136 us, dynamic w8a8 1313 us.
+           Grouped order (group_m 16) and the table's tiles gave 5-7%.
+  M = 16   weight-only 54 / 45 us (K, N = 4096/14336 / 14336/4096): 0.90x /
+           0.99x torch bf16, 1.33x XLA bf16, 0.93x / 1.12x XLA's own fused
+           w8a16 (target 1.5x over bf16: missed). ~1.1-1.3 TB/s of w. Fused
+           int8 0.71x / 0.92x torch bf16.
+  M = 128  weight-only 84 / 69 us: 0.56x / 0.79x torch bf16; int8 fused
+           97 / 137 us (the per-call transpose of w dominates).
+Tried and dropped (bench/results/int8_matmul_sweep-h100-*): upcasting w as
+int16 column pairs (so that only 16-bit data crosses threads) and computing
+w.T @ x.T (swap AB) were 5-60% slower for weight-only at M = 16 and 128;
+int8_via_bf16 lost at every shape; a Pallas transpose turning int8 tiles
+(128 us) lost to XLA's.
 
 Triton needs power-of-two tiles, so M, N and K are zero-padded to tile
 multiples (a copy of x and/or w when a dimension is not a multiple: the LLM
@@ -70,16 +81,15 @@ def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
   weight_only = mode == "weight_only"
   acc_dtype = jnp.float32 if weight_only else jnp.int32
   first = pl.program_id(2) * nk if split else 0
+  dims = (((1,), (1,)), ((), ())) if w_kmajor else (((1,), (0,)), ((), ()))
 
   def step(kk, acc):
     start = pl.multiple_of((first + kk) * bk, bk)
     x = x_ref[:, pl.ds(start, bk)]
     if w_kmajor:  # w is [N, K]: contract both operands' last dimension
       w = w_ref[:, pl.ds(start, bk)]
-      dims = (((1,), (1,)), ((), ()))
     else:
       w = w_ref[pl.ds(start, bk), :]
-      dims = (((1,), (0,)), ((), ()))
     if weight_only:
       precision = (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
                    else jax.lax.Precision.DEFAULT)
@@ -114,55 +124,127 @@ def _pad_to(a, shape, value=0):
   return jnp.pad(a, pads, constant_values=value)
 
 
+def _transpose_packed_kernel(w_ref, o_ref):
+  """w_ref [tk/4, 4, tn/4] int32: row 4a+i of the int8 tile, 4 columns per
+  word; o_ref [tn/4, 4, tk/4] likewise for the transposed tile. Word c of
+  the output gathers byte c of the four input rows (byte i from row i), so
+  the 4 x 4 byte blocks turn in registers and only 32-bit words move
+  across threads."""
+  rows = [w_ref[:, i, :] for i in range(4)]
+  byte = jnp.int32(0xFF)
+  for c in range(4):
+    word = None
+    for i, row in enumerate(rows):
+      part = jax.lax.shift_right_logical(row, jnp.int32(8 * c)) & byte
+      part = jax.lax.shift_left(part, jnp.int32(8 * i)) if i else part
+      word = part if word is None else word | part
+    o_ref[:, c, :] = word.T
+
+
+def transpose(w, *, interpret=False):
+  """w.T for int8 w [K, N], the per-call transpose of the w_kmajor path.
+
+  block_sizes.GPU_TRANSPOSE picks it: ("xla", ...) XLA's transpose, or
+  ("packed", tk, tn, warps) a Pallas kernel moving 32-bit words (4 x 4 byte
+  blocks turned in registers); XLA's where K or N is no tile multiple.
+  """
+  kind, tk, tn, warps = bs.GPU_TRANSPOSE
+  k, n = w.shape
+  if kind == "xla" or k % tk or n % tn:
+    return w.T
+  params = _compat.gpu_compiler_params(num_warps=warps, num_stages=1)
+  words = jax.lax.bitcast_convert_type(w.reshape(k, n // 4, 4), jnp.int32)
+  out = pl.pallas_call(
+      _transpose_packed_kernel,
+      grid=(k // tk, n // tn),
+      in_specs=[pl.BlockSpec((tk // 4, 4, tn // 4), lambda i, j: (i, 0, j))],
+      out_specs=pl.BlockSpec((tn // 4, 4, tk // 4), lambda i, j: (j, 0, i)),
+      out_shape=jax.ShapeDtypeStruct((n // 4, 4, k // 4), jnp.int32),
+      compiler_params=params, interpret=interpret,
+  )(words.reshape(k // 4, 4, n // 4))
+  return jax.lax.bitcast_convert_type(out.reshape(n, k // 4),
+                                      jnp.int8).reshape(n, k)
+
+
+def _tile_order(ni, nj, group_m):
+  """(grid, tile(p, q) -> (i, j)): the output tile each program computes.
+
+  group_m > 1 launches one flat program axis in bands: consecutive programs
+  walk down group_m row tiles of one column tile, then the next column tile,
+  so the programs resident together share their x rows and w columns in L2.
+  """
+  if group_m <= 1 or ni == 1:
+    return (ni, nj), lambda p, q: (p, q)
+  per_band = group_m * nj
+
+  def tile(p, q):
+    del q
+    band = p // per_band
+    first = band * group_m
+    rows = jnp.minimum(ni - first, group_m)
+    local = p % per_band
+    return first + local % rows, local // rows
+
+  return (ni * nj, 1), tile
+
+
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
-           interpret=False):
-  """[M, K] x [K, N] for modes raw / dequant / dynamic / weight_only."""
+           w_layout="kn", interpret=False):
+  """[M, K] x [K, N] (w [N, K] for w_layout "nk": read K-major as it is, no
+  transpose) for modes raw / dequant / dynamic / weight_only."""
   if mode == "dynamic":
     x2, x_scale = reference.quantize_xla(x2, axis=-1)
     mode = "dequant"
   m, k = x2.shape
-  n = w.shape[1]
+  n = w.shape[1 if w_layout == "kn" else 0]
   out_dtype = jnp.dtype(jnp.int32 if mode == "raw" else out_dtype)
-  bm, bk, bn, warps, stages, w_kmajor, split, via_bf16 = bs.plan_gpu(
-      m, k, n, mode=mode, block_sizes=block_sizes)
+  plan = bs.plan_gpu(m, k, n, mode=mode, block_sizes=block_sizes)
+  w_kmajor = plan.w_kmajor or w_layout == "nk"
+  bm, bk, bn, split = plan.bm, plan.bk, plan.bn, plan.split_k
+  via_bf16 = plan.int8_via_bf16 and mode != "weight_only"
   mp, kp, np_ = (bs.round_up(m, bm), bs.round_up(k, bk * split),
                  bs.round_up(n, bn))
+  grid, tile = _tile_order(mp // bm, np_ // bn, plan.group_m)
   operands = [_pad_to(x2, (mp, kp))]
-  in_specs = [pl.BlockSpec((bm, kp), lambda i, j, s: (i, 0))]
-  if w_kmajor:
-    operands.append(_pad_to(w.T, (np_, kp)))
-    in_specs.append(pl.BlockSpec((bn, kp), lambda i, j, s: (j, 0)))
+  in_specs = [pl.BlockSpec((bm, kp), lambda p, q, s: (tile(p, q)[0], 0))]
+  if w_layout == "nk":
+    operands.append(_pad_to(w, (np_, kp)))
+    in_specs.append(pl.BlockSpec((bn, kp), lambda p, q, s: (tile(p, q)[1], 0)))
+  elif w_kmajor:
+    operands.append(transpose(_pad_to(w, (kp, np_)), interpret=interpret))
+    in_specs.append(pl.BlockSpec((bn, kp), lambda p, q, s: (tile(p, q)[1], 0)))
   else:
     operands.append(_pad_to(w, (kp, np_)))
-    in_specs.append(pl.BlockSpec((kp, bn), lambda i, j, s: (0, j)))
+    in_specs.append(pl.BlockSpec((kp, bn), lambda p, q, s: (0, tile(p, q)[1])))
   if x_scale is not None:
     operands.append(_pad_to(x_scale, (mp, 1), 1))
-    in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, s: (i, 0)))
+    in_specs.append(pl.BlockSpec((bm, 1), lambda p, q, s: (tile(p, q)[0], 0)))
   fused_bias = bias if split == 1 else None
   for row_vector in (w_scale, fused_bias):
     if row_vector is not None:
       operands.append(_pad_to(row_vector, (1, np_)))
-      in_specs.append(pl.BlockSpec((1, bn), lambda i, j, s: (0, j)))
+      in_specs.append(pl.BlockSpec((1, bn),
+                                   lambda p, q, s: (0, tile(p, q)[1])))
   kernel = functools.partial(
       _matmul_kernel, mode=mode, nk=kp // bk // split, bk=bk,
       has_xs=x_scale is not None, has_ws=w_scale is not None,
       has_b=fused_bias is not None, w_kmajor=w_kmajor, split=split > 1,
-      via_bf16=via_bf16 and mode != "weight_only")
+      via_bf16=via_bf16)
   if split == 1:
-    out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
+    out_spec = pl.BlockSpec((bm, bn), lambda p, q, s: tile(p, q))
     out_struct = jax.ShapeDtypeStruct((mp, np_), out_dtype)
   else:
-    out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
+    out_spec = pl.BlockSpec((None, bm, bn), lambda p, q, s: (s, *tile(p, q)))
     out_struct = jax.ShapeDtypeStruct(
         (split, mp, np_), jnp.int32 if mode == "raw" else jnp.float32)
   out = pl.pallas_call(
       kernel,
-      grid=(mp // bm, np_ // bn, split),
+      grid=(*grid, split),
       in_specs=in_specs,
       out_specs=out_spec,
       out_shape=out_struct,
-      compiler_params=_compat.gpu_compiler_params(num_warps=warps,
-                                                  num_stages=stages),
+      compiler_params=_compat.gpu_compiler_params(
+          num_warps=plan.num_warps, num_stages=plan.num_stages),
       interpret=interpret,
   )(*operands)
   if split > 1:

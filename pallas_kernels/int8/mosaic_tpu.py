@@ -39,22 +39,23 @@ MiB = 1 << 20
 QUANTIZE_VMEM_BUDGET = 8 * MiB
 
 
-def _dot(x, w, mode):
+def _dot(x, w, mode, w_layout):
+  dims = (((1,), (0 if w_layout == "kn" else 1,)), ((), ()))
   if mode == "weight_only":
     precision = (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
-    return jnp.dot(x, w.astype(x.dtype), precision=precision,
-                   preferred_element_type=jnp.float32)
-  return jnp.dot(x, w, preferred_element_type=jnp.int32)
+    return jax.lax.dot_general(x, w.astype(x.dtype), dims, precision=precision,
+                               preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)
 
 
-def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b):
+def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout):
   x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs = (
       reference.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
                                   has_b=has_b))
   acc_ref = refs.pop(0) if refs else None
 
-  part = _dot(x_ref[...], w_ref[...], mode)
+  part = _dot(x_ref[...], w_ref[...], mode, w_layout)
 
   def finish(acc):
     if mode == "raw":
@@ -86,13 +87,15 @@ def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b):
 
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
-           generation=None, interpret=False):
-  """[M, K] x [K, N] for modes raw / dequant / dynamic / weight_only."""
+           generation=None, w_layout="kn", interpret=False):
+  """[M, K] x [K, N] (w [N, K] for w_layout "nk") for modes raw / dequant /
+  dynamic / weight_only."""
+  kn = w_layout == "kn"
   if mode == "dynamic":
     x2, x_scale = quantize_rows(x2, interpret=interpret)
     mode = "dequant"
   m, k = x2.shape
-  n = w.shape[1]
+  n = w.shape[1 if kn else 0]
   generation = generation or bs.tpu_generation()
   out_dtype = jnp.dtype(jnp.int32 if mode == "raw" else out_dtype)
   plan = bs.plan_tpu(m, k, n, x_bytes=x2.dtype.itemsize,
@@ -100,14 +103,16 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
                      generation=generation, block_sizes=block_sizes)
   if plan.k_padded != k:
     x2 = jnp.pad(x2, ((0, 0), (0, plan.k_padded - k)))
-    w = jnp.pad(w, ((0, plan.k_padded - k), (0, 0)))
+    k_pad = (0, plan.k_padded - k)
+    w = jnp.pad(w, (k_pad, (0, 0)) if kn else ((0, 0), k_pad))
   bm, bk, bn = plan.bm, plan.bk, plan.bn
   nk = plan.k_padded // bk
   grid = (pl.cdiv(m, bm), pl.cdiv(n, bn), nk)
 
   operands = [x2, w]
-  in_specs = [pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-              pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))]
+  w_spec = (pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)) if kn else
+            pl.BlockSpec((bn, bk), lambda i, j, kk: (j, kk)))
+  in_specs = [pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)), w_spec]
   if x_scale is not None:
     operands.append(x_scale)
     in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, kk: (i, 0)))
@@ -122,7 +127,7 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
 
   kernel = functools.partial(
       _matmul_kernel, mode=mode, nk=nk, has_xs=x_scale is not None,
-      has_ws=w_scale is not None, has_b=bias is not None)
+      has_ws=w_scale is not None, has_b=bias is not None, w_layout=w_layout)
   return pl.pallas_call(
       kernel,
       grid=grid,

@@ -77,13 +77,17 @@ def epilogue(acc, x_scale, w_scale, bias, out_dtype):
   return out.astype(out_dtype)
 
 
-def matmul_2d(x2, w, x_scale, w_scale, bias, *, mode, out_dtype):
+def matmul_2d(x2, w, x_scale, w_scale, bias, *, mode, out_dtype,
+              w_layout="kn"):
   """The 2-D problem after the public API normalized shapes and dtypes.
 
   mode: "raw" (int8 x, int32 out), "dequant" (int8 x), "dynamic" (float x,
   quantized per row here) or "weight_only" (float x). Scales are float32
-  [M, 1] / [1, N] or None, bias float32 [1, N] or None.
+  [M, 1] / [1, N] or None, bias float32 [1, N] or None. w is [K, N], or
+  [N, K] for w_layout "nk".
   """
+  if w_layout == "nk":
+    w = w.T
   if mode == "raw":
     return int32_dot(x2, w)
   if mode == "weight_only":
@@ -100,12 +104,12 @@ def quantize_int8(x, *, axis=-1):
 
 
 def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None,
-                out_dtype=None, weight_only=False):
+                out_dtype=None, weight_only=False, weight_layout="kn"):
   """Same as ``pallas_kernels.int8_matmul(..., backend="reference")``."""
   from pallas_kernels.int8 import api
   return api.int8_matmul(x, w, x_scale=x_scale, w_scale=w_scale, bias=bias,
                          out_dtype=out_dtype, weight_only=weight_only,
-                         backend="reference")
+                         weight_layout=weight_layout, backend="reference")
 
 
 def split_kernel_refs(refs, *, has_xs, has_ws, has_b):
