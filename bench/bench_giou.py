@@ -13,6 +13,13 @@ device-to-device copy (JAX ``x + 1`` over 1 GiB: read + write). Before
 timing, every GPU kernel is checked against the reference on random and
 degenerate boxes. TPU numbers are roofline estimates (memory-bound).
 ``--quick`` runs small shapes (a CPU smoke test: kernels run interpreted).
+On a GPU the 1024x256 cases also get their device time from a profiler
+trace ("device_time_1024x256"): at that size a call's wall time is mostly
+dispatch (a trivial jitted call takes ~65 us on the H100 host), so the wall
+ratio compares launch counts and noise while the device ratio compares the
+kernels. ``--explain`` repeats, for aligned and ragged sizes, the direct
+``elementwise_vjp`` calls and the public-API vjp that once disagreed (see
+``pallas_kernels.boxes.iou.gpu``: unmasked stores past a ragged end).
 On a GPU, ``--diagnose`` first checks each GPU kernel alone at a block-aligned
 and a ragged size for each kernel variant (``gpu.COLUMN_ACCESS``,
 ``gpu.RAGGED``) and benchmarks the first that passes; ``--sweep`` times a
@@ -114,6 +121,100 @@ def diagnose_gpu_kernels():
   gpu.COLUMN_ACCESS, gpu.RAGGED = good[0] if good else variants[0]
   print("GPU kernel variant used below:", gpu.COLUMN_ACCESS, gpu.RAGGED)
   return rows
+
+
+def explain_vjp_mismatch():
+  """Direct elementwise_vjp calls at aligned/ragged sizes, located errors.
+
+  Variants separate the kernel from the calling convention: jitted with the
+  cotangent as a parameter, jitted with it computed inside, eager, and the
+  public giou_loss vjp with the same cotangent.
+  """
+  from pallas_kernels.boxes.iou import gpu, reference
+  rng = np.random.default_rng(1)
+  common = dict(kind="giou", formula="loss", eps=1e-7, box_format="xyxy")
+  rows = []
+
+  def ref_score(x, y):
+    return reference.elementwise_score("giou", "loss", 1e-7, "xyxy", x, y)
+
+  for count in (2048, 3000, 3072, 5000):
+    a = jnp.asarray(_boxes(rng, (count,)))
+    b = jnp.asarray(_boxes(rng, (count,)))
+    g = jnp.asarray(rng.normal(size=count), jnp.float32)
+    want = jax.vjp(ref_score, a, b)[1](g)
+    variants = {
+        "jit(param g)": lambda: jax.jit(lambda x, y, c: gpu.elementwise_vjp(
+            x, y, c, **common))(a, b, g),
+        "jit(g * 1 inside)": lambda: jax.jit(lambda x, y, c: gpu.elementwise_vjp(
+            x, y, c * 1.0, **common))(a, b, g),
+        "eager": lambda: gpu.elementwise_vjp(a, b, g, **common),
+        "public giou_loss vjp": lambda: tuple(-d for d in jax.vjp(
+            lambda x, y: pk.giou_loss(x, y, backend="gpu"), a, b)[1](g)),
+    }
+    for name, call in variants.items():
+      try:
+        got = call()
+        err = np.abs(np.asarray(got[0]) - np.asarray(want[0]))
+        bad = np.argwhere(err > 1e-4 * (np.abs(np.asarray(want[0])).max()))
+        rows.append(dict(count=count, variant=name,
+                         max_err=float(err.max()), bad=int(len(bad)),
+                         first_bad_rows=sorted({int(r) for r in bad[:, 0]})[:8],
+                         bad_row_range=[int(bad[:, 0].min()), int(bad[:, 0].max())]
+                         if len(bad) else None))
+      except Exception as e:  # noqa: BLE001
+        rows.append(dict(count=count, variant=name, error=repr(e)[:300]))
+      print(rows[-1], flush=True)
+  return rows
+
+
+def profile_cases():
+  """Device kernels per call of the 1024x256 cases (jax profiler)."""
+  from bench import bench_nms
+  rng = np.random.default_rng(3)
+  p = jnp.asarray(_boxes(rng, (1024, 256)))
+  t = jnp.asarray(_boxes(rng, (1024, 256)))
+  rows = []
+  floor = jax.jit(lambda x: x + 1)
+  rows.append(dict(case="jit floor", wall_ms=1e3 * harness.time_jax(
+      floor, p, iters=50)))
+  for impl, be in (("pallas", "gpu"), ("jax_reference", "reference")):
+    for case, fn in (("fwd", _jax_loss_fwd(be)),
+                     ("fwd+bwd", _jax_loss_fwd_bwd(be))):
+      kernels = bench_nms.device_kernel_times(fn, p, t)
+      rows.append(dict(case=f"{case} 1024x256", impl=impl,
+                       wall_ms=1e3 * harness.time_jax(fn, p, t, iters=50),
+                       kernels={k: [round(v[0], 1), round(v[1], 1)]
+                                for k, v in kernels.items()}))
+      print(rows[-1], flush=True)
+  return rows
+
+
+def device_times_small():
+  """Device time (profiler) of the 1024x256 cases, Pallas vs jitted JAX.
+
+  At this size a call's wall time is mostly host dispatch (see "jit floor"),
+  so the wall-time ratio mainly compares launch counts and dispatch noise;
+  the device time is what the kernels themselves cost.
+  """
+  from bench import bench_nms
+  rng = np.random.default_rng(4)
+  p = jnp.asarray(_boxes(rng, (1024, 256)))
+  t = jnp.asarray(_boxes(rng, (1024, 256)))
+  out = {"jit_floor_wall_us": 1e6 * harness.time_jax(
+      jax.jit(lambda x: x + 1), p, iters=50)}
+  for case, make in (("fwd", _jax_loss_fwd), ("fwd+bwd", _jax_loss_fwd_bwd)):
+    for impl, be in (("pallas", "gpu"), ("jax_reference", "reference")):
+      kernels = bench_nms.device_kernel_times(make(be), p, t, reps=20)
+      out[f"{case} {impl}"] = dict(
+          device_us=kernels["(device total)"][1],
+          launches=kernels["(device total)"][0],
+          kernels={k: round(v[1], 2) for k, v in kernels.items()})
+    out[f"{case} x_vs_jax_reference_device"] = (
+        out[f"{case} jax_reference"]["device_us"]
+        / out[f"{case} pallas"]["device_us"])
+  print(out, flush=True)
+  return out
 
 
 def sweep_gpu_blocks(iters):
@@ -314,6 +415,11 @@ def main(argv=None):
   parser.add_argument("--diagnose", action="store_true",
                       help="GPU: check each kernel alone (picks a variant that "
                            "passes)")
+  parser.add_argument("--explain", action="store_true",
+                      help="GPU: locate the direct elementwise_vjp mismatch")
+  parser.add_argument("--profile", action="store_true",
+                      help="GPU: device kernels per call at 1024x256")
+  parser.add_argument("--only-diagnostics", action="store_true")
   parser.add_argument("--sweep", action="store_true",
                       help="GPU: time a few block sizes")
   args = parser.parse_args(argv)
@@ -328,6 +434,13 @@ def main(argv=None):
     extra["diagnosis"] = diagnose_gpu_kernels()
     from pallas_kernels.boxes.iou import gpu
     extra["gpu_variant"] = [gpu.COLUMN_ACCESS, gpu.RAGGED]
+  if args.explain and backend == "gpu":
+    extra["explain_vjp"] = explain_vjp_mismatch()
+  if args.profile and backend == "gpu":
+    extra["profile"] = profile_cases()
+  if args.only_diagnostics:
+    print("wrote", harness.write_results("giou-diagnostics", [], extra))
+    return []
   if args.sweep and backend == "gpu":
     extra["block_sweep"] = sweep_gpu_blocks(iters)
   checks = check_kernels(backend)
@@ -342,6 +455,8 @@ def main(argv=None):
         + (f", {extra['copy_bandwidth_gbps_torch']:.1f} GB/s (torch copy_)"
            if "copy_bandwidth_gbps_torch" in extra else ""))
   _add_ratios(rows, copy_bw)
+  if backend == "gpu" and not args.quick:
+    extra["device_time_1024x256"] = device_times_small()
   columns = ["case", "impl", "ms", "gbps", "pct_copy_bw", "gpairs_per_s"]
   columns += sorted({k for r in rows for k in r if k.startswith("x_vs_")})
   harness.print_table(rows, columns)

@@ -610,6 +610,63 @@ def test_gpu_kernels_lower_for_cuda(rng):
     assert "triton" in lowered.as_text().lower() or "__gpu" in lowered.as_text()
 
 
+def test_gpu_direct_vjp_call_at_ragged_size(rng):
+  """The call that disagreed on the H100: elementwise_vjp jitted, 3000 boxes.
+
+  Default block (1024), so the third program is partial; random cotangent.
+  """
+  b1, b2 = random_boxes(rng, (3000,)), random_boxes(rng, (3000,))
+  g = rng.normal(size=3000).astype(np.float32)
+  d1, d2 = jax.jit(lambda x, y, c: gpu.elementwise_vjp(
+      x, y, c, kind="giou", formula="loss", eps=EPS, box_format="xyxy",
+      interpret=True))(b1, b2, g)
+  want = _float64_grads("giou", "none", b1, b2, -g)
+  for got, w in zip((d1, d2), want):
+    np.testing.assert_allclose(got, w, atol=np.max(np.abs(w)) * 2e-5)
+
+
+def _kernel_primitives(fn, *args):
+  names = []
+  for eqn in jax.make_jaxpr(fn)(*args).jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      names += [e.primitive.name for e in eqn.params["jaxpr"].eqns]
+  return names
+
+
+def test_gpu_kernels_mask_every_ragged_store():
+  """Triton's Pallas lowering adds no bounds check: a plain ``ref[...] = x``
+  (primitive "swap") in a partial last block writes past the array. The
+  kernels whose outputs have ragged blocks must store through a mask."""
+  b = jnp.ones((3000, 4), jnp.float32)
+  common = dict(kind="giou", formula="loss", eps=EPS, box_format="xyxy")
+  for fn in (lambda x, y: gpu.elementwise(x, y, **common),
+             lambda x, y: gpu.elementwise_vjp(x, y, jnp.ones(3000), **common),
+             lambda x, y: gpu.pairwise(x[None, :100], y[None], kind="giou",
+                                       eps=0.0, out_dtype=jnp.float32)):
+    names = _kernel_primitives(fn, b, b)
+    assert "masked_swap" in names and "swap" not in names, names
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gpu_fused_value_and_grad_interpreted(rng, reduction):
+  """Small reduced losses: loss sum and both gradients from one kernel."""
+  n, block = 300, 128  # 3 programs, the last one ragged
+  b1, b2 = random_boxes(rng, (n,)), random_boxes(rng, (n,))
+  scale = -1.0 / n if reduction == "mean" else -1.0
+  total, d1, d2 = gpu.elementwise_value_and_grad(
+      b1, b2, kind="giou", formula="loss", eps=EPS, box_format="xyxy",
+      as_loss=True, grad_scale=scale, interpret=True, block=block)
+  np.testing.assert_allclose(total, np.sum(tv_loss("giou", b1, b2)),
+                             rtol=1e-5)
+  want = _float64_grads("giou", reduction, b1, b2, 1.0)
+  for got, w in zip((d1, d2), want):
+    np.testing.assert_allclose(got, w, atol=np.max(np.abs(w)) * 2e-5)
+  # The public API takes this path for small reduced losses, any backend.
+  assert api._fused_value_and_grad(
+      api._Config("giou_loss", "giou", "loss", EPS, "xyxy", True, reduction,
+                  "gpu", jnp.dtype(jnp.float32)), n)
+
+
 def test_gpu_padded_variant_interpreted(rng, monkeypatch):
   # The fallback for ragged edges (pad to whole blocks) gives the same result.
   monkeypatch.setattr(gpu, "RAGGED", "pad")

@@ -265,6 +265,30 @@ def test_gpu_kernel_classes_nan_inverted(rng, small_tiles, design):
                         class_ids=classes, score_threshold=0.1)
 
 
+@pytest.mark.parametrize("thr,m", [(0.5, 150), (0.1, 150), (0.3, 20)])
+def test_gpu_pipelined_scan_and_skipped_words_interpret(rng, thr, m):
+  """The compiled scan form (pipelined) in interpret mode, several chunks.
+
+  Interpret mode fills every mask word the compiled kernel would leave
+  unwritten (below the diagonal, padding, removed rows and columns) with
+  all ones, so a scan that read one with effect would keep too few boxes.
+  """
+  from pallas_kernels.boxes.nms import gpu
+  boxes, scores = GENERATORS["clustered"](rng, 150)
+  scores[rng.random(150) < 0.1] = np.nan
+  want = run_reference(boxes, scores, thr, m)
+  order, planes, classes, flags = api._sorted_inputs(
+      jnp.asarray(boxes, jnp.float32)[None],
+      jnp.asarray(scores, jnp.float32)[None], None, None, 150)
+  keep, base, count = gpu.keep_words_bitmask(
+      planes, classes, flags, iou_threshold=thr, max_output_size=m,
+      rows=32, words=2, chunk_rows=64, use_classes=False, pipelined=True,
+      interpret=True)
+  idx, count = gpu.words_to_indices(keep, base, count, order, m)
+  np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
+  assert int(count[0]) == want[1]
+
+
 def test_gpu_bitmask_scratch_stays_within_budget():
   """Mask chunks shrink as N grows: scratch bounded, rows per chunk > 0."""
   from pallas_kernels.boxes.nms import gpu

@@ -126,28 +126,27 @@ def _tpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
           keep[:, :n], order)
 
 
-def _bitmask_sizes():
-  return dict(rows=block_sizes.MASK_ROWS, words=block_sizes.MASK_WORDS,
-              chunk_rows=block_sizes.MASK_CHUNK_ROWS,
+def _bitmask_sizes(num_boxes, max_output_size):
+  return dict(rows=block_sizes.MASK_ROWS,
+              words=block_sizes.mask_words(num_boxes),
+              chunk_rows=gpu.chunk_rows_for(max_output_size,
+                                            block_sizes.MASK_CHUNK_ROWS),
               max_bytes=block_sizes.GPU_BITMASK_MAX_BYTES)
 
 
 def _gpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
                  score_threshold, interpret=False):
   batch, n = scores.shape
-  if gpu.bitmask_layout(batch, n, **_bitmask_sizes()) is not None:
+  sizes = _bitmask_sizes(n, max_output_size)
+  if gpu.bitmask_layout(batch, n, **sizes) is not None:
     order, planes, classes, flags = _sorted_inputs(
         boxes, scores, class_ids, score_threshold, n)
-    keep = gpu.keep_words_bitmask(
+    keep, base, count = gpu.keep_words_bitmask(
         planes, classes, flags, iou_threshold=iou_threshold,
-        max_output_size=max_output_size, rows=block_sizes.MASK_ROWS,
-        words=block_sizes.MASK_WORDS, mask_warps=block_sizes.MASK_WARPS,
-        scan_warps=block_sizes.SCAN_WARPS,
-        chunk_rows=block_sizes.MASK_CHUNK_ROWS,
-        max_bytes=block_sizes.GPU_BITMASK_MAX_BYTES, interpret=interpret)
-    return jax.vmap(functools.partial(
-        reference.keep_to_indices, max_output_size=max_output_size))(
-            keep, order)
+        max_output_size=max_output_size, mask_warps=block_sizes.MASK_WARPS,
+        scan_warps=block_sizes.SCAN_WARPS, use_classes=class_ids is not None,
+        interpret=interpret, **sizes)
+    return gpu.words_to_indices(keep, base, count, order, max_output_size)
   tile = block_sizes.GPU_TILE
   padded = block_sizes.padded_size(n, tile)
   order, planes, classes, flags = _sorted_inputs(

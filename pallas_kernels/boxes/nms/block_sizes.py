@@ -6,13 +6,19 @@ holds the whole image, else 512 (fewer stored slabs to revisit, matvec
 still a single MXU pass per 128 rows).
 
 GPU, bitmask design (used while a mask chunk fits GPU_BITMASK_MAX_BYTES):
-the mask kernel's program covers MASK_ROWS boxes x MASK_WORDS words (32
-boxes each); rows go in chunks of MASK_CHUNK_ROWS; the scan kernel runs
+the mask kernel's program covers MASK_ROWS boxes x mask_words(N) words (32
+boxes each); rows go in chunks of MASK_CHUNK_ROWS (2048 when
+max_output_size <= 128, see gpu.chunk_rows_for); the scan kernel runs
 SCAN_WARPS warps per image (None: by row length). Measured on H100 at
-N = 20k (bench/results/nms-h100-2026-11-22.json, "tune"): 32 rows x 8 words
-was fastest (0.79 / 2.21 ms for max_output_size 128 / N against 1.07 / 2.94
-ms for 64 x 4); 4096-row chunks beat 16384 (later early exit); 2048 was
-5-10% faster than 4096 at 64 x 4 but was not tried with 32 x 8.
+N = 20k (an earlier run's "tune", in the git history of
+bench/results/nms-h100-2026-11-22.json): 32 rows x 8 words was fastest
+(0.79 / 2.21 ms for max_output_size 128 / N against 1.07 / 2.94 ms for
+64 x 4); 4096-row chunks beat 16384 (later early exit). Below SMALL_BOXES
+the 32 x 256 programs are too few to fill the chip (at 1k: 128 programs,
+15 us for 0.5M IoUs), so MASK_WORDS_SMALL is narrower; its value is the
+faster by device time in ``bench_nms.py --tune-small`` (recorded in the
+results file's "tune_small": 2 words, 73 / 448 us at 1k / 5k against 80 /
+461 us for 8).
 GPU, blocked O(N)-memory design (fallback past the budget): a (T, T)
 register tile per thread block; in a first H100 sweep T = 128 with 8 warps
 beat T = 64 / 4 warps and T = 256 / 8 or 16 warps (6.1 vs 6.9-24 ms at
@@ -27,8 +33,17 @@ GPU_BITMASK_MAX_BYTES = 256 << 20
 MASK_ROWS = 32
 MASK_CHUNK_ROWS = 4096
 MASK_WORDS = 8
+# Below SMALL_BOXES boxes the mask has few 32 x 256 programs per SM, so
+# narrower programs (more of them) hide latency better.
+SMALL_BOXES = 16384
+MASK_WORDS_SMALL = 2
 MASK_WARPS = 4
 SCAN_WARPS = None  # by row length: 1 warp below 512 words, else 4
+
+
+def mask_words(num_boxes: int) -> int:
+  """32-box column words per mask program for an image of num_boxes."""
+  return MASK_WORDS_SMALL if num_boxes < SMALL_BOXES else MASK_WORDS
 
 
 def tpu_tile(num_boxes: int) -> int:

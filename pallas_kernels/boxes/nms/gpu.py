@@ -5,23 +5,33 @@ byte budget (``block_sizes.GPU_BITMASK_MAX_BYTES``, i.e. for any realistic N),
 else the blocked one.
 
 Bitmask design (chunked, parallel + scan). Boxes arrive sorted by score.
-* Mask kernel, fully parallel: program (b, i, j) compares rows
-  ``MASK_ROWS`` boxes against ``32 * MASK_WORDS`` columns and writes
+* Mask kernel, fully parallel: program (b, i, j) compares ``MASK_ROWS``
+  rows against ``32 * words`` columns (``block_sizes.mask_words``: narrow
+  programs below ``SMALL_BOXES`` boxes, for parallelism) and writes
   mask[r, w] = the 32 bits "box r suppresses box 32w + c" (c > r, same class,
-  IoU > threshold). Blocks below the diagonal, padding columns, and all work
-  once ``max_output_size`` boxes are kept are skipped.
+  IoU > threshold). Nothing is written (and nothing computed) for blocks
+  below the diagonal, padding, rows or column words whose boxes earlier
+  chunks already removed, and everything once ``max_output_size`` boxes are
+  kept; see ``keep_words_bitmask`` for why the scan never needs those words.
 * Scan kernel, one program per image: walks the words in order; for word w
   it takes the "removed" bits of its 32 boxes, resolves their own chain with
   32 scalar bit steps on the diagonal words, then ORs the rows of the boxes
-  it kept into "removed" (only kept rows are read). Stops at
-  ``max_output_size`` kept.
-* Rows are processed in chunks of ``MASK_CHUNK_ROWS`` (shrunk to fit the
-  budget): mask chunk c, then scan chunk c, carrying removed/keep/count on
-  device. Scratch memory is chunk * N / 8 bytes: linear in N for a fixed
-  chunk, and a small chunk lets a small ``max_output_size`` stop early
-  (later chunks' mask programs see the count and exit).
-Work: N^2 / 2 IoUs in parallel (fewer with early exit) plus N / 32 scan
-steps and K row ORs of N / 32 words for K kept boxes.
+  it kept into "removed". Pipelined (``SCAN_PIPELINED``): the diagonal words
+  and the next word's column of the current rows are loaded a step ahead,
+  the next "removed" word is formed from scalars, and the kept rows' full
+  ORs (predicated loads, all in flight together) land a step later, so no
+  memory latency separates two steps. Stops at ``max_output_size`` kept and
+  records the kept count before each word, so indices are placed with one
+  elementwise pass and a scatter (no prefix sum).
+* Rows are processed in chunks of ``MASK_CHUNK_ROWS`` (smaller when
+  ``max_output_size`` is small: ``chunk_rows_for``; shrunk to fit the byte
+  budget): mask chunk c, then scan chunk c, in a ``while`` loop on device
+  state (removed/keep/count) that ends once every image has
+  ``max_output_size`` boxes, so the remaining chunks cost nothing. Scratch
+  memory is chunk * N / 8 bytes: linear in N. A single chunk (small N) runs
+  without the loop and without chunk state (fewer launches).
+Work: N^2 / 2 IoUs in parallel (fewer with early exit and removed boxes)
+plus N / 32 scan steps and K row ORs of N / 32 words for K kept boxes.
 
 Blocked design (one program per image, O(N) memory, no scratch), the
 algorithm of the TPU kernel (see ``mosaic_tpu``) in registers:
@@ -36,11 +46,23 @@ algorithm of the TPU kernel (see ``mosaic_tpu``) in registers:
   barrier separates these global writes from the next tile's reads.
 It uses one SM per image, so it is the slow fallback.
 
-Exactness: the IoU is computed with explicitly rounded PTX (``mul.rn``,
-``add.rn``, ``sub.rn``, ``div.rn``), so neither fused multiply-adds nor
+Exactness: the IoU test is explicitly rounded PTX (``mul.rn``, ``add.rn``,
+``sub.rn``, then ``div.rn`` or, in the bitmask mask kernel with
+``COMPARE = "fma"``, an exact division-free sign test that falls back to
+``div.rn`` on ties; see ``_FMA_ASM``), so neither fused multiply-adds nor
 Triton's approximate f32 division change it: results equal the float32
 reference bit for bit. In interpret mode plain jnp arithmetic (the
 reference formula) is used.
+
+Measured on an H100. Before the pipelined scan and the dead-word skips
+(bench/results/nms-profile-h100-2026-11-22.json): at N = 100k,
+max_output_size = N the mask kernel took 14.4 ms and the scan 10.3 ms of
+25 ms; at N <= 20k the scan dominated (1.3 of 2.0 ms at 20k) and at 1k a
+call was ~12 launches (84 us on the device) behind a ~65 us dispatch floor.
+Now (bench/results/nms-h100-2026-11-22.json, "tune_small"): the pipelined
+scan takes the whole call at 5k / 20k (threshold 0.5, max_output_size = N)
+from 1.33 / 3.89 ms (plain form, predicated row loads) to 0.45 / 2.04 ms
+of device time; 100k, threshold 0.1 went from 22.8 to 11.7 ms.
 """
 from __future__ import annotations
 
@@ -48,6 +70,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import pl
@@ -193,95 +216,260 @@ def kept_positions(x1, y1, x2, y2, area, cls, flag, *, iou_threshold,
 
 WORD = 32  # boxes per mask word
 
+# How compiled kernels decide IoU > t: "div" divides (div.rn) and compares;
+# "fma" tests the sign of inter - mid * union exactly, where mid is the
+# midpoint between t and the next float (see _FMA_ASM), and divides only on
+# an exact tie or a tiny/NaN union. Both equal the float32 reference.
+COMPARE = "fma"
+# Scan form in compiled kernels: pipelined (no memory latency between steps)
+# or plain (the kept rows' ORs complete within their step).
+SCAN_PIPELINED = True
 
-def _mask_kernel(count_ref, rx1, ry1, rx2, ry2, rarea, rcls, cx1, cy1, cx2,
-                 cy2, carea, ccls, mask_ref, *, iou_threshold, rows, words,
-                 chunk_start, num_boxes, max_output_size, exact_ptx):
-  """mask[r, w] bit c: box r suppresses box 32 * w + c (c > r, same class)."""
+# fl(inter / union) > t  <=>  inter / union > mid (round to nearest), and
+# inter - mid * union = fma(-t, union, inter) - half_ulp * union, where the
+# fma rounds once (monotone) and half_ulp * union is exact: so r1 > s and
+# r1 < s decide; r1 == s (or union < 2^-80, NaN) falls back to div.rn.
+_FMA_ASM = """{
+  .reg .f32 inter, total, uni, nt, hu, tt, r1, s, q;
+  .reg .pred gt, tie, slow;
+  mul.rn.f32 inter, $1, $2;
+  add.rn.f32 total, $3, $4;
+  sub.rn.f32 uni, total, inter;
+  mov.f32 nt, NEG_T;
+  mov.f32 hu, HALF_ULP;
+  mov.f32 tt, POS_T;
+  fma.rn.f32 r1, nt, uni, inter;
+  mul.rn.f32 s, uni, hu;
+  setp.gt.f32 gt, r1, s;
+  setp.eq.f32 tie, r1, s;
+  setp.ltu.f32 slow, uni, 0f17800000;
+  or.pred slow, slow, tie;
+  selp.u32 $0, 1, 0, gt;
+  @slow div.rn.f32 q, inter, uni;
+  @slow setp.gt.f32 gt, q, tt;
+  @slow selp.u32 $0, 1, 0, gt;
+}"""
+
+
+def _f32_hex(x):
+  return "0f%08X" % int(np.float32(x).view(np.uint32))
+
+
+def _fma_asm(iou_threshold):
+  """The exact division-free test for this threshold, or None (use div)."""
+  t = np.float32(iou_threshold)
+  if not 2.0 ** -20 <= float(t) <= 2.0 ** 20:  # keeps half_ulp * union exact
+    return None
+  half_ulp = np.float32((float(np.nextafter(t, np.float32(np.inf)))
+                         - float(t)) / 2)
+  return (_FMA_ASM.replace("NEG_T", _f32_hex(-t))
+          .replace("HALF_ULP", _f32_hex(half_ulp)).replace("POS_T", _f32_hex(t)))
+
+
+def _exceeds_bits(a, b, iou_threshold, exact_ptx):
+  """Like ``_exceeds`` (a as rows, b as columns), division-free if enabled."""
+  asm = _fma_asm(iou_threshold) if (exact_ptx and COMPARE == "fma") else None
+  if asm is None:
+    return _exceeds(a, b, iou_threshold, exact_ptx)
+  from jax.experimental.pallas import triton as pltriton
+  ax1, ay1, ax2, ay2, aarea = (p[:, None] for p in a)
+  bx1, by1, bx2, by2, barea = (p[None, :] for p in b)
+  iw = jnp.maximum(jnp.minimum(ax2, bx2) - jnp.maximum(ax1, bx1), 0.0)
+  ih = jnp.maximum(jnp.minimum(ay2, by2) - jnp.maximum(ay1, by1), 0.0)
+  shape = iw.shape
+  [hit] = pltriton.elementwise_inline_asm(
+      asm, args=[iw, ih, jnp.broadcast_to(aarea, shape),
+                 jnp.broadcast_to(barea, shape)],
+      constraints="=r,r,r,r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.int32)])
+  return hit != 0
+
+
+# Interpret mode writes this into the mask words that compiled kernels skip
+# (leave unwritten), so the tests would see a scan that reads one with effect.
+SKIPPED_WORD = -1
+
+
+def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
+                 *, iou_threshold, rows, words, num_boxes, max_output_size,
+                 exact_ptx, use_classes):
+  """mask[r, w] bit c: box r suppresses box 32 * w + c (c > r, same class).
+
+  Rows are those of the current chunk (its first row is state[1]); columns
+  are absolute. Words the scan will not read with effect are not written:
+  blocks below the diagonal, padding, everything once max_output_size boxes
+  are kept, rows whose 32 boxes are all already removed (by earlier chunks),
+  and column words whose 32 boxes are all already removed.
+  """
   i = pl.program_id(1)
   j = pl.program_id(2)
-  first_row = chunk_start + i * rows
+  # state_ref is None for a single chunk: it starts at row 0, nothing kept.
+  first_row = (0 if state_ref is None else state_ref[1]) + i * rows
   row_ids = first_row + jnp.arange(rows, dtype=jnp.int32)
   first_col = j * words * WORD
+  first_word = j * words
   bit = jnp.left_shift(jnp.int32(1), jnp.arange(WORD, dtype=jnp.int32))
-  # Nothing to compute when every column precedes every row or is padding,
-  # or when earlier chunks already kept max_output_size boxes.
   skip = ((first_col + words * WORD <= first_row) | (first_col >= num_boxes)
-          | (count_ref[0] >= max_output_size))
+          | (first_row >= num_boxes))
+  if state_ref is not None:
+    skip = skip | (state_ref[0] >= max_output_size)
+  last_word = removed_ref.shape[0] - 1
+  rows_dead = jnp.bool_(True)
+  for k in range(rows // WORD):
+    index = jnp.minimum(first_row // WORD + k, last_word)
+    rows_dead = rows_dead & (removed_ref[index] == -1)
+  skip = skip | rows_dead
 
-  def zeros():
-    for q in range(words):
-      mask_ref[:, q] = jnp.zeros((rows,), jnp.int32)
-
-  def compute():
-    a = tuple(r[...] for r in (rx1, ry1, rx2, ry2, rarea))
-    a_cls = rcls[...]
-    for q in range(words):
-      cols = pl.ds(first_col + q * WORD, WORD)
-      col_ids = first_col + q * WORD + jnp.arange(WORD, dtype=jnp.int32)
-      b = tuple(r[cols] for r in (cx1, cy1, cx2, cy2, carea))
-      hit = (_exceeds(a, b, iou_threshold, exact_ptx)
-             & (a_cls[:, None] == ccls[cols][None, :])
-             & (col_ids[None, :] > row_ids[:, None]))
-      mask_ref[:, q] = jnp.sum(jnp.where(hit, bit[None, :], 0), axis=1)
+  def word(q):
+    cols = pl.ds(first_col + q * WORD, WORD)
+    col_ids = first_col + q * WORD + jnp.arange(WORD, dtype=jnp.int32)
+    window = pl.ds(first_row, rows)
+    a = tuple(r[window] for r in (x1, y1, x2, y2, area))
+    b = tuple(r[cols] for r in (x1, y1, x2, y2, area))
+    hit = (_exceeds_bits(a, b, iou_threshold, exact_ptx)
+           & (col_ids[None, :] > row_ids[:, None]))
+    if use_classes:
+      hit = hit & (cls[window][:, None] == cls[cols][None, :])
+    return jnp.sum(jnp.where(hit, bit[None, :], 0), axis=1)
 
   if exact_ptx:
-    jax.lax.cond(skip, zeros, compute)
+    def compute():
+      for q in range(words):
+        live = removed_ref[first_word + q] != -1
+
+        @pl.when(live)
+        def _(q=q):
+          mask_ref[:, q] = word(q)
+
+    pl.when(jnp.logical_not(skip))(compute)
   else:
-    # Interpret mode: a cond would thread the whole output through both
-    # branches; computing and masking is the same answer, much faster.
-    compute()
+    # Interpret mode: conds would thread the whole output through both
+    # branches; computing and selecting gives the same words, much faster.
     for q in range(words):
-      mask_ref[:, q] = jnp.where(skip, 0, mask_ref[:, q])
+      live = jnp.logical_not(skip) & (removed_ref[first_word + q] != -1)
+      mask_ref[:, q] = jnp.where(live, word(q), SKIPPED_WORD)
 
 
-def _scan_kernel(removed_ref, keep_ref, count_ref, mask_ref, removed_out,
-                 keep_out, count_out, *, first_word, end_word,
-                 max_output_size, unrolled):
-  """Greedy scan of one chunk's words, 32 boxes per step, one program/image."""
+def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
+                 removed_out, keep_out, base_out, state_out, *, chunk,
+                 num_words, max_output_size, pipelined, interpret):
+  """Greedy scan of one chunk's words, 32 boxes per step, one program/image.
+
+  base[w] records the kept count before word w, so kept indices are placed
+  without a prefix sum afterwards.
+
+  Pipelined form (compiled): the removed bits of word w + 1 are formed from
+  scalars only: the word extracted from the removed vector, plus the words
+  w + 1 of the rows kept now, which (with the diagonal words) were loaded a
+  step ahead. The kept rows' full ORs are issued now and applied a step
+  later, so no memory latency sits on the step-to-step path.
+  """
   padded_words = removed_ref.shape[0]
   lanes = jnp.arange(padded_words, dtype=jnp.int32)
+  # keep/base/state refs are None for a single chunk (nothing before it).
+  chunk_start = 0 if state_ref is None else state_ref[1]
+  first_word = chunk_start // WORD
+  end_word = jnp.minimum(first_word + chunk // WORD, num_words)
 
-  def step(state):
-    w, count, removed, keep = state
-    alive = jnp.sum(jnp.where(lanes == w, ~removed, 0))
+  def word_of(vector, w):
+    return jnp.sum(jnp.where(lanes == w, vector, 0))
+
+  def bit_set(x, r):
+    return jnp.bitwise_and(jnp.right_shift(x, r), 1) != 0
+
+  def ahead(w):
+    # Words w and w + 1 of word w's 32 rows; clamped so that loads past the
+    # chunk stay inside it (their values are then unused).
+    w = jnp.maximum(jnp.minimum(w, end_word - 1), first_word)
     row0 = (w - first_word) * WORD
-    acc = jnp.zeros((padded_words,), jnp.int32)
-    if unrolled:  # the compiled kernel: straight-line code, kept rows only
-      diag = [mask_ref[row0 + r, w] for r in range(WORD)]
-      for r in range(WORD):  # the word's own greedy chain, scalar bit ops
-        is_alive = jnp.bitwise_and(jnp.right_shift(alive, r), 1) != 0
-        alive = jnp.where(is_alive, alive & ~diag[r], alive)
-      for r in range(WORD):  # only kept boxes' rows are read
-        kept_r = jnp.bitwise_and(jnp.right_shift(alive, r), 1) != 0
-        acc = jax.lax.cond(kept_r, lambda a, r=r: a | mask_ref[row0 + r, :],
-                           lambda a: a, acc)
-    else:  # interpret mode: the same steps as loops (fast to interpret)
-      def chain(r, alive):
-        is_alive = jnp.bitwise_and(jnp.right_shift(alive, r), 1) != 0
-        return jnp.where(is_alive, alive & ~mask_ref[row0 + r, w], alive)
+    nxt = jnp.minimum(w + 1, padded_words - 1)
+    return (tuple(mask_ref[row0 + r, w] for r in range(WORD))
+            + tuple(mask_ref[row0 + r, nxt] for r in range(WORD)))
 
-      alive = jax.lax.fori_loop(0, WORD, chain, alive)
+  def resolve(alive, diag):
+    for r in range(WORD):  # the word's own greedy chain, scalar bit ops
+      alive = jnp.where(bit_set(alive, r), alive & ~diag[r], alive)
+    return alive
 
-      def gather(r, acc):
-        kept_r = jnp.bitwise_and(jnp.right_shift(alive, r), 1) != 0
-        return jnp.where(kept_r, acc | mask_ref[row0 + r, :], acc)
+  def or_kept_rows(alive, row0, acc):
+    if interpret:
+      def body(r, acc):
+        return jnp.where(bit_set(alive, r), acc | mask_ref[row0 + r, :], acc)
+      return jax.lax.fori_loop(0, WORD, body, acc)
+    from jax.experimental.pallas import triton as pltriton
 
-      acc = jax.lax.fori_loop(0, WORD, gather, acc)
+    def rows(acc):  # predicated loads: all in flight at once
+      for r in range(WORD):
+        acc = acc | pltriton.load(
+            mask_ref.at[row0 + r],
+            mask=jnp.broadcast_to(bit_set(alive, r), (padded_words,)),
+            other=0)
+      return acc
+
+    return jax.lax.cond(alive != 0, rows, lambda a: a, acc)
+
+  def step_pipelined(state):
+    w, count, removed, keep, base, pending, removed_w = state[:7]
+    loaded = state[7:]
+    diag, next_col = loaded[:WORD], loaded[WORD:]
+    upcoming = ahead(w + 1)  # independent of this step: overlaps it
+    alive = resolve(~removed_w, diag)
+    removed = removed | pending  # rows kept one step ago have landed
+    removed_next = word_of(removed, w + 1)
+    for r in range(WORD):
+      removed_next = removed_next | jnp.where(bit_set(alive, r), next_col[r],
+                                              0)
+    row0 = (w - first_word) * WORD
+    pending = or_kept_rows(alive, row0, jnp.zeros((padded_words,), jnp.int32))
+    base = jnp.where(lanes == w, count, base)
     keep = jnp.where(lanes == w, alive, keep)
     count = count + jax.lax.population_count(alive)
-    return w + 1, count, removed | acc, keep
+    return (w + 1, count, removed, keep, base, pending,
+            removed_next) + tuple(upcoming)
+
+  def step_plain(state):
+    w, count, removed, keep, base = state
+    row0 = (w - first_word) * WORD
+    if interpret:
+      def chain(r, alive):
+        return jnp.where(bit_set(alive, r), alive & ~mask_ref[row0 + r, w],
+                         alive)
+      alive = jax.lax.fori_loop(0, WORD, chain, ~word_of(removed, w))
+    else:
+      alive = resolve(~word_of(removed, w),
+                      [mask_ref[row0 + r, w] for r in range(WORD)])
+    acc = or_kept_rows(alive, row0, jnp.zeros((padded_words,), jnp.int32))
+    base = jnp.where(lanes == w, count, base)
+    keep = jnp.where(lanes == w, alive, keep)
+    count = count + jax.lax.population_count(alive)
+    return w + 1, count, removed | acc, keep, base
 
   def more(state):
-    w, count, _, _ = state
+    w, count = state[:2]
     return (w < end_word) & (count < max_output_size)
 
-  _, count, removed, keep = jax.lax.while_loop(
-      more, step, (jnp.int32(first_word), count_ref[0], removed_ref[...],
-                   keep_ref[...]))
-  removed_out[...] = removed
+  removed = removed_ref[...]
+  zeros = jnp.zeros((padded_words,), jnp.int32)
+  if state_ref is None:
+    init = (jnp.int32(0), jnp.int32(0), removed, zeros, zeros)
+  else:
+    init = (first_word, state_ref[0], removed, keep_ref[...], base_ref[...])
+  if pipelined:
+    init = init + (jnp.zeros((padded_words,), jnp.int32),
+                   word_of(removed, first_word)) + ahead(first_word)
+    final = jax.lax.while_loop(more, step_pipelined, init)
+    removed = final[2] | final[5]
+  else:
+    final = jax.lax.while_loop(more, step_plain, init)
+    removed = final[2]
+  count, keep, base = final[1], final[3], final[4]
+  if removed_out is not None:
+    removed_out[...] = removed
   keep_out[...] = keep
-  count_out[...] = jnp.full(count_out.shape, count, jnp.int32)
+  base_out[...] = base
+  slots = jnp.arange(state_out.shape[0], dtype=jnp.int32)
+  state_out[...] = jnp.where(slots == 0, count,
+                             jnp.where(slots == 1, chunk_start + chunk, 0))
 
 
 def _next_pow2(x):
@@ -307,12 +495,31 @@ def bitmask_layout(batch, num_boxes, *, rows=64, words=4, chunk_rows=4096,
   return padded_words, chunk, chunks, batch * chunk * padded_words * 4
 
 
+def chunk_rows_for(max_output_size, chunk_rows):
+  """Rows per chunk: smaller when few boxes are wanted (earlier exit)."""
+  return min(chunk_rows, max(2048, _next_pow2(16 * max(max_output_size, 1))))
+
+
 def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
                        rows=64, words=4, mask_warps=4, scan_warps=None,
-                       chunk_rows=4096, max_bytes=256 << 20, interpret=False):
-  """Keep mask over sorted positions [B, N] via the chunked bitmask design.
+                       chunk_rows=4096, max_bytes=256 << 20, use_classes=True,
+                       pipelined=None, interpret=False):
+  """Kept boxes over sorted positions via the chunked bitmask design.
 
   ``planes`` [B, 5, N] (x1, y1, x2, y2, area), ``cls``/``flags`` [B, N].
+  Returns (keep words [B, W] int32: bit c of word w = position 32 w + c is
+  kept; base [B, W]: kept count before word w; count [B], which may pass
+  max_output_size within the last word).
+
+  Chunks run in a while loop that ends once every image has
+  max_output_size boxes (one chunk: no loop). Mask words that the mask
+  kernel skips are left unwritten; the scan reads them only where the
+  result cannot change: words below the diagonal (already decided),
+  padding words (never scanned), words of boxes already removed (ORing
+  into all-ones words), rows of removed boxes (never kept, their diagonal
+  words never consulted), and nothing at all once the count is reached.
+  Interpret mode writes SKIPPED_WORD (all ones) there instead, so a scan
+  that read one with effect would fail the tests.
   """
   batch, _, n = planes.shape
   layout = bitmask_layout(batch, n, rows=rows, words=words,
@@ -321,16 +528,15 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
   padded_words, chunk, num_chunks, _ = layout
   num_words = -(-n // WORD)
   cols = padded_words * WORD
+  padded = max(chunk * num_chunks, cols)
   if scan_warps is None:  # H100: one warp is fastest until rows get long
     scan_warps = 1 if padded_words < 512 else 4
 
   def pad(x, size):
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)])
 
-  row_planes = [pad(planes[:, r], chunk * num_chunks) for r in range(5)]
-  row_cls = pad(cls, chunk * num_chunks)
-  col_planes = [pad(planes[:, r], cols) for r in range(5)]
-  col_cls = pad(cls, cols)
+  box_planes = [pad(planes[:, r], padded) for r in range(5)]
+  box_cls = pad(cls, padded)
   flags = pad(flags, cols)
 
   shifts = jnp.arange(WORD, dtype=jnp.uint32)
@@ -338,54 +544,102 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
                << shifts)
   valid_words = jax.lax.bitcast_convert_type(
       jnp.sum(flag_bits, axis=-1, dtype=jnp.uint32), jnp.int32)
-  removed = ~valid_words
-  keep = jnp.zeros((batch, padded_words), jnp.int32)
-  count = jnp.zeros((batch, 16), jnp.int32)
   words_spec = pl.BlockSpec((None, padded_words), lambda b: (b, 0))
-  count_spec = pl.BlockSpec((None, 16), lambda b: (b, 0))
-  blocks_per_chunk = chunk // rows
+  state_spec = pl.BlockSpec((None, 16), lambda b: (b, 0))
+  plane_spec = pl.BlockSpec((None, padded), lambda b, i, j: (b, 0))
+  mask_kernel = functools.partial(
+      _mask_kernel, iou_threshold=float(iou_threshold), rows=rows,
+      words=words, num_boxes=n, max_output_size=int(max_output_size),
+      exact_ptx=not interpret, use_classes=use_classes)
+  if pipelined is None:
+    pipelined = SCAN_PIPELINED and not interpret
+  scan_kernel = functools.partial(
+      _scan_kernel, chunk=chunk, num_words=num_words,
+      max_output_size=int(max_output_size), pipelined=pipelined,
+      interpret=interpret)
+  words_shape = jax.ShapeDtypeStruct((batch, padded_words), jnp.int32)
 
-  for c in range(num_chunks):  # static: no host round trip between chunks
-    first_word = c * chunk // WORD
-    end_word = min((c + 1) * chunk // WORD, num_words)
-    if first_word >= end_word:
-      break
-    kernel = functools.partial(
-        _mask_kernel, iou_threshold=float(iou_threshold), rows=rows,
-        words=words, chunk_start=c * chunk, num_boxes=n,
-        max_output_size=int(max_output_size), exact_ptx=not interpret)
-    row_spec = pl.BlockSpec(
-        (None, rows), lambda b, i, j, c=c: (b, c * blocks_per_chunk + i))
-    col_spec = pl.BlockSpec((None, cols), lambda b, i, j: (b, 0))
+  mask_grid = (batch, chunk // rows, padded_words // words)
+  mask_params = dict(
+      grid=mask_grid,
+      out_specs=pl.BlockSpec((None, rows, words), lambda b, i, j: (b, i, j)),
+      out_shape=jax.ShapeDtypeStruct((batch, chunk, padded_words), jnp.int32),
+      compiler_params=_compat.gpu_compiler_params(num_warps=mask_warps,
+                                                  num_stages=1),
+      interpret=interpret)
+  scan_params = dict(
+      grid=(batch,),
+      compiler_params=_compat.gpu_compiler_params(num_warps=scan_warps,
+                                                  num_stages=1),
+      interpret=interpret)
+  mask_spec = pl.BlockSpec((None, chunk, padded_words), lambda b: (b, 0, 0))
+  removed_spec = pl.BlockSpec((None, padded_words), lambda b, i, j: (b, 0))
+  state_shape = jax.ShapeDtypeStruct((batch, 16), jnp.int32)
+  removed = ~valid_words
+
+  if num_chunks == 1:  # no chunk state: fewer launches for small N
+    def mask_first(removed_ref, *refs):
+      mask_kernel(None, removed_ref, *refs)
+
+    def scan_first(removed_ref, mask_ref, keep_out, base_out, state_out):
+      scan_kernel(removed_ref, None, None, None, mask_ref, None, keep_out,
+                  base_out, state_out)
+
     mask = pl.pallas_call(
-        kernel,
-        grid=(batch, blocks_per_chunk, padded_words // words),
-        in_specs=([pl.BlockSpec((None, 16), lambda b, i, j: (b, 0))]
-                  + [row_spec] * 6 + [col_spec] * 6),
-        out_specs=pl.BlockSpec((None, rows, words), lambda b, i, j: (b, i, j)),
-        out_shape=jax.ShapeDtypeStruct((batch, chunk, padded_words),
-                                       jnp.int32),
-        compiler_params=_compat.gpu_compiler_params(num_warps=mask_warps,
-                                                    num_stages=1),
-        interpret=interpret,
-    )(count, *row_planes, row_cls, *col_planes, col_cls)
-    removed, keep, count = pl.pallas_call(
-        functools.partial(_scan_kernel, first_word=first_word,
-                          end_word=end_word,
-                          max_output_size=int(max_output_size),
-                          unrolled=not interpret),
-        grid=(batch,),
-        in_specs=[words_spec, words_spec, count_spec,
-                  pl.BlockSpec((None, chunk, padded_words),
-                               lambda b: (b, 0, 0))],
-        out_specs=[words_spec, words_spec, count_spec],
-        out_shape=[jax.ShapeDtypeStruct((batch, padded_words), jnp.int32)] * 2
-        + [jax.ShapeDtypeStruct((batch, 16), jnp.int32)],
-        compiler_params=_compat.gpu_compiler_params(num_warps=scan_warps,
-                                                    num_stages=1),
-        interpret=interpret,
-    )(removed, keep, count, mask)
+        mask_first, in_specs=[removed_spec] + [plane_spec] * 6,
+        **mask_params)(removed, *box_planes, box_cls)
+    keep, base, state = pl.pallas_call(
+        scan_first, in_specs=[words_spec, mask_spec],
+        out_specs=[words_spec, words_spec, state_spec],
+        out_shape=[words_shape] * 2 + [state_shape], **scan_params)(
+            removed, mask)
+    return keep, base, state[:, 0]
 
-  bits = jnp.right_shift(
-      jax.lax.bitcast_convert_type(keep, jnp.uint32)[..., None], shifts) & 1
-  return bits.reshape(batch, cols)[:, :n].astype(jnp.int32)
+  def one_chunk(carry):
+    removed, keep, base, state = carry
+    mask = pl.pallas_call(
+        mask_kernel,
+        in_specs=([pl.BlockSpec((None, 16), lambda b, i, j: (b, 0)),
+                   removed_spec] + [plane_spec] * 6),
+        **mask_params)(state, removed, *box_planes, box_cls)
+    return tuple(pl.pallas_call(
+        scan_kernel,
+        in_specs=[words_spec] * 3 + [state_spec, mask_spec],
+        out_specs=[words_spec] * 3 + [state_spec],
+        out_shape=[words_shape] * 3 + [state_shape], **scan_params)(
+            removed, keep, base, state, mask))
+
+  zeros = jnp.zeros((batch, padded_words), jnp.int32)
+  carry = (removed, zeros, zeros, jnp.zeros((batch, 16), jnp.int32))
+
+  def more(carry):
+    state = carry[3]
+    return (state[0, 1] < n) & jnp.any(state[:, 0] < max_output_size)
+
+  carry = jax.lax.while_loop(more, one_chunk, carry)
+  _, keep, base, state = carry
+  return keep, base, state[:, 0]
+
+
+def words_to_indices(keep, base, count, order, max_output_size):
+  """Keep words -> (original indices [B, M] padded with -1, count [B]).
+
+  Slot of kept position 32 w + c = base[w] + kept bits of word w below c:
+  elementwise, then one scatter.
+  """
+  batch, n = order.shape
+  shifts = jnp.arange(WORD, dtype=jnp.int32)
+  word = keep[..., None]
+  kept = jnp.bitwise_and(jnp.right_shift(word, shifts), 1) != 0
+  below = jax.lax.population_count(
+      jnp.bitwise_and(word, jnp.left_shift(1, shifts) - 1))
+  slot = (base[..., None] + below).reshape(batch, -1)[:, :n]
+  kept = kept.reshape(batch, -1)[:, :n]
+  target = jnp.where(kept & (slot < max_output_size), slot, max_output_size)
+
+  def place(target, order):
+    out = jnp.full((max_output_size,), -1, jnp.int32)
+    return out.at[target].set(order, mode="drop")
+
+  indices = jax.vmap(place)(target, order)
+  return indices, jnp.minimum(count, max_output_size).astype(jnp.int32)
