@@ -1,0 +1,572 @@
+"""Flash-attention forward for Hopper GPUs: a Pallas Mosaic GPU kernel.
+
+Algorithm (FlashAttention-3 style, warp specialised)
+  One CTA per (head, 128-row q tile, batch) runs three warpgroups. Two compute
+  warpgroups each own 64 query rows; the third (memory) warpgroup streams the
+  K/V blocks of the tile's kv band through a ring of ``stages`` SMEM slots with
+  TMA, one "loaded" barrier per slot and one "consumed" barrier per slot that
+  both compute warpgroups arrive on. A compute warpgroup issues
+  ``S = Q K^T`` with wgmma (Q and K from SMEM), runs the online softmax in
+  registers (base-2 domain, running max ``m``, sum ``l``), and issues
+  ``acc += P V`` with P taken straight from registers. A two-arrival
+  "schedule" barrier, entered once more by warpgroup 1 at the start and by
+  warpgroup 0 at the end, makes the two warpgroups alternate: one runs its
+  softmax (MUFU/FMA work) while the other's matmuls occupy the tensor cores.
+  The epilogue writes ``out = acc / l`` and ``lse = (m + log2 l) ln 2`` via SMEM
+  and TMA.
+
+Semantics are those of ``pallas_kernels.attention.reference`` and of the
+Triton forward (``attention/gpu.py``): float32 logits ``sm_scale * q.k``,
+optional soft cap ``cap * tanh(s / cap)``, causal / sliding-window masks
+aligned at the sequence ends (``offset = Lk - Lq``). Rows with no unmasked key
+give ``out = 0`` and ``lse = -inf``. Not handled here (``supports`` says so,
+and the caller falls back to the Triton kernel): an additive bias, segment ids,
+float32 inputs, head_dim outside {64, 128, 256}.
+
+Block skipping
+  The memory warpgroup loads only the kv blocks of the union of the two
+  warpgroups' bands. Each compute warpgroup walks the same number of steps so
+  that the barriers' phases stay paired, but for a block outside its own band
+  it only waits for and releases the slot (no matmul, no softmax). Within its
+  band, blocks that are unmasked for all of its rows skip the mask arithmetic.
+
+Padding (where it costs speed)
+  ``Lq`` is padded to a multiple of 128 and ``Lk`` to a multiple of
+  ``block_k`` (``jnp.pad``: an extra copy of q or k/v). Padded keys are masked
+  in-kernel, padded query rows are cropped. Aligned shapes pay nothing.
+
+Block sizes (``MosaicGpuBlockSizes``; by head_dim, bf16/fp16), tuned on an
+H100 (B=4, H=16, L=4096; bench/bench_attention_mgpu.py --sweep)
+  =========  =======  =======  ======  ==========================
+  head_dim   block_q  block_k  stages  registers (compute/memory)
+  =========  =======  =======  ======  ==========================
+  64         64 x 2   256      2       232 / 40
+  128        64 x 2   128      2       232 / 40
+  256        64 x 2   64       2       232 / 40
+  =========  =======  =======  ======  ==========================
+  SMEM: Q/O 2 x 64 x D, K and V ``stages x block_k x D`` each; the H100 has
+  227 KiB, so D=128 cannot take a third 128-key stage (232568 bytes: over by
+  120). Measured alternatives (non-causal): D=64 with 128 keys x 2 stages
+  0.65 ms, x 3 stages 0.74 ms, 64 x 4 0.79 ms, against 0.60 ms for 256 x 2;
+  D=128 with 64 keys x 2 stages is 15-20% slower than 128 x 2. Asking for
+  more than 232 compute registers (240/32) hung the kernel on the H100
+  (``setmaxnreg`` waits for registers the launch never gets), so the
+  budgets are capped.
+
+Measured (H100, bf16, B=4, H=16, L=4096, forward, ms; final run in
+bench/results/attention_mgpu-h100-2026-11-22.json; repeated runs moved every
+implementation by up to 5-9%, see attention_mgpu_sweep-*.json)
+  ========  =====  =====  ==============  ==============  ==========
+  D/causal  this   cuDNN  jax mgpu fp16   Triton forward  this/cuDNN
+  ========  =====  =====  ==============  ==============  ==========
+  128 no    0.92   0.95   0.94            1.17            1.03
+  128 yes   0.49   0.53   0.53            0.73            1.08
+  64 no     0.61   0.64   0.66            0.82            1.05
+  64 yes    0.37   0.37   0.39            0.49            0.99
+  256 no    1.81   1.76   1.84            2.49            0.97
+  256 yes   0.92   0.96   1.03            1.35            1.04
+  ========  =====  =====  ==============  ==============  ==========
+
+Testing without a GPU
+  jax's Mosaic GPU interpreter (``InterpretGPUParams``, jax >= 0.10) runs this
+  kernel on the CPU with its warpgroups, barriers and TMA copies simulated.
+  It cannot run these wgmmas (no transposed SMEM operand, no register
+  operand, no ``run_state``) nor layout casts, so under ``interpret`` the two
+  products are plain float32-accumulated dots of the same SMEM tiles and the
+  casts are dropped; everything else (band arithmetic, masks, barriers, ring
+  slots, schedule barrier, epilogue) is the code the GPU runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat
+
+pl = _compat.pl
+
+try:  # Mosaic GPU Pallas: absent or incomplete on old jax releases.
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except Exception as e:  # pragma: no cover - depends on the jax build
+  plgpu = None
+  _IMPORT_ERROR = f"jax.experimental.pallas.mosaic_gpu is unavailable: {e}"
+else:
+  _IMPORT_ERROR = None
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+NEG_INF = float("-inf")
+ROWS_PER_WG = 64  # one wgmma M tile per compute warpgroup
+COMPUTE_WGS = 2
+SMEM_BYTES = 227 * 1024
+_NEEDED_API = ("kernel", "wgmma", "Barrier", "SMEM", "ACC", "Layout",
+               "layout_cast", "broadcasted_iota", "barrier_wait",
+               "barrier_arrive", "copy_gmem_to_smem", "copy_smem_to_gmem",
+               "commit_smem", "wait_smem_to_gmem", "set_max_registers",
+               "transpose_ref", "TilingTransform", "SwizzleTransform",
+               "CompilerParams")
+
+
+def api_missing() -> str | None:
+  """Why this jax cannot build the kernel, or None when it can."""
+  if plgpu is None:
+    return _IMPORT_ERROR
+  if _compat.JAX_VERSION < (0, 10, 0):
+    return (f"the Mosaic GPU attention kernel needs jax >= 0.10 "
+            f"(found {jax.__version__})")
+  missing = [name for name in _NEEDED_API if not hasattr(plgpu, name)]
+  if missing:
+    return f"jax.experimental.pallas.mosaic_gpu lacks {', '.join(missing)}"
+  return None
+
+
+def interpret_params():
+  """The ``interpret`` value that runs this kernel in the Mosaic GPU
+  interpreter on a CPU, or None where this jax has no such interpreter."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  except Exception:
+    return None
+  return InterpretGPUParams()
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuBlockSizes:
+  """block_k (multiple of 64), stages (>= 2) and the per-thread register
+  budgets of the compute and memory warpgroups (``setmaxnreg``); None picks
+  the default (module docstring's table)."""
+  block_k: int | None = None
+  stages: int | None = None
+  compute_registers: int = 232
+  memory_registers: int = 40
+
+  def resolved(self, head_dim: int) -> "MosaicGpuBlockSizes":
+    block_k, stages = {64: (256, 2), 128: (128, 2)}.get(head_dim, (64, 2))
+    block_k = self.block_k or block_k
+    stages = self.stages or stages
+    if block_k % 64 or block_k <= 0:
+      raise ValueError(f"MosaicGpuBlockSizes.block_k={block_k}: must be a "
+                       "positive multiple of 64")
+    if stages < 2:
+      raise ValueError(f"MosaicGpuBlockSizes.stages={stages}: must be >= 2")
+    # setmaxnreg blocks until the registers are free: a larger request than
+    # the launch can give hangs the kernel (240/32 did on an H100).
+    for name, low, high in (("compute_registers", 24, 232),
+                            ("memory_registers", 24, 256)):
+      value = getattr(self, name)
+      if value % 8 or not low <= value <= high:
+        raise ValueError(f"MosaicGpuBlockSizes.{name}={value}: must be a "
+                         f"multiple of 8 in [{low}, {high}]")
+    return dataclasses.replace(self, block_k=block_k, stages=stages)
+
+
+def _smem_bytes(head_dim, itemsize, block_k, stages):
+  q = COMPUTE_WGS * ROWS_PER_WG * head_dim * itemsize
+  kv = 2 * stages * block_k * head_dim * itemsize
+  lse = COMPUTE_WGS * ROWS_PER_WG * 4
+  return q + kv + lse + 3072  # barriers and alignment (measured: 2680)
+
+
+def supports(q, k, v, q_segment_ids=None, kv_segment_ids=None, bias=None, *,
+             sm_scale=None, causal=False, window_left=None, window_right=None,
+             logit_soft_cap=None, block_sizes=None):
+  """True when ``forward`` handles this call, else a string saying why not.
+
+  Arguments as for ``forward`` (arrays or ShapeDtypeStructs).
+  """
+  del sm_scale, causal, window_left, window_right, logit_soft_cap
+  del kv_segment_ids
+  reason = api_missing()
+  if reason:
+    return reason
+  if bias is not None:
+    return "the Mosaic GPU attention kernel takes no bias"
+  if q_segment_ids is not None:
+    return "the Mosaic GPU attention kernel takes no segment ids"
+  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+  if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16),
+                                              jnp.dtype(jnp.float16)):
+    return "the Mosaic GPU attention kernel needs q, k, v all bf16 or all fp16"
+  head_dim = q.shape[-1]
+  if head_dim not in (64, 128, 256):
+    return ("the Mosaic GPU attention kernel needs head_dim in 64/128/256, "
+            f"got {head_dim}")
+  if min(q.shape) == 0 or min(k.shape) == 0:
+    return "empty inputs are left to the Triton kernel"
+  sizes = (block_sizes if isinstance(block_sizes, MosaicGpuBlockSizes)
+           else MosaicGpuBlockSizes())
+  try:
+    sizes = sizes.resolved(head_dim)
+  except ValueError as e:
+    return str(e)
+  if _smem_bytes(head_dim, jnp.dtype(q.dtype).itemsize, sizes.block_k,
+                 sizes.stages) > SMEM_BYTES:
+    return "block_k x stages do not fit in shared memory"
+  try:  # On a machine with a GPU, it must be a Hopper (wgmma).
+    gpus = jax.devices("gpu")
+  except Exception:  # no GPU backend
+    gpus = []
+  if gpus:
+    capability = str(getattr(gpus[0], "compute_capability", "9.0"))
+    if not capability.startswith("9"):
+      return ("the Mosaic GPU attention kernel needs sm_90 "
+              f"(found sm_{capability})")
+  return True
+
+
+# --------------------------------------------------------------- masking --
+
+
+@dataclasses.dataclass(frozen=True)
+class _Band:
+  """Static mask structure; ``left``/``right`` None mean unbounded."""
+  lq: int
+  lk: int
+  left: int | None
+  right: int | None
+
+  @property
+  def offset(self) -> int:
+    return self.lk - self.lq
+
+
+def _band(lq, lk, causal, window_left, window_right) -> _Band:
+  right = window_right
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  return _Band(lq, lk, window_left, right)
+
+
+def _div_floor(x, d: int):
+  return lax.div(jnp.maximum(x, 0), jnp.int32(d))
+
+
+def _div_ceil(x, d: int):
+  return lax.div(jnp.maximum(x, 0) + (d - 1), jnp.int32(d))
+
+
+def _kv_ranges(row0, rows: int, block_k: int, band: _Band):
+  """kv block ranges for q rows [row0, row0 + rows).
+
+  (lo, a, b, hi): blocks [lo, hi) hold some unmasked entry for some row; the
+  blocks in [a, b) are unmasked for every real row.
+  """
+  nk = -(-band.lk // block_k)
+  full_k = band.lk // block_k  # blocks without padded keys
+  last_row = jnp.minimum(row0 + (rows - 1), band.lq - 1)
+  off = band.offset
+  if band.right is None:
+    hi, b = jnp.int32(nk), jnp.int32(full_k)
+  else:
+    hi = jnp.minimum(_div_ceil(last_row + (off + band.right + 1), block_k), nk)
+    b = jnp.minimum(_div_floor(row0 + (off + band.right + 1), block_k), full_k)
+  if band.left is None:
+    lo, a = jnp.int32(0), jnp.int32(0)
+  else:
+    lo = _div_floor(row0 + (off - band.left), block_k)
+    a = _div_ceil(last_row + (off - band.left), block_k)
+  lo = jnp.minimum(lo, hi)
+  a = jnp.clip(a, lo, hi)
+  b = jnp.clip(b, a, hi)
+  return lo, a, b, hi
+
+
+# ---------------------------------------------------------------- kernel --
+
+
+def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
+            sm_scale, soft_cap, block_k, stages, group, nq, reverse_q,
+            interpreting, compute_registers, memory_registers):
+  (q_smem2, k_smem, v_smem, lse_smem2), barriers = scratch
+  (k_loaded, v_loaded, q_loaded, k_consumed, v_consumed,
+   schedule) = barriers
+  head = lax.axis_index("heads")
+  batch = lax.axis_index("batch")
+  tile = lax.axis_index("q_tiles")
+  if reverse_q:  # causal: the longest rows first
+    tile = (nq - 1) - tile
+  wg = lax.axis_index("wg")
+  dtype = q_smem2.dtype
+  head_dim = q_smem2.shape[-1]
+  bq = ROWS_PER_WG
+  cta_row0 = tile * (COMPUTE_WGS * bq)
+  # The band of the whole tile: what the memory warpgroup loads.
+  lo_u, _, _, hi_u = _kv_ranges(cta_row0, COMPUTE_WGS * bq, block_k, band)
+  steps = hi_u - lo_u
+
+  def schedule_sync():
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+  @pl.when(wg < COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(compute_registers, action="increase")
+    q_smem = q_smem2.at[wg]
+    row0 = cta_row0 + wg * bq
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, bq)], q_smem,
+                            q_loaded.at[wg])
+    lo, a, b, hi = (jnp.clip(x, lo_u, hi_u)
+                    for x in _kv_ranges(row0, bq, block_k, band))
+    plgpu.barrier_wait(q_loaded.at[wg])
+
+    layout = plgpu.Layout.WGMMA
+    row_layout = layout.reduce(1)
+
+    def cast(x, new_layout):  # the interpreter has no rule for layout casts
+      return x if interpreting else plgpu.layout_cast(x, new_layout)
+
+    def iota(dim):
+      return cast(lax.broadcasted_iota(jnp.int32, (bq, block_k), dim), layout)
+
+    m = cast(jnp.full((bq,), NEG_INF, jnp.float32), row_layout)
+    l = cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
+    acc = cast(jnp.full((bq, head_dim), 0.0, jnp.float32), layout)
+
+    # Warpgroup 1 starts one schedule phase late: the two then alternate.
+    pl.when(wg == 1)(schedule_sync)
+
+    def slot_of(c):
+      return lax.rem(c - lo_u, jnp.int32(stages))
+
+    # Each step finds its K block already waited for (by the step before, or
+    # here for the first) and waits for the next step's K itself, inside its
+    # P V product, so that the wait overlaps the matmul.
+    def wait_next_k(has_next, next_slot):
+      @pl.when(has_next)
+      def _():
+        plgpu.barrier_wait(k_loaded.at[next_slot])
+
+    def next_k(c):
+      # Computed outside run_state: a concrete bound (hi_u without a band)
+      # cannot be closed over inside it.
+      return c + 1 < hi_u, slot_of(c + 1)
+
+    @pl.when(steps > 0)
+    def _():
+      plgpu.barrier_wait(k_loaded.at[0])
+
+    def skip(c, carry):
+      slot = slot_of(c)
+      plgpu.barrier_arrive(k_consumed.at[slot])
+      schedule_sync()
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(v_loaded.at[slot])
+      plgpu.barrier_wait(schedule)
+      wait_next_k(*next_k(c))
+      plgpu.barrier_arrive(v_consumed.at[slot])
+      return carry
+
+    def step(c, carry, masked):
+      acc, m, l = carry
+      slot = slot_of(c)
+      if interpreting:
+        s = lax.dot_general(q_smem[...], k_smem.at[slot][...],
+                            (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+        schedule_sync()
+      else:
+        def qk_product(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem,
+                      plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+          schedule_sync()
+          return acc_ref[...]
+
+        s = pl.run_scoped(qk_product, plgpu.ACC((bq, block_k), jnp.float32))
+      plgpu.barrier_arrive(k_consumed.at[slot])
+
+      # Logits in the base-2 domain: s * scale2 (scale2 > 0, so the row max
+      # can be taken before scaling and p formed with one FMA).
+      if soft_cap is None:
+        scale2 = sm_scale * LOG2E
+      else:
+        s = jnp.tanh(s * (sm_scale / soft_cap))
+        scale2 = soft_cap * LOG2E
+      if masked:
+        rows = row0 + iota(0)
+        cols = c * block_k + iota(1)
+        ok = cols < band.lk
+        if band.right is not None:
+          ok = jnp.logical_and(ok, cols <= rows + (band.offset + band.right))
+        if band.left is not None:
+          ok = jnp.logical_and(ok, cols >= rows + (band.offset - band.left))
+        s = jnp.where(ok, s, NEG_INF)
+      m_next = jnp.maximum(m, s.max(axis=1) * scale2)
+      m_shift = m_next
+      if masked:  # a row with nothing unmasked yet keeps m = -inf
+        m_shift = jnp.where(m_next == NEG_INF, 0.0, m_next)
+      alpha = jnp.exp2(m - m_shift)
+      p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_shift, s.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = p.astype(dtype)
+      acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
+      plgpu.barrier_arrive(schedule)  # softmax done
+      plgpu.barrier_wait(v_loaded.at[slot])
+      plgpu.barrier_wait(schedule)  # the other warpgroup's matmuls issued
+
+      if interpreting:
+        acc = acc + lax.dot_general(p16, v_smem.at[slot][...],
+                                    (((1,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+        wait_next_k(*next_k(c))
+      else:
+        has_next, next_slot = next_k(c)
+
+        def pv_product(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          wait_next_k(has_next, next_slot)
+
+        acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_consumed.at[slot])
+      return acc, m_next, l
+
+    carry = (acc, m, l)
+    lax.fori_loop(lo_u, lo, skip, None)
+    carry = lax.fori_loop(lo, a, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(b, hi, functools.partial(step, masked=True), carry)
+    lax.fori_loop(hi, hi_u, skip, None)
+    acc, m, l = carry
+    pl.when(wg == 0)(schedule_sync)
+
+    empty = l == 0.0
+    inv_l = 1.0 / jnp.where(empty, 1.0, l)
+    q_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+                   ).astype(dtype)
+    lse_smem = lse_smem2.at[wg]
+    lse_smem[...] = jnp.where(empty, NEG_INF, (m + jnp.log2(l)) * LN2)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, head, pl.ds(row0, bq)])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(row0, bq)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == COMPUTE_WGS)
+  def _memory():
+    plgpu.set_max_registers(memory_registers, action="decrease")
+    kv_head = lax.div(head, jnp.int32(group))
+
+    def load(c, slot):
+      rows = pl.ds(c * block_k, block_k)
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, rows], k_smem.at[slot],
+                              k_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, rows], v_smem.at[slot],
+                              v_loaded.at[slot])
+
+    for i in range(stages):
+      @pl.when(i < steps)
+      def _prologue():
+        load(lo_u + i, i)
+
+    @pl.loop(lo_u + stages, hi_u)
+    def _refill(c):
+      slot = lax.rem(c - lo_u, jnp.int32(stages))
+      plgpu.barrier_wait(k_consumed.at[slot])
+      rows = pl.ds(c * block_k, block_k)
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, rows], k_smem.at[slot],
+                              k_loaded.at[slot])
+      plgpu.barrier_wait(v_consumed.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, rows], v_smem.at[slot],
+                              v_loaded.at[slot])
+
+    # Wait for the last blocks' release too, so that every phase of the
+    # consumed barriers is observed (the interpreter checks this).
+    @pl.loop(jnp.maximum(hi_u - stages, lo_u), hi_u)
+    def _drain(c):
+      slot = lax.rem(c - lo_u, jnp.int32(stages))
+      plgpu.barrier_wait(k_consumed.at[slot])
+      plgpu.barrier_wait(v_consumed.at[slot])
+
+
+def _pad_axis(x, axis: int, size: int):
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
+            causal, window_left, window_right, logit_soft_cap, block_sizes,
+            interpret):
+  """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32).
+
+  Same contract as ``attention.gpu.forward``; call only where ``supports``
+  returned True. ``interpret``: False on a GPU, or an ``InterpretGPUParams``
+  (``interpret_params()``) to run in the Mosaic GPU interpreter; True picks
+  the default interpreter parameters.
+  """
+  ok = supports(q, k, v, q_segment_ids, kv_segment_ids, bias,
+                block_sizes=block_sizes)
+  if ok is not True:
+    raise ValueError(f"mosaic_gpu.forward: unsupported call: {ok}")
+  if interpret is True:
+    interpret = interpret_params()
+  batch, heads, lq, head_dim = q.shape
+  kv_heads, lk = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  sizes = (block_sizes if isinstance(block_sizes, MosaicGpuBlockSizes)
+           else MosaicGpuBlockSizes()).resolved(head_dim)
+  block_k, stages = sizes.block_k, sizes.stages
+  band = _band(lq, lk, causal, window_left, window_right)
+  tile_rows = COMPUTE_WGS * ROWS_PER_WG
+  lq_pad = -(-lq // tile_rows) * tile_rows
+  lk_pad = -(-lk // block_k) * block_k
+  q = _pad_axis(q, 2, lq_pad)
+  k = _pad_axis(k, 2, lk_pad)
+  v = _pad_axis(v, 2, lk_pad)
+  nq = lq_pad // tile_rows
+  interpreting = bool(interpret)
+  dtype = q.dtype
+
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  scratch = (
+      plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype,
+                 transforms=swizzled),
+      plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=swizzled),
+      plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=swizzled),
+      plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
+  )
+  barriers = (
+      plgpu.Barrier(num_barriers=stages),  # k loaded
+      plgpu.Barrier(num_barriers=stages),  # v loaded
+      plgpu.Barrier(num_barriers=COMPUTE_WGS),  # q loaded
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # schedule
+  )
+  body = functools.partial(
+      _kernel, band=band, sm_scale=float(sm_scale),
+      soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
+      block_k=block_k, stages=stages, group=group, nq=nq,
+      reverse_q=band.right is not None and band.left is None,
+      interpreting=interpreting, compute_registers=sizes.compute_registers,
+      memory_registers=sizes.memory_registers)
+
+  def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
+    pl.run_scoped(
+        lambda *refs: body(q_ref, k_ref, v_ref, out_ref, lse_ref,
+                           (refs[:4], refs[4:])),
+        *scratch, *barriers, collective_axes="wg")
+
+  kwargs = {}
+  if interpret:
+    kwargs["interpret"] = interpret
+  out, lse = plgpu.kernel(
+      entry,
+      out_type=(jax.ShapeDtypeStruct((batch, heads, lq_pad, head_dim), dtype),
+                jax.ShapeDtypeStruct((batch, heads, lq_pad), jnp.float32)),
+      grid=(heads, nq, batch),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **kwargs,
+  )(q, k, v)
+  if lq_pad != lq:
+    out, lse = out[:, :, :lq], lse[:, :, :lq]
+  return out, lse

@@ -1,0 +1,194 @@
+"""The Mosaic GPU (Hopper) flash-attention forward, in jax's Mosaic GPU
+interpreter (warpgroups, barriers and TMA copies simulated on the CPU).
+
+Compared with a float64 numpy implementation of the shared semantics
+(attention/reference.py). The interpreter runs the kernel's barriers, ring
+slots, band arithmetic and masks; its two matrix products run as plain dots
+(see the module docstring), so the wgmma calls themselves are checked on a GPU
+by bench/bench_attention_mgpu.py. Tolerances: outputs are bf16/fp16-rounded
+and P is rounded to the input dtype before P V: relative L2 error 1e-2, max
+abs 3e-2 on O(1) values; lse is float32 math: 1e-4.
+
+Skipped where jax has no Mosaic GPU interpreter (jax < 0.10, e.g. 0.7.1);
+there only ``supports`` is checked (it must decline).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import mosaic_gpu
+
+INTERPRET = mosaic_gpu.interpret_params()
+needs_interpreter = pytest.mark.skipif(
+    mosaic_gpu.api_missing() is not None or INTERPRET is None,
+    reason="this jax has no Mosaic GPU Pallas interpreter")
+
+
+def reference64(q, k, v, *, sm_scale, causal=False, left=None, right=None,
+                cap=None):
+  """float64 (out, lse) for the reference semantics (no bias/segments)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  lq, lk = q.shape[2], k.shape[2]
+  group = q.shape[1] // k.shape[1]
+  k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+  s = np.einsum("bhid,bhjd->bhij", q, k) * sm_scale
+  if cap is not None:
+    s = cap * np.tanh(s / cap)
+  if causal:
+    right = 0 if right is None else min(right, 0)
+  i = np.arange(lq)[:, None] + (lk - lq)
+  j = np.arange(lk)[None, :]
+  ok = np.ones((lq, lk), bool)
+  if right is not None:
+    ok &= j <= i + right
+  if left is not None:
+    ok &= j >= i - left
+  s = np.where(ok, s, -np.inf)
+  m = s.max(-1, keepdims=True)
+  m = np.where(np.isfinite(m), m, 0.0)
+  e = np.where(ok, np.exp(s - m), 0.0)
+  total = e.sum(-1, keepdims=True)
+  out = np.einsum("bhij,bhjd->bhid", e / np.where(total > 0, total, 1.0), v)
+  safe = np.where(total > 0, total, 1.0)
+  lse = np.where(total[..., 0] > 0, (m + np.log(safe))[..., 0], -np.inf)
+  return out, lse
+
+
+def _inputs(rng, b, h, hk, lq, lk, d, dtype):
+  make = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+  return make(b, h, lq, d), make(b, hk, lk, d), make(b, hk, lk, d)
+
+
+def _run(q, k, v, *, causal=False, left=None, right=None, cap=None,
+         block_sizes=None, interpret=None):
+  d = q.shape[-1]
+  return mosaic_gpu.forward(
+      q, k, v, None, None, None, sm_scale=1 / math.sqrt(d), causal=causal,
+      window_left=left, window_right=right, logit_soft_cap=cap,
+      block_sizes=block_sizes,
+      interpret=INTERPRET if interpret is None else interpret)
+
+
+def _check(rng, b, h, hk, lq, lk, d, dtype=jnp.bfloat16, block_sizes=None,
+           **mask):
+  q, k, v = _inputs(rng, b, h, hk, lq, lk, d, dtype)
+  out, lse = _run(q, k, v, block_sizes=block_sizes, **mask)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert lse.shape == q.shape[:3] and lse.dtype == jnp.float32
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  ref_out, ref_lse = reference64(f32(q), f32(k), f32(v),
+                                 sm_scale=1 / math.sqrt(d), **mask)
+  out = np.asarray(out.astype(jnp.float32), np.float64)
+  lse = np.asarray(lse, np.float64)
+  assert not np.isnan(out).any() and not np.isnan(lse).any()
+  rel = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
+  assert rel < 1e-2, rel
+  np.testing.assert_allclose(out, ref_out, atol=3e-2, rtol=0)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  finite = np.isfinite(ref_lse)
+  np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-4, rtol=0)
+  return out, lse, ref_lse
+
+
+# ------------------------------------------------------------- supports --
+
+def _sds(shape, dtype=jnp.bfloat16):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def test_supports_declines_without_the_api_or_with_unsupported_inputs():
+  q, kv = _sds((1, 4, 256, 128)), _sds((1, 2, 256, 128))
+  if mosaic_gpu.api_missing() is not None:
+    assert isinstance(mosaic_gpu.supports(q, kv, kv), str)
+    return
+  assert mosaic_gpu.supports(q, kv, kv) is True
+  bias = _sds((1, 4, 256, 256), jnp.float32)
+  seg = _sds((1, 256), jnp.int32)
+  cases = {
+      "bias": ((q, kv, kv, None, None, bias), {}),
+      "segment": ((q, kv, kv, seg, seg, None), {}),
+      "bf16 or all fp16": ((_sds(q.shape, jnp.float32), kv, kv), {}),
+      "head_dim": ((_sds((1, 4, 256, 80)), _sds((1, 2, 256, 80)),
+                    _sds((1, 2, 256, 80))), {}),
+      "empty": ((_sds((1, 4, 0, 128)), kv, kv), {}),
+      "block_k": ((q, kv, kv), {"block_sizes":
+                                mosaic_gpu.MosaicGpuBlockSizes(block_k=96)}),
+      "stages": ((q, kv, kv), {"block_sizes":
+                               mosaic_gpu.MosaicGpuBlockSizes(stages=1)}),
+      "compute_registers": ((q, kv, kv), {"block_sizes":
+                                          mosaic_gpu.MosaicGpuBlockSizes(
+                                              compute_registers=240)}),
+      "shared memory": ((q, kv, kv), {"block_sizes":
+                                      mosaic_gpu.MosaicGpuBlockSizes(
+                                          block_k=256, stages=4)}),
+  }
+  for needle, (args, kwargs) in cases.items():
+    reason = mosaic_gpu.supports(*args, **kwargs)
+    assert isinstance(reason, str) and needle in reason, (needle, reason)
+
+
+def test_forward_rejects_unsupported_calls():
+  q = jnp.zeros((1, 1, 128, 80), jnp.bfloat16)
+  with pytest.raises(ValueError, match="unsupported"):
+    _run(q, q, q, interpret=False)
+
+
+@pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
+                    reason="no Mosaic GPU Pallas API in this jax")
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_kernel_traces_on_a_cpu_host(d):
+  q, kv = _sds((2, 4, 1000, d)), _sds((2, 2, 1500, d))
+  fn = lambda q, k, v: _run(q, k, v, causal=True, left=100, cap=3.0,  # noqa
+                            interpret=False)
+  out, lse = jax.eval_shape(fn, q, kv, kv)
+  assert out.shape == q.shape and lse.shape == q.shape[:3]
+  jax.make_jaxpr(fn)(q, kv, kv)
+
+
+# ---------------------------------------------------------- interpreter --
+
+@needs_interpreter
+def test_gqa_ragged_end_aligned_causal(rng):
+  # 2 q tiles (one partly padding), 3 kv blocks of 128 (the last padded);
+  # 3 ring slots: every kv block of the first tile lies before the band end.
+  _check(rng, 1, 2, 1, 200, 300, 64, causal=True)
+
+
+@needs_interpreter
+def test_more_queries_than_keys_gives_empty_rows(rng):
+  # Causal with Lq > Lk: the first Lq - Lk rows see no key (out 0, lse -inf);
+  # a whole warpgroup's rows and the second tile's padding have no band.
+  out, lse, _ = _check(rng, 1, 1, 1, 200, 40, 128, causal=True)
+  assert np.all(np.isneginf(lse[..., :160]))
+  assert np.all(out[..., :160, :] == 0)
+
+
+@needs_interpreter
+def test_window_soft_cap_fp16_ring_refill(rng):
+  # Sliding window on both sides with 64-key blocks and 2 slots: the band
+  # starts past block 0 (leading blocks skipped), and refills reuse slots.
+  _check(rng, 1, 1, 1, 128, 520, 64, dtype=jnp.float16, left=150, right=40,
+         cap=4.0, block_sizes=mosaic_gpu.MosaicGpuBlockSizes(block_k=64,
+                                                             stages=2))
+
+
+@pytest.mark.slow
+@needs_interpreter
+@pytest.mark.parametrize("d,causal", [(128, False), (256, True)])
+def test_square_multi_tile(rng, d, causal):
+  _check(rng, 1, 2, 2, 256, 256, d, causal=causal)
+
+
+@pytest.mark.slow
+@needs_interpreter
+def test_interpreted_kernel_is_deterministic(rng):
+  q, k, v = _inputs(rng, 1, 1, 1, 128, 256, 64, jnp.bfloat16)
+  first = _run(q, k, v, causal=True)
+  second = _run(q, k, v, causal=True)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
