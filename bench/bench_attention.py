@@ -2,22 +2,35 @@
 
 On a CUDA machine (the H100): batch 4, heads 16, seq 4096, head_dim 128, bf16,
 causal and not, forward and forward+backward, for
-  ours         pallas_kernels.attention.gpu (Pallas, Triton lowering)
+  ours         pallas_kernels.attention.gpu.forward/backward: on a Hopper the
+               Mosaic GPU forward (attention/mosaic_gpu.py) where it applies,
+               the Triton dq and dk/dv kernels
+  ours_triton_fwd   the same with the Triton forward
+  ours_plain_order  the same without the chunked causal launch order
+  ours_api     the public op (flash_attention, backend="gpu")
   cudnn / xla  jax.nn.dot_product_attention(implementation=...)
   jax_mha      jax.experimental.pallas.ops.gpu.attention.mha (Pallas Triton)
   jax_mgpu     jax.experimental.pallas.ops.gpu.attention_mgpu (Mosaic GPU)
   tokamax      if importable
   torch_flash / torch_cudnn   torch SDPA with that backend forced
-plus an 8192^3 bf16 matmul (jax) as the measured peak. FLOPs: forward
-4*B*H*L*L*D (causal: half); forward+backward 3.5x that (backward does 5 of the
-7 matmuls; the recomputed QK^T is not counted, as is usual). Before timing it
-checks the kernel's forward and gradients against a float32 reference on
-several feature combinations (odd lengths, GQA, masks, bias, soft cap).
+plus an 8192^3 bf16 matmul (jax and torch) as the measured peak; then, for
+each ``--head-dims`` value, ours (both forwards) against cuDNN. FLOPs:
+forward 4*B*H*L*L*D (causal: half); forward+backward 3.5x that (backward does
+5 of the 7 matmuls; the recomputed QK^T is not counted, as is usual). Before
+timing it checks the kernel's forward and gradients against a float32
+reference on several feature combinations (odd lengths, GQA, masks, bias,
+soft cap, both forwards), in parallel processes. The results file is
+rewritten after each section, so a run cut short keeps its rows.
+
+``--sweep`` times kernel variants (``sweep_jobs``) with several processes
+compiling in parallel and taking turns on the GPU; ``--tune`` sweeps the
+block sizes of one kernel at a time.
 
 Elsewhere (CPU) ``--quick`` runs a small shape with the kernel in interpret
 mode beside the reference: a smoke test, not a speed figure.
 
-  python bench/bench_attention.py [--quick] [--tune] [--no-check] [--no-peers]
+  python bench/bench_attention.py [--quick] [--tune] [--sweep] [--no-check]
+      [--no-peers] [--head-dims 64,256] [--note TEXT]
 """
 from __future__ import annotations
 
@@ -136,6 +149,17 @@ CHECK_CASES = [
     (1, 4, 2, 130, 260, 128, "bfloat16", dict(bias=True, cap=20.0)),
     (1, 2, 1, 7, 1000, 32, "float32", dict(causal=True)),
     (1, 2, 2, 1, 33, 16, "float32", dict()),
+    # The Triton forward (on a Hopper the default forward is the Mosaic GPU
+    # kernel where it applies) and the plain causal launch order.
+    (2, 4, 4, 256, 256, 128, "bfloat16", dict(causal=True, sizes="triton")),
+    (1, 4, 2, 300, 300, 64, "bfloat16", dict(causal=True, left=70,
+                                             sizes="triton")),
+    (1, 4, 4, 1024, 1024, 256, "bfloat16", dict(causal=True,
+                                                sizes="triton")),
+    (1, 4, 4, 1024, 1024, 256, "bfloat16", dict(sizes="triton")),
+    (2, 4, 2, 1024, 1024, 128, "bfloat16", dict(causal=True,
+                                                sizes="order0")),
+    (1, 4, 2, 1024, 1024, 128, "bfloat16", dict(causal=True, bias=True)),
     # Default tiles of the other table rows, at sizes that fill them.
     (1, 4, 2, 1024, 1024, 128, "float32", dict(causal=True)),
     (1, 4, 4, 1024, 1024, 256, "bfloat16", dict()),
@@ -145,9 +169,10 @@ CHECK_CASES = [
 ]
 
 
-def run_checks(key, interpret=False):
+def run_checks(key, interpret=False, part=(0, 1)):
+  """Checks CHECK_CASES[part[0]::part[1]] against the float32 reference."""
   rows = []
-  for case in CHECK_CASES:
+  for case in CHECK_CASES[part[0]::part[1]]:
     try:
       rows.append(_check_case(case, key, interpret))
     except Exception as e:  # report and go on: the timings still matter
@@ -175,8 +200,11 @@ def _check_case(case, key, interpret):
   if feat.pop("bias", False):
     arrays["bias"] = jax.random.normal(keys[7], (1, h, lq, lk), jnp.float32)
   causal = feat.pop("causal", False)
+  variant = feat.pop("sizes", None)
+  sizes = {None: None, "order0": gpu.GpuBlockSizes(band_chunk=0),
+           "triton": gpu.GpuBlockSizes(forward_kernel="triton")}[variant]
   scale = 1 / math.sqrt(d)
-  ours = ours_fn(causal, scale, interpret=interpret, **arrays, **feat)
+  ours = ours_fn(causal, scale, sizes, interpret=interpret, **arrays, **feat)
   ref = functools.partial(reference_attention, **arrays, sm_scale=scale,
                           causal=causal, **feat)
   out, vjp = jax.vjp(ours, q, k, v)
@@ -202,7 +230,8 @@ def _check_case(case, key, interpret):
   tol = 2e-2 if dtype == "bfloat16" else 2e-3
   return dict(
       case=f"B{b} H{h}/{hkv} L{lq}x{lk} D{d} {dtype} causal={causal} "
-           + " ".join(f"{k}" for k in list(arrays) + list(feat)),
+           + " ".join(f"{k}" for k in list(arrays) + list(feat))
+           + (f" [{variant}]" if variant else ""),
       err_out=errs[0], err_dq=errs[1], err_dk=errs[2], err_dv=errs[3],
       err_dbias=errs[4] if len(errs) > 4 else None,
       ok=all(e <= tol for e in errs))
@@ -386,13 +415,166 @@ def tune(q, k, v, do, iters):
   return rows
 
 
-PEERS = ["ours", "ours_api", "cudnn", "xla", "jax_mha", "jax_mgpu", "tokamax",
-         "torch_flash", "torch_cudnn"]
+# ---------------------------------------------------------------------------
+# Sweep (--sweep): kernel variants at B4 H16 L4096 bf16, several worker
+# processes compile in parallel and take turns on the GPU (a file lock), so
+# one device call covers many variants. Rows go to one JSON-lines file.
+
+def _g(prefix, cfg):
+  """GpuBlockSizes fields for (block_q, block_k, num_warps, num_stages)."""
+  names = ("block_q", "block_k", "num_warps", "num_stages")
+  return {f"{n}{prefix}": c for n, c in zip(names, cfg)}
+
+
+def sweep_jobs():
+  """The variants to time: edit to explore (each row records its fields)."""
+  jobs = []
+
+  def add(kind, d, causal, label, **sizes):
+    jobs.append(dict(kind=kind, head_dim=d, causal=causal, label=label,
+                     sizes=sizes))
+
+  for d in (128, 64, 256):
+    for causal in (False, True):
+      add("fwd", d, causal, "triton default", forward_kernel="triton")
+      add("fwd", d, causal, "mosaic", forward_kernel="mosaic")
+      add("bwd", d, causal, "split default")
+  for d in (128, 64):
+    add("fwd", d, True, "triton plain order", forward_kernel="triton",
+        band_chunk=0)
+    for chunk in (0, 8):
+      add("bwd", d, True, f"band_chunk {chunk}", band_chunk=chunk)
+  for cfg in [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 8, 2)]:
+    add("bwd", 256, False, f"dq {cfg}", **_g("_dq", cfg))
+  return jobs
+
+
+def _sweep_inputs(d, b=4, h=16, l=4096):
+  if _SWEEP_INTERPRET:
+    b, h, l = 1, 2, 128
+  keys = jax.random.split(jax.random.key(d), 4)
+  return [jax.random.normal(kk, (b, h, l, d), jnp.bfloat16) for kk in keys]
+
+
+def _sweep_one(job, iters):
+  """Compiles and times one job; returns the row (ms None on failure)."""
+  import fcntl
+  d, causal = job["head_dim"], job["causal"]
+  q, k, v, do = _sweep_inputs(d)
+  fields = dict(job["sizes"])
+  if job["kind"] == "bwd":  # its inputs come from the Triton forward
+    fields.setdefault("forward_kernel", "triton")
+  sizes = gpu.GpuBlockSizes(**fields)
+  kw = dict(sm_scale=1 / math.sqrt(d), causal=causal, window_left=None,
+            window_right=None, logit_soft_cap=None, block_sizes=sizes,
+            interpret=_SWEEP_INTERPRET)
+  row = dict(job, sizes=str(job["sizes"]), ms=None, note="")
+  t0 = time.time()
+  try:
+    fwd = jax.jit(lambda q, k, v: gpu.forward(q, k, v, None, None, None,
+                                              **kw))
+    if job["kind"] == "fwd":
+      fn, args = fwd, (q, k, v)
+      if job["sizes"].get("forward_kernel") == "mosaic":
+        txt = fwd.lower(q, k, v).as_text()
+        if "flash_attention_fwd_gpu" in txt:
+          raise RuntimeError("mosaic forward not used (Triton lowered)")
+    else:
+      base = jax.jit(lambda q, k, v: gpu.forward(
+          q, k, v, None, None, None, **dict(
+              kw, block_sizes=gpu.GpuBlockSizes(forward_kernel="triton"))))
+      with open(os.path.join(_SWEEP_DIR, "gpu.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        out, lse = jax.block_until_ready(base(q, k, v))
+      fn = jax.jit(lambda q, k, v, out, lse, do: gpu.backward(
+          q, k, v, None, None, None, out, lse, do, **kw)[:3])
+      args = (q, k, v, out, lse, do)
+    compiled = fn.lower(*args).compile()
+    row["compile_s"] = time.time() - t0
+    # Everything that runs on the GPU holds the lock: other workers only
+    # compile meanwhile, so they cannot disturb the timing.
+    with open(os.path.join(_SWEEP_DIR, "gpu.lock"), "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      seconds = time_callable("ours", lambda: compiled(*args), iters)
+      row["ms"] = seconds * 1e3
+      row.update(_variant_errors(job["kind"], q, k, v, do, kw,
+                                 compiled(*args)))
+  except Exception as e:
+    row["note"] = f"{type(e).__name__}: {str(e)[:300]}"
+  row["total_s"] = time.time() - t0
+  return row
+
+
+_SWEEP_DIR = "."
+# BENCH_ATTENTION_SWEEP_SMOKE=1: interpret mode, tiny shapes, three jobs (a
+# CPU check of the sweep's plumbing).
+_SWEEP_INTERPRET = bool(os.environ.get("BENCH_ATTENTION_SWEEP_SMOKE"))
+
+
+def _variant_errors(kind, q, k, v, do, kw, results):
+  """Relative errors of this variant's results on two heads vs float32."""
+  sl = lambda x: x[:1, :2].astype(jnp.float32)  # noqa: E731
+  ref = functools.partial(reference_attention, sm_scale=kw["sm_scale"],
+                          causal=kw["causal"])
+  ref_out, ref_vjp = jax.vjp(ref, sl(q), sl(k), sl(v))
+  if kind == "fwd":
+    return dict(err_out=rel_err(sl(results[0]), ref_out))
+  return dict(err_grads=max(rel_err(sl(g), r) for g, r in
+                            zip(results, ref_vjp(sl(do)))))
+
+
+def sweep(args):
+  """Runs the sweep with ``args.workers`` processes; returns the rows."""
+  import subprocess
+  global _SWEEP_DIR
+  _SWEEP_DIR = args.out or "."
+  os.makedirs(_SWEEP_DIR, exist_ok=True)
+  path = os.path.join(_SWEEP_DIR, "sweep.jsonl")
+  if args.worker is not None:
+    import fcntl
+    import json
+    index, count = args.worker
+    jobs = sweep_jobs()[:3] if _SWEEP_INTERPRET else sweep_jobs()
+    for n, job in enumerate(jobs):
+      if n % count != index:
+        continue
+      row = _sweep_one(job, args.iters)
+      print(json.dumps(row), flush=True)
+      with open(os.path.join(_SWEEP_DIR, "gpu.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with open(path, "a") as f:
+          f.write(json.dumps(row) + "\n")
+    return []
+  procs = [subprocess.Popen(
+      [sys.executable, os.path.abspath(__file__), "--sweep", "--out",
+       _SWEEP_DIR, "--iters", str(args.iters), "--worker",
+       f"{i}/{args.workers}"]) for i in range(args.workers)]
+  for p in procs:
+    p.wait()
+  import json
+  rows = [json.loads(line) for line in open(path)] if os.path.exists(
+      path) else []
+  rows.sort(key=lambda r: (r["head_dim"], r["kind"], r["causal"],
+                           r["label"]))
+  harness.print_table(rows, ["head_dim", "kind", "causal", "label", "ms",
+                             "err_out", "err_grads", "compile_s", "note"])
+  return rows
+
+
+PEERS = ["ours", "ours_triton_fwd", "ours_plain_order", "ours_api", "cudnn",
+         "xla", "jax_mha", "jax_mgpu", "tokamax", "torch_flash", "torch_cudnn"]
 
 
 def builder(name):
   return {
       "ours": build_ours,
+      # The same kernels with the Triton forward (the default on a Hopper is
+      # the Mosaic GPU forward where it applies) and with the plain launch
+      # order (no chunked heavy-first order for causal masks).
+      "ours_triton_fwd": functools.partial(
+          build_ours, sizes=gpu.GpuBlockSizes(forward_kernel="triton")),
+      "ours_plain_order": functools.partial(
+          build_ours, sizes=gpu.GpuBlockSizes(band_chunk=0)),
       "ours_api": build_ours_api,
       "cudnn": functools.partial(build_dpa, "cudnn"),
       "xla": functools.partial(build_dpa, "xla"),
@@ -404,6 +586,34 @@ def builder(name):
   }[name]
 
 
+def run_checks_parallel(args):
+  """run_checks split over processes (compiling dominates), before timing."""
+  import json
+  import subprocess
+  import tempfile
+  workers = max(1, args.workers // 2)
+  seed = int(time.time())
+  with tempfile.TemporaryDirectory() as tmp:
+    procs = [subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, json, jax; sys.path.insert(0, sys.argv[1]); "
+         "import bench_attention as b; "
+         "rows = b.run_checks(jax.random.key(int(sys.argv[2])), "
+         "part=(int(sys.argv[3]), int(sys.argv[4]))); "
+         "json.dump(rows, open(sys.argv[5], 'w'))",
+         HERE, str(seed), str(i), str(workers),
+         os.path.join(tmp, f"{i}.json")]) for i in range(workers)]
+    rows = []
+    for i, p in enumerate(procs):
+      p.wait()
+      try:
+        rows += json.load(open(os.path.join(tmp, f"{i}.json")))
+      except Exception as e:  # a crashed worker is a failed check
+        rows.append(dict(case=f"check worker {i}", ok=False,
+                         error=f"{type(e).__name__}: {e}"))
+  return rows
+
+
 def bench_gpu(args):
   b, h, l, d = args.batch, args.heads, args.seq, args.head_dim
   key = jax.random.key(0)
@@ -413,9 +623,11 @@ def bench_gpu(args):
   v = jax.random.normal(kv, (b, h, l, d), jnp.bfloat16)
   do = jax.random.normal(kd, (b, h, l, d), jnp.bfloat16)
   extra = {"shape": dict(batch=b, heads=h, seq=l, head_dim=d, dtype="bf16")}
+  if getattr(args, "note", None):
+    extra["note"] = args.note
 
   if not args.no_check:
-    checks = run_checks(jax.random.key(int(time.time())))
+    checks = run_checks_parallel(args)
     harness.print_table(checks, ["case", "err_out", "err_dq", "err_dk",
                                  "err_dv", "err_dbias", "ok"])
     extra["checks"] = checks
@@ -435,6 +647,8 @@ def bench_gpu(args):
   rows = []
   for causal in (False, True):
     for name in names:
+      if name == "ours_plain_order" and not causal:
+        continue  # the launch order differs only under a causal mask
       try:
         fwd, fwd_bwd = builder(name)(causal, q, k, v, do)
       except Exception as e:
@@ -462,12 +676,13 @@ def bench_gpu(args):
         print(f"{name:12s} causal={causal!s:5s} {mode:8s} "
               f"{row['ms'] if row['ms'] is None else round(row['ms'], 3)} ms "
               f"{row['note']}", flush=True)
+  publish(rows, extra, args)
   for dim in args.head_dims:
-    # Other head dims: only ours and cuDNN, to check the default tiles.
+    # Other head dims: ours (both forwards) and cuDNN.
     dq, dk, dv, ddo = (jax.random.normal(kk, (b, h, l, dim), jnp.bfloat16)
                        for kk in jax.random.split(jax.random.key(dim), 4))
     for causal in (False, True):
-      for name in ("ours", "cudnn"):
+      for name in ("ours", "ours_triton_fwd", "cudnn"):
         for mode in ("fwd", "fwd+bwd"):
           row = dict(impl=name, causal=causal, mode=mode, head_dim=dim,
                      ms=None, note="")
@@ -481,6 +696,15 @@ def bench_gpu(args):
             row["note"] = f"failed: {type(e).__name__}: {str(e)[:160]}"
           rows.append(row)
           print(row, flush=True)
+    publish(rows, extra, args)
+  publish(rows, extra, args, final=True)
+  return 0
+
+
+def publish(rows, extra, args, final=False):
+  """Ratios, table and results file; called after each section so that a
+  run cut short still leaves its rows."""
+  d = args.head_dim
   for row in rows:
     row.setdefault("head_dim", d)
   # Ratios: how many times faster ours is than each peer (>1: ours faster).
@@ -494,13 +718,13 @@ def bench_gpu(args):
       row["ours_speedup_vs_this"] = row["ms"] / ours["ms"]
     if row["ms"] and cudnn and cudnn["ms"]:
       row["this_vs_cudnn"] = cudnn["ms"] / row["ms"]
-  columns = ["impl", "head_dim", "causal", "mode", "ms", "tflops", "frac_peak",
-             "this_vs_cudnn", "ours_speedup_vs_this", "note"]
-  harness.print_table(rows, columns)
   path = harness.write_results("attention", rows, extra=extra,
                                directory=args.out)
-  print("wrote", path)
-  return 0
+  if final:
+    columns = ["impl", "head_dim", "causal", "mode", "ms", "tflops",
+               "frac_peak", "this_vs_cudnn", "ours_speedup_vs_this", "note"]
+    harness.print_table(rows, columns)
+    print("wrote", path)
 
 
 def bench_cpu(args):
@@ -559,9 +783,20 @@ def main(argv=None):
                                                      x.split(",") if v],
                       default=[], help="extra head dims (ours vs cuDNN)")
   parser.add_argument("--out", default=None, help="results directory")
+  parser.add_argument("--note", default=None,
+                      help="a note stored in the results file")
+  parser.add_argument("--sweep", action="store_true",
+                      help="GPU: time kernel variants (parallel compiles)")
+  parser.add_argument("--workers", type=int, default=6)
+  parser.add_argument("--worker", default=None,
+                      type=lambda x: tuple(int(v) for v in x.split("/")),
+                      help=argparse.SUPPRESS)
   parser.add_argument("--tpu-roofline", action="store_true",
                       help="only print the TPU roofline estimate")
   args = parser.parse_args(argv)
+  if args.sweep:
+    sweep(args)
+    return 0
   print_tpu_roofline(args)
   if args.tpu_roofline:
     return 0

@@ -286,6 +286,23 @@ def test_bfloat16(rng):
     assert err < 2e-2
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16_head_dim_256_default_tiles(rng, causal):
+  # The 512-byte-row defaults (forward 128x64, dk/dv 64x64), shrunk to 128.
+  q, k, v, do, _, _, _ = _inputs(rng, 1, 2, 1, 100, 130, 256)
+  cast = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+  qb, kb, vb, dob = map(cast, (q, k, v, do))
+  out, _, grads = run_kernels(
+      qb, kb, vb, None, None, None, dob,
+      **_kernel_kwargs(1 / 16, causal=causal, sizes=None))
+  up = lambda x: np.asarray(jnp.asarray(x, jnp.float32))  # noqa: E731
+  ref = reference(up(qb), up(kb), up(vb), None, None, None, up(dob),
+                  sm_scale=1 / 16, causal=causal)
+  for got, expected in zip((out,) + tuple(grads[:3]), (ref[0],) + ref[2][:3]):
+    err = np.linalg.norm(up(got) - expected) / np.linalg.norm(expected)
+    assert err < 2e-2
+
+
 def test_empty_sequence():
   q = jnp.zeros((1, 2, 0, 16), jnp.float32)
   k = jnp.ones((1, 2, 5, 16), jnp.float32)
@@ -408,9 +425,15 @@ def test_default_table_and_overrides():
   banded = gpu.GpuBlockSizes().resolved(256, banded=True)
   assert (banded.block_q, banded.block_k) == (128, 64)
   wide = gpu.GpuBlockSizes(num_stages_dkv=3).resolved(512, banded=False)
-  assert (wide.block_q, wide.block_k, wide.num_stages_dkv) == (64, 32, 3)
+  assert (wide.block_q, wide.block_k, wide.num_stages_dkv) == (128, 64, 3)
+  assert (wide.block_q_dkv, wide.block_k_dkv, wide.num_warps_dkv) == (64, 64,
+                                                                       8)
   assert all(getattr(wide, f.name) is not None
              for f in gpu.dataclasses.fields(wide))
+  # float32 rows of 512 bytes (head_dim 128) keep the smaller tiles.
+  f32 = gpu.GpuBlockSizes().resolved(512, banded=False, itemsize=4)
+  assert (f32.block_q, f32.block_k, f32.block_k_dkv) == (64, 32, 64)
+  assert gpu.GpuBlockSizes().resolved(512, False, bias=True).block_q == 64
 
 
 def test_bias_keeps_forward_tile_within_shared_memory():
@@ -433,3 +456,88 @@ def test_lse_cotangent(rng):
   for name, got, expected in zip(("dq", "dk", "dv"), grads, ref[2]):
     np.testing.assert_allclose(np.asarray(got), expected, atol=1e-4,
                                err_msg=name)
+
+
+# ---------------------------------------------------------------------------
+# launch order, forward kernel choice, kernels per step
+
+
+@pytest.mark.parametrize("blocks,heads,batch,chunk,reverse", [
+    (6, 3, 2, 2, True), (8, 2, 1, 4, False), (5, 2, 2, 1, True),
+    (4, 3, 1, 0, False), (7, 1, 3, 0, True)])
+def test_launch_order_visits_every_program_once(blocks, heads, batch, chunk,
+                                                reverse):
+  order = gpu._LaunchOrder(blocks, heads, reverse=reverse, chunk=chunk)
+  g0, g1, g2 = order.grid(batch)
+  # Triton's launch order: first grid axis fastest.
+  launched = [tuple(int(x) for x in order.ids(a, b, c))
+              for c in range(g2) for b in range(g1) for a in range(g0)]
+  assert sorted(launched) == sorted(
+      (i, b, h) for i in range(blocks) for b in range(batch)
+      for h in range(heads))
+  if chunk:
+    # The first chunk of every head launches before any second chunk.
+    first = launched[:chunk * batch * heads]
+    heavy = (set(range(blocks - chunk, blocks)) if reverse
+             else set(range(chunk)))
+    assert {i for i, _, _ in first} == heavy
+
+
+def test_launch_order_choice():
+  sizes = gpu.GpuBlockSizes().resolved(256, banded=True)
+  causal = gpu._make_mask(4096, 4096, True, None, None, False)
+  window = gpu._make_mask(4096, 4096, True, 100, None, False)
+  full = gpu._make_mask(4096, 4096, False, None, None, False)
+  assert gpu._launch_order(64, 4, 16, causal, sizes, True) == (
+      gpu._LaunchOrder(64, 16, reverse=True, chunk=16))
+  assert gpu._launch_order(24, 4, 16, causal, sizes, False).chunk == 8
+  # Uniform work per block, or too many (batch, head) pairs for grid axis 1.
+  assert gpu._launch_order(64, 4, 16, window, sizes, True).chunk == 0
+  assert gpu._launch_order(64, 4, 16, full, sizes, True).chunk == 0
+  assert gpu._launch_order(64, 1024, 128, causal, sizes, True).chunk == 0
+
+
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_causal_launch_orders_match_float64(rng, chunk):
+  # 96 rows in blocks of 16/32: a chunked grid of several chunks per head.
+  sizes = gpu.dataclasses.replace(SMALL, band_chunk=chunk)
+  check_case(rng, 2, 4, 2, 96, 96, 16, causal=True, sizes=sizes,
+             bias_shape=(2, 4, 96, 96))
+
+
+def test_forward_kernel_choice(monkeypatch):
+  assert gpu.forward_kernel(None) == "auto"
+  assert gpu.forward_kernel(gpu.GpuBlockSizes(forward_kernel="triton")) == (
+      "triton")
+  monkeypatch.setenv(gpu.FORWARD_KERNEL_ENV_VAR, "mosaic")
+  assert gpu.forward_kernel(gpu.GpuBlockSizes()) == "mosaic"
+  # No Hopper GPU here: the Triton kernel runs even when Mosaic is asked for.
+  q = jnp.zeros((1, 2, 128, 64), jnp.bfloat16)
+  assert gpu._mosaic_forward(q, q, q, None, None, None, None,
+                             dict(sm_scale=0.1, causal=True, window_left=None,
+                                  window_right=None,
+                                  logit_soft_cap=None)) is None
+  monkeypatch.setenv(gpu.FORWARD_KERNEL_ENV_VAR, "cudnn")
+  with pytest.raises(ValueError, match="forward kernel"):
+    gpu.forward_kernel(None)
+  with pytest.raises(ValueError, match="forward_kernel"):
+    gpu.GpuBlockSizes(forward_kernel="fast").resolved(256, banded=False)
+  with pytest.raises(ValueError, match="band_chunk"):
+    gpu.GpuBlockSizes(band_chunk=-1).resolved(256, banded=True)
+
+
+def test_cuda_gradient_runs_the_forward_once():
+  # Lowered for CUDA from this host: forward, dq and dk/dv kernels, one each.
+  from pallas_kernels.attention import api
+  q = jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.bfloat16)
+
+  def fwd_bwd(q, k, v, do):
+    out, vjp = jax.vjp(lambda *a: api.flash_attention(*a, causal=True,
+                                                      backend="gpu"), q, k, v)
+    return out, vjp(do)
+
+  text = jax.jit(fwd_bwd).trace(q, q, q, q).lower(
+      lowering_platforms=("cuda",)).as_text()
+  for name in ("flash_attention_fwd_gpu", "flash_attention_dq_gpu",
+               "flash_attention_dkv_gpu"):
+    assert text.count(f'"{name}"') == 1, name

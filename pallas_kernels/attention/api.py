@@ -6,7 +6,9 @@ the query and key sequences, as in decoding: with ``q_len < kv_len`` query
 ``i`` sees keys ``j <= i + kv_len - q_len``). Gradients run the backend's own
 backward kernels (``jax.custom_vjp``): the Mosaic dq and dk/dv kernels on TPU,
 the GPU kernels on CUDA, and autodiff of the reference for
-``backend="reference"``.
+``backend="reference"``. On a Hopper GPU the forward is the Mosaic GPU kernel
+(``attention/mosaic_gpu.py``) for the calls it supports, the Triton one
+otherwise (``attention.gpu.forward_kernel`` says how to choose).
 """
 from __future__ import annotations
 
@@ -299,6 +301,8 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
       (differentiable).
     block_sizes: ``BlockSizes``, ``(block_q, block_kv)`` or dict; None uses
       the per-generation table (``pallas_kernels.attention.block_sizes``).
+      A ``pallas_kernels.attention.gpu.GpuBlockSizes`` sets the GPU kernels'
+      tiles, launch order and forward kernel instead.
     backend: None (by platform), "mosaic_tpu", "gpu", "interpret" or
       "reference".
 

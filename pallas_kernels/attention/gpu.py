@@ -6,11 +6,22 @@ Algorithm
   doing the online softmax (running max ``m``, running sum ``l``, unnormalised
   float32 accumulator), in the base-2 domain (``exp2``; the scale is folded
   into one multiply). It writes ``out = acc / l`` and ``lse = (m + log2 l) ln 2``.
-  Backward: ``delta = rowsum(dO * O)`` in plain JAX, then two kernels that
-  recompute ``p = exp(s - lse)``: a dq kernel (one program per q block, loop
-  over kv blocks; also writes ``dS`` when the bias gradient is wanted) and a
-  dk/dv kernel (one program per kv block and kv head, looping over the query
-  heads of its GQA group and the q blocks), so no atomics are needed.
+  On a Hopper GPU the forward instead runs the warp-specialised Mosaic GPU
+  kernel of ``attention/mosaic_gpu.py`` for the calls its ``supports``
+  accepts (bf16/fp16, head_dim 64/128/256, no bias or segment ids); choose
+  with ``GpuBlockSizes.forward_kernel`` or ``PALLAS_KERNELS_ATTENTION_GPU_
+  FORWARD`` = auto | triton | mosaic (``forward_kernel()``). Interpret mode
+  always runs the Triton kernel.
+  Backward: two kernels that recompute ``p = exp(s - lse)``: a dq kernel (one
+  program per q block, loop over kv blocks; it also computes ``delta =
+  rowsum(dO * O)`` for its rows, saving a separate pass over O and dO, and
+  writes ``dS`` when the bias gradient is wanted) and a dk/dv kernel (one
+  program per kv block and kv head, looping over the query heads of its GQA
+  group and the q blocks; it reads delta back), so no atomics are needed.
+  Measured alternative (H100, bench_attention.py --sweep): one kernel adding
+  each block's dq share into a float32 buffer with Triton atomics does 5
+  matmuls instead of 7 but ran 3-8x slower (D=128: 12-31 ms against 3.6 ms),
+  the atomics' memory traffic dominating; it was dropped.
 
 Semantics are those of ``pallas_kernels.attention.reference`` (shared with the
 TPU kernel): logits ``sm_scale * q.k`` in float32, optional soft cap
@@ -18,13 +29,17 @@ TPU kernel): logits ``sm_scale * q.k`` in float32, optional soft cap
 sliding window aligned at the sequence ends, ``offset = Lk - Lq``; segment
 ids). Fully masked rows give ``out = 0``, ``lse = -inf`` and zero gradients.
 
-Block skipping and masking cost
+Block skipping, masking cost and launch order
   Loop bounds come from the causal/window band, so kv blocks outside it are
   never loaded (causal runs in about 0.6x the time of full attention at
   L=4096 on the H100). Each loop is split
   into masked edge blocks and unmasked interior blocks: only the edge blocks
   pay for building the mask. Segment ids mask every visited block (their
-  structure is data, not known to the loop bounds).
+  structure is data, not known to the loop bounds). Under a causal mask the
+  programs' work differs up to L/block-fold; each head's heaviest blocks are
+  launched first, 16 blocks of every head at a time (``_LaunchOrder``,
+  ``GpuBlockSizes.band_chunk``), so that the light ones fill the tail while
+  programs running together still share a head's tiles in L2.
 
 Padding (where it costs speed)
   Triton tiles need power-of-two sizes of at least 16, so ``Lq`` and ``Lk`` are
@@ -35,10 +50,9 @@ Padding (where it costs speed)
   A head_dim such as 80 or 96 wastes the padded fraction of the matmul work.
 
 Block sizes (``GpuBlockSizes``), by bytes per row (head_dim * itemsize);
-(block_q, block_k, num_warps, num_stages). The middle row was tuned on an H100
-(bf16, B=4, H=16, L=4096, D=128: bench/bench_attention.py --tune); the others
-follow the usual Triton choices and were checked for correctness there, not
-tuned.
+(block_q, block_k, num_warps, num_stages), tuned on an H100 (bf16, B=4,
+H=16, L=4096; bench/bench_attention.py --tune / --sweep) except the float32
+row, which was checked for correctness there, not tuned.
   ==============  =====================  ==============  ==============
   row bytes       forward                dq              dk/dv
   ==============  =====================  ==============  ==============
@@ -46,29 +60,36 @@ tuned.
   256 (D=128)     256, 64, 8, 3 full     64, 64, 4, 2    64, 64, 4, 2
                   128, 64, 8, 3 banded
                     or with a bias
-  > 256           64, 32, 4, 2           64, 32, 4, 2    32, 64, 4, 2
+  512, bf16       128, 64, 8, 2          64, 32, 4, 2    64, 64, 8, 2
+   (D=256)        64, 32, 4, 2 w/ bias
+  other (f32)     64, 32, 4, 2           64, 32, 4, 2    32, 64, 4, 2
   ==============  =====================  ==============  ==============
-  ("banded": causal or sliding window. With a bias the 256-row forward tile
-  and its float32 bias tiles overflow the H100's 227 KiB of shared memory.)
-  Blocks shrink to the power-of-two
-  (>= 16) sequence length for short inputs. Pass a ``GpuBlockSizes`` as
-  ``block_sizes`` to override any field; other values (for instance the TPU
-  kernel's block sizes) are ignored here.
+  ("banded": causal or sliding window. With a bias the larger forward tiles
+  and their float32 bias tiles overflow the H100's 227 KiB of shared memory.
+  D=256: the dk/dv tile 64x64 with 8 warps halved the backward against
+  32x64 with 4 warps, 13.5 ms against 29.6 ms.) Blocks shrink to the
+  power-of-two (>= 16) sequence length for short inputs. Pass a
+  ``GpuBlockSizes`` as ``block_sizes`` to override any field; other values
+  (for instance the TPU kernel's block sizes) are ignored here.
 
-Measured (H100, bf16, B=4, H=16, L=4096; bench/results/attention-h100-*.json)
-  Speed relative to cuDNN (jax.nn.dot_product_attention), D=128: forward
-  0.80 (full) / 0.77 (causal), forward+backward 0.76 / 0.77; relative to
-  jax's Pallas Triton ``mha``: forward 1.1-1.2, forward+backward 2.4-2.5.
-  Without warp specialisation (which the Triton lowering does not expose) the
-  exp work is not overlapped with the matmuls, which bounds this design near
-  two thirds of the matmul peak. D=64: 0.74-0.83x cuDNN. D=256: forward
-  0.6x, backward far slower (0.32x for forward+backward): untuned tiles.
+Measured (H100, bf16, B=4, H=16, L=4096; bench/results/attention-h100-*.json
+has every peer). Speed relative to cuDNN (jax.nn.dot_product_attention),
+forward / forward+backward, with the Mosaic GPU forward:
+  D=128  full 0.99 / 0.77   causal 1.06 / 0.88
+  D=64   full 0.85 / 0.77   causal 0.98 / 0.91
+  D=256  full 0.93 / 0.64
+  The Triton forward alone is 0.77 (D=128 full) of cuDNN. The backward
+  (3.7-3.9 ms at D=128, full mask) recomputes p in both kernels (7 matmuls
+  where cuDNN does 5) and, without warp specialisation in the Triton
+  lowering, does not overlap its exp work with the matmuls; the chunked
+  causal launch order took 6% off the causal forward+backward.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +103,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NEG_INF = float("-inf")
 MIN_BLOCK = 16  # smallest tile dimension a Triton dot accepts
+MAX_GRID_YZ = 65535  # CUDA limit on the second and third grid axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,37 +121,53 @@ class GpuBlockSizes:
   block_k_dkv: int | None = None
   num_warps_dkv: int | None = None
   num_stages_dkv: int | None = None
+  # Causal launch order: each head's heaviest blocks start first, in chunks
+  # of this many blocks per head (see _LaunchOrder); 0 keeps the plain
+  # block-major order.
+  band_chunk: int | None = None
+  # Forward kernel: None (auto), "triton" or "mosaic"; see forward_kernel().
+  forward_kernel: str | None = None
 
-  def resolved(self, row_bytes: int, banded: bool,
-               bias: bool = False) -> "GpuBlockSizes":
+  def resolved(self, row_bytes: int, banded: bool, bias: bool = False,
+               itemsize: int = 2) -> "GpuBlockSizes":
     """Fills the defaults (module docstring's table).
 
     ``row_bytes``: bytes of one padded q/k/v row (head_dim * itemsize);
     ``banded``: causal or sliding window; ``bias``: a bias is given (its
-    float32 tiles also sit in shared memory).
+    float32 tiles also sit in shared memory); ``itemsize`` of q/k/v.
     """
     if row_bytes <= 128:  # head_dim <= 64 in bf16
       fwd, dq, dkv = (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)
     elif row_bytes <= 256:  # head_dim 128 in bf16 (tuned on the H100)
       fwd = (128, 64, 8, 3) if banded or bias else (256, 64, 8, 3)
       dq, dkv = (64, 64, 4, 2), (64, 64, 4, 2)
-    else:  # head_dim 256 in bf16, or 128 in float32: keep tiles in smem
+    elif row_bytes <= 512 and itemsize == 2:  # head_dim 256 in bf16 (H100)
+      fwd = (64, 32, 4, 2) if bias else (128, 64, 8, 2)
+      dq, dkv = (64, 32, 4, 2), (64, 64, 8, 2)
+    else:  # float32 with head_dim >= 128, or wider: keep tiles in smem
       fwd, dq, dkv = (64, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)
     names = ("block_q{}", "block_k{}", "num_warps{}", "num_stages{}")
     defaults = {}
     for suffix, config in (("", fwd), ("_dq", dq), ("_dkv", dkv)):
       defaults.update({n.format(suffix): c for n, c in zip(names, config)})
+    defaults["band_chunk"] = 16
     values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     for name, value in values.items():
-      if value is None:
+      if name == "forward_kernel":
+        if value is not None and value not in FORWARD_KERNELS:
+          raise ValueError(f"GpuBlockSizes.forward_kernel={value!r}: must be "
+                           f"None or one of {FORWARD_KERNELS}")
+        values[name] = forward_kernel(self)
+      elif value is None:
         values[name] = defaults[name]
       elif name.startswith("block") and (value < MIN_BLOCK
                                          or value & (value - 1)):
         raise ValueError(
             f"GpuBlockSizes.{name}={value}: must be a power of two >= "
             f"{MIN_BLOCK}")
-      elif value < 1:
-        raise ValueError(f"GpuBlockSizes.{name}={value}: must be >= 1")
+      elif value < (0 if name == "band_chunk" else 1):
+        raise ValueError(f"GpuBlockSizes.{name}={value}: must be >= "
+                         f"{0 if name == 'band_chunk' else 1}")
     return GpuBlockSizes(**values)
 
 
@@ -319,13 +357,66 @@ def _kv_block_logits(q, k, bias_ref, kvseg_ref, qseg, rows, c, kv_slice,
   return s, t
 
 
+@dataclasses.dataclass(frozen=True)
+class _LaunchOrder:
+  """Grid of ``blocks`` per (batch, head) program and its index mapping.
+
+  Triton starts programs in grid order, first axis fastest. The plain grid
+  ``(blocks, batch, heads)`` runs one head's blocks together, so they share
+  that head's k/v (or q/dO) tiles in L2. Under a causal mask block costs
+  differ up to ``blocks``-fold: ``reverse`` puts a head's heavy (last) blocks
+  first, and ``chunk`` > 0 launches ``chunk`` blocks of every head before the
+  next chunk, so the heaviest programs of all heads start early and the
+  lightest fill the tail (list scheduling, heaviest first) while ``chunk``
+  programs still share each head's tiles.
+  """
+  blocks: int
+  heads: int
+  reverse: bool = False
+  chunk: int = 0
+
+  def grid(self, batch: int):
+    if not self.chunk:
+      return (self.blocks, batch, self.heads)
+    return (self.chunk, batch * self.heads, self.blocks // self.chunk)
+
+  def ids(self, g0, g1, g2):
+    """(block, batch, head) of the program at grid index (g0, g1, g2)."""
+    if self.chunk:
+      block, b, h = g2 * self.chunk + g0, g1 // self.heads, g1 % self.heads
+    else:
+      block, b, h = g0, g1, g2
+    if self.reverse:
+      block = self.blocks - 1 - block
+    return block, b, h
+
+  def spec(self, shape, index):
+    """BlockSpec whose index map is ``index(block, batch, head)``."""
+    return pl.BlockSpec(shape, lambda *g: index(*self.ids(*g)))
+
+  def block_id(self):
+    return self.ids(pl.program_id(0), pl.program_id(1), pl.program_id(2))[0]
+
+
+def _launch_order(blocks, batch, heads, mask: _Mask, sizes,
+                  heavy_last: bool):
+  """Causal masks: heavy blocks first, chunked (``GpuBlockSizes.band_chunk``).
+
+  ``heavy_last``: the last blocks carry the most work (q blocks of the
+  forward and dq kernels; for the dk/dv kernel it is the first kv blocks).
+  """
+  if mask.right is None or mask.left is not None:
+    return _LaunchOrder(blocks, heads)
+  chunk = math.gcd(blocks, sizes.band_chunk) if sizes.band_chunk else 0
+  if batch * heads > MAX_GRID_YZ:  # the chunked grid's second axis
+    chunk = 0
+  return _LaunchOrder(blocks, heads, reverse=heavy_last, chunk=chunk)
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
                     o_ref, lse_ref, *, sm_scale, soft_cap, mask: _Mask,
-                    block_q, block_k, reverse_q, nq):
-  i = pl.program_id(0)
-  if reverse_q:
-    i = nq - 1 - i
-  row0 = i * block_q
+                    block_q, block_k, order: _LaunchOrder):
+  row0 = order.block_id() * block_q
   q = q_ref[...]
   dim = q.shape[-1]
   rows = row0 + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
@@ -363,6 +454,53 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
   lse_ref[...] = jnp.where(empty, NEG_INF, (m + jnp.log2(l)) * LN2)
 
 
+FORWARD_KERNEL_ENV_VAR = "PALLAS_KERNELS_ATTENTION_GPU_FORWARD"
+FORWARD_KERNELS = ("auto", "triton", "mosaic")
+
+
+def forward_kernel(block_sizes=None) -> str:
+  """Which forward kernel the GPU path asks for: "auto", "triton", "mosaic".
+
+  ``GpuBlockSizes.forward_kernel`` wins, then the environment variable
+  ``PALLAS_KERNELS_ATTENTION_GPU_FORWARD``, else "auto". "auto" and "mosaic"
+  both run the Mosaic GPU kernel (``attention/mosaic_gpu.py``) on a Hopper
+  GPU for the calls its ``supports`` accepts, and Triton otherwise; "triton"
+  never uses it. Read at trace time.
+  """
+  choice = getattr(block_sizes, "forward_kernel", None)
+  if choice is None:
+    choice = os.environ.get(FORWARD_KERNEL_ENV_VAR, "").strip().lower() or "auto"
+  if choice not in FORWARD_KERNELS:
+    raise ValueError(f"attention GPU forward kernel {choice!r}: expected one "
+                     f"of {FORWARD_KERNELS} (GpuBlockSizes.forward_kernel or "
+                     f"{FORWARD_KERNEL_ENV_VAR})")
+  return choice
+
+
+def _is_hopper() -> bool:
+  """A Hopper (sm_90) GPU is the default device; decided at trace time."""
+  try:
+    if jax.default_backend() != "gpu":
+      return False
+    device = jax.devices()[0]
+  except Exception:  # no backend: tracing on a host without a GPU
+    return False
+  return str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def _mosaic_forward(q, k, v, q_seg, kv_seg, bias, block_sizes, kwargs):
+  """The Mosaic GPU module when it should run this forward, else None."""
+  if forward_kernel(block_sizes) == "triton" or not _is_hopper():
+    return None
+  try:
+    from pallas_kernels.attention import mosaic_gpu
+  except Exception:  # absent or broken on this jax: Triton it is
+    return None
+  if mosaic_gpu.supports(q, k, v, q_seg, kv_seg, bias, **kwargs) is not True:
+    return None
+  return mosaic_gpu
+
+
 def _prepare(q, k, v, q_segment_ids, kv_segment_ids, bias, bq, bk, dp):
   """Pads sequences to tile multiples and head_dim to ``dp`` (zeros)."""
   lq_pad = _round_up(q.shape[2], bq)
@@ -387,8 +525,9 @@ def _sizes(block_sizes, dp: int, dtype, mask: _Mask,
   if not isinstance(block_sizes, GpuBlockSizes):
     block_sizes = GpuBlockSizes()
   banded = mask.left is not None or mask.right is not None
-  return block_sizes.resolved(dp * jnp.dtype(dtype).itemsize, banded,
-                              bias is not None)
+  itemsize = jnp.dtype(dtype).itemsize
+  return block_sizes.resolved(dp * itemsize, banded, bias is not None,
+                              itemsize)
 
 
 def _crop(x, shape):
@@ -401,12 +540,25 @@ def _crop(x, shape):
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
             causal, window_left, window_right, logit_soft_cap, block_sizes,
             interpret):
-  """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32)."""
+  """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32).
+
+  On a Hopper GPU the Mosaic GPU kernel runs the calls it supports (see
+  ``forward_kernel``); everything else, and interpret mode, runs the Triton
+  kernel below.
+  """
   batch, heads, lq, dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
   if lq == 0 or lk == 0 or dim == 0 or batch == 0:
     return (jnp.zeros(q.shape, q.dtype),
             jnp.full((batch, heads, lq), NEG_INF, jnp.float32))
+  kwargs = dict(sm_scale=sm_scale, causal=causal, window_left=window_left,
+                window_right=window_right, logit_soft_cap=logit_soft_cap)
+  if not interpret:
+    mosaic = _mosaic_forward(q, k, v, q_segment_ids, kv_segment_ids, bias,
+                             block_sizes, kwargs)
+    if mosaic is not None:
+      return mosaic.forward(q, k, v, q_segment_ids, kv_segment_ids, bias,
+                            block_sizes=None, interpret=False, **kwargs)
   group = heads // kv_heads
   dp = _head_dim_padded(dim)
   segments = q_segment_ids is not None
@@ -417,31 +569,22 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   q, k, v, qseg, kvseg, bias = _prepare(
       q, k, v, q_segment_ids, kv_segment_ids, bias, bq, bk, dp)
   lq_pad, lk_pad = q.shape[2], k.shape[2]
-  nq, nk = lq_pad // bq, lk_pad // bk
-  # Causal rows near the end do the most work: start them first.
-  reverse_q = mask.right is not None and mask.left is None
-
-  def qi(i):
-    return nq - 1 - i if reverse_q else i
-
-  in_specs = [
-      pl.BlockSpec((None, None, bq, dp), lambda i, b, h: (b, h, qi(i), 0)),
-      pl.BlockSpec((None, None, lk_pad, dp),
-                   lambda i, b, h: (b, h // group, 0, 0)),
-      pl.BlockSpec((None, None, lk_pad, dp),
-                   lambda i, b, h: (b, h // group, 0, 0)),
-  ]
+  nq = lq_pad // bq
+  order = _launch_order(nq, batch, heads, mask, sizes, heavy_last=True)
+  kv_full = order.spec((None, None, lk_pad, dp),
+                       lambda i, b, h: (b, h // group, 0, 0))
+  in_specs = [order.spec((None, None, bq, dp), lambda i, b, h: (b, h, i, 0)),
+              kv_full, kv_full]
   args = [q, k, v]
   if segments:
-    in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, qi(i))),
-                 pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0))]
+    in_specs += [order.spec((None, bq), lambda i, b, h: (b, i)),
+                 order.spec((None, lk_pad), lambda i, b, h: (b, 0))]
     args += [qseg, kvseg]
   if bias is not None:
     per_batch, per_head = bias.shape[0] != 1, bias.shape[1] != 1
-    in_specs.append(pl.BlockSpec(
+    in_specs.append(order.spec(
         (None, None, bq, lk_pad),
-        lambda i, b, h: (b if per_batch else 0, h if per_head else 0,
-                         qi(i), 0)))
+        lambda i, b, h: (b if per_batch else 0, h if per_head else 0, i, 0)))
     args.append(bias)
 
   def kernel(*refs):
@@ -451,15 +594,15 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
     _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
                     o_ref, lse_ref, sm_scale=sm_scale,
                     soft_cap=logit_soft_cap, mask=mask, block_q=bq,
-                    block_k=bk, reverse_q=reverse_q, nq=nq)
+                    block_k=bk, order=order)
 
   out, lse = pl.pallas_call(
       kernel,
-      grid=(nq, batch, heads),
+      grid=order.grid(batch),
       in_specs=in_specs,
       out_specs=[
-          pl.BlockSpec((None, None, bq, dp), lambda i, b, h: (b, h, qi(i), 0)),
-          pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, qi(i))),
+          order.spec((None, None, bq, dp), lambda i, b, h: (b, h, i, 0)),
+          order.spec((None, None, bq), lambda i, b, h: (b, h, i)),
       ],
       out_shape=[jax.ShapeDtypeStruct((batch, heads, lq_pad, dp), q.dtype),
                  jax.ShapeDtypeStruct((batch, heads, lq_pad), jnp.float32)],
@@ -476,15 +619,22 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
-               lse_ref, delta_ref, dq_ref, dbias_ref, *, sm_scale, soft_cap,
-               mask: _Mask, block_q, block_k, nk):
-  row0 = pl.program_id(0) * block_q
+               o_ref, lse_ref, dlse_ref, dq_ref, delta_ref, dbias_ref, *,
+               sm_scale, soft_cap, mask: _Mask, block_q, block_k, nk,
+               block_index):
+  row0 = block_index * block_q
   q = q_ref[...]
   do = do_ref[...]
+  # delta = rowsum(dO * O) here, not in a separate pass over O and dO; the
+  # dk/dv kernel reads it back.
+  delta = jnp.sum(do.astype(jnp.float32) * o_ref[...].astype(jnp.float32),
+                  axis=1)
+  if dlse_ref is not None:
+    delta = delta - dlse_ref[...]
+  delta_ref[...] = delta
   lse = lse_ref[...]
   # +inf for empty rows makes their p exactly 0.
   lse2 = jnp.where(lse == NEG_INF, jnp.inf, lse * LOG2E)
-  delta = delta_ref[...]
   rows = row0 + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
   qseg = None if qseg_ref is None else qseg_ref[...]
 
@@ -522,8 +672,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
 
 def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
                 lse_ref, delta_ref, dk_ref, dv_ref, *, sm_scale, soft_cap,
-                mask: _Mask, block_q, block_k, group, bias_per_head):
-  col0 = pl.program_id(0) * block_k
+                mask: _Mask, block_q, block_k, group, bias_per_head,
+                order: _LaunchOrder):
+  col0 = order.block_id() * block_k
   k = k_ref[...]
   v = v_ref[...]
   # Work in the transposed orientation: rows are keys, columns are queries.
@@ -597,9 +748,6 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
   bq_kv = _fit_block(sizes.block_q_dkv, lq)
   bk_kv = _fit_block(sizes.block_k_dkv, lk)
 
-  delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
-  if d_lse is not None:
-    delta = delta - d_lse.astype(jnp.float32)
   bias_shape, bias_dtype = (None, None) if bias is None else (bias.shape,
                                                               bias.dtype)
   q, k, v, qseg, kvseg, bias = _prepare(
@@ -607,81 +755,36 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
       max(bk_dq, bk_kv), dp)
   lq_pad, lk_pad = q.shape[2], k.shape[2]
   d_out = _pad_axis(_pad_axis(d_out.astype(q.dtype), 2, lq_pad), 3, dp)
+  out = _pad_axis(_pad_axis(out, 2, lq_pad), 3, dp)
   lse = _pad_axis(lse.astype(jnp.float32), 2, lq_pad, jnp.inf)
-  delta = _pad_axis(delta, 2, lq_pad)
+  if d_lse is not None:
+    d_lse = _pad_axis(d_lse.astype(jnp.float32), 2, lq_pad)
   per_batch = per_head = False
   if bias is not None:
     per_batch, per_head = bias.shape[0] != 1, bias.shape[1] != 1
 
-  # dq (and dS for the bias gradient): grid over q blocks.
-  nq, nk = lq_pad // bq_dq, lk_pad // bk_dq
-  q_block = pl.BlockSpec((None, None, bq_dq, dp), lambda i, b, h: (b, h, i, 0))
-  kv_full = pl.BlockSpec((None, None, lk_pad, dp),
-                         lambda i, b, h: (b, h // group, 0, 0))
-  row_block = pl.BlockSpec((None, None, bq_dq), lambda i, b, h: (b, h, i))
-  in_specs = [q_block, kv_full, kv_full]
-  args = [q, k, v]
-  if segments:
-    in_specs += [pl.BlockSpec((None, bq_dq), lambda i, b, h: (b, i)),
-                 pl.BlockSpec((None, lk_pad), lambda i, b, h: (b, 0))]
-    args += [qseg, kvseg]
-  if bias is not None:
-    in_specs.append(pl.BlockSpec(
-        (None, None, bq_dq, lk_pad),
-        lambda i, b, h: (b if per_batch else 0, h if per_head else 0, i, 0)))
-    args.append(bias)
-  in_specs += [q_block, row_block, row_block]
-  args += [d_out, lse, delta]
-  out_specs = [q_block]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-  if dbias_wanted:
-    out_specs.append(pl.BlockSpec((None, None, bq_dq, lk_pad),
-                                  lambda i, b, h: (b, h, i, 0)))
-    out_shape.append(
-        jax.ShapeDtypeStruct((batch, heads, lq_pad, lk_pad), jnp.float32))
-
-  def dq_kernel(*refs):
-    refs = list(refs)
-    q_ref, k_ref, v_ref = refs[:3]
-    rest = refs[3:]
-    qseg_ref = kvseg_ref = bias_ref = dbias_ref = None
-    if segments:
-      qseg_ref, kvseg_ref, *rest = rest
-    if bias is not None:
-      bias_ref, *rest = rest
-    do_ref, lse_ref, delta_ref, dq_ref, *rest = rest
-    if dbias_wanted:
-      (dbias_ref,) = rest
-    _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
-               lse_ref, delta_ref, dq_ref, dbias_ref, sm_scale=sm_scale,
-               soft_cap=logit_soft_cap, mask=mask, block_q=bq_dq,
-               block_k=bk_dq, nk=nk)
-
-  results = pl.pallas_call(
-      dq_kernel, grid=(nq, batch, heads), in_specs=in_specs,
-      out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_compat.gpu_compiler_params(
-          num_warps=sizes.num_warps_dq, num_stages=sizes.num_stages_dq),
-      interpret=interpret, name="flash_attention_dq_gpu",
-  )(*args)
-  dq = results[0]
-  dbias = results[1] if dbias_wanted else None
+  dq, delta, dbias = _dq_call(
+      q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, sizes=sizes,
+      mask=mask, bq=bq_dq, bk=bk_dq, group=group, per_batch=per_batch,
+      per_head=per_head, dbias_wanted=dbias_wanted, sm_scale=sm_scale,
+      soft_cap=logit_soft_cap, interpret=interpret)
 
   # dk, dv: grid over kv blocks and kv heads; loops over the group's q heads.
-  nq, nk = lq_pad // bq_kv, lk_pad // bk_kv
-  kv_block = pl.BlockSpec((None, None, bk_kv, dp),
-                          lambda j, b, hk: (b, hk, j, 0))
-  q_group = pl.BlockSpec((None, group, lq_pad, dp),
-                         lambda j, b, hk: (b, hk, 0, 0))
-  rows_group = pl.BlockSpec((None, group, lq_pad), lambda j, b, hk: (b, hk, 0))
+  order = _launch_order(lk_pad // bk_kv, batch, kv_heads, mask, sizes,
+                        heavy_last=False)
+  kv_block = order.spec((None, None, bk_kv, dp),
+                        lambda j, b, hk: (b, hk, j, 0))
+  q_group = order.spec((None, group, lq_pad, dp),
+                       lambda j, b, hk: (b, hk, 0, 0))
+  rows_group = order.spec((None, group, lq_pad), lambda j, b, hk: (b, hk, 0))
   in_specs = [q_group, kv_block, kv_block]
   args = [q, k, v]
   if segments:
-    in_specs += [pl.BlockSpec((None, lq_pad), lambda j, b, hk: (b, 0)),
-                 pl.BlockSpec((None, bk_kv), lambda j, b, hk: (b, j))]
+    in_specs += [order.spec((None, lq_pad), lambda j, b, hk: (b, 0)),
+                 order.spec((None, bk_kv), lambda j, b, hk: (b, j))]
     args += [qseg, kvseg]
   if bias is not None:
-    in_specs.append(pl.BlockSpec(
+    in_specs.append(order.spec(
         (None, group if per_head else 1, lq_pad, bk_kv),
         lambda j, b, hk: (b if per_batch else 0, hk if per_head else 0, 0, j)))
     args.append(bias)
@@ -695,10 +798,11 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
     _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
                 lse_ref, delta_ref, dk_ref, dv_ref, sm_scale=sm_scale,
                 soft_cap=logit_soft_cap, mask=mask, block_q=bq_kv,
-                block_k=bk_kv, group=group, bias_per_head=per_head)
+                block_k=bk_kv, group=group, bias_per_head=per_head,
+                order=order)
 
   dk, dv = pl.pallas_call(
-      dkv_kernel, grid=(nk, batch, kv_heads), in_specs=in_specs,
+      dkv_kernel, grid=order.grid(batch), in_specs=in_specs,
       out_specs=[kv_block, kv_block],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
@@ -717,3 +821,63 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
       dbias = jnp.sum(dbias, axis=axes, keepdims=True)
     dbias = dbias.astype(bias_dtype)
   return dq, dk, dv, dbias
+
+
+def _dq_call(q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, *, sizes,
+             mask, bq, bk, group, per_batch, per_head, dbias_wanted, sm_scale,
+             soft_cap, interpret):
+  """The dq kernel: (dq, delta, dS or None), grid over q blocks."""
+  batch, heads, lq_pad, dp = q.shape
+  lk_pad = k.shape[2]
+  nq, nk = lq_pad // bq, lk_pad // bk
+  segments = qseg is not None
+  order = _launch_order(nq, batch, heads, mask, sizes, heavy_last=True)
+  q_block = order.spec((None, None, bq, dp), lambda i, b, h: (b, h, i, 0))
+  kv_full = order.spec((None, None, lk_pad, dp),
+                       lambda i, b, h: (b, h // group, 0, 0))
+  row_block = order.spec((None, None, bq), lambda i, b, h: (b, h, i))
+  in_specs = [q_block, kv_full, kv_full]
+  args = [q, k, v]
+  if segments:
+    in_specs += [order.spec((None, bq), lambda i, b, h: (b, i)),
+                 order.spec((None, lk_pad), lambda i, b, h: (b, 0))]
+    args += [qseg, kvseg]
+  if bias is not None:
+    in_specs.append(order.spec(
+        (None, None, bq, lk_pad),
+        lambda i, b, h: (b if per_batch else 0, h if per_head else 0, i, 0)))
+    args.append(bias)
+  in_specs += [q_block, q_block, row_block]
+  args += [d_out, out, lse]
+  if d_lse is not None:
+    in_specs.append(row_block)
+    args.append(d_lse)
+  out_specs = [q_block, row_block]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+               jax.ShapeDtypeStruct((batch, heads, lq_pad), jnp.float32)]
+  if dbias_wanted:
+    out_specs.append(order.spec((None, None, bq, lk_pad),
+                                lambda i, b, h: (b, h, i, 0)))
+    out_shape.append(
+        jax.ShapeDtypeStruct((batch, heads, lq_pad, lk_pad), jnp.float32))
+
+  def kernel(*refs):
+    (q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
+     rest) = _split_refs(refs, segments, bias is not None)
+    do_ref, o_ref, lse_ref, *rest = rest
+    dlse_ref = rest.pop(0) if d_lse is not None else None
+    dq_ref, delta_ref, *rest = rest
+    dbias_ref = rest[0] if dbias_wanted else None
+    _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
+               o_ref, lse_ref, dlse_ref, dq_ref, delta_ref, dbias_ref,
+               sm_scale=sm_scale, soft_cap=soft_cap, mask=mask, block_q=bq,
+               block_k=bk, nk=nk, block_index=order.block_id())
+
+  results = pl.pallas_call(
+      kernel, grid=order.grid(batch), in_specs=in_specs,
+      out_specs=out_specs, out_shape=out_shape,
+      compiler_params=_compat.gpu_compiler_params(
+          num_warps=sizes.num_warps_dq, num_stages=sizes.num_stages_dq),
+      interpret=interpret, name="flash_attention_dq_gpu",
+  )(*args)
+  return results[0], results[1], (results[2] if dbias_wanted else None)
