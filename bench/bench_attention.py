@@ -644,6 +644,11 @@ def bench_gpu(args):
         {k: round(r / 1e12, 1) for k, r in rates.items()}, flush=True)
 
   names = PEERS if not args.no_peers else ["ours", "cudnn"]
+  if args.impls:
+    unknown = sorted(set(args.impls) - set(PEERS))
+    if unknown:
+      raise SystemExit(f"--impls: unknown {unknown}; known: {PEERS}")
+    names = args.impls
   rows = []
   for causal in (False, True):
     for name in names:
@@ -772,6 +777,8 @@ def main(argv=None):
                       help="also sweep the kernel's block sizes")
   parser.add_argument("--no-check", action="store_true")
   parser.add_argument("--no-peers", action="store_true")
+  parser.add_argument("--impls", type=lambda x: [v for v in x.split(",") if v],
+                      default=None, help=f"subset of {','.join(PEERS)}")
   parser.add_argument("--write", action="store_true",
                       help="write a results file for the CPU smoke run too")
   parser.add_argument("--batch", type=int, default=4)
