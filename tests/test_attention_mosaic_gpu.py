@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention import mosaic_gpu
+from test_attention_gpu import reference as float64_reference
 
 INTERPRET = mosaic_gpu.interpret_params()
 needs_interpreter = pytest.mark.skipif(
@@ -32,31 +33,8 @@ needs_interpreter = pytest.mark.skipif(
 def reference64(q, k, v, *, sm_scale, causal=False, left=None, right=None,
                 cap=None):
   """float64 (out, lse) for the reference semantics (no bias/segments)."""
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  lq, lk = q.shape[2], k.shape[2]
-  group = q.shape[1] // k.shape[1]
-  k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-  s = np.einsum("bhid,bhjd->bhij", q, k) * sm_scale
-  if cap is not None:
-    s = cap * np.tanh(s / cap)
-  if causal:
-    right = 0 if right is None else min(right, 0)
-  i = np.arange(lq)[:, None] + (lk - lq)
-  j = np.arange(lk)[None, :]
-  ok = np.ones((lq, lk), bool)
-  if right is not None:
-    ok &= j <= i + right
-  if left is not None:
-    ok &= j >= i - left
-  s = np.where(ok, s, -np.inf)
-  m = s.max(-1, keepdims=True)
-  m = np.where(np.isfinite(m), m, 0.0)
-  e = np.where(ok, np.exp(s - m), 0.0)
-  total = e.sum(-1, keepdims=True)
-  out = np.einsum("bhij,bhjd->bhid", e / np.where(total > 0, total, 1.0), v)
-  safe = np.where(total > 0, total, 1.0)
-  lse = np.where(total[..., 0] > 0, (m + np.log(safe))[..., 0], -np.inf)
-  return out, lse
+  return float64_reference(q, k, v, sm_scale=sm_scale, causal=causal,
+                           left=left, right=right, cap=cap)
 
 
 def _inputs(rng, b, h, hk, lq, lk, d, dtype):

@@ -537,6 +537,28 @@ def _crop(x, shape):
   return x[tuple(slice(0, n) for n in shape)]
 
 
+def _q_major_inputs(order, q, k, v, qseg, kvseg, bias, *, bq, group):
+  """(in_specs, args) of the kernels gridded over q blocks: a q block, the
+  whole (padded) k and v of its kv head, segment ids and the bias rows."""
+  lk_pad, dp = k.shape[2], k.shape[3]
+  kv_full = order.spec((None, None, lk_pad, dp),
+                       lambda i, b, h: (b, h // group, 0, 0))
+  in_specs = [order.spec((None, None, bq, dp), lambda i, b, h: (b, h, i, 0)),
+              kv_full, kv_full]
+  args = [q, k, v]
+  if qseg is not None:
+    in_specs += [order.spec((None, bq), lambda i, b, h: (b, i)),
+                 order.spec((None, lk_pad), lambda i, b, h: (b, 0))]
+    args += [qseg, kvseg]
+  if bias is not None:
+    per_batch, per_head = bias.shape[0] != 1, bias.shape[1] != 1
+    in_specs.append(order.spec(
+        (None, None, bq, lk_pad),
+        lambda i, b, h: (b if per_batch else 0, h if per_head else 0, i, 0)))
+    args.append(bias)
+  return in_specs, args
+
+
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
             causal, window_left, window_right, logit_soft_cap, block_sizes,
             interpret):
@@ -571,21 +593,8 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   lq_pad, lk_pad = q.shape[2], k.shape[2]
   nq = lq_pad // bq
   order = _launch_order(nq, batch, heads, mask, sizes, heavy_last=True)
-  kv_full = order.spec((None, None, lk_pad, dp),
-                       lambda i, b, h: (b, h // group, 0, 0))
-  in_specs = [order.spec((None, None, bq, dp), lambda i, b, h: (b, h, i, 0)),
-              kv_full, kv_full]
-  args = [q, k, v]
-  if segments:
-    in_specs += [order.spec((None, bq), lambda i, b, h: (b, i)),
-                 order.spec((None, lk_pad), lambda i, b, h: (b, 0))]
-    args += [qseg, kvseg]
-  if bias is not None:
-    per_batch, per_head = bias.shape[0] != 1, bias.shape[1] != 1
-    in_specs.append(order.spec(
-        (None, None, bq, lk_pad),
-        lambda i, b, h: (b if per_batch else 0, h if per_head else 0, i, 0)))
-    args.append(bias)
+  in_specs, args = _q_major_inputs(order, q, k, v, qseg, kvseg, bias, bq=bq,
+                                   group=group)
 
   def kernel(*refs):
     (q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
@@ -765,9 +774,8 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
 
   dq, delta, dbias = _dq_call(
       q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, sizes=sizes,
-      mask=mask, bq=bq_dq, bk=bk_dq, group=group, per_batch=per_batch,
-      per_head=per_head, dbias_wanted=dbias_wanted, sm_scale=sm_scale,
-      soft_cap=logit_soft_cap, interpret=interpret)
+      mask=mask, bq=bq_dq, bk=bk_dq, group=group, dbias_wanted=dbias_wanted,
+      sm_scale=sm_scale, soft_cap=logit_soft_cap, interpret=interpret)
 
   # dk, dv: grid over kv blocks and kv heads; loops over the group's q heads.
   order = _launch_order(lk_pad // bk_kv, batch, kv_heads, mask, sizes,
@@ -824,8 +832,8 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
 
 
 def _dq_call(q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, *, sizes,
-             mask, bq, bk, group, per_batch, per_head, dbias_wanted, sm_scale,
-             soft_cap, interpret):
+             mask, bq, bk, group, dbias_wanted, sm_scale, soft_cap,
+             interpret):
   """The dq kernel: (dq, delta, dS or None), grid over q blocks."""
   batch, heads, lq_pad, dp = q.shape
   lk_pad = k.shape[2]
@@ -833,20 +841,9 @@ def _dq_call(q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, *, sizes,
   segments = qseg is not None
   order = _launch_order(nq, batch, heads, mask, sizes, heavy_last=True)
   q_block = order.spec((None, None, bq, dp), lambda i, b, h: (b, h, i, 0))
-  kv_full = order.spec((None, None, lk_pad, dp),
-                       lambda i, b, h: (b, h // group, 0, 0))
   row_block = order.spec((None, None, bq), lambda i, b, h: (b, h, i))
-  in_specs = [q_block, kv_full, kv_full]
-  args = [q, k, v]
-  if segments:
-    in_specs += [order.spec((None, bq), lambda i, b, h: (b, i)),
-                 order.spec((None, lk_pad), lambda i, b, h: (b, 0))]
-    args += [qseg, kvseg]
-  if bias is not None:
-    in_specs.append(order.spec(
-        (None, None, bq, lk_pad),
-        lambda i, b, h: (b if per_batch else 0, h if per_head else 0, i, 0)))
-    args.append(bias)
+  in_specs, args = _q_major_inputs(order, q, k, v, qseg, kvseg, bias, bq=bq,
+                                   group=group)
   in_specs += [q_block, q_block, row_block]
   args += [d_out, out, lse]
   if d_lse is not None:
