@@ -48,6 +48,11 @@ Measured on an H100 (bench/results/int8_matmul-h100-2026-11-22.json, jax
            int8 0.71x / 0.92x torch bf16.
   M = 128  weight-only 84 / 69 us: 0.56x / 0.79x torch bf16; int8 fused
            97 / 137 us (the per-call transpose of w dominates).
+With w stored [N, K] (``weight_layout="nk"``: no transpose; a later run,
+int8_matmul_square/_16/_2048-h100-*): 8192^3 raw 1083 us (1.29x torch
+bf16), fused 1113 us (1.25x; the [K, N] fused path ran 1093 us = 1.28x in
+that run); 2048x14336x4096 fused 341 us vs 398 us [K, N] (0.90x torch bf16,
+1.27x XLA bf16); M = 16: raw/fused gain 5-20%, weight-only none.
 Tried and dropped (bench/results/int8_matmul_sweep-h100-*): upcasting w as
 int16 column pairs (so that only 16-bit data crosses threads) and computing
 w.T @ x.T (swap AB) were 5-60% slower for weight-only at M = 16 and 128;
