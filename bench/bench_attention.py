@@ -42,19 +42,14 @@ import sys
 import time
 import traceback
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-if os.path.dirname(HERE) not in sys.path:
-  sys.path.insert(0, os.path.dirname(HERE))
-if HERE not in sys.path:
-  sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import harness  # noqa: E402
+from bench import harness  # noqa: E402
 from pallas_kernels.attention import gpu  # noqa: E402
 
 
@@ -614,14 +609,15 @@ def run_checks_parallel(args):
   return rows
 
 
+def random_qkv_do(shape, dtype, seed=0):
+  """Standard-normal q, k, v and output cotangent of one shape."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  return tuple(jax.random.normal(key, shape, dtype) for key in keys)
+
+
 def bench_gpu(args):
   b, h, l, d = args.batch, args.heads, args.seq, args.head_dim
-  key = jax.random.key(0)
-  kq, kk, kv, kd = jax.random.split(key, 4)
-  q = jax.random.normal(kq, (b, h, l, d), jnp.bfloat16)
-  k = jax.random.normal(kk, (b, h, l, d), jnp.bfloat16)
-  v = jax.random.normal(kv, (b, h, l, d), jnp.bfloat16)
-  do = jax.random.normal(kd, (b, h, l, d), jnp.bfloat16)
+  q, k, v, do = random_qkv_do((b, h, l, d), jnp.bfloat16)
   extra = {"shape": dict(batch=b, heads=h, seq=l, head_dim=d, dtype="bf16")}
   if getattr(args, "note", None):
     extra["note"] = args.note
@@ -684,8 +680,7 @@ def bench_gpu(args):
   publish(rows, extra, args)
   for dim in args.head_dims:
     # Other head dims: ours (both forwards) and cuDNN.
-    dq, dk, dv, ddo = (jax.random.normal(kk, (b, h, l, dim), jnp.bfloat16)
-                       for kk in jax.random.split(jax.random.key(dim), 4))
+    dq, dk, dv, ddo = random_qkv_do((b, h, l, dim), jnp.bfloat16, seed=dim)
     for causal in (False, True):
       for name in ("ours", "ours_triton_fwd", "cudnn"):
         for mode in ("fwd", "fwd+bwd"):
@@ -735,12 +730,7 @@ def publish(rows, extra, args, final=False):
 def bench_cpu(args):
   """Smoke run: the kernel in Pallas' interpreter beside the reference."""
   b, h, l, d = 1, 2, 256, 64
-  key = jax.random.key(0)
-  kq, kk, kv, kd = jax.random.split(key, 4)
-  q = jax.random.normal(kq, (b, h, l, d), jnp.float32)
-  k = jax.random.normal(kk, (b, h, l, d), jnp.float32)
-  v = jax.random.normal(kv, (b, h, l, d), jnp.float32)
-  do = jax.random.normal(kd, (b, h, l, d), jnp.float32)
+  q, k, v, do = random_qkv_do((b, h, l, d), jnp.float32)
   rows = []
   for causal in (False, True):
     scale = 1 / math.sqrt(d)

@@ -48,20 +48,13 @@ import sys
 import time
 import traceback
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-if os.path.dirname(HERE) not in sys.path:
-  sys.path.insert(0, os.path.dirname(HERE))
-if HERE not in sys.path:
-  sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import harness  # noqa: E402
-import roofline  # noqa: E402
+from bench import harness, roofline  # noqa: E402
 from pallas_kernels.int8 import api, block_sizes as bs, gpu  # noqa: E402
 
 LLM_SHAPES = [(16, 4096, 14336), (16, 14336, 4096), (128, 4096, 14336),

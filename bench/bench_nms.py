@@ -44,19 +44,13 @@ import sys
 import time
 import traceback
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-if os.path.dirname(HERE) not in sys.path:
-  sys.path.insert(0, os.path.dirname(HERE))
-if HERE not in sys.path:
-  sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import harness  # noqa: E402
+from bench import harness  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels.boxes.nms import api, block_sizes, gpu as nms_gpu, reference  # noqa: E402,E501
 

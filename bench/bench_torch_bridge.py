@@ -29,14 +29,9 @@ import sys
 import time
 import traceback
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-for path in (os.path.dirname(HERE), HERE):
-  if path not in sys.path:
-    sys.path.insert(0, path)
-
-import harness  # noqa: E402
+from bench import harness  # noqa: E402
 
 
 def _synced(fn, sync):

@@ -167,6 +167,21 @@ def _compare_grads(grads, variants):
   return checks
 
 
+def _loss_checks(values, variants):
+  """Per kernel variant: max relative loss difference to the plain-torch
+  run, and whether it is within LOSS_RTOL with every loss finite."""
+  checks = {}
+  for name in variants:
+    if name == "reference":
+      continue
+    rel = [abs(a - b) / max(abs(b), 1e-6)
+           for a, b in zip(values[name], values["reference"])]
+    checks[f"loss_max_rel_diff_{name}"] = max(rel)
+    checks[f"losses_ok_{name}"] = (max(rel) <= LOSS_RTOL[name] and
+                                   all(math.isfinite(v) for v in values[name]))
+  return checks
+
+
 def main(argv=None):
   args = _parse(argv)
   _set_platform(args)
@@ -262,14 +277,7 @@ def main(argv=None):
   last = max(compiles_after)
   summary["recompiled_after_step_2"] = (
       last >= 2 and compiles_after[last] != compiles_after[1])
-  for name in variants:
-    if name == "reference":
-      continue
-    rel = [abs(a - b) / max(abs(b), 1e-6)
-           for a, b in zip(values[name], values["reference"])]
-    checks[f"loss_max_rel_diff_{name}"] = max(rel)
-    checks[f"losses_ok_{name}"] = (max(rel) <= LOSS_RTOL[name] and
-                                   all(math.isfinite(v) for v in values[name]))
+  checks.update(_loss_checks(values, variants))
   summary["checks"] = checks
   summary["ok"] = (all(v for k, v in checks.items() if "_ok_" in k)
                    and not summary["recompiled_after_step_2"]
@@ -325,14 +333,7 @@ def _v1_replica(index, args):
     values[name] = [float(v) for v in mean.cpu()]
   if rank != 0:
     return
-  checks = {}
-  for name in variants:
-    if name == "reference":
-      continue
-    rel = [abs(a - b) / max(abs(b), 1e-6)
-           for a, b in zip(values[name], values["reference"])]
-    checks[f"loss_max_rel_diff_{name}"] = max(rel)
-    checks[f"losses_ok_{name}"] = max(rel) <= LOSS_RTOL[name]
+  checks = _loss_checks(values, variants)
   summary = {"fsdp": "v1", "devices": world, "losses": values,
              "compiles_after_step": compiles, "checks": checks,
              "ok": all(v for k, v in checks.items() if "_ok_" in k)}

@@ -12,6 +12,7 @@ from hypothesis import given, strategies as st
 import pallas_kernels as pk
 from pallas_kernels import force_interpret
 from pallas_kernels.boxes.nms import api, block_sizes, reference
+from pallas_kernels.boxes.nms.cases import writeup_boxes
 
 SLOW = pytest.mark.slow
 
@@ -63,15 +64,6 @@ def np_nms(boxes, scores, thr, m, score_threshold=None, classes=None):
 
 
 # ------------------------------------------------------------------ data
-
-def writeup_boxes(rng, n, image=1024):
-  """The write-up's generator: integer boxes in an image x image picture."""
-  sizes = rng.integers(1, image, (n, 2))
-  top_left = rng.integers(0, image - 1, (n, 2))
-  bottom_right = np.clip(top_left + sizes, 0, image - 1)
-  boxes = np.concatenate([top_left, bottom_right], 1).astype(np.float32)
-  return boxes, rng.random(n).astype(np.float32)
-
 
 def clustered_boxes(rng, n, clusters=6):
   centres = rng.random((clusters, 2)) * 300

@@ -537,6 +537,17 @@ def _crop(x, shape):
   return x[tuple(slice(0, n) for n in shape)]
 
 
+def _geometry(q, k, q_segment_ids, bias, *, causal, window_left,
+              window_right, block_sizes):
+  """(group, padded head_dim, has segments, mask, block sizes) of a call."""
+  (_, heads, lq, dim), (kv_heads, lk) = q.shape, k.shape[1:3]
+  dp = _head_dim_padded(dim)
+  segments = q_segment_ids is not None
+  mask = _make_mask(lq, lk, causal, window_left, window_right, segments)
+  return (heads // kv_heads, dp, segments, mask,
+          _sizes(block_sizes, dp, q.dtype, mask, bias))
+
+
 def _q_major_inputs(order, q, k, v, qseg, kvseg, bias, *, bq, group):
   """(in_specs, args) of the kernels gridded over q blocks: a q block, the
   whole (padded) k and v of its kv head, segment ids and the bias rows."""
@@ -581,11 +592,9 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
     if mosaic is not None:
       return mosaic.forward(q, k, v, q_segment_ids, kv_segment_ids, bias,
                             block_sizes=None, interpret=False, **kwargs)
-  group = heads // kv_heads
-  dp = _head_dim_padded(dim)
-  segments = q_segment_ids is not None
-  mask = _make_mask(lq, lk, causal, window_left, window_right, segments)
-  sizes = _sizes(block_sizes, dp, q.dtype, mask, bias)
+  group, dp, segments, mask, sizes = _geometry(
+      q, k, q_segment_ids, bias, causal=causal, window_left=window_left,
+      window_right=window_right, block_sizes=block_sizes)
   bq = _fit_block(sizes.block_q, lq)
   bk = _fit_block(sizes.block_k, lk)
   q, k, v, qseg, kvseg, bias = _prepare(
@@ -747,11 +756,9 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
   if lq == 0 or lk == 0 or dim == 0 or batch == 0:
     return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v),
             None if bias is None else jnp.zeros_like(bias))
-  group = heads // kv_heads
-  dp = _head_dim_padded(dim)
-  segments = q_segment_ids is not None
-  mask = _make_mask(lq, lk, causal, window_left, window_right, segments)
-  sizes = _sizes(block_sizes, dp, q.dtype, mask, bias)
+  group, dp, segments, mask, sizes = _geometry(
+      q, k, q_segment_ids, bias, causal=causal, window_left=window_left,
+      window_right=window_right, block_sizes=block_sizes)
   bq_dq = _fit_block(sizes.block_q_dq, lq)
   bk_dq = _fit_block(sizes.block_k_dq, lk)
   bq_kv = _fit_block(sizes.block_q_dkv, lq)

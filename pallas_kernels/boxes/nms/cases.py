@@ -11,7 +11,9 @@ from .api import batched_nms, nms
 SIZES = {"small": 300, "medium": 2000, "large": 20000}
 
 
-def _boxes(rng, n, image=1024):
+def writeup_boxes(rng, n, image=1024):
+  """The write-up's generator: integer boxes in an image x image picture,
+  uniform scores."""
   sizes = rng.integers(1, image, (n, 2))
   top_left = rng.integers(0, image - 1, (n, 2))
   bottom_right = np.clip(top_left + sizes, 0, image - 1)
@@ -22,9 +24,9 @@ def _boxes(rng, n, image=1024):
 def main_job_cases(size: str) -> list[Case]:
   n = SIZES[size]
   rng = np.random.default_rng(6)
-  boxes, scores = _boxes(rng, n)
+  boxes, scores = writeup_boxes(rng, n)
   batch = 2 if size == "small" else 4
-  many = [_boxes(rng, n // batch) for _ in range(batch)]
+  many = [writeup_boxes(rng, n // batch) for _ in range(batch)]
   bboxes = np.stack([b for b, _ in many])
   bscores = np.stack([s for _, s in many])
   classes = rng.integers(0, 5, bscores.shape).astype(np.int32)

@@ -32,6 +32,16 @@ import jax.numpy as jnp
 X1, Y1, X2, Y2, AREA = range(5)
 
 
+def _inter_union(a, b):
+  """Intersection and union areas of boxes given as (x1, y1, x2, y2, area)."""
+  ax1, ay1, ax2, ay2, aarea = a
+  bx1, by1, bx2, by2, barea = b
+  iw = jnp.maximum(jnp.minimum(ax2, bx2) - jnp.maximum(ax1, bx1), 0.0)
+  ih = jnp.maximum(jnp.minimum(ay2, by2) - jnp.maximum(ay1, by1), 0.0)
+  inter = iw * ih
+  return inter, (aarea + barea) - inter
+
+
 def iou_exceeds(a, b, iou_threshold, div=None):
   """Whether IoU(a, b) > iou_threshold; ``a``, ``b`` are (x1, y1, x2, y2, area).
 
@@ -39,12 +49,7 @@ def iou_exceeds(a, b, iou_threshold, div=None):
   backend rounds identically. ``div`` lets a kernel supply a correctly
   rounded division where its platform's ``/`` is approximate.
   """
-  ax1, ay1, ax2, ay2, aarea = a
-  bx1, by1, bx2, by2, barea = b
-  iw = jnp.maximum(jnp.minimum(ax2, bx2) - jnp.maximum(ax1, bx1), 0.0)
-  ih = jnp.maximum(jnp.minimum(ay2, by2) - jnp.maximum(ay1, by1), 0.0)
-  inter = iw * ih
-  union = (aarea + barea) - inter
+  inter, union = _inter_union(a, b)
   iou = inter / union if div is None else div(inter, union)
   return iou > iou_threshold
 
@@ -151,12 +156,7 @@ def soft_nms_decay(iou, method, sigma, iou_threshold):
 
 
 def _pair_iou(a, b):
-  ax1, ay1, ax2, ay2, aarea = a
-  bx1, by1, bx2, by2, barea = b
-  iw = jnp.maximum(jnp.minimum(ax2, bx2) - jnp.maximum(ax1, bx1), 0.0)
-  ih = jnp.maximum(jnp.minimum(ay2, by2) - jnp.maximum(ay1, by1), 0.0)
-  inter = iw * ih
-  union = (aarea + barea) - inter
+  inter, union = _inter_union(a, b)
   return jnp.where(union > 0, inter / jnp.where(union > 0, union, 1.0), 0.0)
 
 
