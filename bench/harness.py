@@ -21,8 +21,14 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 
 
 def time_jax(fn: Callable, *args, warmup: int = 3, iters: int = 20,
-             min_seconds: float = 0.0) -> float:
-  """Median seconds of ``fn(*args)`` (JAX), after ``warmup`` calls."""
+             min_seconds: float = 0.0, reps: int = 1) -> float:
+  """Median seconds of ``fn(*args)`` (JAX), after ``warmup`` calls.
+
+  With ``reps`` > 1, that many calls are dispatched back to back and only
+  the last is waited for (the time is divided by ``reps``): this hides the
+  per-call host synchronisation, as ``time_torch_cuda``'s ``reps`` does, and
+  measures what a model that never syncs on the result sees.
+  """
   import jax
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
@@ -30,8 +36,10 @@ def time_jax(fn: Callable, *args, warmup: int = 3, iters: int = 20,
   start_all = time.perf_counter()
   while len(samples) < iters or time.perf_counter() - start_all < min_seconds:
     start = time.perf_counter()
+    for _ in range(reps - 1):
+      fn(*args)
     jax.block_until_ready(fn(*args))
-    samples.append(time.perf_counter() - start)
+    samples.append((time.perf_counter() - start) / reps)
   return statistics.median(samples)
 
 
