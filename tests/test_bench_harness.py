@@ -18,6 +18,18 @@ def test_time_jax_waits_for_results():
   assert 0 < seconds < 5
 
 
+def test_time_jax_reps_dispatches_all_calls_and_waits_once():
+  calls = []
+
+  def counted(x):
+    calls.append(1)
+    return x + 1
+
+  harness.time_jax(counted, jnp.ones(4), warmup=2, iters=3, reps=5)
+  # 2 warm-up calls, then 3 samples of 5 back-to-back calls each.
+  assert len(calls) == 2 + 3 * 5
+
+
 def test_results_file_records_device_versions_date(tmp_path):
   rows = [{"shape": "4x4", "ours_ms": 1.0, "peer_ms": 2.0,
            "speedup": harness.ratio(2.0, 1.0)}]
