@@ -1,6 +1,6 @@
 """Benchmark: IoU-family kernels vs jitted JAX and torchvision.
 
-    python bench/bench_giou.py [--quick]
+    python bench/bench_giou.py [--quick] [--choose]
 
 Cases (full run): GIoU loss forward (reduction="none") and forward+backward
 (reduction="mean", gradients for both box sets) at B=1024 x N=256 and at 16M
@@ -11,19 +11,31 @@ same run: the jitted JAX reference (``backend="reference"``), torchvision's
 read once, outputs written once) divided by time, compared to a measured
 device-to-device copy (JAX ``x + 1`` over 1 GiB: read + write). Before
 timing, every GPU kernel is checked against the reference on random and
-degenerate boxes. TPU numbers are roofline estimates (memory-bound).
-``--quick`` runs small shapes (a CPU smoke test: kernels run interpreted).
-On a GPU the 1024x256 cases also get their device time from a profiler
-trace ("device_time_1024x256"): at that size a call's wall time is mostly
-dispatch (a trivial jitted call takes ~65 us on the H100 host), so the wall
-ratio compares launch counts and noise while the device ratio compares the
-kernels. ``--explain`` repeats, for aligned and ragged sizes, the direct
-``elementwise_vjp`` calls and the public-API vjp that once disagreed (see
-``pallas_kernels.boxes.iou.gpu``: unmasked stores past a ragged end).
-On a GPU, ``--diagnose`` first checks each GPU kernel alone at a block-aligned
+degenerate boxes, at ragged and at block-aligned sizes. TPU numbers are
+roofline estimates (memory-bound). ``--quick`` runs small shapes (a CPU
+smoke test: kernels run interpreted).
+
+Timing (``TIMING_METHOD``): every implementation of a case is timed the same
+way, R calls back to back per sample divided by R (``REPS`` per case: JAX
+through ``harness.time_jax(reps=R)``, torch with CUDA events around the R
+calls); JAX rows also get ``synced_ms``, one call waited for each time. On
+the H100 VM dispatching one jitted call costs ~50 us of host time, so at
+1024 x 256 both JAX rows measure dispatch, not kernels: the profiler's
+device times ("device_time_1024x256", "device_time_pairwise_4096") compare
+the kernels themselves.
+
+On a GPU, ``--choose`` first times kernel configurations by device time
+(pairwise tiles, row loop, column reads, division; small elementwise block)
+and runs the rest with the fastest correct ones ("chosen_config"; the
+package defaults in ``pallas_kernels.boxes.iou.gpu`` are set from it).
+``--pairwise-sweep`` times pairwise tiles x warps by wall time and lists
+the op's optimised HLO. ``--explain`` repeats, for aligned and ragged sizes,
+the direct ``elementwise_vjp`` calls and the public-API vjp that once
+disagreed (see ``pallas_kernels.boxes.iou.gpu``: unmasked stores past a
+ragged end). ``--diagnose`` checks each GPU kernel alone at a block-aligned
 and a ragged size for each kernel variant (``gpu.COLUMN_ACCESS``,
 ``gpu.RAGGED``) and benchmarks the first that passes; ``--sweep`` times a
-few block sizes. Results: ``bench/results/giou-h100-*.json``.
+few elementwise block sizes. Results: ``bench/results/giou-h100-*.json``.
 """
 from __future__ import annotations
 
@@ -170,7 +182,6 @@ def explain_vjp_mismatch():
 
 def profile_cases():
   """Device kernels per call of the 1024x256 cases (jax profiler)."""
-  from bench import bench_nms
   rng = np.random.default_rng(3)
   p = jnp.asarray(_boxes(rng, (1024, 256)))
   t = jnp.asarray(_boxes(rng, (1024, 256)))
@@ -181,7 +192,7 @@ def profile_cases():
   for impl, be in (("pallas", "gpu"), ("jax_reference", "reference")):
     for case, fn in (("fwd", _jax_loss_fwd(be)),
                      ("fwd+bwd", _jax_loss_fwd_bwd(be))):
-      kernels = bench_nms.device_kernel_times(fn, p, t)
+      kernels = harness.device_kernel_times(fn, p, t)
       rows.append(dict(case=f"{case} 1024x256", impl=impl,
                        wall_ms=1e3 * harness.time_jax(fn, p, t, iters=50),
                        kernels={k: [round(v[0], 1), round(v[1], 1)]
@@ -197,7 +208,6 @@ def device_times_small():
   so the wall-time ratio mainly compares launch counts and dispatch noise;
   the device time is what the kernels themselves cost.
   """
-  from bench import bench_nms
   rng = np.random.default_rng(4)
   p = jnp.asarray(_boxes(rng, (1024, 256)))
   t = jnp.asarray(_boxes(rng, (1024, 256)))
@@ -205,7 +215,7 @@ def device_times_small():
       jax.jit(lambda x: x + 1), p, iters=50)}
   for case, make in (("fwd", _jax_loss_fwd), ("fwd+bwd", _jax_loss_fwd_bwd)):
     for impl, be in (("pallas", "gpu"), ("jax_reference", "reference")):
-      kernels = bench_nms.device_kernel_times(make(be), p, t, reps=20)
+      kernels = harness.device_kernel_times(make(be), p, t, reps=20)
       out[f"{case} {impl}"] = dict(
           device_us=kernels["(device total)"][1],
           launches=kernels["(device total)"][0],
@@ -250,35 +260,234 @@ def sweep_gpu_blocks(iters):
   return rows
 
 
+def device_times_pairwise():
+  """Device time (profiler) of the 4096 x 4096 pairwise GIoU matrix."""
+  rng = np.random.default_rng(6)
+  a = jnp.asarray(_boxes(rng, (4096,)))
+  b = jnp.asarray(_boxes(rng, (4096,)))
+  out = {}
+  for impl, be in (("pallas", "gpu"), ("jax_reference", "reference")):
+    kernels = harness.device_kernel_times(_jax_pairwise(be), a, b, reps=20)
+    out[impl] = dict(device_us=kernels["(device total)"][1],
+                     launches=kernels["(device total)"][0],
+                     kernels={k: round(v[1], 2) for k, v in kernels.items()})
+  out["x_vs_jax_reference_device"] = (out["jax_reference"]["device_us"]
+                                      / out["pallas"]["device_us"])
+  print(out, flush=True)
+  return out
+
+
+def _pairwise_variant(tile, warps, division, order, interpret=False):
+  from pallas_kernels.boxes.iou import gpu
+  return lambda x, y: gpu.pairwise(
+      x, y, kind="giou", eps=0.0, out_dtype=jnp.float32, tile=tile,
+      num_warps=warps, division=division, grid_order=order,
+      interpret=interpret)
+
+
+def sweep_pairwise(iters, size=4096, interpret=False):
+  """GPU pairwise GIoU at 4096 x 4096: tiles x warps, then division and
+  grid order for the fastest few; error vs the jitted reference."""
+  from pallas_kernels.boxes.iou import reference
+  rng = np.random.default_rng(5)
+  a = jnp.asarray(_boxes(rng, (size,)))[None]
+  b = jnp.asarray(_boxes(rng, (size,)))[None]
+  ref = jax.jit(lambda x, y: reference.pairwise_score("giou", 0.0, "xyxy",
+                                                      x, y))
+  want = ref(a, b)
+  reps = REPS["pairwise"]
+  rows = [dict(variant="jax_reference", ms=1e3 * harness.time_jax(
+      ref, a, b, iters=iters, reps=reps))]
+
+  def run(tile, warps, division, order):
+    try:
+      fn = jax.jit(_pairwise_variant(tile, warps, division, order,
+                                     interpret))
+      err = float(jnp.max(jnp.abs(fn(a, b) - want)))
+      ms = 1e3 * harness.time_jax(fn, a, b, iters=iters, reps=reps)
+      row = dict(variant=f"{tile[0]}x{tile[1]}/w{warps}/{division}/{order}",
+                 tile=list(tile), warps=warps, division=division, order=order,
+                 ms=ms, max_abs_err=err)
+    except Exception as e:  # noqa: BLE001
+      row = dict(variant=f"{tile}/w{warps}/{division}/{order}",
+                 error=repr(e)[:200])
+    rows.append(row)
+    print(row, flush=True)
+    return row
+
+  tiles = [(2, 512), (4, 256), (4, 512), (8, 128), (8, 256), (8, 512),
+           (16, 64), (16, 128), (16, 256), (32, 64), (32, 128), (64, 64)]
+  stage1 = []
+  for tile in tiles:
+    for warps in (2, 4, 8):
+      per_thread = tile[0] * tile[1] // (32 * warps)
+      if 4 <= per_thread <= 32:
+        stage1.append(run(tile, warps, "exact", "cols"))
+  run((32, 128), 4, "exact", "rows")  # last session's configuration
+  ok = sorted((r for r in stage1 if "ms" in r and r["max_abs_err"] < 1e-5),
+              key=lambda r: r["ms"])
+  for best in ok[:4]:
+    tile, warps = tuple(best["tile"]), best["warps"]
+    run(tile, warps, "fast", "cols")
+    run(tile, warps, "exact", "rows")
+    run(tile, warps, "fast", "rows")
+  harness.print_table(rows, ["variant", "ms", "max_abs_err", "error"])
+  return rows
+
+
+# Pairwise configurations tried by --choose:
+# (tile_n, tile_m, sub_rows, warps, column access).
+PAIRWISE_CANDIDATES = [
+    (32, 128, 32, 4, "select"),     # the previous default
+    (16, 64, 16, 2, "select"),      # fastest of the first tile sweep
+    (16, 64, 16, 2, "strided"),
+    (32, 64, 32, 4, "strided"),
+    (128, 64, 16, 2, "select"),
+    (128, 64, 16, 2, "strided"),
+    (256, 64, 16, 2, "strided"),
+    (128, 128, 16, 4, "select"),
+    (128, 128, 16, 4, "strided"),
+    (256, 128, 16, 4, "strided"),
+    (128, 256, 8, 4, "strided"),
+    (128, 256, 8, 4, "select"),
+    (64, 128, 32, 8, "strided"),
+]
+
+
+def choose_gpu_config():
+  """Picks GPU kernel settings by device time (profiler), checked first.
+
+  Pairwise GIoU at 4096 x 4096: every PAIRWISE_CANDIDATES entry, then exact
+  vs fast division for the fastest; the elementwise loss forward and fused
+  value-and-grad at 1024 x 256 boxes for a few block sizes. Sets the
+  ``gpu`` module's defaults to the winners (the rest of the run uses them)
+  and returns the measurements.
+  """
+  from pallas_kernels.boxes.iou import gpu, reference
+  rng = np.random.default_rng(9)
+  a = jnp.asarray(_boxes(rng, (4096,)))[None]
+  b = jnp.asarray(_boxes(rng, (4096,)))[None]
+  want = jax.jit(lambda x, y: reference.pairwise_score(
+      "giou", 0.0, "xyxy", x, y))(a, b)
+
+  def device_us(fn, *args):
+    return harness.device_kernel_times(fn, *args, reps=10)[
+        "(device total)"][1]
+
+  pairwise_rows = []
+
+  def try_pairwise(tile_n, tile_m, sub_rows, warps, access, division):
+    row = dict(tile=[tile_n, tile_m], sub_rows=sub_rows, warps=warps,
+               access=access, division=division)
+    try:
+      fn = jax.jit(lambda x, y: gpu.pairwise(
+          x, y, kind="giou", eps=0.0, out_dtype=jnp.float32,
+          tile=(tile_n, tile_m), sub_rows=sub_rows, num_warps=warps,
+          column_access=access, division=division, grid_order="cols"))
+      row["max_abs_err"] = float(jnp.max(jnp.abs(fn(a, b) - want)))
+      row["device_us"] = device_us(fn, a, b)
+    except Exception as e:  # noqa: BLE001
+      row["error"] = repr(e)[:300]
+    pairwise_rows.append(row)
+    print(row, flush=True)
+    return row
+
+  for cand in PAIRWISE_CANDIDATES:
+    try_pairwise(*cand, "exact")
+  good = [r for r in pairwise_rows
+          if r.get("max_abs_err", 1.0) < 1e-5 and "device_us" in r]
+  best = min(good, key=lambda r: r["device_us"])
+  fast = try_pairwise(*best["tile"], best["sub_rows"], best["warps"],
+                      best["access"], "fast")
+  if fast.get("max_abs_err", 1.0) < 1e-5 and fast.get(
+      "device_us", 1e9) < 0.97 * best["device_us"]:
+    best = fast
+  gpu.PAIRWISE_TILE = tuple(best["tile"])
+  gpu.PAIRWISE_SUB_ROWS = best["sub_rows"]
+  gpu.PAIRWISE_WARPS = best["warps"]
+  gpu.PAIRWISE_COLUMN_ACCESS = best["access"]
+  gpu.PAIRWISE_DIVISION = best["division"]
+  gpu.PAIRWISE_GRID_ORDER = "cols"
+
+  p = jnp.asarray(_boxes(rng, (262144,)))
+  t = jnp.asarray(_boxes(rng, (262144,)))
+  common = dict(kind="giou", formula="loss", eps=1e-7, box_format="xyxy")
+  want_loss = 1.0 - reference.elementwise_score("giou", "loss", 1e-7, "xyxy",
+                                                p, t)
+  block_rows = []
+  for block in (256, 512, 1024):
+    fwd = jax.jit(lambda x, y, block=block: gpu.elementwise(
+        x, y, as_loss=True, block=block, **common))
+    vag = jax.jit(lambda x, y, block=block: gpu.elementwise_value_and_grad(
+        x, y, as_loss=True, grad_scale=-1.0 / 262144, block=block, **common))
+    row = dict(block=block, max_abs_err=float(jnp.max(jnp.abs(
+        fwd(p, t) - want_loss))), fwd_device_us=device_us(fwd, p, t),
+               value_and_grad_device_us=device_us(vag, p, t))
+    block_rows.append(row)
+    print(row, flush=True)
+  best_block = min((r for r in block_rows if r["max_abs_err"] < 1e-5),
+                   key=lambda r: r["fwd_device_us"]
+                   + r["value_and_grad_device_us"])
+  gpu.SMALL_BLOCK = best_block["block"]
+  chosen = dict(PAIRWISE_TILE=list(gpu.PAIRWISE_TILE),
+                PAIRWISE_SUB_ROWS=gpu.PAIRWISE_SUB_ROWS,
+                PAIRWISE_WARPS=gpu.PAIRWISE_WARPS,
+                PAIRWISE_COLUMN_ACCESS=gpu.PAIRWISE_COLUMN_ACCESS,
+                PAIRWISE_DIVISION=gpu.PAIRWISE_DIVISION,
+                PAIRWISE_GRID_ORDER=gpu.PAIRWISE_GRID_ORDER,
+                SMALL_BLOCK=gpu.SMALL_BLOCK)
+  print("chosen GPU settings:", chosen, flush=True)
+  return dict(chosen=chosen, pairwise=pairwise_rows, small_blocks=block_rows)
+
+
+def pairwise_hlo():
+  """Optimised HLO of the jitted public pairwise op: fusions and copies."""
+  rng = np.random.default_rng(8)
+  a = jnp.asarray(_boxes(rng, (4096,)))
+  text = _jax_pairwise("gpu").lower(a, a).compile().as_text()
+  lines = [ln.strip() for ln in text.splitlines()
+           if " = " in ln and ("fusion" in ln or "custom-call" in ln
+                               or "copy" in ln or "transpose" in ln)
+           and "ENTRY" not in ln]
+  return [ln[:200] for ln in lines]
+
+
 # ------------------------------------------------------------ correctness
 def check_kernels(backend):
-  """Max |kernel - reference| for every op, on random + degenerate boxes."""
+  """Max |kernel - reference| for every op, on random + degenerate boxes.
+
+  Two sizes: 3 x 1000 boxes (ragged last blocks: masked loads and stores)
+  and 4 x 1024 (whole blocks and tiles: plain loads and stores).
+  """
   rng = np.random.default_rng(0)
-  a = _boxes(rng, (3, 1000))
-  b = _boxes(rng, (3, 1000))
   degenerate = np.array([[0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 4, 0],
                          [3, 3, 1, 1], [0, 0, 2, 2]], np.float32)
-  a[0, :5], b[0, :5] = degenerate, degenerate[::-1]
   rows = []
-  for name in ("iou", "giou", "diou", "ciou"):
-    metric = getattr(pk, name)
-    loss = getattr(pk, name + "_loss")
-    pairwise = getattr(pk, "pairwise_" + name)
+  for shape in ((3, 1000), (4, 1024)):
+    a = _boxes(rng, shape)
+    b = _boxes(rng, shape)
+    a[0, :5], b[0, :5] = degenerate, degenerate[::-1]
+    for name in ("iou", "giou", "diou", "ciou"):
+      metric = getattr(pk, name)
+      loss = getattr(pk, name + "_loss")
+      pairwise = getattr(pk, "pairwise_" + name)
 
-    def all_outputs(x, y, be, metric=metric, loss=loss, pairwise=pairwise):
-      grads = jax.grad(lambda p, t: loss(p, t, reduction="mean", backend=be),
-                       argnums=(0, 1))(x, y)
-      grads_none = jax.grad(lambda p, t: jnp.sum(loss(p, t, backend=be) ** 2),
-                            argnums=(0, 1))(x, y)
-      return (metric(x, y, backend=be), loss(x, y, backend=be),
-              pairwise(x[0], y[1], backend=be)) + grads + grads_none
+      def all_outputs(x, y, be, metric=metric, loss=loss, pairwise=pairwise):
+        grads = jax.grad(lambda p, t: loss(p, t, reduction="mean", backend=be),
+                         argnums=(0, 1))(x, y)
+        grads_none = jax.grad(
+            lambda p, t: jnp.sum(loss(p, t, backend=be) ** 2),
+            argnums=(0, 1))(x, y)
+        return (metric(x, y, backend=be), loss(x, y, backend=be),
+                pairwise(x[0], y[1], backend=be)) + grads + grads_none
 
-    got = jax.jit(all_outputs, static_argnums=2)(a, b, backend)
-    want = jax.jit(all_outputs, static_argnums=2)(a, b, "reference")
-    finite = all(bool(jnp.all(jnp.isfinite(g))) for g in got)
-    errors = [float(jnp.max(jnp.abs(g - w)) / (jnp.max(jnp.abs(w)) + 1e-30))
-              for g, w in zip(got, want)]
-    rows.append(dict(op=name, max_rel_err=max(errors), all_finite=finite))
+      got = jax.jit(all_outputs, static_argnums=2)(a, b, backend)
+      want = jax.jit(all_outputs, static_argnums=2)(a, b, "reference")
+      finite = all(bool(jnp.all(jnp.isfinite(g))) for g in got)
+      errors = [float(jnp.max(jnp.abs(g - w)) / (jnp.max(jnp.abs(w)) + 1e-30))
+                for g, w in zip(got, want)]
+      rows.append(dict(op=name, boxes="x".join(map(str, shape)),
+                       max_rel_err=max(errors), all_finite=finite))
   return rows
 
 
@@ -301,7 +510,8 @@ def _copy_bandwidth(quick):
   n = (1 << 20) if quick else (1 << 28)  # 4 MiB / 1 GiB of float32
   x = jnp.ones((n,), jnp.float32)
   fn = jax.jit(lambda v: v + 1.0)
-  seconds = harness.time_jax(fn, x, warmup=3, iters=10 if quick else 30)
+  seconds = harness.time_jax(fn, x, warmup=3, iters=10 if quick else 30,
+                             reps=1 if quick else 3)
   return 2 * n * F32 / seconds
 
 
@@ -314,6 +524,24 @@ def _torch_copy_bandwidth(torch):
   return 2 * n * F32 / seconds
 
 
+# Calls dispatched back to back per timed sample (JAX: harness.time_jax
+# reps; torch: CUDA events around that many calls), per case.
+REPS = {"1024x256": 50, "16777216": 3, "pairwise": 20}
+TIMING_METHOD = (
+    "ms: median over samples of (time of R back-to-back calls) / R, the same "
+    "R for every implementation of a case (R in 'reps'); JAX waits only for "
+    "the last call (harness.time_jax(reps=R)), torch is timed with CUDA "
+    "events around the R calls (harness.time_torch_cuda(reps=R)). "
+    "synced_ms (JAX rows): one call per sample, waited for each time, so it "
+    "includes JAX's per-call host synchronisation (~65-77 us on the H100 VM).")
+
+
+def _case_reps(label, quick):
+  if quick:
+    return 2
+  return REPS["pairwise"] if label.startswith("pairwise") else REPS[label]
+
+
 def run_cases(quick, iters):
   backend = _kernel_backend()
   torch, tvops = _torch()
@@ -323,23 +551,35 @@ def run_cases(quick, iters):
   pair_shape = (256, 512) if quick else (4096, 4096)
   rows = []
 
-  def record(case, impl, seconds, bytes_moved, pairs):
-    rows.append(dict(case=case, impl=impl, ms=seconds * 1e3,
-                     gbps=bytes_moved / seconds / 1e9,
-                     gpairs_per_s=pairs / seconds / 1e9))
+  def record(case, impl, seconds, bytes_moved, pairs, reps, synced=None):
+    row = dict(case=case, impl=impl, ms=seconds * 1e3,
+               gbps=bytes_moved / seconds / 1e9,
+               gpairs_per_s=pairs / seconds / 1e9, reps=reps)
+    if synced is not None:
+      row["synced_ms"] = synced * 1e3
+    rows.append(row)
+    print({k: (round(v, 4) if isinstance(v, float) else v)
+           for k, v in row.items()}, flush=True)
+
+  def time_jax_both(fn, *args, reps):
+    return (harness.time_jax(fn, *args, iters=iters, reps=reps),
+            harness.time_jax(fn, *args, iters=iters))
 
   for shape in elementwise_shapes:
     pairs = int(np.prod(shape))
     p_np, t_np = _boxes(rng, shape), _boxes(rng, shape)
     p, t = jnp.asarray(p_np), jnp.asarray(t_np)
     label = "x".join(map(str, shape))
+    reps = _case_reps(label, quick)
     fwd_bytes = pairs * (2 * 4 * F32 + F32)        # two boxes in, loss out
     fb_bytes = pairs * (2 * 4 * F32) * 3           # fwd read; bwd read + write
     for impl, be in (("pallas", backend), ("jax_reference", "reference")):
-      seconds = harness.time_jax(_jax_loss_fwd(be), p, t, iters=iters)
-      record(f"giou_loss fwd {label}", impl, seconds, fwd_bytes, pairs)
-      seconds = harness.time_jax(_jax_loss_fwd_bwd(be), p, t, iters=iters)
-      record(f"giou_loss fwd+bwd {label}", impl, seconds, fb_bytes, pairs)
+      seconds, synced = time_jax_both(_jax_loss_fwd(be), p, t, reps=reps)
+      record(f"giou_loss fwd {label}", impl, seconds, fwd_bytes, pairs, reps,
+             synced)
+      seconds, synced = time_jax_both(_jax_loss_fwd_bwd(be), p, t, reps=reps)
+      record(f"giou_loss fwd+bwd {label}", impl, seconds, fb_bytes, pairs,
+             reps, synced)
     if torch is not None:
       tp = torch.from_numpy(p_np.reshape(-1, 4)).cuda().requires_grad_(True)
       tt = torch.from_numpy(t_np.reshape(-1, 4)).cuda().requires_grad_(True)
@@ -355,10 +595,13 @@ def run_cases(quick, iters):
           loss = fn(tp, tt, reduction="mean")
           return torch.autograd.grad(loss, (tp, tt))
 
+        torch_iters = iters if impl.endswith("compiled") or pairs < 1e6 else 10
         record(f"giou_loss fwd {label}", impl,
-               harness.time_torch_cuda(fwd, iters=iters), fwd_bytes, pairs)
+               harness.time_torch_cuda(fwd, iters=torch_iters, reps=reps),
+               fwd_bytes, pairs, reps)
         record(f"giou_loss fwd+bwd {label}", impl,
-               harness.time_torch_cuda(fwd_bwd, iters=iters), fb_bytes, pairs)
+               harness.time_torch_cuda(fwd_bwd, iters=torch_iters, reps=reps),
+               fb_bytes, pairs, reps)
       del tp, tt
 
   n, m = pair_shape
@@ -366,16 +609,18 @@ def run_cases(quick, iters):
   a, b = jnp.asarray(a_np), jnp.asarray(b_np)
   pair_bytes = n * m * F32 + (n + m) * 4 * F32
   label = f"pairwise_giou {n}x{m}"
+  reps = _case_reps(label, quick)
   for impl, be in (("pallas", backend), ("jax_reference", "reference")):
-    record(label, impl, harness.time_jax(_jax_pairwise(be), a, b, iters=iters),
-           pair_bytes, n * m)
+    seconds, synced = time_jax_both(_jax_pairwise(be), a, b, reps=reps)
+    record(label, impl, seconds, pair_bytes, n * m, reps, synced)
   if torch is not None:
     ta, tb = torch.from_numpy(a_np).cuda(), torch.from_numpy(b_np).cuda()
     compiled = torch.compile(tvops.generalized_box_iou)
     for impl, fn in (("torchvision_eager", tvops.generalized_box_iou),
                      ("torchvision_compiled", compiled)):
-      record(label, impl, harness.time_torch_cuda(lambda fn=fn: fn(ta, tb),
-                                                  iters=iters), pair_bytes, n * m)
+      record(label, impl, harness.time_torch_cuda(
+          lambda fn=fn: fn(ta, tb), iters=iters, reps=reps), pair_bytes,
+          n * m, reps)
   return rows, torch
 
 
@@ -422,6 +667,12 @@ def main(argv=None):
   parser.add_argument("--only-diagnostics", action="store_true")
   parser.add_argument("--sweep", action="store_true",
                       help="GPU: time a few block sizes")
+  parser.add_argument("--pairwise-sweep", action="store_true",
+                      help="GPU: pairwise tiles/warps/division/grid order "
+                           "(wall time) and the op's optimised HLO")
+  parser.add_argument("--choose", action="store_true",
+                      help="GPU: time kernel configurations by device time, "
+                           "use the fastest correct ones for the run")
   args = parser.parse_args(argv)
   iters = args.iters or (3 if args.quick else 30)
   info = harness.device_info()
@@ -443,8 +694,18 @@ def main(argv=None):
     return []
   if args.sweep and backend == "gpu":
     extra["block_sweep"] = sweep_gpu_blocks(iters)
+  if args.pairwise_sweep and backend == "gpu":
+    extra["pairwise_hlo"] = pairwise_hlo()
+    print("\n".join(extra["pairwise_hlo"]), flush=True)
+    extra["pairwise_sweep"] = sweep_pairwise(min(iters, 10))
+  if args.choose and backend == "gpu":
+    try:
+      extra["chosen_config"] = choose_gpu_config()
+    except Exception as e:  # noqa: BLE001  (the bench still runs)
+      extra["chosen_config"] = {"error": repr(e)[:500]}
+      print("choose_gpu_config failed:", e, flush=True)
   checks = check_kernels(backend)
-  harness.print_table(checks, ["op", "max_rel_err", "all_finite"])
+  harness.print_table(checks, ["op", "boxes", "max_rel_err", "all_finite"])
 
   copy_bw = _copy_bandwidth(args.quick)
   rows, torch = run_cases(args.quick, iters)
@@ -454,10 +715,21 @@ def main(argv=None):
   print(f"measured copy bandwidth: {copy_bw / 1e9:.1f} GB/s (JAX x+1)"
         + (f", {extra['copy_bandwidth_gbps_torch']:.1f} GB/s (torch copy_)"
            if "copy_bandwidth_gbps_torch" in extra else ""))
+  # Percentages against the faster of the two measured copies.
+  copy_bw = max(copy_bw, 1e9 * extra.get("copy_bandwidth_gbps_torch", 0.0))
+  extra["copy_bandwidth_gbps_used"] = copy_bw / 1e9
   _add_ratios(rows, copy_bw)
   if backend == "gpu" and not args.quick:
-    extra["device_time_1024x256"] = device_times_small()
-  columns = ["case", "impl", "ms", "gbps", "pct_copy_bw", "gpairs_per_s"]
+    for key, measure in (("device_time_1024x256", device_times_small),
+                         ("device_time_pairwise_4096", device_times_pairwise)):
+      try:
+        extra[key] = measure()
+      except Exception as e:  # noqa: BLE001  (keep the timed rows)
+        extra[key] = {"error": repr(e)[:500]}
+        print(key, "failed:", e, flush=True)
+  extra["timing_method"] = TIMING_METHOD
+  columns = ["case", "impl", "ms", "synced_ms", "reps", "gbps", "pct_copy_bw",
+             "gpairs_per_s"]
   columns += sorted({k for r in rows for k in r if k.startswith("x_vs_")})
   harness.print_table(rows, columns)
   estimates = _tpu_estimates(rows)

@@ -43,6 +43,36 @@ def time_jax(fn: Callable, *args, warmup: int = 3, iters: int = 20,
   return statistics.median(samples)
 
 
+def device_kernel_times(fn, *args, reps=5):
+  """{kernel name: [launches, us]} per call of ``fn`` on the GPU streams.
+
+  From a JAX profiler trace of ``reps`` calls; "(device total)" sums them.
+  """
+  import glob
+  import tempfile
+  import jax
+  from jax.profiler import ProfileData
+  jax.block_until_ready(fn(*args))
+  folder = tempfile.mkdtemp()
+  with jax.profiler.trace(folder):
+    for _ in range(reps):
+      jax.block_until_ready(fn(*args))
+  [path] = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+  per_kernel = {}
+  for plane in ProfileData.from_file(path).planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if line.name.startswith("Stream"):
+        for event in line.events:
+          entry = per_kernel.setdefault(event.name[:60], [0.0, 0.0])
+          entry[0] += 1 / reps
+          entry[1] += event.duration_ns / 1e3 / reps
+  per_kernel["(device total)"] = [sum(v[0] for v in per_kernel.values()),
+                                  sum(v[1] for v in per_kernel.values())]
+  return per_kernel
+
+
 def time_torch_cuda(fn: Callable[[], Any], warmup: int = 3,
                     iters: int = 20, reps: int = 1) -> float:
   """Median seconds of ``fn()`` on the current CUDA stream (CUDA events).

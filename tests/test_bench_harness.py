@@ -77,3 +77,9 @@ def test_run_counts_only_int_codes_as_failures(tmp_path, monkeypatch):
   monkeypatch.setattr(run, "HERE", str(tmp_path))
   assert run.main(["rows", "ok"]) == 0
   assert run.main(["rows", "fails"]) == 1
+
+
+def test_device_kernel_times_reports_a_total():
+  # On the CPU there is no GPU stream, so the total is zero kernels.
+  times = harness.device_kernel_times(lambda x: x * 2, jnp.ones(8), reps=2)
+  assert times["(device total)"][0] >= 0 and "(device total)" in times

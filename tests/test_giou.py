@@ -681,3 +681,62 @@ def test_gpu_padded_variant_interpreted(rng, monkeypatch):
   assert pw.shape == (1, 70, 130)
   assert_matches_where_defined(pw[0], tv_pairwise("giou", b1[:70], b2[:130]),
                                F32_ATOL)
+
+
+@pytest.mark.parametrize("order,access", [("rows", "select"),
+                                          ("cols", "strided")])
+def test_gpu_pairwise_tiles_and_grid_orders_interpreted(rng, order, access):
+  """Every tile of ragged and aligned matrices, both grid orders and column
+  reads, whole tiles at once and row groups in a loop (sub_rows)."""
+  b1, b2 = random_boxes(rng, (77,), 0.05), random_boxes(rng, (160,))
+  for n, m, tile, sub_rows in ((37, 160, (8, 64), None),
+                               (32, 128, (16, 64), None),
+                               (77, 100, (32, 64), 8),     # loop, ragged
+                               (64, 128, (32, 64), 16),    # loop, aligned
+                               (5, 70, (128, 64), 16)):    # tile > rows
+    pw = gpu.pairwise(jnp.asarray(b1[None, :n]), jnp.asarray(b2[None, :m]),
+                      kind="giou", eps=0.0, out_dtype=jnp.float32,
+                      interpret=True, tile=tile, sub_rows=sub_rows,
+                      grid_order=order, column_access=access)
+    assert pw.shape == (1, n, m)
+    assert_matches_where_defined(pw[0], tv_pairwise("giou", b1[:n], b2[:m]),
+                                 F32_ATOL)
+  with pytest.raises(ValueError, match="sub_rows"):
+    gpu.pairwise(jnp.asarray(b1[None]), jnp.asarray(b2[None]), kind="giou",
+                 eps=0.0, out_dtype=jnp.float32, interpret=True,
+                 tile=(32, 64), sub_rows=12)
+
+
+def test_gpu_pairwise_plain_store_only_for_whole_tiles():
+  """Aligned matrices store tiles unmasked; a ragged edge still masks."""
+  b = jnp.ones((256, 4), jnp.float32)
+  tile_n, tile_m = gpu.PAIRWISE_TILE
+
+  def names(n, m):
+    return _kernel_primitives(lambda x, y: gpu.pairwise(
+        x[None, :n], y[None, :m], kind="giou", eps=0.0,
+        out_dtype=jnp.float32), b, b)
+
+  aligned = names(tile_n * 2, tile_m)
+  assert "swap" in aligned and "masked_swap" not in aligned, aligned
+  ragged = names(tile_n * 2, tile_m - 1)
+  assert "masked_swap" in ragged and "swap" not in ragged, ragged
+
+
+def test_gpu_pairwise_fast_division_lowers_for_cuda(rng):
+  """The PTX division variant lowers (interpret mode divides exactly)."""
+  b = jnp.asarray(random_boxes(rng, (256,)))
+  fn = jax.jit(lambda x, y: gpu.pairwise(
+      x[None], y[None], kind="giou", eps=0.0, out_dtype=jnp.float32,
+      division="fast"))
+  try:
+    text = fn.trace(b, b).lower(lowering_platforms=("cuda",)).as_text()
+  except Exception as e:  # noqa: BLE001
+    if "cuda" in str(e).lower() and "platform" in str(e).lower():
+      pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
+    raise
+  assert "div.full.f32" in text  # the PTX string inside the kernel's IR
+  got = gpu.pairwise(b[None, :40], b[None], kind="giou", eps=0.0,
+                     out_dtype=jnp.float32, division="fast", interpret=True)
+  assert_matches_where_defined(got[0], tv_pairwise("giou", b[:40], b),
+                               F32_ATOL)

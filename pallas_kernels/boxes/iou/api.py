@@ -382,8 +382,9 @@ def _pairwise(op, kind, boxes1, boxes2, eps, box_format, backend):
 
   def prepare(boxes, count):
     boxes = jnp.asarray(boxes).astype(jnp.float32)
-    planes = _math.to_xyxy(box_format, *(boxes[..., c] for c in range(4)))
-    boxes = jnp.stack(planes, axis=-1)
+    if box_format != "xyxy":  # xyxy boxes go to the kernel as they are
+      planes = _math.to_xyxy(box_format, *(boxes[..., c] for c in range(4)))
+      boxes = jnp.stack(planes, axis=-1)
     return jnp.broadcast_to(boxes, batch + (count, 4)).reshape(-1, count, 4)
 
   a, b = prepare(boxes1, n), prepare(boxes2, m)

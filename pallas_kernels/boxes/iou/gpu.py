@@ -25,12 +25,35 @@ writes the per-program loss sums and both gradients for a unit cotangent,
 so forward + backward is one kernel and one reduction (at these sizes the
 launches, not the bytes, set the time).
 
-Pairwise: each program computes a ``[BN, BM]`` output tile from a
-``[BN, 4]`` and a ``[BM, 4]`` box tile; the output is written once.
+With plain loads (whole blocks) the H100 runs 16M pairs at 81% of its
+measured copy bandwidth, forward and forward+backward alike (0.25 / 0.66 ms).
 
-Block sizes (swept on an H100, jax 0.11.2): elementwise 1024 boxes / 4
-warps (512..2048 and 8 warps within 10%); pairwise 32 x 128 / 4 warps
-(0.13 ms at 4096 x 4096; 64 x 128: 0.20 ms; 128 x 128: 1.1 ms).
+Pairwise: each program computes a ``[tile_n, tile_m]`` output tile from a
+``[tile_n, 4]`` and a ``[tile_m, 4]`` box tile and writes it once; whole
+tiles are stored unmasked, ragged ones mask only the ragged dimension. The
+4096 x 4096 matrix is 67 MB of float32 writes (~23 us at copy bandwidth)
+but about 30 float32 operations per pair, and on the H100 the kernel time
+looks set by work per program and pair, not by bytes: the optimised HLO
+is the one Triton call (no copies), and PTX ``div.full.f32`` instead of
+IEEE division (``PAIRWISE_DIVISION="fast"``) changed nothing measurable.
+What matters is the tile's row count: each program unpacks its ``tile_m``
+column boxes once, and with few rows that cost is spread over few pairs (a
+2 x 512 tile takes 0.41 ms, 8 x 128 0.13 ms, 16 x 64 0.051 ms at the same
+16 values per thread), while more than 32 values per thread are slow (128
+x 128 / 4 warps: 1.1 ms; register spills, presumably). ``PAIRWISE_SUB_ROWS``
+computes a tall tile in a loop of row groups (column boxes unpacked once
+per program, few values live) and ``PAIRWISE_COLUMN_ACCESS="strided"``
+reads coordinates straight into the broadcast layout; both are implemented
+and interpret-tested but not yet timed on a GPU (``bench/bench_giou.py
+--choose`` times them and picks).
+
+Sizes (H100, jax 0.11.2, wall time per call with 20 calls back to back):
+elementwise 1024 boxes / 4 warps (512..2048 and 8 warps within 10%);
+pairwise 16 x 64 / 2 warps 0.051-0.062 ms at 4096 x 4096 (32 x 64 / 4
+warps 0.052, 32 x 128 / 4 warps 0.057-0.062; the jitted XLA reference
+0.057-0.064, of which 47 us device time; our 32 x 128 kernel: 53 us device
+time). A jitted call costs ~50 us of host time on that VM, so these wall
+times sit near the dispatch floor; device times compare the kernels.
 """
 from __future__ import annotations
 
@@ -45,8 +68,12 @@ from . import _math
 
 COORDS = 4
 ELEMENTWISE_BLOCK = 1024
+# Below SMALL_BOXES boxes the elementwise kernels use SMALL_BLOCK (smaller
+# blocks: more programs for the SMs when there are few boxes). Equal to
+# ELEMENTWISE_BLOCK until a GPU run (bench_giou.py --choose) picks one.
+SMALL_BOXES = 1 << 20
+SMALL_BLOCK = 1024
 FUSED_MAX_BOXES = 1 << 20
-PAIRWISE_TILE = (32, 128)
 NUM_WARPS = 4
 
 
@@ -108,6 +135,12 @@ def _store_columns(ref, columns, rows_left):
   _store_2d(ref, out, rows_left)
 
 
+def _block_for(num_boxes, block):
+  if block:
+    return block
+  return SMALL_BLOCK if num_boxes < SMALL_BOXES else ELEMENTWISE_BLOCK
+
+
 def _round_up(x, m):
   return -(-x // m) * m
 
@@ -145,12 +178,13 @@ def _forward_kernel(b1_ref, b2_ref, out_ref, *, kind, formula, eps,
 
 def elementwise(boxes1, boxes2, *, kind, formula, eps, box_format,
                 as_loss=False, reduce=False, out_dtype=jnp.float32,
-                interpret=False, block=ELEMENTWISE_BLOCK):
+                interpret=False, block=None):
   """Score (or 1 - score) of matching boxes: [P, 4] x [P, 4] -> [P].
 
   With ``reduce`` the result is the float32 sum over the P boxes instead.
   """
   num_boxes = boxes1.shape[0]
+  block = _block_for(num_boxes, block)
   if num_boxes == 0:
     return (jnp.zeros((), jnp.float32) if reduce
             else jnp.zeros((0,), out_dtype))
@@ -196,9 +230,10 @@ def _backward_kernel(b1_ref, b2_ref, g_ref, d1_ref, d2_ref, *, kind, formula,
 
 def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
                     box_format, shared_cotangent=False, interpret=False,
-                    block=ELEMENTWISE_BLOCK):
+                    block=None):
   """Gradients of sum(cotangent * score) w.r.t. boxes1 and boxes2 ([P, 4])."""
   num_boxes = boxes1.shape[0]
+  block = _block_for(num_boxes, block)
   if num_boxes == 0:
     return jnp.zeros_like(boxes1), jnp.zeros_like(boxes2)
   g = cotangent.astype(jnp.float32).reshape(-1)
@@ -251,13 +286,14 @@ def _value_and_grad_kernel(b1_ref, b2_ref, sum_ref, d1_ref, d2_ref, *, kind,
 
 def elementwise_value_and_grad(boxes1, boxes2, *, kind, formula, eps,
                                box_format, as_loss, grad_scale,
-                               interpret=False, block=ELEMENTWISE_BLOCK):
+                               interpret=False, block=None):
   """(sum of score or loss over P boxes, d/dboxes1, d/dboxes2) in one kernel.
 
   The gradients are those of ``grad_scale * sum(score)`` ([P, 4], the box
   dtype); the sum is float32.
   """
   num_boxes = boxes1.shape[0]
+  block = _block_for(num_boxes, block)
   steps = pl.cdiv(num_boxes, block)
   box_spec = pl.BlockSpec((block, COORDS), lambda i: (i, 0))
   kernel = functools.partial(
@@ -275,42 +311,165 @@ def elementwise_value_and_grad(boxes1, boxes2, *, kind, formula, eps,
   return jnp.sum(sums), d1, d2
 
 
-def _pairwise_kernel(a_ref, b_ref, o_ref, *, kind, eps, n, m, tile_n, tile_m):
-  a = tuple(col[:, None] for col in _columns(
-      a_ref, n - pl.program_id(1) * tile_n if n % tile_n else None))
-  b = tuple(col[None, :] for col in _columns(
-      b_ref, m - pl.program_id(2) * tile_m if m % tile_m else None))
-  value = _math.score(kind, "pairwise", eps, a, b)
-  _store_2d(o_ref, value, n - pl.program_id(1) * tile_n,
-            m - pl.program_id(2) * tile_m)
+# Pairwise kernel configuration (see the module docstring for the sweep).
+# A program computes a [tile_n, tile_m] block of the matrix, PAIRWISE_SUB_ROWS
+# rows at a time (a loop; None: all at once): the tile_m column boxes are
+# unpacked once per program and reused for all tile_n rows, while only
+# sub_rows x tile_m values are live in registers.
+PAIRWISE_TILE = (16, 64)
+PAIRWISE_SUB_ROWS = None
+PAIRWISE_WARPS = 2
+# How box coordinates are read: "select" loads [rows, 4] and splits it in
+# registers; "strided" loads each coordinate with a stride-4 access, which
+# lets Triton load straight into the layout the broadcast needs.
+PAIRWISE_COLUMN_ACCESS = "select"
+# "exact": IEEE float32 division as written; "fast": PTX ``div.full.f32``
+# (at most 2 ulp off, full range) on the GPU. Interpret mode always divides
+# exactly.
+PAIRWISE_DIVISION = "exact"
+# Which tiles consecutive programs take: "cols" walks along a row of tiles
+# (neighbouring programs write neighbouring memory), "rows" down a column.
+# Pallas' Triton lowering launches grid (b, p, q) as CUDA (x, y, z), and x
+# varies fastest, then y.
+PAIRWISE_GRID_ORDER = "cols"
+
+
+def _fast_divide(num, den):
+  """num / den via PTX div.full.f32 (Triton lowering only)."""
+  from jax.experimental.pallas import triton as pltriton
+  shape = jnp.broadcast_shapes(num.shape, den.shape)
+  num = jnp.broadcast_to(num, shape).astype(jnp.float32)
+  den = jnp.broadcast_to(den, shape).astype(jnp.float32)
+  [out] = pltriton.elementwise_inline_asm(
+      "div.full.f32 $0, $1, $2;", args=[num, den], constraints="=r,r,r",
+      pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
+  return out
+
+
+def _box_columns(ref, rows, start, rows_left, access):
+  """Rows [start, start + rows) of a [R, 4] box ref -> four [rows] vectors.
+
+  ``rows_left`` (None: all rows exist) masks rows past the array's end
+  (read as zero boxes).
+  """
+  from jax.experimental.pallas import triton as pltriton
+  window = pl.ds(start, rows)
+  live = None if rows_left is None else jnp.arange(rows) < rows_left
+  if access == "strided":
+    if live is None:
+      return tuple(ref[window, c].astype(jnp.float32) for c in range(COORDS))
+    # (An array index: the interpreter's masked load wants shaped indices.)
+    return tuple(pltriton.load(ref.at[window, jnp.int32(c)], mask=live,
+                               other=0).astype(jnp.float32)
+                 for c in range(COORDS))
+  if live is None:
+    tile = ref[window, :]
+  else:
+    tile = pltriton.load(ref.at[window, :],
+                         mask=jnp.broadcast_to(live[:, None], (rows, COORDS)),
+                         other=0)
+  tile = tile.astype(jnp.float32)
+  col = jnp.arange(COORDS)[None, :]
+  return tuple(jnp.sum(jnp.where(col == c, tile, 0.0), axis=1)
+               for c in range(COORDS))
+
+
+def _pairwise_kernel(a_ref, b_ref, o_ref, *, kind, eps, n, m, tile_n, tile_m,
+                     sub_rows, divide, row_axis, access):
+  rows_left = n - pl.program_id(row_axis) * tile_n
+  cols_left = m - pl.program_id(3 - row_axis) * tile_m
+  ragged_n, ragged_m = n % tile_n != 0, m % tile_m != 0
+  b = tuple(col[None, :] for col in _box_columns(
+      b_ref, tile_m, 0, cols_left if ragged_m else None, access))
+
+  def rows_block(start):
+    left = rows_left - start if ragged_n else None
+    a = tuple(col[:, None] for col in _box_columns(
+        a_ref, sub_rows, start, left, access))
+    value = _math.score(kind, "pairwise", eps, a, b,
+                        divide=divide).astype(o_ref.dtype)
+    window = (pl.ds(start, sub_rows), slice(None))
+    if not (ragged_n or ragged_m) or RAGGED != "mask":
+      # Whole tiles: a plain store (no mask arithmetic, widest vector stores).
+      o_ref[window] = value
+      return
+    # Mask only the ragged dimensions (keeps the other one vectorised).
+    from jax.experimental.pallas import triton as pltriton
+    mask = jnp.ones(value.shape, jnp.bool_)
+    if ragged_n:
+      mask = jnp.logical_and(mask, jnp.arange(sub_rows)[:, None] < left)
+    if ragged_m:
+      mask = jnp.logical_and(mask, jnp.arange(tile_m)[None, :] < cols_left)
+    pltriton.store(o_ref.at[window], value, mask=mask)
+
+  if sub_rows == tile_n:
+    rows_block(0)
+  else:
+    def body(step, carry):
+      rows_block(pl.multiple_of(step * sub_rows, sub_rows))
+      return carry
+    jax.lax.fori_loop(0, tile_n // sub_rows, body, 0)
 
 
 def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=False,
-             tile=PAIRWISE_TILE):
-  """[B, N, 4] x [B, M, 4] (xyxy) -> [B, N, M] in ``out_dtype``."""
+             tile=None, sub_rows=None, num_warps=None, division=None,
+             grid_order=None, column_access=None):
+  """[B, N, 4] x [B, M, 4] (xyxy) -> [B, N, M] in ``out_dtype``.
+
+  The keyword options default to the module's ``PAIRWISE_*`` settings
+  (``sub_rows`` to ``PAIRWISE_SUB_ROWS`` when ``tile`` is not given, else to
+  the whole tile).
+  """
   batch, n, _ = boxes1.shape
   m = boxes2.shape[1]
   if n == 0 or m == 0 or batch == 0:
     return jnp.zeros((batch, n, m), out_dtype)
+  if tile is None:
+    tile, sub_rows = PAIRWISE_TILE, sub_rows or PAIRWISE_SUB_ROWS
   tile_n, tile_m = tile
+  sub_rows = min(sub_rows or tile_n, tile_n)
+  if tile_n % sub_rows:
+    raise ValueError(f"pairwise: tile rows {tile_n} are not a multiple of "
+                     f"sub_rows {sub_rows}")
+  # Few rows: a tile no taller than the (power-of-two rounded) row count.
+  tile_n = min(tile_n, max(sub_rows, 1 << max(n - 1, 0).bit_length()))
+  division = division or PAIRWISE_DIVISION
+  grid_order = grid_order or PAIRWISE_GRID_ORDER
   n_out, m_out = n, m
   if RAGGED == "pad":
     n_out, m_out = _round_up(n, tile_n), _round_up(m, tile_m)
     boxes1 = jnp.pad(boxes1, ((0, 0), (0, n_out - n), (0, 0)))
     boxes2 = jnp.pad(boxes2, ((0, 0), (0, m_out - m), (0, 0)))
-  kernel = functools.partial(_pairwise_kernel, kind=kind, eps=eps, n=n_out,
-                             m=m_out, tile_n=tile_n, tile_m=tile_m)
+  divide = _fast_divide if division == "fast" and not interpret else None
+  # Grid (batch, column tile, row tile) for "cols", else (batch, row tile,
+  # column tile); row_axis is the grid axis of the row tiles.
+  row_axis = 2 if grid_order == "cols" else 1
+  steps_n, steps_m = pl.cdiv(n_out, tile_n), pl.cdiv(m_out, tile_m)
+  if row_axis == 1:
+    grid = (batch, steps_n, steps_m)
+    def tile_ij(i, j):
+      return i, j
+  else:
+    grid = (batch, steps_m, steps_n)
+    def tile_ij(j, i):
+      return i, j
+  kernel = functools.partial(
+      _pairwise_kernel, kind=kind, eps=eps, n=n_out, m=m_out, tile_n=tile_n,
+      tile_m=tile_m, sub_rows=sub_rows, divide=divide, row_axis=row_axis,
+      access=column_access or PAIRWISE_COLUMN_ACCESS)
+  params = _compat.gpu_compiler_params(
+      num_warps=num_warps or PAIRWISE_WARPS, num_stages=1)
   out = pl.pallas_call(
       kernel,
-      grid=(batch, pl.cdiv(n_out, tile_n), pl.cdiv(m_out, tile_m)),
+      grid=grid,
       in_specs=[pl.BlockSpec((None, tile_n, COORDS),
-                             lambda b_, i, j: (b_, i, 0)),
+                             lambda b_, p, q: (b_, tile_ij(p, q)[0], 0)),
                 pl.BlockSpec((None, tile_m, COORDS),
-                             lambda b_, i, j: (b_, j, 0))],
+                             lambda b_, p, q: (b_, tile_ij(p, q)[1], 0))],
       out_specs=pl.BlockSpec((None, tile_n, tile_m),
-                             lambda b_, i, j: (b_, i, j)),
+                             lambda b_, p, q: (b_,) + tile_ij(p, q)),
       out_shape=jax.ShapeDtypeStruct((batch, n_out, m_out), out_dtype),
-      compiler_params=_params(), interpret=interpret,
+      compiler_params=params, interpret=interpret,
   )(boxes1, boxes2)
   if (n_out, m_out) != (n, m):
     out = out[:, :n, :m]
