@@ -1,13 +1,14 @@
 """int8 matmul benchmark: this package's kernels against their peers.
 
-On a CUDA machine, at 8192^3 and at LLM shapes (M = 16, 128, 2048 tokens x
-(K, N) = (4096, 14336) and (14336, 4096)), every shape:
+On a CUDA machine, at LLM shapes (M = 16, 128, 2048 tokens x (K, N) =
+(4096, 14336) and (14336, 4096)) and at 8192^3, each shape times the ops
+that matter there (INT8_BENCH_ALL=1: every op everywhere):
   ours_raw      int8_matmul(x_i8, w_i8) -> int32 (Pallas, Triton lowering)
   ours_fused    int8_matmul(x_i8, w_i8, x_scale, w_scale, bias) -> bf16
   ours_dynamic  int8_matmul(x_bf16, w_i8, w_scale) ("w8a8 dynamic": row
                 quantization + matmul)
   ours_w8a16    int8_matmul(x_bf16, w_i8, w_scale, weight_only=True)
-                (M <= 128 only, to fit the run)
+                (M <= 128 only)
   ours_*_nk     the same with the weight stored [N, K]
                 (weight_layout="nk", as inference weights are kept on GPUs:
                 no per-call transpose of w)
@@ -16,23 +17,31 @@ On a CUDA machine, at 8192^3 and at LLM shapes (M = 16, 128, 2048 tokens x
   xla_w8a16     XLA's dequantize-then-dot (the reference backend; M <= 128)
   torch_int_mm  torch._int_mm (cuBLASLt int8 -> int32; needs M > 16)
   torch_bf16    torch.mm(bf16, bf16) (cuBLAS)
-Ratios ``peer / ours`` (> 1 means ours is faster) for every one of ours
-against torch_int_mm, xla_int8, torch_bf16 and xla_bf16. At 8192^3 the run
-first times the ways to transpose w for the K-major path (XLA's and two
-Pallas kernels, gpu.transpose), checks each exact and uses the fastest.
+By default: 8192^3 raw/fused (both layouts) against all four peers; M =
+2048 fused (both layouts); M <= 128 weight-only (both layouts) against XLA's
+w8a16, XLA bf16 and torch bf16, with the weight bytes per second (``_w_tbs``:
+K N / time, the decode shapes' floor). Ratios ``peer / ours`` (> 1 means
+ours is faster). Then, while INT8_BENCH_SECONDS lasts, ALT_WEIGHT_ONLY's
+other configs (alt_* rows) and the stream probes (stream_probe: the decode
+tiles streaming w alone, and with x loaded once; diagnostics, not products).
+INT8_CHOOSE_TRANSPOSE=1 first times the ways to transpose w for the K-major
+path at 8192^3 (gpu.transpose) and uses the fastest.
 Also printed (every run): per TPU generation the tiles the block-size table
 picks, their VMEM bytes and the roofline time of int8 vs bf16 (estimates;
 no TPU was measured).
 Every op is first checked against the reference (int32 exact, float within
 tolerance). JAX ops are timed as one jitted program of R independent calls
-on distinct copies of the inputs (R = 2..20 by size: no host dispatch in the
-numbers, no dot merging, no L2 reuse), median of 5; torch ops with CUDA
-events around R back-to-back launches.
+on distinct copies of the inputs (R = 2..20 by size: no dot merging, no L2
+reuse), HOST_REPS (3) such programs dispatched back to back per sample so
+that the host's sync is hidden, median of 5; torch ops with CUDA events
+around R back-to-back launches. Ops not started within INT8_BENCH_SECONDS
+are listed as skipped. A whole run takes ~4-5 minutes on an H100: within a
+240 s device call, run ``--shapes llm`` and ``--shapes square`` apart.
 
-``--sweep`` instead times candidate Triton block configurations (and the
-peers) at representative shapes; its file is int8_matmul_sweep-*. Elsewhere
-(CPU) ``--quick`` runs one small shape with the kernel in interpret mode
-beside the reference: a smoke test only.
+``--sweep`` instead times candidate Triton block configurations (SWEEP)
+and the peers at the decode shapes; its file is int8_matmul_decode_sweep-*.
+Elsewhere (CPU) ``--quick`` runs one small shape with the kernel in
+interpret mode beside the reference: a smoke test only.
 
   python bench/bench_int8_matmul.py [--quick] [--sweep] [--shapes SHAPES]
 
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -55,6 +65,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import harness, roofline  # noqa: E402
+from pallas_kernels import _compat  # noqa: E402
+from pallas_kernels._compat import pl  # noqa: E402
 from pallas_kernels.int8 import api, block_sizes as bs, gpu  # noqa: E402
 
 LLM_SHAPES = [(16, 4096, 14336), (16, 14336, 4096), (128, 4096, 14336),
@@ -62,37 +74,90 @@ LLM_SHAPES = [(16, 4096, 14336), (16, 14336, 4096), (128, 4096, 14336),
 SQUARE = (8192, 8192, 8192)
 
 # Sweep rows: (shape, ops, configs); a config is BlockSizes' fields (bm, bk,
-# bn, warps, stages, w_kmajor, split_k, int8_via_bf16, group_m).
-_LARGE = [(128, 128, 256, 8, 3, True, 1, False, 1),
-          (128, 128, 256, 8, 3, True, 1, False, 16),
-          (128, 128, 256, 8, 4, True, 1, False, 8),
-          (256, 128, 128, 8, 4, True, 1, False, 8),
-          (256, 128, 128, 8, 4, True, 1, False, 16)]
-_DECODE_16 = [(16, 256, 128, 4, 4, False, 0, False, 1),
-              (16, 128, 128, 4, 4, False, 0, False, 1),
-              (16, 128, 128, 8, 4, False, 0, False, 1),
-              (16, 64, 128, 4, 6, False, 0, False, 1),
-              (16, 64, 128, 4, 6, False, 2, False, 1),
-              (16, 32, 128, 4, 8, False, 0, False, 1),
-              (16, 64, 256, 8, 6, False, 0, False, 1)]
-_DECODE_16_INT8 = [(16, 256, 128, 4, 4, False, 0, False, 1),
-                   (16, 128, 128, 4, 4, False, 0, True, 1)]
-_DECODE_128 = [(64, 128, 128, 4, 4, False, 1, False, 1),
-               (128, 64, 128, 8, 4, False, 0, False, 1),
-               (128, 128, 64, 4, 4, False, 0, False, 1)]
+# bn, warps, stages, w_kmajor, split_k, int8_via_bf16, group_m, swap_ab,
+# stream_w). This session's sweep: weight-only at the decode shapes, w as
+# [N, K] ("nk") and [K, N], swap_ab (w as the tensor cores' left operand,
+# upcast in registers), split K, evict-first w loads. Earlier sweeps (the
+# large and int8 decode tiles) are in int8_matmul_sweep-h100-*.
+F, T = False, True
+# Sweep 1 (20:37 UTC; int8_matmul_decode_sweep-h100-*, first rows): w [N, K]
+# without swap_ab, bk 256, bn 64 led (33.7 / 32.9 us); swap_ab lost 10-60%;
+# evict-first w loads gained 15% on a swapped config. Sweep 2: around it.
+_W16_N = [  # 16 x 4096 x 14336 (wide N): split 1 already fills the GPU
+    (16, 256, 64, 4, 4, F, 1, F, 1, F, F),
+    (16, 256, 64, 4, 4, F, 1, F, 1, F, T),
+    (16, 256, 32, 4, 4, F, 1, F, 1, F, T),
+    (16, 512, 64, 4, 3, F, 1, F, 1, F, T),
+    (16, 256, 64, 4, 3, F, 1, F, 1, F, T),
+    (16, 256, 64, 4, 5, F, 1, F, 1, F, T),
+    (16, 256, 64, 2, 4, F, 1, F, 1, F, T),
+    (16, 256, 64, 8, 4, F, 1, F, 1, F, T),
+    (16, 128, 64, 4, 6, F, 1, F, 1, F, T),
+    (16, 256, 128, 4, 4, F, 1, F, 1, F, T),
+    (16, 256, 64, 4, 4, F, 2, F, 1, F, T),
+]
+_W16_K = [  # 16 x 14336 x 4096 (long K): split K for enough programs
+    (16, 256, 64, 4, 4, F, 2, F, 1, F, F),
+    (16, 256, 64, 4, 4, F, 2, F, 1, F, T),
+    (16, 256, 64, 4, 4, F, 4, F, 1, F, T),
+    (16, 512, 64, 4, 3, F, 2, F, 1, F, T),
+    (16, 256, 64, 4, 5, F, 2, F, 1, F, T),
+    (16, 256, 64, 2, 4, F, 2, F, 1, F, T),
+    (16, 256, 32, 4, 4, F, 2, F, 1, F, T),
+    (16, 256, 32, 4, 4, F, 1, F, 1, F, T),
+    (16, 256, 64, 8, 4, F, 2, F, 1, F, T),
+]
 SWEEP = [
-    ((8192, 8192, 8192), ("ours_fused",), _LARGE),
-    ((16, 4096, 14336), ("ours_w8a16",), _DECODE_16),
-    ((16, 14336, 4096), ("ours_w8a16",), _DECODE_16),
-    ((16, 4096, 14336), ("ours_fused",), _DECODE_16_INT8),
-    ((128, 4096, 14336), ("ours_w8a16",), _DECODE_128),
-    ((128, 14336, 4096), ("ours_w8a16",), _DECODE_128),
+    ((16, 4096, 14336), ("ours_w8a16_nk",), _W16_N),
+    ((16, 14336, 4096), ("ours_w8a16_nk",), _W16_K),
+    ((16, 4096, 14336), ("ours_w8a16",), [
+        (16, 64, 128, 4, 6, F, 1, F, 1, F, T),
+        (16, 64, 128, 4, 6, F, 2, F, 1, F, T),
+        (16, 128, 128, 4, 4, F, 1, F, 1, F, T),
+        (16, 64, 64, 4, 6, F, 1, F, 1, F, T)]),
+    ((16, 14336, 4096), ("ours_w8a16",), [
+        (16, 64, 128, 4, 6, F, 4, F, 1, F, T),
+        (16, 64, 128, 4, 6, F, 2, F, 1, F, T)]),
+    ((128, 4096, 14336), ("ours_w8a16_nk",), [
+        (128, 128, 128, 8, 3, F, 1, F, 1, T, T),
+        (128, 128, 64, 4, 3, F, 1, F, 1, T, T),
+        (128, 128, 64, 4, 4, F, 1, F, 1, F, T),
+        (128, 64, 128, 8, 4, F, 1, F, 1, F, T)]),
+    ((128, 4096, 14336), ("ours_w8a16",), [
+        (128, 64, 128, 8, 4, F, 1, F, 1, F, T)]),
+    ((128, 14336, 4096), ("ours_w8a16_nk",), [
+        (128, 128, 64, 4, 4, F, 2, F, 1, T, T),
+        (128, 128, 64, 4, 4, F, 2, F, 1, F, T)]),
 ]
 # After the main run, while its time lasts: other weight-only configs at
 # 16x4096x14336 (rows named alt_w8a16, beside the table's ours_w8a16).
-ALT_WEIGHT_ONLY = ((16, 4096, 14336), _DECODE_16[4:] + [
-    (16, 64, 128, 8, 6, False, 0, False, 1)])
-BENCH_SECONDS = float(os.environ.get("INT8_BENCH_SECONDS", "265"))
+# After the main run, while its time lasts: other weight-only configs (rows
+# alt_w8a16 / alt_w8a16_nk) as (shape, op, config): the table's tiles with
+# stagger_k, the runner-up tiles of the decode sweep again (its single runs
+# varied by up to 10%), wider tiles (half the re-reads of x) and smaller
+# ones with a finer split (more programs resident per SM).
+ALT_WEIGHT_ONLY = [
+    ((16, 4096, 14336), "ours_w8a16_nk", (16, 256, 64, 8, 4, F, 1, F, 1, F, T, T)),
+    ((16, 14336, 4096), "ours_w8a16_nk", (16, 256, 32, 4, 4, F, 2, F, 1, F, T, T)),
+    ((16, 4096, 14336), "ours_w8a16_nk", (16, 256, 64, 4, 4, F, 1, F, 1, F, F)),
+    ((16, 14336, 4096), "ours_w8a16_nk", (16, 256, 64, 4, 4, F, 2, F, 1, F, F)),
+    ((16, 4096, 14336), "ours_w8a16_nk", (16, 256, 128, 8, 4, F, 2, F, 1, F, T)),
+    ((16, 4096, 14336), "ours_w8a16_nk", (16, 128, 64, 4, 4, F, 2, F, 1, F, T)),
+    ((16, 14336, 4096), "ours_w8a16_nk", (16, 128, 32, 4, 4, F, 4, F, 1, F, T)),
+    ((16, 4096, 14336), "ours_w8a16_nk", (16, 128, 64, 4, 6, F, 1, F, 1, F, T)),
+    ((16, 4096, 14336), "ours_w8a16", (16, 128, 128, 4, 4, F, 1, F, 1, F, T)),
+    ((128, 4096, 14336), "ours_w8a16_nk",
+     (128, 128, 64, 4, 3, F, 1, F, 1, T, T, T)),
+    ((128, 14336, 4096), "ours_w8a16_nk", (128, 128, 64, 4, 3, F, 4, F, 1, T, T)),
+]
+# The ops timed per shape (INT8_BENCH_ALL=1: every op at every shape).
+SQUARE_OPS = ("ours_raw", "ours_fused", "ours_raw_nk", "ours_fused_nk",
+              "xla_int8", "xla_bf16", "torch_int_mm", "torch_bf16")
+PREFILL_OPS = ("ours_fused", "ours_fused_nk", "xla_int8", "xla_bf16",
+               "torch_int_mm", "torch_bf16")
+DECODE_OPS = ("ours_w8a16", "ours_w8a16_nk", "xla_w8a16", "xla_bf16",
+              "torch_bf16")
+BENCH_SECONDS = float(os.environ.get("INT8_BENCH_SECONDS", "170"))
 SWEEP_SECONDS = float(os.environ.get("INT8_SWEEP_SECONDS", "250"))
 
 
@@ -100,6 +165,9 @@ def replicas_for(m, k, n):
   """Independent calls per timed program: enough to hide the host."""
   work = m * k * n
   return 2 if work >= 2**36 else 4 if work >= 2**33 else 20
+
+
+HOST_REPS = int(os.environ.get("INT8_HOST_REPS", "3"))
 
 
 def time_replicated_jax(op, args, reps, iters=5, warmup=1):
@@ -111,7 +179,8 @@ def time_replicated_jax(op, args, reps, iters=5, warmup=1):
   flat = [jnp.array(a, copy=True) for _ in range(reps) for a in args]
   program = jax.jit(lambda *f: [op(*f[i * n:(i + 1) * n]) for i in range(reps)])
   first = jax.block_until_ready(program(*flat))[0]
-  seconds = harness.time_jax(program, *flat, warmup=warmup, iters=iters) / reps
+  seconds = harness.time_jax(program, *flat, warmup=warmup, iters=iters,
+                             reps=HOST_REPS) / reps
   return seconds, first
 
 
@@ -162,6 +231,8 @@ def peer_jax_ops():
       "xla_dynamic": ref["ours_dynamic"],
       "xla_w8a16": ref["ours_w8a16"],
       "xla_bf16": (lambda x, w: jnp.dot(x, w), ("xb", "wb")),
+      # the bandwidth yardstick: reads and writes w once (2 K N bytes)
+      "xla_copy_w": (lambda w: w ^ jnp.int8(1), ("w8",)),
   }
 
 
@@ -240,22 +311,45 @@ TIMED_PEERS = ("xla_int8", "xla_bf16", "xla_w8a16")
 WEIGHT_ONLY_MAX_M = 128  # w8a16 rows at decode shapes only (to fit the run)
 
 
-def bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, extra_row=None):
+def ops_for(m, k, n):
+  """The op names timed at this shape (None: all)."""
+  if os.environ.get("INT8_BENCH_ALL") == "1":
+    return None
+  if (m, k, n) == SQUARE:
+    return SQUARE_OPS
+  return DECODE_OPS if m <= WEIGHT_ONLY_MAX_M else PREFILL_OPS
+
+
+def bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, extra_row=None,
+                deadline=None):
+  """One row: every wanted op at this shape; ops not started by
+  ``deadline`` (perf_counter seconds) are listed as skipped."""
   data = make_inputs(m, k, n)
   reps = replicas_for(m, k, n)
   times, errors, outputs = {}, {}, {}
   row = dict(shape=f"{m}x{k}x{n}", m=m, k=k, n=n, replicas=reps)
   if extra_row:
     row.update(extra_row(data, reps))
+  wanted = ops_for(m, k, n)
   timed = {name: peers[name] for name in TIMED_PEERS}
   timed.update(ops)
+  torch_ops = {name: make for name, make in torch_ops.items()
+               if wanted is None or name in wanted}
   for name, (fn, argnames) in timed.items():
     if "w8a16" in name and m > WEIGHT_ONLY_MAX_M:
+      continue
+    if wanted is not None and name not in wanted:
+      continue
+    if deadline is not None and time.perf_counter() > deadline:
+      errors[name] = "skipped: out of INT8_BENCH_SECONDS"
       continue
     times[name] = run_op(name, fn, argnames, data, reps, peers, errors,
                          outputs=outputs)
   del outputs
   for name, make in torch_ops.items():
+    if deadline is not None and time.perf_counter() > deadline:
+      errors[name] = "skipped: out of INT8_BENCH_SECONDS"
+      continue
     try:
       fn = make(data, m, k, n)
       times[name] = None if fn is None else time_batched_torch(fn, reps=reps)
@@ -270,6 +364,8 @@ def bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, extra_row=None):
     t = times.get(ours)
     if t:
       row[f"{ours}_tops"] = flops / t / 1e12
+      if "w8a16" in ours:  # streaming w is the floor at decode shapes
+        row[f"{ours}_w_tbs"] = k * n / t / 1e12
       for peer in ("torch_int_mm", "xla_int8", "torch_bf16", "xla_bf16") + (
           ("xla_w8a16",) if "w8a16" in ours else ()):
         row[f"{ours}_vs_{peer}"] = harness.ratio(times.get(peer), t)
@@ -312,21 +408,24 @@ def sweep(rows, torch_ops, out_name="int8_matmul_sweep"):
   stopping at SWEEP_SECONDS; also the per-call transpose of w at 8192^2."""
   start = time.perf_counter()
   peers = peer_jax_ops()
-  done_peers = set()
+  done_peers, outputs_of = set(), {}
   for (m, k, n), names, configs in SWEEP:
     if time.perf_counter() - start > SWEEP_SECONDS:
       break
     data = make_inputs(m, k, n)
-    reps = replicas_for(m, k, n)
+    reps = int(os.environ.get("INT8_SWEEP_REPLICAS", replicas_for(m, k, n)))
+    outputs = outputs_of.setdefault((m, k, n), {})
     if (m, k, n) not in done_peers:
       done_peers.add((m, k, n))
       errors = {}
       base = dict(sweep=True, shape=f"{m}x{k}x{n}")
-      for peer in ("xla_bf16",) + (("xla_w8a16", "xla_fused")
-                                    if m <= 128 else ()):
+      for peer in ("xla_bf16", "xla_copy_w") + (("xla_w8a16",)
+                                                 if m <= 128 else ()):
         fn, argnames = peers[peer]
         base[f"{peer}_us"] = _us(run_op(peer, fn, argnames, data, reps, peers,
-                                        errors))
+                                        errors, outputs=outputs))
+      if base.get("xla_copy_w_us"):  # bytes read + written
+        base["copy_tbs"] = 2 * k * n / base["xla_copy_w_us"] / 1e6
       if m > 128:
         base.update(choose_transpose(data, reps))
       for name, make in torch_ops.items():
@@ -346,8 +445,10 @@ def sweep(rows, torch_ops, out_name="int8_matmul_sweep"):
       errs = {}
       for name in names:
         fn, argnames = ops[name]
-        row[f"{name}_us"] = _us(run_op(name, fn, argnames, data, reps, peers,
-                                       errs))
+        row[f"{name}_us"] = t = _us(run_op(name, fn, argnames, data, reps,
+                                           peers, errs, outputs=outputs))
+        if t:  # the weight's bytes per second, the decode shapes' floor
+          row[f"{name}_w_tbs"] = k * n / t / 1e6
       row["errors"] = errs
       rows.append(row)
       print(row, flush=True)
@@ -377,6 +478,71 @@ def tpu_estimates():
 
 def _us(seconds):
   return None if seconds is None else seconds * 1e6
+
+
+def _stream_probe_kernel(x_ref, w_ref, o_ref, *, nk, bk, probe):
+  """Diagnostic twins of the weight-only decode kernel (w [N, K], same
+  tiles and program count; results are not the product): "read" only
+  streams w (sums it), "x_once" does the full upcast-and-dot but loads its
+  x tile once instead of every step (no re-reads of x)."""
+  bm, bn = o_ref.shape[-2:]
+  first = pl.program_id(1) * nk
+  x_first = x_ref[:, pl.ds(pl.multiple_of(first * bk, bk), bk)]
+
+  def step(kk, acc):
+    start = pl.multiple_of((first + kk) * bk, bk)
+    w = w_ref[:, pl.ds(start, bk)]
+    if probe == "read":
+      return acc + jnp.sum(w.astype(jnp.int32), axis=1)[None, :].astype(
+          jnp.float32)
+    return acc + jax.lax.dot_general(
+        x_first, w.astype(x_first.dtype), (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32)
+
+  acc = jax.lax.fori_loop(0, nk, step, jnp.zeros((bm, bn), jnp.float32))
+  o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def stream_probe(x, w_nk, *, probe, plan):
+  """[split, M, N] float32 from _stream_probe_kernel with ``plan``'s tiles."""
+  m, k = x.shape
+  n = w_nk.shape[0]
+  bm, bk, bn, split = plan.bm, plan.bk, plan.bn, plan.split_k
+  nk = k // bk // split
+  kernel = functools.partial(_stream_probe_kernel, nk=nk, bk=bk, probe=probe)
+  return pl.pallas_call(
+      kernel, grid=(n // bn, split),
+      in_specs=[pl.BlockSpec((bm, k), lambda j, s: (0, 0)),
+                pl.BlockSpec((bn, k), lambda j, s: (j, 0))],
+      out_specs=pl.BlockSpec((None, bm, bn), lambda j, s: (s, 0, j)),
+      out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32),
+      compiler_params=_compat.gpu_compiler_params(
+          num_warps=plan.num_warps, num_stages=plan.num_stages),
+  )(x, w_nk)
+
+
+PROBE_SHAPES = [(16, 4096, 14336), (16, 14336, 4096)]
+
+
+def run_probes(rows, start):
+  """Times the stream probes at the table's w [N, K] decode tiles."""
+  for m, k, n in PROBE_SHAPES:
+    data = make_inputs(m, k, n)
+    plan = bs.plan_gpu(m, k, n, mode="weight_only", w_layout="nk")
+    row = dict(shape=f"{m}x{k}x{n}", probe_plan=str(tuple(plan)))
+    for probe in ("read", "x_once"):
+      if time.perf_counter() - start > BENCH_SECONDS:
+        return
+      try:
+        t, _ = time_replicated_jax(
+            functools.partial(stream_probe, probe=probe, plan=plan),
+            [data["xb"], data["w8t"]], replicas_for(m, k, n))
+        row[f"probe_{probe}_us"] = t * 1e6
+        row[f"probe_{probe}_w_tbs"] = k * n / t / 1e12
+      except Exception as e:  # noqa: BLE001
+        row[f"probe_{probe}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    rows.append(row)
+    print(row, flush=True)
 
 
 def quick():
@@ -418,8 +584,12 @@ def main(argv=None):
   torch_ops = torch_peer_ops()
   if args.sweep:
     rows = []
-    sweep(rows, torch_ops)
-    print("wrote", harness.write_results("int8_matmul_sweep", rows))
+    sweep(rows, torch_ops, "int8_matmul_decode_sweep")
+    print("wrote", harness.write_results("int8_matmul_decode_sweep", rows))
+    harness.print_table(rows, ["shape", "config", "ours_w8a16_nk_us",
+                               "ours_w8a16_us", "ours_w8a16_nk_w_tbs",
+                               "ours_w8a16_w_tbs", "torch_bf16_us",
+                               "xla_bf16_us", "xla_w8a16_us", "copy_tbs"])
     return 0
   rows = []
   extra = dict(tpu_estimates=estimates,
@@ -428,14 +598,20 @@ def main(argv=None):
                gpu_table_weight_only={
                    c: list(dataclasses.astuple(b))
                    for c, b in bs.GPU_TABLE_WEIGHT_ONLY.items()},
+               gpu_table_weight_only_nk={
+                   c: list(dataclasses.astuple(b))
+                   for c, b in bs.GPU_TABLE_WEIGHT_ONLY_NK.items()},
+               gpu_weight_only_target_programs=(
+                   bs.GPU_WEIGHT_ONLY_TARGET_PROGRAMS),
                timing="jax: one program of R independent calls on distinct "
-                      "input copies, median of 5; torch: CUDA events around "
-                      "R launches")
+                      f"input copies, {HOST_REPS} programs dispatched back to "
+                      "back per sample (host sync hidden), median of 5; "
+                      "torch: CUDA events around R launches")
   if args.shapes.isdigit():
     shapes = [s_ for s_ in LLM_SHAPES if s_[0] == int(args.shapes)]
   else:
-    shapes = ([SQUARE] if args.shapes in ("all", "square") else []) + (
-        LLM_SHAPES if args.shapes in ("all", "llm") else [])
+    shapes = (LLM_SHAPES if args.shapes in ("all", "llm") else []) + (
+        [SQUARE] if args.shapes in ("all", "square") else [])
   if not shapes:
     parser.error(f"--shapes {args.shapes}: no such shapes")
   name = "int8_matmul" if args.shapes == "all" else f"int8_matmul_{args.shapes}"
@@ -446,26 +622,31 @@ def main(argv=None):
       extra.setdefault("not_run", []).append(f"{m}x{k}x{n}")
       continue
     pick = None
-    if (m, k, n) == SQUARE:  # first: the transpose the w_kmajor path uses
+    if (m, k, n) == SQUARE and os.environ.get("INT8_CHOOSE_TRANSPOSE") == "1":
+      # first: the transpose the w_kmajor path uses
       def pick(data, reps):
         chosen = choose_transpose(data, reps)
         extra.update(chosen)
         return chosen
-    bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, extra_row=pick)
+    bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, extra_row=pick,
+                deadline=start + BENCH_SECONDS)
     extra["gpu_transpose"] = list(bs.GPU_TRANSPOSE)
     harness.write_results(name, rows, extra=extra)  # partial results
-  (m, k, n), configs = ALT_WEIGHT_ONLY
-  if (m, k, n) in shapes and time.perf_counter() - start < BENCH_SECONDS:
+  for (m, k, n), op, cfg in ALT_WEIGHT_ONLY:
+    if (m, k, n) not in shapes or time.perf_counter() - start > BENCH_SECONDS:
+      continue
     data, errors = make_inputs(m, k, n), {}
-    for cfg in configs:
-      if time.perf_counter() - start > BENCH_SECONDS:
-        break
-      fn, argnames = jax_ops("gpu", bs.BlockSizes(*cfg))["ours_w8a16"]
-      t = run_op("alt_w8a16", fn, argnames, data, replicas_for(m, k, n),
-                 peers, errors)
-      rows.append(dict(shape=f"{m}x{k}x{n}", alt_w8a16_config=str(cfg),
-                       alt_w8a16_us=_us(t), errors=dict(errors)))
-      print(rows[-1], flush=True)
+    alt = op.replace("ours_", "alt_")
+    fn, argnames = jax_ops("gpu", bs.BlockSizes(*cfg))[op]
+    t = run_op(alt, fn, argnames, data, replicas_for(m, k, n), peers, errors)
+    rows.append({"shape": f"{m}x{k}x{n}", f"{alt}_config": str(cfg),
+                 f"{alt}_us": _us(t),
+                 f"{alt}_w_tbs": t and k * n / t / 1e12,
+                 "errors": dict(errors)})
+    print(rows[-1], flush=True)
+    harness.write_results(name, rows, extra=extra)
+  if args.shapes in ("all", "llm"):
+    run_probes(rows, start)
     harness.write_results(name, rows, extra=extra)
   harness.print_table([r for r in rows if "replicas" in r], [
       "shape", "ours_raw_us", "ours_fused_us", "ours_fused_nk_us",
@@ -476,7 +657,15 @@ def main(argv=None):
       "shape", "ours_w8a16_us", "ours_w8a16_nk_us", "xla_w8a16_us",
       "torch_bf16_us", "xla_bf16_us", "ours_w8a16_vs_torch_bf16",
       "ours_w8a16_nk_vs_torch_bf16", "ours_w8a16_vs_xla_bf16",
-      "ours_w8a16_vs_xla_w8a16"])
+      "ours_w8a16_nk_vs_xla_bf16", "ours_w8a16_nk_vs_xla_w8a16",
+      "ours_w8a16_w_tbs", "ours_w8a16_nk_w_tbs"])
+  harness.print_table([r for r in rows if "probe_plan" in r], [
+      "shape", "probe_plan", "probe_read_us", "probe_read_w_tbs",
+      "probe_x_once_us", "probe_x_once_w_tbs"])
+  harness.print_table([r for r in rows if "replicas" not in r
+                       and "probe_plan" not in r], [
+      "shape", "alt_w8a16_nk_config", "alt_w8a16_nk_us", "alt_w8a16_nk_w_tbs",
+      "alt_w8a16_config", "alt_w8a16_us"])
   harness.print_table([r for r in rows if r.get("ours_dynamic_us")], [
       "shape", "ours_dynamic_us", "ours_dynamic_vs_torch_int_mm",
       "ours_dynamic_vs_xla_int8", "ours_dynamic_vs_torch_bf16",

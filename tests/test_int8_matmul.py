@@ -147,6 +147,66 @@ def test_gpu_kernel_k_major_weights_and_split_k(rng, mode, split_k):
     np.testing.assert_array_equal(np.asarray(kmajor), exact_int(x, w))
 
 
+WEIGHT_ONLY_VARIANTS = [  # (layout, BlockSizes keyword switches)
+    ("nk", dict(swap_ab=True)),
+    ("kn", dict(swap_ab=True, split_k=2)),
+    ("nk", dict(stream_w=True, stagger_k=True, split_k=2)),
+    ("kn", dict(swap_ab=True, stream_w=True, stagger_k=True)),
+]
+
+
+@pytest.mark.parametrize("layout,switches", WEIGHT_ONLY_VARIANTS)
+def test_gpu_weight_only_decode_variants(rng, layout, switches):
+  """swap_ab (w @ x.T, transposed back), evict-first w loads and staggered
+  K order compute the same weight-only product (float64 reference)."""
+  m, k, n = 13, 200, 150  # ragged: M, K and N all padded
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = int8_values(rng, (k, n))
+  ws = rng.uniform(0.5, 1.5, (1, n)).astype(np.float32)
+  bias = rng.standard_normal((1, n)).astype(np.float32)
+  blocks = bs.BlockSizes(16, 32, 64, 4, 3, **switches)
+  out = gpu.matmul(x, jnp.asarray(w if layout == "kn" else w.T.copy()), None,
+                   jnp.asarray(ws), jnp.asarray(bias), mode="weight_only",
+                   out_dtype=jnp.float32, block_sizes=blocks, w_layout=layout,
+                   interpret=True)
+  prod = np.asarray(x, np.float64) @ w.astype(np.float64)
+  want = prod * ws + bias
+  # float32 sums of exact products, then scale and bias (module docstring)
+  bound = (k * 2.0**-24 * (np.abs(np.asarray(x, np.float64))
+                           @ np.abs(w.astype(np.float64))) * ws
+           + 4 * 2.0**-24 * (np.abs(prod * ws) + np.abs(bias)))
+  excess = np.abs(np.asarray(out, np.float64) - want) - bound
+  assert out.shape == (m, n) and np.all(excess <= 0), excess.max()
+
+
+def test_gpu_staggered_k_order_keeps_raw_exact(rng):
+  x, w = int8_values(rng, (20, 300)), int8_values(rng, (300, 40))
+  blocks = bs.BlockSizes(16, 32, 32, 4, 3, split_k=3, stagger_k=True)
+  out = gpu.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
+                   mode="raw", out_dtype=None, block_sizes=blocks,
+                   interpret=True)
+  np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
+
+
+def test_gpu_weight_only_decode_plan_fills_the_gpu():
+  target = bs.GPU_WEIGHT_ONLY_TARGET_PROGRAMS["decode"]
+  for k, n in [(4096, 14336), (14336, 4096), (4096, 4096), (300, 200)]:
+    plan = bs.plan_gpu(16, k, n, mode="weight_only", w_layout="nk")
+    programs = -(-n // plan.bn) * plan.split_k
+    assert programs >= min(target, -(-n // 32) * min(8, -(-k // plan.bk))), (
+        k, n, plan)
+    assert plan.bn >= 32 and plan.split_k <= 8
+  wide = bs.plan_gpu(16, 4096, 14336, mode="weight_only", w_layout="nk")
+  assert (wide.bn, wide.split_k) == (64, 1)  # 224 column tiles: no split
+  long_k = bs.plan_gpu(16, 14336, 4096, mode="weight_only", w_layout="nk")
+  assert (long_k.bn, long_k.split_k, long_k.num_warps) == (32, 2, 4)
+  # swap_ab is a weight-only switch: int8 x int8 plans never swap
+  cfg = bs.BlockSizes(16, 64, 64, swap_ab=True)
+  assert not bs.plan_gpu(16, 256, 256, mode="raw", block_sizes=cfg).swap_ab
+  assert bs.plan_gpu(128, 4096, 4096, mode="weight_only",
+                     w_layout="nk").swap_ab
+
+
 def test_gpu_int8_via_bf16_is_exact_at_its_worst_case(rng):
   # bk = 1024 products of (-128) * (-128) sum to exactly 2**24 per tile.
   k = 2048 + 40

@@ -57,6 +57,9 @@ class BlockSizes:
   split_k: int | None = None     # GPU: K split over this many programs
   int8_via_bf16: bool | None = None  # GPU: exact int8 dots on bf16 units
   group_m: int | None = None     # GPU: row tiles per band of program order
+  swap_ab: bool | None = None    # GPU weight-only: compute (w @ x.T).T
+  stream_w: bool | None = None   # GPU: load w tiles with evict_first
+  stagger_k: bool | None = None  # GPU: each column tile starts K elsewhere
 
   def __post_init__(self):
     for name in ("bm", "bk", "bn"):
@@ -91,24 +94,45 @@ MEDIUM_MAX_M = 1024
 # M, N, K are zero-padded to tile multiples. Fields, gpu.py explains each:
 #   bm, bk, bn, num_warps, num_stages; w_kmajor (feed w.T); split_k (0:
 #   auto, enough programs for two waves); int8_via_bf16; group_m (program
-#   order in bands of group_m row tiles).
+#   order in bands of group_m row tiles); swap_ab, stream_w, stagger_k
+#   (weight-only switches, gpu.py).
 # Chosen from sweeps on an H100 (bench/results/int8_matmul_sweep-h100-*):
 # K-major w is 3-9x faster for the int8 MMA once M pays for the transpose;
 # at 8192^3 128x128x256 with 8 warps, 3 stages and bands of 16 row tiles
 # was best (1132-1142 us; 256x128x128 / 4 stages 1143-1154 us, bk 64
-# 1430+ us). Weight-only decode (bm 16): bk 64 with 6 stages was best
-# (43-55 us, the 256-deep tiles 56-67 us); M = 128: 128x64x128 / 8 warps
-# (81-89 us, bm 64 or 32 97-136 us).
+# 1430+ us). Weight-only, w [K, N]: decode bk 64 with 6 stages (36.0-36.5
+# us at M = 16 with evict-first loads; 43-55 us without); M <= 256
+# ("small") 128x64x128 / 8 warps (65 us at M = 128; 81-89 us without
+# evict-first and with a finer split).
 GPU_TABLE = {
     "decode": BlockSizes(16, 256, 128, 4, 4, False, 0, False, 1),
     "medium": BlockSizes(128, 128, 128, 4, 4, True, 1, False, 8),
     "large": BlockSizes(128, 128, 256, 8, 3, True, 1, False, 16),
 }
-GPU_TABLE_WEIGHT_ONLY = {
-    "decode": BlockSizes(16, 64, 128, 4, 6, False, 0, False, 1),
+GPU_TABLE_WEIGHT_ONLY = {  # the [K, N] weight layout
+    "decode": BlockSizes(16, 64, 128, 4, 6, False, 0, False, 1, False, True),
+    "small": BlockSizes(128, 64, 128, 8, 4, False, 0, False, 1, False, True),
     "medium": BlockSizes(128, 64, 128, 8, 4, False, 0, False, 8),
     "large": BlockSizes(128, 64, 128, 8, 3, False, 1, False, 8),
 }
+# Weight-only with w stored [N, K] (K-major tiles, no transpose): its own
+# decode and small tiles; medium and large as for [K, N].
+GPU_TABLE_WEIGHT_ONLY_NK = dict(
+    GPU_TABLE_WEIGHT_ONLY,
+    decode=BlockSizes(16, 256, 64, 8, 4, False, 0, False, 1, False, True),
+    small=BlockSizes(128, 128, 64, 4, 3, False, 0, False, 1, True, True))
+# Weight-only decode is bound by streaming w: the auto split (split_k 0)
+# aims at this many programs (about 1.5 per SM, all resident at once; more
+# waves or a finer K split cost more than they hide), and for w [N, K] bn
+# first narrows (down to 32, with at most 4 warps) while the column tiles
+# alone number fewer. Measured on the H100 (int8_matmul_decode_sweep-h100-*,
+# M = 16, w [N, K]): bk 256 x bn 64, no split at N = 14336 (224 programs,
+# 31.8-34.5 us = 1.7-1.85 TB/s of w; warps 2-8, stages 3-5, bk 128-512
+# all within 10%); bn 32, split 2 at N = 4096 (256 programs, 32.8-33.0
+# us); swap_ab 10-60% slower there, but best at M = 128 (53 us vs 63.6-79.0
+# unswapped); split 2 where split 1 fills the GPU cost 30%.
+GPU_WEIGHT_ONLY_TARGET_PROGRAMS = {"decode": 192, "small": 112}
+GPU_WEIGHT_ONLY_SMALL_MAX_M = 256
 # The per-call transpose of w for w_kmajor (gpu.transpose): (kind, tile_k,
 # tile_n, num_warps), kind "xla" or "packed". At 8192^2 on the H100 XLA's
 # and ("packed", 128, 128, 4) tied at 104 us; other packed tiles 138-196 us.
@@ -128,6 +152,9 @@ class GpuPlan(NamedTuple):
   split_k: int
   int8_via_bf16: bool
   group_m: int
+  swap_ab: bool = False
+  stream_w: bool = False
+  stagger_k: bool = False
 
 
 def shape_class(m: int) -> str:
@@ -269,9 +296,15 @@ def _pow2_at_least(x: int) -> int:
   return p
 
 
-def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None
-             ) -> GpuPlan:
+def _weight_only_class(m: int) -> str:
+  cls = gpu_shape_class(m)
+  return "small" if cls == "medium" and m <= GPU_WEIGHT_ONLY_SMALL_MAX_M else cls
+
+
+def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None,
+             w_layout: str = "kn") -> GpuPlan:
   """The Triton plan for an [m, k] x [k, n] problem (tiles powers of two)."""
+  target = GPU_TARGET_PROGRAMS
   if block_sizes is not None:
     for name in ("bm", "bk", "bn"):
       value = getattr(block_sizes, name)
@@ -281,12 +314,24 @@ def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None
     cfg = block_sizes
     bm, bk, bn = cfg.bm, cfg.bk, cfg.bn
   else:
-    table = GPU_TABLE_WEIGHT_ONLY if mode == "weight_only" else GPU_TABLE
-    cfg = table[gpu_shape_class(m)]
+    if mode == "weight_only":
+      cls = _weight_only_class(m)
+      table = (GPU_TABLE_WEIGHT_ONLY_NK if w_layout == "nk"
+               else GPU_TABLE_WEIGHT_ONLY)
+      cfg = table.get(cls, GPU_TABLE_WEIGHT_ONLY["medium"])
+      target = GPU_WEIGHT_ONLY_TARGET_PROGRAMS.get(cls, target)
+    else:
+      cfg = GPU_TABLE[gpu_shape_class(m)]
     # Small problems: shrink tiles towards the problem (Triton dots need 16).
     bm = min(cfg.bm, max(16, _pow2_at_least(m)))
     bn = min(cfg.bn, max(16, _pow2_at_least(n)))
     bk = min(cfg.bk, max(32, _pow2_at_least(k)))
+    if (mode == "weight_only" and w_layout == "nk" and cls == "decode"
+        and not cfg.swap_ab):
+      while bn > 32 and -(-n // bn) < target:
+        bn //= 2
+      if bn < cfg.bn:
+        cfg = dataclasses.replace(cfg, num_warps=min(cfg.num_warps or 4, 4))
   warps = cfg.num_warps or 4
   stages = cfg.num_stages or 3
   kmajor = bool(cfg.w_kmajor)
@@ -296,11 +341,13 @@ def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None
   if via_bf16 and bk > 1024:
     raise ValueError(f"block_sizes.bk={bk}: int8_via_bf16 is exact only for "
                      "bk <= 1024")
-  if split == 0:  # auto: enough programs for two waves on ~132 SMs
+  if split == 0:  # auto: enough programs to fill ~132 SMs
     programs = -(-m // bm) * -(-n // bn)
     split = 1
-    while programs * split < GPU_TARGET_PROGRAMS and split < 8:
+    while programs * split < target and split < 8:
       split *= 2
   # Never split K finer than one tile per program.
   split = max(1, min(split, -(-k // bk)))
-  return GpuPlan(bm, bk, bn, warps, stages, kmajor, split, via_bf16, group_m)
+  return GpuPlan(bm, bk, bn, warps, stages, kmajor, split, via_bf16, group_m,
+                 bool(cfg.swap_ab) and mode == "weight_only",
+                 bool(cfg.stream_w), bool(cfg.stagger_k))

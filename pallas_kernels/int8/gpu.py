@@ -36,28 +36,46 @@ sums the split_k partials, adds the bias and casts. The partials are
 split_k x M x N (small for the decode shapes it is meant for); the float
 result may differ from the unsplit one by a few roundings.
 
-Measured on an H100 (bench/results/int8_matmul-h100-2026-11-22.json, jax
-0.11.2, triton 3.6; one run; ratios are peer time / ours):
-  8192^3   fused bf16 1131 us = 972 TOP/s (was 1211): 7.44x torch._int_mm,
-           1.21x XLA int8, 1.22x torch bf16 (target 1.25x: missed by 2%),
-           1.37x XLA bf16. Raw int32 1136 us, dynamic w8a8 1313 us.
-           Grouped order (group_m 16) and the table's tiles gave 5-7%.
-  M = 16   weight-only 54 / 45 us (K, N = 4096/14336 / 14336/4096): 0.90x /
-           0.99x torch bf16, 1.33x XLA bf16, 0.93x / 1.12x XLA's own fused
-           w8a16 (target 1.5x over bf16: missed). ~1.1-1.3 TB/s of w. Fused
-           int8 0.71x / 0.92x torch bf16.
-  M = 128  weight-only 84 / 69 us: 0.56x / 0.79x torch bf16; int8 fused
-           97 / 137 us (the per-call transpose of w dominates).
-With w stored [N, K] (``weight_layout="nk"``: no transpose; a later run,
-int8_matmul_square/_16/_2048-h100-*): 8192^3 raw 1083 us (1.29x torch
-bf16), fused 1113 us (1.25x; the [K, N] fused path ran 1093 us = 1.28x in
-that run); 2048x14336x4096 fused 341 us vs 398 us [K, N] (0.90x torch bf16,
-1.27x XLA bf16); M = 16: raw/fused gain 5-20%, weight-only none.
-Tried and dropped (bench/results/int8_matmul_sweep-h100-*): upcasting w as
-int16 column pairs (so that only 16-bit data crosses threads) and computing
-w.T @ x.T (swap AB) were 5-60% slower for weight-only at M = 16 and 128;
+Weight-only decode (M <= 64; w8a16) is bound by streaming the int8 w once:
+K N bytes, half of bf16's. Switches (BlockSizes / GpuPlan):
+  swap_ab    the tile is computed as (w_tile @ x_tile.T).T, so the upcast
+             w is the tensor cores' left operand (straight from registers)
+             and bn fills their M; best at M = 128, 10-60% slower at 16.
+  stream_w   w tiles are loaded with evict_first (read once; x, which every
+             column tile re-reads, stays in L2).
+  stagger_k  column tile j walks its K blocks from block j % nk on, so the
+             programs running together read different parts of x and of
+             w's rows (an option; not yet measured on a GPU).
+The table (block_sizes.GPU_TABLE_WEIGHT_ONLY_NK, w [N, K]) takes bk 256,
+bn 64, no split where N / 64 gives >= 192 column tiles (about 1.5 per SM,
+all resident at once), else bn 32 and split K up to that many programs.
+
+Measured on an H100 (jax 0.11.2, triton 3.6; ratios peer time / ours; JAX
+programs of R calls with the host's sync hidden; one run each):
+  bench/results/int8_matmul-h100-2026-11-22.json (this session):
+  M = 16    weight-only, w [N, K]: 31.8 / 32.8 us (K, N = 4096/14336 /
+            14336/4096) = 1.85 / 1.79 TB/s of w: 1.53x / 1.40x torch bf16
+            (48.7 / 45.8 us), 1.56x / 1.49x XLA bf16, 1.15x / 1.05x XLA's
+            own fused w8a16. w [K, N]: 36.0 / 36.5 us (1.35x / 1.26x torch
+            bf16). Last session (w [K, N] only): 54 / 45 us.
+  M = 128   weight-only, w [N, K]: 52.9 / 61.0 us: 0.90x / 0.89x torch bf16
+            (0.93x / 0.97x XLA bf16); w [K, N] 65.1 / 64.5 us (0.73x /
+            0.85x). 1.5x over bf16 is out of reach here: the product is
+            15 GFLOP, ~19 us at the bf16 peak, beside streaming w (~20 us).
+  M = 2048  fused int8 (x, w int8, scales, bias -> bf16), w [N, K]: 293 /
+            317 us (K, N = 14336/4096 / 4096/14336): 1.05x / 0.99x torch
+            bf16, 1.16x / 1.12x XLA bf16, 6.6x / 6.1x torch._int_mm;
+            w [K, N] (transpose per call) 322 / 365 us (0.95x / 0.86x).
+  8192^3    (int8_matmul_square-h100-*, last session; these kernels are
+            unchanged) fused 1093 us = 1.28x torch bf16 (1.21x XLA int8,
+            7.7x torch._int_mm), w [N, K] 1113 us (1.25x); raw [N, K]
+            1083 us (1.29x). Grouped order (group_m 16) gave 5-7%.
+Tried and dropped (bench/results/int8_matmul_sweep-h100-* and
+int8_matmul_decode_sweep-h100-*): upcasting w as int16 column pairs and
+swap_ab with w [K, N] were 5-60% slower for weight-only at M = 16;
 int8_via_bf16 lost at every shape; a Pallas transpose turning int8 tiles
-(128 us) lost to XLA's.
+(128 us) lost to XLA's; a finer K split where the column tiles alone fill
+the GPU (M = 16, N = 14336: split 2, 44 us vs 34) and bk 512 or 64.
 
 Triton needs power-of-two tiles, so M, N and K are zero-padded to tile
 multiples (a copy of x and/or w when a dimension is not a multiple: the LLM
@@ -78,7 +96,8 @@ from pallas_kernels.int8 import reference
 
 
 def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
-                   split, via_bf16):
+                   split, via_bf16, swap_ab=False, stream_w=False,
+                   stagger_k=False):
   x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs = (
       reference.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
                                   has_b=has_b))
@@ -87,17 +106,36 @@ def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
   acc_dtype = jnp.float32 if weight_only else jnp.int32
   first = pl.program_id(2) * nk if split else 0
   dims = (((1,), (1,)), ((), ())) if w_kmajor else (((1,), (0,)), ((), ()))
+  # swap_ab: w is the left operand (w tile [bn, bk] @ x tile.T), so the
+  # tensor cores take the upcast w from registers and bn fills their M.
+  swapped_dims = (((1 if w_kmajor else 0,), (1,)), ((), ()))
+
+  def load_w(window):
+    if stream_w:  # read once: keep x and the partials in L2 instead
+      from jax.experimental.pallas import triton as pltriton
+      return pltriton.load(w_ref.at[window], eviction_policy="evict_first")
+    return w_ref[window]
+
+  # stagger_k: column tile j walks its K blocks from block j % nk on, so
+  # programs running together read different parts of x and of w's rows.
+  rotate = jax.lax.rem(pl.program_id(1), nk) if stagger_k and nk > 1 else None
 
   def step(kk, acc):
+    if rotate is not None:
+      kk = jax.lax.rem(kk + rotate, nk)
     start = pl.multiple_of((first + kk) * bk, bk)
     x = x_ref[:, pl.ds(start, bk)]
     if w_kmajor:  # w is [N, K]: contract both operands' last dimension
-      w = w_ref[:, pl.ds(start, bk)]
+      w = load_w((slice(None), pl.ds(start, bk)))
     else:
-      w = w_ref[pl.ds(start, bk), :]
+      w = load_w((pl.ds(start, bk), slice(None)))
     if weight_only:
       precision = (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
                    else jax.lax.Precision.DEFAULT)
+      if swap_ab:
+        return acc + jax.lax.dot_general(w.astype(x.dtype), x, swapped_dims,
+                                         precision=precision,
+                                         preferred_element_type=jnp.float32)
       return acc + jax.lax.dot_general(x, w.astype(x.dtype), dims,
                                        precision=precision,
                                        preferred_element_type=jnp.float32)
@@ -108,7 +146,10 @@ def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
     return acc + jax.lax.dot_general(x, w, dims,
                                      preferred_element_type=jnp.int32)
 
-  acc = jax.lax.fori_loop(0, nk, step, jnp.zeros((bm, bn), acc_dtype))
+  acc_shape = (bn, bm) if swap_ab else (bm, bn)
+  acc = jax.lax.fori_loop(0, nk, step, jnp.zeros(acc_shape, acc_dtype))
+  if swap_ab:
+    acc = acc.T
   if mode == "raw":
     o_ref[...] = acc
   elif split:  # scaled float32 partial sum; the bias is added after the sum
@@ -203,7 +244,8 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
   m, k = x2.shape
   n = w.shape[1 if w_layout == "kn" else 0]
   out_dtype = jnp.dtype(jnp.int32 if mode == "raw" else out_dtype)
-  plan = bs.plan_gpu(m, k, n, mode=mode, block_sizes=block_sizes)
+  plan = bs.plan_gpu(m, k, n, mode=mode, block_sizes=block_sizes,
+                     w_layout=w_layout)
   w_kmajor = plan.w_kmajor or w_layout == "nk"
   bm, bk, bn, split = plan.bm, plan.bk, plan.bn, plan.split_k
   via_bf16 = plan.int8_via_bf16 and mode != "weight_only"
@@ -234,7 +276,8 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
       _matmul_kernel, mode=mode, nk=kp // bk // split, bk=bk,
       has_xs=x_scale is not None, has_ws=w_scale is not None,
       has_b=fused_bias is not None, w_kmajor=w_kmajor, split=split > 1,
-      via_bf16=via_bf16)
+      via_bf16=via_bf16, swap_ab=plan.swap_ab, stream_w=plan.stream_w,
+      stagger_k=plan.stagger_k and plan.group_m <= 1)
   if split == 1:
     out_spec = pl.BlockSpec((bm, bn), lambda p, q, s: tile(p, q))
     out_struct = jax.ShapeDtypeStruct((mp, np_), out_dtype)
