@@ -110,14 +110,17 @@ def run_gpu_kernel(boxes, scores, thr, m, class_ids=None, score_threshold=None,
                    design="bitmask"):
   """A GPU design in Pallas interpret mode (semantics check on CPU)."""
   budget = 0 if design == "blocked" else 1 << 40
-  chunk = 64 if design == "chunked" else block_sizes.MASK_CHUNK_ROWS
-  saved = block_sizes.GPU_BITMASK_MAX_BYTES, block_sizes.MASK_CHUNK_ROWS
+  chunk = 64 if design == "chunked" else None
+  saved = (block_sizes.GPU_BITMASK_MAX_BYTES, block_sizes.MASK_CHUNK_ROWS,
+           block_sizes.MASK_CHUNK_ROWS_SMALL)
   block_sizes.GPU_BITMASK_MAX_BYTES = budget
-  block_sizes.MASK_CHUNK_ROWS = chunk
+  if chunk is not None:
+    block_sizes.MASK_CHUNK_ROWS = block_sizes.MASK_CHUNK_ROWS_SMALL = chunk
   try:
     return _run_gpu_kernel(boxes, scores, thr, m, class_ids, score_threshold)
   finally:
-    block_sizes.GPU_BITMASK_MAX_BYTES, block_sizes.MASK_CHUNK_ROWS = saved
+    (block_sizes.GPU_BITMASK_MAX_BYTES, block_sizes.MASK_CHUNK_ROWS,
+     block_sizes.MASK_CHUNK_ROWS_SMALL) = saved
 
 
 def _run_gpu_kernel(boxes, scores, thr, m, class_ids, score_threshold):
@@ -257,25 +260,37 @@ def test_gpu_kernel_classes_nan_inverted(rng, small_tiles, design):
                         class_ids=classes, score_threshold=0.1)
 
 
-@pytest.mark.parametrize("thr,m", [(0.5, 150), (0.1, 150), (0.3, 20)])
-def test_gpu_pipelined_scan_and_skipped_words_interpret(rng, thr, m):
-  """The compiled scan form (pipelined) in interpret mode, several chunks.
+@pytest.mark.parametrize("thr,m,depth,resolve", [
+    (0.5, 200, 1, "where"), (0.1, 200, 1, "skip"), (0.5, 200, 2, "skip"),
+    (0.5, 200, 1, "band"), (0.3, 20, 1, "band"),
+    pytest.param(0.3, 20, 1, "mask", marks=SLOW),
+    pytest.param(0.1, 200, 2, "mask", marks=SLOW),
+    pytest.param(0.1, 200, 1, "band", marks=SLOW)])
+def test_gpu_pipelined_scan_and_skipped_words_interpret(rng, thr, m, depth,
+                                                       resolve):
+  """The compiled scan forms (pipelined, deep, band) in interpret mode.
 
   Interpret mode fills every mask word the compiled kernel would leave
   unwritten (below the diagonal, padding, removed rows and columns) with
   all ones, so a scan that read one with effect would keep too few boxes.
   """
   from pallas_kernels.boxes.nms import gpu
-  boxes, scores = GENERATORS["clustered"](rng, 150)
-  scores[rng.random(150) < 0.1] = np.nan
+  n = 200
+  boxes, scores = GENERATORS["clustered"](rng, n)
+  scores[rng.random(n) < 0.1] = np.nan
   want = run_reference(boxes, scores, thr, m)
+  # m < N: 4 chunks, the early-exit while loop; else 2 unrolled chunks of
+  # 4 words (the deep scan's word-after-next path needs 3 or more).
+  chunk_rows = 64 if m < n else 128
+  assert gpu.static_chunks(-(-n // chunk_rows), n, m) == (m >= n)
   order, planes, classes, flags = api._sorted_inputs(
       jnp.asarray(boxes, jnp.float32)[None],
-      jnp.asarray(scores, jnp.float32)[None], None, None, 150)
+      jnp.asarray(scores, jnp.float32)[None], None, None, n)
   keep, base, count = gpu.keep_words_bitmask(
       planes, classes, flags, iou_threshold=thr, max_output_size=m,
-      rows=32, words=2, chunk_rows=64, use_classes=False, pipelined=True,
-      interpret=True)
+      rows=32, words=2, chunk_rows=chunk_rows, use_classes=False,
+      scan_depth=depth,
+      resolve_form=resolve, interpret=True)
   idx, count = gpu.words_to_indices(keep, base, count, order, m)
   np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
   assert int(count[0]) == want[1]

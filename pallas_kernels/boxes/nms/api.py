@@ -127,10 +127,12 @@ def _tpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
 
 
 def _bitmask_sizes(num_boxes, max_output_size):
+  chunk_rows = block_sizes.mask_chunk_rows(num_boxes)
+  if num_boxes >= block_sizes.SMALL_BOXES:  # else no cap: fewer launches
+    chunk_rows = gpu.chunk_rows_for(max_output_size, chunk_rows)
   return dict(rows=block_sizes.MASK_ROWS,
               words=block_sizes.mask_words(num_boxes),
-              chunk_rows=gpu.chunk_rows_for(max_output_size,
-                                            block_sizes.MASK_CHUNK_ROWS),
+              chunk_rows=chunk_rows,
               max_bytes=block_sizes.GPU_BITMASK_MAX_BYTES)
 
 

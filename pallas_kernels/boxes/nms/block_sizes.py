@@ -8,7 +8,8 @@ still a single MXU pass per 128 rows).
 GPU, bitmask design (used while a mask chunk fits GPU_BITMASK_MAX_BYTES):
 the mask kernel's program covers MASK_ROWS boxes x mask_words(N) words (32
 boxes each); rows go in chunks of MASK_CHUNK_ROWS (2048 when
-max_output_size <= 128, see gpu.chunk_rows_for); the scan kernel runs
+max_output_size <= 128, see gpu.chunk_rows_for; below SMALL_BOXES chunks of
+MASK_CHUNK_ROWS_SMALL rows whatever max_output_size); the scan kernel runs
 SCAN_WARPS warps per image (None: by row length). Measured on H100 at
 N = 20k (an earlier run's "tune", in the git history of
 bench/results/nms-h100-2026-11-22.json): 32 rows x 8 words was fastest
@@ -16,9 +17,13 @@ bench/results/nms-h100-2026-11-22.json): 32 rows x 8 words was fastest
 64 x 4); 4096-row chunks beat 16384 (later early exit). Below SMALL_BOXES
 the 32 x 256 programs are too few to fill the chip (at 1k: 128 programs,
 15 us for 0.5M IoUs), so MASK_WORDS_SMALL is narrower; its value is the
-faster by device time in ``bench_nms.py --tune-small`` (recorded in the
-results file's "tune_small": 2 words, 73 / 448 us at 1k / 5k against 80 /
-461 us for 8).
+faster by device time in an earlier ``--tune-small`` run (2 words, 73 /
+448 us at 1k / 5k against 80 / 461 us for 8). One 8192-row chunk at 5k
+(max_output_size = N) beat two of 4096 with the same scan form (312 against
+360 us of device time, bench/results/nms-scan-tune-h100-2026-11-22.json),
+but the committed rows (bench/results/nms-h100-2026-11-22.json) ran with
+4096, so that stays the default until a run measures 8192 end to end;
+``--tune-scan`` in bench_nms.py A/Bs it with the scan form.
 GPU, blocked O(N)-memory design (fallback past the budget): a (T, T)
 register tile per thread block; in a first H100 sweep T = 128 with 8 warps
 beat T = 64 / 4 warps and T = 256 / 8 or 16 warps (6.1 vs 6.9-24 ms at
@@ -32,6 +37,11 @@ GPU_NUM_WARPS = 8
 GPU_BITMASK_MAX_BYTES = 256 << 20
 MASK_ROWS = 32
 MASK_CHUNK_ROWS = 4096
+# Below SMALL_BOXES: chunks of this many rows whatever max_output_size (the
+# early exit of smaller chunks saves less than their launches cost). 8192
+# (one chunk up to 8k boxes) was faster in the scan A/Bs; 4096 is what the
+# committed bench ran with (see the module docstring).
+MASK_CHUNK_ROWS_SMALL = 4096
 MASK_WORDS = 8
 # Below SMALL_BOXES boxes the mask has few 32 x 256 programs per SM, so
 # narrower programs (more of them) hide latency better.
@@ -39,6 +49,11 @@ SMALL_BOXES = 16384
 MASK_WORDS_SMALL = 2
 MASK_WARPS = 4
 SCAN_WARPS = None  # by row length: 1 warp below 512 words, else 4
+
+
+def mask_chunk_rows(num_boxes: int) -> int:
+  """Rows per mask chunk (capped by max_output_size from SMALL_BOXES on)."""
+  return MASK_CHUNK_ROWS_SMALL if num_boxes < SMALL_BOXES else MASK_CHUNK_ROWS
 
 
 def mask_words(num_boxes: int) -> int:

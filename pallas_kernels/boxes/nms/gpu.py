@@ -16,20 +16,27 @@ Bitmask design (chunked, parallel + scan). Boxes arrive sorted by score.
 * Scan kernel, one program per image: walks the words in order; for word w
   it takes the "removed" bits of its 32 boxes, resolves their own chain with
   32 scalar bit steps on the diagonal words, then ORs the rows of the boxes
-  it kept into "removed". Pipelined (``SCAN_PIPELINED``): the diagonal words
+  it kept into "removed". Pipelined (``SCAN_DEPTH`` = 1): the diagonal words
   and the next word's column of the current rows are loaded a step ahead,
   the next "removed" word is formed from scalars, and the kept rows' full
   ORs (predicated loads, all in flight together) land a step later, so no
-  memory latency separates two steps. Stops at ``max_output_size`` kept and
+  memory latency separates two steps. ``SCAN_DEPTH`` = 2 gives those loads
+  two steps (the word after next also via scalars); ``RESOLVE`` picks how
+  the 32-bit chain is written ("skip": behind a branch that skips words
+  whose boxes are all removed). Stops at ``max_output_size`` kept and
   records the kept count before each word, so indices are placed with one
   elementwise pass and a scatter (no prefix sum).
-* Rows are processed in chunks of ``MASK_CHUNK_ROWS`` (smaller when
-  ``max_output_size`` is small: ``chunk_rows_for``; shrunk to fit the byte
-  budget): mask chunk c, then scan chunk c, in a ``while`` loop on device
-  state (removed/keep/count) that ends once every image has
-  ``max_output_size`` boxes, so the remaining chunks cost nothing. Scratch
-  memory is chunk * N / 8 bytes: linear in N. A single chunk (small N) runs
-  without the loop and without chunk state (fewer launches).
+* Rows are processed in chunks of ``block_sizes.mask_chunk_rows(N)`` rows
+  (smaller when ``max_output_size`` is small: ``chunk_rows_for``; shrunk to
+  fit the byte budget): mask chunk c, then scan chunk c, carrying device
+  state (removed/keep/count). When every chunk must run anyway
+  (max_output_size >= N) or there are few (``static_chunks``), the chunks
+  are unrolled in the graph: an XLA ``while`` loop copies its predicate to
+  the host every iteration, a device-to-host sync per chunk that cost more
+  than the chunk itself at 5k-20k boxes. Otherwise a ``while`` loop ends
+  once every image has ``max_output_size`` boxes, so the remaining chunks
+  cost nothing. Scratch memory is chunk * N / 8 bytes: linear in N. A
+  single chunk (small N) runs without chunk state (fewer launches).
 Work: N^2 / 2 IoUs in parallel (fewer with early exit and removed boxes)
 plus N / 32 scan steps and K row ORs of N / 32 words for K kept boxes.
 
@@ -59,10 +66,18 @@ Measured on an H100. Before the pipelined scan and the dead-word skips
 max_output_size = N the mask kernel took 14.4 ms and the scan 10.3 ms of
 25 ms; at N <= 20k the scan dominated (1.3 of 2.0 ms at 20k) and at 1k a
 call was ~12 launches (84 us on the device) behind a ~65 us dispatch floor.
-Now (bench/results/nms-h100-2026-11-22.json, "tune_small"): the pipelined
-scan takes the whole call at 5k / 20k (threshold 0.5, max_output_size = N)
-from 1.33 / 3.89 ms (plain form, predicated row loads) to 0.45 / 2.04 ms
-of device time; 100k, threshold 0.1 went from 22.8 to 11.7 ms.
+The pipelined scan took 5k / 20k (threshold 0.5, max_output_size = N) from
+1.33 / 3.89 ms (plain form) to 0.45 / 2.04 ms of device time. A scan step
+(32 boxes) still costs ~1.2-1.8 us of one warp whatever the chain's form
+(bench/results/nms-scan-tune-h100-2026-11-22.json: "where" and "mask"
+equal, depth 2 slower), so the ALU chain is not what bounds it; the
+step's ~650 instructions (64 scalar loads, 32 predicated row loads, the
+selects) are the likelier limit: the "band" form, which replaces the
+scalar loads and chains with two vector loads and lane ballots, ran the
+1k / 5k scans in 17 / 140 us against 48 / ~200 us (but see RESOLVE). The
+scan is ~2/3 of the device time at N <= 20k. Unrolling the chunk loop
+(no per-chunk host sync) took 5k / 20k, threshold 0.1, max_output_size = N
+from 0.60 / 1.57 ms to 0.47 / 1.54 ms per synced call.
 """
 from __future__ import annotations
 
@@ -74,6 +89,7 @@ import numpy as np
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import pl
+from . import block_sizes
 from .reference import iou_exceeds
 
 DEFAULT_TILE = 128
@@ -221,9 +237,22 @@ WORD = 32  # boxes per mask word
 # midpoint between t and the next float (see _FMA_ASM), and divides only on
 # an exact tie or a tiny/NaN union. Both equal the float32 reference.
 COMPARE = "fma"
-# Scan form in compiled kernels: pipelined (no memory latency between steps)
-# or plain (the kept rows' ORs complete within their step).
-SCAN_PIPELINED = True
+# Scan form in compiled kernels, by how many steps the kept rows' full ORs
+# may take to land: 0 plain (within their step), 1 pipelined (one step; the
+# next word via scalars), 2 deep (two steps; the word after next too). The
+# defaults are the forms the committed H100 bench ran with.
+SCAN_DEPTH = 1
+SCAN_DEPTH_LARGE = 1  # from block_sizes.SMALL_BOXES boxes on
+# The greedy chain of one word: "mask" clears with an all-ones mask made by
+# two shifts (3 dependent ops per box), "where" selects (4 to 5), "skip" is
+# "mask" behind a branch that skips words whose boxes are all removed,
+# "band" is the lane-parallel fixed point on transposed blocks (depth 1).
+# EXPERIMENTAL, do not default to "band": on the H100 it was the fastest
+# (scan 17 vs 48 us at 1k, 140 vs ~200 us at 5k) and matched the reference
+# on the tuned cases, but it kept wrong boxes on a 2500-box NaN/inverted
+# check that interpret mode passes; the cause is not found.
+RESOLVE = "where"
+RESOLVE_LARGE = "where"  # from block_sizes.SMALL_BOXES boxes on
 
 # fl(inter / union) > t  <=>  inter / union > mid (round to nearest), and
 # inter - mid * union = fma(-t, union, inter) - half_ulp * union, where the
@@ -291,8 +320,8 @@ SKIPPED_WORD = -1
 
 
 def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
-                 *, iou_threshold, rows, words, num_boxes, max_output_size,
-                 exact_ptx, use_classes):
+                 band_ref=None, *, iou_threshold, rows, words, num_boxes,
+                 max_output_size, exact_ptx, use_classes):
   """mask[r, w] bit c: box r suppresses box 32 * w + c (c > r, same class).
 
   Rows are those of the current chunk (its first row is state[1]); columns
@@ -300,6 +329,13 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
   blocks below the diagonal, padding, everything once max_output_size boxes
   are kept, rows whose 32 boxes are all already removed (by earlier chunks),
   and column words whose 32 boxes are all already removed.
+
+  band_ref (the "band" scan form): for row word k of the chunk,
+  band[k, c] (c < 32) holds the bits r "box 32k + r suppresses box 32k + c"
+  and band[k, 32 + c] "... suppresses box 32(k + 1) + c": the diagonal and
+  next blocks transposed, so the scan reads them as two vectors with one
+  box per lane. Written by the program that owns that column word, with the
+  same skips.
   """
   i = pl.program_id(1)
   j = pl.program_id(2)
@@ -348,21 +384,69 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
     for q in range(words):
       live = jnp.logical_not(skip) & (removed_ref[first_word + q] != -1)
       mask_ref[:, q] = jnp.where(live, word(q), SKIPPED_WORD)
+  if band_ref is None:
+    return
+
+  def transposed(k, col_word):
+    # bits r over the 32 rows of this program's row word k, per column c
+    first = first_row + k * WORD
+    window = pl.ds(first, WORD)
+    cols = pl.ds(col_word * WORD, WORD)
+    r_ids = first + jnp.arange(WORD, dtype=jnp.int32)
+    c_ids = col_word * WORD + jnp.arange(WORD, dtype=jnp.int32)
+    a = tuple(r[window] for r in (x1, y1, x2, y2, area))
+    b = tuple(r[cols] for r in (x1, y1, x2, y2, area))
+    hit = (_exceeds_bits(a, b, iou_threshold, exact_ptx)
+           & (c_ids[None, :] > r_ids[:, None]))
+    if use_classes:
+      hit = hit & (cls[window][:, None] == cls[cols][None, :])
+    return jnp.sum(jnp.where(hit, bit[:, None], 0), axis=0)
+
+  for k in range(rows // WORD):
+    row_word = first_row // WORD + k
+    band_row = i * (rows // WORD) + k
+    for half in (0, 1):
+      col_word = row_word + half
+      owned = (col_word >= first_word) & (col_word < first_word + words)
+      col_word = jnp.minimum(col_word, last_word)
+      live = (jnp.logical_not(skip) & owned
+              & (removed_ref[col_word] != -1))
+      target = (band_row, pl.ds(half * WORD, WORD))
+      if exact_ptx:
+        @pl.when(live)
+        def _(k=k, col_word=col_word, target=target):
+          band_ref[target] = transposed(k, col_word)
+      else:
+        value = jnp.where(live, transposed(k, col_word), SKIPPED_WORD)
+        band_ref[target] = jnp.where(owned, value, band_ref[target])
 
 
 def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
-                 removed_out, keep_out, base_out, state_out, *, chunk,
-                 num_words, max_output_size, pipelined, interpret):
+                 band_ref, removed_out, keep_out, base_out, state_out, *,
+                 chunk, num_words, max_output_size, depth, resolve_form,
+                 interpret):
   """Greedy scan of one chunk's words, 32 boxes per step, one program/image.
 
   base[w] records the kept count before word w, so kept indices are placed
   without a prefix sum afterwards.
 
-  Pipelined form (compiled): the removed bits of word w + 1 are formed from
+  Pipelined form (depth 1): the removed bits of word w + 1 are formed from
   scalars only: the word extracted from the removed vector, plus the words
   w + 1 of the rows kept now, which (with the diagonal words) were loaded a
   step ahead. The kept rows' full ORs are issued now and applied a step
   later, so no memory latency sits on the step-to-step path.
+  Band form (RESOLVE = "band", depth 1; experimental, see RESOLVE): the
+  word's diagonal and next blocks come transposed from band_ref, one box
+  per lane, as two vector loads a step ahead; the chain is the fixed point of
+  k = alive & ~(boxes hit by a box of k), iterated with lane ballots (a sum
+  of distinct bits) until it stops changing (at most 33 times, since bit c
+  is final after c + 1 rounds; usually 2-3), and the next word's removed
+  bits are one ballot. Far fewer instructions per step than 64 scalar loads
+  and 32-bit scalar chains.
+  Deep form (depth 2): the full ORs land two steps later; word w + 1 then
+  takes the rows kept one step ago through their words w + 1 (scalars
+  loaded a step before use), and its extraction from the vector is off the
+  path (it does not wait for this step's chain).
   """
   padded_words = removed_ref.shape[0]
   lanes = jnp.arange(padded_words, dtype=jnp.int32)
@@ -386,10 +470,37 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
     return (tuple(mask_ref[row0 + r, w] for r in range(WORD))
             + tuple(mask_ref[row0 + r, nxt] for r in range(WORD)))
 
+  def bit_mask(x, r):  # all ones where bit r of x is set, else 0
+    return jnp.right_shift(jnp.left_shift(x, WORD - 1 - r), WORD - 1)
+
   def resolve(alive, diag):
+    if resolve_form == "skip":  # fully removed words skip the chain
+      return jax.lax.cond(alive != 0, lambda a: chain(a, diag, "mask"),
+                          lambda a: a, alive)
+    return chain(alive, diag, resolve_form)
+
+  def chain(alive, diag, form):
     for r in range(WORD):  # the word's own greedy chain, scalar bit ops
-      alive = jnp.where(bit_set(alive, r), alive & ~diag[r], alive)
+      if form == "mask":
+        alive = alive & ~(diag[r] & bit_mask(alive, r))
+      else:
+        alive = jnp.where(bit_set(alive, r), alive & ~diag[r], alive)
     return alive
+
+  def or_selected(alive, values):
+    """OR of values[r] over the bits r set in alive, as a balanced tree."""
+    parts = [v & bit_mask(alive, r) for r, v in enumerate(values)]
+    while len(parts) > 1:
+      parts = [a | b for a, b in zip(parts[::2], parts[1::2])]
+    return parts[0]
+
+  def column(w, word):
+    # Word `word` of word w's 32 rows (w clamped into the chunk, word into
+    # the row: values for positions past them are never used).
+    w = jnp.maximum(jnp.minimum(w, end_word - 1), first_word)
+    row0 = (w - first_word) * WORD
+    word = jnp.minimum(word, padded_words - 1)
+    return tuple(mask_ref[row0 + r, word] for r in range(WORD))
 
   def or_kept_rows(alive, row0, acc):
     if interpret:
@@ -416,9 +527,12 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
     alive = resolve(~removed_w, diag)
     removed = removed | pending  # rows kept one step ago have landed
     removed_next = word_of(removed, w + 1)
-    for r in range(WORD):
-      removed_next = removed_next | jnp.where(bit_set(alive, r), next_col[r],
-                                              0)
+    if resolve_form == "where":
+      for r in range(WORD):
+        removed_next = removed_next | jnp.where(bit_set(alive, r),
+                                                next_col[r], 0)
+    else:  # a balanced OR tree: 5 levels on the path instead of 32
+      removed_next = removed_next | or_selected(alive, next_col)
     row0 = (w - first_word) * WORD
     pending = or_kept_rows(alive, row0, jnp.zeros((padded_words,), jnp.int32))
     base = jnp.where(lanes == w, count, base)
@@ -426,6 +540,68 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
     count = count + jax.lax.population_count(alive)
     return (w + 1, count, removed, keep, base, pending,
             removed_next) + tuple(upcoming)
+
+  lanes32 = jnp.arange(WORD, dtype=jnp.int32)
+  lane_bits = jnp.left_shift(jnp.int32(1), lanes32)
+
+  def ballot(pred):  # the word whose bit c is pred at lane c
+    return jnp.sum(jnp.where(pred, lane_bits, 0))
+
+  def band_of(w):
+    w = jnp.maximum(jnp.minimum(w, end_word - 1), first_word)
+    local = w - first_word
+    return (band_ref[local, pl.ds(0, WORD)],
+            band_ref[local, pl.ds(WORD, WORD)])
+
+  def band_resolve(alive0, diag_t):
+    candidate = bit_set(alive0, lanes32)
+
+    def settle(k):
+      return ballot(candidate & ((diag_t & k) == 0))
+
+    first = settle(alive0)
+    k, _ = jax.lax.while_loop(lambda c: c[0] != c[1],
+                              lambda c: (settle(c[0]), c[0]),
+                              (settle(first), first))
+    return k
+
+  def step_band(state):
+    w, count, removed, keep, base, pending, removed_w, diag_t, next_t = state
+    upcoming = band_of(w + 1)  # independent of this step: overlaps it
+    alive = jax.lax.cond(removed_w != -1,
+                         lambda a: band_resolve(a, diag_t), lambda a: 0 * a,
+                         ~removed_w)
+    removed = removed | pending  # rows kept one step ago have landed
+    removed_next = word_of(removed, w + 1) | ballot((next_t & alive) != 0)
+    row0 = (w - first_word) * WORD
+    pending = or_kept_rows(alive, row0, jnp.zeros((padded_words,), jnp.int32))
+    base = jnp.where(lanes == w, count, base)
+    keep = jnp.where(lanes == w, alive, keep)
+    count = count + jax.lax.population_count(alive)
+    return (w + 1, count, removed, keep, base, pending,
+            removed_next) + tuple(upcoming)
+
+  def step_deep(state):
+    (w, count, removed, keep, base, pend1, pend2, removed_w,
+     alive_prev) = state[:9]
+    c2_prev = state[9:9 + WORD]
+    diag = state[9 + WORD:9 + 2 * WORD]
+    next_col = state[9 + 2 * WORD:]
+    upcoming = ahead(w + 1)  # independent of this step: overlaps it
+    after_next = column(w, w + 2)  # used by the next step
+    # Off the chain's path: word w + 1 from rows kept up to two steps ago.
+    removed = removed | pend2  # rows kept two steps ago have landed
+    partial_next = (word_of(removed, w + 1)
+                    | or_selected(alive_prev, c2_prev))
+    alive = resolve(~removed_w, diag)
+    removed_next = partial_next | or_selected(alive, next_col)
+    row0 = (w - first_word) * WORD
+    pend_new = or_kept_rows(alive, row0, jnp.zeros((padded_words,), jnp.int32))
+    base = jnp.where(lanes == w, count, base)
+    keep = jnp.where(lanes == w, alive, keep)
+    count = count + jax.lax.population_count(alive)
+    return ((w + 1, count, removed, keep, base, pend_new, pend1, removed_next,
+             alive) + tuple(after_next) + tuple(upcoming))
 
   def step_plain(state):
     w, count, removed, keep, base = state
@@ -454,7 +630,17 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
     init = (jnp.int32(0), jnp.int32(0), removed, zeros, zeros)
   else:
     init = (first_word, state_ref[0], removed, keep_ref[...], base_ref[...])
-  if pipelined:
+  if resolve_form == "band":
+    init = init + (jnp.zeros((padded_words,), jnp.int32),
+                   word_of(removed, first_word)) + band_of(first_word)
+    final = jax.lax.while_loop(more, step_band, init)
+    removed = final[2] | final[5]
+  elif depth == 2:
+    init = init + (zeros, zeros, word_of(removed, first_word), jnp.int32(0))
+    init = init + (jnp.int32(0),) * WORD + ahead(first_word)
+    final = jax.lax.while_loop(more, step_deep, init)
+    removed = final[2] | final[5] | final[6]
+  elif depth == 1:
     init = init + (jnp.zeros((padded_words,), jnp.int32),
                    word_of(removed, first_word)) + ahead(first_word)
     final = jax.lax.while_loop(more, step_pipelined, init)
@@ -503,7 +689,7 @@ def chunk_rows_for(max_output_size, chunk_rows):
 def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
                        rows=64, words=4, mask_warps=4, scan_warps=None,
                        chunk_rows=4096, max_bytes=256 << 20, use_classes=True,
-                       pipelined=None, interpret=False):
+                       scan_depth=None, resolve_form=None, interpret=False):
   """Kept boxes over sorted positions via the chunked bitmask design.
 
   ``planes`` [B, 5, N] (x1, y1, x2, y2, area), ``cls``/``flags`` [B, N].
@@ -551,19 +737,31 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
       _mask_kernel, iou_threshold=float(iou_threshold), rows=rows,
       words=words, num_boxes=n, max_output_size=int(max_output_size),
       exact_ptx=not interpret, use_classes=use_classes)
-  if pipelined is None:
-    pipelined = SCAN_PIPELINED and not interpret
+  small = n < block_sizes.SMALL_BOXES
+  if scan_depth is None:  # interpret mode: the plain form is the fastest
+    scan_depth = 0 if interpret else SCAN_DEPTH if small else SCAN_DEPTH_LARGE
+  if resolve_form is None:
+    resolve_form = ("where" if interpret else RESOLVE if small
+                    else RESOLVE_LARGE)
   scan_kernel = functools.partial(
       _scan_kernel, chunk=chunk, num_words=num_words,
-      max_output_size=int(max_output_size), pipelined=pipelined,
-      interpret=interpret)
+      max_output_size=int(max_output_size), depth=int(scan_depth),
+      resolve_form=resolve_form, interpret=interpret)
   words_shape = jax.ShapeDtypeStruct((batch, padded_words), jnp.int32)
 
   mask_grid = (batch, chunk // rows, padded_words // words)
+  use_band = resolve_form == "band"
+  mask_out_spec = pl.BlockSpec((None, rows, words), lambda b, i, j: (b, i, j))
+  mask_out_shape = jax.ShapeDtypeStruct((batch, chunk, padded_words),
+                                        jnp.int32)
+  band_shape = jax.ShapeDtypeStruct((batch, chunk // WORD, 2 * WORD),
+                                    jnp.int32)
+  if use_band:  # the whole band block per image: programs write their parts
+    mask_out_spec = [mask_out_spec, pl.BlockSpec(
+        (None, chunk // WORD, 2 * WORD), lambda b, i, j: (b, 0, 0))]
+    mask_out_shape = [mask_out_shape, band_shape]
   mask_params = dict(
-      grid=mask_grid,
-      out_specs=pl.BlockSpec((None, rows, words), lambda b, i, j: (b, i, j)),
-      out_shape=jax.ShapeDtypeStruct((batch, chunk, padded_words), jnp.int32),
+      grid=mask_grid, out_specs=mask_out_spec, out_shape=mask_out_shape,
       compiler_params=_compat.gpu_compiler_params(num_warps=mask_warps,
                                                   num_stages=1),
       interpret=interpret)
@@ -573,6 +771,13 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
                                                   num_stages=1),
       interpret=interpret)
   mask_spec = pl.BlockSpec((None, chunk, padded_words), lambda b: (b, 0, 0))
+  band_spec = pl.BlockSpec((None, chunk // WORD, 2 * WORD),
+                           lambda b: (b, 0, 0))
+
+  def split(mask_out):  # (mask, band or None) and the scan's input specs
+    if use_band:
+      return tuple(mask_out), [mask_spec, band_spec]
+    return (mask_out, None), [mask_spec]
   removed_spec = pl.BlockSpec((None, padded_words), lambda b, i, j: (b, 0))
   state_shape = jax.ShapeDtypeStruct((batch, 16), jnp.int32)
   removed = ~valid_words
@@ -581,44 +786,70 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
     def mask_first(removed_ref, *refs):
       mask_kernel(None, removed_ref, *refs)
 
-    def scan_first(removed_ref, mask_ref, keep_out, base_out, state_out):
-      scan_kernel(removed_ref, None, None, None, mask_ref, None, keep_out,
-                  base_out, state_out)
+    def scan_first(removed_ref, mask_ref, *refs):
+      band_ref = refs[0] if use_band else None
+      keep_out, base_out, state_out = refs[-3:]
+      scan_kernel(removed_ref, None, None, None, mask_ref, band_ref, None,
+                  keep_out, base_out, state_out)
 
-    mask = pl.pallas_call(
+    (mask, band), specs = split(pl.pallas_call(
         mask_first, in_specs=[removed_spec] + [plane_spec] * 6,
-        **mask_params)(removed, *box_planes, box_cls)
+        **mask_params)(removed, *box_planes, box_cls))
     keep, base, state = pl.pallas_call(
-        scan_first, in_specs=[words_spec, mask_spec],
+        scan_first, in_specs=[words_spec] + specs,
         out_specs=[words_spec, words_spec, state_spec],
         out_shape=[words_shape] * 2 + [state_shape], **scan_params)(
-            removed, mask)
+            removed, mask, *([band] if use_band else []))
     return keep, base, state[:, 0]
+
+  def scan_chunk(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
+                 *refs):
+    band_ref = refs[0] if use_band else None
+    scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
+                band_ref, *refs[-4:])
 
   def one_chunk(carry):
     removed, keep, base, state = carry
-    mask = pl.pallas_call(
+    (mask, band), specs = split(pl.pallas_call(
         mask_kernel,
         in_specs=([pl.BlockSpec((None, 16), lambda b, i, j: (b, 0)),
                    removed_spec] + [plane_spec] * 6),
-        **mask_params)(state, removed, *box_planes, box_cls)
+        **mask_params)(state, removed, *box_planes, box_cls))
     return tuple(pl.pallas_call(
-        scan_kernel,
-        in_specs=[words_spec] * 3 + [state_spec, mask_spec],
+        scan_chunk,
+        in_specs=[words_spec] * 3 + [state_spec] + specs,
         out_specs=[words_spec] * 3 + [state_spec],
         out_shape=[words_shape] * 3 + [state_shape], **scan_params)(
-            removed, keep, base, state, mask))
+            removed, keep, base, state, mask, *([band] if use_band else [])))
 
   zeros = jnp.zeros((batch, padded_words), jnp.int32)
   carry = (removed, zeros, zeros, jnp.zeros((batch, 16), jnp.int32))
+  if static_chunks(num_chunks, n, max_output_size):
+    # No loop: an XLA while loop copies its predicate to the host every
+    # iteration (a sync); chunks past max_output_size exit at once instead.
+    for _ in range(num_chunks):
+      carry = one_chunk(carry)
+  else:
+    def more(carry):
+      state = carry[3]
+      return (state[0, 1] < n) & jnp.any(state[:, 0] < max_output_size)
 
-  def more(carry):
-    state = carry[3]
-    return (state[0, 1] < n) & jnp.any(state[:, 0] < max_output_size)
-
-  carry = jax.lax.while_loop(more, one_chunk, carry)
+    carry = jax.lax.while_loop(more, one_chunk, carry)
   _, keep, base, state = carry
   return keep, base, state[:, 0]
+
+
+# Chunks unrolled in the graph (no device->host sync per chunk) when every
+# chunk must run anyway (max_output_size >= N) or there are few of them.
+STATIC_CHUNKS_FEW = 3
+STATIC_CHUNKS_MAX = 8
+
+
+def static_chunks(num_chunks, num_boxes, max_output_size):
+  """Whether the chunk loop is unrolled (else a while loop that exits early)."""
+  if num_chunks > STATIC_CHUNKS_MAX:
+    return False
+  return max_output_size >= num_boxes or num_chunks <= STATIC_CHUNKS_FEW
 
 
 def words_to_indices(keep, base, count, order, max_output_size):
