@@ -3,18 +3,22 @@
 On a CUDA machine (the H100): batch 4, heads 16, seq 4096, head_dim 128, bf16,
 causal and not, forward and forward+backward, for
   ours         pallas_kernels.attention.gpu.forward/backward: on a Hopper the
-               Mosaic GPU forward (attention/mosaic_gpu.py) where it applies,
-               the Triton dq and dk/dv kernels
+               Mosaic GPU forward (attention/mosaic_gpu.py) and backward
+               (attention/mosaic_gpu_bwd.py) where they apply, else Triton
   ours_triton_fwd   the same with the Triton forward
+  ours_triton_bwd   the same with the Triton dq and dk/dv kernels
   ours_plain_order  the same without the chunked causal launch order
   ours_api     the public op (flash_attention, backend="gpu")
   cudnn / xla  jax.nn.dot_product_attention(implementation=...)
   jax_mha      jax.experimental.pallas.ops.gpu.attention.mha (Pallas Triton)
   jax_mgpu     jax.experimental.pallas.ops.gpu.attention_mgpu (Mosaic GPU)
-  tokamax      if importable
+  tokamax      tokamax.dot_product_attention(implementation="mosaic"), if
+               importable (its wheels travel in the repo's ignored .whl/;
+               an absent xprof is stubbed, see _stub_xprof)
   torch_flash / torch_cudnn   torch SDPA with that backend forced
 plus an 8192^3 bf16 matmul (jax and torch) as the measured peak; then, for
-each ``--head-dims`` value, ours (both forwards) against cuDNN. FLOPs:
+each ``--head-dims`` value, the ``--head-dim-impls`` (ours, Triton backward,
+cuDNN by default). FLOPs:
 forward 4*B*H*L*L*D (causal: half); forward+backward 3.5x that (backward does
 5 of the 7 matmuls; the recomputed QK^T is not counted, as is usual). Before
 timing it checks the kernel's forward and gradients against a float32
@@ -24,13 +28,16 @@ rewritten after each section, so a run cut short keeps its rows.
 
 ``--sweep`` times kernel variants (``sweep_jobs``) with several processes
 compiling in parallel and taking turns on the GPU; ``--tune`` sweeps the
-block sizes of one kernel at a time.
+block sizes of one kernel at a time; ``--probe`` checks the Mosaic GPU
+backward and times its block-size variants against the Triton backward
+(``probe``), writing attention_probe.json.
 
 Elsewhere (CPU) ``--quick`` runs a small shape with the kernel in interpret
 mode beside the reference: a smoke test, not a speed figure.
 
-  python bench/bench_attention.py [--quick] [--tune] [--sweep] [--no-check]
-      [--no-peers] [--head-dims 64,256] [--note TEXT]
+  python bench/bench_attention.py [--quick] [--tune] [--sweep] [--probe]
+      [--no-check] [--no-peers] [--impls ours,cudnn,...] [--head-dims 64,256]
+      [--head-dim-impls ours,cudnn] [--results-name NAME] [--note TEXT]
 """
 from __future__ import annotations
 
@@ -285,10 +292,28 @@ def build_jax_mgpu(causal, q, k, v, do):
   return fwd, (None if causal else fwd_bwd)
 
 
+def _stub_xprof():
+  """tokamax/_src/benchmarking.py imports
+  ``xprof.cli.tools.get_kernel_stats_tool`` at import time, only for its own
+  profiling tools; xprof is not installed on the GPU machine, so empty
+  modules stand in for it (the attention op never calls it)."""
+  import types
+  try:
+    import xprof.cli.tools  # noqa: F401
+    return
+  except ImportError:
+    pass
+  for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+    sys.modules.setdefault(name, types.ModuleType(name))
+  sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None
+
+
 def build_tokamax(causal, q, k, v, do):
-  import tokamax  # noqa: F401  (probably not installed)
-  t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-  fn = functools.partial(tokamax.dot_product_attention, is_causal=causal)
+  _stub_xprof()
+  import tokamax  # wheels carried to the GPU machine (.whl/)
+  t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B,L,H,D]
+  fn = functools.partial(tokamax.dot_product_attention, is_causal=causal,
+                         implementation="mosaic")
   return _jax_pair(fn, t(q), t(k), t(v), t(do))
 
 
@@ -556,7 +581,8 @@ def sweep(args):
   return rows
 
 
-PEERS = ["ours", "ours_triton_fwd", "ours_plain_order", "ours_api", "cudnn",
+PEERS = ["ours", "ours_triton_fwd", "ours_triton_bwd", "ours_plain_order",
+         "ours_api", "cudnn",
          "xla", "jax_mha", "jax_mgpu", "tokamax", "torch_flash", "torch_cudnn"]
 
 
@@ -568,6 +594,9 @@ def builder(name):
       # order (no chunked heavy-first order for causal masks).
       "ours_triton_fwd": functools.partial(
           build_ours, sizes=gpu.GpuBlockSizes(forward_kernel="triton")),
+      # The Triton dk/dv kernel instead of the Mosaic GPU one.
+      "ours_triton_bwd": functools.partial(
+          build_ours, sizes=gpu.GpuBlockSizes(backward_kernel="triton")),
       "ours_plain_order": functools.partial(
           build_ours, sizes=gpu.GpuBlockSizes(band_chunk=0)),
       "ours_api": build_ours_api,
@@ -682,7 +711,7 @@ def bench_gpu(args):
     # Other head dims: ours (both forwards) and cuDNN.
     dq, dk, dv, ddo = random_qkv_do((b, h, l, dim), jnp.bfloat16, seed=dim)
     for causal in (False, True):
-      for name in ("ours", "ours_triton_fwd", "cudnn"):
+      for name in args.head_dim_impls:
         for mode in ("fwd", "fwd+bwd"):
           row = dict(impl=name, causal=causal, mode=mode, head_dim=dim,
                      ms=None, note="")
@@ -718,7 +747,7 @@ def publish(rows, extra, args, final=False):
       row["ours_speedup_vs_this"] = row["ms"] / ours["ms"]
     if row["ms"] and cudnn and cudnn["ms"]:
       row["this_vs_cudnn"] = cudnn["ms"] / row["ms"]
-  path = harness.write_results("attention", rows, extra=extra,
+  path = harness.write_results(args.results_name, rows, extra=extra,
                                directory=args.out)
   if final:
     columns = ["impl", "head_dim", "causal", "mode", "ms", "tflops",
@@ -759,6 +788,152 @@ def bench_cpu(args):
   return 0
 
 
+# ---------------------------------------------------------------------------
+# Probe (--probe): one device call's worth of diagnosis for the backward:
+# checks of the Mosaic GPU dk/dv kernel, backward-only and fwd+bwd timings of
+# its variants against the Triton dk/dv kernel, and the compiled fwd+bwd
+# program's non-kernel ops (copies/transposes between forward and backward).
+
+PROBE_CASES = [
+    (2, 4, 4, 256, 256, 128, "bfloat16", dict()),
+    (2, 4, 4, 256, 256, 128, "bfloat16", dict(causal=True)),
+    (1, 8, 2, 300, 300, 64, "bfloat16", dict(causal=True)),
+    (1, 4, 1, 129, 517, 64, "bfloat16", dict(causal=True, left=100,
+                                             cap=5.0)),
+    (1, 4, 2, 1000, 700, 128, "bfloat16", dict(left=70, right=30)),
+    (1, 2, 2, 200, 40, 128, "bfloat16", dict(causal=True)),
+]
+
+
+def _hlo_summary(fn, *args):
+  """Ops of the optimized HLO that are not kernels: copies, transposes."""
+  import re
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  entry = text[text.find("ENTRY"):]
+  kinds = {}
+  for line in entry.splitlines():
+    m = re.search(r"= \S+ (\w[\w-]*)\(", line)
+    if m:
+      kinds[m.group(1)] = kinds.get(m.group(1), 0) + 1
+  interesting = [line.strip()[:300] for line in entry.splitlines()
+                 if re.search(r" (copy|transpose|fusion|custom-call)", line)]
+  return dict(op_counts=kinds, lines=interesting[:60])
+
+
+def probe(args):
+  import json
+  from pallas_kernels.attention import mosaic_gpu_bwd
+  out_dir = args.out or os.path.join(HERE, "results")
+  os.makedirs(out_dir, exist_ok=True)
+  result = dict(device=harness.device_info())
+  path = os.path.join(out_dir, "attention_probe.json")
+
+  def save():
+    with open(path, "w") as f:
+      json.dump(result, f, indent=1, default=str)
+
+  key = jax.random.key(int(time.time()))
+  checks = []
+  for case in PROBE_CASES if not args.no_check else ():
+    try:
+      checks.append(_check_case(case, key, False))
+    except Exception as e:
+      traceback.print_exc(limit=3)
+      checks.append(dict(case=str(case), ok=False,
+                         error=f"{type(e).__name__}: {str(e)[:400]}"))
+    print(checks[-1], flush=True)
+  result["checks"] = checks
+  save()
+
+  b, h, l = args.batch, args.heads, args.seq
+  timings = []
+  result["timings"] = timings
+
+  def time_variants(d, causals=(False, True), skip=()):
+    q, k, v, do = random_qkv_do((b, h, l, d), jnp.bfloat16, seed=d)
+    dkv_sizes = mosaic_gpu_bwd.MosaicGpuBwdBlockSizes
+    dq_sizes = mosaic_gpu_bwd.MosaicGpuDqBlockSizes
+    for causal in causals:
+      variants = [
+          ("bwd triton dq+dkv", "bwd", gpu.GpuBlockSizes(
+              backward_kernel="triton"), None),
+          ("bwd mosaic dq+dkv", "bwd", None, None),
+          ("fwd+bwd ours", "fwd+bwd", None, None),
+      ]
+      if d == 128:
+        variants.append(("fwd+bwd ours_triton_bwd", "fwd+bwd",
+                         gpu.GpuBlockSizes(backward_kernel="triton"), None))
+      else:
+        variants += [
+            ("bwd mosaic, dkv stages=3", "bwd", None,
+             dict(dkv=dkv_sizes(stages=3))),
+            ("bwd mosaic, dq block_k=128", "bwd", None,
+             dict(dq=dq_sizes(block_k=128))),
+            ("bwd mosaic, dkv block_q=128", "bwd", None,
+             dict(dkv=dkv_sizes(block_q=128))),
+            ("bwd mosaic, dq block_k=128 stages=3", "bwd", None,
+             dict(dq=dq_sizes(block_k=128, stages=3)))]
+      for label, kind, sizes, mosaic_sizes in variants:
+        if label in skip:
+          continue
+        mosaic_sizes = mosaic_sizes or {}
+        mosaic_gpu_bwd.DEFAULT_BLOCK_SIZES = mosaic_sizes.get(
+            "dkv", dkv_sizes())
+        mosaic_gpu_bwd.DEFAULT_DQ_BLOCK_SIZES = mosaic_sizes.get(
+            "dq", dq_sizes())
+        mosaic_gpu_bwd.DQ_KERNEL = mosaic_sizes.get("dq_kernel", True)
+        row = dict(label=label, head_dim=d, causal=causal, ms=None)
+        try:
+          if kind == "bwd":
+            fn = _backward_only(causal, q, k, v, do, sizes)
+          else:
+            fn = build_ours(causal, q, k, v, do, sizes)[1]
+          row["ms"] = time_callable("ours", fn, args.iters) * 1e3
+        except Exception as e:
+          traceback.print_exc(limit=2)
+          row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        mosaic_gpu_bwd.DEFAULT_BLOCK_SIZES = dkv_sizes()
+        mosaic_gpu_bwd.DEFAULT_DQ_BLOCK_SIZES = dq_sizes()
+        mosaic_gpu_bwd.DQ_KERNEL = True
+        timings.append(row)
+        print(row, flush=True)
+      for name in ("cudnn", "tokamax") if d == 128 else ("cudnn",):
+        for mode in ("fwd", "fwd+bwd"):
+          row = dict(label=f"{mode} {name}", head_dim=d, causal=causal,
+                     ms=None)
+          try:
+            fns = builder(name)(causal, q, k, v, do)
+            row["ms"] = time_callable(name, fns[mode != "fwd"],
+                                      args.iters) * 1e3
+          except Exception as e:
+            traceback.print_exc(limit=2)
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+          timings.append(row)
+          print(row, flush=True)
+      save()
+
+  q, k, v, do = random_qkv_do((b, h, l, 128), jnp.bfloat16)
+  hlo = {}
+  for label, sizes in (("mosaic fwd, triton bwd", gpu.GpuBlockSizes(
+      backward_kernel="triton")), ("triton fwd, triton bwd", gpu.GpuBlockSizes(
+          forward_kernel="triton", backward_kernel="triton")),
+                       ("default", None)):
+    fn = ours_fn(False, 1 / math.sqrt(128), sizes)
+    try:
+      hlo[label] = _hlo_summary(
+          lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do), q, k, v, do)
+    except Exception as e:
+      hlo[label] = f"{type(e).__name__}: {str(e)[:300]}"
+  result["hlo"] = hlo
+  save()
+  print(json.dumps(hlo, indent=1)[:3000])
+  # The first probe run (checks, D128 non-causal) is in
+  # results/attention_backward_probe-h100-*.json; this one goes on from there.
+  time_variants(128, causals=(True,))
+  time_variants(64)
+  return 0
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
@@ -779,6 +954,12 @@ def main(argv=None):
   parser.add_argument("--head-dims", type=lambda x: [int(v) for v in
                                                      x.split(",") if v],
                       default=[], help="extra head dims (ours vs cuDNN)")
+  parser.add_argument("--results-name", default="attention",
+                      help="results file name (before -<device>-<date>)")
+  parser.add_argument("--head-dim-impls",
+                      type=lambda x: [v for v in x.split(",") if v],
+                      default=["ours", "ours_triton_bwd", "cudnn"],
+                      help="what --head-dims times")
   parser.add_argument("--out", default=None, help="results directory")
   parser.add_argument("--note", default=None,
                       help="a note stored in the results file")
@@ -788,12 +969,16 @@ def main(argv=None):
   parser.add_argument("--worker", default=None,
                       type=lambda x: tuple(int(v) for v in x.split("/")),
                       help=argparse.SUPPRESS)
+  parser.add_argument("--probe", action="store_true",
+                      help="GPU: check and time the backward variants")
   parser.add_argument("--tpu-roofline", action="store_true",
                       help="only print the TPU roofline estimate")
   args = parser.parse_args(argv)
   if args.sweep:
     sweep(args)
     return 0
+  if args.probe:
+    return probe(args)
   print_tpu_roofline(args)
   if args.tpu_roofline:
     return 0

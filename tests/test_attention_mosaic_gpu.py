@@ -170,3 +170,213 @@ def test_interpreted_kernel_is_deterministic(rng):
   second = _run(q, k, v, causal=True)
   for a, b in zip(first, second):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------ dk/dv backward --
+# attention/mosaic_gpu_bwd.py, in the same interpreter against the float64
+# gradients (delta and lse from the float64 forward, as the Triton dq kernel
+# hands them over). Tolerances as above: P and dS are rounded to the input
+# dtype before their matmuls and dK/dV are returned in it.
+
+from pallas_kernels.attention import gpu, mosaic_gpu_bwd  # noqa: E402
+
+
+def _check_dkv(rng, b, h, hk, lq, lk, d, dtype=jnp.bfloat16, sizes=None,
+               causal=False, left=None, right=None, cap=None):
+  q, k, v = _inputs(rng, b, h, hk, lq, lk, d, dtype)
+  do = jnp.asarray(rng.standard_normal(q.shape), dtype)
+  f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa
+  scale = 1 / math.sqrt(d)
+  out, lse, (_, dk, dv, _) = float64_reference(
+      f64(q), f64(k), f64(v), None, None, None, f64(do), sm_scale=scale,
+      causal=causal, left=left, right=right, cap=cap)
+  delta = (f64(do) * out).sum(-1)
+  got = mosaic_gpu_bwd.dkv(
+      q, k, v, do, jnp.asarray(lse, jnp.float32),
+      jnp.asarray(delta, jnp.float32), sm_scale=scale, causal=causal,
+      window_left=left, window_right=right, logit_soft_cap=cap,
+      block_sizes=sizes, interpret=INTERPRET)
+  for name, x, ref in zip(("dk", "dv"), got, (dk, dv)):
+    assert x.shape == ref.shape and x.dtype == dtype, name
+    x = f64(x)
+    assert np.isfinite(x).all(), name
+    rel = np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert rel < 1e-2, (name, rel)
+    np.testing.assert_allclose(x, ref, atol=3e-2, rtol=0, err_msg=name)
+  return got
+
+
+def test_dkv_supports_declines_what_it_cannot_run():
+  q, kv = _sds((1, 4, 256, 128)), _sds((1, 2, 256, 128))
+  if mosaic_gpu.api_missing() is not None:
+    assert isinstance(mosaic_gpu_bwd.supports(q, kv, kv), str)
+    return
+  assert mosaic_gpu_bwd.supports(q, kv, kv) is True
+  seg = _sds((1, 256), jnp.int32)
+  bias = _sds((1, 4, 256, 256), jnp.float32)
+  d256 = _sds((1, 4, 256, 256))
+  sizes = mosaic_gpu_bwd.MosaicGpuBwdBlockSizes
+  cases = {
+      "bias": ((q, kv, kv, None, bias), {}),
+      "segment": ((q, kv, kv, seg), {}),
+      "bf16 or all fp16": ((_sds(q.shape, jnp.float32), kv, kv), {}),
+      "head_dim 64 or 128": ((d256, d256, d256), {}),
+      "empty": ((_sds((1, 4, 0, 128)), kv, kv), {}),
+      "block_q": ((q, kv, kv), {"block_sizes": sizes(block_q=96)}),
+      "stages": ((q, kv, kv), {"block_sizes": sizes(stages=1)}),
+      "compute_registers": ((q, kv, kv), {"block_sizes":
+                                          sizes(compute_registers=236)}),
+      "shared memory": ((q, kv, kv), {"block_sizes": sizes(stages=8)}),
+  }
+  for needle, (args, kwargs) in cases.items():
+    reason = mosaic_gpu_bwd.supports(*args, **kwargs)
+    assert isinstance(reason, str) and needle in reason, (needle, reason)
+  with pytest.raises(ValueError, match="unsupported"):
+    mosaic_gpu_bwd.dkv(jnp.zeros((1, 1, 64, 80), jnp.bfloat16),
+                       *([jnp.zeros((1, 1, 64, 80), jnp.bfloat16)] * 3),
+                       jnp.zeros((1, 1, 64)), jnp.zeros((1, 1, 64)),
+                       sm_scale=1.0, causal=False, window_left=None,
+                       window_right=None, logit_soft_cap=None)
+
+
+@pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
+                    reason="no Mosaic GPU Pallas API in this jax")
+@pytest.mark.parametrize("d", [64, 128])
+def test_dkv_gpu_kernel_lowers_for_cuda_on_a_cpu_host(d):
+  # The Pallas -> Mosaic GPU lowering (wgmmas, layouts, TMA) runs here; only
+  # the final PTX compile needs the GPU.
+  q, kv = _sds((2, 4, 1000, d)), _sds((2, 2, 1500, d))
+  rows = _sds((2, 4, 1000), jnp.float32)
+  fn = lambda *a: mosaic_gpu_bwd.dkv(  # noqa: E731
+      *a, sm_scale=0.1, causal=True, window_left=100, window_right=None,
+      logit_soft_cap=3.0)
+  dk, dv = jax.eval_shape(fn, q, kv, kv, q, rows, rows)
+  assert dk.shape == dv.shape == kv.shape
+  text = jax.jit(fn).trace(q, kv, kv, q, rows, rows).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+@needs_interpreter
+def test_dkv_gqa_ragged_end_aligned_causal(rng):
+  # GQA group 2 over 3 kv tiles of 64 keys per warpgroup (the last part
+  # padding); Lk > Lq shifts the causal band by Lk - Lq.
+  _check_dkv(rng, 1, 2, 1, 200, 300, 64, causal=True)
+
+
+@needs_interpreter
+def test_dkv_more_queries_than_keys_and_empty_rows(rng):
+  # Causal with Lq > Lk: the first Lq - Lk query rows see no key (lse -inf).
+  _check_dkv(rng, 1, 1, 1, 200, 40, 128, causal=True)
+
+
+@needs_interpreter
+def test_dkv_window_soft_cap_fp16_three_slots(rng):
+  # A two-sided window skips leading and trailing q blocks of each
+  # warpgroup; 3 ring slots are refilled; soft cap scales dS by 1 - tanh^2.
+  _check_dkv(rng, 1, 1, 1, 130, 260, 64, dtype=jnp.float16, left=150,
+             right=40, cap=4.0,
+             sizes=mosaic_gpu_bwd.MosaicGpuBwdBlockSizes(stages=3))
+
+
+@pytest.mark.slow
+@needs_interpreter
+def test_dkv_full_mask_multi_head_group(rng):
+  _check_dkv(rng, 2, 4, 2, 128, 256, 128)
+
+
+def _check_dq(rng, b, h, hk, lq, lk, d, dtype=jnp.bfloat16, sizes=None,
+              causal=False, left=None, right=None, cap=None):
+  q, k, v = _inputs(rng, b, h, hk, lq, lk, d, dtype)
+  do = jnp.asarray(rng.standard_normal(q.shape), dtype)
+  f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa
+  scale = 1 / math.sqrt(d)
+  out, lse, (dq, _, _, _) = float64_reference(
+      f64(q), f64(k), f64(v), None, None, None, f64(do), sm_scale=scale,
+      causal=causal, left=left, right=right, cap=cap)
+  delta = mosaic_gpu_bwd.delta_of(jnp.asarray(out, jnp.float32), do)
+  got = mosaic_gpu_bwd.dq(
+      q, k, v, do, jnp.asarray(lse, jnp.float32), delta, sm_scale=scale,
+      causal=causal, window_left=left, window_right=right,
+      logit_soft_cap=cap, block_sizes=sizes, interpret=INTERPRET)
+  assert got.shape == q.shape and got.dtype == dtype
+  got = f64(got)
+  assert np.isfinite(got).all()
+  rel = np.linalg.norm(got - dq) / max(np.linalg.norm(dq), 1e-30)
+  assert rel < 1e-2, rel
+  np.testing.assert_allclose(got, dq, atol=3e-2, rtol=0)
+  return got
+
+
+@needs_interpreter
+def test_dq_gqa_ragged_end_aligned_causal(rng):
+  # 2 q tiles (the second part padding) over 3 kv blocks of 128 keys, the
+  # last one padded (its keys masked); GQA group 2.
+  _check_dq(rng, 1, 2, 1, 130, 300, 64, causal=True)
+
+
+@needs_interpreter
+def test_dq_more_queries_than_keys_gives_zero_rows(rng):
+  got = _check_dq(rng, 1, 1, 1, 140, 20, 128, causal=True)
+  assert np.all(got[..., :120, :] == 0)
+
+
+@needs_interpreter
+def test_dq_window_soft_cap_fp16_three_slots(rng):
+  _check_dq(rng, 1, 1, 1, 130, 260, 64, dtype=jnp.float16, left=150,
+            right=40, cap=4.0,
+            sizes=mosaic_gpu_bwd.MosaicGpuDqBlockSizes(stages=3))
+
+
+def test_dq_supports_declines_what_it_cannot_run():
+  q, kv = _sds((1, 4, 256, 128)), _sds((1, 2, 256, 128))
+  if mosaic_gpu.api_missing() is not None:
+    assert isinstance(mosaic_gpu_bwd.supports_dq(q, kv, kv), str)
+    return
+  assert mosaic_gpu_bwd.supports_dq(q, kv, kv) is True
+  sizes = mosaic_gpu_bwd.MosaicGpuDqBlockSizes
+  for needle, kwargs in (("block_k", dict(block_k=32)),
+                         ("stages", dict(stages=1)),
+                         ("shared memory", dict(block_k=256, stages=3))):
+    reason = mosaic_gpu_bwd.supports_dq(q, kv, kv,
+                                        block_sizes=sizes(**kwargs))
+    assert isinstance(reason, str) and needle in reason, (needle, reason)
+  reason = mosaic_gpu_bwd.supports_dq(_sds((1, 4, 256, 256)),
+                                      _sds((1, 4, 256, 256)),
+                                      _sds((1, 4, 256, 256)))
+  assert "dq kernel needs head_dim" in reason
+
+
+@pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
+                    reason="no Mosaic GPU Pallas API in this jax")
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_dq_gpu_kernel_lowers_for_cuda_on_a_cpu_host(block_k):
+  q, kv = _sds((2, 4, 1000, 128)), _sds((2, 2, 1500, 128))
+  rows = _sds((2, 4, 1000), jnp.float32)
+  fn = lambda *a: mosaic_gpu_bwd.dq(  # noqa: E731
+      *a, sm_scale=0.1, causal=True, window_left=100, window_right=None,
+      logit_soft_cap=3.0,
+      block_sizes=mosaic_gpu_bwd.MosaicGpuDqBlockSizes(block_k=block_k))
+  assert jax.eval_shape(fn, q, kv, kv, q, rows, rows).shape == q.shape
+  text = jax.jit(fn).trace(q, kv, kv, q, rows, rows).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+def test_backward_kernel_choice(monkeypatch):
+  monkeypatch.delenv(gpu.BACKWARD_KERNEL_ENV_VAR, raising=False)
+  assert gpu.backward_kernel() == "auto"
+  monkeypatch.setenv(gpu.BACKWARD_KERNEL_ENV_VAR, "Triton")
+  assert gpu.backward_kernel() == "triton"
+  assert gpu.backward_kernel(gpu.GpuBlockSizes(backward_kernel="mosaic")) == (
+      "mosaic")
+  monkeypatch.setenv(gpu.BACKWARD_KERNEL_ENV_VAR, "cudnn")
+  with pytest.raises(ValueError, match="backward kernel"):
+    gpu.backward_kernel()
+  with pytest.raises(ValueError, match="backward_kernel"):
+    gpu.GpuBlockSizes(backward_kernel="x").resolved(256, False)
+  monkeypatch.delenv(gpu.BACKWARD_KERNEL_ENV_VAR)
+  # No Hopper GPU here: the Triton dk/dv kernel runs even when asked for.
+  q = jnp.zeros((1, 2, 128, 128), jnp.bfloat16)
+  assert gpu._mosaic_backward(q, q, q, None, None, gpu.GpuBlockSizes(
+      backward_kernel="mosaic")) is None

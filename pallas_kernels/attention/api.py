@@ -8,7 +8,9 @@ backward kernels (``jax.custom_vjp``): the Mosaic dq and dk/dv kernels on TPU,
 the GPU kernels on CUDA, and autodiff of the reference for
 ``backend="reference"``. On a Hopper GPU the forward is the Mosaic GPU kernel
 (``attention/mosaic_gpu.py``) for the calls it supports, the Triton one
-otherwise (``attention.gpu.forward_kernel`` says how to choose).
+otherwise (``attention.gpu.forward_kernel`` says how to choose); likewise the
+backward runs the Mosaic GPU dq and dk/dv kernels
+(``attention/mosaic_gpu_bwd.py``, ``attention.gpu.backward_kernel``).
 """
 from __future__ import annotations
 

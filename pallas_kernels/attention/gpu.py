@@ -22,6 +22,13 @@ Algorithm
   each block's dq share into a float32 buffer with Triton atomics does 5
   matmuls instead of 7 but ran 3-8x slower (D=128: 12-31 ms against 3.6 ms),
   the atomics' memory traffic dominating; it was dropped.
+  On a Hopper GPU the backward instead runs the two warp-specialised Mosaic
+  GPU kernels of ``attention/mosaic_gpu_bwd.py`` (same split, delta from one
+  XLA reduction) for the calls their ``supports`` accept (bf16/fp16,
+  head_dim 64/128, no bias or segment ids); choose with
+  ``GpuBlockSizes.backward_kernel`` or ``PALLAS_KERNELS_ATTENTION_GPU_
+  BACKWARD`` = auto | triton | mosaic (``backward_kernel()``). Interpret mode
+  always runs the Triton kernels.
 
 Semantics are those of ``pallas_kernels.attention.reference`` (shared with the
 TPU kernel): logits ``sm_scale * q.k`` in float32, optional soft cap
@@ -73,16 +80,19 @@ row, which was checked for correctness there, not tuned.
   (for instance the TPU kernel's block sizes) are ignored here.
 
 Measured (H100, bf16, B=4, H=16, L=4096; bench/results/attention-h100-*.json
-has every peer). Speed relative to cuDNN (jax.nn.dot_product_attention),
-forward / forward+backward, with the Mosaic GPU forward:
-  D=128  full 0.99 / 0.77   causal 1.06 / 0.88
-  D=64   full 0.85 / 0.77   causal 0.98 / 0.91
-  D=256  full 0.93 / 0.64
-  The Triton forward alone is 0.77 (D=128 full) of cuDNN. The backward
-  (3.7-3.9 ms at D=128, full mask) recomputes p in both kernels (7 matmuls
-  where cuDNN does 5) and, without warp specialisation in the Triton
-  lowering, does not overlap its exp work with the matmuls; the chunked
-  causal launch order took 6% off the causal forward+backward.
+and attention_head_dims-h100-*.json have every peer). Speed relative to
+cuDNN (jax.nn.dot_product_attention), forward / forward+backward, with the
+Mosaic GPU forward and backward:
+  D=128  full 0.97 / 0.94-0.97   causal 1.13 / 0.96-0.98
+  D=64   full 1.09 / 1.01        causal 1.03 / 1.08
+  D=256  full 0.95 / 0.63 (Triton backward)
+  With the Triton backward instead, D=128 forward+backward is 0.81 (full)
+  and 0.86 (causal) of cuDNN; its backward (3.9 ms at D=128, full mask)
+  does not overlap its exp work with the matmuls (no warp specialisation in
+  the Triton lowering). The Mosaic GPU backward takes 3.0 ms there: its 7
+  matmuls run at about 630 TFLOP/s, so the remaining gap to cuDNN (which
+  does 5) is the recomputation of P in both kernels. The chunked causal
+  launch order took 6% off the Triton causal forward+backward.
 """
 from __future__ import annotations
 
@@ -127,6 +137,9 @@ class GpuBlockSizes:
   band_chunk: int | None = None
   # Forward kernel: None (auto), "triton" or "mosaic"; see forward_kernel().
   forward_kernel: str | None = None
+  # Backward kernels: None (auto), "triton" or "mosaic"; see
+  # backward_kernel().
+  backward_kernel: str | None = None
 
   def resolved(self, row_bytes: int, banded: bool, bias: bool = False,
                itemsize: int = 2) -> "GpuBlockSizes":
@@ -158,6 +171,11 @@ class GpuBlockSizes:
           raise ValueError(f"GpuBlockSizes.forward_kernel={value!r}: must be "
                            f"None or one of {FORWARD_KERNELS}")
         values[name] = forward_kernel(self)
+      elif name == "backward_kernel":
+        if value is not None and value not in FORWARD_KERNELS:
+          raise ValueError(f"GpuBlockSizes.backward_kernel={value!r}: must "
+                           f"be None or one of {FORWARD_KERNELS}")
+        values[name] = backward_kernel(self)
       elif value is None:
         values[name] = defaults[name]
       elif name.startswith("block") and (value < MIN_BLOCK
@@ -477,6 +495,43 @@ def forward_kernel(block_sizes=None) -> str:
   return choice
 
 
+BACKWARD_KERNEL_ENV_VAR = "PALLAS_KERNELS_ATTENTION_GPU_BACKWARD"
+
+
+def backward_kernel(block_sizes=None) -> str:
+  """Which backward kernels the GPU path asks for: "auto", "triton",
+  "mosaic".
+
+  As ``forward_kernel``, from ``GpuBlockSizes.backward_kernel`` or
+  ``PALLAS_KERNELS_ATTENTION_GPU_BACKWARD``: "auto" and "mosaic" run the
+  Mosaic GPU dq and dk/dv kernels (``attention/mosaic_gpu_bwd.py``) on a
+  Hopper GPU where their ``supports`` accept the call; "triton" never does.
+  """
+  choice = getattr(block_sizes, "backward_kernel", None)
+  if choice is None:
+    choice = (os.environ.get(BACKWARD_KERNEL_ENV_VAR, "").strip().lower()
+              or "auto")
+  if choice not in FORWARD_KERNELS:
+    raise ValueError(f"attention GPU backward kernel {choice!r}: expected one "
+                     f"of {FORWARD_KERNELS} (GpuBlockSizes.backward_kernel "
+                     f"or {BACKWARD_KERNEL_ENV_VAR})")
+  return choice
+
+
+def _mosaic_backward(q, k, v, q_seg, bias, block_sizes):
+  """The Mosaic GPU backward module when it should run this backward, else
+  None."""
+  if backward_kernel(block_sizes) == "triton" or not _is_hopper():
+    return None
+  try:
+    from pallas_kernels.attention import mosaic_gpu_bwd
+  except Exception:  # absent or broken on this jax: Triton it is
+    return None
+  if mosaic_gpu_bwd.supports(q, k, v, q_seg, bias) is not True:
+    return None
+  return mosaic_gpu_bwd
+
+
 def _is_hopper() -> bool:
   """A Hopper (sm_90) GPU is the default device; decided at trace time."""
   try:
@@ -759,6 +814,19 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
   group, dp, segments, mask, sizes = _geometry(
       q, k, q_segment_ids, bias, causal=causal, window_left=window_left,
       window_right=window_right, block_sizes=block_sizes)
+  mosaic = None if interpret else _mosaic_backward(
+      q, k, v, q_segment_ids, bias, block_sizes)
+  unpadded = (q, k, v, d_out, lse)
+  mask_kwargs = dict(sm_scale=sm_scale, causal=causal,
+                     window_left=window_left, window_right=window_right,
+                     logit_soft_cap=logit_soft_cap)
+  if mosaic is not None and mosaic.DQ_KERNEL and mosaic.supports_dq(
+      q, k, v) is True:
+    # Both Mosaic GPU kernels; delta = rowsum(dO * O) - d_lse in XLA.
+    delta = mosaic.delta_of(out, d_out, d_lse)
+    dq = mosaic.dq(*unpadded, delta, **mask_kwargs)
+    dk, dv = mosaic.dkv(*unpadded, delta, **mask_kwargs)
+    return dq, dk, dv, None
   bq_dq = _fit_block(sizes.block_q_dq, lq)
   bk_dq = _fit_block(sizes.block_k_dq, lk)
   bq_kv = _fit_block(sizes.block_q_dkv, lq)
@@ -783,6 +851,9 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
       q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, sizes=sizes,
       mask=mask, bq=bq_dq, bk=bk_dq, group=group, dbias_wanted=dbias_wanted,
       sm_scale=sm_scale, soft_cap=logit_soft_cap, interpret=interpret)
+  if mosaic is not None:
+    dk, dv = mosaic.dkv(*unpadded, delta, **mask_kwargs)
+    return _crop(dq, (batch, heads, lq, dim)), dk, dv, None
 
   # dk, dv: grid over kv blocks and kv heads; loops over the group's q heads.
   order = _launch_order(lk_pad // bk_kv, batch, kv_heads, mask, sizes,

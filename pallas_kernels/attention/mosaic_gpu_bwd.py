@@ -1,0 +1,747 @@
+"""Flash-attention backward for Hopper GPUs: Pallas Mosaic GPU kernels.
+
+Two kernels, as in the Triton backward (``attention/gpu.py``), so that no
+atomics are needed; both recompute ``P = exp2(S * scale2 - lse2)`` from the
+forward's lse (7 matmuls per block pair where an atomic-dq kernel does 5).
+delta = rowsum(dO * O) - d_lse is one XLA reduction before them.
+
+dk/dv kernel (``dkv``; warp specialised, wgmma + TMA)
+  One CTA per (kv head, 128-key tile, batch) runs three warpgroups. Each of
+  the two compute warpgroups owns 64 keys: it loads its K and V rows into
+  SMEM once and keeps float32 dK and dV accumulators (64 x D each) in
+  registers. The memory warpgroup streams, for every query head of the GQA
+  group and every ``block_q``-row query block of the tile's band, the blocks
+  of Q, dO, the base-2 lse and delta into a ring of ``stages`` SMEM slots with
+  TMA (one "loaded" barrier per buffer and slot, one "consumed" barrier per
+  slot that both compute warpgroups arrive on). Per block a compute
+  warpgroup issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` together, forms
+  ``P^T`` and ``dS^T = P^T (dP^T - delta)`` in registers, then issues
+  ``dV += P^T dO`` and ``dK += dS^T Q`` with the left operands taken straight
+  from registers. The two compute warpgroups are not synchronised with each
+  other, so one's exp work overlaps the other's matmuls. The epilogue writes
+  ``dK * sm_scale`` and ``dV`` through the K/V SMEM tiles with TMA.
+
+dq kernel (``dq``; same structure as the forward, attention/mosaic_gpu.py)
+  One CTA per (head, 128-row q tile, batch); each compute warpgroup owns 64
+  query rows (Q, dO, lse2 and delta loaded once) and a float32 dQ
+  accumulator; the memory warpgroup streams K and V blocks of the band
+  through the ring. Per block: ``S = Q K^T`` and ``dP = dO V^T`` issued
+  together, ``dS = P (dP - delta)``, ``dQ += dS K`` from registers.
+
+Semantics are those of the Triton backward: logits ``sm_scale * q.k``,
+optional soft cap (``ds *= 1 - tanh^2``), causal / sliding-window band
+aligned at the sequence ends (``offset = Lk - Lq``). Rows with lse = -inf
+(no unmasked key) and padded query rows carry lse2 = +inf, so their P is 0
+and their dq is 0. Padded keys are masked in the dq kernel; in the dk/dv
+kernel their rows are computed and cropped. Not handled (``supports`` /
+``supports_dq`` say so, and ``gpu.backward`` runs the Triton kernels): bias,
+segment ids, float32, head_dim other than 64 or 128 (at 256 the two 64 x 256
+float32 dK/dV accumulators alone need 256 registers per thread, and the dq
+kernel's Q, dO and K/V ring overflow shared memory).
+
+Block skipping
+  Each memory warpgroup loads only the blocks of the union of its two
+  compute warpgroups' bands; a compute warpgroup waits for and releases the
+  slots of blocks outside its own band without computing, and builds the
+  mask only for blocks on the band's edges. Under a causal mask the dq
+  kernel starts the longest q tiles first; the dk/dv kernel's first kv
+  tiles (launched first) are already the longest.
+
+Padding (where it costs speed): dk/dv pads ``Lk`` to a multiple of 128 and
+``Lq`` to one of ``block_q``; dq pads ``Lq`` to 128 and ``Lk`` to ``block_k``
+(``jnp.pad`` copies); aligned shapes pay nothing.
+
+Block sizes (``MosaicGpuBwdBlockSizes``, ``MosaicGpuDqBlockSizes``; tuned
+on an H100, bf16, B=4, H=16, L=4096 with bench/bench_attention.py --probe;
+results/attention_backward_probe-h100-*.json), 2 ring stages and 232/40
+registers throughout:
+  ========  ==============  ==========  ====================================
+  head_dim  dk/dv block_q   dq block_k  backward ms (full / causal), others
+  ========  ==============  ==========  ====================================
+  128       64              64          3.03 / 1.65; Triton 3.91 / 2.01;
+                                        dk/dv 3 stages 3.01; dq block_k 128
+                                        3.08; Triton dq + this dk/dv 3.43
+  64        128             128         64/64: 1.99 / 1.09; dk/dv block_q
+                                        128 alone 1.80 / 1.03, dq block_k
+                                        128 alone 1.91 / 1.07 (both:
+                                        fwd+bwd 2.32 / 1.34); Triton
+                                        2.34 / 1.25
+  ========  ==============  ==========  ====================================
+  At head_dim 128 a 128-row dk/dv block_q would need 64 more registers per
+  thread for S^T and dP^T than the 232 the compute warpgroups get.
+
+Testing without a GPU: as for the forward, the Mosaic GPU interpreter runs
+everything but the wgmmas and layout casts, which become plain
+float32-accumulated dots of the same SMEM tiles; the GPU lowering itself
+(wgmma operands, layouts, TMA) runs on a CPU host too (``jax.jit(...).trace(
+...).lower(lowering_platforms=("cuda",))``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat
+from pallas_kernels.attention import mosaic_gpu as fwd
+
+pl = _compat.pl
+plgpu = fwd.plgpu
+
+LOG2E = math.log2(math.e)
+NEG_INF = float("-inf")
+KEYS_PER_WG = 64  # one wgmma M tile per compute warpgroup
+COMPUTE_WGS = 2
+TILE_K = KEYS_PER_WG * COMPUTE_WGS
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuBwdBlockSizes:
+  """block_q (multiple of 64; None: 128 at head_dim 64, else 64), ring
+  stages (>= 2), register budgets."""
+  block_q: int | None = None
+  stages: int = 2
+  compute_registers: int = 232
+  memory_registers: int = 40
+
+  def resolved(self, head_dim: int) -> "MosaicGpuBwdBlockSizes":
+    if self.block_q is not None:
+      return self
+    return dataclasses.replace(self, block_q=128 if head_dim <= 64 else 64)
+
+  def check(self) -> str | None:
+    if self.block_q is not None and (self.block_q % 64 or self.block_q <= 0):
+      return f"block_q={self.block_q}: must be a positive multiple of 64"
+    if self.stages < 2:
+      return f"stages={self.stages}: must be >= 2"
+    for name, low, high in (("compute_registers", 24, 232),
+                            ("memory_registers", 24, 256)):
+      value = getattr(self, name)
+      if value % 8 or not low <= value <= high:
+        return f"{name}={value}: must be a multiple of 8 in [{low}, {high}]"
+    return None
+
+
+# The sizes ``dkv`` uses when given none (a bench may swap them for a sweep).
+DEFAULT_BLOCK_SIZES = MosaicGpuBwdBlockSizes()
+# Whether ``attention.gpu.backward`` also runs the Mosaic GPU dq kernel
+# (else the Triton one, which also computes delta); a bench may flip it.
+DQ_KERNEL = True
+
+
+def _smem_bytes(head_dim, itemsize, sizes: MosaicGpuBwdBlockSizes):
+  kv = 2 * COMPUTE_WGS * KEYS_PER_WG * head_dim * itemsize
+  ring = sizes.stages * (2 * sizes.block_q * head_dim * itemsize
+                         + 2 * sizes.block_q * 4)
+  return kv + ring + 4096  # barriers and alignment
+
+
+def supports(q, k, v, q_segment_ids=None, bias=None, block_sizes=None):
+  """True when ``dkv`` handles this call, else a string saying why not."""
+  reason = fwd.api_missing()
+  if reason:
+    return reason
+  if bias is not None:
+    return "the Mosaic GPU dk/dv kernel takes no bias"
+  if q_segment_ids is not None:
+    return "the Mosaic GPU dk/dv kernel takes no segment ids"
+  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+  if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16),
+                                              jnp.dtype(jnp.float16)):
+    return "the Mosaic GPU dk/dv kernel needs q, k, v all bf16 or all fp16"
+  head_dim = q.shape[-1]
+  if head_dim not in (64, 128):
+    return ("the Mosaic GPU dk/dv kernel needs head_dim 64 or 128, "
+            f"got {head_dim}")
+  if min(q.shape) == 0 or min(k.shape) == 0:
+    return "empty inputs are left to the Triton kernel"
+  sizes = (block_sizes or DEFAULT_BLOCK_SIZES).resolved(head_dim)
+  reason = sizes.check()
+  if reason:
+    return f"MosaicGpuBwdBlockSizes.{reason}"
+  if _smem_bytes(head_dim, jnp.dtype(q.dtype).itemsize, sizes) > fwd.SMEM_BYTES:
+    return "block_q x stages do not fit in shared memory"
+  return True
+
+
+def _q_ranges(col0, cols: int, block_q: int, band):
+  """q block ranges for keys [col0, col0 + cols), see ``fwd._kv_ranges``.
+
+  (lo, a, b, hi): blocks [lo, hi) hold some unmasked entry for some key;
+  those in [a, b) are unmasked for every key. Padding needs no mask here.
+  """
+  nq = -(-band.lq // block_q)
+  last_col = col0 + (cols - 1)
+  off = band.offset
+  if band.right is None:
+    lo, a = jnp.int32(0), jnp.int32(0)
+  else:
+    lo = fwd._div_floor(col0 - (off + band.right), block_q)
+    a = fwd._div_ceil(last_col - (off + band.right), block_q)
+  if band.left is None:
+    hi, b = jnp.int32(nq), jnp.int32(nq)
+  else:
+    hi = jnp.minimum(
+        fwd._div_ceil(jnp.minimum(last_col, band.lk - 1)
+                      + (band.left - off + 1), block_q), nq)
+    b = jnp.minimum(fwd._div_floor(col0 + (band.left - off + 1), block_q), nq)
+  lo = jnp.minimum(lo, hi)
+  a = jnp.clip(a, lo, hi)
+  b = jnp.clip(b, a, hi)
+  return lo, a, b, hi
+
+
+def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+            scratch, *, band, sm_scale, soft_cap, block_q, stages, group,
+            interpreting, compute_registers, memory_registers):
+  (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), barriers = scratch
+  (k_loaded, v_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded,
+   consumed) = barriers
+  kv_head = lax.axis_index("heads")
+  batch = lax.axis_index("batch")
+  tile = lax.axis_index("kv_tiles")
+  wg = lax.axis_index("wg")
+  dtype = q_smem.dtype
+  head_dim = q_smem.shape[-1]
+  bk = KEYS_PER_WG
+  cta_col0 = tile * TILE_K
+  lo_u, _, _, hi_u = _q_ranges(cta_col0, TILE_K, block_q, band)
+  blocks = hi_u - lo_u
+  steps = blocks * group
+
+  def slot_of(t):
+    return lax.rem(t, jnp.int32(stages))
+
+  @pl.when(wg < COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(compute_registers, action="increase")
+    k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+    col0 = cta_col0 + wg * bk
+    rows = pl.ds(col0, bk)
+    plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, rows], k_smem,
+                            k_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, rows], v_smem,
+                            v_loaded.at[wg])
+    lo, a, b, hi = (jnp.clip(x, lo_u, hi_u)
+                    for x in _q_ranges(col0, bk, block_q, band))
+    layout = plgpu.Layout.WGMMA
+    col_layout = layout.reduce(0)
+
+    def cast(x, new_layout):  # the interpreter has no rule for layout casts
+      return x if interpreting else plgpu.layout_cast(x, new_layout)
+
+    def iota(dim):
+      return cast(lax.broadcasted_iota(jnp.int32, (bk, block_q), dim), layout)
+
+    def load_col(ref):
+      if interpreting:
+        return ref[...]
+      return plgpu.load(ref, (), layout=col_layout)
+
+    def wait_loaded(slot):
+      for barrier in (q_loaded, do_loaded, lse_loaded, delta_loaded):
+        plgpu.barrier_wait(barrier.at[slot])
+
+    def skip(i, carry, g):
+      slot = slot_of(g * blocks + (i - lo_u))
+      wait_loaded(slot)
+      plgpu.barrier_arrive(consumed.at[slot])
+      return carry
+
+    def step(i, carry, g, masked):
+      dk, dv = carry
+      slot = slot_of(g * blocks + (i - lo_u))
+      q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
+      wait_loaded(slot)
+      if interpreting:
+        dims_nt = (((1,), (1,)), ((), ()))
+        s = lax.dot_general(k_smem[...], q_slot[...], dims_nt,
+                            preferred_element_type=jnp.float32)
+        dp = lax.dot_general(v_smem[...], do_slot[...], dims_nt,
+                             preferred_element_type=jnp.float32)
+      else:
+        def s_dp_products(s_ref, dp_ref):
+          plgpu.wgmma(s_ref, k_smem, plgpu.transpose_ref(q_slot, (1, 0)))
+          plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_slot, (1, 0)))
+          return s_ref[...], dp_ref[...]
+
+        acc = plgpu.ACC((bk, block_q), jnp.float32)
+        s, dp = pl.run_scoped(s_dp_products, acc, acc)
+      lse2 = load_col(lse_smem.at[slot])
+      delta = load_col(delta_smem.at[slot])
+      t = None
+      if soft_cap is None:
+        s = s * (sm_scale * LOG2E)
+      else:
+        t = jnp.tanh(s * (sm_scale / soft_cap))
+        s = t * (soft_cap * LOG2E)
+      if masked:  # rows are keys, columns queries
+        keys = col0 + iota(0)
+        queries = i * block_q + iota(1)
+        ok = None
+        if band.right is not None:
+          ok = keys <= queries + (band.offset + band.right)
+        if band.left is not None:
+          left_ok = keys >= queries + (band.offset - band.left)
+          ok = left_ok if ok is None else jnp.logical_and(ok, left_ok)
+        if ok is not None:
+          s = jnp.where(ok, s, NEG_INF)
+      p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [1]))
+      ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
+      if t is not None:
+        ds = ds * (1.0 - t * t)
+      p16, ds16 = p.astype(dtype), ds.astype(dtype)
+      if interpreting:
+        dims_nn = (((1,), (0,)), ((), ()))
+        dv = dv + lax.dot_general(p16, do_slot[...], dims_nn,
+                                  preferred_element_type=jnp.float32)
+        dk = dk + lax.dot_general(ds16, q_slot[...], dims_nn,
+                                  preferred_element_type=jnp.float32)
+      else:
+        def dk_dv_products(refs):
+          dk_ref, dv_ref = refs
+          plgpu.wgmma(dv_ref, p16, do_slot)
+          plgpu.wgmma(dk_ref, ds16, q_slot)
+
+        dk, dv = pl.run_state(dk_dv_products)(
+            (plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+      plgpu.barrier_arrive(consumed.at[slot])
+      return dk, dv
+
+    zeros = cast(jnp.full((bk, head_dim), 0.0, jnp.float32), layout)
+    plgpu.barrier_wait(k_loaded.at[wg])
+    plgpu.barrier_wait(v_loaded.at[wg])
+
+    def head(g, carry):
+      lax.fori_loop(lo_u, lo, functools.partial(skip, g=g), None)
+      masked = functools.partial(step, g=g, masked=True)
+      carry = lax.fori_loop(lo, a, masked, carry)
+      carry = lax.fori_loop(a, b, functools.partial(step, g=g, masked=False),
+                            carry)
+      carry = lax.fori_loop(b, hi, masked, carry)
+      lax.fori_loop(hi, hi_u, functools.partial(skip, g=g), None)
+      return carry
+
+    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    k_smem[...] = (dk * sm_scale).astype(dtype)
+    v_smem[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[batch, kv_head, rows])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[batch, kv_head, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == COMPUTE_WGS)
+  def _memory():
+    plgpu.set_max_registers(memory_registers, action="decrease")
+
+    def load(t, slot):
+      g = lax.div(t, blocks)
+      i = lo_u + lax.rem(t, blocks)
+      h = kv_head * group + g
+      rows = pl.ds(i * block_q, block_q)
+      for ref, smem, barrier in ((q_ref, q_smem, q_loaded),
+                                 (do_ref, do_smem, do_loaded),
+                                 (lse_ref, lse_smem, lse_loaded),
+                                 (delta_ref, delta_smem, delta_loaded)):
+        plgpu.copy_gmem_to_smem(ref.at[batch, h, rows], smem.at[slot],
+                                barrier.at[slot])
+
+    for s in range(stages):
+      @pl.when(s < steps)
+      def _prologue():
+        load(jnp.int32(s), s)
+
+    @pl.loop(jnp.int32(stages), steps)
+    def _refill(t):
+      slot = slot_of(t)
+      plgpu.barrier_wait(consumed.at[slot])
+      load(t, slot)
+
+    # Observe the last releases too, so every consumed phase is waited for.
+    @pl.loop(jnp.maximum(steps - stages, 0), steps)
+    def _drain(t):
+      plgpu.barrier_wait(consumed.at[slot_of(t)])
+
+
+def _row_inputs(lse, delta, lq, lq_pad):
+  """(lse2, delta) [B, H, lq_pad] float32: base-2 lse with +inf for empty and
+  padded rows (their P is then exactly 0), delta padded with zeros."""
+  lse = lse[:, :, :lq].astype(jnp.float32)
+  lse2 = jnp.where(lse == NEG_INF, jnp.inf, lse * LOG2E)
+  if lq_pad != lq:
+    lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, lq_pad - lq)),
+                   constant_values=jnp.inf)
+  delta = fwd._pad_axis(delta[:, :, :lq].astype(jnp.float32), 2, lq_pad)
+  return lse2, delta
+
+
+def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
+        window_right, logit_soft_cap, block_sizes=None, interpret=False):
+  """(dk, dv) [B, Hk, Lk, D] for the attention forward's (out, lse).
+
+  ``lse`` [B, H, Lq] natural-log (-inf for empty rows); ``delta`` [B, H, Lq]
+  = rowsum(dO * O) - d_lse, both float32 (longer arrays, padded rows beyond
+  ``q.shape[2]``, are cut). Call only where ``supports`` returned True.
+  ``interpret``: False on a GPU or ``InterpretGPUParams``; True picks the
+  default interpreter parameters.
+  """
+  sizes = (block_sizes or DEFAULT_BLOCK_SIZES).resolved(q.shape[-1])
+  ok = supports(q, k, v, block_sizes=sizes)
+  if ok is not True:
+    raise ValueError(f"mosaic_gpu_bwd.dkv: unsupported call: {ok}")
+  if interpret is True:
+    interpret = fwd.interpret_params()
+  batch, heads, lq, head_dim = q.shape
+  kv_heads, lk = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  bq = sizes.block_q
+  band = fwd._band(lq, lk, causal, window_left, window_right)
+  lq_pad = -(-lq // bq) * bq
+  lk_pad = -(-lk // TILE_K) * TILE_K
+  lse2, delta = _row_inputs(lse, delta, lq, lq_pad)
+  q = fwd._pad_axis(q, 2, lq_pad)
+  d_out = fwd._pad_axis(d_out.astype(q.dtype), 2, lq_pad)
+  k = fwd._pad_axis(k, 2, lk_pad)
+  v = fwd._pad_axis(v, 2, lk_pad)
+  dtype = q.dtype
+  interpreting = bool(interpret)
+  stages = sizes.stages
+
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  scratch = (
+      plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, head_dim), dtype,
+                 transforms=swizzled),
+      plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, head_dim), dtype,
+                 transforms=swizzled),
+      plgpu.SMEM((stages, bq, head_dim), dtype, transforms=swizzled),
+      plgpu.SMEM((stages, bq, head_dim), dtype, transforms=swizzled),
+      plgpu.SMEM((stages, bq), jnp.float32),
+      plgpu.SMEM((stages, bq), jnp.float32),
+  )
+  barriers = (
+      plgpu.Barrier(num_barriers=COMPUTE_WGS),  # k loaded
+      plgpu.Barrier(num_barriers=COMPUTE_WGS),  # v loaded
+      plgpu.Barrier(num_barriers=stages),  # q loaded
+      plgpu.Barrier(num_barriers=stages),  # dO loaded
+      plgpu.Barrier(num_barriers=stages),  # lse loaded
+      plgpu.Barrier(num_barriers=stages),  # delta loaded
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+  )
+  body = functools.partial(
+      _kernel, band=band, sm_scale=float(sm_scale),
+      soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
+      block_q=bq, stages=stages, group=group, interpreting=interpreting,
+      compute_registers=sizes.compute_registers,
+      memory_registers=sizes.memory_registers)
+  n_scratch = len(scratch)
+
+  def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
+    pl.run_scoped(
+        lambda *refs: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                           dk_ref, dv_ref,
+                           (refs[:n_scratch], refs[n_scratch:])),
+        *scratch, *barriers, collective_axes="wg")
+
+  kwargs = {}
+  if interpret:
+    kwargs["interpret"] = interpret
+  kv_type = jax.ShapeDtypeStruct((batch, kv_heads, lk_pad, head_dim), dtype)
+  dk, dv = plgpu.kernel(
+      entry,
+      out_type=(kv_type, kv_type),
+      grid=(kv_heads, lk_pad // TILE_K, batch),
+      grid_names=("heads", "kv_tiles", "batch"),
+      num_threads=COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **kwargs,
+  )(q, k, v, d_out, lse2, delta)
+  if lk_pad != lk:
+    dk, dv = dk[:, :, :lk], dv[:, :, :lk]
+  return dk, dv
+
+
+# -------------------------------------------------------------- dq kernel --
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuDqBlockSizes:
+  """block_k (multiple of 64; None: 128 at head_dim 64, else 64), ring
+  stages (>= 2), register budgets."""
+  block_k: int | None = None
+  stages: int = 2
+  compute_registers: int = 232
+  memory_registers: int = 40
+
+  def resolved(self, head_dim: int) -> "MosaicGpuDqBlockSizes":
+    if self.block_k is not None:
+      return self
+    return dataclasses.replace(self, block_k=128 if head_dim <= 64 else 64)
+
+  def check(self) -> str | None:
+    if self.block_k is not None and (self.block_k % 64 or self.block_k <= 0):
+      return f"block_k={self.block_k}: must be a positive multiple of 64"
+    return MosaicGpuBwdBlockSizes(
+        stages=self.stages, compute_registers=self.compute_registers,
+        memory_registers=self.memory_registers).check()
+
+
+DEFAULT_DQ_BLOCK_SIZES = MosaicGpuDqBlockSizes()
+ROWS_PER_WG = 64
+TILE_Q = ROWS_PER_WG * COMPUTE_WGS
+
+
+def _dq_smem_bytes(head_dim, itemsize, sizes: MosaicGpuDqBlockSizes):
+  q_do = 2 * TILE_Q * head_dim * itemsize
+  ring = 2 * sizes.stages * sizes.block_k * head_dim * itemsize
+  return q_do + ring + 2 * TILE_Q * 4 + 4096
+
+
+def supports_dq(q, k, v, q_segment_ids=None, bias=None, block_sizes=None):
+  """True when ``dq`` handles this call, else a string saying why not."""
+  reason = supports(q, k, v, q_segment_ids, bias)
+  if reason is not True:
+    return reason.replace("dk/dv", "dq")
+  sizes = (block_sizes or DEFAULT_DQ_BLOCK_SIZES).resolved(q.shape[-1])
+  reason = sizes.check()
+  if reason:
+    return f"MosaicGpuDqBlockSizes.{reason}"
+  if (_dq_smem_bytes(q.shape[-1], jnp.dtype(q.dtype).itemsize, sizes)
+      > fwd.SMEM_BYTES):
+    return "block_k x stages do not fit in shared memory"
+  return True
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+               scratch, *, band, sm_scale, soft_cap, block_k, stages, group,
+               nq, reverse_q, interpreting, compute_registers,
+               memory_registers):
+  (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), barriers = (
+      scratch)
+  (rows_loaded, k_loaded, v_loaded, consumed) = barriers
+  head = lax.axis_index("heads")
+  batch = lax.axis_index("batch")
+  tile = lax.axis_index("q_tiles")
+  if reverse_q:  # causal: the longest rows first
+    tile = (nq - 1) - tile
+  wg = lax.axis_index("wg")
+  dtype = q_smem2.dtype
+  head_dim = q_smem2.shape[-1]
+  bq = ROWS_PER_WG
+  cta_row0 = tile * TILE_Q
+  lo_u, _, _, hi_u = fwd._kv_ranges(cta_row0, TILE_Q, block_k, band)
+  steps = hi_u - lo_u
+
+  def slot_of(c):
+    return lax.rem(c - lo_u, jnp.int32(stages))
+
+  @pl.when(wg < COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(compute_registers, action="increase")
+    q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+    lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
+    row0 = cta_row0 + wg * bq
+    rows = pl.ds(row0, bq)
+    for ref, smem, i in ((q_ref, q_smem, 0), (do_ref, do_smem, 1),
+                         (lse_ref, lse_smem, 2), (delta_ref, delta_smem, 3)):
+      plgpu.copy_gmem_to_smem(ref.at[batch, head, rows], smem,
+                              rows_loaded.at[wg * 4 + i])
+    lo, a, b, hi = (jnp.clip(x, lo_u, hi_u)
+                    for x in fwd._kv_ranges(row0, bq, block_k, band))
+    layout = plgpu.Layout.WGMMA
+    row_layout = layout.reduce(1)
+
+    def cast(x, new_layout):  # the interpreter has no rule for layout casts
+      return x if interpreting else plgpu.layout_cast(x, new_layout)
+
+    def iota(dim):
+      return cast(lax.broadcasted_iota(jnp.int32, (bq, block_k), dim), layout)
+
+    def load_row(ref):
+      if interpreting:
+        return ref[...]
+      return plgpu.load(ref, (), layout=row_layout)
+
+    def wait_kv(slot):
+      plgpu.barrier_wait(k_loaded.at[slot])
+      plgpu.barrier_wait(v_loaded.at[slot])
+
+    def skip(c, carry):
+      slot = slot_of(c)
+      wait_kv(slot)
+      plgpu.barrier_arrive(consumed.at[slot])
+      return carry
+
+    def step(c, dq, masked):
+      slot = slot_of(c)
+      k_slot, v_slot = k_smem.at[slot], v_smem.at[slot]
+      wait_kv(slot)
+      if interpreting:
+        dims_nt = (((1,), (1,)), ((), ()))
+        s = lax.dot_general(q_smem[...], k_slot[...], dims_nt,
+                            preferred_element_type=jnp.float32)
+        dp = lax.dot_general(do_smem[...], v_slot[...], dims_nt,
+                             preferred_element_type=jnp.float32)
+      else:
+        def s_dp_products(s_ref, dp_ref):
+          plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_slot, (1, 0)))
+          plgpu.wgmma(dp_ref, do_smem, plgpu.transpose_ref(v_slot, (1, 0)))
+          return s_ref[...], dp_ref[...]
+
+        acc = plgpu.ACC((bq, block_k), jnp.float32)
+        s, dp = pl.run_scoped(s_dp_products, acc, acc)
+      t = None
+      if soft_cap is None:
+        s = s * (sm_scale * LOG2E)
+      else:
+        t = jnp.tanh(s * (sm_scale / soft_cap))
+        s = t * (soft_cap * LOG2E)
+      if masked:
+        q_rows = row0 + iota(0)
+        keys = c * block_k + iota(1)
+        ok = keys < band.lk
+        if band.right is not None:
+          ok = jnp.logical_and(ok, keys <= q_rows + (band.offset + band.right))
+        if band.left is not None:
+          ok = jnp.logical_and(ok, keys >= q_rows + (band.offset - band.left))
+        s = jnp.where(ok, s, NEG_INF)
+      p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0]))
+      ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+      if t is not None:
+        ds = ds * (1.0 - t * t)
+      ds16 = ds.astype(dtype)
+      if interpreting:
+        dq = dq + lax.dot_general(ds16, k_slot[...], (((1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+      else:
+        def dq_product(dq_ref):
+          plgpu.wgmma(dq_ref, ds16, k_slot)
+
+        dq = pl.run_state(dq_product)(plgpu.ACC.init(dq))
+      plgpu.barrier_arrive(consumed.at[slot])
+      return dq
+
+    for i in range(4):
+      plgpu.barrier_wait(rows_loaded.at[wg * 4 + i])
+    lse2 = load_row(lse_smem)
+    delta = load_row(delta_smem)
+    dq = cast(jnp.full((bq, head_dim), 0.0, jnp.float32), layout)
+    lax.fori_loop(lo_u, lo, skip, None)
+    dq = lax.fori_loop(lo, a, functools.partial(step, masked=True), dq)
+    dq = lax.fori_loop(a, b, functools.partial(step, masked=False), dq)
+    dq = lax.fori_loop(b, hi, functools.partial(step, masked=True), dq)
+    lax.fori_loop(hi, hi_u, skip, None)
+    q_smem[...] = (dq * sm_scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, head, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == COMPUTE_WGS)
+  def _memory():
+    plgpu.set_max_registers(memory_registers, action="decrease")
+    kv_head = lax.div(head, jnp.int32(group))
+
+    def load(c, slot):
+      rows = pl.ds(c * block_k, block_k)
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, rows], k_smem.at[slot],
+                              k_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, rows], v_smem.at[slot],
+                              v_loaded.at[slot])
+
+    for i in range(stages):
+      @pl.when(i < steps)
+      def _prologue():
+        load(lo_u + i, i)
+
+    @pl.loop(lo_u + stages, hi_u)
+    def _refill(c):
+      slot = slot_of(c)
+      plgpu.barrier_wait(consumed.at[slot])
+      load(c, slot)
+
+    @pl.loop(jnp.maximum(hi_u - stages, lo_u), hi_u)
+    def _drain(c):
+      plgpu.barrier_wait(consumed.at[slot_of(c)])
+
+
+def delta_of(out, d_out, d_lse=None):
+  """rowsum(dO * O) - d_lse in float32: [B, H, Lq]."""
+  delta = jnp.einsum("bhqd,bhqd->bhq", out.astype(jnp.float32),
+                     d_out.astype(jnp.float32))
+  return delta if d_lse is None else delta - d_lse.astype(jnp.float32)
+
+
+def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
+       window_right, logit_soft_cap, block_sizes=None, interpret=False):
+  """dq [B, H, Lq, D]; arguments as for ``dkv``."""
+  sizes = (block_sizes or DEFAULT_DQ_BLOCK_SIZES).resolved(q.shape[-1])
+  ok = supports_dq(q, k, v, block_sizes=sizes)
+  if ok is not True:
+    raise ValueError(f"mosaic_gpu_bwd.dq: unsupported call: {ok}")
+  if interpret is True:
+    interpret = fwd.interpret_params()
+  batch, heads, lq, head_dim = q.shape
+  kv_heads, lk = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  block_k, stages = sizes.block_k, sizes.stages
+  band = fwd._band(lq, lk, causal, window_left, window_right)
+  lq_pad = -(-lq // TILE_Q) * TILE_Q
+  lk_pad = -(-lk // block_k) * block_k
+  lse2, delta = _row_inputs(lse, delta, lq, lq_pad)
+  q = fwd._pad_axis(q, 2, lq_pad)
+  d_out = fwd._pad_axis(d_out.astype(q.dtype), 2, lq_pad)
+  k = fwd._pad_axis(k, 2, lk_pad)
+  v = fwd._pad_axis(v, 2, lk_pad)
+  dtype = q.dtype
+  nq = lq_pad // TILE_Q
+
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  scratch = (
+      plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype,
+                 transforms=swizzled),
+      plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype,
+                 transforms=swizzled),
+      plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
+      plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
+      plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=swizzled),
+      plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=swizzled),
+  )
+  barriers = (
+      plgpu.Barrier(num_barriers=4 * COMPUTE_WGS),  # q, dO, lse, delta
+      plgpu.Barrier(num_barriers=stages),  # k loaded
+      plgpu.Barrier(num_barriers=stages),  # v loaded
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+  )
+  body = functools.partial(
+      _dq_kernel, band=band, sm_scale=float(sm_scale),
+      soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
+      block_k=block_k, stages=stages, group=group, nq=nq,
+      reverse_q=band.right is not None and band.left is None,
+      interpreting=bool(interpret), compute_registers=sizes.compute_registers,
+      memory_registers=sizes.memory_registers)
+  n_scratch = len(scratch)
+
+  def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
+    pl.run_scoped(
+        lambda *refs: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                           dq_ref, (refs[:n_scratch], refs[n_scratch:])),
+        *scratch, *barriers, collective_axes="wg")
+
+  kwargs = {}
+  if interpret:
+    kwargs["interpret"] = interpret
+  out = plgpu.kernel(
+      entry,
+      out_type=jax.ShapeDtypeStruct((batch, heads, lq_pad, head_dim), dtype),
+      grid=(heads, nq, batch),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **kwargs,
+  )(q, k, v, d_out, lse2, delta)
+  return out[:, :, :lq] if lq_pad != lq else out
