@@ -220,7 +220,7 @@ def test_dkv_supports_declines_what_it_cannot_run():
       "bias": ((q, kv, kv, None, bias), {}),
       "segment": ((q, kv, kv, seg), {}),
       "bf16 or all fp16": ((_sds(q.shape, jnp.float32), kv, kv), {}),
-      "head_dim 64 or 128": ((d256, d256, d256), {}),
+      "head_dim in 64/128": ((d256, d256, d256), {}),
       "empty": ((_sds((1, 4, 0, 128)), kv, kv), {}),
       "block_q": ((q, kv, kv), {"block_sizes": sizes(block_q=96)}),
       "stages": ((q, kv, kv), {"block_sizes": sizes(stages=1)}),

@@ -135,6 +135,41 @@ def interpret_params():
   return InterpretGPUParams()
 
 
+def register_budget_problem(compute_registers: int, memory_registers: int):
+  """None, or why these ``setmaxnreg`` budgets are refused."""
+  # setmaxnreg blocks until the registers are free: a larger request than
+  # the launch can give hangs the kernel (240/32 did on an H100).
+  for name, value, low, high in (
+      ("compute_registers", compute_registers, 24, 232),
+      ("memory_registers", memory_registers, 24, 256)):
+    if value % 8 or not low <= value <= high:
+      return f"{name}={value}: must be a multiple of 8 in [{low}, {high}]"
+  return None
+
+
+def call_refusal(kernel: str, q, k, v, q_segment_ids, bias, head_dims):
+  """Why the Mosaic GPU ``kernel`` cannot take this call, from its inputs
+  alone (None: it can, as far as they tell)."""
+  reason = api_missing()
+  if reason:
+    return reason
+  if bias is not None:
+    return f"the Mosaic GPU {kernel} kernel takes no bias"
+  if q_segment_ids is not None:
+    return f"the Mosaic GPU {kernel} kernel takes no segment ids"
+  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+  if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16),
+                                              jnp.dtype(jnp.float16)):
+    return f"the Mosaic GPU {kernel} kernel needs q, k, v all bf16 or all fp16"
+  head_dim = q.shape[-1]
+  if head_dim not in head_dims:
+    return (f"the Mosaic GPU {kernel} kernel needs head_dim in "
+            f"{'/'.join(map(str, head_dims))}, got {head_dim}")
+  if min(q.shape) == 0 or min(k.shape) == 0:
+    return "empty inputs are left to the Triton kernel"
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuBlockSizes:
   """block_k (multiple of 64), stages (>= 2) and the per-thread register
@@ -154,14 +189,10 @@ class MosaicGpuBlockSizes:
                        "positive multiple of 64")
     if stages < 2:
       raise ValueError(f"MosaicGpuBlockSizes.stages={stages}: must be >= 2")
-    # setmaxnreg blocks until the registers are free: a larger request than
-    # the launch can give hangs the kernel (240/32 did on an H100).
-    for name, low, high in (("compute_registers", 24, 232),
-                            ("memory_registers", 24, 256)):
-      value = getattr(self, name)
-      if value % 8 or not low <= value <= high:
-        raise ValueError(f"MosaicGpuBlockSizes.{name}={value}: must be a "
-                         f"multiple of 8 in [{low}, {high}]")
+    problem = register_budget_problem(self.compute_registers,
+                                      self.memory_registers)
+    if problem:
+      raise ValueError(f"MosaicGpuBlockSizes.{problem}")
     return dataclasses.replace(self, block_k=block_k, stages=stages)
 
 
@@ -181,23 +212,11 @@ def supports(q, k, v, q_segment_ids=None, kv_segment_ids=None, bias=None, *,
   """
   del sm_scale, causal, window_left, window_right, logit_soft_cap
   del kv_segment_ids
-  reason = api_missing()
+  reason = call_refusal("attention", q, k, v, q_segment_ids, bias,
+                        (64, 128, 256))
   if reason:
     return reason
-  if bias is not None:
-    return "the Mosaic GPU attention kernel takes no bias"
-  if q_segment_ids is not None:
-    return "the Mosaic GPU attention kernel takes no segment ids"
-  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
-  if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16),
-                                              jnp.dtype(jnp.float16)):
-    return "the Mosaic GPU attention kernel needs q, k, v all bf16 or all fp16"
   head_dim = q.shape[-1]
-  if head_dim not in (64, 128, 256):
-    return ("the Mosaic GPU attention kernel needs head_dim in 64/128/256, "
-            f"got {head_dim}")
-  if min(q.shape) == 0 or min(k.shape) == 0:
-    return "empty inputs are left to the Triton kernel"
   sizes = (block_sizes if isinstance(block_sizes, MosaicGpuBlockSizes)
            else MosaicGpuBlockSizes())
   try:
@@ -248,6 +267,42 @@ def _div_floor(x, d: int):
 
 def _div_ceil(x, d: int):
   return lax.div(jnp.maximum(x, 0) + (d - 1), jnp.int32(d))
+
+
+def band_loop(step, skip, bounds, carry):
+  """Walks blocks [lo_u, hi_u): ``skip`` outside the band ([lo_u, lo) and
+  [hi, hi_u), so every warpgroup keeps the ring's pace), ``step`` with
+  ``masked=True`` on the band's edges and ``masked=False`` inside [a, b)."""
+  lo_u, lo, a, b, hi, hi_u = bounds
+  lax.fori_loop(lo_u, lo, skip, None)
+  carry = lax.fori_loop(lo, a, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(b, hi, functools.partial(step, masked=True), carry)
+  lax.fori_loop(hi, hi_u, skip, None)
+  return carry
+
+
+def stream_ring(first, end, stages, load, refill, drain):
+  """The memory warpgroup's TMA ring over blocks [first, end): ``load(c,
+  slot)`` fills the first ``stages`` slots, ``refill(c, slot)`` waits for a
+  slot's release and loads block c into it, and ``drain(slot)`` waits for the
+  last releases, so every phase of the consumed barriers is observed (the
+  interpreter checks this)."""
+  for i in range(stages):
+    @pl.when(first + i < end)
+    def _prologue():
+      load(first + i, i)
+
+  def slot_of(c):
+    return lax.rem(c - first, jnp.int32(stages))
+
+  @pl.loop(first + stages, end)
+  def _refill(c):
+    refill(c, slot_of(c))
+
+  @pl.loop(jnp.maximum(end - stages, first), end)
+  def _drain(c):
+    drain(slot_of(c))
 
 
 def _kv_ranges(row0, rows: int, block_k: int, band: _Band):
@@ -425,13 +480,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
       plgpu.barrier_arrive(v_consumed.at[slot])
       return acc, m_next, l
 
-    carry = (acc, m, l)
-    lax.fori_loop(lo_u, lo, skip, None)
-    carry = lax.fori_loop(lo, a, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(b, hi, functools.partial(step, masked=True), carry)
-    lax.fori_loop(hi, hi_u, skip, None)
-    acc, m, l = carry
+    acc, m, l = band_loop(step, skip, (lo_u, lo, a, b, hi, hi_u), (acc, m, l))
     pl.when(wg == 0)(schedule_sync)
 
     empty = l == 0.0
@@ -450,36 +499,26 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
     plgpu.set_max_registers(memory_registers, action="decrease")
     kv_head = lax.div(head, jnp.int32(group))
 
+    def load_one(ref, smem, loaded, c, slot):
+      rows = pl.ds(c * block_k, block_k)
+      plgpu.copy_gmem_to_smem(ref.at[batch, kv_head, rows], smem.at[slot],
+                              loaded.at[slot])
+
     def load(c, slot):
-      rows = pl.ds(c * block_k, block_k)
-      plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, rows], k_smem.at[slot],
-                              k_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, rows], v_smem.at[slot],
-                              v_loaded.at[slot])
+      load_one(k_ref, k_smem, k_loaded, c, slot)
+      load_one(v_ref, v_smem, v_loaded, c, slot)
 
-    for i in range(stages):
-      @pl.when(i < steps)
-      def _prologue():
-        load(lo_u + i, i)
-
-    @pl.loop(lo_u + stages, hi_u)
-    def _refill(c):
-      slot = lax.rem(c - lo_u, jnp.int32(stages))
+    def refill(c, slot):  # K is consumed first: reload it without waiting for V
       plgpu.barrier_wait(k_consumed.at[slot])
-      rows = pl.ds(c * block_k, block_k)
-      plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, rows], k_smem.at[slot],
-                              k_loaded.at[slot])
+      load_one(k_ref, k_smem, k_loaded, c, slot)
       plgpu.barrier_wait(v_consumed.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, rows], v_smem.at[slot],
-                              v_loaded.at[slot])
+      load_one(v_ref, v_smem, v_loaded, c, slot)
 
-    # Wait for the last blocks' release too, so that every phase of the
-    # consumed barriers is observed (the interpreter checks this).
-    @pl.loop(jnp.maximum(hi_u - stages, lo_u), hi_u)
-    def _drain(c):
-      slot = lax.rem(c - lo_u, jnp.int32(stages))
+    def drain(slot):
       plgpu.barrier_wait(k_consumed.at[slot])
       plgpu.barrier_wait(v_consumed.at[slot])
+
+    stream_ring(lo_u, hi_u, stages, load, refill, drain)
 
 
 def _pad_axis(x, axis: int, size: int):

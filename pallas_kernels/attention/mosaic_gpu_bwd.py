@@ -81,6 +81,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -99,31 +100,74 @@ COMPUTE_WGS = 2
 TILE_K = KEYS_PER_WG * COMPUTE_WGS
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicGpuBwdBlockSizes:
-  """block_q (multiple of 64; None: 128 at head_dim 64, else 64), ring
-  stages (>= 2), register budgets."""
-  block_q: int | None = None
+def _nt_products(lhs1, rhs1, lhs2, rhs2, shape, interpreting):
+  """(lhs1 @ rhs1.T, lhs2 @ rhs2.T) in float32 from shared-memory refs:
+  wgmma on the GPU, plain dots in the interpreter."""
+  if interpreting:
+    dims_nt = (((1,), (1,)), ((), ()))
+    return tuple(lax.dot_general(a[...], b[...], dims_nt,
+                                 preferred_element_type=jnp.float32)
+                 for a, b in ((lhs1, rhs1), (lhs2, rhs2)))
+
+  def products(ref1, ref2):
+    plgpu.wgmma(ref1, lhs1, plgpu.transpose_ref(rhs1, (1, 0)))
+    plgpu.wgmma(ref2, lhs2, plgpu.transpose_ref(rhs2, (1, 0)))
+    return ref1[...], ref2[...]
+
+  acc = plgpu.ACC(shape, jnp.float32)
+  return pl.run_scoped(products, acc, acc)
+
+
+def _base2_logits(s, sm_scale, soft_cap):
+  """(logits in base 2, tanh of the soft cap or None) from raw q.k scores."""
+  if soft_cap is None:
+    return s * (sm_scale * LOG2E), None
+  t = jnp.tanh(s * (sm_scale / soft_cap))
+  return t * (soft_cap * LOG2E), t
+
+
+def _probs_and_dlogits(s, dp, t, lse2, delta, row_axis):
+  """P and dS (through the soft cap's tanh) from base-2 logits ``s``; the
+  per-query ``lse2`` and ``delta`` run along ``row_axis`` of ``s``."""
+  p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [row_axis]))
+  ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [row_axis]))
+  if t is not None:
+    ds = ds * (1.0 - t * t)
+  return p, ds
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _RingBlockSizes:
+  """What both backward kernels take: the block streamed through the ring
+  (``STREAMED``; a multiple of 64, None: 128 at head_dim 64 and 64 above,
+  where 128 would not fit the register budget), ring stages (>= 2) and the
+  warpgroups' register budgets."""
+  STREAMED: ClassVar[str] = ""
   stages: int = 2
   compute_registers: int = 232
   memory_registers: int = 40
 
-  def resolved(self, head_dim: int) -> "MosaicGpuBwdBlockSizes":
-    if self.block_q is not None:
+  def resolved(self, head_dim: int):
+    if getattr(self, self.STREAMED) is not None:
       return self
-    return dataclasses.replace(self, block_q=128 if head_dim <= 64 else 64)
+    return dataclasses.replace(
+        self, **{self.STREAMED: 128 if head_dim <= 64 else 64})
 
   def check(self) -> str | None:
-    if self.block_q is not None and (self.block_q % 64 or self.block_q <= 0):
-      return f"block_q={self.block_q}: must be a positive multiple of 64"
+    block = getattr(self, self.STREAMED)
+    if block is not None and (block % 64 or block <= 0):
+      return f"{self.STREAMED}={block}: must be a positive multiple of 64"
     if self.stages < 2:
       return f"stages={self.stages}: must be >= 2"
-    for name, low, high in (("compute_registers", 24, 232),
-                            ("memory_registers", 24, 256)):
-      value = getattr(self, name)
-      if value % 8 or not low <= value <= high:
-        return f"{name}={value}: must be a multiple of 8 in [{low}, {high}]"
-    return None
+    return fwd.register_budget_problem(self.compute_registers,
+                                       self.memory_registers)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuBwdBlockSizes(_RingBlockSizes):
+  """dk/dv kernel: ``block_q`` query rows per ring slot, then the ring."""
+  STREAMED: ClassVar[str] = "block_q"
+  block_q: int | None = None
 
 
 # The sizes ``dkv`` uses when given none (a bench may swap them for a sweep).
@@ -142,23 +186,10 @@ def _smem_bytes(head_dim, itemsize, sizes: MosaicGpuBwdBlockSizes):
 
 def supports(q, k, v, q_segment_ids=None, bias=None, block_sizes=None):
   """True when ``dkv`` handles this call, else a string saying why not."""
-  reason = fwd.api_missing()
+  reason = fwd.call_refusal("dk/dv", q, k, v, q_segment_ids, bias, (64, 128))
   if reason:
     return reason
-  if bias is not None:
-    return "the Mosaic GPU dk/dv kernel takes no bias"
-  if q_segment_ids is not None:
-    return "the Mosaic GPU dk/dv kernel takes no segment ids"
-  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
-  if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16),
-                                              jnp.dtype(jnp.float16)):
-    return "the Mosaic GPU dk/dv kernel needs q, k, v all bf16 or all fp16"
   head_dim = q.shape[-1]
-  if head_dim not in (64, 128):
-    return ("the Mosaic GPU dk/dv kernel needs head_dim 64 or 128, "
-            f"got {head_dim}")
-  if min(q.shape) == 0 or min(k.shape) == 0:
-    return "empty inputs are left to the Triton kernel"
   sizes = (block_sizes or DEFAULT_BLOCK_SIZES).resolved(head_dim)
   reason = sizes.check()
   if reason:
@@ -257,28 +288,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
       slot = slot_of(g * blocks + (i - lo_u))
       q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
       wait_loaded(slot)
-      if interpreting:
-        dims_nt = (((1,), (1,)), ((), ()))
-        s = lax.dot_general(k_smem[...], q_slot[...], dims_nt,
-                            preferred_element_type=jnp.float32)
-        dp = lax.dot_general(v_smem[...], do_slot[...], dims_nt,
-                             preferred_element_type=jnp.float32)
-      else:
-        def s_dp_products(s_ref, dp_ref):
-          plgpu.wgmma(s_ref, k_smem, plgpu.transpose_ref(q_slot, (1, 0)))
-          plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_slot, (1, 0)))
-          return s_ref[...], dp_ref[...]
-
-        acc = plgpu.ACC((bk, block_q), jnp.float32)
-        s, dp = pl.run_scoped(s_dp_products, acc, acc)
+      s, dp = _nt_products(k_smem, q_slot, v_smem, do_slot, (bk, block_q),
+                           interpreting)
       lse2 = load_col(lse_smem.at[slot])
       delta = load_col(delta_smem.at[slot])
-      t = None
-      if soft_cap is None:
-        s = s * (sm_scale * LOG2E)
-      else:
-        t = jnp.tanh(s * (sm_scale / soft_cap))
-        s = t * (soft_cap * LOG2E)
+      s, t = _base2_logits(s, sm_scale, soft_cap)
       if masked:  # rows are keys, columns queries
         keys = col0 + iota(0)
         queries = i * block_q + iota(1)
@@ -290,10 +304,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
           ok = left_ok if ok is None else jnp.logical_and(ok, left_ok)
         if ok is not None:
           s = jnp.where(ok, s, NEG_INF)
-      p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [1]))
-      ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
-      if t is not None:
-        ds = ds * (1.0 - t * t)
+      p, ds = _probs_and_dlogits(s, dp, t, lse2, delta, row_axis=1)
       p16, ds16 = p.astype(dtype), ds.astype(dtype)
       if interpreting:
         dims_nn = (((1,), (0,)), ((), ()))
@@ -317,14 +328,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     plgpu.barrier_wait(v_loaded.at[wg])
 
     def head(g, carry):
-      lax.fori_loop(lo_u, lo, functools.partial(skip, g=g), None)
-      masked = functools.partial(step, g=g, masked=True)
-      carry = lax.fori_loop(lo, a, masked, carry)
-      carry = lax.fori_loop(a, b, functools.partial(step, g=g, masked=False),
-                            carry)
-      carry = lax.fori_loop(b, hi, masked, carry)
-      lax.fori_loop(hi, hi_u, functools.partial(skip, g=g), None)
-      return carry
+      return fwd.band_loop(functools.partial(step, g=g),
+                           functools.partial(skip, g=g),
+                           (lo_u, lo, a, b, hi, hi_u), carry)
 
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
     k_smem[...] = (dk * sm_scale).astype(dtype)
@@ -350,21 +356,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         plgpu.copy_gmem_to_smem(ref.at[batch, h, rows], smem.at[slot],
                                 barrier.at[slot])
 
-    for s in range(stages):
-      @pl.when(s < steps)
-      def _prologue():
-        load(jnp.int32(s), s)
-
-    @pl.loop(jnp.int32(stages), steps)
-    def _refill(t):
-      slot = slot_of(t)
+    def refill(t, slot):
       plgpu.barrier_wait(consumed.at[slot])
       load(t, slot)
 
-    # Observe the last releases too, so every consumed phase is waited for.
-    @pl.loop(jnp.maximum(steps - stages, 0), steps)
-    def _drain(t):
-      plgpu.barrier_wait(consumed.at[slot_of(t)])
+    fwd.stream_ring(jnp.int32(0), steps, stages, load, refill,
+                    lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
 
 def _row_inputs(lse, delta, lq, lq_pad):
@@ -469,25 +466,10 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicGpuDqBlockSizes:
-  """block_k (multiple of 64; None: 128 at head_dim 64, else 64), ring
-  stages (>= 2), register budgets."""
+class MosaicGpuDqBlockSizes(_RingBlockSizes):
+  """dq kernel: ``block_k`` keys per ring slot, then the ring."""
+  STREAMED: ClassVar[str] = "block_k"
   block_k: int | None = None
-  stages: int = 2
-  compute_registers: int = 232
-  memory_registers: int = 40
-
-  def resolved(self, head_dim: int) -> "MosaicGpuDqBlockSizes":
-    if self.block_k is not None:
-      return self
-    return dataclasses.replace(self, block_k=128 if head_dim <= 64 else 64)
-
-  def check(self) -> str | None:
-    if self.block_k is not None and (self.block_k % 64 or self.block_k <= 0):
-      return f"block_k={self.block_k}: must be a positive multiple of 64"
-    return MosaicGpuBwdBlockSizes(
-        stages=self.stages, compute_registers=self.compute_registers,
-        memory_registers=self.memory_registers).check()
 
 
 DEFAULT_DQ_BLOCK_SIZES = MosaicGpuDqBlockSizes()
@@ -580,26 +562,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
       slot = slot_of(c)
       k_slot, v_slot = k_smem.at[slot], v_smem.at[slot]
       wait_kv(slot)
-      if interpreting:
-        dims_nt = (((1,), (1,)), ((), ()))
-        s = lax.dot_general(q_smem[...], k_slot[...], dims_nt,
-                            preferred_element_type=jnp.float32)
-        dp = lax.dot_general(do_smem[...], v_slot[...], dims_nt,
-                             preferred_element_type=jnp.float32)
-      else:
-        def s_dp_products(s_ref, dp_ref):
-          plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_slot, (1, 0)))
-          plgpu.wgmma(dp_ref, do_smem, plgpu.transpose_ref(v_slot, (1, 0)))
-          return s_ref[...], dp_ref[...]
-
-        acc = plgpu.ACC((bq, block_k), jnp.float32)
-        s, dp = pl.run_scoped(s_dp_products, acc, acc)
-      t = None
-      if soft_cap is None:
-        s = s * (sm_scale * LOG2E)
-      else:
-        t = jnp.tanh(s * (sm_scale / soft_cap))
-        s = t * (soft_cap * LOG2E)
+      s, dp = _nt_products(q_smem, k_slot, do_smem, v_slot, (bq, block_k),
+                           interpreting)
+      s, t = _base2_logits(s, sm_scale, soft_cap)
       if masked:
         q_rows = row0 + iota(0)
         keys = c * block_k + iota(1)
@@ -609,10 +574,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
         if band.left is not None:
           ok = jnp.logical_and(ok, keys >= q_rows + (band.offset - band.left))
         s = jnp.where(ok, s, NEG_INF)
-      p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0]))
-      ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
-      if t is not None:
-        ds = ds * (1.0 - t * t)
+      _, ds = _probs_and_dlogits(s, dp, t, lse2, delta, row_axis=0)
       ds16 = ds.astype(dtype)
       if interpreting:
         dq = dq + lax.dot_general(ds16, k_slot[...], (((1,), (0,)), ((), ())),
@@ -630,11 +592,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
     lse2 = load_row(lse_smem)
     delta = load_row(delta_smem)
     dq = cast(jnp.full((bq, head_dim), 0.0, jnp.float32), layout)
-    lax.fori_loop(lo_u, lo, skip, None)
-    dq = lax.fori_loop(lo, a, functools.partial(step, masked=True), dq)
-    dq = lax.fori_loop(a, b, functools.partial(step, masked=False), dq)
-    dq = lax.fori_loop(b, hi, functools.partial(step, masked=True), dq)
-    lax.fori_loop(hi, hi_u, skip, None)
+    dq = fwd.band_loop(step, skip, (lo_u, lo, a, b, hi, hi_u), dq)
     q_smem[...] = (dq * sm_scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, head, rows])
@@ -652,20 +610,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
       plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, rows], v_smem.at[slot],
                               v_loaded.at[slot])
 
-    for i in range(stages):
-      @pl.when(i < steps)
-      def _prologue():
-        load(lo_u + i, i)
-
-    @pl.loop(lo_u + stages, hi_u)
-    def _refill(c):
-      slot = slot_of(c)
+    def refill(c, slot):
       plgpu.barrier_wait(consumed.at[slot])
       load(c, slot)
 
-    @pl.loop(jnp.maximum(hi_u - stages, lo_u), hi_u)
-    def _drain(c):
-      plgpu.barrier_wait(consumed.at[slot_of(c)])
+    fwd.stream_ring(lo_u, hi_u, stages, load, refill,
+                    lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
 
 def delta_of(out, d_out, d_lse=None):
