@@ -269,6 +269,56 @@ def _div_ceil(x, d: int):
   return lax.div(jnp.maximum(x, 0) + (d - 1), jnp.int32(d))
 
 
+def q_tile_program(nq: int, reverse_q: bool):
+  """(batch, head, q tile, warpgroup) of this program of a q-tiled kernel."""
+  tile = lax.axis_index("q_tiles")
+  if reverse_q:  # causal: the longest rows first
+    tile = (nq - 1) - tile
+  return (lax.axis_index("batch"), lax.axis_index("heads"), tile,
+          lax.axis_index("wg"))
+
+
+def layout_cast(x, layout, interpreting):
+  """``x`` in register ``layout`` (the interpreter has no rule for casts)."""
+  return x if interpreting else plgpu.layout_cast(x, layout)
+
+
+def wgmma_iota(shape, dim, interpreting):
+  """int32 indices along ``dim`` of a ``shape`` tile in the wgmma layout."""
+  return layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim),
+                     plgpu.Layout.WGMMA, interpreting)
+
+
+def load_vector(ref, layout, interpreting):
+  """A per-row (or per-column) vector from shared memory in ``layout``."""
+  return ref[...] if interpreting else plgpu.load(ref, (), layout=layout)
+
+
+def register_tools(tile_shape, vector_axis: int, interpreting):
+  """For one kernel: (cast(x, layout), iota(dim) over a ``tile_shape`` tile,
+  load_vector(ref) in the layout of the tile reduced over ``vector_axis``,
+  that layout)."""
+  vector_layout = plgpu.Layout.WGMMA.reduce(vector_axis)
+  return (functools.partial(layout_cast, interpreting=interpreting),
+          functools.partial(wgmma_iota, tile_shape, interpreting=interpreting),
+          functools.partial(load_vector, layout=vector_layout,
+                            interpreting=interpreting),
+          vector_layout)
+
+
+def outside_band(q_rows, keys, band, check_length=True):
+  """True where the causal/window band (and, with ``check_length``, the
+  key length) masks (q_row, key); None when nothing can be masked."""
+  out = keys >= band.lk if check_length else None
+  for limit, beyond in (
+      (band.right, lambda r: keys > q_rows + (band.offset + r)),
+      (band.left, lambda l: keys < q_rows + (band.offset - l))):
+    if limit is not None:
+      out = beyond(limit) if out is None else jnp.logical_or(out,
+                                                             beyond(limit))
+  return out
+
+
 def band_loop(step, skip, bounds, carry):
   """Walks blocks [lo_u, hi_u): ``skip`` outside the band ([lo_u, lo) and
   [hi, hi_u), so every warpgroup keeps the ring's pace), ``step`` with
@@ -340,12 +390,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
   (q_smem2, k_smem, v_smem, lse_smem2), barriers = scratch
   (k_loaded, v_loaded, q_loaded, k_consumed, v_consumed,
    schedule) = barriers
-  head = lax.axis_index("heads")
-  batch = lax.axis_index("batch")
-  tile = lax.axis_index("q_tiles")
-  if reverse_q:  # causal: the longest rows first
-    tile = (nq - 1) - tile
-  wg = lax.axis_index("wg")
+  batch, head, tile, wg = q_tile_program(nq, reverse_q)
   dtype = q_smem2.dtype
   head_dim = q_smem2.shape[-1]
   bq = ROWS_PER_WG
@@ -370,13 +415,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
     plgpu.barrier_wait(q_loaded.at[wg])
 
     layout = plgpu.Layout.WGMMA
-    row_layout = layout.reduce(1)
-
-    def cast(x, new_layout):  # the interpreter has no rule for layout casts
-      return x if interpreting else plgpu.layout_cast(x, new_layout)
-
-    def iota(dim):
-      return cast(lax.broadcasted_iota(jnp.int32, (bq, block_k), dim), layout)
+    cast, iota, _, row_layout = register_tools((bq, block_k), 1, interpreting)
 
     m = cast(jnp.full((bq,), NEG_INF, jnp.float32), row_layout)
     l = cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
@@ -442,14 +481,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
         s = jnp.tanh(s * (sm_scale / soft_cap))
         scale2 = soft_cap * LOG2E
       if masked:
-        rows = row0 + iota(0)
-        cols = c * block_k + iota(1)
-        ok = cols < band.lk
-        if band.right is not None:
-          ok = jnp.logical_and(ok, cols <= rows + (band.offset + band.right))
-        if band.left is not None:
-          ok = jnp.logical_and(ok, cols >= rows + (band.offset - band.left))
-        s = jnp.where(ok, s, NEG_INF)
+        s = jnp.where(outside_band(row0 + iota(0), c * block_k + iota(1),
+                                   band), NEG_INF, s)
       m_next = jnp.maximum(m, s.max(axis=1) * scale2)
       m_shift = m_next
       if masked:  # a row with nothing unmasked yet keeps m = -inf

@@ -260,18 +260,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     lo, a, b, hi = (jnp.clip(x, lo_u, hi_u)
                     for x in _q_ranges(col0, bk, block_q, band))
     layout = plgpu.Layout.WGMMA
-    col_layout = layout.reduce(0)
-
-    def cast(x, new_layout):  # the interpreter has no rule for layout casts
-      return x if interpreting else plgpu.layout_cast(x, new_layout)
-
-    def iota(dim):
-      return cast(lax.broadcasted_iota(jnp.int32, (bk, block_q), dim), layout)
-
-    def load_col(ref):
-      if interpreting:
-        return ref[...]
-      return plgpu.load(ref, (), layout=col_layout)
+    cast, iota, load_col, _ = fwd.register_tools((bk, block_q), 0,
+                                                 interpreting)
 
     def wait_loaded(slot):
       for barrier in (q_loaded, do_loaded, lse_loaded, delta_loaded):
@@ -293,17 +283,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
       lse2 = load_col(lse_smem.at[slot])
       delta = load_col(delta_smem.at[slot])
       s, t = _base2_logits(s, sm_scale, soft_cap)
-      if masked:  # rows are keys, columns queries
-        keys = col0 + iota(0)
-        queries = i * block_q + iota(1)
-        ok = None
-        if band.right is not None:
-          ok = keys <= queries + (band.offset + band.right)
-        if band.left is not None:
-          left_ok = keys >= queries + (band.offset - band.left)
-          ok = left_ok if ok is None else jnp.logical_and(ok, left_ok)
-        if ok is not None:
-          s = jnp.where(ok, s, NEG_INF)
+      if masked:  # rows are keys, columns queries; padded keys need no mask
+        masked_out = fwd.outside_band(i * block_q + iota(1), col0 + iota(0),
+                                      band, check_length=False)
+        if masked_out is not None:
+          s = jnp.where(masked_out, NEG_INF, s)
       p, ds = _probs_and_dlogits(s, dp, t, lse2, delta, row_axis=1)
       p16, ds16 = p.astype(dtype), ds.astype(dtype)
       if interpreting:
@@ -376,6 +360,28 @@ def _row_inputs(lse, delta, lq, lq_pad):
   return lse2, delta
 
 
+def _prepared(kernel, check, sizes, arrays, q_multiple, k_multiple, causal,
+              window_left, window_right, interpret):
+  """Checks a backward call and pads it: ((q, k, v, d_out, lse2, delta),
+  band, interpret params) with q rows a multiple of ``q_multiple`` and keys
+  of ``k_multiple``."""
+  q, k, v, d_out, lse, delta = arrays
+  ok = check(q, k, v, block_sizes=sizes)
+  if ok is not True:
+    raise ValueError(f"mosaic_gpu_bwd.{kernel}: unsupported call: {ok}")
+  if interpret is True:
+    interpret = fwd.interpret_params()
+  lq, lk = q.shape[2], k.shape[2]
+  band = fwd._band(lq, lk, causal, window_left, window_right)
+  lq_pad = -(-lq // q_multiple) * q_multiple
+  lk_pad = -(-lk // k_multiple) * k_multiple
+  lse2, delta = _row_inputs(lse, delta, lq, lq_pad)
+  padded = (fwd._pad_axis(q, 2, lq_pad), fwd._pad_axis(k, 2, lk_pad),
+            fwd._pad_axis(v, 2, lk_pad),
+            fwd._pad_axis(d_out.astype(q.dtype), 2, lq_pad), lse2, delta)
+  return padded, band, interpret
+
+
 def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
         window_right, logit_soft_cap, block_sizes=None, interpret=False):
   """(dk, dv) [B, Hk, Lk, D] for the attention forward's (out, lse).
@@ -387,23 +393,14 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   default interpreter parameters.
   """
   sizes = (block_sizes or DEFAULT_BLOCK_SIZES).resolved(q.shape[-1])
-  ok = supports(q, k, v, block_sizes=sizes)
-  if ok is not True:
-    raise ValueError(f"mosaic_gpu_bwd.dkv: unsupported call: {ok}")
-  if interpret is True:
-    interpret = fwd.interpret_params()
   batch, heads, lq, head_dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
   group = heads // kv_heads
   bq = sizes.block_q
-  band = fwd._band(lq, lk, causal, window_left, window_right)
-  lq_pad = -(-lq // bq) * bq
-  lk_pad = -(-lk // TILE_K) * TILE_K
-  lse2, delta = _row_inputs(lse, delta, lq, lq_pad)
-  q = fwd._pad_axis(q, 2, lq_pad)
-  d_out = fwd._pad_axis(d_out.astype(q.dtype), 2, lq_pad)
-  k = fwd._pad_axis(k, 2, lk_pad)
-  v = fwd._pad_axis(v, 2, lk_pad)
+  (q, k, v, d_out, lse2, delta), band, interpret = _prepared(
+      "dkv", supports, sizes, (q, k, v, d_out, lse, delta), bq, TILE_K,
+      causal, window_left, window_right, interpret)
+  lk_pad = k.shape[2]
   dtype = q.dtype
   interpreting = bool(interpret)
   stages = sizes.stages
@@ -505,12 +502,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
   (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), barriers = (
       scratch)
   (rows_loaded, k_loaded, v_loaded, consumed) = barriers
-  head = lax.axis_index("heads")
-  batch = lax.axis_index("batch")
-  tile = lax.axis_index("q_tiles")
-  if reverse_q:  # causal: the longest rows first
-    tile = (nq - 1) - tile
-  wg = lax.axis_index("wg")
+  batch, head, tile, wg = fwd.q_tile_program(nq, reverse_q)
   dtype = q_smem2.dtype
   head_dim = q_smem2.shape[-1]
   bq = ROWS_PER_WG
@@ -535,18 +527,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
     lo, a, b, hi = (jnp.clip(x, lo_u, hi_u)
                     for x in fwd._kv_ranges(row0, bq, block_k, band))
     layout = plgpu.Layout.WGMMA
-    row_layout = layout.reduce(1)
-
-    def cast(x, new_layout):  # the interpreter has no rule for layout casts
-      return x if interpreting else plgpu.layout_cast(x, new_layout)
-
-    def iota(dim):
-      return cast(lax.broadcasted_iota(jnp.int32, (bq, block_k), dim), layout)
-
-    def load_row(ref):
-      if interpreting:
-        return ref[...]
-      return plgpu.load(ref, (), layout=row_layout)
+    cast, iota, load_row, _ = fwd.register_tools((bq, block_k), 1,
+                                                 interpreting)
 
     def wait_kv(slot):
       plgpu.barrier_wait(k_loaded.at[slot])
@@ -566,14 +548,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
                            interpreting)
       s, t = _base2_logits(s, sm_scale, soft_cap)
       if masked:
-        q_rows = row0 + iota(0)
-        keys = c * block_k + iota(1)
-        ok = keys < band.lk
-        if band.right is not None:
-          ok = jnp.logical_and(ok, keys <= q_rows + (band.offset + band.right))
-        if band.left is not None:
-          ok = jnp.logical_and(ok, keys >= q_rows + (band.offset - band.left))
-        s = jnp.where(ok, s, NEG_INF)
+        s = jnp.where(fwd.outside_band(row0 + iota(0), c * block_k + iota(1),
+                                       band), NEG_INF, s)
       _, ds = _probs_and_dlogits(s, dp, t, lse2, delta, row_axis=0)
       ds16 = ds.astype(dtype)
       if interpreting:
@@ -629,23 +605,14 @@ def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
        window_right, logit_soft_cap, block_sizes=None, interpret=False):
   """dq [B, H, Lq, D]; arguments as for ``dkv``."""
   sizes = (block_sizes or DEFAULT_DQ_BLOCK_SIZES).resolved(q.shape[-1])
-  ok = supports_dq(q, k, v, block_sizes=sizes)
-  if ok is not True:
-    raise ValueError(f"mosaic_gpu_bwd.dq: unsupported call: {ok}")
-  if interpret is True:
-    interpret = fwd.interpret_params()
   batch, heads, lq, head_dim = q.shape
-  kv_heads, lk = k.shape[1], k.shape[2]
+  kv_heads = k.shape[1]
   group = heads // kv_heads
   block_k, stages = sizes.block_k, sizes.stages
-  band = fwd._band(lq, lk, causal, window_left, window_right)
-  lq_pad = -(-lq // TILE_Q) * TILE_Q
-  lk_pad = -(-lk // block_k) * block_k
-  lse2, delta = _row_inputs(lse, delta, lq, lq_pad)
-  q = fwd._pad_axis(q, 2, lq_pad)
-  d_out = fwd._pad_axis(d_out.astype(q.dtype), 2, lq_pad)
-  k = fwd._pad_axis(k, 2, lk_pad)
-  v = fwd._pad_axis(v, 2, lk_pad)
+  (q, k, v, d_out, lse2, delta), band, interpret = _prepared(
+      "dq", supports_dq, sizes, (q, k, v, d_out, lse, delta), TILE_Q, block_k,
+      causal, window_left, window_right, interpret)
+  lq_pad = q.shape[2]
   dtype = q.dtype
   nq = lq_pad // TILE_Q
 
