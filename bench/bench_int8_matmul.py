@@ -38,12 +38,24 @@ around R back-to-back launches. Ops not started within INT8_BENCH_SECONDS
 are listed as skipped. A whole run takes ~4-5 minutes on an H100: within a
 240 s device call, run ``--shapes llm`` and ``--shapes square`` apart.
 
+  ours_triton_w8a16_nk / ours_mgpu_w8a16_nk   the weight-only [N, K] call
+                with the GPU path's kernel forced (PALLAS_KERNELS_INT8_GPU_
+                WEIGHT_ONLY=triton / mosaic): Triton or the Mosaic GPU
+                (Hopper) kernel of int8/mosaic_gpu.py.
+
+``--mgpu`` times the Mosaic GPU weight-only kernel at the four decode shapes
+against the Triton kernel, torch bf16 and XLA's w8a16 (checked against the
+latter), then MGPU_CONFIGS of it, then a profile of its kernels; it first
+checks odd shapes against float64 numpy (MGPU_CHECKS). File:
+int8_matmul_mgpu-* (INT8_MGPU_NAME; ~3 minutes on an H100).
+
 ``--sweep`` instead times candidate Triton block configurations (SWEEP)
 and the peers at the decode shapes; its file is int8_matmul_decode_sweep-*.
 Elsewhere (CPU) ``--quick`` runs one small shape with the kernel in
 interpret mode beside the reference: a smoke test only.
 
-  python bench/bench_int8_matmul.py [--quick] [--sweep] [--shapes SHAPES]
+  python bench/bench_int8_matmul.py [--quick] [--sweep] [--mgpu]
+                                    [--shapes SHAPES]
 
 SHAPES: all (default), square, llm, or a token count M (e.g. 2048: the LLM
 shapes of that M); anything but "all" writes int8_matmul_<SHAPES>-*.json.
@@ -68,6 +80,7 @@ from bench import harness, roofline  # noqa: E402
 from pallas_kernels import _compat  # noqa: E402
 from pallas_kernels._compat import pl  # noqa: E402
 from pallas_kernels.int8 import api, block_sizes as bs, gpu  # noqa: E402
+from pallas_kernels.int8 import mosaic_gpu  # noqa: E402
 
 LLM_SHAPES = [(16, 4096, 14336), (16, 14336, 4096), (128, 4096, 14336),
               (128, 14336, 4096), (2048, 14336, 4096), (2048, 4096, 14336)]
@@ -155,8 +168,8 @@ SQUARE_OPS = ("ours_raw", "ours_fused", "ours_raw_nk", "ours_fused_nk",
               "xla_int8", "xla_bf16", "torch_int_mm", "torch_bf16")
 PREFILL_OPS = ("ours_fused", "ours_fused_nk", "xla_int8", "xla_bf16",
                "torch_int_mm", "torch_bf16")
-DECODE_OPS = ("ours_w8a16", "ours_w8a16_nk", "xla_w8a16", "xla_bf16",
-              "torch_bf16")
+DECODE_OPS = ("ours_w8a16", "ours_w8a16_nk", "ours_mgpu_w8a16_nk",
+              "xla_w8a16", "xla_bf16", "torch_bf16")
 BENCH_SECONDS = float(os.environ.get("INT8_BENCH_SECONDS", "170"))
 SWEEP_SECONDS = float(os.environ.get("INT8_SWEEP_SECONDS", "250"))
 
@@ -219,7 +232,31 @@ def jax_ops(backend, blocks=None):
                         ("x8", "w8t", "xs", "ws", "bias")),
       "ours_w8a16_nk": (ours(("w_scale",), weight_only=True, weight_layout="nk"),
                         ("xb", "w8t", "ws")),
+      # the same call with the GPU path's weight-only kernel forced: Triton
+      # or the Mosaic GPU (Hopper) kernel (gpu.py, mosaic_gpu.py)
+      "ours_triton_w8a16_nk": (forced("triton", ours(
+          ("w_scale",), weight_only=True, weight_layout="nk")),
+                               ("xb", "w8t", "ws")),
+      "ours_mgpu_w8a16_nk": (forced("mosaic", ours(
+          ("w_scale",), weight_only=True, weight_layout="nk")),
+                             ("xb", "w8t", "ws")),
   }
+
+
+def forced(kernel, fn):
+  """fn traced with PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY=kernel (read at
+  trace time by gpu.py)."""
+  def traced(*args):
+    old = os.environ.get(mosaic_gpu.ENV_WEIGHT_ONLY)
+    os.environ[mosaic_gpu.ENV_WEIGHT_ONLY] = kernel
+    try:
+      return fn(*args)
+    finally:
+      if old is None:
+        del os.environ[mosaic_gpu.ENV_WEIGHT_ONLY]
+      else:
+        os.environ[mosaic_gpu.ENV_WEIGHT_ONLY] = old
+  return traced
 
 
 def peer_jax_ops():
@@ -238,6 +275,7 @@ def peer_jax_ops():
 
 def reference_of(name):
   name = name.replace("alt_", "ours_").replace("_nk", "")
+  name = name.replace("ours_mgpu_", "ours_").replace("ours_triton_", "ours_")
   return "xla_int8" if name == "ours_raw" else name.replace("ours", "xla")
 
 
@@ -360,7 +398,8 @@ def bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, extra_row=None,
   for name, t in times.items():
     row[f"{name}_us"] = None if t is None else t * 1e6
   for ours in ("ours_raw", "ours_fused", "ours_dynamic", "ours_w8a16",
-               "ours_raw_nk", "ours_fused_nk", "ours_w8a16_nk"):
+               "ours_raw_nk", "ours_fused_nk", "ours_w8a16_nk",
+               "ours_triton_w8a16_nk", "ours_mgpu_w8a16_nk"):
     t = times.get(ours)
     if t:
       row[f"{ours}_tops"] = flops / t / 1e12
@@ -453,6 +492,147 @@ def sweep(rows, torch_ops, out_name="int8_matmul_sweep"):
       rows.append(row)
       print(row, flush=True)
     harness.write_results(out_name, rows)
+
+
+MGPU_SHAPES = [(16, 4096, 14336), (16, 14336, 4096), (128, 4096, 14336),
+               (128, 14336, 4096)]
+# Mosaic GPU weight-only configs per padded M (MgpuBlockSizes fields; {}
+# is the table's): ring depth, tile_k, one or two compute warpgroups per
+# CTA, B from an XLA-made x^T, the split-K target.
+MGPU_CONFIGS = {
+    16: [dict(tile_k=512, stages=2), dict(compute_wgs=1)],
+    128: [dict(wg_rows=128, tile_k=64, stages=4),
+          dict(compute_wgs=1, stages=4), dict(max_split=2)],
+}
+# Sweep 1 (int8_matmul_mgpu_sweep-h100-*, M = 16, 36-41 us for every
+# config): x^T from XLA +10%, more split (two waves) +6-10%; hence the split
+# rule of one wave.
+# Odd shapes checked on the GPU against float64 numpy: (M, K, N, config).
+MGPU_CHECKS = [(5, 300, 130, {}), (77, 1000, 300, dict(wg_rows=128,
+                                                       tile_k=64))]
+MGPU_SECONDS = float(os.environ.get("INT8_MGPU_SECONDS", "190"))
+
+
+def mgpu_checks():
+  """Max relative error of the Mosaic GPU kernel at odd shapes (float64
+  numpy reference, w_scale and bias applied, float32 out)."""
+  rng = np.random.default_rng(0)
+  results = {}
+  for m, k, n, cfg in MGPU_CHECKS:
+    key = f"{m}x{k}x{n}{cfg or ''}"
+    try:
+      x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+      w = jnp.asarray(rng.integers(-128, 128, (n, k)), jnp.int8)
+      ws = jnp.asarray(rng.uniform(0.5, 1.5, (1, n)), jnp.float32)
+      b = jnp.asarray(rng.standard_normal((1, n)), jnp.float32)
+      out = jax.jit(functools.partial(
+          mosaic_gpu.matmul, mode="weight_only", out_dtype=jnp.float32,
+          w_layout="nk", block_sizes=mosaic_gpu.MgpuBlockSizes(**cfg)))(
+              x, w, None, ws, b)
+      want = (np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+              * np.asarray(ws, np.float64) + np.asarray(b, np.float64))
+      got = np.asarray(out, np.float64)
+      results[key] = float(np.abs(got - want).max() / np.abs(want).max())
+    except Exception as e:  # noqa: BLE001
+      results[key] = f"{type(e).__name__}: {str(e)[:400]}"
+      traceback.print_exc(limit=2)
+  print("mgpu checks (max rel error):", results, flush=True)
+  return results
+
+
+def mgpu_sweep(rows, torch_ops, out_name, extra, configs=None):
+  """At the four decode shapes: torch bf16, the Triton weight-only kernel,
+  the public call with the Mosaic GPU kernel forced (each checked against
+  XLA's w8a16); then, while MGPU_SECONDS last, MGPU_CONFIGS of the Mosaic
+  GPU kernel called directly (checked likewise)."""
+  start = time.perf_counter()
+  configs = MGPU_CONFIGS if configs is None else configs
+  peers = peer_jax_ops()
+  ops = jax_ops("gpu")
+  state = {}
+  for m, k, n in MGPU_SHAPES:
+    if time.perf_counter() - start > MGPU_SECONDS:
+      extra.setdefault("not_run", []).append(f"{m}x{k}x{n}")
+      continue
+    data = make_inputs(m, k, n)
+    reps = replicas_for(m, k, n)
+    errors, outputs = {}, {}
+    row = dict(shape=f"{m}x{k}x{n}", m=m, k=k, n=n, replicas=reps)
+    times = {}
+    for name in ("xla_w8a16", "ours_triton_w8a16_nk", "ours_mgpu_w8a16_nk"):
+      fn, argnames = peers[name] if name in peers else ops[name]
+      times[name] = run_op(name, fn, argnames, data, reps, peers, errors,
+                           outputs=outputs)
+    try:
+      times["torch_bf16"] = time_batched_torch(
+          torch_ops["torch_bf16"](data, m, k, n), reps=reps)
+    except Exception as e:  # noqa: BLE001
+      errors["torch_bf16"] = f"{type(e).__name__}: {str(e)[:300]}"
+    for name, t in times.items():
+      row[f"{name}_us"] = _us(t)
+    for ours in ("ours_triton_w8a16_nk", "ours_mgpu_w8a16_nk"):
+      t = times.get(ours)
+      if t:
+        row[f"{ours}_w_tbs"] = k * n / t / 1e12
+        row[f"{ours}_vs_torch_bf16"] = harness.ratio(times.get("torch_bf16"), t)
+    if times.get("ours_mgpu_w8a16_nk"):
+      row["ours_mgpu_vs_triton"] = harness.ratio(
+          times.get("ours_triton_w8a16_nk"), times["ours_mgpu_w8a16_nk"])
+    row["mgpu_plan"] = str(mosaic_gpu.plan(m, k, n))
+    row["errors"] = errors
+    rows.append(row)
+    print(row, flush=True)
+    harness.write_results(out_name, rows, extra=extra)
+    state[(m, k, n)] = (times, outputs.get("xla_w8a16"))
+  for (m, k, n), (times, expected) in state.items():
+    data = make_inputs(m, k, n)
+    reps = replicas_for(m, k, n)
+    data = dict(xb=data["xb"], w8t=data["w8t"], ws=data["ws"].reshape(1, n))
+    for cfg in configs.get(mosaic_gpu.padded_m(m), []):
+      if time.perf_counter() - start > MGPU_SECONDS:
+        extra.setdefault("configs_not_run", []).append(f"{m}x{k}x{n} {cfg}")
+        continue
+      errs, got = {}, {}
+      sizes = mosaic_gpu.MgpuBlockSizes(**cfg)
+      fn = functools.partial(mosaic_gpu.matmul, mode="weight_only",
+                             out_dtype=jnp.bfloat16, w_layout="nk",
+                             block_sizes=sizes)
+      name = "alt_mgpu_w8a16_nk"
+      t = run_op(name, lambda x, w, s_: fn(x, w, None, s_, None),
+                 ("xb", "w8t", "ws"), data, reps, peers, errs,
+                 check_it=False, outputs=got)
+      if t is not None and expected is not None:
+        try:
+          errs[name] = check(name, got[name], expected)
+        except Exception as e:  # noqa: BLE001
+          errs[name] = f"{type(e).__name__}: {str(e)[:300]}"
+          t = None
+      sub = dict(shape=f"{m}x{k}x{n}", mgpu_config=str(cfg),
+                 mgpu_plan=str(mosaic_gpu.plan(m, k, n, sizes)),
+                 alt_mgpu_us=_us(t), alt_mgpu_w_tbs=t and k * n / t / 1e12,
+                 alt_mgpu_vs_torch_bf16=harness.ratio(times.get("torch_bf16"),
+                                                      t),
+                 alt_mgpu_vs_triton=harness.ratio(
+                     times.get("ours_triton_w8a16_nk"), t),
+                 errors=errs)
+      rows.append(sub)
+      print(sub, flush=True)
+      harness.write_results(out_name, rows, extra=extra)
+  # Diagnostics while time is left: device time per kernel of one public
+  # call (the Mosaic kernel and XLA's epilogue fusion apart).
+  kernels = extra.setdefault("mgpu_kernel_us", {})
+  for m, k, n in state:
+    if time.perf_counter() - start > MGPU_SECONDS + 22:
+      break
+    try:
+      data = make_inputs(m, k, n)
+      fn, argnames = ops["ours_mgpu_w8a16_nk"]
+      kernels[f"{m}x{k}x{n}"] = harness.device_kernel_times(
+          jax.jit(fn), *[data[a] for a in argnames])
+    except Exception as e:  # noqa: BLE001
+      kernels[f"{m}x{k}x{n}"] = f"{type(e).__name__}: {str(e)[:200]}"
+    print(f"kernels {m}x{k}x{n}:", kernels[f"{m}x{k}x{n}"], flush=True)
+    harness.write_results(out_name, rows, extra=extra)
 
 
 def tpu_estimates():
@@ -567,6 +747,9 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--sweep", action="store_true",
                       help="time candidate GPU block configs instead")
+  parser.add_argument("--mgpu", action="store_true",
+                      help="the Mosaic GPU weight-only kernel at the decode "
+                           "shapes (INT8_MGPU_SWEEP=0: no config sweep)")
   parser.add_argument("--shapes", default="all",
                       help="all | square | llm | a token count M")
   args = parser.parse_args(argv)
@@ -582,6 +765,28 @@ def main(argv=None):
     return 0
   chip = harness.device_slug(harness.device_info())
   torch_ops = torch_peer_ops()
+  if args.mgpu:
+    rows = []
+    name = os.environ.get("INT8_MGPU_NAME", "int8_matmul_mgpu")
+    extra = dict(mgpu_checks=mgpu_checks(),
+                 mgpu_default_tiles=str(mosaic_gpu.DEFAULT_TILES),
+                 timing="jax: one program of R independent calls on distinct "
+                        f"input copies, {HOST_REPS} programs dispatched back "
+                        "to back per sample, median of 5; torch: CUDA events "
+                        "around R launches")
+    mgpu_sweep(rows, torch_ops, name, extra,
+               configs=None if os.environ.get("INT8_MGPU_SWEEP", "1") == "1"
+               else {})
+    print("wrote", harness.write_results(name, rows, extra=extra))
+    harness.print_table([r for r in rows if "replicas" in r], [
+        "shape", "ours_mgpu_w8a16_nk_us", "ours_triton_w8a16_nk_us",
+        "torch_bf16_us", "xla_w8a16_us", "ours_mgpu_w8a16_nk_w_tbs",
+        "ours_mgpu_w8a16_nk_vs_torch_bf16", "ours_mgpu_vs_triton",
+        "ours_triton_w8a16_nk_vs_torch_bf16"])
+    harness.print_table([r for r in rows if "mgpu_config" in r], [
+        "shape", "mgpu_config", "alt_mgpu_us", "alt_mgpu_w_tbs",
+        "alt_mgpu_vs_torch_bf16", "alt_mgpu_vs_triton"])
+    return 0
   if args.sweep:
     rows = []
     sweep(rows, torch_ops, "int8_matmul_decode_sweep")

@@ -137,6 +137,15 @@ GPU_WEIGHT_ONLY_SMALL_MAX_M = 256
 # tile_n, num_warps), kind "xla" or "packed". At 8192^2 on the H100 XLA's
 # and ("packed", 128, 128, 4) tied at 104 us; other packed tiles 138-196 us.
 GPU_TRANSPOSE = ("xla", 0, 0, 0)
+# Weight-only calls with w [N, K], bf16 x and M in this range (inclusive)
+# run the Mosaic GPU kernel (mosaic_gpu.py) on a Hopper GPU by default;
+# elsewhere only with PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY=mosaic. Its tiles
+# are mosaic_gpu.DEFAULT_TILES. Measured on the H100
+# (int8_matmul_mgpu-h100-*): at M = 128 it beat the Triton kernel 1.17x /
+# 1.48x (K, N = 4096/14336 / 14336/4096); at M = 16 1.11x / 0.97x, within
+# the Triton kernel's run-to-run spread (29.8-37.7 us), so M <= 64 stays on
+# Triton.
+GPU_WEIGHT_ONLY_MOSAIC_AUTO_M = (65, 128)
 GPU_DECODE_MAX_M = 64
 GPU_MEDIUM_MAX_M = 2048
 GPU_TARGET_PROGRAMS = 264

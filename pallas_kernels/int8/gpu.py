@@ -77,6 +77,15 @@ int8_via_bf16 lost at every shape; a Pallas transpose turning int8 tiles
 (128 us) lost to XLA's; a finer K split where the column tiles alone fill
 the GPU (M = 16, N = 14336: split 2, 44 us vs 34) and bk 512 or 64.
 
+Mosaic GPU kernel for weight-only decode (mosaic_gpu.py: TMA ring filled by
+a memory warpgroup, int8 w converted to bf16 in registers as the wgmma's
+left operand): on a Hopper GPU ``matmul`` runs it for weight-only calls
+with w [N, K], bf16 x and M in block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+(65..128: 1.17x / 1.48x this Triton kernel at M = 128, 1.04x / 1.31x torch
+bf16; bench/results/int8_matmul_mgpu-h100-*), or wherever it applies with
+PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY=mosaic ("triton": never). Interpret
+mode always runs the Triton kernel.
+
 Triton needs power-of-two tiles, so M, N and K are zero-padded to tile
 multiples (a copy of x and/or w when a dimension is not a multiple: the LLM
 shapes in the bench need none). The w8a8 dynamic pre-pass (row quantization)
@@ -234,10 +243,50 @@ def _tile_order(ni, nj, group_m):
   return (ni * nj, 1), tile
 
 
+def _is_hopper() -> bool:
+  """A Hopper (sm_90) GPU is the default device; decided at trace time."""
+  try:
+    if jax.default_backend() != "gpu":
+      return False
+    device = jax.devices()[0]
+  except Exception:  # no backend: tracing on a host without a GPU
+    return False
+  return str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def _mosaic_weight_only(x2, w, x_scale, *, mode, w_layout, block_sizes):
+  """The Mosaic GPU module (mosaic_gpu.py) when it should run this call,
+  else None. PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY: "mosaic" runs it on a
+  Hopper GPU wherever its ``supports`` accepts the call, "triton" never,
+  "auto" (default) for M in bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M without user
+  block sizes. Read at trace time."""
+  if mode != "weight_only" or not _is_hopper():
+    return None
+  try:
+    from pallas_kernels.int8 import mosaic_gpu
+  except Exception:  # absent or broken on this jax: Triton it is
+    return None
+  choice = mosaic_gpu.choice()
+  low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+  if choice == "triton" or (choice == "auto" and (
+      block_sizes is not None or not low <= x2.shape[0] <= high)):
+    return None
+  if mosaic_gpu.supports(x2, w, x_scale, mode=mode,
+                         w_layout=w_layout) is not True:
+    return None
+  return mosaic_gpu
+
+
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
            w_layout="kn", interpret=False):
   """[M, K] x [K, N] (w [N, K] for w_layout "nk": read K-major as it is, no
   transpose) for modes raw / dequant / dynamic / weight_only."""
+  if not interpret:
+    mosaic = _mosaic_weight_only(x2, w, x_scale, mode=mode, w_layout=w_layout,
+                                 block_sizes=block_sizes)
+    if mosaic is not None:
+      return mosaic.matmul(x2, w, x_scale, w_scale, bias, mode=mode,
+                           out_dtype=out_dtype, w_layout=w_layout)
   if mode == "dynamic":
     x2, x_scale = reference.quantize_xla(x2, axis=-1)
     mode = "dequant"

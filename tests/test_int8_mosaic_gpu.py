@@ -1,0 +1,202 @@
+"""The Mosaic GPU (Hopper) weight-only int8 kernel, in jax's Mosaic GPU
+interpreter (warp-specialised pipeline, barriers and TMA copies simulated on
+the CPU), and its wiring in the GPU path.
+
+Compared with float64 numpy: out = (x @ w.T) * w_scale + bias for int8 w
+[N, K] and bf16 x. The interpreter runs the kernel's tiling, ring slots,
+split-K partials and epilogue; its product is a plain float32-accumulated
+dot of the same SMEM tiles (the wgmma itself is checked on the H100 by
+bench/bench_int8_matmul.py --mgpu). Tolerances: float32 out 1e-5 of the
+largest magnitude (float32 sums of exact bf16 x int8 products); bf16 out
+adds its rounding, 2**-8 relative per element.
+
+Skipped where jax has no Mosaic GPU interpreter (jax < 0.10, e.g. 0.7.1);
+there ``supports`` must decline.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.int8 import block_sizes as bs
+from pallas_kernels.int8 import gpu, mosaic_gpu
+
+INTERPRET = mosaic_gpu.interpret_params()
+needs_interpreter = pytest.mark.skipif(
+    mosaic_gpu.api_missing() is not None or INTERPRET is None,
+    reason="this jax has no Mosaic GPU Pallas interpreter")
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _supports(m, k, n, *, x_dtype=jnp.bfloat16, mode="weight_only",
+              w_layout="nk", x_scale=None, block_sizes=None):
+  w_shape = (n, k) if w_layout == "nk" else (k, n)
+  return mosaic_gpu.supports(_sds((m, k), x_dtype), _sds(w_shape, jnp.int8),
+                             x_scale, mode=mode, w_layout=w_layout,
+                             block_sizes=block_sizes)
+
+
+def _inputs(rng, m, k, n):
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.integers(-128, 128, (n, k)), jnp.int8)
+  w_scale = jnp.asarray(rng.uniform(1e-3, 2e-3, (1, n)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal((1, n)), jnp.float32)
+  return x, w, w_scale, bias
+
+
+def _float64(x, w, w_scale, bias):
+  out = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+  if w_scale is not None:
+    out = out * np.asarray(w_scale, np.float64)
+  if bias is not None:
+    out = out + np.asarray(bias, np.float64)
+  return out
+
+
+def _run(x, w, w_scale, bias, out_dtype, sizes=None):
+  return mosaic_gpu.matmul(x, w, None, w_scale, bias, mode="weight_only",
+                           out_dtype=out_dtype, w_layout="nk",
+                           block_sizes=sizes, interpret=INTERPRET)
+
+
+def _check(got, want, out_dtype):
+  got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+  assert got.shape == want.shape
+  scale = np.abs(want).max()
+  rtol = 0.0 if out_dtype == jnp.float32 else 2.0 ** -8
+  np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-5 * scale)
+
+
+# ------------------------------------------------------------- supports --
+
+def test_supports_declines_what_it_does_not_implement():
+  if mosaic_gpu.api_missing() is not None:
+    assert isinstance(_supports(16, 256, 128), str)
+    return
+  assert _supports(16, 256, 128) is True
+  assert _supports(1, 64, 1) is True
+  assert _supports(128, 4096, 14336) is True
+  cases = [dict(w_layout="kn"), dict(x_dtype=jnp.float32),
+           dict(x_dtype=jnp.float16), dict(mode="dequant"),
+           dict(x_scale=_sds((16, 1), jnp.float32))]
+  for kwargs in cases:
+    assert isinstance(_supports(16, 256, 128, **kwargs), str), kwargs
+  assert "M <= 128" in _supports(129, 256, 128)
+  assert isinstance(_supports(0, 256, 128), str)
+  assert isinstance(_supports(16, 0, 128), str)
+  too_big = mosaic_gpu.MgpuBlockSizes(tile_k=1024, stages=4)
+  assert "shared memory" in _supports(128, 4096, 4096, block_sizes=too_big)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tile_k", 100), ("tile_k", -64), ("stages", 1), ("compute_wgs", 3),
+    ("wg_rows", 32), ("max_split", 0), ("target_ctas", 0)])
+def test_bad_block_sizes_raise(field, value):
+  sizes = mosaic_gpu.MgpuBlockSizes(**{field: value})
+  with pytest.raises(ValueError, match=field):
+    mosaic_gpu.plan(16, 1024, 1024, sizes)
+  if mosaic_gpu.api_missing() is None:
+    assert field in _supports(16, 1024, 1024, block_sizes=sizes)
+
+
+def test_plan_split_fills_one_wave():
+  # 112 column tiles of 128: no split; 32 tiles: split 4 (128 CTAs <= 132).
+  assert mosaic_gpu.plan(16, 4096, 14336).split == 1
+  p = mosaic_gpu.plan(16, 14336, 4096)
+  assert p.split == 4 and p.steps * p.split * p.sizes.tile_k == p.kp >= 14336
+  # never more K pieces than K tiles, nor more than max_split
+  assert mosaic_gpu.plan(16, 256, 128).split == 1
+  assert mosaic_gpu.plan(
+      16, 1 << 16, 128, mosaic_gpu.MgpuBlockSizes(max_split=2)).split == 2
+  for m, mp in ((1, 16), (16, 16), (17, 32), (40, 64), (65, 128),
+                (128, 128)):
+    assert mosaic_gpu.padded_m(m) == mp
+    assert mosaic_gpu.plan(m, 512, 200).mp == mp
+  for m in (16, 32, 64, 128):  # the table fits the H100's shared memory
+    assert mosaic_gpu.smem_bytes(mosaic_gpu.plan(m, 4096, 4096)) <= (
+        mosaic_gpu.SMEM_BYTES)
+
+
+# -------------------------------------------------------------- wiring --
+
+def test_env_choice(monkeypatch):
+  monkeypatch.delenv(mosaic_gpu.ENV_WEIGHT_ONLY, raising=False)
+  assert mosaic_gpu.choice() == "auto"
+  for value in ("triton", "MOSAIC", " auto "):
+    monkeypatch.setenv(mosaic_gpu.ENV_WEIGHT_ONLY, value)
+    assert mosaic_gpu.choice() == value.strip().lower()
+  monkeypatch.setenv(mosaic_gpu.ENV_WEIGHT_ONLY, "cuda")
+  with pytest.raises(ValueError, match=mosaic_gpu.ENV_WEIGHT_ONLY):
+    mosaic_gpu.choice()
+
+
+def test_gpu_path_picks_mosaic_only_on_hopper(monkeypatch):
+  """Which weight-only kernel gpu.matmul traces (decided at trace time)."""
+  def picked(m, block_sizes=None, mode="weight_only", w_layout="nk"):
+    return gpu._mosaic_weight_only(
+        _sds((m, 512), jnp.bfloat16), _sds((256, 512), jnp.int8), None,
+        mode=mode, w_layout=w_layout, block_sizes=block_sizes)
+
+  monkeypatch.delenv(mosaic_gpu.ENV_WEIGHT_ONLY, raising=False)
+  assert picked(128) is None  # no Hopper GPU here
+  if mosaic_gpu.api_missing() is not None:
+    return
+  monkeypatch.setattr(gpu, "_is_hopper", lambda: True)
+  low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+  assert picked(high) is mosaic_gpu and picked(low) is mosaic_gpu
+  assert picked(low - 1) is None  # auto leaves small M to Triton
+  assert picked(128, block_sizes=bs.BlockSizes(16, 64, 64)) is None
+  assert picked(128, w_layout="kn") is None
+  assert picked(128, mode="dequant") is None
+  monkeypatch.setenv(mosaic_gpu.ENV_WEIGHT_ONLY, "mosaic")
+  assert picked(16) is mosaic_gpu
+  assert picked(129) is None  # beyond what the kernel supports
+  monkeypatch.setenv(mosaic_gpu.ENV_WEIGHT_ONLY, "triton")
+  assert picked(128) is None
+
+
+def test_gpu_interpret_path_unchanged(rng):
+  """backend interpret / generic never takes the Mosaic kernel."""
+  x, w, w_scale, _ = _inputs(rng, 5, 96, 40)
+  out = gpu.matmul(x, w, None, w_scale, None, mode="weight_only",
+                   out_dtype=jnp.float32, w_layout="nk", interpret=True)
+  _check(out, _float64(x, w, w_scale, None), jnp.float32)
+
+
+# ------------------------------------------------- interpreter semantics --
+
+@needs_interpreter
+@pytest.mark.parametrize("m, k, n, out_dtype, sizes", [
+    # ragged M, N and K; split K (K 300 -> 3 x 128-wide tiles, split 2)
+    (5, 300, 130, jnp.float32, dict(tile_k=128, stages=2)),
+    # M padded to 32, x^T from XLA, one compute warpgroup, bf16 out
+    (20, 256, 64, jnp.bfloat16, dict(tile_k=128, stages=2, compute_wgs=1,
+                                     x_pretransposed=True)),
+    # 128 w rows per warpgroup (two 64-row epilogue chunks), tile_k 64
+    (33, 192, 300, jnp.float32, dict(tile_k=64, stages=3, wg_rows=128)),
+])
+def test_matches_float64(rng, m, k, n, out_dtype, sizes):
+  x, w, w_scale, bias = _inputs(rng, m, k, n)
+  out = _run(x, w, w_scale, bias, out_dtype,
+             mosaic_gpu.MgpuBlockSizes(**sizes))
+  assert out.dtype == out_dtype
+  _check(out, _float64(x, w, w_scale, bias), out_dtype)
+
+
+@needs_interpreter
+def test_table_tiles_m128_no_scale_nan_row(rng):
+  """The table's M = 128 tiles; no w_scale/bias; a NaN in x poisons only
+  its output row."""
+  m, k, n = 128, 256, 128
+  x, w, _, _ = _inputs(rng, m, k, n)
+  x = x.at[7, 3].set(jnp.nan)
+  out = np.asarray(_run(x, w, None, None, jnp.float32))
+  assert np.isnan(out[7]).all()
+  rest = np.delete(np.arange(m), 7)
+  want = _float64(x, w, None, None)
+  _check(out[rest], want[rest], jnp.float32)
