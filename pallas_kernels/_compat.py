@@ -5,7 +5,6 @@ Everything version-dependent lives here so kernels can be written once.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import inspect
 

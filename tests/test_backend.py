@@ -1,7 +1,6 @@
 """Dispatch, the interpret switch and bad backend values."""
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -1,7 +1,6 @@
 """The int8 Mosaic kernels through the real TPU compiler (v5e, v6e)."""
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
 
 import torch
 

@@ -635,7 +635,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   kernel below.
   """
   batch, heads, lq, dim = q.shape
-  kv_heads, lk = k.shape[1], k.shape[2]
+  lk = k.shape[2]
   if lq == 0 or lk == 0 or dim == 0 or batch == 0:
     return (jnp.zeros(q.shape, q.dtype),
             jnp.full((batch, heads, lq), NEG_INF, jnp.float32))
@@ -654,7 +654,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   bk = _fit_block(sizes.block_k, lk)
   q, k, v, qseg, kvseg, bias = _prepare(
       q, k, v, q_segment_ids, kv_segment_ids, bias, bq, bk, dp)
-  lq_pad, lk_pad = q.shape[2], k.shape[2]
+  lq_pad = q.shape[2]
   nq = lq_pad // bq
   order = _launch_order(nq, batch, heads, mask, sizes, heavy_last=True)
   in_specs, args = _q_major_inputs(order, q, k, v, qseg, kvseg, bias, bq=bq,

@@ -508,7 +508,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
   bq = ROWS_PER_WG
   cta_row0 = tile * TILE_Q
   lo_u, _, _, hi_u = fwd._kv_ranges(cta_row0, TILE_Q, block_k, band)
-  steps = hi_u - lo_u
 
   def slot_of(c):
     return lax.rem(c - lo_u, jnp.int32(stages))

@@ -7,7 +7,6 @@ pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.torch
 
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402

@@ -519,6 +519,14 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
 
     return jax.lax.cond(alive != 0, rows, lambda a: a, acc)
 
+  def record(w, alive, keep, base, count):
+    """Word w's kept bits: (OR of the kept rows' masks, keep, base, count)."""
+    rows = or_kept_rows(alive, (w - first_word) * WORD,
+                        jnp.zeros((padded_words,), jnp.int32))
+    return (rows, jnp.where(lanes == w, alive, keep),
+            jnp.where(lanes == w, count, base),
+            count + jax.lax.population_count(alive))
+
   def step_pipelined(state):
     w, count, removed, keep, base, pending, removed_w = state[:7]
     loaded = state[7:]
@@ -533,11 +541,7 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
                                                 next_col[r], 0)
     else:  # a balanced OR tree: 5 levels on the path instead of 32
       removed_next = removed_next | or_selected(alive, next_col)
-    row0 = (w - first_word) * WORD
-    pending = or_kept_rows(alive, row0, jnp.zeros((padded_words,), jnp.int32))
-    base = jnp.where(lanes == w, count, base)
-    keep = jnp.where(lanes == w, alive, keep)
-    count = count + jax.lax.population_count(alive)
+    pending, keep, base, count = record(w, alive, keep, base, count)
     return (w + 1, count, removed, keep, base, pending,
             removed_next) + tuple(upcoming)
 
@@ -573,11 +577,7 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
                          ~removed_w)
     removed = removed | pending  # rows kept one step ago have landed
     removed_next = word_of(removed, w + 1) | ballot((next_t & alive) != 0)
-    row0 = (w - first_word) * WORD
-    pending = or_kept_rows(alive, row0, jnp.zeros((padded_words,), jnp.int32))
-    base = jnp.where(lanes == w, count, base)
-    keep = jnp.where(lanes == w, alive, keep)
-    count = count + jax.lax.population_count(alive)
+    pending, keep, base, count = record(w, alive, keep, base, count)
     return (w + 1, count, removed, keep, base, pending,
             removed_next) + tuple(upcoming)
 
@@ -595,11 +595,7 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
                     | or_selected(alive_prev, c2_prev))
     alive = resolve(~removed_w, diag)
     removed_next = partial_next | or_selected(alive, next_col)
-    row0 = (w - first_word) * WORD
-    pend_new = or_kept_rows(alive, row0, jnp.zeros((padded_words,), jnp.int32))
-    base = jnp.where(lanes == w, count, base)
-    keep = jnp.where(lanes == w, alive, keep)
-    count = count + jax.lax.population_count(alive)
+    pend_new, keep, base, count = record(w, alive, keep, base, count)
     return ((w + 1, count, removed, keep, base, pend_new, pend1, removed_next,
              alive) + tuple(after_next) + tuple(upcoming))
 
@@ -614,10 +610,7 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
     else:
       alive = resolve(~word_of(removed, w),
                       [mask_ref[row0 + r, w] for r in range(WORD)])
-    acc = or_kept_rows(alive, row0, jnp.zeros((padded_words,), jnp.int32))
-    base = jnp.where(lanes == w, count, base)
-    keep = jnp.where(lanes == w, alive, keep)
-    count = count + jax.lax.population_count(alive)
+    acc, keep, base, count = record(w, alive, keep, base, count)
     return w + 1, count, removed | acc, keep, base
 
   def more(state):
