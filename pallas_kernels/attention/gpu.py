@@ -105,7 +105,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _mosaic_gpu
 
 pl = _compat.pl
 
@@ -532,15 +532,7 @@ def _mosaic_backward(q, k, v, q_seg, bias, block_sizes):
   return mosaic_gpu_bwd
 
 
-def _is_hopper() -> bool:
-  """A Hopper (sm_90) GPU is the default device; decided at trace time."""
-  try:
-    if jax.default_backend() != "gpu":
-      return False
-    device = jax.devices()[0]
-  except Exception:  # no backend: tracing on a host without a GPU
-    return False
-  return str(getattr(device, "compute_capability", "")).startswith("9")
+_is_hopper = _mosaic_gpu.is_hopper  # a module name, so tests can patch it
 
 
 def _mosaic_forward(q, k, v, q_seg, kv_seg, bias, block_sizes, kwargs):

@@ -98,7 +98,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _mosaic_gpu
 from pallas_kernels._compat import pl
 from pallas_kernels.int8 import block_sizes as bs
 from pallas_kernels.int8 import reference
@@ -243,15 +243,7 @@ def _tile_order(ni, nj, group_m):
   return (ni * nj, 1), tile
 
 
-def _is_hopper() -> bool:
-  """A Hopper (sm_90) GPU is the default device; decided at trace time."""
-  try:
-    if jax.default_backend() != "gpu":
-      return False
-    device = jax.devices()[0]
-  except Exception:  # no backend: tracing on a host without a GPU
-    return False
-  return str(getattr(device, "compute_capability", "")).startswith("9")
+_is_hopper = _mosaic_gpu.is_hopper  # a module name, so tests can patch it
 
 
 def _mosaic_weight_only(x2, w, x_scale, *, mode, w_layout, block_sizes):

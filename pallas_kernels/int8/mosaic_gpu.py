@@ -81,17 +81,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _mosaic_gpu
 
 pl = _compat.pl
 
-try:  # Mosaic GPU Pallas: absent or incomplete on old jax releases.
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-except Exception as e:  # pragma: no cover - depends on the jax build
-  plgpu = None
-  _IMPORT_ERROR = f"jax.experimental.pallas.mosaic_gpu is unavailable: {e}"
-else:
-  _IMPORT_ERROR = None
+plgpu = _mosaic_gpu.plgpu
 
 ROWS_PER_WG = 64  # one wgmma M tile of w rows per compute warpgroup
 MAX_M = 128
@@ -105,25 +99,10 @@ _NEEDED_API = ("kernel", "wgmma", "wgmma_wait", "SMEM", "ACC",
 
 def api_missing() -> str | None:
   """Why this jax cannot build the kernel, or None when it can."""
-  if plgpu is None:
-    return _IMPORT_ERROR
-  if _compat.JAX_VERSION < (0, 10, 0):
-    return (f"the Mosaic GPU int8 kernel needs jax >= 0.10 "
-            f"(found {jax.__version__})")
-  missing = [name for name in _NEEDED_API if not hasattr(plgpu, name)]
-  if missing:
-    return f"jax.experimental.pallas.mosaic_gpu lacks {', '.join(missing)}"
-  return None
+  return _mosaic_gpu.api_missing("int8", _NEEDED_API)
 
 
-def interpret_params():
-  """The ``interpret`` value that runs this kernel in the Mosaic GPU
-  interpreter on a CPU, or None where this jax has no such interpreter."""
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-  except Exception:
-    return None
-  return InterpretGPUParams()
+interpret_params = _mosaic_gpu.interpret_params
 
 
 @dataclasses.dataclass(frozen=True)
