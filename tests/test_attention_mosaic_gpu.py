@@ -14,6 +14,7 @@ there only ``supports`` is checked (it must decline).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -181,29 +182,36 @@ def test_interpreted_kernel_is_deterministic(rng):
 from pallas_kernels.attention import gpu, mosaic_gpu_bwd  # noqa: E402
 
 
-def _check_dkv(rng, b, h, hk, lq, lk, d, dtype=jnp.bfloat16, sizes=None,
-               causal=False, left=None, right=None, cap=None):
+def _check_backward(kernel, rng, b, h, hk, lq, lk, d, dtype=jnp.bfloat16,
+                    sizes=None, causal=False, left=None, right=None, cap=None):
+  """Runs ``mosaic_gpu_bwd.<kernel>`` ("dkv" or "dq") in the interpreter and
+  checks its gradients against the float64 ones; returns them."""
   q, k, v = _inputs(rng, b, h, hk, lq, lk, d, dtype)
   do = jnp.asarray(rng.standard_normal(q.shape), dtype)
   f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa
   scale = 1 / math.sqrt(d)
-  out, lse, (_, dk, dv, _) = float64_reference(
+  out, lse, (dq, dk, dv, _) = float64_reference(
       f64(q), f64(k), f64(v), None, None, None, f64(do), sm_scale=scale,
       causal=causal, left=left, right=right, cap=cap)
-  delta = (f64(do) * out).sum(-1)
-  got = mosaic_gpu_bwd.dkv(
-      q, k, v, do, jnp.asarray(lse, jnp.float32),
-      jnp.asarray(delta, jnp.float32), sm_scale=scale, causal=causal,
-      window_left=left, window_right=right, logit_soft_cap=cap,
-      block_sizes=sizes, interpret=INTERPRET)
-  for name, x, ref in zip(("dk", "dv"), got, (dk, dv)):
+  delta = mosaic_gpu_bwd.delta_of(jnp.asarray(out, jnp.float32), do)
+  got = getattr(mosaic_gpu_bwd, kernel)(
+      q, k, v, do, jnp.asarray(lse, jnp.float32), delta, sm_scale=scale,
+      causal=causal, window_left=left, window_right=right,
+      logit_soft_cap=cap, block_sizes=sizes, interpret=INTERPRET)
+  names, refs = (("dk", "dv"), (dk, dv)) if kernel == "dkv" else (("dq",),
+                                                                 (dq,))
+  got = tuple(got) if kernel == "dkv" else (got,)
+  for name, x, ref in zip(names, got, refs):
     assert x.shape == ref.shape and x.dtype == dtype, name
     x = f64(x)
     assert np.isfinite(x).all(), name
     rel = np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
     assert rel < 1e-2, (name, rel)
     np.testing.assert_allclose(x, ref, atol=3e-2, rtol=0, err_msg=name)
-  return got
+  return [f64(x) for x in got]
+
+
+_check_dkv = functools.partial(_check_backward, "dkv")
 
 
 def test_dkv_supports_declines_what_it_cannot_run():
@@ -285,27 +293,9 @@ def test_dkv_full_mask_multi_head_group(rng):
   _check_dkv(rng, 2, 4, 2, 128, 256, 128)
 
 
-def _check_dq(rng, b, h, hk, lq, lk, d, dtype=jnp.bfloat16, sizes=None,
-              causal=False, left=None, right=None, cap=None):
-  q, k, v = _inputs(rng, b, h, hk, lq, lk, d, dtype)
-  do = jnp.asarray(rng.standard_normal(q.shape), dtype)
-  f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa
-  scale = 1 / math.sqrt(d)
-  out, lse, (dq, _, _, _) = float64_reference(
-      f64(q), f64(k), f64(v), None, None, None, f64(do), sm_scale=scale,
-      causal=causal, left=left, right=right, cap=cap)
-  delta = mosaic_gpu_bwd.delta_of(jnp.asarray(out, jnp.float32), do)
-  got = mosaic_gpu_bwd.dq(
-      q, k, v, do, jnp.asarray(lse, jnp.float32), delta, sm_scale=scale,
-      causal=causal, window_left=left, window_right=right,
-      logit_soft_cap=cap, block_sizes=sizes, interpret=INTERPRET)
-  assert got.shape == q.shape and got.dtype == dtype
-  got = f64(got)
-  assert np.isfinite(got).all()
-  rel = np.linalg.norm(got - dq) / max(np.linalg.norm(dq), 1e-30)
-  assert rel < 1e-2, rel
-  np.testing.assert_allclose(got, dq, atol=3e-2, rtol=0)
-  return got
+def _check_dq(*args, **kwargs):
+  [dq] = _check_backward("dq", *args, **kwargs)
+  return dq
 
 
 @needs_interpreter
