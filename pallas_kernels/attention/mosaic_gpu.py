@@ -298,6 +298,13 @@ def outside_band(q_rows, keys, band, check_length=True):
   return out
 
 
+def tile_smem(shape, dtype):
+  """Shared memory for bf16/fp16 tiles that wgmma reads: 8x64 tiles,
+  128-byte swizzle (bank-conflict free)."""
+  return plgpu.SMEM(shape, dtype, transforms=(
+      plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
 def band_loop(step, skip, bounds, carry):
   """Walks blocks [lo_u, hi_u): ``skip`` outside the band ([lo_u, lo) and
   [hi, hi_u), so every warpgroup keeps the ring's pace), ``step`` with
@@ -574,12 +581,10 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   interpreting = bool(interpret)
   dtype = q.dtype
 
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   scratch = (
-      plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype,
-                 transforms=swizzled),
-      plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=swizzled),
-      plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=swizzled),
+      tile_smem((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype),
+      tile_smem((stages, block_k, head_dim), dtype),
+      tile_smem((stages, block_k, head_dim), dtype),
       plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
   )
   barriers = (

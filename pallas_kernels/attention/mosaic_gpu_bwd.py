@@ -382,6 +382,17 @@ def _prepared(kernel, check, sizes, arrays, q_multiple, k_multiple, causal,
   return padded, band, interpret
 
 
+def _kernel_statics(band, sm_scale, logit_soft_cap, sizes, group,
+                    interpreting):
+  """The static arguments both backward kernels take."""
+  return dict(
+      band=band, sm_scale=float(sm_scale),
+      soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
+      stages=sizes.stages, group=group, interpreting=interpreting,
+      compute_registers=sizes.compute_registers,
+      memory_registers=sizes.memory_registers)
+
+
 def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
         window_right, logit_soft_cap, block_sizes=None, interpret=False):
   """(dk, dv) [B, Hk, Lk, D] for the attention forward's (out, lse).
@@ -405,14 +416,11 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   interpreting = bool(interpret)
   stages = sizes.stages
 
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   scratch = (
-      plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, head_dim), dtype,
-                 transforms=swizzled),
-      plgpu.SMEM((COMPUTE_WGS, KEYS_PER_WG, head_dim), dtype,
-                 transforms=swizzled),
-      plgpu.SMEM((stages, bq, head_dim), dtype, transforms=swizzled),
-      plgpu.SMEM((stages, bq, head_dim), dtype, transforms=swizzled),
+      fwd.tile_smem((COMPUTE_WGS, KEYS_PER_WG, head_dim), dtype),
+      fwd.tile_smem((COMPUTE_WGS, KEYS_PER_WG, head_dim), dtype),
+      fwd.tile_smem((stages, bq, head_dim), dtype),
+      fwd.tile_smem((stages, bq, head_dim), dtype),
       plgpu.SMEM((stages, bq), jnp.float32),
       plgpu.SMEM((stages, bq), jnp.float32),
   )
@@ -426,11 +434,8 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
   )
   body = functools.partial(
-      _kernel, band=band, sm_scale=float(sm_scale),
-      soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
-      block_q=bq, stages=stages, group=group, interpreting=interpreting,
-      compute_registers=sizes.compute_registers,
-      memory_registers=sizes.memory_registers)
+      _kernel, block_q=bq, **_kernel_statics(
+          band, sm_scale, logit_soft_cap, sizes, group, interpreting))
   n_scratch = len(scratch)
 
   def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
@@ -615,16 +620,13 @@ def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   dtype = q.dtype
   nq = lq_pad // TILE_Q
 
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   scratch = (
-      plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype,
-                 transforms=swizzled),
-      plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype,
-                 transforms=swizzled),
+      fwd.tile_smem((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype),
+      fwd.tile_smem((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype),
       plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
       plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
-      plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=swizzled),
-      plgpu.SMEM((stages, block_k, head_dim), dtype, transforms=swizzled),
+      fwd.tile_smem((stages, block_k, head_dim), dtype),
+      fwd.tile_smem((stages, block_k, head_dim), dtype),
   )
   barriers = (
       plgpu.Barrier(num_barriers=4 * COMPUTE_WGS),  # q, dO, lse, delta
@@ -633,12 +635,10 @@ def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
   )
   body = functools.partial(
-      _dq_kernel, band=band, sm_scale=float(sm_scale),
-      soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
-      block_k=block_k, stages=stages, group=group, nq=nq,
+      _dq_kernel, block_k=block_k, nq=nq,
       reverse_q=band.right is not None and band.left is None,
-      interpreting=bool(interpret), compute_registers=sizes.compute_registers,
-      memory_registers=sizes.memory_registers)
+      **_kernel_statics(band, sm_scale, logit_soft_cap, sizes, group,
+                        bool(interpret)))
   n_scratch = len(scratch)
 
   def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):

@@ -341,7 +341,6 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
   j = pl.program_id(2)
   # state_ref is None for a single chunk: it starts at row 0, nothing kept.
   first_row = (0 if state_ref is None else state_ref[1]) + i * rows
-  row_ids = first_row + jnp.arange(rows, dtype=jnp.int32)
   first_col = j * words * WORD
   first_word = j * words
   bit = jnp.left_shift(jnp.int32(1), jnp.arange(WORD, dtype=jnp.int32))
@@ -356,16 +355,21 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
     rows_dead = rows_dead & (removed_ref[index] == -1)
   skip = skip | rows_dead
 
-  def word(q):
-    cols = pl.ds(first_col + q * WORD, WORD)
-    col_ids = first_col + q * WORD + jnp.arange(WORD, dtype=jnp.int32)
-    window = pl.ds(first_row, rows)
+  def hits(first, count, first_c):
+    # [count, 32]: row box first + i suppresses column box first_c + c
+    window, cols = pl.ds(first, count), pl.ds(first_c, WORD)
     a = tuple(r[window] for r in (x1, y1, x2, y2, area))
     b = tuple(r[cols] for r in (x1, y1, x2, y2, area))
+    row_ids = first + jnp.arange(count, dtype=jnp.int32)
+    col_ids = first_c + jnp.arange(WORD, dtype=jnp.int32)
     hit = (_exceeds_bits(a, b, iou_threshold, exact_ptx)
            & (col_ids[None, :] > row_ids[:, None]))
     if use_classes:
       hit = hit & (cls[window][:, None] == cls[cols][None, :])
+    return hit
+
+  def word(q):
+    hit = hits(first_row, rows, first_col + q * WORD)
     return jnp.sum(jnp.where(hit, bit[None, :], 0), axis=1)
 
   if exact_ptx:
@@ -389,17 +393,7 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
 
   def transposed(k, col_word):
     # bits r over the 32 rows of this program's row word k, per column c
-    first = first_row + k * WORD
-    window = pl.ds(first, WORD)
-    cols = pl.ds(col_word * WORD, WORD)
-    r_ids = first + jnp.arange(WORD, dtype=jnp.int32)
-    c_ids = col_word * WORD + jnp.arange(WORD, dtype=jnp.int32)
-    a = tuple(r[window] for r in (x1, y1, x2, y2, area))
-    b = tuple(r[cols] for r in (x1, y1, x2, y2, area))
-    hit = (_exceeds_bits(a, b, iou_threshold, exact_ptx)
-           & (c_ids[None, :] > r_ids[:, None]))
-    if use_classes:
-      hit = hit & (cls[window][:, None] == cls[cols][None, :])
+    hit = hits(first_row + k * WORD, WORD, col_word * WORD)
     return jnp.sum(jnp.where(hit, bit[:, None], 0), axis=0)
 
   for k in range(rows // WORD):
