@@ -43,6 +43,31 @@ def time_jax(fn: Callable, *args, warmup: int = 3, iters: int = 20,
   return statistics.median(samples)
 
 
+def time_replicated_jax(op: Callable, args: Sequence, copies: int,
+                        iters: int = 5, warmup: int = 1,
+                        host_reps: int = 3) -> tuple[float, Any]:
+  """(seconds per call of ``op``, first output), timed inside one program.
+
+  One jitted program runs ``copies`` calls of ``op``, each on its own copy
+  of ``args`` (no CSE, no merged dots, no L2 reuse between calls), and
+  ``host_reps`` such programs are dispatched back to back per sample. This
+  is how an op runs inside a jitted model: the per-call host dispatch (~50
+  us on the H100 VM) is paid once per program, not per op. Every JAX
+  implementation of a case is timed this way, so the ratios compare the
+  device work plus XLA's launch gaps.
+  """
+  import jax
+  import jax.numpy as jnp
+  count = len(args)
+  flat = [jnp.array(a, copy=True) for _ in range(copies) for a in args]
+  program = jax.jit(lambda *f: [op(*f[i * count:(i + 1) * count])
+                                for i in range(copies)])
+  first = jax.block_until_ready(program(*flat))[0]
+  seconds = time_jax(program, *flat, warmup=warmup, iters=iters,
+                     reps=host_reps) / copies
+  return seconds, first
+
+
 def device_kernel_times(fn, *args, reps=5):
   """{kernel name: [launches, us]} per call of ``fn`` on the GPU streams.
 

@@ -30,6 +30,20 @@ def test_time_jax_reps_dispatches_all_calls_and_waits_once():
   assert len(calls) == 2 + 3 * 5
 
 
+def test_time_replicated_jax_traces_one_call_per_copy_on_its_own_inputs():
+  seen = []
+
+  def traced(x, y):
+    seen.append(1)   # runs at trace time only: once per copy
+    return x * y
+
+  x, y = jnp.arange(4.0), jnp.full((4,), 3.0)
+  seconds, first = harness.time_replicated_jax(traced, (x, y), copies=3,
+                                               iters=2, host_reps=2)
+  assert len(seen) == 3 and 0 < seconds < 5
+  assert jnp.array_equal(first, x * y)
+
+
 def test_results_file_records_device_versions_date(tmp_path):
   rows = [{"shape": "4x4", "ours_ms": 1.0, "peer_ms": 2.0,
            "speedup": harness.ratio(2.0, 1.0)}]

@@ -43,17 +43,16 @@ column boxes once, and with few rows that cost is spread over few pairs (a
 x 128 / 4 warps: 1.1 ms; register spills, presumably). ``PAIRWISE_SUB_ROWS``
 computes a tall tile in a loop of row groups (column boxes unpacked once
 per program, few values live) and ``PAIRWISE_COLUMN_ACCESS="strided"``
-reads coordinates straight into the broadcast layout; both are implemented
-and interpret-tested but not yet timed on a GPU (``bench/bench_giou.py
---choose`` times them and picks).
+reads coordinates straight into the broadcast layout (the default: 10%
+faster than splitting a loaded [rows, 4] tile).
 
-Sizes (H100, jax 0.11.2, wall time per call with 20 calls back to back):
-elementwise 1024 boxes / 4 warps (512..2048 and 8 warps within 10%);
-pairwise 16 x 64 / 2 warps 0.051-0.062 ms at 4096 x 4096 (32 x 64 / 4
-warps 0.052, 32 x 128 / 4 warps 0.057-0.062; the jitted XLA reference
-0.057-0.064, of which 47 us device time; our 32 x 128 kernel: 53 us device
-time). A jitted call costs ~50 us of host time on that VM, so these wall
-times sit near the dispatch floor; device times compare the kernels.
+Sizes (H100, jax 0.11.2, device time from the profiler; ``bench_giou.py
+--choose``): pairwise 4096 x 4096, 16 x 64 tiles / 2 warps / strided
+column reads 43.0 us (select reads 47.9; 32 x 64 / 4 warps strided 46.1;
+128 x 256 / 4 warps strided 45.1; 32 x 128 / 4 warps select 61.7), against
+47.5 us for the jitted XLA reference. ``div.full.f32`` changed nothing
+(43.1 us), so division is not what limits the kernel. Elementwise: 1024
+boxes per program, 256 below SMALL_BOXES.
 """
 from __future__ import annotations
 
@@ -69,10 +68,11 @@ from . import _math
 COORDS = 4
 ELEMENTWISE_BLOCK = 1024
 # Below SMALL_BOXES boxes the elementwise kernels use SMALL_BLOCK (smaller
-# blocks: more programs for the SMs when there are few boxes). Equal to
-# ELEMENTWISE_BLOCK until a GPU run (bench_giou.py --choose) picks one.
+# blocks: more programs for the SMs when there are few boxes): 256 was the
+# fastest of 256/512/1024 at 1024 x 256 boxes on the H100 (bench_giou.py
+# --choose: 2.64 / 5.49 us forward / value-and-grad against 2.98 / 6.26).
 SMALL_BOXES = 1 << 20
-SMALL_BLOCK = 1024
+SMALL_BLOCK = 256
 FUSED_MAX_BOXES = 1 << 20
 NUM_WARPS = 4
 
@@ -322,7 +322,7 @@ PAIRWISE_WARPS = 2
 # How box coordinates are read: "select" loads [rows, 4] and splits it in
 # registers; "strided" loads each coordinate with a stride-4 access, which
 # lets Triton load straight into the layout the broadcast needs.
-PAIRWISE_COLUMN_ACCESS = "select"
+PAIRWISE_COLUMN_ACCESS = "strided"
 # "exact": IEEE float32 division as written; "fast": PTX ``div.full.f32``
 # (at most 2 ulp off, full range) on the GPU. Interpret mode always divides
 # exactly.
