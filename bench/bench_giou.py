@@ -275,7 +275,39 @@ def device_times_pairwise():
                      kernels={k: round(v[1], 2) for k, v in kernels.items()})
   out["x_vs_jax_reference_device"] = (out["jax_reference"]["device_us"]
                                       / out["pallas"]["device_us"])
+  out["write_floor"] = _write_floor(a[0, 0])
   print(out, flush=True)
+  return out
+
+
+def _write_floor(value, n=4096):
+  """Device us to only write an n x n float32 matrix (no arithmetic): XLA's
+  broadcast, and Pallas stores of the pairwise kernel's tiles."""
+  from pallas_kernels import _compat
+  from jax.experimental import pallas as pl
+
+  def pallas_fill(tile, warps):
+    def kernel(v_ref, o_ref):
+      o_ref[...] = jnp.full(tile, v_ref[0], jnp.float32)
+    return jax.jit(lambda v: pl.pallas_call(
+        kernel, grid=(n // tile[1], n // tile[0]),
+        in_specs=[pl.BlockSpec((1,), lambda j, i: (0,))],
+        out_specs=pl.BlockSpec(tile, lambda j, i: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((n, n), jnp.float32),
+        compiler_params=_compat.gpu_compiler_params(num_warps=warps,
+                                                    num_stages=1))(v))
+
+  fills = {"xla_broadcast": jax.jit(
+      lambda v: jnp.broadcast_to(v[0], (n, n)) * 1.0)}
+  for tile, warps in (((16, 64), 2), ((64, 256), 4), ((32, 512), 8)):
+    fills[f"pallas_{tile[0]}x{tile[1]}_w{warps}"] = pallas_fill(tile, warps)
+  out = {}
+  for name, fn in fills.items():
+    try:
+      out[name] = harness.device_kernel_times(
+          fn, jnp.reshape(value, (1,)), reps=20)["(device total)"][1]
+    except Exception as e:  # noqa: BLE001
+      out[name] = repr(e)[:200]
   return out
 
 

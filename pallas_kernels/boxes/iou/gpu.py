@@ -47,12 +47,16 @@ reads coordinates straight into the broadcast layout (the default: 10%
 faster than splitting a loaded [rows, 4] tile).
 
 Sizes (H100, jax 0.11.2, device time from the profiler; ``bench_giou.py
---choose``): pairwise 4096 x 4096, 16 x 64 tiles / 2 warps / strided
-column reads 43.0 us (select reads 47.9; 32 x 64 / 4 warps strided 46.1;
-128 x 256 / 4 warps strided 45.1; 32 x 128 / 4 warps select 61.7), against
-47.5 us for the jitted XLA reference. ``div.full.f32`` changed nothing
-(43.1 us), so division is not what limits the kernel. Elementwise: 1024
-boxes per program, 256 below SMALL_BOXES.
+--choose`` and the probes in ``giou-pairwise-probe-h100-*``): pairwise 4096
+x 4096, 8 x 128 tiles / 4 warps / strided column reads 40.9-41.0 us, 16 x 64
+/ 2 warps 42.5-43.0 (select reads 47.9; 32 x 128 / 4 warps select 61.7),
+against 47.4 us for the jitted XLA reference. Where the time goes (8 x 128):
+only writing the matrix takes 22 us (3.1 TB/s), the intersection areas 25,
+IoU without its division 25, IoU 32, GIoU 41: the two float32 divisions
+cost ~8 us each. ``div.full.f32`` changed nothing (Triton already divides
+that way), and a one-division form of GIoU (with a per-tile fallback for
+extreme boxes) was slower (52 us). Elementwise: 1024 boxes per program,
+256 below SMALL_BOXES.
 """
 from __future__ import annotations
 
@@ -316,9 +320,9 @@ def elementwise_value_and_grad(boxes1, boxes2, *, kind, formula, eps,
 # rows at a time (a loop; None: all at once): the tile_m column boxes are
 # unpacked once per program and reused for all tile_n rows, while only
 # sub_rows x tile_m values are live in registers.
-PAIRWISE_TILE = (16, 64)
+PAIRWISE_TILE = (8, 128)
 PAIRWISE_SUB_ROWS = None
-PAIRWISE_WARPS = 2
+PAIRWISE_WARPS = 4
 # How box coordinates are read: "select" loads [rows, 4] and splits it in
 # registers; "strided" loads each coordinate with a stride-4 access, which
 # lets Triton load straight into the layout the broadcast needs.
