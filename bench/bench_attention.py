@@ -23,8 +23,10 @@ forward 4*B*H*L*L*D (causal: half); forward+backward 3.5x that (backward does
 5 of the 7 matmuls; the recomputed QK^T is not counted, as is usual). Before
 timing it checks the kernel's forward and gradients against a float32
 reference on several feature combinations (odd lengths, GQA, masks, bias,
-soft cap, both forwards), in parallel processes. The results file is
-rewritten after each section, so a run cut short keeps its rows.
+soft cap, both forwards), in parallel processes (once still compiling
+after 2.5 minutes on the H100: use ``--no-check`` in a shorter device
+call). The results file is rewritten after each implementation, so a run
+cut short keeps its rows.
 
 ``--sweep`` times kernel variants (``sweep_jobs``) with several processes
 compiling in parallel and taking turns on the GPU; ``--tune`` sweeps the
@@ -706,7 +708,7 @@ def bench_gpu(args):
         print(f"{name:12s} causal={causal!s:5s} {mode:8s} "
               f"{row['ms'] if row['ms'] is None else round(row['ms'], 3)} ms "
               f"{row['note']}", flush=True)
-  publish(rows, extra, args)
+      publish(rows, extra, args)  # a run cut short keeps what it timed
   for dim in args.head_dims:
     # Other head dims: ours (both forwards) and cuDNN.
     dq, dk, dv, ddo = random_qkv_do((b, h, l, dim), jnp.bfloat16, seed=dim)

@@ -3,6 +3,10 @@
   python bench/bench_attention_mgpu.py            # on an H100: checks + timings
   python bench/bench_attention_mgpu.py --quick    # CPU smoke test (interpreter)
   python bench/bench_attention_mgpu.py --sweep    # also block_k/stages variants
+  python bench/bench_attention_mgpu.py --variants [--only a,b] [--causal 1]
+      # the schedule variants (_variant_table) at D128 (and --other-dims at
+      # D64), each checked against the first one's output, timed in rounds
+      # beside cuDNN, attention_mgpu and tokamax (needs .whl carried)
 
 Checks compare ``attention.mosaic_gpu.forward`` with the float32 reference
 (relative error ||out - ref|| / ||ref||, and lse where finite; -inf rows must
@@ -204,6 +208,143 @@ def bench_shape(key, d, causal, iters, sweep, b=4, h=16, seq=4096):
   return rows
 
 
+# --variants: schedule variants of the kernel at B4 H16 L4096 D128, each
+# checked against the default kernel's output on the same inputs and timed
+# in rounds interleaved with the peers (cuDNN, jax attention_mgpu, tokamax).
+def _variant_table():
+  S = mosaic_gpu.MosaicGpuBlockSizes
+  return {  # the hardware-barrier ones last: a hang there keeps the rest
+      "rendezvous": S(overlap=False, named_barriers=False, lean=False),
+      "lean": S(overlap=False, named_barriers=False, lean=True),
+      "lean s3": S(overlap=False, named_barriers=False, lean=True, stages=3),
+      "overlap": S(overlap=True, named_barriers=False, lean=False),
+      "overlap lean": S(overlap=True, named_barriers=False, lean=True),
+      "named": S(overlap=False, named_barriers=True, lean=False),
+      "overlap named lean": S(overlap=True, named_barriers=True, lean=True),
+      "overlap named lean s3": S(overlap=True, named_barriers=True,
+                                 lean=True, stages=3),
+      "overlap named lean r240": S(overlap=True, named_barriers=True,
+                                   lean=True, compute_registers=240,
+                                   memory_registers=24),
+      # head_dim 64: S of 256 keys would not fit beside P V in registers.
+      "overlap lean bk128 s3": S(overlap=True, named_barriers=False,
+                                 lean=True, block_k=128, stages=3),
+      "overlap named lean bk128 s3": S(overlap=True, named_barriers=True,
+                                       lean=True, block_k=128, stages=3),
+  }
+
+
+VARIANT_CHECKS = [CHECKS[i] for i in (2, 3, 4, 6)]
+
+
+def _tokamax_forward(q, k, v, causal):
+  from bench import bench_attention
+  fwd, _ = bench_attention.build_tokamax(causal, q, k, v, q)
+  return fwd
+
+
+def variants(args, key):
+  """Checks and times ``_variant_table()``; rows go to the results file."""
+  table = _variant_table()
+  rows, checks = [], []
+  extra = {"checks": checks, "variants": {n: str(s) for n, s in
+                                          table.items()}}
+
+  def save():
+    harness.write_results(args.name, rows, extra=extra, directory=args.out)
+
+  def timed(row, fn, fargs):
+    try:
+      row["ms"].append(time_fn(fn, *fargs, iters=args.iters) * 1e3)
+    except Exception as e:
+      row["note"] = f"{type(e).__name__}: {str(e)[:300]}"
+
+  for d in args.variant_head_dims:
+    names = [n for n in table if (not args.only or n in args.only)
+             and "bk128" not in n] if d == 128 else args.other_dims
+    for causal in args.causal:
+      key, sub = jax.random.split(key)
+      q, k, v = _inputs(sub, 4, 16, 16, 4096, 4096, d, jnp.bfloat16)
+      flops = attention_flops(4, 16, 4096, 4096, d, causal)
+      impls, shape_rows = {}, []
+
+      def new_row(name):
+        row = {"impl": name, "head_dim": d, "causal": causal, "ms": []}
+        rows.append(row)
+        shape_rows.append(row)
+        return row
+
+      if d == 128:  # peers first: they cannot hang
+        for name, (fn, fargs) in peers(q, k, v, causal).items():
+          if name != "triton_ours":
+            impls[name] = (fn, fargs, new_row(name))
+        try:
+          impls["tokamax"] = (_tokamax_forward(q, k, v, causal), (),
+                              new_row("tokamax"))
+        except Exception as e:
+          print("tokamax unavailable:", type(e).__name__, str(e)[:300])
+        for fn, fargs, row in impls.values():
+          timed(row, fn, fargs)
+      base_out = None
+      for name in names:
+        kw = _kwargs(d, causal, sizes=table[name])
+        fn = ours_fn(**kw)
+        row = new_row(name)
+        try:
+          out, _ = jax.block_until_ready(fn(q, k, v))
+          out = np.asarray(out.astype(jnp.float32))
+          if base_out is None:
+            base_out = out
+            ref = reference.attention(
+                *(x[:1, :2].astype(jnp.float32) for x in (q, k, v)),
+                **{k_: v_ for k_, v_ in kw.items() if k_ != "block_sizes"})
+            ref = np.asarray(ref[0])
+            row["err_vs_f32_ref_2heads"] = float(
+                np.linalg.norm(out[:1, :2] - ref) / np.linalg.norm(ref))
+          row["max_diff_vs_first"] = float(np.max(np.abs(out - base_out)))
+          row["ok"] = bool(np.isfinite(out).all()
+                           and row["max_diff_vs_first"] < 0.05)
+          impls[name] = (fn, (q, k, v), row)
+          timed(row, fn, (q, k, v))
+        except Exception as e:
+          row["note"] = f"{type(e).__name__}: {str(e)[:600]}"
+          row["ok"] = False
+        print("variant", row, flush=True)
+        save()
+      for _ in range(args.rounds - 1):
+        for fn, fargs, row in impls.values():
+          timed(row, fn, fargs)
+      best = {}
+      for row in shape_rows:
+        if row["ms"]:
+          row["ms_best"] = min(row["ms"])
+          row["tflops"] = flops / row["ms_best"] / 1e9
+          best[row["impl"]] = row["ms_best"]
+      for row in shape_rows:
+        for peer in ("cudnn", "jax_mgpu_fp16", "tokamax", "rendezvous"):
+          if best.get(peer) and row.get("ms_best"):
+            row[f"vs_{peer}"] = best[peer] / row["ms_best"]
+        print("timed", {k_: (round(v_, 4) if isinstance(v_, float) else v_)
+                        for k_, v_ in row.items()}, flush=True)
+      save()
+  for name in args.check_variants:
+    for case in VARIANT_CHECKS:
+      key, sub = jax.random.split(key)
+      result = check_one(case, sub, sizes=table[name])
+      result["variant"] = name
+      checks.append(result)
+      print("check", "ok  " if result["ok"] else "FAIL", result, flush=True)
+    save()
+  columns = ["impl", "head_dim", "causal", "ms_best", "tflops", "vs_cudnn",
+             "vs_jax_mgpu_fp16", "vs_tokamax", "vs_rendezvous",
+             "max_diff_vs_first", "ok"]
+  harness.print_table(rows, columns)
+  failed = [c["case"] for c in checks if not c["ok"]]
+  failed += [r["impl"] for r in rows if r.get("ok") is False]
+  print("failed:", failed)
+  return 1 if failed else 0
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
@@ -214,7 +355,29 @@ def main(argv=None):
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--no-checks", action="store_true")
   parser.add_argument("--name", default="attention_mgpu")
+  parser.add_argument("--variants", action="store_true",
+                      help="check and time the schedule variants (GPU)")
+  split = lambda x: [v for v in x.split(",") if v]  # noqa: E731
+  parser.add_argument("--only", type=split, default=None,
+                      help="--variants: these variant names only")
+  parser.add_argument("--other-dims", type=split,
+                      default=["rendezvous", "overlap lean bk128 s3",
+                               "overlap named lean bk128 s3"],
+                      help="--variants: the variants timed at other dims")
+  parser.add_argument("--variant-head-dims",
+                      type=lambda x: [int(v) for v in split(x)],
+                      default=[128, 64])
+  parser.add_argument("--check-variants", type=split,
+                      default=["overlap lean", "overlap named lean"])
+  parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--causal", type=lambda x: [v == "1" for v in
+                                                  split(x)],
+                      default=[False, True],
+                      help="--variants: e.g. 1 for causal only")
+  parser.add_argument("--out", default=None, help="results directory")
   args = parser.parse_args(argv)
+  if args.variants:
+    return variants(args, jax.random.key(int(time.time())))
   on_gpu = jax.default_backend() == "gpu"
   key = jax.random.key(int(time.time()))
   checks = []
@@ -251,7 +414,8 @@ def main(argv=None):
                     "'cudnn'); jax_mgpu_fp16 = jax attention_mgpu on float16 "
                     "copies; triton_ours = pallas_kernels.attention.gpu."
                     "forward forced to its Triton kernel"}
-  path = harness.write_results(args.name, rows, extra=extra)
+  path = harness.write_results(args.name, rows, extra=extra,
+                               directory=args.out)
   print("wrote", path)
   return 1 if failed else rows
 

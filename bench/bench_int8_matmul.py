@@ -49,6 +49,19 @@ latter), then MGPU_CONFIGS of it, then a profile of its kernels; it first
 checks odd shapes against float64 numpy (MGPU_CHECKS). File:
 int8_matmul_mgpu-* (INT8_MGPU_NAME; ~3 minutes on an H100).
 
+``--variants NAMES`` (with ``--shapes 16|128|MxKxN``) times MGPU_VARIANTS
+of the Mosaic GPU kernel (fused epilogue, x multicast pairs, split partials
+summed in a CTA cluster, ...) where VARIANT_SHAPES lists them, beside the
+Triton kernel ("triton" in NAMES) and torch bf16, each checked against
+XLA's w8a16, after odd-shape float64 checks (VARIANT_CHECKS; those of
+INT8_VARIANT_CHECKS only, "none" for none; the cluster sums also run three
+times and must repeat bit for bit); ``--profile`` lists variants whose
+kernels are then profiled. File: ``--name`` (int8_matmul_mgpu_variants-*).
+INT8_REPLICAS sets the calls per timed program (default 20 at the decode
+shapes; compile time grows with it: 20 copies of a Mosaic kernel took
+~20 s to compile on the H100 VM) and INT8_DECODE_OPS the ops of the decode
+rows.
+
 ``--sweep`` instead times candidate Triton block configurations (SWEEP)
 and the peers at the decode shapes; its file is int8_matmul_decode_sweep-*.
 Elsewhere (CPU) ``--quick`` runs one small shape with the kernel in
@@ -168,8 +181,9 @@ SQUARE_OPS = ("ours_raw", "ours_fused", "ours_raw_nk", "ours_fused_nk",
               "xla_int8", "xla_bf16", "torch_int_mm", "torch_bf16")
 PREFILL_OPS = ("ours_fused", "ours_fused_nk", "xla_int8", "xla_bf16",
                "torch_int_mm", "torch_bf16")
-DECODE_OPS = ("ours_w8a16", "ours_w8a16_nk", "ours_mgpu_w8a16_nk",
-              "xla_w8a16", "xla_bf16", "torch_bf16")
+DECODE_OPS = tuple(os.environ.get("INT8_DECODE_OPS", ",".join((
+    "ours_w8a16", "ours_w8a16_nk", "ours_mgpu_w8a16_nk", "xla_w8a16",
+    "xla_bf16", "torch_bf16"))).split(","))
 BENCH_SECONDS = float(os.environ.get("INT8_BENCH_SECONDS", "170"))
 SWEEP_SECONDS = float(os.environ.get("INT8_SWEEP_SECONDS", "250"))
 
@@ -177,6 +191,8 @@ SWEEP_SECONDS = float(os.environ.get("INT8_SWEEP_SECONDS", "250"))
 def replicas_for(m, k, n):
   """Independent calls per timed program: enough to hide the host."""
   work = m * k * n
+  if os.environ.get("INT8_REPLICAS"):  # fewer: faster compiles (Mosaic)
+    return int(os.environ["INT8_REPLICAS"])
   return 2 if work >= 2**36 else 4 if work >= 2**33 else 20
 
 
@@ -184,17 +200,11 @@ HOST_REPS = int(os.environ.get("INT8_HOST_REPS", "3"))
 
 
 def time_replicated_jax(op, args, reps, iters=5, warmup=1):
-  """(seconds per call of ``op``, first output): one jitted program runs
-  ``reps`` calls on distinct copies of the inputs (no CSE, no dot merging,
-  no L2 reuse), so neither host dispatch nor caching flatters small
-  problems."""
-  n = len(args)
-  flat = [jnp.array(a, copy=True) for _ in range(reps) for a in args]
-  program = jax.jit(lambda *f: [op(*f[i * n:(i + 1) * n]) for i in range(reps)])
-  first = jax.block_until_ready(program(*flat))[0]
-  seconds = harness.time_jax(program, *flat, warmup=warmup, iters=iters,
-                             reps=HOST_REPS) / reps
-  return seconds, first
+  """(seconds per call of ``op``, first output): harness.time_replicated_jax
+  (one jitted program of ``reps`` calls on distinct input copies: no CSE,
+  no dot merging, no L2 reuse), HOST_REPS programs per sample."""
+  return harness.time_replicated_jax(op, args, reps, iters=iters,
+                                     warmup=warmup, host_reps=HOST_REPS)
 
 
 def time_batched_torch(fn, reps=10, iters=15, warmup=2):
@@ -635,6 +645,164 @@ def mgpu_sweep(rows, torch_ops, out_name, extra, configs=None):
     harness.write_results(out_name, rows, extra=extra)
 
 
+# --variants: Mosaic GPU kernel variants at the decode shapes, each checked
+# against XLA's w8a16 and timed beside torch bf16 and the Triton kernel.
+# name -> MgpuBlockSizes fields ({}: the table); VARIANT_OVERRIDES adjusts
+# them per padded M (shared memory).
+MGPU_VARIANTS = {
+    "old": dict(fused=False),            # partials + one XLA epilogue pass
+    "fused": {},                         # epilogue in the kernel (split 1)
+    "mc2": dict(cluster=2),              # x tiles multicast to 2 CTAs
+    "tk512": dict(tile_k=512, stages=2),
+    "s5": dict(stages=5),
+    "cred": dict(split_reduce="cluster"),  # split K summed in a cluster
+    "cred2": dict(split_reduce="cluster", compute_wgs=1, max_split=2),
+    "mc4": dict(cluster=4),
+    "nosplit1": dict(fused=True, compute_wgs=1),  # 64-row CTAs, no split
+    "rows256": dict(wg_rows=128, tile_k=64, stages=4, fused=True),
+    "mc2rows256": dict(cluster=2, wg_rows=128, tile_k=64, stages=4,
+                       fused=True),
+}
+VARIANT_OVERRIDES = {("cred", 128): dict(stages=2)}
+VARIANT_SHAPES = {
+    (16, 4096, 14336): ("old", "fused", "mc2", "tk512", "s5"),
+    (16, 14336, 4096): ("old", "cred", "cred2", "nosplit1", "mc2"),
+    (128, 4096, 14336): ("old", "fused", "mc2", "mc4", "rows256"),
+    (128, 14336, 4096): ("old", "cred", "cred2", "mc2"),
+}
+# Odd shapes checked against float64 numpy per variant: (M, K, N).
+VARIANT_CHECKS = {"fused": [(5, 200, 130)],
+                  "mc2": [(77, 128, 500), (16, 256, 1000)],
+                  "cred": [(9, 2048, 200), (100, 4096, 256)],
+                  "cred2": [(9, 2048, 200), (100, 4096, 256)],
+                  "nosplit1": [(16, 640, 64)]}
+
+
+def _shape_wanted(only, m, k, n):
+  """only: None (all), a token count "16" or a shape "16x14336x4096"."""
+  return only in (None, "all") or only in (str(m), f"{m}x{k}x{n}")
+
+
+def variant_sizes(name, m):
+  cfg = dict(MGPU_VARIANTS[name])
+  cfg.update(VARIANT_OVERRIDES.get((name, mosaic_gpu.padded_m(m)), {}))
+  return mosaic_gpu.MgpuBlockSizes(**cfg)
+
+
+def _mgpu_fn(sizes, out_dtype=jnp.bfloat16):
+  return functools.partial(mosaic_gpu.matmul, mode="weight_only",
+                           out_dtype=out_dtype, w_layout="nk",
+                           block_sizes=sizes)
+
+
+def variant_checks(names):
+  """{check: max relative error vs float64 numpy, or the error}; a
+  variant whose partial sums meet across CTAs is also run three times on
+  the same inputs and must give identical bits (a race shows otherwise)."""
+  rng = np.random.default_rng(1)
+  results = {}
+  for name in names:
+    for m, k, n in VARIANT_CHECKS.get(name, []):
+      key = f"{name} {m}x{k}x{n}"
+      try:
+        sizes = variant_sizes(name, m)
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.integers(-128, 128, (n, k)), jnp.int8)
+        ws = jnp.asarray(rng.uniform(0.5, 1.5, (1, n)), jnp.float32)
+        b = jnp.asarray(rng.standard_normal((1, n)), jnp.float32)
+        fn = jax.jit(_mgpu_fn(sizes, jnp.float32))
+        outs = [np.asarray(fn(x, w, None, ws, b)) for _ in range(3)]
+        want = (np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+                * np.asarray(ws, np.float64) + np.asarray(b, np.float64))
+        got = outs[0].astype(np.float64)
+        rel = float(np.abs(got - want).max() / np.abs(want).max())
+        same = all(np.array_equal(outs[0], o) for o in outs[1:])
+        results[key] = dict(rel=rel, repeatable=same,
+                            plan=str(mosaic_gpu.plan(m, k, n, sizes)))
+        if not np.isfinite(got).all() or rel > 1e-4 or not same:
+          results[key]["FAILED"] = True
+      except Exception as e:  # noqa: BLE001
+        results[key] = f"{type(e).__name__}: {str(e)[:400]}"
+        traceback.print_exc(limit=2)
+      print("check", key, results[key], flush=True)
+  return results
+
+
+def mgpu_variants(names, out_name, torch_ops, profile=(), only=None):
+  """Rows per decode shape: the named variants (VARIANT_SHAPES decides
+  where each runs), the Triton kernel and torch bf16, each checked against
+  XLA's w8a16; then device kernel times of the ``profile`` variants."""
+  checked = os.environ.get("INT8_VARIANT_CHECKS")  # default: all named
+  extra = dict(variant_checks=variant_checks(
+                   names if checked is None else checked.split(",")),
+               variants={v: MGPU_VARIANTS.get(v) for v in names},
+               timing="jax: harness.time_replicated_jax (20 calls on "
+                      f"distinct input copies per program, {HOST_REPS} "
+                      "programs per sample, median of 5); torch: CUDA events "
+                      "around 20 launches")
+  rows, peers, ops = [], peer_jax_ops(), jax_ops("gpu")
+  for (m, k, n), wanted in VARIANT_SHAPES.items():
+    run = [v for v in wanted if v in names]
+    if not run or not _shape_wanted(only, m, k, n):
+      continue
+    data = make_inputs(m, k, n)
+    reps = replicas_for(m, k, n)
+    args = dict(xb=data["xb"], w8t=data["w8t"], ws=data["ws"].reshape(1, n))
+    errors, outputs, times = {}, {}, {}
+    expected = jax.jit(peers["xla_w8a16"][0])(data["xb"], data["w8"],
+                                              data["ws"])
+    row = dict(shape=f"{m}x{k}x{n}", replicas=reps)
+    if "triton" in names:
+      fn, argnames = ops["ours_triton_w8a16_nk"]
+      times["triton"] = run_op("ours_triton_w8a16_nk", fn, argnames, data,
+                               reps, peers, errors, outputs=outputs)
+    for v in run:
+      sizes = variant_sizes(v, m)
+      fn = _mgpu_fn(sizes)
+      row[f"{v}_plan"] = str(mosaic_gpu.plan(m, k, n, sizes))
+      t = run_op(v, lambda x, w, s_, fn=fn: fn(x, w, None, s_, None),
+                 ("xb", "w8t", "ws"), args, reps, peers, errors,
+                 check_it=False, outputs=outputs)
+      if t is not None:
+        try:
+          errors[v] = check(v, outputs[v], expected)
+        except Exception as e:  # noqa: BLE001
+          errors[v] = f"{type(e).__name__}: {str(e)[:300]}"
+          t = None
+      times[v] = t
+    try:
+      times["torch_bf16"] = time_batched_torch(
+          torch_ops["torch_bf16"](data, m, k, n), reps=reps)
+    except Exception as e:  # noqa: BLE001
+      errors["torch_bf16"] = f"{type(e).__name__}: {str(e)[:300]}"
+    for v, t in times.items():
+      row[f"{v}_us"] = _us(t)
+      if t and v != "torch_bf16":
+        row[f"{v}_vs_torch_bf16"] = harness.ratio(times.get("torch_bf16"), t)
+        row[f"{v}_w_tbs"] = k * n / t / 1e12
+    row["errors"] = errors
+    rows.append(row)
+    print({a: (round(b, 3) if isinstance(b, float) else b)
+           for a, b in row.items() if not a.endswith("_plan")}, flush=True)
+    harness.write_results(out_name, rows, extra=extra)
+  kernels = extra.setdefault("kernel_us", {})
+  for (m, k, n), wanted in VARIANT_SHAPES.items():
+    if not _shape_wanted(only, m, k, n):
+      continue
+    for v in [v for v in wanted if v in profile and v in names]:
+      try:
+        data = make_inputs(m, k, n)
+        fn = _mgpu_fn(variant_sizes(v, m))
+        kernels[f"{v} {m}x{k}x{n}"] = harness.device_kernel_times(
+            jax.jit(lambda x, w, s_, fn=fn: fn(x, w, None, s_, None)),
+            data["xb"], data["w8t"], data["ws"].reshape(1, n))
+      except Exception as e:  # noqa: BLE001
+        kernels[f"{v} {m}x{k}x{n}"] = f"{type(e).__name__}: {str(e)[:200]}"
+      print("kernels", v, m, k, n, kernels[f"{v} {m}x{k}x{n}"], flush=True)
+  harness.write_results(out_name, rows, extra=extra)
+  return rows
+
+
 def tpu_estimates():
   """Per TPU generation: the chosen tiles, their VMEM use and the roofline
   time of the fused int8 matmul against a bf16 matmul (no TPU measured)."""
@@ -750,6 +918,13 @@ def main(argv=None):
   parser.add_argument("--mgpu", action="store_true",
                       help="the Mosaic GPU weight-only kernel at the decode "
                            "shapes (INT8_MGPU_SWEEP=0: no config sweep)")
+  parser.add_argument("--variants", default=None,
+                      help="comma-separated MGPU_VARIANTS (and 'triton') to "
+                           "time at the decode shapes")
+  parser.add_argument("--profile", default="",
+                      help="with --variants: variants to profile per kernel")
+  parser.add_argument("--name", default="int8_matmul_mgpu_variants",
+                      help="with --variants: results file name")
   parser.add_argument("--shapes", default="all",
                       help="all | square | llm | a token count M")
   args = parser.parse_args(argv)
@@ -765,6 +940,15 @@ def main(argv=None):
     return 0
   chip = harness.device_slug(harness.device_info())
   torch_ops = torch_peer_ops()
+  if args.variants:
+    names = args.variants.split(",")
+    rows = mgpu_variants(names, args.name, torch_ops,
+                         profile=args.profile.split(","),
+                         only=args.shapes)
+    cols = ["shape"] + [f"{v}_us" for v in names + ["torch_bf16"]] + [
+        f"{v}_vs_torch_bf16" for v in names]
+    harness.print_table(rows, [c for c in cols if any(c in r for r in rows)])
+    return 0
   if args.mgpu:
     rows = []
     name = os.environ.get("INT8_MGPU_NAME", "int8_matmul_mgpu")
@@ -808,6 +992,10 @@ def main(argv=None):
                    for c, b in bs.GPU_TABLE_WEIGHT_ONLY_NK.items()},
                gpu_weight_only_target_programs=(
                    bs.GPU_WEIGHT_ONLY_TARGET_PROGRAMS),
+               mgpu_auto_m=bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M,
+               mgpu_plans={f"{m}x{k}x{n}": str(mosaic_gpu.plan(m, k, n))
+                           for m, k, n in MGPU_SHAPES},
+               replicas_env=os.environ.get("INT8_REPLICAS"),
                timing="jax: one program of R independent calls on distinct "
                       f"input copies, {HOST_REPS} programs dispatched back to "
                       "back per sample (host sync hidden), median of 5; "

@@ -166,6 +166,67 @@ def test_window_soft_cap_fp16_ring_refill(rng):
                                                              stages=2))
 
 
+@needs_interpreter
+def test_overlapped_steps_with_empty_bands_and_masked_steps(rng):
+  # The overlapped schedule where it is not the default: Lq > Lk causal
+  # leaves whole warpgroups without a band (their one empty step keeps the
+  # ping-pong paired) and masks the other warpgroups' diagonal steps.
+  out, lse, _ = _check(rng, 1, 1, 1, 200, 40, 128, causal=True,
+                       block_sizes=mosaic_gpu.MosaicGpuBlockSizes(
+                           overlap=True))
+  assert np.all(np.isneginf(lse[..., :160]))
+  assert np.all(out[..., :160, :] == 0)
+
+
+@needs_interpreter
+def test_overlapped_steps_window_skips_and_lagged_ring(rng):
+  # Leading and trailing blocks outside the window are skipped steps; 64-key
+  # blocks in 2 slots make the lagged V refills wrap around the ring.
+  _check(rng, 1, 1, 1, 128, 520, 64, left=150, right=40, cap=4.0,
+         block_sizes=mosaic_gpu.MosaicGpuBlockSizes(block_k=64, stages=2,
+                                                    overlap=True, lean=True))
+
+
+def test_default_schedule_by_mask():
+  schedule = functools.partial(mosaic_gpu.default_schedule, block_k=128,
+                               window_left=None, window_right=None,
+                               soft_cap=None)
+  assert schedule(128, lk=4096, causal=False) == (True, False)
+  assert schedule(128, lk=4096, causal=True) == (False, True)
+  assert schedule(128, lk=4000, causal=False) == (False, True)  # ragged
+  assert schedule(64, lk=4096, causal=False) == (False, False)
+  assert mosaic_gpu.default_schedule(128, 128, 4096, False, 100, None,
+                                     None) == (False, True)
+  assert mosaic_gpu.default_schedule(128, 128, 4096, False, None, None,
+                                     5.0) == (False, True)
+
+
+def test_register_budgets_trade_between_warpgroups():
+  problem = mosaic_gpu.register_budget_problem
+  assert problem(240, 24) is None and problem(232, 40) is None
+  assert "504" in problem(240, 32)
+  assert "multiple of 8" in problem(236, 24)
+
+
+@pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
+                    reason="no Mosaic GPU Pallas API in this jax")
+@pytest.mark.parametrize("switches", [
+    dict(overlap=True), dict(named_barriers=True, lean=True, stages=3),
+    dict(overlap=True, named_barriers=True, compute_registers=240,
+         memory_registers=24)])
+def test_schedules_lower_for_cuda_on_a_cpu_host(switches):
+  # Pallas -> Mosaic GPU lowering of each schedule (wgmma, hardware
+  # barriers, accumulator waits); only the PTX compile needs the GPU.
+  q, kv = _sds((2, 4, 1000, 128)), _sds((2, 2, 1500, 128))
+  sizes = mosaic_gpu.MosaicGpuBlockSizes(**switches)
+  assert mosaic_gpu.supports(q, kv, kv, block_sizes=sizes) is True
+  fn = lambda q, k, v: _run(q, k, v, causal=True, left=100,  # noqa: E731
+                            block_sizes=sizes, interpret=False)
+  text = jax.jit(fn).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
 @pytest.mark.slow
 @needs_interpreter
 @pytest.mark.parametrize("d,causal", [(128, False), (256, True)])

@@ -95,7 +95,8 @@ def test_supports_declines_what_it_does_not_implement():
 
 @pytest.mark.parametrize("field, value", [
     ("tile_k", 100), ("tile_k", -64), ("stages", 1), ("compute_wgs", 3),
-    ("wg_rows", 32), ("max_split", 0), ("target_ctas", 0)])
+    ("wg_rows", 32), ("max_split", 0), ("target_ctas", 0), ("cluster", 3),
+    ("split_reduce", "atomic")])
 def test_bad_block_sizes_raise(field, value):
   sizes = mosaic_gpu.MgpuBlockSizes(**{field: value})
   with pytest.raises(ValueError, match=field):
@@ -120,6 +121,36 @@ def test_plan_split_fills_one_wave():
   for m in (16, 32, 64, 128):  # the table fits the H100's shared memory
     assert mosaic_gpu.smem_bytes(mosaic_gpu.plan(m, 4096, 4096)) <= (
         mosaic_gpu.SMEM_BYTES)
+
+
+def test_plan_fused_epilogue_and_clusters():
+  """Unsplit plans run the epilogue in the kernel; a K split does so only
+  with split_reduce="cluster" (at most MAX_CLUSTER CTAs per cluster);
+  fused=False keeps the XLA epilogue, fused=True forbids a split."""
+  sizes = mosaic_gpu.MgpuBlockSizes
+  assert mosaic_gpu.plan(16, 4096, 14336).fused
+  p = mosaic_gpu.plan(16, 14336, 4096)
+  assert p.split > 1 and not p.fused and not p.cluster_reduce
+  assert not mosaic_gpu.plan(16, 4096, 14336, sizes(fused=False)).fused
+  p = mosaic_gpu.plan(16, 14336, 4096, sizes(fused=True, compute_wgs=1))
+  assert p.split == 1 and p.fused and p.rows == 64
+  p = mosaic_gpu.plan(16, 14336, 4096, sizes(split_reduce="cluster"))
+  assert p.fused and p.cluster_reduce and 1 < p.split <= mosaic_gpu.MAX_CLUSTER
+  assert p.cluster == 1
+  # the cluster reduction needs 64-row warpgroups; else the XLA pass
+  p = mosaic_gpu.plan(16, 14336, 4096, sizes(split_reduce="cluster",
+                                             wg_rows=128))
+  assert not p.cluster_reduce and not p.fused
+  # x multicast clusters: only where the column tiles divide evenly; by
+  # default pairs at Mp = 128
+  assert mosaic_gpu.plan(16, 4096, 14336, sizes(cluster=2)).cluster == 2
+  assert mosaic_gpu.plan(16, 4096, 14336 - 128, sizes(cluster=2)).cluster == 1
+  assert mosaic_gpu.plan(16, 4096, 14336).cluster == 1
+  assert mosaic_gpu.plan(128, 4096, 14336).cluster == 2
+  assert mosaic_gpu.plan(128, 14336, 4096).cluster == 2  # split K too
+  assert mosaic_gpu.plan(128, 14336, 4096, sizes(
+      split_reduce="cluster")).cluster == 1  # the cluster is the split
+  assert mosaic_gpu.plan(128, 4096, 14336, sizes(cluster=1)).cluster == 1
 
 
 # -------------------------------------------------------------- wiring --
@@ -179,6 +210,16 @@ def test_gpu_interpret_path_unchanged(rng):
                                      x_pretransposed=True)),
     # 128 w rows per warpgroup (two 64-row epilogue chunks), tile_k 64
     (33, 192, 300, jnp.float32, dict(tile_k=64, stages=3, wg_rows=128)),
+    # fused epilogue (no split): scale, bias and cast in the kernel, the
+    # accumulator rows stored as output columns; ragged M and N
+    (5, 200, 130, jnp.float32, dict(tile_k=128, stages=2, fused=True)),
+    (20, 256, 300, jnp.bfloat16, dict(tile_k=64, stages=3, wg_rows=128,
+                                      fused=True, cluster=2)),
+    # split_reduce="cluster": the interpreter has no cluster barriers, so it
+    # runs the same tiles with the XLA pass (the GPU bench checks the
+    # cluster sum)
+    (9, 600, 130, jnp.float32, dict(tile_k=128, stages=2,
+                                    split_reduce="cluster")),
 ])
 def test_matches_float64(rng, m, k, n, out_dtype, sizes):
   x, w, w_scale, bias = _inputs(rng, m, k, n)

@@ -15,6 +15,24 @@ Algorithm (FlashAttention-3 style, warp specialised)
   The epilogue writes ``out = acc / l`` and ``lse = (m + log2 l) ln 2`` via SMEM
   and TMA.
 
+Schedules (``MosaicGpuBlockSizes`` switches; defaults by ``default_schedule``)
+  rendezvous   the two-arrival barrier above (head_dim 64 and 256).
+  named        ping-pong through two hardware barriers (``bar.sync`` /
+               ``bar.arrive``, ids 12 and 13): warpgroup w waits on its own
+               before issuing its matmuls and releases the other's after,
+               with no mbarrier round trip (head_dim 128 with a mask).
+  overlap      FlashAttention-3's intra-warpgroup pipelining: step c issues
+               S_c = Q K_c^T and acc += P_{c-1} V_{c-1} back to back, waits
+               for S_c only, and runs block c's softmax while P V still
+               runs; V is then released one step after K, so the memory
+               warpgroup loads each V one refill after its K
+               (``stream_kv_lagged``). Ping-pong through one mbarrier per
+               warpgroup (head_dim 128 when no step is masked: no causal
+               mask, window or soft cap, Lk a multiple of block_k).
+  lean         no automatic SMEM barriers and no reduction scratch (frees
+               2 KiB: room for a third 128-key stage at head_dim 128).
+  In the interpreter the hardware barriers run as mbarriers (same order).
+
 Semantics are those of ``pallas_kernels.attention.reference`` and of the
 Triton forward (``attention/gpu.py``): float32 logits ``sm_scale * q.k``,
 optional soft cap ``cap * tanh(s / cap)``, causal / sliding-window masks
@@ -53,9 +71,23 @@ H100 (B=4, H=16, L=4096; bench/bench_attention_mgpu.py --sweep)
   (``setmaxnreg`` waits for registers the launch never gets), so the
   budgets are capped.
 
-Measured (H100, bf16, B=4, H=16, L=4096, forward, ms; final run in
-bench/results/attention_mgpu-h100-2026-11-22.json; repeated runs moved every
-implementation by up to 5-9%, see attention_mgpu_sweep-*.json)
+Schedules at head_dim 128 (H100, B4 H16 L4096 bf16, forward ms, first of
+two timing rounds; bench/results/attention_mgpu_variants-h100-2026-11-22.json,
+``bench_attention_mgpu.py --variants``; the second round ran 4-10% slower
+for every implementation):
+  ======  ==========  =====  =======  =====  =======
+  causal  rendezvous  named  overlap  cuDNN  tokamax
+  ======  ==========  =====  =======  =====  =======
+  no      0.945       0.930  0.888    0.923  0.894
+  yes     0.524       0.491  0.765    0.551  0.532
+  ======  ==========  =====  =======  =====  =======
+  (overlap with hardware barriers: 0.913 / 0.750; lean: 0.930 / 0.527;
+  lean with 3 stages: 0.991 / 0.513; jax attention_mgpu fp16: 0.923 / 0.556)
+
+Measured before the schedule switches (H100, bf16, B=4, H=16, L=4096,
+forward, ms; bench/results/attention_mgpu-h100-2026-11-22.json; repeated
+runs moved every implementation by up to 5-9%, see
+attention_mgpu_sweep-*.json)
   ========  =====  =====  ==============  ==============  ==========
   D/causal  this   cuDNN  jax mgpu fp16   Triton forward  this/cuDNN
   ========  =====  =====  ==============  ==============  ==========
@@ -81,6 +113,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -117,12 +150,18 @@ interpret_params = _mosaic_gpu.interpret_params
 def register_budget_problem(compute_registers: int, memory_registers: int):
   """None, or why these ``setmaxnreg`` budgets are refused."""
   # setmaxnreg blocks until the registers are free: a larger request than
-  # the launch can give hangs the kernel (240/32 did on an H100).
+  # the launch can give hangs the kernel (240/32 did on an H100). 384 threads
+  # start with 168 registers each (64K / 384, rounded down to 8), so two
+  # compute warpgroups can gain only what the memory one gives back:
+  # 2 (c - 168) <= 168 - m, i.e. 232/40 or 240/24.
   for name, value, low, high in (
-      ("compute_registers", compute_registers, 24, 232),
+      ("compute_registers", compute_registers, 24, 240),
       ("memory_registers", memory_registers, 24, 256)):
     if value % 8 or not low <= value <= high:
       return f"{name}={value}: must be a multiple of 8 in [{low}, {high}]"
+  if 2 * compute_registers + memory_registers > 504:
+    return (f"compute_registers={compute_registers} with memory_registers="
+            f"{memory_registers}: needs 2 * compute + memory <= 504")
   return None
 
 
@@ -149,20 +188,33 @@ def call_refusal(kernel: str, q, k, v, q_segment_ids, bias, head_dims):
   return None
 
 
+DEFAULT_LEAN = False
+# Hardware barriers of the named-barrier ping-pong: Mosaic GPU itself uses
+# barrier 0 (whole CTA) and 1-3 (one per warpgroup).
+PING_PONG_BARRIER = 12
+REDUCTION_SCRATCH_BYTES = 128 * 4 * 4  # CompilerParams' default
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuBlockSizes:
-  """block_k (multiple of 64), stages (>= 2) and the per-thread register
-  budgets of the compute and memory warpgroups (``setmaxnreg``); None picks
-  the default (module docstring's table)."""
+  """block_k (multiple of 64), stages (>= 2), the per-thread register
+  budgets of the compute and memory warpgroups (``setmaxnreg``) and the
+  schedule switches ``overlap``, ``named_barriers`` and ``lean`` (module
+  docstring, "Schedules"); None picks the default (the docstring's tables;
+  ``overlap`` and ``named_barriers`` by ``default_schedule``)."""
   block_k: int | None = None
   stages: int | None = None
   compute_registers: int = 232
   memory_registers: int = 40
+  overlap: bool | None = None
+  named_barriers: bool | None = None
+  lean: bool | None = None
 
   def resolved(self, head_dim: int) -> "MosaicGpuBlockSizes":
     block_k, stages = {64: (256, 2), 128: (128, 2)}.get(head_dim, (64, 2))
     block_k = self.block_k or block_k
     stages = self.stages or stages
+    lean = DEFAULT_LEAN if self.lean is None else bool(self.lean)
     if block_k % 64 or block_k <= 0:
       raise ValueError(f"MosaicGpuBlockSizes.block_k={block_k}: must be a "
                        "positive multiple of 64")
@@ -172,14 +224,35 @@ class MosaicGpuBlockSizes:
                                       self.memory_registers)
     if problem:
       raise ValueError(f"MosaicGpuBlockSizes.{problem}")
-    return dataclasses.replace(self, block_k=block_k, stages=stages)
+    return dataclasses.replace(self, block_k=block_k, stages=stages,
+                               lean=lean)
 
 
-def _smem_bytes(head_dim, itemsize, block_k, stages):
+def default_schedule(head_dim: int, block_k: int, lk: int, causal: bool,
+                     window_left, window_right, soft_cap):
+  """(overlap, named_barriers) where ``MosaicGpuBlockSizes`` leaves them
+  None. Measured on an H100 at head_dim 128 (B4 H16 L4096, bf16): the
+  overlapped steps took the non-causal forward from 0.945 to 0.888 ms but
+  the causal one from 0.524 to 0.765 ms (cause not found: with the masked
+  steps' softmax moved after their P V, a second run gave 0.762 ms), so they
+  run only where no step is masked; hardware ping-pong barriers took causal
+  from 0.524 to 0.491 ms and non-causal from 0.945 to 0.930. Other head dims
+  keep the measured original schedule (overlap with 128-key blocks was 25%
+  slower at head_dim 64; named barriers were not measured there)."""
+  if head_dim != 128:
+    return False, False
+  unmasked = (not causal and window_left is None and window_right is None
+              and lk % block_k == 0 and soft_cap is None)
+  return (True, False) if unmasked else (False, True)
+
+
+def _smem_bytes(head_dim, itemsize, block_k, stages, lean=False):
   q = COMPUTE_WGS * ROWS_PER_WG * head_dim * itemsize
   kv = 2 * stages * block_k * head_dim * itemsize
   lse = COMPUTE_WGS * ROWS_PER_WG * 4
-  return q + kv + lse + 3072  # barriers and alignment (measured: 2680)
+  # Barriers and alignment (measured: 632) plus the cross-warp reduction
+  # scratch, which ``lean`` drops (the row reductions stay within warps).
+  return q + kv + lse + 1024 + (0 if lean else REDUCTION_SCRATCH_BYTES)
 
 
 def supports(q, k, v, q_segment_ids=None, kv_segment_ids=None, bias=None, *,
@@ -202,8 +275,12 @@ def supports(q, k, v, q_segment_ids=None, kv_segment_ids=None, bias=None, *,
     sizes = sizes.resolved(head_dim)
   except ValueError as e:
     return str(e)
+  for switch, api in (("overlap", "wgmma_accumulator_load"),
+                      ("named_barriers", "inline_mgpu")):
+    if getattr(sizes, switch) and not hasattr(plgpu, api):  # asked for
+      return f"MosaicGpuBlockSizes.{switch} needs plgpu.{api}"
   if _smem_bytes(head_dim, jnp.dtype(q.dtype).itemsize, sizes.block_k,
-                 sizes.stages) > SMEM_BYTES:
+                 sizes.stages, sizes.lean) > SMEM_BYTES:
     return "block_k x stages do not fit in shared memory"
   try:  # On a machine with a GPU, it must be a Hopper (wgmma).
     gpus = jax.devices("gpu")
@@ -370,12 +447,126 @@ def _kv_ranges(row0, rows: int, block_k: int, band: _Band):
 # ---------------------------------------------------------------- kernel --
 
 
+def _hardware_barrier(op: str, barrier_id: int, threads: int):
+  """``bar.<op> barrier_id, threads`` (op: "sync" or "arrive")."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import llvm
+
+  @plgpu.inline_mgpu()
+  def emit(_):
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
+                    f"bar.{op} {barrier_id}, {threads};", "",
+                    has_side_effects=True)
+
+  emit()
+
+
+class _Schedule:
+  """The order in which the two compute warpgroups issue their matmuls.
+
+  ``rendezvous`` (the original): one barrier of two arrivals that both
+  warpgroups pass together. Otherwise ping-pong: warpgroup w waits on its own
+  barrier (``sync_mine``) before issuing and releases the other's
+  (``arrive_other``) after, so their issues alternate. Ping-pong uses the
+  hardware barriers ``PING_PONG_BARRIER + w`` with ``named``, else one
+  mbarrier of one arrival per warpgroup (the interpreter's form).
+  """
+
+  def __init__(self, wg, barrier, *, rendezvous, named):
+    self.wg, self.barrier = wg, barrier
+    self.rendezvous, self.named = rendezvous, named
+
+  def _named(self, op, other):
+    for w in range(COMPUTE_WGS):
+      target = PING_PONG_BARRIER + ((1 - w) if other else w)
+      pl.when(self.wg == w)(functools.partial(
+          _hardware_barrier, op, target, COMPUTE_WGS * 128))
+
+  def sync_mine(self):
+    if self.named:
+      self._named("sync", other=False)
+    else:
+      plgpu.barrier_wait(self.barrier.at[self.wg])
+
+  def arrive_other(self):
+    if self.named:
+      self._named("arrive", other=True)
+    else:
+      plgpu.barrier_arrive(self.barrier.at[1 - self.wg])
+
+  # The non-overlapped step's four points.
+  def start(self):  # warpgroup 1 starts one turn late
+    if self.rendezvous:
+      pl.when(self.wg == 1)(self._sync_both)
+    else:
+      pl.when(self.wg == 1)(self.sync_mine)
+
+  def after_qk_issue(self):
+    if self.rendezvous:
+      self._sync_both()
+    else:
+      self.arrive_other()
+
+  def before_pv_issue(self, wait_v):
+    if self.rendezvous:
+      plgpu.barrier_arrive(self.barrier)  # softmax done
+      wait_v()
+      plgpu.barrier_wait(self.barrier)  # the other warpgroup's matmuls issued
+    else:
+      wait_v()
+      self.sync_mine()
+
+  def end(self):
+    if self.rendezvous:
+      pl.when(self.wg == 0)(self._sync_both)
+    else:
+      pl.when(self.wg == 0)(self.arrive_other)
+
+  def _sync_both(self):
+    plgpu.barrier_arrive(self.barrier)
+    plgpu.barrier_wait(self.barrier)
+
+
+def stream_kv_lagged(first, end, stages, load_k, load_v, wait_k_free,
+                     wait_v_free):
+  """The overlapped kernel's TMA ring over blocks [first, end): K block c is
+  loaded as soon as its slot's K is released, and V block c one refill later
+  (that kernel releases V one step after K, so waiting for V first would
+  hold back the next K). Every release is waited for once."""
+  for i in range(stages):
+    @pl.when(first + i < end)
+    def _prologue():
+      load_k(first + i, i)
+      load_v(first + i, i)
+
+  def slot_of(c):
+    return lax.rem(c - first, jnp.int32(stages))
+
+  def refill_v(c):
+    wait_v_free(slot_of(c))
+    load_v(c, slot_of(c))
+
+  @pl.loop(first + stages, end)
+  def _refill(c):
+    wait_k_free(slot_of(c))
+    load_k(c, slot_of(c))
+    pl.when(c - 1 >= first + stages)(functools.partial(refill_v, c - 1))
+
+  pl.when(end - 1 >= first + stages)(functools.partial(refill_v, end - 1))
+
+  @pl.loop(jnp.maximum(end - stages, first), end)
+  def _drain(c):
+    wait_k_free(slot_of(c))
+    wait_v_free(slot_of(c))
+
+
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
             sm_scale, soft_cap, block_k, stages, group, nq, reverse_q,
-            interpreting, compute_registers, memory_registers):
+            interpreting, compute_registers, memory_registers, overlap,
+            named_barriers):
   (q_smem2, k_smem, v_smem, lse_smem2), barriers = scratch
   (k_loaded, v_loaded, q_loaded, k_consumed, v_consumed,
-   schedule) = barriers
+   schedule_barrier) = barriers
   batch, head, tile, wg = q_tile_program(nq, reverse_q)
   dtype = q_smem2.dtype
   head_dim = q_smem2.shape[-1]
@@ -383,11 +574,6 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
   cta_row0 = tile * (COMPUTE_WGS * bq)
   # The band of the whole tile: what the memory warpgroup loads.
   lo_u, _, _, hi_u = _kv_ranges(cta_row0, COMPUTE_WGS * bq, block_k, band)
-  steps = hi_u - lo_u
-
-  def schedule_sync():
-    plgpu.barrier_arrive(schedule)
-    plgpu.barrier_wait(schedule)
 
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
@@ -402,63 +588,19 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
 
     layout = plgpu.Layout.WGMMA
     cast, iota, _, row_layout = register_tools((bq, block_k), 1, interpreting)
+    schedule = _Schedule(wg, schedule_barrier,
+                         rendezvous=not (overlap or named_barriers),
+                         named=named_barriers and not interpreting)
 
     m = cast(jnp.full((bq,), NEG_INF, jnp.float32), row_layout)
     l = cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
     acc = cast(jnp.full((bq, head_dim), 0.0, jnp.float32), layout)
 
-    # Warpgroup 1 starts one schedule phase late: the two then alternate.
-    pl.when(wg == 1)(schedule_sync)
-
     def slot_of(c):
       return lax.rem(c - lo_u, jnp.int32(stages))
 
-    # Each step finds its K block already waited for (by the step before, or
-    # here for the first) and waits for the next step's K itself, inside its
-    # P V product, so that the wait overlaps the matmul.
-    def wait_next_k(has_next, next_slot):
-      @pl.when(has_next)
-      def _():
-        plgpu.barrier_wait(k_loaded.at[next_slot])
-
-    def next_k(c):
-      # Computed outside run_state: a concrete bound (hi_u without a band)
-      # cannot be closed over inside it.
-      return c + 1 < hi_u, slot_of(c + 1)
-
-    @pl.when(steps > 0)
-    def _():
-      plgpu.barrier_wait(k_loaded.at[0])
-
-    def skip(c, carry):
-      slot = slot_of(c)
-      plgpu.barrier_arrive(k_consumed.at[slot])
-      schedule_sync()
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(v_loaded.at[slot])
-      plgpu.barrier_wait(schedule)
-      wait_next_k(*next_k(c))
-      plgpu.barrier_arrive(v_consumed.at[slot])
-      return carry
-
-    def step(c, carry, masked):
-      acc, m, l = carry
-      slot = slot_of(c)
-      if interpreting:
-        s = lax.dot_general(q_smem[...], k_smem.at[slot][...],
-                            (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-        schedule_sync()
-      else:
-        def qk_product(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem,
-                      plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-          schedule_sync()
-          return acc_ref[...]
-
-        s = pl.run_scoped(qk_product, plgpu.ACC((bq, block_k), jnp.float32))
-      plgpu.barrier_arrive(k_consumed.at[slot])
-
+    def online_softmax(s, m, l, c, masked):
+      """(P in the input dtype, new m, new l, alpha) for logits block c."""
       # Logits in the base-2 domain: s * scale2 (scale2 > 0, so the row max
       # can be taken before scaling and p formed with one FMA).
       if soft_cap is None:
@@ -476,31 +618,30 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
       alpha = jnp.exp2(m - m_shift)
       p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_shift, s.shape, [0]))
       l = l * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p16 = p.astype(dtype)
-      acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
-      plgpu.barrier_arrive(schedule)  # softmax done
-      plgpu.barrier_wait(v_loaded.at[slot])
-      plgpu.barrier_wait(schedule)  # the other warpgroup's matmuls issued
+      return p.astype(dtype), m_next, l, alpha
 
-      if interpreting:
-        acc = acc + lax.dot_general(p16, v_smem.at[slot][...],
-                                    (((1,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-        wait_next_k(*next_k(c))
-      else:
-        has_next, next_slot = next_k(c)
+    def qk_dot(slot):  # the interpreter's S = Q K^T
+      return lax.dot_general(q_smem[...], k_smem.at[slot][...],
+                             (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
 
-        def pv_product(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-          wait_next_k(has_next, next_slot)
+    def pv_dot(p16, slot):  # the interpreter's P V
+      return lax.dot_general(p16, v_smem.at[slot][...],
+                             (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
 
-        acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_consumed.at[slot])
-      return acc, m_next, l
+    def k_transposed(slot):
+      return plgpu.transpose_ref(k_smem.at[slot], (1, 0))
 
-    acc, m, l = band_loop(step, skip, (lo_u, lo, a, b, hi, hi_u), (acc, m, l))
-    pl.when(wg == 0)(schedule_sync)
+    env = types.SimpleNamespace(
+        schedule=schedule, slot_of=slot_of, k_loaded=k_loaded,
+        v_loaded=v_loaded, k_consumed=k_consumed, v_consumed=v_consumed,
+        interpreting=interpreting, q_smem=q_smem, v_smem=v_smem, bq=bq,
+        block_k=block_k, wg=wg, cast=cast, dtype=dtype,
+        online_softmax=online_softmax, qk_dot=qk_dot, pv_dot=pv_dot,
+        k_transposed=k_transposed)
+    walk = _overlapped_band if overlap else _plain_band
+    acc, m, l = walk(env, acc, m, l, lo_u, lo, a, b, hi, hi_u)
 
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
@@ -523,21 +664,241 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
       plgpu.copy_gmem_to_smem(ref.at[batch, kv_head, rows], smem.at[slot],
                               loaded.at[slot])
 
+    load_k = functools.partial(load_one, k_ref, k_smem, k_loaded)
+    load_v = functools.partial(load_one, v_ref, v_smem, v_loaded)
+
+    def wait_k_free(slot):
+      plgpu.barrier_wait(k_consumed.at[slot])
+
+    def wait_v_free(slot):
+      plgpu.barrier_wait(v_consumed.at[slot])
+
+    if overlap:
+      stream_kv_lagged(lo_u, hi_u, stages, load_k, load_v, wait_k_free,
+                       wait_v_free)
+      return
+
     def load(c, slot):
-      load_one(k_ref, k_smem, k_loaded, c, slot)
-      load_one(v_ref, v_smem, v_loaded, c, slot)
+      load_k(c, slot)
+      load_v(c, slot)
 
     def refill(c, slot):  # K is consumed first: reload it without waiting for V
-      plgpu.barrier_wait(k_consumed.at[slot])
-      load_one(k_ref, k_smem, k_loaded, c, slot)
-      plgpu.barrier_wait(v_consumed.at[slot])
-      load_one(v_ref, v_smem, v_loaded, c, slot)
+      wait_k_free(slot)
+      load_k(c, slot)
+      wait_v_free(slot)
+      load_v(c, slot)
 
     def drain(slot):
-      plgpu.barrier_wait(k_consumed.at[slot])
-      plgpu.barrier_wait(v_consumed.at[slot])
+      wait_k_free(slot)
+      wait_v_free(slot)
 
     stream_ring(lo_u, hi_u, stages, load, refill, drain)
+
+
+def _plain_band(env, acc, m, l, lo_u, lo, a, b, hi, hi_u):
+  """One block per step: S = Q K^T, softmax, acc += P V; the two warpgroups
+  ping-pong so that one's softmax overlaps the other's matmuls."""
+  schedule, slot_of, hi_u_ = env.schedule, env.slot_of, hi_u
+  k_loaded, v_loaded = env.k_loaded, env.v_loaded
+  k_consumed, v_consumed = env.k_consumed, env.v_consumed
+  interpreting, q_smem, v_smem = (env.interpreting, env.q_smem,
+                                  env.v_smem)
+  bq, block_k = env.bq, env.block_k
+  schedule.start()
+
+  # Each step finds its K block already waited for (by the step before, or
+  # here for the first) and waits for the next step's K itself, inside its
+  # P V product, so that the wait overlaps the matmul.
+  def wait_next_k(has_next, next_slot):
+    @pl.when(has_next)
+    def _():
+      plgpu.barrier_wait(k_loaded.at[next_slot])
+
+  def next_k(c):
+    # Computed outside run_state: a concrete bound (hi_u without a band)
+    # cannot be closed over inside it.
+    return c + 1 < hi_u_, slot_of(c + 1)
+
+  @pl.when(hi_u - lo_u > 0)
+  def _():
+    plgpu.barrier_wait(k_loaded.at[0])
+
+  def skip(c, carry):
+    slot = slot_of(c)
+    plgpu.barrier_arrive(k_consumed.at[slot])
+    schedule.after_qk_issue()
+    schedule.before_pv_issue(
+        lambda: plgpu.barrier_wait(v_loaded.at[slot]))
+    wait_next_k(*next_k(c))
+    plgpu.barrier_arrive(v_consumed.at[slot])
+    return carry
+
+  def step(c, carry, masked):
+    acc, m, l = carry
+    slot = slot_of(c)
+    if interpreting:
+      s = env.qk_dot(slot)
+      schedule.after_qk_issue()
+    else:
+      def qk_product(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, env.k_transposed(slot))
+        schedule.after_qk_issue()
+        return acc_ref[...]
+
+      s = pl.run_scoped(qk_product, plgpu.ACC((bq, block_k), jnp.float32))
+    plgpu.barrier_arrive(k_consumed.at[slot])
+
+    p16, m_next, l, alpha = env.online_softmax(s, m, l, c, masked)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
+    schedule.before_pv_issue(
+        lambda: plgpu.barrier_wait(v_loaded.at[slot]))
+
+    if interpreting:
+      acc = acc + env.pv_dot(p16, slot)
+      wait_next_k(*next_k(c))
+    else:
+      has_next, next_slot = next_k(c)
+
+      def pv_product(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        wait_next_k(has_next, next_slot)
+
+      acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(v_consumed.at[slot])
+    return acc, m_next, l
+
+  acc, m, l = band_loop(step, skip, (lo_u, lo, a, b, hi, hi_u), (acc, m, l))
+  schedule.end()
+  return acc, m, l
+
+
+def _overlapped_band(env, acc, m, l, lo_u, lo, a, b, hi, hi_u):
+  """Software-pipelined steps (FlashAttention-3's intra-warpgroup overlap):
+  step c issues S_c = Q K_c^T and acc += P_{c-1} V_{c-1} back to back, waits
+  only for S_c, and runs block c's softmax while P_{c-1} V_{c-1} still
+  occupies the tensor cores. A first step issues S_lo alone and a last step
+  P_{hi-1} V_{hi-1} alone, so a warpgroup with blocks walks one step more
+  than the tile's blocks; one without does an empty step instead, keeping
+  the ping-pong paired. Within a step: wait for the operands, take the turn
+  (``sync_mine``), issue, hand the turn over (``arrive_other``)."""
+  schedule, slot_of = env.schedule, env.slot_of
+  k_loaded, v_loaded = env.k_loaded, env.v_loaded
+  k_consumed, v_consumed = env.k_consumed, env.v_consumed
+  interpreting, q_smem, v_smem = (env.interpreting, env.q_smem,
+                                  env.v_smem)
+  bq, block_k, wg, cast = env.bq, env.block_k, env.wg, env.cast
+  online_softmax = env.online_softmax
+  layout = plgpu.Layout.WGMMA
+  pl.when(wg == 1)(schedule.arrive_other)  # warpgroup 0 goes first
+
+  def wait(barrier, c):
+    plgpu.barrier_wait(barrier.at[slot_of(c)])
+
+  def skip(c, carry):
+    wait(k_loaded, c)
+    wait(v_loaded, c)
+    schedule.sync_mine()
+    schedule.arrive_other()
+    plgpu.barrier_arrive(k_consumed.at[slot_of(c)])
+    plgpu.barrier_arrive(v_consumed.at[slot_of(c)])
+    return carry
+
+  def first(c, carry):
+    acc, m, l, _ = carry
+    slot = slot_of(c)
+    wait(k_loaded, c)
+    schedule.sync_mine()
+    if interpreting:
+      s = env.qk_dot(slot)
+      schedule.arrive_other()
+    else:
+      def qk_product(s_ref):
+        plgpu.wgmma(s_ref, q_smem, env.k_transposed(slot))
+        schedule.arrive_other()
+        return s_ref[...]
+
+      s = pl.run_scoped(qk_product, plgpu.ACC((bq, block_k), jnp.float32))
+    plgpu.barrier_arrive(k_consumed.at[slot])
+    p16, m, l, _ = online_softmax(s, m, l, c, True)
+    return acc, m, l, p16
+
+  zero_s = cast(jnp.zeros((bq, block_k), jnp.float32), layout)
+
+  def middle(c, carry, masked):
+    acc, m, l, p_prev = carry
+    slot, prev = slot_of(c), slot_of(c - 1)
+    wait(k_loaded, c)
+    wait(v_loaded, c - 1)
+    schedule.sync_mine()
+    if interpreting:
+      s = env.qk_dot(slot)
+      acc = acc + env.pv_dot(p_prev, prev)
+      schedule.arrive_other()
+      plgpu.barrier_arrive(k_consumed.at[slot])
+      p16, m, l, alpha = online_softmax(s, m, l, c, masked)
+    else:
+      def products(refs):
+        o_ref, s_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+        plgpu.wgmma(s_ref, q_smem, env.k_transposed(slot))
+        plgpu.wgmma(o_ref, p_ref[...], v_smem.at[prev])
+        schedule.arrive_other()
+        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_c, not P V
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        p16, m_next, l_next, alpha = online_softmax(
+            s, m_ref[...], l_ref[...], c, masked)
+        p_ref[...] = p16
+        m_ref[...] = m_next
+        l_ref[...] = l_next
+        alpha_ref[...] = alpha
+
+      acc, _, p16, m, l, alpha = pl.run_state(products)(
+          (plgpu.ACC.init(acc), plgpu.ACC.init(zero_s), p_prev, m, l, m))
+    plgpu.barrier_arrive(v_consumed.at[prev])
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return acc, m, l, p16
+
+  def last(c, carry):
+    acc, m, l, p_prev = carry
+    slot = slot_of(c)
+    wait(v_loaded, c)
+    schedule.sync_mine()
+    if interpreting:
+      acc = acc + env.pv_dot(p_prev, slot)
+      schedule.arrive_other()
+    else:
+      def pv_product(o_ref):
+        plgpu.wgmma(o_ref, p_prev, v_smem.at[slot])
+        schedule.arrive_other()
+
+      acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(v_consumed.at[slot])
+    return acc, m, l, p_prev
+
+  p16 = cast(jnp.zeros((bq, block_k), env.dtype), layout)
+  carry = (acc, m, l, p16)
+  lax.fori_loop(lo_u, lo, skip, None)
+  has_band = hi > lo
+  carry = lax.fori_loop(lo, jnp.where(has_band, lo + 1, lo), first, carry)
+  # The band's middle: masked edges, unmasked inside (as band_loop).
+  start = jnp.minimum(lo + 1, hi)
+  a = jnp.clip(a, start, hi)
+  b = jnp.clip(b, a, hi)
+  carry = lax.fori_loop(start, a, functools.partial(middle, masked=True),
+                        carry)
+  carry = lax.fori_loop(a, b, functools.partial(middle, masked=False), carry)
+  carry = lax.fori_loop(b, hi, functools.partial(middle, masked=True), carry)
+  carry = lax.fori_loop(jnp.where(has_band, hi - 1, hi), hi, last, carry)
+
+  @pl.when(jnp.logical_not(has_band))
+  def _empty_step():
+    schedule.sync_mine()
+    schedule.arrive_other()
+
+  lax.fori_loop(hi, hi_u, skip, None)
+  pl.when(wg == 0)(schedule.sync_mine)  # warpgroup 1's last hand-over
+  acc, m, l, _ = carry
+  return acc, m, l
 
 
 def _pad_axis(x, axis: int, size: int):
@@ -546,6 +907,20 @@ def _pad_axis(x, axis: int, size: int):
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, size - x.shape[axis])
   return jnp.pad(x, widths)
+
+
+def _compiler_params(lean: bool):
+  """approx_math; with ``lean`` also no automatic SMEM barriers (each
+  warpgroup only writes its own Q/O tile after its last read of it, and
+  ``commit_smem`` orders the epilogue's TMA stores) and no cross-warp
+  reduction scratch (the row reductions stay within warps)."""
+  extra = {}
+  if lean:
+    fields = {f.name for f in dataclasses.fields(plgpu.CompilerParams)}
+    extra = {k: v for k, v in (("unsafe_no_auto_barriers", True),
+                               ("reduction_scratch_bytes", 0))
+             if k in fields}
+  return plgpu.CompilerParams(approx_math=True, **extra)
 
 
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
@@ -570,6 +945,17 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   sizes = (block_sizes if isinstance(block_sizes, MosaicGpuBlockSizes)
            else MosaicGpuBlockSizes()).resolved(head_dim)
   block_k, stages = sizes.block_k, sizes.stages
+  overlap, named = default_schedule(head_dim, block_k, lk, causal,
+                                    window_left, window_right,
+                                    logit_soft_cap)
+  sizes = dataclasses.replace(
+      sizes, overlap=overlap if sizes.overlap is None else sizes.overlap,
+      named_barriers=(named if sizes.named_barriers is None
+                      else sizes.named_barriers))
+  if sizes.named_barriers and not hasattr(plgpu, "inline_mgpu"):
+    sizes = dataclasses.replace(sizes, named_barriers=False)
+  if sizes.overlap and not hasattr(plgpu, "wgmma_accumulator_load"):
+    sizes = dataclasses.replace(sizes, overlap=False)
   band = _band(lq, lk, causal, window_left, window_right)
   tile_rows = COMPUTE_WGS * ROWS_PER_WG
   lq_pad = -(-lq // tile_rows) * tile_rows
@@ -580,6 +966,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   nq = lq_pad // tile_rows
   interpreting = bool(interpret)
   dtype = q.dtype
+  rendezvous = not (sizes.overlap or sizes.named_barriers)
 
   scratch = (
       tile_smem((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype),
@@ -593,7 +980,10 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       plgpu.Barrier(num_barriers=COMPUTE_WGS),  # q loaded
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # schedule
+      # schedule: one of two arrivals (rendezvous), else one per warpgroup
+      # of one arrival (ping-pong; unused with hardware barriers)
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS) if rendezvous else
+      plgpu.Barrier(num_arrivals=1, num_barriers=COMPUTE_WGS),
   )
   body = functools.partial(
       _kernel, band=band, sm_scale=float(sm_scale),
@@ -601,7 +991,8 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       block_k=block_k, stages=stages, group=group, nq=nq,
       reverse_q=band.right is not None and band.left is None,
       interpreting=interpreting, compute_registers=sizes.compute_registers,
-      memory_registers=sizes.memory_registers)
+      memory_registers=sizes.memory_registers, overlap=sizes.overlap,
+      named_barriers=sizes.named_barriers)
 
   def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
     pl.run_scoped(
@@ -620,7 +1011,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=_compiler_params(sizes.lean),
       **kwargs,
   )(q, k, v)
   if lq_pad != lq:

@@ -141,10 +141,11 @@ GPU_TRANSPOSE = ("xla", 0, 0, 0)
 # run the Mosaic GPU kernel (mosaic_gpu.py) on a Hopper GPU by default;
 # elsewhere only with PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY=mosaic. Its tiles
 # are mosaic_gpu.DEFAULT_TILES. Measured on the H100
-# (int8_matmul_mgpu-h100-*): at M = 128 it beat the Triton kernel 1.17x /
-# 1.48x (K, N = 4096/14336 / 14336/4096); at M = 16 1.11x / 0.97x, within
-# the Triton kernel's run-to-run spread (29.8-37.7 us), so M <= 64 stays on
-# Triton.
+# (int8_matmul_mgpu-h100-*, int8_matmul_128-h100-*): at M = 128 it beats
+# the Triton kernel 1.27x / 1.41x (K, N = 4096/14336 / 14336/4096; 43.0 /
+# 44.1 us with the fused epilogue and x pairs vs 54.6 / 62.2); at M = 16
+# even the fused kernel (32.3-36.3 us) did not beat the Triton kernel
+# (30.4-34.8 us) in the same runs, so M <= 64 stays on Triton.
 GPU_WEIGHT_ONLY_MOSAIC_AUTO_M = (65, 128)
 GPU_DECODE_MAX_M = 64
 GPU_MEDIUM_MAX_M = 2048

@@ -79,12 +79,15 @@ the GPU (M = 16, N = 14336: split 2, 44 us vs 34) and bk 512 or 64.
 
 Mosaic GPU kernel for weight-only decode (mosaic_gpu.py: TMA ring filled by
 a memory warpgroup, int8 w converted to bf16 in registers as the wgmma's
-left operand): on a Hopper GPU ``matmul`` runs it for weight-only calls
-with w [N, K], bf16 x and M in block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
-(65..128: 1.17x / 1.48x this Triton kernel at M = 128, 1.04x / 1.31x torch
-bf16; bench/results/int8_matmul_mgpu-h100-*), or wherever it applies with
-PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY=mosaic ("triton": never). Interpret
-mode always runs the Triton kernel.
+left operand, the epilogue fused where K is not split, x tiles multicast to
+CTA pairs at M > 64): on a Hopper GPU ``matmul`` runs it for weight-only
+calls with w [N, K], bf16 x and M in block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+(65..128: 43.0 / 44.1 us at M = 128, 1.27x / 1.41x this Triton kernel,
+1.11x / 1.24x torch bf16; bench/results/int8_matmul_128-h100-*), or
+wherever it applies with PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY=mosaic
+("triton": never). Interpret mode always runs the Triton kernel.
+Latest M = 16 run (int8_matmul_16-h100-2026-11-23): this kernel 32.3 /
+34.8 us = 1.58x / 1.34x torch bf16 (51.1 / 46.6 us).
 
 Triton needs power-of-two tiles, so M, N and K are zero-padded to tile
 multiples (a copy of x and/or w when a dimension is not a multiple: the LLM

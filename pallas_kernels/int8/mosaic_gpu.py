@@ -19,38 +19,75 @@ Pipeline (``plgpu.emit_pipeline_warp_specialized``)
   as [Mp, tile_k] tiles and handed to the wgmma transposed (K-major B), or,
   with ``x_pretransposed``, from an x^T [K, Mp] made by XLA.
 
+Epilogue (``fused``, the default wherever K is not split): each compute
+  warpgroup multiplies its float32 accumulator rows by w_scale and adds the
+  bias (both loaded from GMEM in the accumulator's row layout), casts, turns
+  the tile into out's orientation with a register shuffle (WGMMA_TRANSPOSED
+  layout) stored through a transposed SMEM view, and TMA-stores [Mp, 64] of
+  out [M, N]: one launch per matmul.
+
 Split K: the K range is split over the largest power of two (<=
   ``max_split``) of CTAs that keeps all CTAs in one wave of ``target_ctas``
   (132 SMs; the ring takes most of an SM's SMEM, so one CTA each): N = 14336
-  with 128-row tiles runs 112 CTAs unsplit, N = 4096 32 tiles x 4. Each CTA
-  writes its float32 partial out^T; one XLA fusion sums the partials,
-  applies w_scale and bias, transposes and casts (also unsplit: the kernel
-  always writes float32 out^T [split, Np, Mp]; 1.5-3 us at the shapes
-  below).
+  with 128-row tiles runs 112 CTAs unsplit, N = 4096 32 tiles x 4. The
+  partial sums meet either
+    "xla" (default): each CTA writes its float32 partial out^T [split, Np,
+      Mp]; one XLA fusion sums them, applies w_scale and bias, transposes
+      and casts (1.5-3 us at the shapes below, plus a launch); or
+    "cluster" (``split_reduce``, <= MAX_CLUSTER CTAs, 64-row warpgroups):
+      the split's CTAs form a cluster; parts 1.. leave their partials in
+      their own SMEM and arrive on part 0's cluster barrier, part 0 reads
+      them through distributed shared memory (``cluster_ref``), adds and
+      runs the fused epilogue; every CTA waits on a second barrier until
+      part 0 has read, so no SMEM is read after its CTA left. Correct and
+      repeatable on the H100, but slower as measured so far (clusters of 4
+      CTAs of ~200 KiB SMEM do not all fit in one wave).
+
+x multicast (``cluster``): CTAs of adjacent column tiles form a cluster and
+  the pipeline loads each x tile once for all of them (TMA multicast; x
+  BlockSpec ``collective_axes``). At Mp = 128 x is 2/3 of a CTA's loads (128
+  x tile_k bf16 beside 128 x tile_k int8 w), all of it re-read from L2 by
+  every CTA; pairs halve that. Default: pairs at Mp = 128 (split K or
+  not; not with the cluster reduction, whose cluster is the split).
 
 Tiles (DEFAULT_TILES, by padded M; two compute warpgroups of 64 w rows):
   Mp 16/32 tile_k 256 x 4 stages, Mp 64 256 x 2, Mp 128 128 x 3. SMEM:
   stages x tile_k x (128 + 2 Mp) bytes of ring + 2 x 64 x Mp x 4 of
-  epilogue, within the H100's 227 KiB.
+  epilogue (twice that with the cluster reduction), within the H100's 227
+  KiB.
 
-Measured (H100, jax 0.11.2; bench/results/int8_matmul_mgpu-h100-*: public
-call, 20 calls per program, host sync hidden; one run), us:
-  =============  =====  ======  ==========  =========  =========  ========
-  M x K x N      this   Triton  torch bf16  w TB/s     vs torch   vs Triton
-  =============  =====  ======  ==========  =========  =========  ========
-  16x4096x14336  34.1   37.7    48.4        1.72       1.42x      1.11x
-  16x14336x4096  32.8   31.9    45.1        1.79       1.37x      0.97x
-  128x4096x14336 45.2   52.9    47.0        1.30       1.04x      1.17x
-  128x14336x4096 41.6   61.7    54.7        1.41       1.31x      1.48x
-  =============  =====  ======  ==========  =========  =========  ========
-  The Triton kernel's own time moved 29.8 -> 37.7 us between two runs at
-  16x4096x14336 (int8_matmul_mgpu_sweep-h100-* has the first). Device time
-  per call from a profile: this kernel 25.4 / 25.3 / 35.2 / 33.0 us (2.3
-  TB/s of w at M = 16) plus the epilogue fusion 1.6 / 1.5 / 3.1 / 2.6 us;
-  the rest of the timed ~34 us at M = 16 is launch gaps between calls.
-  Tried: x^T made by XLA (B N-major) +10%; a finer split (two waves) +6-
-  10%; tile_k 128 x 8 stages +4%; at M = 128 one compute warpgroup per CTA
-  or 128 rows per warpgroup (tile_k 64) 24-27% slower.
+Measured (H100, jax 0.11.2, us per call; JAX timed as programs of 10-20
+calls on distinct input copies, host sync hidden; torch with CUDA events):
+  this session (stop 11), bench/results/int8_matmul_{16,128}-h100-* (the
+  public call, 10 per program) and int8_matmul_mgpu_variants*-h100-*
+  (the variants side by side in one process, 20 per program):
+  ==============  ==========================================  ==========
+  M x K x N       this kernel (variant: us)                   torch bf16
+  ==============  ==========================================  ==========
+  16x4096x14336   old 34.9, fused 32.3, fused+x pairs 31.8;   48.4
+                  public call, forced: fused 36.3             51.1
+                  (the Triton kernel: 30.4, 32.3)
+  16x14336x4096   split 4 + XLA 37.4; cluster sum (4) 45.8    46.6/45.1
+                  (the Triton kernel: 34.8)
+  128x4096x14336  old 47.1, fused 41.9, fused+x pairs 41.1,   48.3
+                  x quads 43.9; public call (fused+pairs)
+                  43.0 = 1.11x torch bf16                     47.6
+  128x14336x4096  split 4 + XLA 47.0 (public call 44.1 =      54.6/54.9
+                  1.24x), + x pairs 43.7 (1.25x), cluster
+                  sum (2 x 64-row CTAs) 48.7
+  ==============  ==========================================  ==========
+  So: the fused epilogue saves 2.6-5 us (the XLA pass and its launch gap);
+  x pairs (multicast) 0.5-3 us; the cluster sum of split partials is
+  correct but slower (clusters of four 200 KiB-SMEM CTAs do not all run in
+  one wave; pairs of one-warpgroup CTAs stream w slower). Run to run the
+  same call moved by up to 10% (Triton at 16x4096x14336: 29.8-37.7 us
+  over the sessions), so differences under ~3 us are not established.
+  Last session's profile (int8_matmul_mgpu-h100-*): the kernel alone 25.4
+  us at M = 16 (2.3 TB/s of w) and 33-35 us at M = 128; the timed call
+  adds ~5-7 us of launch gaps. Tried before: x^T made by XLA (B N-major)
+  +10%; a finer split (two waves) +6-10%; tile_k 128 x 8 stages +4%; at
+  M = 128 one compute warpgroup per CTA or 128 rows per warpgroup (tile_k
+  64) 24-27% slower.
 
 Padding: M to Mp, N to the column tile, K to tile_k x split (zero-padded
 copies of x / w where a dimension is not a multiple; the LLM shapes need
@@ -69,7 +106,11 @@ without the Mosaic GPU API.
 Testing without a GPU: jax's Mosaic GPU interpreter (jax >= 0.10) runs the
 kernel on the CPU with the warp-specialised pipeline, its barriers and TMA
 copies simulated; it cannot run a wgmma with a register operand, so under
-``interpret`` the product is a float32-accumulated dot of the same tiles.
+``interpret`` the product is a float32-accumulated dot of the same tiles,
+the epilogue's transpose is a value transpose, clusters are single CTAs
+(no multicast), and it has no cluster barriers: a "cluster" split runs the
+"xla" reduction there (the GPU bench checks the cluster sum: bench
+``--variants``).
 """
 from __future__ import annotations
 
@@ -89,6 +130,8 @@ plgpu = _mosaic_gpu.plgpu
 
 ROWS_PER_WG = 64  # one wgmma M tile of w rows per compute warpgroup
 MAX_M = 128
+MAX_CLUSTER = 4  # CTAs per cluster for the in-cluster split-K reduction
+AUTO_CLUSTER_MIN_MP = 128  # x multicast by default from this padded M on
 SMEM_BYTES = 227 * 1024
 _NEEDED_API = ("kernel", "wgmma", "wgmma_wait", "SMEM", "ACC",
                "emit_pipeline_warp_specialized", "BlockSpec",
@@ -111,7 +154,8 @@ class MgpuBlockSizes:
   2: column tile = compute_wgs x 64 output channels), split K limits
   (``max_split``, and the CTA count ``target_ctas`` the split aims for),
   ``x_pretransposed`` (B from an XLA-made x^T instead of a transposed SMEM
-  view)."""
+  view), ``wg_rows``, and the epilogue / cluster switches ``fused``,
+  ``cluster`` and ``split_reduce`` (module docstring)."""
   tile_k: int | None = None  # None: DEFAULT_TILES by padded M
   stages: int | None = None
   compute_wgs: int = 2
@@ -119,6 +163,18 @@ class MgpuBlockSizes:
   max_split: int = 8
   x_pretransposed: bool = False
   wg_rows: int = 64  # w rows per compute warpgroup: 64 or 128
+  # True: no K split, the epilogue in the kernel (one launch); None: so
+  # wherever the column tiles alone fill target_ctas; False: never.
+  fused: bool | None = None
+  # Column tiles per CTA cluster sharing (multicast) x tiles; None: 2
+  # where x tiles are wide (Mp 128: x is 2/3 of a CTA's loads there) and
+  # the column tiles pair up, else 1.
+  cluster: int | None = None
+  # Where a K split's partial sums meet: "xla" (float32 partials, one XLA
+  # pass adds them and applies the epilogue) or "cluster" (the split's CTAs
+  # form a cluster; the first sums the others' partials from their shared
+  # memory and runs the fused epilogue: one launch).
+  split_reduce: str = "xla"
 
   def resolved(self, m: int) -> "MgpuBlockSizes":
     tile_k, stages = DEFAULT_TILES[padded_m(min(max(m, 1), MAX_M))]
@@ -137,6 +193,12 @@ class MgpuBlockSizes:
     if self.compute_wgs not in (1, 2):
       raise ValueError(f"MgpuBlockSizes.compute_wgs={self.compute_wgs}: "
                        "must be 1 or 2")
+    if self.cluster not in (None, 1, 2, 4):
+      raise ValueError(f"MgpuBlockSizes.cluster={self.cluster}: must be 1, "
+                       "2 or 4")
+    if self.split_reduce not in ("xla", "cluster"):
+      raise ValueError(f"MgpuBlockSizes.split_reduce={self.split_reduce!r}: "
+                       "must be 'xla' or 'cluster'")
     if self.max_split < 1 or self.target_ctas < 1:
       raise ValueError("MgpuBlockSizes.max_split and target_ctas must be >= 1")
     return self
@@ -171,6 +233,9 @@ class Plan:
   split: int
   steps: int     # K steps per CTA
   sizes: MgpuBlockSizes
+  fused: bool = False   # epilogue in the kernel (one launch)
+  cluster: int = 1      # CTAs per cluster along the column tiles
+  cluster_reduce: bool = False  # split partials summed within a cluster
 
 
 def plan(m, k, n, sizes: MgpuBlockSizes | None = None) -> Plan:
@@ -181,17 +246,30 @@ def plan(m, k, n, sizes: MgpuBlockSizes | None = None) -> Plan:
   k_tiles = -(-k // sizes.tile_k)
   # The largest split whose CTAs still run in one wave of target_ctas (a
   # second, partial wave cost more than the finer split gained).
+  cluster_reduce = (sizes.split_reduce == "cluster" and sizes.fused is not False
+                    and sizes.wg_rows == ROWS_PER_WG)
+  max_split = min(sizes.max_split, MAX_CLUSTER if cluster_reduce else 1 << 30)
   split = 1
-  while (tiles * split * 2 <= sizes.target_ctas
-         and split * 2 <= sizes.max_split and split * 2 <= k_tiles):
+  while (sizes.fused is not True and tiles * split * 2 <= sizes.target_ctas
+         and split * 2 <= max_split and split * 2 <= k_tiles):
     split *= 2
   steps = -(-k_tiles // split)
-  return Plan(mp, np_, steps * split * sizes.tile_k, rows, split, steps, sizes)
+  cluster_reduce = cluster_reduce and split > 1
+  fused = (split == 1 or cluster_reduce) and sizes.fused is not False
+  cluster = sizes.cluster
+  if cluster is None:
+    cluster = 2 if mp >= AUTO_CLUSTER_MIN_MP else 1
+  if tiles % cluster or cluster_reduce:
+    cluster = 1
+  return Plan(mp, np_, steps * split * sizes.tile_k, rows, split, steps, sizes,
+              fused, cluster, cluster_reduce)
 
 
 def smem_bytes(p: Plan) -> int:
   ring = p.sizes.stages * p.sizes.tile_k * (p.rows + 2 * p.mp)
   out = p.sizes.compute_wgs * ROWS_PER_WG * p.mp * 4  # epilogue chunks
+  if p.cluster_reduce:  # + the float32 partials the cluster's first CTA reads
+    out += p.sizes.compute_wgs * ROWS_PER_WG * p.mp * 4
   return ring + out + 2048  # barriers/alignment
 
 
@@ -254,32 +332,73 @@ def _pad_to(a, shape):
   return jnp.pad(a, pads)
 
 
-def _partials(x2, w, p: Plan, interpret):
-  """float32 out^T partial sums [split, Np, Mp] (no scale, no bias)."""
+def _cluster_fence():
+  """fence.acq_rel.cluster: orders this thread's shared-memory writes before
+  its later barrier arrivals as seen from the other CTAs of the cluster."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import llvm
+
+  @plgpu.inline_mgpu()
+  def fence(ctx):
+    del ctx
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.acq_rel.cluster;",
+                    "", has_side_effects=True)
+  fence()
+
+
+def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret):
+  """The kernel: the final [Mp, Np] out_dtype result (``p.fused``), else
+  float32 out^T partial sums [split, Np, Mp] (no scale, no bias)."""
   sizes = p.sizes
   tk, wgs, rows, wg_rows = (sizes.tile_k, sizes.compute_wgs, p.rows,
                             sizes.wg_rows)
   chunk = p.steps * tk  # K per CTA
   interpreting = bool(interpret)
+  cluster = 1 if interpreting else p.cluster
   w = _pad_to(w, (p.np_, p.kp))
   x = _pad_to(x2, (p.mp, p.kp))
+  # x tiles are the same for every column tile: with a cluster, one TMA
+  # load multicasts each to the cluster's CTAs (less L2 traffic).
+  collective = ("n_sub",) if cluster > 1 else ()
   if sizes.x_pretransposed:
     x = x.T  # [Kp, Mp]
     x_spec = plgpu.BlockSpec((tk, p.mp), lambda s: (s, 0),
-                             transforms=_transforms(p.mp, 2))
+                             transforms=_transforms(p.mp, 2),
+                             collective_axes=collective)
   else:
     x_spec = plgpu.BlockSpec((p.mp, tk), lambda s: (0, s),
-                             transforms=_transforms(tk, 2))
+                             transforms=_transforms(tk, 2),
+                             collective_axes=collective)
   w_spec = plgpu.BlockSpec((rows, tk), lambda s: (0, s),
                            transforms=_transforms(tk, 1))
+  vectors = []  # fused: w_scale then bias, [Np] float32 each
+  if p.fused:
+    vectors = [_pad_to(v.reshape(-1).astype(jnp.float32), (p.np_,))
+               for v in (w_scale, bias) if v is not None]
+  is_scale = [True] * (p.fused and w_scale is not None) + [False] * (
+      p.fused and bias is not None)
+  if p.fused:  # the out tile, transposed from the accumulator's rows
+    staging = [plgpu.SMEM((wgs, p.mp, ROWS_PER_WG), out_dtype)]
+  else:
+    staging = [plgpu.SMEM((wgs, ROWS_PER_WG, p.mp), jnp.float32)]
+  if p.cluster_reduce:  # partials, "partials written", "partials read"
+    staging += [[plgpu.SMEM((ROWS_PER_WG, p.mp), jnp.float32)
+                 for _ in range(wgs)],
+                plgpu.ClusterBarrier(collective_axes=("k_split",),
+                                     num_arrivals=wgs, leader_tracked=True),
+                plgpu.ClusterBarrier(collective_axes=("k_split",),
+                                     num_arrivals=wgs)]
 
-  def kernel(w_gmem, x_gmem, out_gmem):
-    pl.run_scoped(functools.partial(scoped, w_gmem, x_gmem, out_gmem),
-                  plgpu.SMEM((wgs, ROWS_PER_WG, p.mp), jnp.float32),
-                  collective_axes="wg")
+  def kernel(w_gmem, x_gmem, *refs):
+    *vector_refs, out_gmem = refs
+    pl.run_scoped(functools.partial(scoped, w_gmem, x_gmem, vector_refs,
+                                    out_gmem),
+                  *staging, collective_axes="wg")
 
-  def scoped(w_gmem, x_gmem, out_gmem, out_smem):
+  def scoped(w_gmem, x_gmem, vector_refs, out_gmem, out_smem, *reduction):
     tile = lax.axis_index("n_tiles")
+    if cluster > 1:
+      tile = tile * cluster + lax.axis_index("n_sub")
     part = lax.axis_index("k_split")
     wg = lax.axis_index("wg")
     k_slice = pl.ds(part * chunk, chunk)
@@ -298,6 +417,61 @@ def _partials(x2, w, p: Plan, interpret):
       plgpu.wgmma_wait(0)  # the slot is released when the body returns
       return acc
 
+    def epilogue(acc, row0):
+      """acc [64, Mp]: * w_scale + bias per row, cast, stored as out
+      [Mp, 64] at column row0."""
+      for ref, scale in zip(vector_refs, is_scale):
+        if interpreting:
+          v = ref[pl.ds(row0, ROWS_PER_WG)]
+        else:  # one value per accumulator row, in the wgmma's row layout
+          v = plgpu.load(ref, (pl.ds(row0, ROWS_PER_WG),),
+                         layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        v = lax.broadcast_in_dim(v, (ROWS_PER_WG, p.mp), (0,))
+        acc = acc * v if scale else acc + v
+      val = acc.astype(out_dtype)
+      if interpreting:
+        out_smem.at[wg][...] = val.T
+      else:  # a register shuffle to the transposed layout, then the store
+        val = plgpu.layout_cast(val, plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.transpose_ref(out_smem.at[wg], (1, 0))[...] = val
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                              out_gmem.at[:, pl.ds(row0, ROWS_PER_WG)])
+      plgpu.wait_smem_to_gmem(0)
+
+    def cluster_sum_and_store(acc, row0):
+      """K split within a cluster: the CTAs of parts 1.. leave their
+      partials in their shared memory, part 0 adds them to its own and
+      stores the result; each CTA leaves only once part 0 has read."""
+      partial_smems, written, read = reduction
+
+      for g, partial_smem in enumerate(partial_smems):  # static refs
+        @pl.when((part != 0) & (wg == g))
+        def _():
+          partial_smem[...] = acc
+          plgpu.commit_smem()  # the whole warpgroup's rows written
+          _cluster_fence()
+      plgpu.barrier_arrive(written)  # lands on part 0's barrier
+
+      @pl.when(part == 0)
+      def _():
+        plgpu.barrier_wait(written)
+        _cluster_fence()
+        for g, partial_smem in enumerate(partial_smems):
+          @pl.when(wg == g)
+          def _():
+            total = acc
+            for r in range(1, p.split):
+              total = total + plgpu.cluster_ref(partial_smem,
+                                                {"k_split": r})[...]
+            epilogue(total, row0)
+        plgpu.barrier_arrive(read)
+
+      @pl.when(part != 0)
+      def _():
+        plgpu.barrier_arrive(read)
+      plgpu.barrier_wait(read)
+
     def compute_context(run_pipeline):
       if interpreting:
         acc = run_pipeline(jnp.zeros((wg_rows, p.mp), jnp.float32))
@@ -307,9 +481,16 @@ def _partials(x2, w, p: Plan, interpret):
           return acc_ref[...]
         acc = pl.run_scoped(scope, plgpu.ACC((wg_rows, p.mp), jnp.float32))
       for c in range(wg_rows // ROWS_PER_WG):  # through SMEM, 64 rows a time
-        out_smem.at[wg][...] = acc[c * ROWS_PER_WG:(c + 1) * ROWS_PER_WG]
-        plgpu.commit_smem()
+        piece = acc[c * ROWS_PER_WG:(c + 1) * ROWS_PER_WG]
         row0 = tile * rows + wg * wg_rows + c * ROWS_PER_WG
+        if p.cluster_reduce:
+          cluster_sum_and_store(piece, row0)
+          continue
+        if p.fused:
+          epilogue(piece, row0)
+          continue
+        out_smem.at[wg][...] = piece
+        plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
             out_smem.at[wg], out_gmem.at[part, pl.ds(row0, ROWS_PER_WG)])
         plgpu.wait_smem_to_gmem(0)
@@ -325,17 +506,27 @@ def _partials(x2, w, p: Plan, interpret):
   kwargs = {}
   if interpret:
     kwargs["interpret"] = interpret
+  grid, grid_names = (p.np_ // rows // cluster, p.split), ("n_tiles", "k_split")
+  if cluster > 1:
+    kwargs.update(cluster=(cluster,), cluster_names=("n_sub",))
+  if p.cluster_reduce:
+    grid, grid_names = grid[:1], grid_names[:1]
+    kwargs.update(cluster=(p.split,), cluster_names=("k_split",))
+  if p.fused:
+    out_type = jax.ShapeDtypeStruct((p.mp, p.np_), out_dtype)
+  else:
+    out_type = jax.ShapeDtypeStruct((p.split, p.np_, p.mp), jnp.float32)
   return plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((p.split, p.np_, p.mp), jnp.float32),
-      grid=(p.np_ // rows, p.split),
-      grid_names=("n_tiles", "k_split"),
+      out_type=out_type,
+      grid=grid,
+      grid_names=grid_names,
       num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       **kwargs,
-  )(w, x)
+  )(w, x, *vectors)
 
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
@@ -355,7 +546,13 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
   m, k = x2.shape
   n = w.shape[0]
   p = plan(m, k, n, block_sizes)
-  parts = _partials(x2, w, p, interpret)
+  if interpret and p.cluster_reduce:  # no cluster barriers in the interpreter
+    p = dataclasses.replace(p, fused=False, cluster_reduce=False)
+  if p.fused:
+    out = _kernel_call(x2, w, w_scale, bias, p, jnp.dtype(out_dtype),
+                       interpret)
+    return out if out.shape == (m, n) else out[:m, :n]
+  parts = _kernel_call(x2, w, None, None, p, jnp.float32, interpret)
   acc_t = parts.sum(axis=0) if p.split > 1 else parts[0]  # [Np, Mp]
   acc = acc_t[:n, :m].T
   out = acc if w_scale is None else acc * w_scale
