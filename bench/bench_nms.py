@@ -13,8 +13,10 @@ one call, for
                matrix in HBM and a max_output_size-step argmax loop (skipped
                where the matrix would not fit)
 Each row says whether the indices equal torchvision's and the reference's.
-Before timing, ``check`` compares the GPU kernel with the reference on harder
-data (float boxes, clusters, classes, NaN scores, inverted boxes, tiny N).
+Before timing, ``check`` compares the GPU kernel with numpy's float32 greedy
+NMS (``numpy_nms``, the truth: XLA's GPU division need not round correctly,
+so the GPU-jitted reference may not) on harder data (float boxes, clusters,
+classes, NaN scores, inverted boxes, tiny N).
 
 Elsewhere (CPU) ``--quick`` runs N = 300 with the kernel in interpret mode:
 a smoke test, not a speed figure.
@@ -41,12 +43,18 @@ by device time at max_output_size = N (checked against the reference) and
 keeps the fastest. Wall times of calls under ~0.3 ms are dominated by
 dispatch and vary by +-20% between runs.
 
+``--forms scan|sizes`` only A/Bs settings (FORM_SETS), each checked against
+numpy's float32 greedy NMS on hard data (NaN, inverted boxes, ties,
+clusters, classes) and timed by device time; ``--pick`` A/Bs PICK_CONFIGS
+before the bench and keeps the fastest correct one.
+
 The committed H100 run (bench/results/nms-h100-2026-11-22.json) used
-``--tune-scan --minimal-check --sizes 1000,5000,20000,100000 --small-iters
-20``; bench/results/nms-scan-tune-h100-2026-11-22.json holds this session's
-first run (a wider scan A/B at 1k / 5k / 20k), and
-bench/results/nms-profile-h100-2026-11-22.json the ``--profile`` run that
-located the time (before the pipelined scan and the dead-word skips).
+``--pick --minimal-check --sizes 1000,5000,20000,100000 --small-iters 20``;
+nms-forms-h100-2026-11-22.json and nms-forms-sizes-h100-2026-11-22.json
+hold the scan-form and block-size A/Bs behind its defaults,
+nms-scan-tune-h100-2026-11-22.json an earlier scan A/B, and
+nms-profile-h100-2026-11-22.json the ``--profile`` run that located the
+time (before the pipelined scan and the dead-word skips).
 """
 from __future__ import annotations
 
@@ -111,9 +119,17 @@ def _valid(indices):
   return indices[indices >= 0]
 
 
-def numpy_nms(boxes, scores, thr, m):
-  """Greedy NMS in numpy float32 (IEEE, no fused multiply-add): the truth."""
-  order = np.argsort(-scores, kind="stable")
+def numpy_nms(boxes, scores, thr, m, class_ids=None):
+  """Greedy NMS in numpy float32 (IEEE, no fused multiply-add): the truth.
+
+  NaN scores are never kept (sorted last, as in ``reference``); with
+  ``class_ids`` only boxes of the kept box's class are suppressed.
+  """
+  scores = np.asarray(scores, np.float32)
+  valid = ~np.isnan(scores)
+  key = np.where(valid, -np.nan_to_num(scores) + np.float32(0), np.inf)
+  order = np.argsort(key, kind="stable")[:int(valid.sum())]
+  same = np.ones(len(order), bool)
   b = boxes[order].astype(np.float32)
   x1, y1, x2, y2 = b.T
   area = np.maximum(x2 - x1, 0) * np.maximum(y2 - y1, 0)
@@ -126,6 +142,8 @@ def numpy_nms(boxes, scores, thr, m):
     if len(keep) == m:
       break
     rest = slice(i + 1, None)
+    if class_ids is not None:
+      same = np.asarray(class_ids)[order] == np.asarray(class_ids)[order[i]]
     iw = np.maximum(np.minimum(x2[i], x2[rest]) - np.maximum(x1[i], x1[rest]),
                     np.float32(0))
     ih = np.maximum(np.minimum(y2[i], y2[rest]) - np.maximum(y1[i], y1[rest]),
@@ -133,7 +151,7 @@ def numpy_nms(boxes, scores, thr, m):
     inter = iw * ih
     with np.errstate(invalid="ignore", divide="ignore"):
       iou = inter / ((area[i] + area[rest]) - inter)
-    alive[rest] &= ~(iou > np.float32(thr))
+    alive[rest] &= ~((iou > np.float32(thr)) & same[rest])
   return np.asarray(keep, np.int32)
 
 
@@ -150,10 +168,18 @@ def check(rng, backend="gpu", quick=False, minimal=False):
              else (("bitmask", 1 << 40), ("blocked", 0)))
 
   def compare(name, boxes, scores, thr, m, class_ids=None):
-    want = reference.nms(jnp.asarray(boxes), jnp.asarray(scores),
-                         iou_threshold=thr, max_output_size=m,
-                         class_ids=None if class_ids is None
-                         else jnp.asarray(class_ids))
+    # The truth is numpy's float32 greedy NMS: XLA's GPU division is not
+    # correctly rounded, so the jitted reference on the GPU may decide an
+    # IoU that equals the threshold differently (integer boxes make exact
+    # ties common at 0.5); "ref_ok" records whether it did.
+    truth = numpy_nms(boxes, scores, thr, m, class_ids)
+    want = (np.full(m, -1, np.int32), len(truth))
+    want[0][:len(truth)] = truth
+    ref = reference.nms(jnp.asarray(boxes), jnp.asarray(scores),
+                        iou_threshold=thr, max_output_size=m,
+                        class_ids=None if class_ids is None
+                        else jnp.asarray(class_ids))
+    ref_ok = _same(ref[0], want[0])
     for design, budget in designs:
       saved = block_sizes.GPU_BITMASK_MAX_BYTES
       block_sizes.GPU_BITMASK_MAX_BYTES = budget
@@ -164,7 +190,7 @@ def check(rng, backend="gpu", quick=False, minimal=False):
         block_sizes.GPU_BITMASK_MAX_BYTES = saved
       ok = _same(got[0], want[0]) and int(got[1]) == int(want[1])
       rows.append(dict(case=name, design=design, n=len(scores), thr=thr, m=m,
-                       kept=int(want[1]), ok=ok))
+                       kept=int(want[1]), ok=ok, ref_ok=ref_ok))
 
   for n in (() if minimal else (7, 3001) if quick else (1, 7, 129, 3001)):
     boxes, scores = writeup_boxes(rng, n)
@@ -240,7 +266,7 @@ def _ratios(row, peers):
     row["x_vs_tv_pipelined"] = row["tv_ms"] / row["ours_pipelined_ms"]
 
 
-def run_case(rng, n, thr, m, peers, iters):
+def run_case(rng, n, thr, m, peers, iters, nxn_below=20_001):
   boxes_np, scores_np = writeup_boxes(rng, n)
   boxes, scores = jnp.asarray(boxes_np), jnp.asarray(scores_np)
   layout = nms_gpu.bitmask_layout(1, n, **api._bitmask_sizes(n, m))
@@ -269,7 +295,7 @@ def run_case(rng, n, thr, m, peers, iters):
       row["tv_ms"] = 1e3 * harness.time_host(call, iters=iters)
     except Exception as e:  # noqa: BLE001
       row["tv_error"] = repr(e)[:200]
-  if "nxn_mask" in peers and n * n <= 20_000 ** 2:
+  if "nxn_mask" in peers and n < nxn_below:
     mask = jax.jit(functools.partial(nxn_mask_nms, iou_threshold=thr,
                                      max_output_size=m))
     row["same_as_nxn"] = _same(_valid(mask(boxes, scores)), _valid(got))
@@ -351,8 +377,8 @@ def profile(rng, sizes, iters):
 
 
 SCAN_CASES = ((1000, 0.5), (5000, 0.1))  # max_output_size = N
-# "band" is left out: it failed a GPU check (see gpu.RESOLVE). The first
-# config is the default, the fallback when a check fails.
+# The first config is the stop-10 default (``--tune-scan`` keeps the
+# fastest correct one).
 SCAN_CONFIGS = (  # SCAN_DEPTH, RESOLVE, MASK_CHUNK_ROWS_SMALL
     (1, "where", 4096), (1, "skip", 4096), (1, "skip", 8192))
 
@@ -413,6 +439,206 @@ def tune_scan(rng):
   print("kept: SCAN_DEPTH, RESOLVE, MASK_CHUNK_ROWS_SMALL =", best,
         flush=True)
   return rows
+
+
+# Settings that ``--forms`` A/Bs: module, name.
+FORM_KNOBS = {"RESOLVE": nms_gpu, "RESOLVE_LARGE": nms_gpu, "JUMP": nms_gpu,
+              "FEW_ROWS": nms_gpu,
+              "RANK_SORT_MAX": nms_gpu, "RANK_ROWS": nms_gpu,
+              "STATIC_CHUNKS_MAX": nms_gpu,
+              "MASK_CHUNK_ROWS_SMALL": block_sizes,
+              "MASK_CHUNK_ROWS": block_sizes, "SCAN_WARPS": block_sizes}
+SMALL_CASES = ((1000, 0.1), (1000, 0.5), (5000, 0.1), (5000, 0.5))
+LARGE_CASES = ((20000, 0.1), (20000, 0.5))
+FORM_CASES = SMALL_CASES + LARGE_CASES  # max_output_size = N
+FORM_SETS = {
+    # The first A/B (bench/results/nms-forms-h100-2026-11-22.json).
+    "scan": (
+        ("previous", dict(RESOLVE="where", RESOLVE_LARGE="where", JUMP=False,
+                          FEW_ROWS=0, MASK_CHUNK_ROWS_SMALL=4096,
+                          RANK_SORT_MAX=0),
+         FORM_CASES),
+        ("band+jump", dict(RESOLVE="band", RESOLVE_LARGE="band", JUMP=True,
+                           MASK_CHUNK_ROWS_SMALL=8192), FORM_CASES),
+        ("where+jump", dict(RESOLVE="where", RESOLVE_LARGE="where", JUMP=True,
+                            MASK_CHUNK_ROWS_SMALL=8192), FORM_CASES),
+        ("band+jump/1warp", dict(RESOLVE="band", RESOLVE_LARGE="band",
+                                 JUMP=True, MASK_CHUNK_ROWS_SMALL=8192,
+                                 SCAN_WARPS=1), FORM_CASES),
+        ("band", dict(RESOLVE="band", RESOLVE_LARGE="band", JUMP=False,
+                      MASK_CHUNK_ROWS_SMALL=8192), FORM_CASES),
+        ("skip+jump", dict(RESOLVE="skip", RESOLVE_LARGE="skip", JUMP=True,
+                           MASK_CHUNK_ROWS_SMALL=8192), FORM_CASES)),
+    # Second: few kept rows by bit scans, the rank sort's program size,
+    # chunk rows and scan warps from 16k boxes on. Only the first three are
+    # checked on FORM_CHECKS (the rest change no scan logic; their timed
+    # cases are still compared with numpy).
+    "sizes": (
+        ("default", {}, FORM_CASES),
+        ("few4", dict(FEW_ROWS=4), FORM_CASES),
+        ("chunk2048", dict(MASK_CHUNK_ROWS=2048, STATIC_CHUNKS_MAX=10),
+         LARGE_CASES, False),
+        ("few8", dict(FEW_ROWS=8), FORM_CASES),
+        ("rank16", dict(RANK_ROWS=16), SMALL_CASES, False),
+        ("chunk3072", dict(MASK_CHUNK_ROWS=3072), LARGE_CASES, False),
+        ("scan8warps", dict(SCAN_WARPS=8), LARGE_CASES, False),
+        ("rank32", dict(RANK_ROWS=32), SMALL_CASES, False),
+        ("chunk8192", dict(MASK_CHUNK_ROWS=8192), LARGE_CASES, False),
+        ("scan2warps", dict(SCAN_WARPS=2), LARGE_CASES, False)),
+}
+
+
+def _apply(settings):
+  saved = {k: getattr(FORM_KNOBS[k], k) for k in FORM_KNOBS}
+  for k, v in settings.items():
+    setattr(FORM_KNOBS[k], k, v)
+  return saved
+
+
+def _hard_data(rng, kind, n):
+  boxes, scores = writeup_boxes(rng, n)
+  if kind in ("nan+inverted", "ties"):
+    scores = scores.copy()
+    scores[rng.random(n) < 0.2] = np.nan
+    flip = rng.random(n) < 0.2
+    boxes[flip] = boxes[flip][:, [2, 3, 0, 1]]
+  if kind == "ties":
+    scores = np.round(scores * 10).astype(np.float32)
+  if kind == "clusters":
+    centres = rng.random((10, 2)) * 400
+    xy = centres[rng.integers(0, 10, n)] + rng.normal(0, 3, (n, 2))
+    boxes = np.concatenate([xy, xy + 40 + rng.normal(0, 3, (n, 2))],
+                           1).astype(np.float32)
+  return boxes, scores
+
+
+FORM_CHECKS = (  # kind, n, thr, m, class-aware
+    ("nan+inverted", 2500, 0.5, 2500, False),
+    ("nan+inverted", 2500, 0.1, 2500, False),
+    ("ties", 2500, 0.5, 2500, False), ("ties", 2500, 0.5, 64, False),
+    ("clusters", 1500, 0.1, 1500, False),
+    ("writeup", 2500, 0.3, 2500, True),
+    ("nan+inverted", 9000, 0.5, 9000, False))
+
+
+def verify_forms(rng, out, configs, seeds=2, budget_s=150.0, save=None):
+  """Scan forms vs numpy's float32 greedy NMS (the truth) and by time.
+
+  For every (name, settings, cases) of ``configs``: the FORM_CHECKS data (``seeds`` draws
+  each; the GPU-jitted reference is compared with the truth too), then
+  device time per kernel and pipelined wall time on FORM_CASES. Results
+  go to ``out`` as they come; stops starting configs after ``budget_s``.
+  """
+  start = time.time()
+  data = []
+  for kind, n, thr, m, classes in FORM_CHECKS:
+    for _ in range(seeds):
+      boxes, scores = _hard_data(rng, kind, n)
+      cls = rng.integers(0, 7, n).astype(np.int32) if classes else None
+      truth = numpy_nms(boxes, scores, thr, m, cls)
+      ref = reference.nms(jnp.asarray(boxes), jnp.asarray(scores),
+                          iou_threshold=thr, max_output_size=m,
+                          class_ids=None if cls is None else jnp.asarray(cls))
+      data.append((kind, n, thr, m, boxes, scores, cls, truth,
+                   _same(_valid(ref[0]), truth)))
+  out["reference_vs_truth"] = [dict(case=d[0], n=d[1], thr=d[2], m=d[3],
+                                    ref_ok=d[8]) for d in data]
+  timed = {}
+  for n, thr in FORM_CASES:
+    b, s = writeup_boxes(rng, n)
+    timed[n, thr] = (jnp.asarray(b), jnp.asarray(s), numpy_nms(b, s, thr, n))
+  out["forms"] = []
+  for name, settings, cases, *check_it in configs:
+    if time.time() - start > budget_s:
+      out["forms"].append(dict(config=name, skipped="time budget"))
+      continue
+    saved = _apply(settings)
+    row = dict(config=name, settings=settings, checks=[], cases=[])
+    try:
+      fns = {}
+      for kind, n, thr, m, boxes, scores, cls, truth, _ in (
+          data if check_it in ([], [True]) else ()):
+        key = (thr, m, cls is None)
+        if key not in fns:  # fresh per config: traced with its settings
+          fns[key] = jax.jit(functools.partial(
+              pk.nms, iou_threshold=thr, max_output_size=m, backend="gpu"))
+        got = fns[key](boxes, scores, class_ids=cls)
+        row["checks"].append(dict(
+            case=kind, n=n, thr=thr, m=m,
+            ok=_same(_valid(got[0]), truth) and int(got[1]) == len(truth)))
+
+      for (n, thr), (boxes, scores, truth) in timed.items():
+        if (n, thr) not in cases:
+          continue
+        fn = jax.jit(functools.partial(pk.nms, iou_threshold=thr,
+                                       max_output_size=n, backend="gpu"))
+        ok = _same(_valid(fn(boxes, scores)[0]), truth)
+        kernels = harness.device_kernel_times(fn, boxes, scores)
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:8]
+        row["cases"].append(dict(
+            n=n, thr=thr, ok=ok, device_us=kernels["(device total)"][1],
+            pipelined_ms=1e3 * harness.time_jax(
+                fn, boxes, scores, warmup=1, iters=5, reps=PIPELINE_REPS),
+            kernels={k: [round(v[0], 1), round(v[1], 1)] for k, v in top}))
+        print(name, row["cases"][-1], flush=True)
+      row["checks_ok"] = all(c["ok"] for c in row["checks"] + row["cases"])
+    except Exception as e:  # noqa: BLE001
+      traceback.print_exc()
+      row["error"] = repr(e)[:400]
+    finally:
+      _apply(saved)
+    out["forms"].append(row)
+    if save:  # after every config: a run cut short keeps the rest
+      save()
+    print(name, "checks_ok", row.get("checks_ok"),
+          f"{time.time() - start:.0f}s", flush=True)
+  return out
+
+
+PICK_CONFIGS = (("default", {}), ("few4", dict(FEW_ROWS=4)))
+PICK_CASES = ((5000, 0.1), (20000, 0.1), (20000, 0.5))  # max_output_size = N
+# The settings a failed check falls back to: the previous session's forms.
+FALLBACK = FORM_SETS["scan"][0][1]
+
+
+def pick_form(rng):
+  """Device-time A/B of PICK_CONFIGS on PICK_CASES; applies the fastest
+  (summed time relative to the first) among those equal to numpy's truth."""
+  rows, totals, first = [], {}, {}
+  data = {}
+  for n, thr in PICK_CASES:
+    b, s = writeup_boxes(rng, n)
+    data[n, thr] = (jnp.asarray(b), jnp.asarray(s), numpy_nms(b, s, thr, n))
+  for name, settings in PICK_CONFIGS:
+    saved = _apply(settings)
+    total, ok = 0.0, True
+    try:
+      for (n, thr), (boxes, scores, truth) in data.items():
+        fn = jax.jit(functools.partial(pk.nms, iou_threshold=thr,
+                                       max_output_size=n, backend="gpu"))
+        same = _same(_valid(fn(boxes, scores)[0]), truth)
+        kernels = harness.device_kernel_times(fn, boxes, scores)
+        us = kernels["(device total)"][1]
+        ok &= same
+        total += us / first.setdefault((n, thr), us)
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:6]
+        rows.append(dict(config=name, n=n, thr=thr, same_as_numpy=same,
+                         device_us=us, kernels={
+                             k: [round(v[0], 1), round(v[1], 1)]
+                             for k, v in top}))
+        print(rows[-1], flush=True)
+    except Exception as e:  # noqa: BLE001
+      traceback.print_exc()
+      rows.append(dict(config=name, error=repr(e)[:300]))
+      ok = False
+    finally:
+      _apply(saved)
+    if ok:
+      totals[name] = total
+  best = min(totals, key=totals.get) if totals else PICK_CONFIGS[0][0]
+  _apply(dict(PICK_CONFIGS)[best])
+  print("picked", best, totals, flush=True)
+  return dict(rows=rows, totals=totals, picked=best)
 
 
 TUNED = ("MASK_ROWS", "MASK_WORDS", "MASK_WARPS", "SCAN_WARPS",
@@ -478,6 +704,13 @@ def main(argv=None):
   parser.add_argument("--peers", default="reference,torchvision,nxn_mask")
   parser.add_argument("--profile", action="store_true",
                       help="GPU: device time per kernel (jax profiler)")
+  parser.add_argument("--pick", action="store_true",
+                      help="GPU: A/B PICK_CONFIGS first, keep the fastest")
+  parser.add_argument("--no-nxn-from", type=int, default=20000,
+                      help="skip the N x N peer from this N on (slow)")
+  parser.add_argument("--forms", default=None, choices=sorted(FORM_SETS),
+                      help="GPU: only A/B these settings (vs numpy truth, "
+                           "by time)")
   parser.add_argument("--compare", default=None,
                       help="GPU IoU test: fma or div (default: module's)")
   args = parser.parse_args(argv)
@@ -513,6 +746,15 @@ def main(argv=None):
       pipelined_ms=1e3 * harness.time_jax(floor, x, iters=10,
                                           reps=PIPELINE_REPS))
   print("jit floor", extra["jit_floor"], flush=True)
+  if args.forms:
+    out = {}
+    name = "nms-forms" + ("" if args.forms == "scan" else f"-{args.forms}")
+    verify_forms(rng, out, FORM_SETS[args.forms], save=lambda: print(
+        "wrote", harness.write_results(name, [], extra=out,
+                                       directory=args.out)))
+    return 0
+  if args.pick:
+    extra["pick"] = pick_form(rng)
   if args.tune_scan:
     try:
       extra["tune_scan"] = tune_scan(rng)
@@ -530,9 +772,9 @@ def main(argv=None):
     extra["checks"] = checks
     extra["checks_all_ok"] = all(c["ok"] for c in checks)
     if not extra["checks_all_ok"]:
-      # Fall back to the first (previous session's) scan config, say so.
-      (nms_gpu.SCAN_DEPTH, nms_gpu.RESOLVE,
-       block_sizes.MASK_CHUNK_ROWS_SMALL) = SCAN_CONFIGS[0]
+      # Fall back to the previous session's forms, say so.
+      _apply(FALLBACK)
+      extra["fallback_settings"] = FALLBACK
       checks = check(rng, quick=args.quick_check, minimal=args.minimal_check)
       harness.print_table(checks, ["case", "design", "n", "thr", "m", "kept",
                                    "ok"])
@@ -547,6 +789,10 @@ def main(argv=None):
       "GPU_TILE", "GPU_NUM_WARPS", "GPU_BITMASK_MAX_BYTES", "SMALL_BOXES",
       "MASK_WORDS_SMALL", "MASK_CHUNK_ROWS_SMALL") + TUNED}
   extra["scan"] = dict(SCAN_DEPTH=nms_gpu.SCAN_DEPTH, RESOLVE=nms_gpu.RESOLVE,
+                      JUMP=nms_gpu.JUMP, FEW_ROWS=nms_gpu.FEW_ROWS,
+                      RANK_SORT_MAX=nms_gpu.RANK_SORT_MAX,
+                      RANK_ROWS=nms_gpu.RANK_ROWS,
+                      RANK_COLS=nms_gpu.RANK_COLS,
                       SCAN_DEPTH_LARGE=nms_gpu.SCAN_DEPTH_LARGE,
                       RESOLVE_LARGE=nms_gpu.RESOLVE_LARGE,
                       STATIC_CHUNKS_FEW=nms_gpu.STATIC_CHUNKS_FEW,
@@ -582,7 +828,8 @@ def main(argv=None):
         try:
           iters = (args.big_iters if n >= 50_000 else args.iters
                    if n >= 20_000 else args.small_iters)
-          rows.append(run_case(rng, n, thr, m, peers, iters))
+          rows.append(run_case(rng, n, thr, m, peers, iters,
+                               nxn_below=args.no_nxn_from))
         except Exception:  # noqa: BLE001
           traceback.print_exc()
           rows.append(dict(n=n, thr=thr, m=m, error="failed"))

@@ -260,24 +260,30 @@ def test_gpu_kernel_classes_nan_inverted(rng, small_tiles, design):
                         class_ids=classes, score_threshold=0.1)
 
 
-@pytest.mark.parametrize("thr,m,depth,resolve", [
-    (0.5, 200, 1, "where"), (0.1, 200, 1, "skip"), (0.5, 200, 2, "skip"),
-    (0.5, 200, 1, "band"), (0.3, 20, 1, "band"),
-    pytest.param(0.3, 20, 1, "mask", marks=SLOW),
-    pytest.param(0.1, 200, 2, "mask", marks=SLOW),
-    pytest.param(0.1, 200, 1, "band", marks=SLOW)])
+@pytest.mark.parametrize("thr,m,depth,resolve,jump,few", [
+    (0.5, 200, 1, "where", False, 0), (0.1, 200, 1, "skip", False, 0),
+    (0.5, 200, 2, "skip", False, 0), (0.5, 200, 1, "band", False, 2),
+    (0.3, 20, 1, "band", False, 0), (0.1, 200, 1, "band", True, 0),
+    (0.5, 200, 1, "where", True, 3),
+    pytest.param(0.3, 20, 1, "band", True, 4, marks=SLOW),
+    pytest.param(0.3, 20, 1, "mask", False, 0, marks=SLOW),
+    pytest.param(0.1, 200, 2, "mask", False, 0, marks=SLOW),
+    pytest.param(0.1, 200, 1, "band", False, 0, marks=SLOW)])
 def test_gpu_pipelined_scan_and_skipped_words_interpret(rng, thr, m, depth,
-                                                       resolve):
-  """The compiled scan forms (pipelined, deep, band) in interpret mode.
+                                                       resolve, jump, few):
+  """The compiled scan forms (pipelined, deep, band, jumps, few kept rows
+  ORed by bit scans) in interpret mode.
 
   Interpret mode fills every mask word the compiled kernel would leave
   unwritten (below the diagonal, padding, removed rows and columns) with
   all ones, so a scan that read one with effect would keep too few boxes.
+  With jumps, a third of the scores are NaN (a run of removed words at the
+  end, besides the runs that suppression leaves).
   """
   from pallas_kernels.boxes.nms import gpu
   n = 200
   boxes, scores = GENERATORS["clustered"](rng, n)
-  scores[rng.random(n) < 0.1] = np.nan
+  scores[rng.random(n) < (0.35 if jump else 0.1)] = np.nan
   want = run_reference(boxes, scores, thr, m)
   # m < N: 4 chunks, the early-exit while loop; else 2 unrolled chunks of
   # 4 words (the deep scan's word-after-next path needs 3 or more).
@@ -289,11 +295,83 @@ def test_gpu_pipelined_scan_and_skipped_words_interpret(rng, thr, m, depth,
   keep, base, count = gpu.keep_words_bitmask(
       planes, classes, flags, iou_threshold=thr, max_output_size=m,
       rows=32, words=2, chunk_rows=chunk_rows, use_classes=False,
-      scan_depth=depth,
-      resolve_form=resolve, interpret=True)
+      scan_depth=depth, resolve_form=resolve, jump=jump, few_rows=few,
+      interpret=True)
   idx, count = gpu.words_to_indices(keep, base, count, order, m)
   np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
   assert int(count[0]) == want[1]
+
+
+@pytest.mark.parametrize("resolve", ["where", "band"])
+def test_gpu_scan_jumps_over_removed_words_interpret(rng, resolve):
+  """Jumps that land on a live word: words 1-2 are removed by word 0's kept
+  box, word 3 onwards are spread boxes; a jump that skipped too far (or too
+  little) would drop or keep the wrong boxes."""
+  from pallas_kernels.boxes.nms import gpu
+  n = 256
+  jitter = rng.random((n, 4)).astype(np.float32)
+  boxes = np.tile(np.float32([0, 0, 50, 50]), (n, 1)) + jitter
+  spread, _ = GENERATORS["writeup"](rng, n - 96)
+  boxes[96:] = spread
+  scores = np.linspace(1, 0, n, dtype=np.float32)
+  scores[200] = np.nan
+  want = run_reference(boxes, scores, 0.5, n)
+  order, planes, classes, flags = api._sorted_inputs(
+      jnp.asarray(boxes)[None], jnp.asarray(scores)[None], None, None, n)
+  keep, base, count = gpu.keep_words_bitmask(
+      planes, classes, flags, iou_threshold=0.5, max_output_size=n,
+      rows=32, words=2, chunk_rows=256, use_classes=False, scan_depth=1,
+      resolve_form=resolve, jump=True, interpret=True)
+  idx, count = gpu.words_to_indices(keep, base, count, order, n)
+  np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
+  assert int(count[0]) == want[1]
+
+
+@pytest.mark.parametrize("resolve,few", [("where", 3), ("band", 4)])
+def test_gpu_scan_few_kept_rows_interpret(resolve, few):
+  """Word 0 keeps boxes 0-2 (the rest copy box 0), word 1 boxes 32-35; words
+  2 and 3 hold one box on each of them, suppressed by that row alone, so a
+  row left out of the OR keeps a box too many. The rest stand apart."""
+  from pallas_kernels.boxes.nms import gpu
+  n = 128
+  corner = np.stack([np.arange(n) % 16, np.arange(n) // 16], 1) * 100.0
+  boxes = np.concatenate([corner, corner + 10], 1).astype(np.float32)
+  boxes[3:32] = boxes[0]
+  boxes[64:67] = boxes[0:3] + 1
+  boxes[36:64] = boxes[32]
+  boxes[96:100] = boxes[32:36] + 1
+  scores = np.linspace(1, 0, n, dtype=np.float32)
+  want = run_reference(boxes, scores, 0.5, n)
+  assert want[1] == n - 29 - 3 - 28 - 4
+  order, planes, classes, flags = api._sorted_inputs(
+      jnp.asarray(boxes)[None], jnp.asarray(scores)[None], None, None, n)
+  keep, base, count = gpu.keep_words_bitmask(
+      planes, classes, flags, iou_threshold=0.5, max_output_size=n,
+      rows=32, words=2, chunk_rows=128, use_classes=False, scan_depth=1,
+      resolve_form=resolve, few_rows=few, interpret=True)
+  idx, count = gpu.words_to_indices(keep, base, count, order, n)
+  np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
+  assert int(count[0]) == want[1]
+
+
+@pytest.mark.parametrize("n,score_threshold", [(1, None), (127, None),
+                                               (1030, 2.0)])
+def test_gpu_rank_order_equals_stable_sort(rng, n, score_threshold):
+  """The GPU's rank-count sort = the stable argsort of -score: ties (also
+  -0.0 against 0.0) by index, NaN and thresholded scores last by index."""
+  from pallas_kernels.boxes.nms import gpu
+  scores = rng.integers(0, 7, (2, n)).astype(np.float32)
+  scores[rng.random((2, n)) < 0.2] = np.nan
+  scores[0, :n:2] = -0.0
+  scores[1, :n:3] = 0.0
+  order, valid = gpu.rank_order(jnp.asarray(scores), score_threshold,
+                                interpret=True)
+  for b in range(2):
+    want, want_valid = reference.sort_by_score(jnp.asarray(scores[b]),
+                                               score_threshold)
+    np.testing.assert_array_equal(np.asarray(order[b]), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(valid[b]),
+                                  np.asarray(want_valid))
 
 
 def test_gpu_bitmask_scratch_stays_within_budget():

@@ -90,11 +90,19 @@ def _validate(op, boxes, scores, class_ids, iou_threshold, max_output_size,
 
 # ------------------------------------------------------------ implementations
 
-def _sorted_inputs(boxes, scores, class_ids, score_threshold, padded):
-  """Per image: score order, planes [B, 5, Np], classes and flags [B, Np]."""
+def _sorted_inputs(boxes, scores, class_ids, score_threshold, padded,
+                   sort=None):
+  """Per image: score order, planes [B, 5, Np], classes and flags [B, Np].
+
+  ``sort(scores, score_threshold) -> (order, valid)`` replaces the stable
+  argsort (same result).
+  """
   batch, n = scores.shape
-  order, valid = jax.vmap(
-      lambda s: reference.sort_by_score(s, score_threshold))(scores)
+  if sort is None:
+    order, valid = jax.vmap(
+        lambda s: reference.sort_by_score(s, score_threshold))(scores)
+  else:
+    order, valid = sort(scores, score_threshold)
   planes = jax.vmap(reference.sorted_planes)(boxes, order)
   classes = (jnp.zeros((batch, n), jnp.int32) if class_ids is None
              else jnp.take_along_axis(class_ids, order, axis=1))
@@ -141,8 +149,10 @@ def _gpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
   batch, n = scores.shape
   sizes = _bitmask_sizes(n, max_output_size)
   if gpu.bitmask_layout(batch, n, **sizes) is not None:
+    sort = (functools.partial(gpu.rank_order, interpret=interpret)
+            if n <= gpu.RANK_SORT_MAX else None)
     order, planes, classes, flags = _sorted_inputs(
-        boxes, scores, class_ids, score_threshold, n)
+        boxes, scores, class_ids, score_threshold, n, sort=sort)
     keep, base, count = gpu.keep_words_bitmask(
         planes, classes, flags, iou_threshold=iou_threshold,
         max_output_size=max_output_size, mask_warps=block_sizes.MASK_WARPS,

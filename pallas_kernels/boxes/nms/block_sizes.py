@@ -20,10 +20,11 @@ the 32 x 256 programs are too few to fill the chip (at 1k: 128 programs,
 faster by device time in an earlier ``--tune-small`` run (2 words, 73 /
 448 us at 1k / 5k against 80 / 461 us for 8). One 8192-row chunk at 5k
 (max_output_size = N) beat two of 4096 with the same scan form (312 against
-360 us of device time, bench/results/nms-scan-tune-h100-2026-11-22.json),
-but the committed rows (bench/results/nms-h100-2026-11-22.json) ran with
-4096, so that stays the default until a run measures 8192 end to end;
-``--tune-scan`` in bench_nms.py A/Bs it with the scan form.
+360 us of device time, bench/results/nms-scan-tune-h100-2026-11-22.json);
+the committed rows (bench/results/nms-h100-2026-11-22.json) ran with 8192.
+From SMALL_BOXES on, 2048 / 3072 / 8192-row chunks and 2 / 8 scan warps
+did not beat 4096 rows and 4 warps at 20k
+(bench/results/nms-forms-sizes-h100-2026-11-22.json).
 GPU, blocked O(N)-memory design (fallback past the budget): a (T, T)
 register tile per thread block; in a first H100 sweep T = 128 with 8 warps
 beat T = 64 / 4 warps and T = 256 / 8 or 16 warps (6.1 vs 6.9-24 ms at
@@ -38,10 +39,9 @@ GPU_BITMASK_MAX_BYTES = 256 << 20
 MASK_ROWS = 32
 MASK_CHUNK_ROWS = 4096
 # Below SMALL_BOXES: chunks of this many rows whatever max_output_size (the
-# early exit of smaller chunks saves less than their launches cost). 8192
-# (one chunk up to 8k boxes) was faster in the scan A/Bs; 4096 is what the
-# committed bench ran with (see the module docstring).
-MASK_CHUNK_ROWS_SMALL = 4096
+# early exit of smaller chunks saves less than their launches cost): one
+# chunk up to 8k boxes (the "band" scan's A/Bs ran with it).
+MASK_CHUNK_ROWS_SMALL = 8192
 MASK_WORDS = 8
 # Below SMALL_BOXES boxes the mask has few 32 x 256 programs per SM, so
 # narrower programs (more of them) hide latency better.

@@ -23,9 +23,14 @@ Bitmask design (chunked, parallel + scan). Boxes arrive sorted by score.
   memory latency separates two steps. ``SCAN_DEPTH`` = 2 gives those loads
   two steps (the word after next also via scalars); ``RESOLVE`` picks how
   the 32-bit chain is written ("skip": behind a branch that skips words
-  whose boxes are all removed). Stops at ``max_output_size`` kept and
+  whose boxes are all removed; "band": transposed diagonal blocks, see
+  ``_scan_kernel``, the default below 16k boxes). Stops at
+  ``max_output_size`` kept and
   records the kept count before each word, so indices are placed with one
   elementwise pass and a scatter (no prefix sum).
+* The score order comes from ``rank_order`` below RANK_SORT_MAX boxes (a
+  parallel rank count and one scatter: 8.5 us at 5k boxes against 48 us
+  for XLA's sort on the H100), else from XLA's sort.
 * Rows are processed in chunks of ``block_sizes.mask_chunk_rows(N)`` rows
   (smaller when ``max_output_size`` is small: ``chunk_rows_for``; shrunk to
   fit the byte budget): mask chunk c, then scan chunk c, carrying device
@@ -61,7 +66,13 @@ Triton's approximate f32 division change it: results equal the float32
 reference bit for bit. In interpret mode plain jnp arithmetic (the
 reference formula) is used.
 
-Measured on an H100. Before the pipelined scan and the dead-word skips
+Measured on an H100 (bench/results/nms-h100-2026-11-22.json, this
+session's run; nms-forms-*.json the A/Bs): the "band" scan below 16k boxes,
+kept rows ORed by bit scans (FEW_ROWS) and the rank sort took 5k boxes,
+threshold 0.1, max_output_size = N from 316 to 153 us of device time
+(scan 202 -> 83, sort 48 -> 8.5, mask 55 -> 52) and 20k from 1214 to 1053
+us (scan 711 -> 539). Earlier: before the pipelined scan and the dead-word
+skips
 (bench/results/nms-profile-h100-2026-11-22.json): at N = 100k,
 max_output_size = N the mask kernel took 14.4 ms and the scan 10.3 ms of
 25 ms; at N <= 20k the scan dominated (1.3 of 2.0 ms at 20k) and at 1k a
@@ -247,12 +258,26 @@ SCAN_DEPTH_LARGE = 1  # from block_sizes.SMALL_BOXES boxes on
 # two shifts (3 dependent ops per box), "where" selects (4 to 5), "skip" is
 # "mask" behind a branch that skips words whose boxes are all removed,
 # "band" is the lane-parallel fixed point on transposed blocks (depth 1).
-# EXPERIMENTAL, do not default to "band": on the H100 it was the fastest
-# (scan 17 vs 48 us at 1k, 140 vs ~200 us at 5k) and matched the reference
-# on the tuned cases, but it kept wrong boxes on a 2500-box NaN/inverted
-# check that interpret mode passes; the cause is not found.
-RESOLVE = "where"
+# H100 (bench/results/nms-forms-h100-2026-11-22.json, scan device time at
+# max_output_size = N): "band" 15-17 / 138 / 334 us at 1k / 5k thr 0.1 /
+# 5k thr 0.5 against 32-47 / 202 / 323 for "where", but 727 / 1913 us at
+# 20k (thr 0.1 / 0.5) against 711 / 1133: so "band" below SMALL_BOXES only.
+# Every form matched numpy's float32 greedy NMS on the NaN / inverted /
+# ties / clusters / classes checks there. (An earlier "band" failure on a
+# NaN / inverted check compared with the jitted reference on the GPU, not
+# with numpy; it did not recur in 14 such checks.)
+RESOLVE = "band"
 RESOLVE_LARGE = "where"  # from block_sizes.SMALL_BOXES boxes on
+# Depth-1 scans: jump over runs of all-removed words (see the scan's
+# ``advance``) instead of spending a step on each. Off: on the bench data
+# few words are all removed before the scan reaches them, and the branch
+# costs the "where" form its pipelining (20k: 1133 -> 2194 us).
+JUMP = False
+# A word that keeps at most FEW_ROWS boxes ORs only their rows (found by bit
+# scans) instead of issuing 32 predicated row loads; 0: always 32. H100
+# (bench/results/nms-h100-2026-11-22.json, "pick"): scan 143 -> 83 us at
+# 5k thr 0.1, 725 -> 539 / 1129 -> 908 us at 20k thr 0.1 / 0.5 (m = N).
+FEW_ROWS = 4
 
 # fl(inter / union) > t  <=>  inter / union > mid (round to nearest), and
 # inter - mid * union = fma(-t, union, inter) - half_ulp * union, where the
@@ -418,7 +443,7 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
 def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
                  band_ref, removed_out, keep_out, base_out, state_out, *,
                  chunk, num_words, max_output_size, depth, resolve_form,
-                 interpret):
+                 interpret, jump=False, few_rows=0):
   """Greedy scan of one chunk's words, 32 boxes per step, one program/image.
 
   base[w] records the kept count before word w, so kept indices are placed
@@ -429,7 +454,7 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
   w + 1 of the rows kept now, which (with the diagonal words) were loaded a
   step ahead. The kept rows' full ORs are issued now and applied a step
   later, so no memory latency sits on the step-to-step path.
-  Band form (RESOLVE = "band", depth 1; experimental, see RESOLVE): the
+  Band form (RESOLVE = "band", depth 1; the default below SMALL_BOXES): the
   word's diagonal and next blocks come transposed from band_ref, one box
   per lane, as two vector loads a step ahead; the chain is the fixed point of
   k = alive & ~(boxes hit by a box of k), iterated with lane ballots (a sum
@@ -437,6 +462,8 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
   is final after c + 1 rounds; usually 2-3), and the next word's removed
   bits are one ballot. Far fewer instructions per step than 64 scalar loads
   and 32-bit scalar chains.
+  Jumps (``jump``) and few kept rows (``few_rows``): see ``advance`` and
+  ``or_kept_rows``.
   Deep form (depth 2): the full ORs land two steps later; word w + 1 then
   takes the rows kept one step ago through their words w + 1 (scalars
   loaded a step before use), and its extraction from the vector is off the
@@ -496,22 +523,42 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
     word = jnp.minimum(word, padded_words - 1)
     return tuple(mask_ref[row0 + r, word] for r in range(WORD))
 
-  def or_kept_rows(alive, row0, acc):
+  def load_row(row, pred):  # mask row `row`, or zeros where not pred
     if interpret:
+      return jnp.where(pred, mask_ref[row, :], 0)
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.load(mask_ref.at[row],
+                         mask=jnp.broadcast_to(pred, (padded_words,)),
+                         other=0)
+
+  def or_kept_rows(alive, row0, acc):
+    if interpret and not few_rows:
       def body(r, acc):
         return jnp.where(bit_set(alive, r), acc | mask_ref[row0 + r, :], acc)
       return jax.lax.fori_loop(0, WORD, body, acc)
-    from jax.experimental.pallas import triton as pltriton
 
     def rows(acc):  # predicated loads: all in flight at once
       for r in range(WORD):
-        acc = acc | pltriton.load(
-            mask_ref.at[row0 + r],
-            mask=jnp.broadcast_to(bit_set(alive, r), (padded_words,)),
-            other=0)
+        acc = acc | load_row(row0 + r, bit_set(alive, r))
       return acc
 
-    return jax.lax.cond(alive != 0, rows, lambda a: a, acc)
+    if not few_rows:
+      return jax.lax.cond(alive != 0, rows, lambda a: a, acc)
+
+    def few(acc):  # the lowest few_rows kept boxes' rows: fewer loads
+      bits = alive
+      for _ in range(few_rows):
+        low = bits & -bits
+        r = (WORD - 1 - jax.lax.clz(low)) & (WORD - 1)  # 31 if none left
+        acc = acc | load_row(row0 + r, low != 0)
+        bits = bits ^ low
+      return acc
+
+    def some(acc):  # nested conds: lax.switch's clamp fails Triton's verifier
+      return jax.lax.cond(jax.lax.population_count(alive) <= few_rows,
+                          few, rows, acc)
+
+    return jax.lax.cond(alive != 0, some, lambda a: a, acc)
 
   def record(w, alive, keep, base, count):
     """Word w's kept bits: (OR of the kept rows' masks, keep, base, count)."""
@@ -536,8 +583,33 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
     else:  # a balanced OR tree: 5 levels on the path instead of 32
       removed_next = removed_next | or_selected(alive, next_col)
     pending, keep, base, count = record(w, alive, keep, base, count)
-    return (w + 1, count, removed, keep, base, pending,
+    nxt, removed_next, upcoming = advance(w, alive, removed, removed_next,
+                                          upcoming, ahead)
+    return (nxt, count, removed, keep, base, pending,
             removed_next) + tuple(upcoming)
+
+  def advance(w, alive, removed, removed_next, upcoming, load):
+    """(next word, its removed bits, its preloaded data).
+
+    With ``jump``: when this step kept nothing (so ``removed`` is complete:
+    no rows in flight) and word w + 1 is all removed, go straight to the
+    first word after it with a box left (its data loaded now, one load
+    latency instead of one step per removed word). Removed words are never
+    kept, so skipping them changes nothing; keep stays 0 there.
+    """
+    if not jump:
+      return w + 1, removed_next, tuple(upcoming)
+
+    def leap(_):
+      live = (lanes > w + 1) & (lanes < end_word) & (removed != -1)
+      target = jnp.min(jnp.where(live, lanes, end_word))
+      return (target, word_of(removed, target)) + tuple(load(target))
+
+    def step(_):
+      return (w + 1, removed_next) + tuple(upcoming)
+
+    out = jax.lax.cond((alive == 0) & (removed_next == -1), leap, step, 0)
+    return out[0], out[1], out[2:]
 
   lanes32 = jnp.arange(WORD, dtype=jnp.int32)
   lane_bits = jnp.left_shift(jnp.int32(1), lanes32)
@@ -572,7 +644,9 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
     removed = removed | pending  # rows kept one step ago have landed
     removed_next = word_of(removed, w + 1) | ballot((next_t & alive) != 0)
     pending, keep, base, count = record(w, alive, keep, base, count)
-    return (w + 1, count, removed, keep, base, pending,
+    nxt, removed_next, upcoming = advance(w, alive, removed, removed_next,
+                                          upcoming, band_of)
+    return (nxt, count, removed, keep, base, pending,
             removed_next) + tuple(upcoming)
 
   def step_deep(state):
@@ -676,7 +750,8 @@ def chunk_rows_for(max_output_size, chunk_rows):
 def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
                        rows=64, words=4, mask_warps=4, scan_warps=None,
                        chunk_rows=4096, max_bytes=256 << 20, use_classes=True,
-                       scan_depth=None, resolve_form=None, interpret=False):
+                       scan_depth=None, resolve_form=None, jump=None,
+                       few_rows=None, interpret=False):
   """Kept boxes over sorted positions via the chunked bitmask design.
 
   ``planes`` [B, 5, N] (x1, y1, x2, y2, area), ``cls``/``flags`` [B, N].
@@ -733,7 +808,10 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
   scan_kernel = functools.partial(
       _scan_kernel, chunk=chunk, num_words=num_words,
       max_output_size=int(max_output_size), depth=int(scan_depth),
-      resolve_form=resolve_form, interpret=interpret)
+      resolve_form=resolve_form, interpret=interpret,
+      jump=bool(JUMP if jump is None else jump) and scan_depth == 1,
+      few_rows=int((0 if interpret else FEW_ROWS) if few_rows is None
+                   else few_rows))
   words_shape = jax.ShapeDtypeStruct((batch, padded_words), jnp.int32)
 
   mask_grid = (batch, chunk // rows, padded_words // words)
@@ -861,3 +939,64 @@ def words_to_indices(keep, base, count, order, max_output_size):
 
   indices = jax.vmap(place)(target, order)
   return indices, jnp.minimum(count, max_output_size).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------
+# Score order by ranks: below RANK_SORT_MAX boxes one parallel kernel counts,
+# for every box, the boxes that precede it (higher score, or equal score and
+# lower index); order[rank] = box is then one scatter. N^2 comparisons, but
+# spread over the whole chip it beats XLA's multi-pass sort at small N
+# (measured H100: XLA's sort took 11 / 48 us at 1k / 5k boxes).
+
+RANK_SORT_MAX = 8192
+RANK_ROWS = 8      # boxes ranked per program (small: more programs)
+RANK_COLS = 1024   # boxes compared per loop step (few steps: each waits
+                   # for its load)
+
+
+def _rank_kernel(key_ref, rank_ref, *, cols, padded):
+  i = pl.program_id(1)
+  rows = rank_ref.shape[0]
+  mine = key_ref[pl.ds(i * rows, rows)]
+  my_ids = i * rows + jnp.arange(rows, dtype=jnp.int32)
+
+  def body(j, count):
+    start = pl.multiple_of(j * cols, cols)
+    theirs = key_ref[pl.ds(start, cols)]
+    their_ids = start + jnp.arange(cols, dtype=jnp.int32)
+    first = ((theirs[None, :] < mine[:, None])
+             | ((theirs[None, :] == mine[:, None])
+                & (their_ids[None, :] < my_ids[:, None])))
+    return count + jnp.sum(first.astype(jnp.int32), axis=1)
+
+  rank_ref[...] = jax.lax.fori_loop(0, padded // cols, body,
+                                    jnp.zeros((rows,), jnp.int32))
+
+
+def rank_order(scores, score_threshold=None, *, interpret=False):
+  """(order [B, N], valid in that order [B, N]) as ``reference.sort_by_score``.
+
+  Keys: -score (+0.0 for -0.0), +inf for unkeepable boxes; ties and the
+  infinities go by index, which is the stable sort's order.
+  """
+  batch, n = scores.shape
+  scores = scores.astype(jnp.float32)
+  valid = ~jnp.isnan(scores)
+  if score_threshold is not None:
+    valid = valid & (scores > score_threshold)
+  key = jnp.where(valid, -scores + 0.0, jnp.inf)
+  padded = -(-n // RANK_COLS) * RANK_COLS
+  key = jnp.pad(key, ((0, 0), (0, padded - n)), constant_values=jnp.inf)
+  kernel = functools.partial(_rank_kernel, cols=RANK_COLS, padded=padded)
+  rank = pl.pallas_call(
+      kernel, grid=(batch, padded // RANK_ROWS),
+      in_specs=[pl.BlockSpec((None, padded), lambda b, i: (b, 0))],
+      out_specs=pl.BlockSpec((None, RANK_ROWS), lambda b, i: (b, i)),
+      out_shape=jax.ShapeDtypeStruct((batch, padded), jnp.int32),
+      compiler_params=_compat.gpu_compiler_params(num_warps=4, num_stages=1),
+      interpret=interpret)(key)[:, :n]
+  # Padding ranks last (inf keys, higher ids): real boxes hold ranks 0..n-1.
+  ids = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
+  order = jax.vmap(lambda r, i: jnp.zeros((n,), jnp.int32).at[r].set(
+      i, unique_indices=True))(rank, ids)
+  return order, jnp.take_along_axis(valid, order, axis=1)
