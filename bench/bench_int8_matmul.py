@@ -211,6 +211,17 @@ def time_batched_torch(fn, reps=10, iters=15, warmup=2):
   return harness.time_torch_cuda(fn, warmup=warmup, iters=iters, reps=reps)
 
 
+def time_torch_bf16(torch_ops, data, shape, reps, errors):
+  """Seconds of torch's bf16 matmul at ``shape`` (M, K, N), or None with the
+  failure recorded in ``errors``."""
+  try:
+    return time_batched_torch(torch_ops["torch_bf16"](data, *shape),
+                              reps=reps)
+  except Exception as e:  # noqa: BLE001
+    errors["torch_bf16"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return None
+
+
 def make_inputs(m, k, n, seed=0):
   keys = jax.random.split(jax.random.PRNGKey(seed), 6)
   x8 = jax.random.randint(keys[0], (m, k), -128, 128, jnp.int32).astype(jnp.int8)
@@ -573,11 +584,8 @@ def mgpu_sweep(rows, torch_ops, out_name, extra, configs=None):
       fn, argnames = peers[name] if name in peers else ops[name]
       times[name] = run_op(name, fn, argnames, data, reps, peers, errors,
                            outputs=outputs)
-    try:
-      times["torch_bf16"] = time_batched_torch(
-          torch_ops["torch_bf16"](data, m, k, n), reps=reps)
-    except Exception as e:  # noqa: BLE001
-      errors["torch_bf16"] = f"{type(e).__name__}: {str(e)[:300]}"
+    times["torch_bf16"] = time_torch_bf16(torch_ops, data, (m, k, n), reps,
+                                          errors)
     for name, t in times.items():
       row[f"{name}_us"] = _us(t)
     for ours in ("ours_triton_w8a16_nk", "ours_mgpu_w8a16_nk"):
@@ -770,11 +778,8 @@ def mgpu_variants(names, out_name, torch_ops, profile=(), only=None):
           errors[v] = f"{type(e).__name__}: {str(e)[:300]}"
           t = None
       times[v] = t
-    try:
-      times["torch_bf16"] = time_batched_torch(
-          torch_ops["torch_bf16"](data, m, k, n), reps=reps)
-    except Exception as e:  # noqa: BLE001
-      errors["torch_bf16"] = f"{type(e).__name__}: {str(e)[:300]}"
+    times["torch_bf16"] = time_torch_bf16(torch_ops, data, (m, k, n), reps,
+                                          errors)
     for v, t in times.items():
       row[f"{v}_us"] = _us(t)
       if t and v != "torch_bf16":

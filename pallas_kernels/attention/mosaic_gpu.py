@@ -633,13 +633,40 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
     def k_transposed(slot):
       return plgpu.transpose_ref(k_smem.at[slot], (1, 0))
 
+    def qk_logits(slot, after_issue):
+      """S = Q K_slot^T (float32); ``after_issue`` runs once it is issued."""
+      if interpreting:
+        s = qk_dot(slot)
+        after_issue()
+        return s
+
+      def product(s_ref):
+        plgpu.wgmma(s_ref, q_smem, k_transposed(slot))
+        after_issue()
+        return s_ref[...]
+
+      return pl.run_scoped(product, plgpu.ACC((bq, block_k), jnp.float32))
+
+    def add_pv(acc, p16, slot, after_issue):
+      """acc + P V_slot; ``after_issue`` runs once the product is issued."""
+      if interpreting:
+        acc = acc + pv_dot(p16, slot)
+        after_issue()
+        return acc
+
+      def product(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        after_issue()
+
+      return pl.run_state(product)(plgpu.ACC.init(acc))
+
     env = types.SimpleNamespace(
         schedule=schedule, slot_of=slot_of, k_loaded=k_loaded,
         v_loaded=v_loaded, k_consumed=k_consumed, v_consumed=v_consumed,
         interpreting=interpreting, q_smem=q_smem, v_smem=v_smem, bq=bq,
         block_k=block_k, wg=wg, cast=cast, dtype=dtype,
         online_softmax=online_softmax, qk_dot=qk_dot, pv_dot=pv_dot,
-        k_transposed=k_transposed)
+        k_transposed=k_transposed, qk_logits=qk_logits, add_pv=add_pv)
     walk = _overlapped_band if overlap else _plain_band
     acc, m, l = walk(env, acc, m, l, lo_u, lo, a, b, hi, hi_u)
 
@@ -701,9 +728,6 @@ def _plain_band(env, acc, m, l, lo_u, lo, a, b, hi, hi_u):
   schedule, slot_of, hi_u_ = env.schedule, env.slot_of, hi_u
   k_loaded, v_loaded = env.k_loaded, env.v_loaded
   k_consumed, v_consumed = env.k_consumed, env.v_consumed
-  interpreting, q_smem, v_smem = (env.interpreting, env.q_smem,
-                                  env.v_smem)
-  bq, block_k = env.bq, env.block_k
   schedule.start()
 
   # Each step finds its K block already waited for (by the step before, or
@@ -736,16 +760,7 @@ def _plain_band(env, acc, m, l, lo_u, lo, a, b, hi, hi_u):
   def step(c, carry, masked):
     acc, m, l = carry
     slot = slot_of(c)
-    if interpreting:
-      s = env.qk_dot(slot)
-      schedule.after_qk_issue()
-    else:
-      def qk_product(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, env.k_transposed(slot))
-        schedule.after_qk_issue()
-        return acc_ref[...]
-
-      s = pl.run_scoped(qk_product, plgpu.ACC((bq, block_k), jnp.float32))
+    s = env.qk_logits(slot, schedule.after_qk_issue)
     plgpu.barrier_arrive(k_consumed.at[slot])
 
     p16, m_next, l, alpha = env.online_softmax(s, m, l, c, masked)
@@ -754,17 +769,9 @@ def _plain_band(env, acc, m, l, lo_u, lo, a, b, hi, hi_u):
     schedule.before_pv_issue(
         lambda: plgpu.barrier_wait(v_loaded.at[slot]))
 
-    if interpreting:
-      acc = acc + env.pv_dot(p16, slot)
-      wait_next_k(*next_k(c))
-    else:
-      has_next, next_slot = next_k(c)
-
-      def pv_product(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-        wait_next_k(has_next, next_slot)
-
-      acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+    has_next, next_slot = next_k(c)
+    acc = env.add_pv(acc, p16, slot,
+                     lambda: wait_next_k(has_next, next_slot))
     plgpu.barrier_arrive(v_consumed.at[slot])
     return acc, m_next, l
 
@@ -809,16 +816,7 @@ def _overlapped_band(env, acc, m, l, lo_u, lo, a, b, hi, hi_u):
     slot = slot_of(c)
     wait(k_loaded, c)
     schedule.sync_mine()
-    if interpreting:
-      s = env.qk_dot(slot)
-      schedule.arrive_other()
-    else:
-      def qk_product(s_ref):
-        plgpu.wgmma(s_ref, q_smem, env.k_transposed(slot))
-        schedule.arrive_other()
-        return s_ref[...]
-
-      s = pl.run_scoped(qk_product, plgpu.ACC((bq, block_k), jnp.float32))
+    s = env.qk_logits(slot, schedule.arrive_other)
     plgpu.barrier_arrive(k_consumed.at[slot])
     p16, m, l, _ = online_softmax(s, m, l, c, True)
     return acc, m, l, p16
@@ -863,15 +861,7 @@ def _overlapped_band(env, acc, m, l, lo_u, lo, a, b, hi, hi_u):
     slot = slot_of(c)
     wait(v_loaded, c)
     schedule.sync_mine()
-    if interpreting:
-      acc = acc + env.pv_dot(p_prev, slot)
-      schedule.arrive_other()
-    else:
-      def pv_product(o_ref):
-        plgpu.wgmma(o_ref, p_prev, v_smem.at[slot])
-        schedule.arrive_other()
-
-      acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+    acc = env.add_pv(acc, p_prev, slot, schedule.arrive_other)
     plgpu.barrier_arrive(v_consumed.at[slot])
     return acc, m, l, p_prev
 
