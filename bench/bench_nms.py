@@ -43,12 +43,18 @@ by device time at max_output_size = N (checked against the reference) and
 keeps the fastest. Wall times of calls under ~0.3 ms are dominated by
 dispatch and vary by +-20% between runs.
 
-``--forms scan|sizes`` only A/Bs settings (FORM_SETS), each checked against
-numpy's float32 greedy NMS on hard data (NaN, inverted boxes, ties,
+``--forms scan|sizes|overlap`` only A/Bs settings (FORM_SETS; configs
+stop starting after NMS_FORMS_BUDGET_S seconds, default 150), each checked
+against numpy's float32 greedy NMS on hard data (NaN, inverted boxes, ties,
 clusters, classes) and timed by device time; ``--pick`` A/Bs PICK_CONFIGS
 before the bench and keeps the fastest correct one.
 
-The committed H100 run (bench/results/nms-h100-2026-11-22.json) used
+Stop 11's 20k work: ``--forms overlap`` (bench/results/
+nms-forms-overlap-h100-2026-11-23.json), then ``--pick --minimal-check
+--sizes 5000,20000 --no-batched --peers torchvision --small-iters 20
+--name nms-20k`` (nms-20k-h100-2026-11-23.json: PICK_CONFIGS and the
+5k / 20k rows with the defaults it kept). The full H100 table
+(bench/results/nms-h100-2026-11-23.json) used
 ``--pick --minimal-check --sizes 1000,5000,20000,100000 --small-iters 20``;
 nms-forms-h100-2026-11-22.json and nms-forms-sizes-h100-2026-11-22.json
 hold the scan-form and block-size A/Bs behind its defaults,
@@ -443,11 +449,14 @@ def tune_scan(rng):
 
 # Settings that ``--forms`` A/Bs: module, name.
 FORM_KNOBS = {"RESOLVE": nms_gpu, "RESOLVE_LARGE": nms_gpu, "JUMP": nms_gpu,
-              "FEW_ROWS": nms_gpu,
+              "FEW_ROWS": nms_gpu, "OVERLAP": nms_gpu,
+              "OVERLAP_PROGRAMS": nms_gpu, "RADIX_SORT": nms_gpu,
+              "OVERLAP_FROM": nms_gpu,
               "RANK_SORT_MAX": nms_gpu, "RANK_ROWS": nms_gpu,
               "STATIC_CHUNKS_MAX": nms_gpu,
               "MASK_CHUNK_ROWS_SMALL": block_sizes,
-              "MASK_CHUNK_ROWS": block_sizes, "SCAN_WARPS": block_sizes}
+              "MASK_CHUNK_ROWS": block_sizes, "SCAN_WARPS": block_sizes,
+              "MASK_CHUNK_ROWS_OVERLAP": block_sizes}
 SMALL_CASES = ((1000, 0.1), (1000, 0.5), (5000, 0.1), (5000, 0.5))
 LARGE_CASES = ((20000, 0.1), (20000, 0.5))
 FORM_CASES = SMALL_CASES + LARGE_CASES  # max_output_size = N
@@ -485,6 +494,32 @@ FORM_SETS = {
         ("rank32", dict(RANK_ROWS=32), SMALL_CASES, False),
         ("chunk8192", dict(MASK_CHUNK_ROWS=8192), LARGE_CASES, False),
         ("scan2warps", dict(SCAN_WARPS=2), LARGE_CASES, False)),
+    # Third (stop 11, issue 6's 20k row; bench/results/
+    # nms-forms-overlap-h100-2026-11-23.json, which ran the first three
+    # before the time budget, "default" then being these old settings and
+    # the overlap starting at chunk 0): the uint32-key radix sort and the
+    # overlapped scan / next mask launches. "large": checked only on the
+    # data above RANK_SORT_MAX boxes (the radix sort; from 16k on the
+    # overlapped chunks).
+    "overlap": (
+        ("default", dict(OVERLAP=False, RADIX_SORT=False), LARGE_CASES,
+         False),
+        ("radix", dict(OVERLAP=False, RADIX_SORT=True), LARGE_CASES, "large"),
+        ("overlap+radix", dict(OVERLAP=True, OVERLAP_FROM=0, RADIX_SORT=True),
+         LARGE_CASES, "large"),
+        ("overlap263+radix", dict(OVERLAP=True, OVERLAP_FROM=0,
+                                  OVERLAP_PROGRAMS=263, RADIX_SORT=True),
+         LARGE_CASES, "large"),
+        ("overlap+radix/chunk2048", dict(
+            OVERLAP=True, OVERLAP_FROM=0, RADIX_SORT=True,
+            MASK_CHUNK_ROWS=2048, STATIC_CHUNKS_MAX=10), LARGE_CASES, False),
+        ("overlap131+radix", dict(OVERLAP=True, OVERLAP_FROM=0,
+                                  OVERLAP_PROGRAMS=131, RADIX_SORT=True),
+         LARGE_CASES, False),
+        ("overlap+radix/chunk3072", dict(
+            OVERLAP=True, OVERLAP_FROM=0, RADIX_SORT=True,
+            MASK_CHUNK_ROWS=3072),
+         LARGE_CASES, False)),
 }
 
 
@@ -519,9 +554,15 @@ FORM_CHECKS = (  # kind, n, thr, m, class-aware
     ("clusters", 1500, 0.1, 1500, False),
     ("writeup", 2500, 0.3, 2500, True),
     ("nan+inverted", 9000, 0.5, 9000, False))
+# From SMALL_BOXES on (the "where" scan, unrolled chunks, overlap): one draw.
+FORM_CHECKS_LARGE = (
+    ("nan+inverted", 20000, 0.5, 20000, False),
+    ("ties", 20000, 0.5, 20000, False),
+    ("clusters", 20000, 0.1, 20000, False),
+    ("writeup", 20000, 0.3, 20000, True))
 
 
-def verify_forms(rng, out, configs, seeds=2, budget_s=150.0, save=None):
+def verify_forms(rng, out, configs, seeds=2, budget_s=None, save=None):
   """Scan forms vs numpy's float32 greedy NMS (the truth) and by time.
 
   For every (name, settings, cases) of ``configs``: the FORM_CHECKS data (``seeds`` draws
@@ -529,13 +570,20 @@ def verify_forms(rng, out, configs, seeds=2, budget_s=150.0, save=None):
   device time per kernel and pipelined wall time on FORM_CASES. Results
   go to ``out`` as they come; stops starting configs after ``budget_s``.
   """
+  if budget_s is None:
+    budget_s = float(os.environ.get("NMS_FORMS_BUDGET_S", "150"))
   start = time.time()
   data = []
-  for kind, n, thr, m, classes in FORM_CHECKS:
-    for _ in range(seeds):
+  large = any(c[3:] == ("large",) for c in configs)
+  for kind, n, thr, m, classes in FORM_CHECKS + (
+      FORM_CHECKS_LARGE if large else ()):
+    for _ in range(1 if n >= 16384 else seeds):
       boxes, scores = _hard_data(rng, kind, n)
       cls = rng.integers(0, 7, n).astype(np.int32) if classes else None
       truth = numpy_nms(boxes, scores, thr, m, cls)
+      if n >= 16384:  # the reference's GPU check costs too long there
+        data.append((kind, n, thr, m, boxes, scores, cls, truth, None))
+        continue
       ref = reference.nms(jnp.asarray(boxes), jnp.asarray(scores),
                           iou_threshold=thr, max_output_size=m,
                           class_ids=None if cls is None else jnp.asarray(cls))
@@ -557,7 +605,10 @@ def verify_forms(rng, out, configs, seeds=2, budget_s=150.0, save=None):
     try:
       fns = {}
       for kind, n, thr, m, boxes, scores, cls, truth, _ in (
-          data if check_it in ([], [True]) else ()):
+          data if check_it in ([], [True]) else
+          [d for d in data if d[1] > nms_gpu.RANK_SORT_MAX]
+          if check_it == ["large"]
+          else ()):
         key = (thr, m, cls is None)
         if key not in fns:  # fresh per config: traced with its settings
           fns[key] = jax.jit(functools.partial(
@@ -595,10 +646,16 @@ def verify_forms(rng, out, configs, seeds=2, budget_s=150.0, save=None):
   return out
 
 
-PICK_CONFIGS = (("default", {}), ("few4", dict(FEW_ROWS=4)))
-PICK_CASES = ((5000, 0.1), (20000, 0.1), (20000, 0.5))  # max_output_size = N
+# Stop 11 (bench/results/nms-20k-h100-2026-11-23.json, where "default"
+# still had 4096-row chunks and "chunk2048", the pick, set MASK_CHUNK_ROWS
+# = 2048 and STATIC_CHUNKS_MAX = 10): the defaults (radix sort, overlapped
+# 2048-row chunks from chunk 1) against 4096-row chunks and no overlap.
+PICK_CONFIGS = (("default", {}),
+                ("chunk4096", dict(MASK_CHUNK_ROWS_OVERLAP=4096)),
+                ("no-overlap", dict(OVERLAP=False)))
+PICK_CASES = ((20000, 0.1), (20000, 0.5))  # max_output_size = N
 # The settings a failed check falls back to: the previous session's forms.
-FALLBACK = FORM_SETS["scan"][0][1]
+FALLBACK = dict(FORM_SETS["scan"][0][1], OVERLAP=False, RADIX_SORT=False)
 
 
 def pick_form(rng):
@@ -701,6 +758,8 @@ def main(argv=None):
   parser.add_argument("--minimal-check", action="store_true",
                       help="only the classes / NaN / ties checks")
   parser.add_argument("--out", default=None, help="results directory")
+  parser.add_argument("--name", default="nms",
+                      help="results file name (a partial table: not 'nms')")
   parser.add_argument("--peers", default="reference,torchvision,nxn_mask")
   parser.add_argument("--profile", action="store_true",
                       help="GPU: device time per kernel (jax profiler)")
@@ -787,7 +846,8 @@ def main(argv=None):
     extra["tune"] = tuned
   extra["block_sizes"] = {k: getattr(block_sizes, k) for k in (
       "GPU_TILE", "GPU_NUM_WARPS", "GPU_BITMASK_MAX_BYTES", "SMALL_BOXES",
-      "MASK_WORDS_SMALL", "MASK_CHUNK_ROWS_SMALL") + TUNED}
+      "MASK_WORDS_SMALL", "MASK_CHUNK_ROWS_SMALL", "MASK_CHUNK_ROWS_OVERLAP")
+      + TUNED}
   extra["scan"] = dict(SCAN_DEPTH=nms_gpu.SCAN_DEPTH, RESOLVE=nms_gpu.RESOLVE,
                       JUMP=nms_gpu.JUMP, FEW_ROWS=nms_gpu.FEW_ROWS,
                       RANK_SORT_MAX=nms_gpu.RANK_SORT_MAX,
@@ -796,7 +856,12 @@ def main(argv=None):
                       SCAN_DEPTH_LARGE=nms_gpu.SCAN_DEPTH_LARGE,
                       RESOLVE_LARGE=nms_gpu.RESOLVE_LARGE,
                       STATIC_CHUNKS_FEW=nms_gpu.STATIC_CHUNKS_FEW,
-                      STATIC_CHUNKS_MAX=nms_gpu.STATIC_CHUNKS_MAX)
+                      STATIC_CHUNKS_MAX=nms_gpu.STATIC_CHUNKS_MAX,
+                      OVERLAP=nms_gpu.OVERLAP,
+                      OVERLAP_FROM=nms_gpu.OVERLAP_FROM,
+                      OVERLAP_PROGRAMS=nms_gpu.OVERLAP_PROGRAMS,
+                      RADIX_SORT=nms_gpu.RADIX_SORT,
+                      RADIX_SORT_MAX=nms_gpu.RADIX_SORT_MAX)
 
   peers = tuple(p for p in args.peers.split(",") if p)
   rows = []
@@ -817,7 +882,8 @@ def main(argv=None):
         traceback.print_exc()
         rows.append(dict(n="16x5000", thr=0.5, m=m, error="failed"))
       print(rows[-1], f"{time.time() - start:.1f}s", flush=True)
-      harness.write_results("nms", rows, extra=extra, directory=args.out)
+      harness.write_results(args.name, rows, extra=extra,
+                            directory=args.out)
 
   for n in (int(s) for s in args.sizes.split(",")):
     if n >= 50_000:  # the slow sizes last: a run cut short keeps the rest
@@ -835,10 +901,11 @@ def main(argv=None):
           rows.append(dict(n=n, thr=thr, m=m, error="failed"))
         print(rows[-1], f"{time.time() - start:.1f}s", flush=True)
         # Written after every row so a run cut short still leaves results.
-        harness.write_results("nms", rows, extra=extra, directory=args.out)
+        harness.write_results(args.name, rows, extra=extra,
+                            directory=args.out)
   run_batched_rows()
   harness.print_table(rows, columns)
-  print("wrote", harness.write_results("nms", rows, extra=extra,
+  print("wrote", harness.write_results(args.name, rows, extra=extra,
                                        directory=args.out))
   return 0
 

@@ -354,6 +354,56 @@ def test_gpu_scan_few_kept_rows_interpret(resolve, few):
   assert int(count[0]) == want[1]
 
 
+@pytest.mark.parametrize("thr,m,chunk_rows,first,programs", [
+    (0.5, 160, 64, 1, 0), pytest.param(0.3, 160, 64, 0, 3, marks=SLOW),
+    pytest.param(0.5, 60, 96, 0, 0, marks=SLOW)])
+def test_gpu_overlapped_chunks_interpret(rng, thr, m, chunk_rows, first,
+                                        programs):
+  """Chunk c's scan beside chunk c + 1's mask in one launch (the mask then
+  skips by the removed words from before that scan), from chunk ``first``
+  on, one program per tile or ``programs`` looping over them; with m < N,
+  the count reached within the (unrolled) chunks. Skipped words are all
+  ones in interpret mode, so a wrong skip keeps too few boxes."""
+  from pallas_kernels.boxes.nms import gpu
+  n = 160  # 3 chunks of 64 rows (2 of 96)
+  boxes, scores = GENERATORS["writeup"](rng, n)
+  scores[rng.random(n) < 0.1] = np.nan
+  want = run_reference(boxes, scores, thr, m)
+  assert gpu.static_chunks(-(-n // chunk_rows), n, m)
+  order, planes, classes, flags = api._sorted_inputs(
+      jnp.asarray(boxes, jnp.float32)[None],
+      jnp.asarray(scores, jnp.float32)[None], None, None, n)
+  keep, base, count = gpu.keep_words_bitmask(
+      planes, classes, flags, iou_threshold=thr, max_output_size=m,
+      rows=32, words=2, chunk_rows=chunk_rows, use_classes=False,
+      scan_depth=1, resolve_form="where", few_rows=3, overlap=True,
+      overlap_from=first, overlap_programs=programs, interpret=True)
+  idx, count = gpu.words_to_indices(keep, base, count, order, m)
+  np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
+  assert int(count[0]) == want[1]
+  assert want[1] > 20  # many kept boxes: several rows ORed per chunk
+
+
+@pytest.mark.parametrize("batch,n,score_threshold", [
+    (1, 1, None), (1, 1030, 2.0), (2, 127, None), (3, 300, 4.0)])
+def test_gpu_radix_order_equals_stable_sort(rng, batch, n, score_threshold):
+  """The uint32-key sort (padded for one image) = the stable argsort of
+  -score: ties (-0.0 against 0.0) by index, NaN / thresholded scores last,
+  negative scores after positive ones."""
+  from pallas_kernels.boxes.nms import gpu
+  scores = rng.integers(-4, 7, (batch, n)).astype(np.float32)
+  scores[rng.random((batch, n)) < 0.2] = np.nan
+  scores[0, :n:2] = -0.0
+  scores[:, 1::5] = np.float32(1e-40)  # subnormal
+  order, valid = gpu.radix_order(jnp.asarray(scores), score_threshold)
+  for b in range(batch):
+    want, want_valid = reference.sort_by_score(jnp.asarray(scores[b]),
+                                               score_threshold)
+    np.testing.assert_array_equal(np.asarray(order[b]), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(valid[b]),
+                                  np.asarray(want_valid))
+
+
 @pytest.mark.parametrize("n,score_threshold", [(1, None), (127, None),
                                                (1030, 2.0)])
 def test_gpu_rank_order_equals_stable_sort(rng, n, score_threshold):

@@ -138,6 +138,10 @@ def _bitmask_sizes(num_boxes, max_output_size):
   chunk_rows = block_sizes.mask_chunk_rows(num_boxes)
   if num_boxes >= block_sizes.SMALL_BOXES:  # else no cap: fewer launches
     chunk_rows = gpu.chunk_rows_for(max_output_size, chunk_rows)
+    overlap_rows = block_sizes.MASK_CHUNK_ROWS_OVERLAP
+    if (gpu.OVERLAP and max_output_size >= num_boxes
+        and -(-num_boxes // overlap_rows) <= gpu.STATIC_CHUNKS_MAX):
+      chunk_rows = overlap_rows
   return dict(rows=block_sizes.MASK_ROWS,
               words=block_sizes.mask_words(num_boxes),
               chunk_rows=chunk_rows,
@@ -150,7 +154,9 @@ def _gpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
   sizes = _bitmask_sizes(n, max_output_size)
   if gpu.bitmask_layout(batch, n, **sizes) is not None:
     sort = (functools.partial(gpu.rank_order, interpret=interpret)
-            if n <= gpu.RANK_SORT_MAX else None)
+            if n <= gpu.RANK_SORT_MAX else
+            gpu.radix_order if gpu.RADIX_SORT and n <= gpu.RADIX_SORT_MAX
+            else None)
     order, planes, classes, flags = _sorted_inputs(
         boxes, scores, class_ids, score_threshold, n, sort=sort)
     keep, base, count = gpu.keep_words_bitmask(

@@ -24,7 +24,10 @@ faster by device time in an earlier ``--tune-small`` run (2 words, 73 /
 the committed rows (bench/results/nms-h100-2026-11-22.json) ran with 8192.
 From SMALL_BOXES on, 2048 / 3072 / 8192-row chunks and 2 / 8 scan warps
 did not beat 4096 rows and 4 warps at 20k
-(bench/results/nms-forms-sizes-h100-2026-11-22.json).
+(bench/results/nms-forms-sizes-h100-2026-11-22.json); with the overlapped
+scan / next mask launches (stop 11) 2048-row chunks did
+(MASK_CHUNK_ROWS_OVERLAP, for max_output_size >= N and at most
+gpu.STATIC_CHUNKS_MAX chunks).
 GPU, blocked O(N)-memory design (fallback past the budget): a (T, T)
 register tile per thread block; in a first H100 sweep T = 128 with 8 warps
 beat T = 64 / 4 warps and T = 256 / 8 or 16 warps (6.1 vs 6.9-24 ms at
@@ -43,6 +46,13 @@ MASK_CHUNK_ROWS = 4096
 # chunk up to 8k boxes (the "band" scan's A/Bs ran with it).
 MASK_CHUNK_ROWS_SMALL = 8192
 MASK_WORDS = 8
+# Unrolled, overlapped chunks (gpu.OVERLAP, max_output_size >= N, at most
+# gpu.STATIC_CHUNKS_MAX chunks): smaller chunks, so chunk 0's unoverlapped
+# mask is smaller and later masks are pruned sooner. H100, 20k boxes,
+# max_output_size = N (bench/results/nms-20k-h100-2026-11-23.json, "pick"):
+# 903 / 1438 us of device time at threshold 0.1 / 0.5 against 973 / 1501
+# with 4096-row chunks (and 1003 / 1673 without the overlap).
+MASK_CHUNK_ROWS_OVERLAP = 2048
 # Below SMALL_BOXES boxes the mask has few 32 x 256 programs per SM, so
 # narrower programs (more of them) hide latency better.
 SMALL_BOXES = 16384

@@ -30,7 +30,14 @@ Bitmask design (chunked, parallel + scan). Boxes arrive sorted by score.
   elementwise pass and a scatter (no prefix sum).
 * The score order comes from ``rank_order`` below RANK_SORT_MAX boxes (a
   parallel rank count and one scatter: 8.5 us at 5k boxes against 48 us
-  for XLA's sort on the H100), else from XLA's sort.
+  for XLA's sort on the H100), then up to RADIX_SORT_MAX from
+  ``radix_order`` (uint32 keys that XLA hands to CUB's radix sort: 44
+  against 62 us at 20k), else from XLA's sort.
+* Overlap (``OVERLAP``, unrolled chunks, "where" scan): from chunk
+  ``OVERLAP_FROM`` on, one launch scans chunk c on program 0 while the
+  other programs compute chunk c + 1's mask (``_overlap_kernel``); that
+  mask prunes by the removals known before scan c. 20k boxes then run in
+  2048-row chunks (``block_sizes.MASK_CHUNK_ROWS_OVERLAP``).
 * Rows are processed in chunks of ``block_sizes.mask_chunk_rows(N)`` rows
   (smaller when ``max_output_size`` is small: ``chunk_rows_for``; shrunk to
   fit the byte budget): mask chunk c, then scan chunk c, carrying device
@@ -66,8 +73,14 @@ Triton's approximate f32 division change it: results equal the float32
 reference bit for bit. In interpret mode plain jnp arithmetic (the
 reference formula) is used.
 
-Measured on an H100 (bench/results/nms-h100-2026-11-22.json, this
-session's run; nms-forms-*.json the A/Bs): the "band" scan below 16k boxes,
+Measured on an H100 (stop 11, bench/results/nms-20k-h100-2026-11-23.json
+and nms-forms-overlap-h100-2026-11-23.json): the radix sort and the
+overlapped 2048-row chunks took 20k boxes, max_output_size = N, from 1059 /
+1722 us of device time (threshold 0.1 / 0.5) to 903 / 1438 us; overlapping
+from chunk 0 instead lost at 0.1 (1087 us: scan 0 beside an unpruned mask
+1 took 307 us; chunk 0's own mask alone is 257 us of the 434 us of masks).
+Earlier (bench/results/nms-h100-2026-11-22.json; nms-forms-*.json the
+A/Bs): the "band" scan below 16k boxes,
 kept rows ORed by bit scans (FEW_ROWS) and the rank sort took 5k boxes,
 threshold 0.1, max_output_size = N from 316 to 153 us of device time
 (scan 202 -> 83, sort 48 -> 8.5, mask 55 -> 52) and 20k from 1214 to 1053
@@ -279,6 +292,25 @@ JUMP = False
 # 5k thr 0.1, 725 -> 539 / 1129 -> 908 us at 20k thr 0.1 / 0.5 (m = N).
 FEW_ROWS = 4
 
+# Unrolled chunks (``static_chunks``) with the "where"/"mask"/"skip" scans:
+# one launch scans chunk c on program 0 while the other programs compute
+# chunk c + 1's mask (``_overlap_kernel``), instead of a mask launch then a
+# scan launch per chunk. The scan occupies one SM for ~0.1 ms per 4096-row
+# chunk at 20k boxes; the mask fills the others meanwhile. Chunk c + 1's
+# mask then skips only what chunks before c removed (more words computed).
+# OVERLAP_PROGRAMS: 0 one program per mask tile, else that many programs
+# looping over the tiles (fewer neighbours for the scan's SM).
+# OVERLAP_FROM: the first chunk whose scan is overlapped. Chunk 0's scan
+# removes most boxes (at threshold 0.1), so chunk 1's mask runs after it
+# (pruned, 257 -> ~70 us at 20k) rather than beside it unpruned: H100, 20k,
+# max_output_size = N (bench/results/nms-forms-overlap-h100-2026-11-23.json),
+# OVERLAP_FROM = 0 took threshold 0.5 from 1688 to 1365 us but 0.1 from
+# 1028 to 1087 us (its first launch, scan 0 beside an unpruned mask 1, took
+# 307 us).
+OVERLAP = True
+OVERLAP_PROGRAMS = 0
+OVERLAP_FROM = 1
+
 # fl(inter / union) > t  <=>  inter / union > mid (round to nearest), and
 # inter - mid * union = fma(-t, union, inter) - half_ulp * union, where the
 # fma rounds once (monotone) and half_ulp * union is exact: so r1 > s and
@@ -346,7 +378,8 @@ SKIPPED_WORD = -1
 
 def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
                  band_ref=None, *, iou_threshold, rows, words, num_boxes,
-                 max_output_size, exact_ptx, use_classes):
+                 max_output_size, exact_ptx, use_classes, tile=None,
+                 chunk_start=None):
   """mask[r, w] bit c: box r suppresses box 32 * w + c (c > r, same class).
 
   Rows are those of the current chunk (its first row is state[1]); columns
@@ -361,11 +394,21 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
   next blocks transposed, so the scan reads them as two vectors with one
   box per lane. Written by the program that owns that column word, with the
   same skips.
+
+  ``tile`` = (i, j) and ``chunk_start`` (the overlapped form, see
+  ``_overlap_kernel``): mask_ref is the whole chunk's mask, this call fills
+  row block i, word block j of it.
   """
-  i = pl.program_id(1)
-  j = pl.program_id(2)
+  if tile is None:
+    i, j = pl.program_id(1), pl.program_id(2)
+    out_rows, out_word = slice(None), 0
+  else:
+    i, j = tile
+    out_rows, out_word = pl.ds(i * rows, rows), j * words
   # state_ref is None for a single chunk: it starts at row 0, nothing kept.
-  first_row = (0 if state_ref is None else state_ref[1]) + i * rows
+  if chunk_start is None:
+    chunk_start = 0 if state_ref is None else state_ref[1]
+  first_row = chunk_start + i * rows
   first_col = j * words * WORD
   first_word = j * words
   bit = jnp.left_shift(jnp.int32(1), jnp.arange(WORD, dtype=jnp.int32))
@@ -404,7 +447,7 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
 
         @pl.when(live)
         def _(q=q):
-          mask_ref[:, q] = word(q)
+          mask_ref[out_rows, out_word + q] = word(q)
 
     pl.when(jnp.logical_not(skip))(compute)
   else:
@@ -412,7 +455,8 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
     # branches; computing and selecting gives the same words, much faster.
     for q in range(words):
       live = jnp.logical_not(skip) & (removed_ref[first_word + q] != -1)
-      mask_ref[:, q] = jnp.where(live, word(q), SKIPPED_WORD)
+      mask_ref[out_rows, out_word + q] = jnp.where(live, word(q),
+                                                   SKIPPED_WORD)
   if band_ref is None:
     return
 
@@ -719,6 +763,42 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
                              jnp.where(slots == 1, chunk_start + chunk, 0))
 
 
+def _overlap_kernel(state_ref, removed_ref, keep_ref, base_ref, mask_ref,
+                    x1, y1, x2, y2, area, cls, next_mask_ref, removed_out,
+                    keep_out, base_out, state_out, *, scan_kernel,
+                    mask_kernel, chunk, tiles_j, num_tiles, programs):
+  """Program 0: scan this chunk; the others: the next chunk's mask.
+
+  Nothing flows between the two parts inside the launch (the mask reads the
+  removed words and count from before this scan: a subset of the final
+  ones, so it skips less but never wrongly), so any schedule is correct.
+  """
+  p = pl.program_id(1)
+  next_start = state_ref[1] + chunk  # dynamic: one kernel for every chunk
+
+  @pl.when(p == 0)
+  def _():
+    scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref, None,
+                removed_out, keep_out, base_out, state_out)
+
+  def tile(t):
+    mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls,
+                next_mask_ref, tile=(t // tiles_j, t % tiles_j),
+                chunk_start=next_start)
+
+  if not programs:
+    pl.when(p > 0)(lambda: tile(p - 1))
+    return
+
+  @pl.when(p > 0)
+  def _():
+    def body(k, carry):
+      tile(p - 1 + k * programs)
+      return carry
+    # tiles p - 1, p - 1 + programs, ... below num_tiles
+    jax.lax.fori_loop(0, (num_tiles - p + programs) // programs, body, 0)
+
+
 def _next_pow2(x):
   return 1 << max(0, (int(x) - 1).bit_length())
 
@@ -751,7 +831,8 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
                        rows=64, words=4, mask_warps=4, scan_warps=None,
                        chunk_rows=4096, max_bytes=256 << 20, use_classes=True,
                        scan_depth=None, resolve_form=None, jump=None,
-                       few_rows=None, interpret=False):
+                       few_rows=None, overlap=None, overlap_programs=None,
+                       overlap_from=None, interpret=False):
   """Kept boxes over sorted positions via the chunked bitmask design.
 
   ``planes`` [B, 5, N] (x1, y1, x2, y2, area), ``cls``/``flags`` [B, N].
@@ -889,7 +970,18 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
 
   zeros = jnp.zeros((batch, padded_words), jnp.int32)
   carry = (removed, zeros, zeros, jnp.zeros((batch, 16), jnp.int32))
-  if static_chunks(num_chunks, n, max_output_size):
+  static = static_chunks(num_chunks, n, max_output_size)
+  if overlap is None:  # compiled only: the interpreter gains nothing
+    overlap = OVERLAP and not interpret
+  if overlap and static and not use_band:
+    return _overlapped_chunks(
+        carry, mask_kernel, scan_chunk, mask_params, scan_params, box_planes,
+        box_cls, chunk=chunk, num_chunks=num_chunks, rows=rows, words=words,
+        num_words=num_words, padded_words=padded_words, padded=padded,
+        programs=(OVERLAP_PROGRAMS if overlap_programs is None
+                  else overlap_programs), scan_kernel=scan_kernel,
+        first=OVERLAP_FROM if overlap_from is None else overlap_from)
+  if static:
     # No loop: an XLA while loop copies its predicate to the host every
     # iteration (a sync); chunks past max_output_size exit at once instead.
     for _ in range(num_chunks):
@@ -904,10 +996,67 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
   return keep, base, state[:, 0]
 
 
+def _overlapped_chunks(carry, mask_kernel, scan_chunk, mask_params,
+                       scan_params, box_planes, box_cls, *, chunk, num_chunks,
+                       rows, words, num_words, padded_words, padded, programs,
+                       scan_kernel, first):
+  """Unrolled chunks; from chunk ``first`` on, chunk c's scan and chunk
+  c + 1's mask in one launch (before it, mask and scan launches in turn)."""
+  removed, keep, base, state = carry
+  batch = removed.shape[0]
+  words_spec = pl.BlockSpec((None, padded_words), lambda b, p: (b, 0))
+  state_spec = pl.BlockSpec((None, 16), lambda b, p: (b, 0))
+  plane_spec = pl.BlockSpec((None, padded), lambda b, p: (b, 0))
+  mask_spec = pl.BlockSpec((None, chunk, padded_words), lambda b, p: (b, 0, 0))
+  words_shape = jax.ShapeDtypeStruct((batch, padded_words), jnp.int32)
+  state_shape = jax.ShapeDtypeStruct((batch, 16), jnp.int32)
+  mask_shape = jax.ShapeDtypeStruct((batch, chunk, padded_words), jnp.int32)
+
+  def mask_call(state, removed):
+    return pl.pallas_call(
+        mask_kernel,
+        in_specs=([pl.BlockSpec((None, 16), lambda b, i, j: (b, 0)),
+                   pl.BlockSpec((None, padded_words), lambda b, i, j: (b, 0))]
+                  + [pl.BlockSpec((None, padded), lambda b, i, j: (b, 0))]
+                  * 6),
+        **mask_params)(state, removed, *box_planes, box_cls)
+
+  mask = mask_call(state, removed)
+  tiles_j = -(-num_words // words)
+  num_tiles = chunk // rows * tiles_j
+  for c in range(num_chunks):
+    if c + 1 == num_chunks or c < first:
+      removed, keep, base, state = pl.pallas_call(
+          scan_chunk,
+          in_specs=[pl.BlockSpec((None, padded_words), lambda b: (b, 0))] * 3
+          + [pl.BlockSpec((None, 16), lambda b: (b, 0)),
+             pl.BlockSpec((None, chunk, padded_words), lambda b: (b, 0, 0))],
+          out_specs=[pl.BlockSpec((None, padded_words), lambda b: (b, 0))] * 3
+          + [pl.BlockSpec((None, 16), lambda b: (b, 0))],
+          out_shape=[words_shape] * 3 + [state_shape], **scan_params)(
+              removed, keep, base, state, mask)
+      if c + 1 < num_chunks:  # state[1] is now chunk c + 1's first row
+        mask = mask_call(state, removed)
+      continue
+    kernel = functools.partial(
+        _overlap_kernel, scan_kernel=scan_kernel, mask_kernel=mask_kernel,
+        chunk=chunk, tiles_j=tiles_j, num_tiles=num_tiles, programs=programs)
+    mask, removed, keep, base, state = pl.pallas_call(
+        kernel, grid=(batch, 1 + (programs or num_tiles)),
+        in_specs=[state_spec] + [words_spec] * 3 + [mask_spec]
+        + [plane_spec] * 6,
+        out_specs=[mask_spec] + [words_spec] * 3 + [state_spec],
+        out_shape=[mask_shape] + [words_shape] * 3 + [state_shape],
+        compiler_params=scan_params["compiler_params"],
+        interpret=scan_params["interpret"])(
+            state, removed, keep, base, mask, *box_planes, box_cls)
+  return keep, base, state[:, 0]
+
+
 # Chunks unrolled in the graph (no device->host sync per chunk) when every
 # chunk must run anyway (max_output_size >= N) or there are few of them.
 STATIC_CHUNKS_FEW = 3
-STATIC_CHUNKS_MAX = 8
+STATIC_CHUNKS_MAX = 10  # 20k boxes in 2048-row chunks (overlapped)
 
 
 def static_chunks(num_chunks, num_boxes, max_output_size):
@@ -971,6 +1120,42 @@ def _rank_kernel(key_ref, rank_ref, *, cols, padded):
 
   rank_ref[...] = jax.lax.fori_loop(0, padded // cols, body,
                                     jnp.zeros((rows,), jnp.int32))
+
+
+# Above RANK_SORT_MAX: XLA rewrites a sort into CUB's radix sort only for a
+# plain comparator on integer keys (not jnp.argsort's float total order)
+# and, for one 32-bit row on an H100, above ~22000 elements
+# (xla/service/gpu/transforms/sort_rewriter.cc): so uint32 keys, padded up
+# to RADIX_SORT_MIN. XLA's own sort took 62 us at 20k boxes. False: argsort.
+RADIX_SORT = True
+RADIX_SORT_MIN = 22528
+# Above this, XLA's sort as before (the radix sort was measured at 20k only).
+RADIX_SORT_MAX = 32768
+
+
+def radix_order(scores, score_threshold=None):
+  """(order, valid) as ``reference.sort_by_score``, by a uint32-key sort.
+
+  The key maps -score (+0.0 for -0.0; +inf for unkeepable boxes) to uint32
+  monotonically; the radix sort is stable, so ties go by index.
+  """
+  batch, n = scores.shape
+  scores = scores.astype(jnp.float32)
+  valid = ~jnp.isnan(scores)
+  if score_threshold is not None:
+    valid = valid & (scores > score_threshold)
+  key = jnp.where(valid, -scores + 0.0, jnp.inf)
+  bits = jax.lax.bitcast_convert_type(key, jnp.uint32)
+  negative = jnp.right_shift(bits, jnp.uint32(31)) != 0
+  key = jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+  size = max(n, RADIX_SORT_MIN) if batch == 1 else n  # see RADIX_SORT_MIN
+  # Padding keys (all ones) sort after every real key (+inf: 0xFF800000).
+  key = jnp.pad(key, ((0, 0), (0, size - n)),
+                constant_values=np.uint32(0xFFFFFFFF))
+  ids = jnp.broadcast_to(jnp.arange(size, dtype=jnp.uint32), (batch, size))
+  _, order = jax.lax.sort((key, ids), dimension=1, is_stable=True, num_keys=1)
+  order = order[:, :n].astype(jnp.int32)
+  return order, jnp.take_along_axis(valid, order, axis=1)
 
 
 def rank_order(scores, score_threshold=None, *, interpret=False):
