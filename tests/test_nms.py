@@ -302,12 +302,30 @@ def test_gpu_pipelined_scan_and_skipped_words_interpret(rng, thr, m, depth,
   assert int(count[0]) == want[1]
 
 
+def _assert_bitmask_words_match_reference(boxes, scores, **scan_options):
+  """The GPU bitmask kernels (interpreted, threshold 0.5, 32 x 2-word mask
+  tiles, max_output_size = N) keep exactly the reference's boxes; returns
+  how many."""
+  from pallas_kernels.boxes.nms import gpu
+  n = len(scores)
+  want = run_reference(boxes, scores, 0.5, n)
+  order, planes, classes, flags = api._sorted_inputs(
+      jnp.asarray(boxes)[None], jnp.asarray(scores)[None], None, None, n)
+  keep, base, count = gpu.keep_words_bitmask(
+      planes, classes, flags, iou_threshold=0.5, max_output_size=n,
+      rows=32, words=2, use_classes=False, scan_depth=1, interpret=True,
+      **scan_options)
+  idx, count = gpu.words_to_indices(keep, base, count, order, n)
+  np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
+  assert int(count[0]) == want[1]
+  return want[1]
+
+
 @pytest.mark.parametrize("resolve", ["where", "band"])
 def test_gpu_scan_jumps_over_removed_words_interpret(rng, resolve):
   """Jumps that land on a live word: words 1-2 are removed by word 0's kept
   box, word 3 onwards are spread boxes; a jump that skipped too far (or too
   little) would drop or keep the wrong boxes."""
-  from pallas_kernels.boxes.nms import gpu
   n = 256
   jitter = rng.random((n, 4)).astype(np.float32)
   boxes = np.tile(np.float32([0, 0, 50, 50]), (n, 1)) + jitter
@@ -315,16 +333,8 @@ def test_gpu_scan_jumps_over_removed_words_interpret(rng, resolve):
   boxes[96:] = spread
   scores = np.linspace(1, 0, n, dtype=np.float32)
   scores[200] = np.nan
-  want = run_reference(boxes, scores, 0.5, n)
-  order, planes, classes, flags = api._sorted_inputs(
-      jnp.asarray(boxes)[None], jnp.asarray(scores)[None], None, None, n)
-  keep, base, count = gpu.keep_words_bitmask(
-      planes, classes, flags, iou_threshold=0.5, max_output_size=n,
-      rows=32, words=2, chunk_rows=256, use_classes=False, scan_depth=1,
-      resolve_form=resolve, jump=True, interpret=True)
-  idx, count = gpu.words_to_indices(keep, base, count, order, n)
-  np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
-  assert int(count[0]) == want[1]
+  _assert_bitmask_words_match_reference(
+      boxes, scores, chunk_rows=256, resolve_form=resolve, jump=True)
 
 
 @pytest.mark.parametrize("resolve,few", [("where", 3), ("band", 4)])
@@ -332,7 +342,6 @@ def test_gpu_scan_few_kept_rows_interpret(resolve, few):
   """Word 0 keeps boxes 0-2 (the rest copy box 0), word 1 boxes 32-35; words
   2 and 3 hold one box on each of them, suppressed by that row alone, so a
   row left out of the OR keeps a box too many. The rest stand apart."""
-  from pallas_kernels.boxes.nms import gpu
   n = 128
   corner = np.stack([np.arange(n) % 16, np.arange(n) // 16], 1) * 100.0
   boxes = np.concatenate([corner, corner + 10], 1).astype(np.float32)
@@ -341,17 +350,9 @@ def test_gpu_scan_few_kept_rows_interpret(resolve, few):
   boxes[36:64] = boxes[32]
   boxes[96:100] = boxes[32:36] + 1
   scores = np.linspace(1, 0, n, dtype=np.float32)
-  want = run_reference(boxes, scores, 0.5, n)
-  assert want[1] == n - 29 - 3 - 28 - 4
-  order, planes, classes, flags = api._sorted_inputs(
-      jnp.asarray(boxes)[None], jnp.asarray(scores)[None], None, None, n)
-  keep, base, count = gpu.keep_words_bitmask(
-      planes, classes, flags, iou_threshold=0.5, max_output_size=n,
-      rows=32, words=2, chunk_rows=128, use_classes=False, scan_depth=1,
-      resolve_form=resolve, few_rows=few, interpret=True)
-  idx, count = gpu.words_to_indices(keep, base, count, order, n)
-  np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
-  assert int(count[0]) == want[1]
+  kept = _assert_bitmask_words_match_reference(
+      boxes, scores, chunk_rows=128, resolve_form=resolve, few_rows=few)
+  assert kept == n - 29 - 3 - 28 - 4
 
 
 @pytest.mark.parametrize("thr,m,chunk_rows,first,programs", [

@@ -1133,6 +1133,16 @@ RADIX_SORT_MIN = 22528
 RADIX_SORT_MAX = 32768
 
 
+def _sort_keys(scores, score_threshold):
+  """(keepable [B, N], ascending sort key): -score (+0.0 for -0.0), +inf
+  for boxes that can never be kept (NaN, or score <= score_threshold)."""
+  scores = scores.astype(jnp.float32)
+  valid = ~jnp.isnan(scores)
+  if score_threshold is not None:
+    valid = valid & (scores > score_threshold)
+  return valid, jnp.where(valid, -scores + 0.0, jnp.inf)
+
+
 def radix_order(scores, score_threshold=None):
   """(order, valid) as ``reference.sort_by_score``, by a uint32-key sort.
 
@@ -1140,11 +1150,7 @@ def radix_order(scores, score_threshold=None):
   monotonically; the radix sort is stable, so ties go by index.
   """
   batch, n = scores.shape
-  scores = scores.astype(jnp.float32)
-  valid = ~jnp.isnan(scores)
-  if score_threshold is not None:
-    valid = valid & (scores > score_threshold)
-  key = jnp.where(valid, -scores + 0.0, jnp.inf)
+  valid, key = _sort_keys(scores, score_threshold)
   bits = jax.lax.bitcast_convert_type(key, jnp.uint32)
   negative = jnp.right_shift(bits, jnp.uint32(31)) != 0
   key = jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
@@ -1165,11 +1171,7 @@ def rank_order(scores, score_threshold=None, *, interpret=False):
   infinities go by index, which is the stable sort's order.
   """
   batch, n = scores.shape
-  scores = scores.astype(jnp.float32)
-  valid = ~jnp.isnan(scores)
-  if score_threshold is not None:
-    valid = valid & (scores > score_threshold)
-  key = jnp.where(valid, -scores + 0.0, jnp.inf)
+  valid, key = _sort_keys(scores, score_threshold)
   padded = -(-n // RANK_COLS) * RANK_COLS
   key = jnp.pad(key, ((0, 0), (0, padded - n)), constant_values=jnp.inf)
   kernel = functools.partial(_rank_kernel, cols=RANK_COLS, padded=padded)
