@@ -260,6 +260,28 @@ def test_gpu_kernel_classes_nan_inverted(rng, small_tiles, design):
                         class_ids=classes, score_threshold=0.1)
 
 
+def _assert_bitmask_words_match_reference(boxes, scores, thr=0.5, m=None,
+                                          **scan_options):
+  """The GPU bitmask kernels (interpreted, 32 x 2-word mask tiles) keep
+  exactly the reference's boxes (max_output_size ``m``, default N); returns
+  how many."""
+  from pallas_kernels.boxes.nms import gpu
+  n = len(scores)
+  m = n if m is None else m
+  want = run_reference(boxes, scores, thr, m)
+  order, planes, classes, flags = api._sorted_inputs(
+      jnp.asarray(boxes, jnp.float32)[None],
+      jnp.asarray(scores, jnp.float32)[None], None, None, n)
+  keep, base, count = gpu.keep_words_bitmask(
+      planes, classes, flags, iou_threshold=thr, max_output_size=m,
+      rows=32, words=2, use_classes=False, interpret=True,
+      **{"scan_depth": 1, **scan_options})
+  idx, count = gpu.words_to_indices(keep, base, count, order, m)
+  np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
+  assert int(count[0]) == want[1]
+  return want[1]
+
+
 @pytest.mark.parametrize("thr,m,depth,resolve,jump,few", [
     (0.5, 200, 1, "where", False, 0), (0.1, 200, 1, "skip", False, 0),
     (0.5, 200, 2, "skip", False, 0), (0.5, 200, 1, "band", False, 2),
@@ -284,41 +306,13 @@ def test_gpu_pipelined_scan_and_skipped_words_interpret(rng, thr, m, depth,
   n = 200
   boxes, scores = GENERATORS["clustered"](rng, n)
   scores[rng.random(n) < (0.35 if jump else 0.1)] = np.nan
-  want = run_reference(boxes, scores, thr, m)
   # m < N: 4 chunks, the early-exit while loop; else 2 unrolled chunks of
   # 4 words (the deep scan's word-after-next path needs 3 or more).
   chunk_rows = 64 if m < n else 128
   assert gpu.static_chunks(-(-n // chunk_rows), n, m) == (m >= n)
-  order, planes, classes, flags = api._sorted_inputs(
-      jnp.asarray(boxes, jnp.float32)[None],
-      jnp.asarray(scores, jnp.float32)[None], None, None, n)
-  keep, base, count = gpu.keep_words_bitmask(
-      planes, classes, flags, iou_threshold=thr, max_output_size=m,
-      rows=32, words=2, chunk_rows=chunk_rows, use_classes=False,
-      scan_depth=depth, resolve_form=resolve, jump=jump, few_rows=few,
-      interpret=True)
-  idx, count = gpu.words_to_indices(keep, base, count, order, m)
-  np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
-  assert int(count[0]) == want[1]
-
-
-def _assert_bitmask_words_match_reference(boxes, scores, **scan_options):
-  """The GPU bitmask kernels (interpreted, threshold 0.5, 32 x 2-word mask
-  tiles, max_output_size = N) keep exactly the reference's boxes; returns
-  how many."""
-  from pallas_kernels.boxes.nms import gpu
-  n = len(scores)
-  want = run_reference(boxes, scores, 0.5, n)
-  order, planes, classes, flags = api._sorted_inputs(
-      jnp.asarray(boxes)[None], jnp.asarray(scores)[None], None, None, n)
-  keep, base, count = gpu.keep_words_bitmask(
-      planes, classes, flags, iou_threshold=0.5, max_output_size=n,
-      rows=32, words=2, use_classes=False, scan_depth=1, interpret=True,
-      **scan_options)
-  idx, count = gpu.words_to_indices(keep, base, count, order, n)
-  np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
-  assert int(count[0]) == want[1]
-  return want[1]
+  _assert_bitmask_words_match_reference(
+      boxes, scores, thr, m, chunk_rows=chunk_rows, scan_depth=depth,
+      resolve_form=resolve, jump=jump, few_rows=few)
 
 
 @pytest.mark.parametrize("resolve", ["where", "band"])
@@ -369,20 +363,12 @@ def test_gpu_overlapped_chunks_interpret(rng, thr, m, chunk_rows, first,
   n = 160  # 3 chunks of 64 rows (2 of 96)
   boxes, scores = GENERATORS["writeup"](rng, n)
   scores[rng.random(n) < 0.1] = np.nan
-  want = run_reference(boxes, scores, thr, m)
   assert gpu.static_chunks(-(-n // chunk_rows), n, m)
-  order, planes, classes, flags = api._sorted_inputs(
-      jnp.asarray(boxes, jnp.float32)[None],
-      jnp.asarray(scores, jnp.float32)[None], None, None, n)
-  keep, base, count = gpu.keep_words_bitmask(
-      planes, classes, flags, iou_threshold=thr, max_output_size=m,
-      rows=32, words=2, chunk_rows=chunk_rows, use_classes=False,
-      scan_depth=1, resolve_form="where", few_rows=3, overlap=True,
-      overlap_from=first, overlap_programs=programs, interpret=True)
-  idx, count = gpu.words_to_indices(keep, base, count, order, m)
-  np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
-  assert int(count[0]) == want[1]
-  assert want[1] > 20  # many kept boxes: several rows ORed per chunk
+  kept = _assert_bitmask_words_match_reference(
+      boxes, scores, thr, m, chunk_rows=chunk_rows, resolve_form="where",
+      few_rows=3, overlap=True, overlap_from=first,
+      overlap_programs=programs)
+  assert kept > 20  # many kept boxes: several rows ORed per chunk
 
 
 @pytest.mark.parametrize("batch,n,score_threshold", [
