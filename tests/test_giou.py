@@ -740,3 +740,47 @@ def test_gpu_pairwise_fast_division_lowers_for_cuda(rng):
                      out_dtype=jnp.float32, division="fast", interpret=True)
   assert_matches_where_defined(got[0], tv_pairwise("giou", b[:40], b),
                                F32_ATOL)
+
+
+@pytest.mark.parametrize("kind", ["iou", "giou"])
+def test_gpu_pairwise_lean_formula_interpreted(kind, rng):
+  """The GPU pairwise kernel's rearranged IoU/GIoU (hull width from the
+  widths, one select per quotient) against torchvision in float64 and
+  against the shared formula, on random, far-apart, nested, identical,
+  zero-area and inverted (x2 < x1) boxes, at large coordinates too."""
+  special = np.array([[0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 4, 0], [3, 3, 1, 1],
+                      [0, 0, 2, 2], [0.5, 0.5, 1.5, 1.5], [1e4, 1e4, 1e4 + 3,
+                      1e4 + 1], [-50, -50, -49, -49]], np.float32)
+  b1 = np.concatenate([special, random_boxes(rng, (53,), 0.1)])
+  b2 = np.concatenate([special[::-1], random_boxes(rng, (70,), 0.1)])
+  expected = tv_pairwise(kind, b1, b2)
+  outs = {}
+  for formula in ("lean", "shared"):
+    outs[formula] = np.asarray(gpu.pairwise(
+        jnp.asarray(b1[None]), jnp.asarray(b2[None]), kind=kind, eps=0.0,
+        out_dtype=jnp.float32, interpret=True, tile=(8, 64),
+        formula=formula))[0]
+    assert_matches_where_defined(outs[formula], expected, F32_ATOL)
+  np.testing.assert_allclose(outs["lean"], outs["shared"], atol=1e-6, rtol=0)
+  # Where torchvision divides 0 by 0, both give the documented 0 quotient.
+  undefined = ~np.isfinite(expected)
+  assert undefined.any()
+  np.testing.assert_array_equal(outs["lean"][undefined],
+                                outs["shared"][undefined])
+
+
+def test_gpu_pairwise_reciprocal_division_lowers_for_cuda(rng):
+  b = jnp.asarray(random_boxes(rng, (256,)))
+  fn = jax.jit(lambda x, y: gpu.pairwise(
+      x[None], y[None], kind="giou", eps=0.0, out_dtype=jnp.float32,
+      division="rcp", formula="lean"))
+  try:
+    text = fn.trace(b, b).lower(lowering_platforms=("cuda",)).as_text()
+  except Exception as e:  # noqa: BLE001
+    if "cuda" in str(e).lower() and "platform" in str(e).lower():
+      pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
+    raise
+  assert "rcp.approx.ftz.f32" in text
+  with pytest.raises(ValueError, match="rcp"):
+    gpu.pairwise(b[None], b[None], kind="giou", eps=0.0,
+                 out_dtype=jnp.float32, division="rcp", formula="shared")

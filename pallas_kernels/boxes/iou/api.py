@@ -162,13 +162,14 @@ def _fused_value_and_grad(cfg, num_boxes):
   return cfg.reduction != "none" and num_boxes <= gpu.FUSED_MAX_BOXES
 
 
-def _value_and_grad_impls(cfg, grad_scale):
+def _value_and_grad_impls(cfg, grad_scale, value_scale):
   common = dict(kind=cfg.kind, formula=cfg.formula, eps=cfg.eps,
                 box_format=cfg.box_format)
 
   def tpu(b1, b2, interpret=False):
-    total = mosaic_tpu.elementwise(b1, b2, as_loss=cfg.as_loss, reduce=True,
-                                   interpret=interpret, **common)
+    total = value_scale * mosaic_tpu.elementwise(
+        b1, b2, as_loss=cfg.as_loss, reduce=True, interpret=interpret,
+        **common)
     d1, d2 = mosaic_tpu.elementwise_vjp(
         b1, b2, jnp.full((1,), grad_scale, jnp.float32),
         shared_cotangent=True, interpret=interpret, **common)
@@ -182,11 +183,13 @@ def _value_and_grad_impls(cfg, grad_scale):
       return jnp.sum(1.0 - value if cfg.as_loss else value)
     value, (d1, d2) = jax.value_and_grad(total, argnums=(0, 1))(b1, b2)
     scale = grad_scale * (-1.0 if cfg.as_loss else 1.0)  # d total = -d score
-    return value, (d1 * scale).astype(b1.dtype), (d2 * scale).astype(b2.dtype)
+    return (value * value_scale, (d1 * scale).astype(b1.dtype),
+            (d2 * scale).astype(b2.dtype))
 
   return {"mosaic_tpu": tpu,
           "gpu": functools.partial(gpu.elementwise_value_and_grad,
                                    as_loss=cfg.as_loss, grad_scale=grad_scale,
+                                   value_scale=value_scale,
                                    interpret=_gpu_interpret(), **common),
           "reference": ref}
 
@@ -197,13 +200,11 @@ def _elementwise_fwd(cfg, b1, b2):
     return _elementwise_forward(cfg, b1, b2), (b1, b2)
   # Gradients of the reduced output for a unit cotangent, in the forward
   # pass; the backward only scales them (x * 1 folds away under grad).
-  grad_scale = (-1.0 if cfg.as_loss else 1.0) / (
-      max(n, 1) if cfg.reduction == "mean" else 1)
+  mean_scale = 1.0 / max(n, 1) if cfg.reduction == "mean" else 1.0
+  grad_scale = (-1.0 if cfg.as_loss else 1.0) * mean_scale
   total, d1, d2 = _backend.dispatch(
       cfg.op + "_value_and_grad", cfg.backend,
-      _value_and_grad_impls(cfg, grad_scale), b1, b2)
-  if cfg.reduction == "mean":
-    total = total / max(n, 1)
+      _value_and_grad_impls(cfg, grad_scale, mean_scale), b1, b2)
   return total.astype(cfg.out_dtype), (d1, d2)
 
 

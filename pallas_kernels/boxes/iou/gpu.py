@@ -33,9 +33,8 @@ Pairwise: each program computes a ``[tile_n, tile_m]`` output tile from a
 tiles are stored unmasked, ragged ones mask only the ragged dimension. The
 4096 x 4096 matrix is 67 MB of float32 writes (~23 us at copy bandwidth)
 but about 30 float32 operations per pair, and on the H100 the kernel time
-looks set by work per program and pair, not by bytes: the optimised HLO
-is the one Triton call (no copies), and PTX ``div.full.f32`` instead of
-IEEE division (``PAIRWISE_DIVISION="fast"``) changed nothing measurable.
+is set by instructions per pair, not by bytes (below). The optimised HLO
+is the one Triton call (no copies).
 What matters is the tile's row count: each program unpacks its ``tile_m``
 column boxes once, and with few rows that cost is spread over few pairs (a
 2 x 512 tile takes 0.41 ms, 8 x 128 0.13 ms, 16 x 64 0.051 ms at the same
@@ -47,16 +46,20 @@ reads coordinates straight into the broadcast layout (the default: 10%
 faster than splitting a loaded [rows, 4] tile).
 
 Sizes (H100, jax 0.11.2, device time from the profiler; ``bench_giou.py
---choose`` and the probes in ``giou-pairwise-probe-h100-*``): pairwise 4096
-x 4096, 8 x 128 tiles / 4 warps / strided column reads 40.9-41.0 us, 16 x 64
-/ 2 warps 42.5-43.0 (select reads 47.9; 32 x 128 / 4 warps select 61.7),
-against 47.4 us for the jitted XLA reference. Where the time goes (8 x 128):
-only writing the matrix takes 22 us (3.1 TB/s), the intersection areas 25,
-IoU without its division 25, IoU 32, GIoU 41: the two float32 divisions
-cost ~8 us each. ``div.full.f32`` changed nothing (Triton already divides
-that way), and a one-division form of GIoU (with a per-tile fallback for
-extreme boxes) was slower (52 us). Elementwise: 1024 boxes per program,
-256 below SMALL_BOXES.
+--choose`` and the probes in ``giou-pairwise-probe-h100-*`` and
+``giou-lean-probe-h100-*``): with the shared formula, 8 x 128 tiles / 4
+warps / strided column reads took 40.9-41.0 us against 47.4 us for the jitted
+XLA reference. Where that time went: only writing the matrix takes 22 us
+(3.1 TB/s), the intersection areas 25, IoU without its division 25, IoU 32,
+GIoU 41. The kernel is bound by instructions per pair (min/max/select run
+at half rate), not bytes, so ``PAIRWISE_FORMULA="lean"`` rewrites IoU and
+GIoU with fewer of them (``_pairwise_score_lean``): 32.6-34.8 us across
+tiles, 8 x 128 / 2 warps the fastest (1.47x the reference). A reciprocal
+instead of the division (``PAIRWISE_DIVISION="rcp"``) gets 26.3-30.6 us but
+is not full range (denominators above 2^126 give 0), so it is opt-in.
+Neither one division per pair nor ``div.full.f32`` spelled out helped
+(Triton already divides that way). Elementwise: 1024 boxes per program, 256
+below SMALL_BOXES.
 """
 from __future__ import annotations
 
@@ -271,7 +274,7 @@ def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
 
 def _value_and_grad_kernel(b1_ref, b2_ref, sum_ref, d1_ref, d2_ref, *, kind,
                            formula, eps, box_format, as_loss, num_boxes,
-                           block, grad_scale):
+                           block, grad_scale, value_scale):
   rows_left = num_boxes - pl.program_id(0) * block
   planes1 = _columns(b1_ref, rows_left)
   planes2 = _columns(b2_ref, rows_left)
@@ -280,7 +283,8 @@ def _value_and_grad_kernel(b1_ref, b2_ref, sum_ref, d1_ref, d2_ref, *, kind,
   if as_loss:
     value = 1.0 - value
   live = jnp.arange(block) < rows_left
-  sum_ref[...] = jnp.sum(jnp.where(live, value, 0.0), keepdims=True)
+  sum_ref[...] = value_scale * jnp.sum(jnp.where(live, value, 0.0),
+                                      keepdims=True)
   cot = jnp.where(live, grad_scale, 0.0).astype(jnp.float32)
   grads1, grads2 = _math.score_vjp(kind, formula, eps, box_format,
                                    planes1, planes2, cot)
@@ -290,11 +294,14 @@ def _value_and_grad_kernel(b1_ref, b2_ref, sum_ref, d1_ref, d2_ref, *, kind,
 
 def elementwise_value_and_grad(boxes1, boxes2, *, kind, formula, eps,
                                box_format, as_loss, grad_scale,
-                               interpret=False, block=None):
-  """(sum of score or loss over P boxes, d/dboxes1, d/dboxes2) in one kernel.
+                               value_scale=1.0, interpret=False, block=None):
+  """(value_scale * sum of score or loss over P boxes, d/dboxes1, d/dboxes2).
 
-  The gradients are those of ``grad_scale * sum(score)`` ([P, 4], the box
-  dtype); the sum is float32.
+  One kernel writes the scaled per-program sums and the gradients of
+  ``grad_scale * sum(score)`` ([P, 4], the box dtype); one XLA reduction adds
+  the sums (float32). Scaling inside the kernel (e.g. by 1 / P for a mean)
+  keeps forward + backward at these two launches: a scalar multiply after
+  the reduction is a third kernel on the GPU.
   """
   num_boxes = boxes1.shape[0]
   block = _block_for(num_boxes, block)
@@ -303,7 +310,8 @@ def elementwise_value_and_grad(boxes1, boxes2, *, kind, formula, eps,
   kernel = functools.partial(
       _value_and_grad_kernel, kind=kind, formula=formula, eps=eps,
       box_format=box_format, as_loss=as_loss, num_boxes=num_boxes,
-      block=block, grad_scale=float(grad_scale))
+      block=block, grad_scale=float(grad_scale),
+      value_scale=float(value_scale))
   sums, d1, d2 = pl.pallas_call(
       kernel, grid=(steps,), in_specs=[box_spec, box_spec],
       out_specs=[pl.BlockSpec((1,), lambda i: (i,)), box_spec, box_spec],
@@ -322,15 +330,20 @@ def elementwise_value_and_grad(boxes1, boxes2, *, kind, formula, eps,
 # sub_rows x tile_m values are live in registers.
 PAIRWISE_TILE = (8, 128)
 PAIRWISE_SUB_ROWS = None
-PAIRWISE_WARPS = 4
+PAIRWISE_WARPS = 2
 # How box coordinates are read: "select" loads [rows, 4] and splits it in
 # registers; "strided" loads each coordinate with a stride-4 access, which
 # lets Triton load straight into the layout the broadcast needs.
 PAIRWISE_COLUMN_ACCESS = "strided"
-# "exact": IEEE float32 division as written; "fast": PTX ``div.full.f32``
-# (at most 2 ulp off, full range) on the GPU. Interpret mode always divides
-# exactly.
+# "exact": float32 division as written (Triton emits div.full.f32); "fast":
+# PTX ``div.full.f32`` spelled out; "rcp" (lean formula only): numerator
+# times PTX ``rcp.approx.ftz.f32`` (1 ulp; subnormal denominators count as
+# zero). Interpret mode always divides exactly.
 PAIRWISE_DIVISION = "exact"
+# "lean": IoU and GIoU from ``_pairwise_score_lean`` (fewer instructions per
+# pair); "shared": ``_math.score`` as every other kernel. DIoU and CIoU
+# always use the shared formula.
+PAIRWISE_FORMULA = "lean"
 # Which tiles consecutive programs take: "cols" walks along a row of tiles
 # (neighbouring programs write neighbouring memory), "rows" down a column.
 # Pallas' Triton lowering launches grid (b, p, q) as CUDA (x, y, z), and x
@@ -348,6 +361,66 @@ def _fast_divide(num, den):
       "div.full.f32 $0, $1, $2;", args=[num, den], constraints="=r,r,r",
       pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
   return out
+
+
+def _reciprocal_divide(num, den):
+  """num * (1 / den) via PTX rcp.approx.ftz.f32 (1 ulp, Triton lowering only).
+
+  Flushes subnormals: the caller treats |den| below the smallest normal
+  float32 as zero.
+  """
+  from jax.experimental.pallas import triton as pltriton
+  shape = jnp.broadcast_shapes(num.shape, den.shape)
+  den = jnp.broadcast_to(den, shape).astype(jnp.float32)
+  [inverse] = pltriton.elementwise_inline_asm(
+      "rcp.approx.ftz.f32 $0, $1;", args=[den], constraints="=r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
+  return num * inverse
+
+
+_SMALLEST_NORMAL = float(jnp.finfo(jnp.float32).tiny)
+
+
+def _pairwise_score_lean(kind, box1, box2, division):
+  """torchvision's pairwise IoU / GIoU in fewer GPU instructions.
+
+  The same function as ``_math.score(kind, "pairwise", ...)``, rearranged
+  for a kernel whose time is set by instructions per pair (module
+  docstring): the hull width is ``w1 + w2 - (unclamped intersection
+  width)`` (max(x2, u2) - min(x1, u1) by max + min = sum), saving a min and
+  a max per axis, and a quotient with a zero denominator is replaced by 0
+  after dividing (one select instead of two). Results differ from the shared
+  formula by float32 rounding only (a few ulp). No gradient flows through
+  this form (the pairwise backward differentiates the reference).
+  """
+  x1, y1, x2, y2 = box1
+  u1, v1, u2, v2 = box2
+  if division == "rcp":
+    divide = _reciprocal_divide
+
+    def is_zero(den):
+      return jnp.abs(den) < _SMALLEST_NORMAL
+  else:
+    divide = _fast_divide if division == "fast" else (lambda n, d: n / d)
+
+    def is_zero(den):
+      return den == 0
+
+  def quotient(num, den):
+    return jnp.where(is_zero(den), 0.0, divide(num, den))
+
+  w1, h1, w2, h2 = x2 - x1, y2 - y1, u2 - u1, v2 - v1
+  inter_w_raw = jnp.minimum(x2, u2) - jnp.maximum(x1, u1)
+  inter_h_raw = jnp.minimum(y2, v2) - jnp.maximum(y1, v1)
+  inter = jnp.maximum(inter_w_raw, 0.0) * jnp.maximum(inter_h_raw, 0.0)
+  union = (w1 * h1 + w2 * h2) - inter
+  iou = quotient(inter, union)
+  if kind == "iou":
+    return iou
+  hull_w = jnp.maximum((w1 + w2) - inter_w_raw, 0.0)
+  hull_h = jnp.maximum((h1 + h2) - inter_h_raw, 0.0)
+  hull = hull_w * hull_h
+  return iou - quotient(hull - union, hull)
 
 
 def _box_columns(ref, rows, start, rows_left, access):
@@ -379,7 +452,7 @@ def _box_columns(ref, rows, start, rows_left, access):
 
 
 def _pairwise_kernel(a_ref, b_ref, o_ref, *, kind, eps, n, m, tile_n, tile_m,
-                     sub_rows, divide, row_axis, access):
+                     sub_rows, divide, division, formula, row_axis, access):
   rows_left = n - pl.program_id(row_axis) * tile_n
   cols_left = m - pl.program_id(3 - row_axis) * tile_m
   ragged_n, ragged_m = n % tile_n != 0, m % tile_m != 0
@@ -390,8 +463,11 @@ def _pairwise_kernel(a_ref, b_ref, o_ref, *, kind, eps, n, m, tile_n, tile_m,
     left = rows_left - start if ragged_n else None
     a = tuple(col[:, None] for col in _box_columns(
         a_ref, sub_rows, start, left, access))
-    value = _math.score(kind, "pairwise", eps, a, b,
-                        divide=divide).astype(o_ref.dtype)
+    if formula == "lean" and kind in ("iou", "giou"):
+      value = _pairwise_score_lean(kind, a, b, division)
+    else:
+      value = _math.score(kind, "pairwise", eps, a, b, divide=divide)
+    value = value.astype(o_ref.dtype)
     window = (pl.ds(start, sub_rows), slice(None))
     if not (ragged_n or ragged_m) or RAGGED != "mask":
       # Whole tiles: a plain store (no mask arithmetic, widest vector stores).
@@ -417,7 +493,7 @@ def _pairwise_kernel(a_ref, b_ref, o_ref, *, kind, eps, n, m, tile_n, tile_m,
 
 def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=False,
              tile=None, sub_rows=None, num_warps=None, division=None,
-             grid_order=None, column_access=None):
+             grid_order=None, column_access=None, formula=None):
   """[B, N, 4] x [B, M, 4] (xyxy) -> [B, N, M] in ``out_dtype``.
 
   The keyword options default to the module's ``PAIRWISE_*`` settings
@@ -444,7 +520,12 @@ def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=False,
     n_out, m_out = _round_up(n, tile_n), _round_up(m, tile_m)
     boxes1 = jnp.pad(boxes1, ((0, 0), (0, n_out - n), (0, 0)))
     boxes2 = jnp.pad(boxes2, ((0, 0), (0, m_out - m), (0, 0)))
-  divide = _fast_divide if division == "fast" and not interpret else None
+  formula = formula or PAIRWISE_FORMULA
+  if division == "rcp" and formula != "lean":
+    raise ValueError("pairwise: division='rcp' needs formula='lean'")
+  if interpret:  # the interpreter divides exactly
+    division = "exact"
+  divide = _fast_divide if division == "fast" else None
   # Grid (batch, column tile, row tile) for "cols", else (batch, row tile,
   # column tile); row_axis is the grid axis of the row tiles.
   row_axis = 2 if grid_order == "cols" else 1
@@ -459,7 +540,8 @@ def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=False,
       return i, j
   kernel = functools.partial(
       _pairwise_kernel, kind=kind, eps=eps, n=n_out, m=m_out, tile_n=tile_n,
-      tile_m=tile_m, sub_rows=sub_rows, divide=divide, row_axis=row_axis,
+      tile_m=tile_m, sub_rows=sub_rows, divide=divide, division=division,
+      formula=formula, row_axis=row_axis,
       access=column_access or PAIRWISE_COLUMN_ACCESS)
   params = _compat.gpu_compiler_params(
       num_warps=num_warps or PAIRWISE_WARPS, num_stages=1)
