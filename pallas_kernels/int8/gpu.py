@@ -87,7 +87,13 @@ calls with w [N, K], bf16 x and M in block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
 wherever it applies with PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY=mosaic
 ("triton": never). Interpret mode always runs the Triton kernel.
 Latest M = 16 run (int8_matmul_16-h100-2026-11-23): this kernel 32.3 /
-34.8 us = 1.58x / 1.34x torch bf16 (51.1 / 46.6 us).
+34.8 us = 1.58x / 1.34x torch bf16 (51.1 / 46.6 us); later runs of the same
+code 29.1-33.5 / 29.1-30.9 us. The floor (int8_matmul_stream_floor_probe):
+only reading the 58.7 MB w takes 28-29 us timed the same way (XLA's row
+sum; a Pallas Triton row sum 32-34 us), so this kernel streams at that floor.
+Tried there without gain: w pre-tiled so each [bn, bk] tile is contiguous,
+and a PTX bit-trick int8 -> bf16 upcast instead of Triton's conversion
+(int8_matmul_upcast_delay_probe).
 
 Triton needs power-of-two tiles, so M, N and K are zero-padded to tile
 multiples (a copy of x and/or w when a dimension is not a multiple: the LLM
