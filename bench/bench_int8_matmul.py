@@ -15,6 +15,8 @@ that matter there (INT8_BENCH_ALL=1: every op everywhere):
   xla_int8      jax.lax.dot(int8, int8, preferred_element_type=int32)
   xla_bf16      jnp.dot(bf16, bf16) -> bf16
   xla_w8a16     XLA's dequantize-then-dot (the reference backend; M <= 128)
+  jax_mixed_mgpu  JAX's own Hopper Pallas int8 x bf16 kernel
+                (pallas/ops/gpu/hopper_mixed_type_matmul_mgpu; M <= 128)
   torch_int_mm  torch._int_mm (cuBLASLt int8 -> int32; needs M > 16)
   torch_bf16    torch.mm(bf16, bf16) (cuBLAS)
 By default: 8192^3 raw/fused (both layouts) against all four peers; M =
@@ -183,7 +185,7 @@ PREFILL_OPS = ("ours_fused", "ours_fused_nk", "xla_int8", "xla_bf16",
                "torch_int_mm", "torch_bf16")
 DECODE_OPS = tuple(os.environ.get("INT8_DECODE_OPS", ",".join((
     "ours_w8a16", "ours_w8a16_nk", "ours_mgpu_w8a16_nk", "xla_w8a16",
-    "xla_bf16", "torch_bf16"))).split(","))
+    "jax_mixed_mgpu", "xla_bf16", "torch_bf16"))).split(","))
 BENCH_SECONDS = float(os.environ.get("INT8_BENCH_SECONDS", "170"))
 SWEEP_SECONDS = float(os.environ.get("INT8_SWEEP_SECONDS", "250"))
 
@@ -291,7 +293,35 @@ def peer_jax_ops():
       "xla_bf16": (lambda x, w: jnp.dot(x, w), ("xb", "wb")),
       # the bandwidth yardstick: reads and writes w once (2 K N bytes)
       "xla_copy_w": (lambda w: w ^ jnp.int8(1), ("w8",)),
+      **_jax_mixed_peer(),
   }
+
+
+def _jax_mixed_peer():
+  """JAX's own Hopper Pallas kernel for int8 x bf16 products
+  (pallas/ops/gpu/hopper_mixed_type_matmul_mgpu) as a weight-only peer:
+  (w [N, K] @ x.T).T with XLA's transpose, and no w_scale (a little less
+  work than ours). Its config is the best of those probed at each M
+  (int8_matmul_jax_peer_probe-h100-*): 64-row w tiles per warpgroup, tile_k
+  128, 4 stages, x tiles multicast to CTA pairs below M = 128. Needs M to
+  be a multiple of its x tile (16 or 128 here); {} where jax lacks it."""
+  try:
+    from jax.experimental.pallas.ops.gpu import (
+        hopper_mixed_type_matmul_mgpu as mixed)
+  except Exception:  # noqa: BLE001  (older jax: no such peer)
+    return {}
+
+  def fn(x, w):
+    m = x.shape[0]
+    config = mixed.TuningConfig(
+        tile_m=64, tile_n=min(128, m), tile_k=128, max_concurrent_steps=4,
+        epi_tile_n=min(64, m), epi_tile_m=64,
+        grid_minor_dim=mixed.MatmulDimension.M, grid_tile_width=8,
+        wg_dimension=mixed.MatmulDimension.M,
+        cluster_dimension=mixed.MatmulDimension.M if m < 128 else None)
+    return mixed.mixed_matmul_kernel(w, x.T, out_dtype=jnp.bfloat16,
+                                     config=config).T
+  return {"jax_mixed_mgpu": (fn, ("xb", "w8t"))}
 
 
 def reference_of(name):
@@ -366,7 +396,7 @@ def run_op(name, fn, argnames, data, reps, peers, errors, check_it=True,
     return None
 
 
-TIMED_PEERS = ("xla_int8", "xla_bf16", "xla_w8a16")
+TIMED_PEERS = ("xla_int8", "xla_bf16", "xla_w8a16", "jax_mixed_mgpu")
 WEIGHT_ONLY_MAX_M = 128  # w8a16 rows at decode shapes only (to fit the run)
 
 
@@ -390,7 +420,7 @@ def bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, extra_row=None,
   if extra_row:
     row.update(extra_row(data, reps))
   wanted = ops_for(m, k, n)
-  timed = {name: peers[name] for name in TIMED_PEERS}
+  timed = {name: peers[name] for name in TIMED_PEERS if name in peers}
   timed.update(ops)
   torch_ops = {name: make for name, make in torch_ops.items()
                if wanted is None or name in wanted}
@@ -427,7 +457,7 @@ def bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, extra_row=None,
       if "w8a16" in ours:  # streaming w is the floor at decode shapes
         row[f"{ours}_w_tbs"] = k * n / t / 1e12
       for peer in ("torch_int_mm", "xla_int8", "torch_bf16", "xla_bf16") + (
-          ("xla_w8a16",) if "w8a16" in ours else ()):
+          ("xla_w8a16", "jax_mixed_mgpu") if "w8a16" in ours else ()):
         row[f"{ours}_vs_{peer}"] = harness.ratio(times.get(peer), t)
   if chip in roofline.SPECS:
     row["roofline_int8_us"] = roofline.roofline(
