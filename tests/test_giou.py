@@ -723,23 +723,34 @@ def test_gpu_pairwise_plain_store_only_for_whole_tiles():
   assert "masked_swap" in ragged and "swap" not in ragged, ragged
 
 
-def test_gpu_pairwise_fast_division_lowers_for_cuda(rng):
-  """The PTX division variant lowers (interpret mode divides exactly)."""
+@pytest.mark.parametrize("division, formula, ptx", [
+    ("fast", "shared", "div.full.f32"), ("rcp", "lean", "rcp.approx.ftz.f32")])
+def test_gpu_pairwise_ptx_division_lowers_for_cuda(rng, division, formula,
+                                                   ptx):
+  """The PTX division variants lower (interpret mode divides exactly)."""
   b = jnp.asarray(random_boxes(rng, (256,)))
   fn = jax.jit(lambda x, y: gpu.pairwise(
       x[None], y[None], kind="giou", eps=0.0, out_dtype=jnp.float32,
-      division="fast"))
+      division=division, formula=formula))
   try:
     text = fn.trace(b, b).lower(lowering_platforms=("cuda",)).as_text()
   except Exception as e:  # noqa: BLE001
     if "cuda" in str(e).lower() and "platform" in str(e).lower():
       pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
     raise
-  assert "div.full.f32" in text  # the PTX string inside the kernel's IR
+  assert ptx in text  # the PTX string inside the kernel's IR
   got = gpu.pairwise(b[None, :40], b[None], kind="giou", eps=0.0,
-                     out_dtype=jnp.float32, division="fast", interpret=True)
+                     out_dtype=jnp.float32, division=division,
+                     formula=formula, interpret=True)
   assert_matches_where_defined(got[0], tv_pairwise("giou", b[:40], b),
                                F32_ATOL)
+
+
+def test_gpu_pairwise_reciprocal_needs_lean_formula(rng):
+  b = jnp.asarray(random_boxes(rng, (16,)))
+  with pytest.raises(ValueError, match="rcp"):
+    gpu.pairwise(b[None], b[None], kind="giou", eps=0.0,
+                 out_dtype=jnp.float32, division="rcp", formula="shared")
 
 
 @pytest.mark.parametrize("kind", ["iou", "giou"])
@@ -768,19 +779,3 @@ def test_gpu_pairwise_lean_formula_interpreted(kind, rng):
   np.testing.assert_array_equal(outs["lean"][undefined],
                                 outs["shared"][undefined])
 
-
-def test_gpu_pairwise_reciprocal_division_lowers_for_cuda(rng):
-  b = jnp.asarray(random_boxes(rng, (256,)))
-  fn = jax.jit(lambda x, y: gpu.pairwise(
-      x[None], y[None], kind="giou", eps=0.0, out_dtype=jnp.float32,
-      division="rcp", formula="lean"))
-  try:
-    text = fn.trace(b, b).lower(lowering_platforms=("cuda",)).as_text()
-  except Exception as e:  # noqa: BLE001
-    if "cuda" in str(e).lower() and "platform" in str(e).lower():
-      pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
-    raise
-  assert "rcp.approx.ftz.f32" in text
-  with pytest.raises(ValueError, match="rcp"):
-    gpu.pairwise(b[None], b[None], kind="giou", eps=0.0,
-                 out_dtype=jnp.float32, division="rcp", formula="shared")
