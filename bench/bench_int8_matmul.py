@@ -19,6 +19,8 @@ that matter there (INT8_BENCH_ALL=1: every op everywhere):
                 (pallas/ops/gpu/hopper_mixed_type_matmul_mgpu; M <= 128)
   torch_int_mm  torch._int_mm (cuBLASLt int8 -> int32; needs M > 16)
   torch_bf16    torch.mm(bf16, bf16) (cuBLAS)
+                (the torch rows cycle through R copies of w, like the JAX
+                rows' distinct inputs: no L2 reuse of w between calls)
 By default: 8192^3 raw/fused (both layouts) against all four peers; M =
 2048 fused (both layouts); M <= 128 weight-only (both layouts) against XLA's
 w8a16, XLA bf16 and torch bf16, with the weight bytes per second (``_w_tbs``:
@@ -80,6 +82,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import os
 import sys
 import time
@@ -471,6 +474,17 @@ def bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, extra_row=None,
   print("  errors:", errors, flush=True)
 
 
+def _rotating(op, a, b):
+  """A call of op(a, w) that takes the next of replicas_for(...) copies of
+  b each time, as the JAX rows use distinct input copies: no call finds the
+  previous call's weights in L2 (as in a model, whose layers each have
+  their own)."""
+  m, k = a.shape
+  copies = [b] + [b.clone() for _ in range(replicas_for(m, k, b.shape[1]) - 1)]
+  turn = itertools.cycle(copies)
+  return lambda: op(a, next(turn))
+
+
 def torch_peer_ops():
   import torch
 
@@ -483,12 +497,12 @@ def torch_peer_ops():
     want = np.asarray(data["x8"], np.int64)[:64] @ np.asarray(data["w8"], np.int64)
     if not np.array_equal(got, want):
       raise AssertionError("torch._int_mm disagrees with numpy")
-    return lambda: torch._int_mm(a, b)
+    return _rotating(torch._int_mm, a, b)
 
   def bf16(data, m, k, n):
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    return lambda: torch.mm(a, b)
+    return _rotating(torch.mm, a, b)
 
   return {"torch_int_mm": int_mm, "torch_bf16": bf16}
 
