@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 
 import pallas_kernels as pk
 from pallas_kernels import _compat, force_interpret
-from pallas_kernels.boxes.iou import api, gpu, mosaic_tpu
+from pallas_kernels.boxes.iou import _math, api, gpu, mosaic_tpu
 
 KINDS = ("iou", "giou", "diou", "ciou")
 
@@ -778,4 +778,11 @@ def test_gpu_pairwise_lean_formula_interpreted(kind, rng):
   assert undefined.any()
   np.testing.assert_array_equal(outs["lean"][undefined],
                                 outs["shared"][undefined])
+  # The TPU kernel uses the same formula (interpreted here).
+  tpu = mosaic_tpu.pairwise(jnp.asarray(b1[None]), jnp.asarray(b2[None]),
+                            kind=kind, eps=0.0, out_dtype=jnp.float32,
+                            interpret=True)[0]
+  assert_matches_where_defined(tpu, expected, F32_ATOL)
+  with pytest.raises(ValueError, match="diou"):
+    _math.pairwise_score_lean("diou", (b1[:, 0],) * 4, (b2[:, 0],) * 4)
 

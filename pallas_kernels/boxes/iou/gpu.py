@@ -53,7 +53,7 @@ XLA reference. Where that time went: only writing the matrix takes 22 us
 (3.1 TB/s), the intersection areas 25, IoU without its division 25, IoU 32,
 GIoU 41. The kernel is bound by instructions per pair (min/max/select run
 at half rate), not bytes, so ``PAIRWISE_FORMULA="lean"`` rewrites IoU and
-GIoU with fewer of them (``_pairwise_score_lean``): 32.6-34.8 us across
+GIoU with fewer of them (``_math.pairwise_score_lean``): 32.6-34.8 us across
 tiles, 8 x 128 / 2 warps the fastest (1.47x the reference). A reciprocal
 instead of the division (``PAIRWISE_DIVISION="rcp"``) gets 26.3-30.6 us but
 is not full range (denominators above 2^126 give 0), so it is opt-in.
@@ -340,9 +340,9 @@ PAIRWISE_COLUMN_ACCESS = "strided"
 # times PTX ``rcp.approx.ftz.f32`` (1 ulp; subnormal denominators count as
 # zero). Interpret mode always divides exactly.
 PAIRWISE_DIVISION = "exact"
-# "lean": IoU and GIoU from ``_pairwise_score_lean`` (fewer instructions per
-# pair); "shared": ``_math.score`` as every other kernel. DIoU and CIoU
-# always use the shared formula.
+# "lean": IoU and GIoU from ``_math.pairwise_score_lean`` (fewer
+# instructions per pair); "shared": ``_math.score`` as the elementwise
+# kernels. DIoU and CIoU always use the shared formula.
 PAIRWISE_FORMULA = "lean"
 # Which tiles consecutive programs take: "cols" walks along a row of tiles
 # (neighbouring programs write neighbouring memory), "rows" down a column.
@@ -382,45 +382,13 @@ _SMALLEST_NORMAL = float(jnp.finfo(jnp.float32).tiny)
 
 
 def _pairwise_score_lean(kind, box1, box2, division):
-  """torchvision's pairwise IoU / GIoU in fewer GPU instructions.
-
-  The same function as ``_math.score(kind, "pairwise", ...)``, rearranged
-  for a kernel whose time is set by instructions per pair (module
-  docstring): the hull width is ``w1 + w2 - (unclamped intersection
-  width)`` (max(x2, u2) - min(x1, u1) by max + min = sum), saving a min and
-  a max per axis, and a quotient with a zero denominator is replaced by 0
-  after dividing (one select instead of two). Results differ from the shared
-  formula by float32 rounding only (a few ulp). No gradient flows through
-  this form (the pairwise backward differentiates the reference).
-  """
-  x1, y1, x2, y2 = box1
-  u1, v1, u2, v2 = box2
-  if division == "rcp":
-    divide = _reciprocal_divide
-
-    def is_zero(den):
-      return jnp.abs(den) < _SMALLEST_NORMAL
-  else:
-    divide = _fast_divide if division == "fast" else (lambda n, d: n / d)
-
-    def is_zero(den):
-      return den == 0
-
-  def quotient(num, den):
-    return jnp.where(is_zero(den), 0.0, divide(num, den))
-
-  w1, h1, w2, h2 = x2 - x1, y2 - y1, u2 - u1, v2 - v1
-  inter_w_raw = jnp.minimum(x2, u2) - jnp.maximum(x1, u1)
-  inter_h_raw = jnp.minimum(y2, v2) - jnp.maximum(y1, v1)
-  inter = jnp.maximum(inter_w_raw, 0.0) * jnp.maximum(inter_h_raw, 0.0)
-  union = (w1 * h1 + w2 * h2) - inter
-  iou = quotient(inter, union)
-  if kind == "iou":
-    return iou
-  hull_w = jnp.maximum((w1 + w2) - inter_w_raw, 0.0)
-  hull_h = jnp.maximum((h1 + h2) - inter_h_raw, 0.0)
-  hull = hull_w * hull_h
-  return iou - quotient(hull - union, hull)
+  """``_math.pairwise_score_lean`` with this module's division choice."""
+  if division == "rcp":  # subnormal denominators count as zero (flushed)
+    return _math.pairwise_score_lean(
+        kind, box1, box2, divide=_reciprocal_divide,
+        is_zero=lambda den: jnp.abs(den) < _SMALLEST_NORMAL)
+  return _math.pairwise_score_lean(
+      kind, box1, box2, divide=_fast_divide if division == "fast" else None)
 
 
 def _box_columns(ref, rows, start, rows_left, access):
