@@ -131,17 +131,19 @@ def score(kind, formula, eps, box1, box2, divide=None):
   return diou - alpha * v
 
 
-def pairwise_score_lean(kind, box1, box2, divide=None, is_zero=None):
+def pairwise_score_lean(kind, box1, box2, divide=None, is_zero=None,
+                        hull_from_widths=False):
   """torchvision's pairwise IoU / GIoU (``score(kind, "pairwise", ...)``) in
   fewer elementwise operations, for the pairwise kernels, whose time is set
   by operations per pair rather than bytes.
 
-  The hull width is ``w1 + w2 - (unclamped intersection width)`` (from
-  max + min = sum), which saves a min and a max per axis; a quotient with a
-  zero denominator (``is_zero``, default ``den == 0``) is replaced by 0 after
-  dividing, one select instead of two. The results differ from ``score`` by
-  float32 rounding only (a few ulp). Forward only: the quotients are not
-  safe to differentiate.
+  A quotient with a zero denominator (``is_zero``, default ``den == 0``) is
+  replaced by 0 after dividing: one select instead of two, same values as
+  ``score``. ``hull_from_widths`` also takes the hull width as ``w1 + w2 -
+  (unclamped intersection width)`` (max + min = sum), saving a min and a max
+  per axis (8% on the H100), but for inverted boxes (x2 < x1) that sum can
+  cancel and lose digits that max - min keeps exactly, so it is off by
+  default. Forward only: the quotients are not safe to differentiate.
   """
   if kind not in ("iou", "giou"):
     raise ValueError(f"pairwise_score_lean: kind {kind!r} is not iou/giou")
@@ -161,8 +163,12 @@ def pairwise_score_lean(kind, box1, box2, divide=None, is_zero=None):
   iou = quotient(inter, union)
   if kind == "iou":
     return iou
-  hull_w = jnp.maximum((w1 + w2) - inter_w_raw, 0.0)
-  hull_h = jnp.maximum((h1 + h2) - inter_h_raw, 0.0)
+  if hull_from_widths:
+    hull_w = jnp.maximum((w1 + w2) - inter_w_raw, 0.0)
+    hull_h = jnp.maximum((h1 + h2) - inter_h_raw, 0.0)
+  else:
+    hull_w = jnp.maximum(jnp.maximum(x2, u2) - jnp.minimum(x1, u1), 0.0)
+    hull_h = jnp.maximum(jnp.maximum(y2, v2) - jnp.minimum(y1, v1), 0.0)
   hull = hull_w * hull_h
   return iou - quotient(hull - union, hull)
 

@@ -52,11 +52,14 @@ warps / strided column reads took 40.9-41.0 us against 47.4 us for the jitted
 XLA reference. Where that time went: only writing the matrix takes 22 us
 (3.1 TB/s), the intersection areas 25, IoU without its division 25, IoU 32,
 GIoU 41. The kernel is bound by instructions per pair (min/max/select run
-at half rate), not bytes, so ``PAIRWISE_FORMULA="lean"`` rewrites IoU and
-GIoU with fewer of them (``_math.pairwise_score_lean``): 32.6-34.8 us across
-tiles, 8 x 128 / 2 warps the fastest (1.47x the reference). A reciprocal
-instead of the division (``PAIRWISE_DIVISION="rcp"``) gets 26.3-30.6 us but
-is not full range (denominators above 2^126 give 0), so it is opt-in.
+at half rate), not bytes, so ``PAIRWISE_FORMULA="lean"`` evaluates IoU and
+GIoU with one select per quotient instead of two
+(``_math.pairwise_score_lean``): 35.3 us with 8 x 128 tiles / 2 warps,
+bit-identical to the shared formula (1.36x the reference). Taking the hull
+width from the box widths as well (``PAIRWISE_HULL_FROM_WIDTHS``) gives 32.5
+us but can lose digits for inverted boxes, so it is off; a reciprocal
+instead of the division (``PAIRWISE_DIVISION="rcp"``; measured with the
+hull trick) 26.3-30.6 us, not full range (denominators above 2^126 give 0): opt-in.
 Neither one division per pair nor ``div.full.f32`` spelled out helped
 (Triton already divides that way). Elementwise: 1024 boxes per program, 256
 below SMALL_BOXES.
@@ -344,6 +347,9 @@ PAIRWISE_DIVISION = "exact"
 # instructions per pair); "shared": ``_math.score`` as the elementwise
 # kernels. DIoU and CIoU always use the shared formula.
 PAIRWISE_FORMULA = "lean"
+# The lean formula's hull from the widths: 32.5 vs 35.3 us at 4096^2 on the
+# H100, but inexact for inverted boxes (``_math.pairwise_score_lean``).
+PAIRWISE_HULL_FROM_WIDTHS = False
 # Which tiles consecutive programs take: "cols" walks along a row of tiles
 # (neighbouring programs write neighbouring memory), "rows" down a column.
 # Pallas' Triton lowering launches grid (b, p, q) as CUDA (x, y, z), and x
@@ -386,9 +392,11 @@ def _pairwise_score_lean(kind, box1, box2, division):
   if division == "rcp":  # subnormal denominators count as zero (flushed)
     return _math.pairwise_score_lean(
         kind, box1, box2, divide=_reciprocal_divide,
-        is_zero=lambda den: jnp.abs(den) < _SMALLEST_NORMAL)
+        is_zero=lambda den: jnp.abs(den) < _SMALLEST_NORMAL,
+        hull_from_widths=PAIRWISE_HULL_FROM_WIDTHS)
   return _math.pairwise_score_lean(
-      kind, box1, box2, divide=_fast_divide if division == "fast" else None)
+      kind, box1, box2, divide=_fast_divide if division == "fast" else None,
+      hull_from_widths=PAIRWISE_HULL_FROM_WIDTHS)
 
 
 def _box_columns(ref, rows, start, rows_left, access):
