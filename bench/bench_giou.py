@@ -469,13 +469,10 @@ def choose_gpu_config():
                    key=lambda r: r["fwd_device_us"]
                    + r["value_and_grad_device_us"])
   gpu.SMALL_BLOCK = best_block["block"]
-  chosen = dict(PAIRWISE_TILE=list(gpu.PAIRWISE_TILE),
-                PAIRWISE_SUB_ROWS=gpu.PAIRWISE_SUB_ROWS,
-                PAIRWISE_WARPS=gpu.PAIRWISE_WARPS,
-                PAIRWISE_COLUMN_ACCESS=gpu.PAIRWISE_COLUMN_ACCESS,
-                PAIRWISE_DIVISION=gpu.PAIRWISE_DIVISION,
-                PAIRWISE_GRID_ORDER=gpu.PAIRWISE_GRID_ORDER,
-                SMALL_BLOCK=gpu.SMALL_BLOCK)
+  chosen = harness.module_settings(gpu, (
+      "PAIRWISE_TILE", "PAIRWISE_SUB_ROWS", "PAIRWISE_WARPS",
+      "PAIRWISE_COLUMN_ACCESS", "PAIRWISE_DIVISION", "PAIRWISE_FORMULA",
+      "PAIRWISE_HULL_FROM_WIDTHS", "PAIRWISE_GRID_ORDER", "SMALL_BLOCK"))
   print("chosen GPU settings:", chosen, flush=True)
   return dict(chosen=chosen, pairwise=pairwise_rows, small_blocks=block_rows)
 

@@ -844,24 +844,15 @@ def main(argv=None):
     tuned = tune(rng, (20000,))
     harness.print_table(tuned, ["n", "m", "config", "ms"])
     extra["tune"] = tuned
-  extra["block_sizes"] = {k: getattr(block_sizes, k) for k in (
+  extra["block_sizes"] = harness.module_settings(block_sizes, (
       "GPU_TILE", "GPU_NUM_WARPS", "GPU_BITMASK_MAX_BYTES", "SMALL_BOXES",
       "MASK_WORDS_SMALL", "MASK_CHUNK_ROWS_SMALL", "MASK_CHUNK_ROWS_OVERLAP")
-      + TUNED}
-  extra["scan"] = dict(SCAN_DEPTH=nms_gpu.SCAN_DEPTH, RESOLVE=nms_gpu.RESOLVE,
-                      JUMP=nms_gpu.JUMP, FEW_ROWS=nms_gpu.FEW_ROWS,
-                      RANK_SORT_MAX=nms_gpu.RANK_SORT_MAX,
-                      RANK_ROWS=nms_gpu.RANK_ROWS,
-                      RANK_COLS=nms_gpu.RANK_COLS,
-                      SCAN_DEPTH_LARGE=nms_gpu.SCAN_DEPTH_LARGE,
-                      RESOLVE_LARGE=nms_gpu.RESOLVE_LARGE,
-                      STATIC_CHUNKS_FEW=nms_gpu.STATIC_CHUNKS_FEW,
-                      STATIC_CHUNKS_MAX=nms_gpu.STATIC_CHUNKS_MAX,
-                      OVERLAP=nms_gpu.OVERLAP,
-                      OVERLAP_FROM=nms_gpu.OVERLAP_FROM,
-                      OVERLAP_PROGRAMS=nms_gpu.OVERLAP_PROGRAMS,
-                      RADIX_SORT=nms_gpu.RADIX_SORT,
-                      RADIX_SORT_MAX=nms_gpu.RADIX_SORT_MAX)
+      + TUNED)
+  extra["scan"] = harness.module_settings(nms_gpu, (
+      "SCAN_DEPTH", "RESOLVE", "JUMP", "FEW_ROWS", "RANK_SORT_MAX",
+      "RANK_ROWS", "RANK_COLS", "SCAN_DEPTH_LARGE", "RESOLVE_LARGE",
+      "STATIC_CHUNKS_FEW", "STATIC_CHUNKS_MAX", "OVERLAP", "OVERLAP_FROM",
+      "OVERLAP_PROGRAMS", "RADIX_SORT", "RADIX_SORT_MAX"))
 
   peers = tuple(p for p in args.peers.split(",") if p)
   rows = []

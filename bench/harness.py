@@ -223,6 +223,11 @@ def print_table(rows: Iterable[dict], columns: Sequence[str] | None = None,
   sys.stdout.flush()
 
 
+def module_settings(module, names: Iterable[str]) -> dict:
+  """{name: module.name} for the named settings, for a results file."""
+  return {name: getattr(module, name) for name in names}
+
+
 def ratio(baseline_s: float | None, ours_s: float | None) -> float | None:
   """How many times faster ours is than baseline (>1 means faster)."""
   if not baseline_s or not ours_s:

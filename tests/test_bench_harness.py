@@ -97,3 +97,12 @@ def test_device_kernel_times_reports_a_total():
   # On the CPU there is no GPU stream, so the total is zero kernels.
   times = harness.device_kernel_times(lambda x: x * 2, jnp.ones(8), reps=2)
   assert times["(device total)"][0] >= 0 and "(device total)" in times
+
+
+def test_module_settings_reads_named_attributes():
+  import types
+  module = types.SimpleNamespace(TILE=(8, 128), WARPS=2, OTHER="x")
+  assert harness.module_settings(module, ("TILE", "WARPS")) == {
+      "TILE": (8, 128), "WARPS": 2}
+  with pytest.raises(AttributeError):
+    harness.module_settings(module, ("MISSING",))
