@@ -36,9 +36,14 @@ no TPU was measured).
 Every op is first checked against the reference (int32 exact, float within
 tolerance). JAX ops are timed as one jitted program of R independent calls
 on distinct copies of the inputs (R = 2..20 by size: no dot merging, no L2
-reuse), HOST_REPS (3) such programs dispatched back to back per sample so
-that the host's sync is hidden, median of 5; torch ops with CUDA events
-around R back-to-back launches. Ops not started within INT8_BENCH_SECONDS
+reuse); per call, the slope between 2 and 8 such programs dispatched back
+to back per sample, so the dispatch and wait that each sample pays once
+cancel (INT8_TIMING=host_reps: HOST_REPS (3) programs per sample, the
+timing before stop 13, which counts ~5 us of that per call at the decode
+shapes); torch ops with CUDA events, the slope between R and 4 R
+back-to-back launches. Decode rows (M <= 128) also record the kernels'
+device time alone (profiler traces: ``*_kernel_us``) for ours (w [N, K]),
+XLA bf16 and torch bf16, with their ratios. Ops not started within INT8_BENCH_SECONDS
 are listed as skipped. A whole run takes ~4-5 minutes on an H100: within a
 240 s device call, run ``--shapes llm`` and ``--shapes square`` apart.
 
@@ -202,18 +207,89 @@ def replicas_for(m, k, n):
 
 
 HOST_REPS = int(os.environ.get("INT8_HOST_REPS", "3"))
+# INT8_TIMING "steady" (default): per call, the slope between 2 and 8
+# programs of R calls (JAX) and between R and 4 R launches (torch) per
+# sample (harness.steady_slope). That cancels what each sample pays once:
+# for JAX the first program's dispatch and the final wait, ~0.3 ms per
+# sample on the H100 VM, which "host_reps" (HOST_REPS programs per sample,
+# these results' timing before stop 13) spread as ~5 us over each of 60
+# calls of 25 us, but which a model running many ops does not pay per op.
+TIMING = os.environ.get("INT8_TIMING", "steady")
+STEADY_PROGRAMS = (2, 8)
+
+
+def timing_text(reps="R"):
+  if TIMING == "steady":
+    return (f"jax: one program of {reps} independent calls on distinct input "
+            f"copies; per call, the slope between {STEADY_PROGRAMS[0]} and "
+            f"{STEADY_PROGRAMS[1]} programs dispatched back to back per "
+            "sample (medians of 5; cancels the one dispatch and wait of each "
+            "sample); torch: CUDA events, the slope between R and 4 R "
+            "back-to-back launches (medians of 15)")
+  return (f"jax: one program of {reps} independent calls on distinct input "
+          f"copies, {HOST_REPS} programs dispatched back to back per sample "
+          "(host sync hidden), median of 5; torch: CUDA events around R "
+          "launches")
 
 
 def time_replicated_jax(op, args, reps, iters=5, warmup=1):
   """(seconds per call of ``op``, first output): harness.time_replicated_jax
   (one jitted program of ``reps`` calls on distinct input copies: no CSE,
-  no dot merging, no L2 reuse), HOST_REPS programs per sample."""
-  return harness.time_replicated_jax(op, args, reps, iters=iters,
-                                     warmup=warmup, host_reps=HOST_REPS)
+  no dot merging, no L2 reuse), timed as TIMING says."""
+  return harness.time_replicated_jax(
+      op, args, reps, iters=iters, warmup=warmup, host_reps=HOST_REPS,
+      steady=STEADY_PROGRAMS if TIMING == "steady" else None)
 
 
 def time_batched_torch(fn, reps=10, iters=15, warmup=2):
-  return harness.time_torch_cuda(fn, warmup=warmup, iters=iters, reps=reps)
+  return harness.time_torch_cuda(
+      fn, warmup=warmup, iters=iters, reps=reps,
+      steady=(reps, 4 * reps) if TIMING == "steady" else None)
+
+
+def kernel_us(name, fn, argnames, data, reps):
+  """Device time per call (us, kernels only, no launch gaps) of a JAX op in
+  its replicated program, from a profiler trace; None on failure."""
+  try:
+    program, flat = harness.replicated_program(
+        fn, [data[a] for a in argnames], reps)
+    total = harness.device_kernel_times(program, *flat, reps=3)[
+        "(device total)"][1]
+    if total <= 0:
+      raise RuntimeError("the trace holds no GPU kernels")
+    return total / reps
+  except Exception:  # noqa: BLE001  (a diagnostic: never fails the row)
+    traceback.print_exc(limit=1)
+    print("kernel time failed:", name, flush=True)
+    return None
+
+
+# Decode rows also record kernel-only device times (profiler traces) of
+# these, and the ratios between them: the comparison free of both
+# frameworks' launch gaps. The torch traces run after every JAX one
+# (finish_torch_kernel_times): once torch's profiler has held CUPTI, JAX's
+# profiler fails to start in the same process.
+KERNEL_TIMED = ("ours_w8a16_nk", "xla_bf16", "torch_bf16")
+TORCH_KERNEL_JOBS = []  # (row, name, fn, reps)
+
+
+def kernel_ratios(row):
+  ours = row.get("ours_w8a16_nk_kernel_us")
+  for peer in ("torch_bf16", "xla_bf16"):
+    if ours and row.get(f"{peer}_kernel_us"):
+      row[f"ours_w8a16_nk_kernel_vs_{peer}_kernel"] = (
+          row[f"{peer}_kernel_us"] / ours)
+
+
+def finish_torch_kernel_times():
+  while TORCH_KERNEL_JOBS:
+    row, name, fn, reps = TORCH_KERNEL_JOBS.pop(0)
+    try:
+      row[f"{name}_kernel_us"] = harness.torch_kernel_times(fn, reps=reps)[
+          "(device total)"][1]
+      kernel_ratios(row)
+    except Exception as e:  # noqa: BLE001  (a diagnostic)
+      row["errors"][f"{name}_kernel"] = f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def time_torch_bf16(torch_ops, data, shape, reps, errors):
@@ -438,6 +514,12 @@ def bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, extra_row=None,
     times[name] = run_op(name, fn, argnames, data, reps, peers, errors,
                          outputs=outputs)
   del outputs
+  kernels = {}
+  decode = m <= WEIGHT_ONLY_MAX_M
+  if decode:
+    for name in KERNEL_TIMED:
+      if times.get(name) is not None and name in timed:
+        kernels[name] = kernel_us(name, *timed[name], data, reps)
   for name, make in torch_ops.items():
     if deadline is not None and time.perf_counter() > deadline:
       errors[name] = "skipped: out of INT8_BENCH_SECONDS"
@@ -445,9 +527,14 @@ def bench_shape(m, k, n, ops, peers, torch_ops, rows, chip, extra_row=None,
     try:
       fn = make(data, m, k, n)
       times[name] = None if fn is None else time_batched_torch(fn, reps=reps)
+      if fn is not None and decode and name in KERNEL_TIMED:
+        TORCH_KERNEL_JOBS.append((row, name, fn, reps))
     except Exception as e:
       times[name] = None
       errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+  for name, us in kernels.items():
+    row[f"{name}_kernel_us"] = us
+  kernel_ratios(row)
   flops = 2.0 * m * n * k
   for name, t in times.items():
     row[f"{name}_us"] = None if t is None else t * 1e6
@@ -788,10 +875,7 @@ def mgpu_variants(names, out_name, torch_ops, profile=(), only=None):
   extra = dict(variant_checks=variant_checks(
                    names if checked is None else checked.split(",")),
                variants={v: MGPU_VARIANTS.get(v) for v in names},
-               timing="jax: harness.time_replicated_jax (20 calls on "
-                      f"distinct input copies per program, {HOST_REPS} "
-                      "programs per sample, median of 5); torch: CUDA events "
-                      "around 20 launches")
+               timing=timing_text(20))
   rows, peers, ops = [], peer_jax_ops(), jax_ops("gpu")
   for (m, k, n), wanted in VARIANT_SHAPES.items():
     run = [v for v in wanted if v in names]
@@ -1003,10 +1087,7 @@ def main(argv=None):
     name = os.environ.get("INT8_MGPU_NAME", "int8_matmul_mgpu")
     extra = dict(mgpu_checks=mgpu_checks(),
                  mgpu_default_tiles=str(mosaic_gpu.DEFAULT_TILES),
-                 timing="jax: one program of R independent calls on distinct "
-                        f"input copies, {HOST_REPS} programs dispatched back "
-                        "to back per sample, median of 5; torch: CUDA events "
-                        "around R launches")
+                 timing=timing_text())
     mgpu_sweep(rows, torch_ops, name, extra,
                configs=None if os.environ.get("INT8_MGPU_SWEEP", "1") == "1"
                else {})
@@ -1045,10 +1126,7 @@ def main(argv=None):
                mgpu_plans={f"{m}x{k}x{n}": str(mosaic_gpu.plan(m, k, n))
                            for m, k, n in MGPU_SHAPES},
                replicas_env=os.environ.get("INT8_REPLICAS"),
-               timing="jax: one program of R independent calls on distinct "
-                      f"input copies, {HOST_REPS} programs dispatched back to "
-                      "back per sample (host sync hidden), median of 5; "
-                      "torch: CUDA events around R launches")
+               timing=timing_text())
   if args.shapes.isdigit():
     shapes = [s_ for s_ in LLM_SHAPES if s_[0] == int(args.shapes)]
   else:
@@ -1089,7 +1167,8 @@ def main(argv=None):
     harness.write_results(name, rows, extra=extra)
   if args.shapes in ("all", "llm"):
     run_probes(rows, start)
-    harness.write_results(name, rows, extra=extra)
+  finish_torch_kernel_times()
+  harness.write_results(name, rows, extra=extra)
   harness.print_table([r for r in rows if "replicas" in r], [
       "shape", "ours_raw_us", "ours_fused_us", "ours_fused_nk_us",
       "torch_int_mm_us", "xla_int8_us", "torch_bf16_us", "xla_bf16_us",
@@ -1101,6 +1180,10 @@ def main(argv=None):
       "ours_w8a16_nk_vs_torch_bf16", "ours_w8a16_vs_xla_bf16",
       "ours_w8a16_nk_vs_xla_bf16", "ours_w8a16_nk_vs_xla_w8a16",
       "ours_w8a16_w_tbs", "ours_w8a16_nk_w_tbs"])
+  harness.print_table([r for r in rows if r.get("ours_w8a16_nk_kernel_us")], [
+      "shape", "ours_w8a16_nk_kernel_us", "torch_bf16_kernel_us",
+      "xla_bf16_kernel_us", "ours_w8a16_nk_kernel_vs_torch_bf16_kernel",
+      "ours_w8a16_nk_kernel_vs_xla_bf16_kernel"])
   harness.print_table([r for r in rows if "probe_plan" in r], [
       "shape", "probe_plan", "probe_read_us", "probe_read_w_tbs",
       "probe_x_once_us", "probe_x_once_w_tbs"])

@@ -43,9 +43,42 @@ def time_jax(fn: Callable, *args, warmup: int = 3, iters: int = 20,
   return statistics.median(samples)
 
 
+def steady_slope(run: Callable[[int], float], counts: tuple[int, int],
+                 iters: int = 5) -> float:
+  """Seconds per unit of work in steady state.
+
+  ``run(c)`` returns the time of ``c`` units dispatched back to back with one
+  wait at the end. Every sample also pays once for the first dispatch and
+  the final wait (~0.3 ms for a JAX program of 20 calls on the H100 VM);
+  the slope between the medians at the two counts cancels that, leaving
+  what each further unit adds, as in a model that runs many such ops.
+  """
+  low, high = counts
+  if not 0 < low < high:
+    raise ValueError(f"counts={counts}: need 0 < low < high")
+  medians = {}
+  for count in (low, high):
+    medians[count] = statistics.median(run(count) for _ in range(iters))
+  return (medians[high] - medians[low]) / (high - low)
+
+
+def replicated_program(op: Callable, args: Sequence, copies: int):
+  """(program, its inputs): one jitted program of ``copies`` calls of
+  ``op``, each on its own copy of ``args``; it returns their outputs."""
+  import jax
+  import jax.numpy as jnp
+  count = len(args)
+  flat = [jnp.array(a, copy=True) for _ in range(copies) for a in args]
+  program = jax.jit(lambda *f: [op(*f[i * count:(i + 1) * count])
+                                for i in range(copies)])
+  return program, flat
+
+
 def time_replicated_jax(op: Callable, args: Sequence, copies: int,
                         iters: int = 5, warmup: int = 1,
-                        host_reps: int = 3) -> tuple[float, Any]:
+                        host_reps: int = 3,
+                        steady: tuple[int, int] | None = None
+                        ) -> tuple[float, Any]:
   """(seconds per call of ``op``, first output), timed inside one program.
 
   One jitted program runs ``copies`` calls of ``op``, each on its own copy
@@ -55,17 +88,28 @@ def time_replicated_jax(op: Callable, args: Sequence, copies: int,
   us on the H100 VM) is paid once per program, not per op. Every JAX
   implementation of a case is timed this way, so the ratios compare the
   device work plus XLA's launch gaps.
+
+  ``steady=(low, high)``: instead of ``host_reps``, the slope between
+  ``low`` and ``high`` programs per sample (``steady_slope``), which also
+  removes the one dispatch and one wait each sample pays.
   """
   import jax
-  import jax.numpy as jnp
-  count = len(args)
-  flat = [jnp.array(a, copy=True) for _ in range(copies) for a in args]
-  program = jax.jit(lambda *f: [op(*f[i * count:(i + 1) * count])
-                                for i in range(copies)])
+  program, flat = replicated_program(op, args, copies)
   first = jax.block_until_ready(program(*flat))[0]
-  seconds = time_jax(program, *flat, warmup=warmup, iters=iters,
-                     reps=host_reps) / copies
-  return seconds, first
+  if steady is None:
+    seconds = time_jax(program, *flat, warmup=warmup, iters=iters,
+                       reps=host_reps)
+    return seconds / copies, first
+  for _ in range(warmup):
+    jax.block_until_ready(program(*flat))
+
+  def run(count):
+    start = time.perf_counter()
+    for _ in range(count - 1):
+      program(*flat)
+    jax.block_until_ready(program(*flat))
+    return time.perf_counter() - start
+  return steady_slope(run, steady, iters=iters) / copies, first
 
 
 def device_kernel_times(fn, *args, reps=5):
@@ -93,33 +137,63 @@ def device_kernel_times(fn, *args, reps=5):
           entry = per_kernel.setdefault(event.name[:60], [0.0, 0.0])
           entry[0] += 1 / reps
           entry[1] += event.duration_ns / 1e3 / reps
+  return _with_device_total(per_kernel)
+
+
+def _with_device_total(per_kernel):
   per_kernel["(device total)"] = [sum(v[0] for v in per_kernel.values()),
                                   sum(v[1] for v in per_kernel.values())]
   return per_kernel
 
 
+def torch_kernel_times(fn: Callable[[], Any], reps: int = 20):
+  """{kernel name: [launches, us]} per call of ``fn``: the CUDA kernels of
+  ``reps`` calls in a torch profiler trace; "(device total)" sums them."""
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+  fn()
+  torch.cuda.synchronize()
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(reps):
+      fn()
+    torch.cuda.synchronize()
+  per_kernel = {}
+  for event in prof.events():
+    if event.device_type == torch.autograd.DeviceType.CUDA:
+      entry = per_kernel.setdefault(event.name[:60], [0.0, 0.0])
+      entry[0] += 1 / reps
+      entry[1] += (event.time_range.end - event.time_range.start) / reps
+  return _with_device_total(per_kernel)
+
+
 def time_torch_cuda(fn: Callable[[], Any], warmup: int = 3,
-                    iters: int = 20, reps: int = 1) -> float:
+                    iters: int = 20, reps: int = 1,
+                    steady: tuple[int, int] | None = None) -> float:
   """Median seconds of ``fn()`` on the current CUDA stream (CUDA events).
 
   ``reps`` calls run between each pair of events (the time is divided by
-  it), which hides launch gaps of very short kernels.
+  it), which hides launch gaps of very short kernels. ``steady=(low,
+  high)``: the slope between ``low`` and ``high`` calls per pair of events
+  (``steady_slope``; cancels the first launch's latency) instead.
   """
   import torch
   for _ in range(warmup):
     fn()
   torch.cuda.synchronize()
-  samples = []
-  for _ in range(iters):
+
+  def run(count):
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(reps):
+    for _ in range(count):
       fn()
     end.record()
     end.synchronize()
-    samples.append(start.elapsed_time(end) / 1e3 / reps)
-  return statistics.median(samples)
+    return start.elapsed_time(end) / 1e3
+
+  if steady is not None:
+    return steady_slope(run, steady, iters=iters)
+  return statistics.median(run(reps) / reps for _ in range(iters))
 
 
 def time_host(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:

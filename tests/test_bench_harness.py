@@ -44,6 +44,28 @@ def test_time_replicated_jax_traces_one_call_per_copy_on_its_own_inputs():
   assert jnp.array_equal(first, x * y)
 
 
+def test_steady_slope_cancels_what_every_sample_pays_once():
+  # 7 s paid once per sample, 2 s per unit: the slope is the 2 s alone.
+  calls = []
+
+  def run(count):
+    calls.append(count)
+    return 7.0 + 2.0 * count
+
+  assert harness.steady_slope(run, (2, 6), iters=3) == pytest.approx(2.0)
+  assert calls == [2, 2, 2, 6, 6, 6]
+  with pytest.raises(ValueError, match="counts"):
+    harness.steady_slope(run, (4, 4))
+
+
+def test_time_replicated_jax_steady_runs_both_program_counts():
+  x = jnp.arange(4.0)
+  seconds, first = harness.time_replicated_jax(lambda v: v + 1, (x,),
+                                               copies=2, iters=2,
+                                               steady=(1, 3))
+  assert abs(seconds) < 5 and jnp.array_equal(first, x + 1)
+
+
 def test_results_file_records_device_versions_date(tmp_path):
   rows = [{"shape": "4x4", "ours_ms": 1.0, "peer_ms": 2.0,
            "speedup": harness.ratio(2.0, 1.0)}]
