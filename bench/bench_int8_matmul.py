@@ -37,15 +37,16 @@ Every op is first checked against the reference (int32 exact, float within
 tolerance). JAX ops are timed as one jitted program of R independent calls
 on distinct copies of the inputs (R = 2..20 by size: no dot merging, no L2
 reuse); per call, the slope between 2 and 8 such programs dispatched back
-to back per sample, so the dispatch and wait that each sample pays once
-cancel (INT8_TIMING=host_reps: HOST_REPS (3) programs per sample, the
-timing before stop 13, which counts ~5 us of that per call at the decode
-shapes); torch ops with CUDA events, the slope between R and 4 R
-back-to-back launches. Decode rows (M <= 128) also record the kernels'
-device time alone (profiler traces: ``*_kernel_us``) for ours (w [N, K]),
-XLA bf16 and torch bf16, with their ratios. Ops not started within INT8_BENCH_SECONDS
-are listed as skipped. A whole run takes ~4-5 minutes on an H100: within a
-240 s device call, run ``--shapes llm`` and ``--shapes square`` apart.
+to back, so the dispatch and wait that each sample pays once cancel
+(harness.steady_slope, median over 7 alternating pairs). INT8_TIMING=
+host_reps: HOST_REPS (3) programs per sample instead, the timing before
+stop 13, which counts ~5 us of that per call at the decode shapes. torch
+ops: CUDA events, the slope between R and 4 R back-to-back launches.
+Decode rows (M <= 128) also record the kernels' device time alone
+(profiler traces: ``*_kernel_us``) for ours (w [N, K]), XLA bf16 and
+torch bf16, with their ratios. Ops not started within INT8_BENCH_SECONDS
+are listed as skipped. A whole run takes ~4-5 minutes on an H100: run
+``--shapes 16``, ``128``, ``2048`` and ``square`` in separate calls.
 
   ours_triton_w8a16_nk / ours_mgpu_w8a16_nk   the weight-only [N, K] call
                 with the GPU path's kernel forced (PALLAS_KERNELS_INT8_GPU_
@@ -222,23 +223,24 @@ def timing_text(reps="R"):
   if TIMING == "steady":
     return (f"jax: one program of {reps} independent calls on distinct input "
             f"copies; per call, the slope between {STEADY_PROGRAMS[0]} and "
-            f"{STEADY_PROGRAMS[1]} programs dispatched back to back per "
-            "sample (medians of 5; cancels the one dispatch and wait of each "
-            "sample); torch: CUDA events, the slope between R and 4 R "
-            "back-to-back launches (medians of 15)")
+            f"{STEADY_PROGRAMS[1]} programs dispatched back to back (cancels "
+            "the one dispatch and wait of each sample), median over 7 "
+            "alternating pairs; torch: CUDA events, the slope between R and "
+            "4 R back-to-back launches, median over 15 pairs")
   return (f"jax: one program of {reps} independent calls on distinct input "
           f"copies, {HOST_REPS} programs dispatched back to back per sample "
           "(host sync hidden), median of 5; torch: CUDA events around R "
           "launches")
 
 
-def time_replicated_jax(op, args, reps, iters=5, warmup=1):
+def time_replicated_jax(op, args, reps, iters=None, warmup=1):
   """(seconds per call of ``op``, first output): harness.time_replicated_jax
   (one jitted program of ``reps`` calls on distinct input copies: no CSE,
   no dot merging, no L2 reuse), timed as TIMING says."""
+  steady = TIMING == "steady"
   return harness.time_replicated_jax(
-      op, args, reps, iters=iters, warmup=warmup, host_reps=HOST_REPS,
-      steady=STEADY_PROGRAMS if TIMING == "steady" else None)
+      op, args, reps, iters=iters or (7 if steady else 5), warmup=warmup,
+      host_reps=HOST_REPS, steady=STEADY_PROGRAMS if steady else None)
 
 
 def time_batched_torch(fn, reps=10, iters=15, warmup=2):

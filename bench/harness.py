@@ -50,16 +50,19 @@ def steady_slope(run: Callable[[int], float], counts: tuple[int, int],
   ``run(c)`` returns the time of ``c`` units dispatched back to back with one
   wait at the end. Every sample also pays once for the first dispatch and
   the final wait (~0.3 ms for a JAX program of 20 calls on the H100 VM);
-  the slope between the medians at the two counts cancels that, leaving
-  what each further unit adds, as in a model that runs many such ops.
+  the slope between the two counts cancels that, leaving what each further
+  unit adds, as in a model that runs many such ops. The counts alternate
+  and the result is the median of the ``iters`` pairs' slopes, so a slow
+  spell of the host spoils one pair, not a whole count's median.
   """
   low, high = counts
   if not 0 < low < high:
     raise ValueError(f"counts={counts}: need 0 < low < high")
-  medians = {}
-  for count in (low, high):
-    medians[count] = statistics.median(run(count) for _ in range(iters))
-  return (medians[high] - medians[low]) / (high - low)
+  slopes = []
+  for _ in range(iters):
+    low_time = run(low)
+    slopes.append((run(high) - low_time) / (high - low))
+  return statistics.median(slopes)
 
 
 def replicated_program(op: Callable, args: Sequence, copies: int):

@@ -53,9 +53,16 @@ def test_steady_slope_cancels_what_every_sample_pays_once():
     return 7.0 + 2.0 * count
 
   assert harness.steady_slope(run, (2, 6), iters=3) == pytest.approx(2.0)
-  assert calls == [2, 2, 2, 6, 6, 6]
+  assert calls == [2, 6, 2, 6, 2, 6]
   with pytest.raises(ValueError, match="counts"):
     harness.steady_slope(run, (4, 4))
+
+
+def test_steady_slope_shrugs_off_one_slow_sample():
+  times = iter([10.0, 30.0, 10.0, 30.0, 10.0, 900.0, 10.0, 30.0, 10.0, 30.0])
+  # pairs (2, 6): slopes 5, 5, 222.5, 5, 5 -> the median is 5
+  assert harness.steady_slope(lambda c: next(times), (2, 6),
+                              iters=5) == pytest.approx(5.0)
 
 
 def test_time_replicated_jax_steady_runs_both_program_counts():
