@@ -86,11 +86,13 @@ calls with w [N, K], bf16 x and M in block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
 1.11x / 1.24x torch bf16; bench/results/int8_matmul_128-h100-*), or
 wherever it applies with PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY=mosaic
 ("triton": never). Interpret mode always runs the Triton kernel.
-Latest M = 16 run (int8_matmul_16-h100-2026-11-23): this kernel 32.3 /
-34.8 us = 1.58x / 1.34x torch bf16 (51.1 / 46.6 us); later runs of the same
-code 29.1-33.5 / 29.1-30.9 us. The floor (int8_matmul_stream_floor_probe):
-only reading the 58.7 MB w takes 28-29 us timed the same way (XLA's row
-sum; a Pallas Triton row sum 32-34 us), so this kernel streams at that floor.
+Latest M = 16 run (int8_matmul_16-h100-2026-11-23, stop 13; the bench
+now times the steady-state slope, which no longer counts each sample's one
+program dispatch and wait, ~5 us per call before): this kernel 24.8 / 25.4
+us = 1.92x / 1.74x torch bf16 (47.7 / 44.0 us), 1.69x / 1.67x XLA bf16;
+the kernels alone (profiler) 25.4 / 25.3 us against cuBLAS's 46.0 / 42.7
+us (1.81x / 1.69x), i.e. w streams at 2.3 TB/s, about what cuBLAS reaches
+reading the same 58.7 MB as bf16 (24.2 us at 16 x 4096 x 7168).
 Tried there without gain: w pre-tiled so each [bn, bk] tile is contiguous,
 and a PTX bit-trick int8 -> bf16 upcast instead of Triton's conversion
 (int8_matmul_upcast_delay_probe).

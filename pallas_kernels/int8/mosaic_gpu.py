@@ -84,10 +84,20 @@ calls on distinct input copies, host sync hidden; torch with CUDA events):
   over the sessions), so differences under ~3 us are not established.
   Last session's profile (int8_matmul_mgpu-h100-*): the kernel alone 25.4
   us at M = 16 (2.3 TB/s of w) and 33-35 us at M = 128; the timed call
-  adds ~5-7 us of launch gaps. Tried before: x^T made by XLA (B N-major)
-  +10%; a finer split (two waves) +6-10%; tile_k 128 x 8 stages +4%; at
-  M = 128 one compute warpgroup per CTA or 128 rows per warpgroup (tile_k
-  64) 24-27% slower.
+  added ~5-7 us, most of it each sample's one dispatch and wait, which the
+  bench's steady timing (stop 13) no longer counts. Tried before: x^T made
+  by XLA (B N-major) +10%; a finer split (two waves) +6-10%; tile_k 128 x
+  8 stages +4%; at M = 128 one compute warpgroup per CTA or 128 rows per
+  warpgroup (tile_k 64) 24-27% slower.
+  Stop 13 (int8_matmul_128-h100-2026-11-23, steady timing): the public
+  call at M = 128 32.2 / 35.4 us = 1.44x / 1.50x torch bf16, kernels alone
+  1.35x / 1.44x cuBLAS. ncu at 128x4096x14336: DRAM and L2 55% busy,
+  tensor pipe 46% of elapsed cycles, SMs active 76% (112 CTAs): bound by
+  each step's load-convert-wgmma-wait chain. Keeping one wgmma in flight
+  (wgmma_wait(1), slots released a step late, the previous converted tile
+  held live) is right at Mp 16 but WRONG at Mp 128
+  (int8_matmul_overlap_probe): a live value does not pin the registers the
+  in-flight wgmma reads, so wgmma_wait(0) stays.
 
 Padding: M to Mp, N to the column tile, K to tile_k x split (zero-padded
 copies of x / w where a dimension is not a multiple; the LLM shapes need
