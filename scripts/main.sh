@@ -3,6 +3,6 @@
 #   bash scripts/main.sh [--size small|medium|large] [--ops NAME ...] [--help]
 # shellcheck source=_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-ensure_env jax "$REPO_ROOT/requirements/jax-latest.txt"
+ensure_newest_jax_env
 cd "$REPO_ROOT" || exit 1
 exec "$ENV_PYTHON" -m pallas_kernels "$@"

@@ -10,7 +10,7 @@ cd "$REPO_ROOT" || exit 1
 workers="${PYTEST_WORKERS:-2}"
 status=0
 
-ensure_env jax "$REPO_ROOT/requirements/jax-latest.txt"
+ensure_newest_jax_env
 echo "=== [1/2] newest jax: $("$ENV_PYTHON" -c 'import jax; print(jax.__version__)')"
 "$ENV_PYTHON" -m pytest -n "$workers" -p no:cacheprovider tests "$@" || status=1
 
