@@ -90,7 +90,8 @@ Implementation = Callable[..., Any] | str
 
 
 def dispatch(op: str, backend: str | None,
-             implementations: Mapping[str, Implementation], *args) -> Any:
+             implementations: Mapping[str, Implementation], *args,
+             rule: Any = None) -> Any:
   """Calls ``op``'s implementation for ``backend`` on ``args`` (arrays only).
 
   ``implementations`` maps "mosaic_tpu", "gpu" and "reference" to callables
@@ -98,6 +99,9 @@ def dispatch(op: str, backend: str | None,
   marks the backend unsupported and says why. "interpret" may be given
   explicitly; otherwise it is the TPU callable run with ``interpret=``.
   Static parameters belong in the callables (functools.partial), not in args.
+  ``rule`` (a ``_sharding.Rule``) makes a kernel call compose with sharding
+  (``pallas_kernels._sharding``); the reference needs none (XLA partitions
+  it).
   """
   check_backend(op, backend)
   impls = _complete(op, implementations)
@@ -106,11 +110,25 @@ def dispatch(op: str, backend: str | None,
     if forced_interpret_flavour() is not None:
       backend = "interpret"
     else:
-      return _by_lowering_platform(op, impls, args)
+      call = lambda *a: _by_lowering_platform(op, impls, a)
+      return _sharded(rule, call, args)
   impl = impls[backend]
   if isinstance(impl, str):
     raise ValueError(f"{op}: backend={backend!r} is not supported: {impl}")
-  return impl(*args)
+  if backend == "reference":
+    return impl(*args)
+  # The TPU-semantics interpreter's ordered callbacks cannot live inside
+  # custom_partitioning: under Auto axes it runs unpartitioned.
+  effects = backend == "interpret" and (forced_interpret_flavour()
+                                        or "tpu") != "generic"
+  return _sharded(rule, impl, args, auto=not effects)
+
+
+def _sharded(rule, call, args, auto=True):
+  if rule is None:
+    return call(*args)
+  from pallas_kernels import _sharding
+  return _sharding.run(rule, call, *args, auto=auto)
 
 
 def _complete(op: str, implementations: Mapping[str, Implementation]):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+from typing import Any
 
 import jax
 from jax.experimental import pallas as pl
@@ -107,8 +108,87 @@ def mosaic_version_for_aot(max_version: int = 7):
     tpu_custom_call.get_ir_version = original
 
 
+# ------------------------------------------------------------------ sharding
+# jax 0.7-0.11 type values inside shard_map by their "vma" (varying manual
+# axes); 0.12 by a ManualAxisType whose ``varying`` set plays that role.
+
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes ``x`` varies over (empty outside shard_map)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def make_varying(x, axes) -> Any:
+  """``x`` typed as varying over ``axes`` too (pvary / pcast to varying)."""
+  missing = tuple(sorted(frozenset(axes) - varying_axes(x)))
+  if not missing:
+    return x
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, missing, to="varying")
+  return jax.lax.pvary(x, missing)
+
+
+def vma_checked() -> bool:
+  """Whether we are tracing inside a shard_map with check_vma=True."""
+  from jax._src import config
+  return bool(config._check_vma.value)
+
+
+def vma_check_disabled():
+  """Context in which Pallas out_shapes need no varying-axes type."""
+  from jax._src import config
+  return config._check_vma(False)
+
+
+def in_manual_context() -> bool:
+  """Whether the current abstract mesh has manual axes (inside shard_map)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return bool(getattr(mesh, "manual_axes", ()))
+
+
+def is_explicit_axis(mesh, axis) -> bool:
+  return axis in getattr(mesh, "explicit_axes", ())
+
+
+def reshard(x, spec):
+  """``x`` resharded to ``spec`` on its Explicit mesh (no-op if equal)."""
+  if tuple(jax.typeof(x).sharding.spec) == tuple(spec):
+    return x
+  return jax.sharding.reshard(x, spec)
+
+
+def load_tpu_plugin_for_aot() -> None:
+  """Loads libtpu's PJRT plugin for compile-only use, with JAX's callbacks.
+
+  On a CPU host (JAX_PLATFORMS=cpu) jax loads the plugin only to build a
+  topology and skips the callbacks it gives discovered plugins, among them
+  the custom-partitioning callbacks; a sharded program using
+  ``custom_partitioning`` then fails to compile ("Custom emitter for
+  CustomSPMDPartitioning not found"). Loading it here first runs them.
+  """
+  import jax.experimental.custom_partitioning  # noqa: F401  (its callbacks)
+  from jax._src import xla_bridge
+  from jax._src.lib import xla_client
+  if xla_client.pjrt_plugin_loaded("tpu"):
+    return
+  path = xla_bridge.get_tpu_library_path()
+  if path is None:
+    return
+  c_api = xla_client.load_pjrt_plugin_dynamically("tpu", path)
+  with xla_bridge._plugin_callback_lock:
+    callbacks = [c for c in xla_bridge._plugin_callbacks
+                 if "partitioner" in getattr(getattr(c, "func", c), "__name__", "")]
+    for callback in callbacks:
+      callback(c_api=c_api)
+
+
 __all__ = [
     "JAX_VERSION", "HAS_TPU_INTERPRETER", "TpuInterpretParams", "pl", "pltpu",
     "tpu_compiler_params", "gpu_compiler_params", "tpu_interpret_params",
-    "races_found", "shard_map", "mosaic_version_for_aot",
+    "races_found", "shard_map", "mosaic_version_for_aot", "varying_axes",
+    "make_varying", "vma_checked", "vma_check_disabled", "in_manual_context",
+    "is_explicit_axis", "reshard", "load_tpu_plugin_for_aot",
 ]

@@ -97,6 +97,7 @@ def topology_devices(topology: str = "v5e:2x2") -> tuple:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   with _captured_stderr() as log:
     try:
+      _compat.load_tpu_plugin_for_aot()
       desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     except Exception as e:  # libtpu raises plain RuntimeErrors
       error = e

@@ -119,9 +119,39 @@ def _implementations(config, forward: bool):
   return impls
 
 
+_FACTOR_NAMES = {"b": "batch", "h": "heads", "g": "kv_heads", "l": "q_len",
+                 "m": "kv_len", "d": "head_dim"}
+
+
+def _sharding_rule(q_seg, kv_seg, bias, forward: bool, d_lse=None):
+  """Batch and heads split (query and kv heads together); nothing else."""
+  from pallas_kernels import _sharding
+  seg = lambda x, f: f if x is not None else None
+  bias_factors = (None if bias is None else
+                  _sharding.broadcast_factors(bias.shape, "b h l m", "bias"))
+  operands = [("q", "b h l d"), ("k", "b g m d"), ("v", "b g m d"),
+              ("q_segment_ids", seg(q_seg, "b l")),
+              ("kv_segment_ids", seg(kv_seg, "b m")), ("bias", bias_factors)]
+  if forward:
+    results, sums = ["b h l d", "b h l"], None
+  else:
+    operands += [("out", "b h l d"), ("lse", "b h l"), ("d_out", "b h l d"),
+                 ("d_lse", seg(d_lse, "b h l"))]
+    results = ["b h l d", "b g m d", "b g m d"]
+    sums = ["", "", ""]
+    if bias is not None:
+      results.append(bias_factors)
+      sums.append(" ".join(f for f, size in zip("b h".split(), bias.shape)
+                           if size == 1))
+  return _sharding.make_rule(
+      OP, operands, results, split="b h g", sums=sums, tied=["h g"],
+      helper="shard_flash_attention (or jax.shard_map)", names=_FACTOR_NAMES)
+
+
 def _forward(config, q, k, v, q_seg, kv_seg, bias):
   return _backend.dispatch(OP, config.backend, _implementations(config, True),
-                           q, k, v, q_seg, kv_seg, bias)
+                           q, k, v, q_seg, kv_seg, bias,
+                           rule=_sharding_rule(q_seg, kv_seg, bias, True))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -141,7 +171,8 @@ def _attention_bwd(config, residuals, cotangents):
     d_lse = None
   dq, dk, dv, dbias = _backend.dispatch(
       OP, config.backend, _implementations(config, False),
-      q, k, v, q_seg, kv_seg, bias, out, lse, d_out.astype(q.dtype), d_lse)
+      q, k, v, q_seg, kv_seg, bias, out, lse, d_out.astype(q.dtype), d_lse,
+      rule=_sharding_rule(q_seg, kv_seg, bias, False, d_lse))
   return (dq, dk, dv, _integer_cotangent(q_seg), _integer_cotangent(kv_seg),
           dbias)
 

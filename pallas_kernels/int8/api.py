@@ -44,7 +44,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _backend
+from pallas_kernels import _backend, _sharding
 from pallas_kernels.int8 import block_sizes as bs
 from pallas_kernels.int8 import gpu, mosaic_tpu, reference
 
@@ -102,13 +102,20 @@ def quantize_int8(x, *, axis=-1, backend=None):
       return q.reshape(x_.shape), s.reshape(x_.shape[:-1] + (1,))
     return run
 
+  rows_rule = _sharding.make_rule(
+      "quantize_int8",
+      [("x", " ".join(f"a{i}" for i in range(x.ndim - 1)) + " r")],
+      [" ".join(f"a{i}" for i in range(x.ndim - 1)) + " r",
+       " ".join(f"a{i}" for i in range(x.ndim - 1)) + " one"],
+      split=" ".join(f"a{i}" for i in range(x.ndim - 1)),
+      helper="jax.shard_map", names={"r": "quantized (last)"})
   return _backend.dispatch(
       "quantize_int8", backend,
       {"mosaic_tpu": lambda x_, interpret=False: rows(functools.partial(
           mosaic_tpu.quantize_rows, interpret=interpret))(x_),
        "gpu": xla,
        "reference": xla},
-      x)
+      x, rule=rows_rule)
 
 
 # ----------------------------------------------------------------------------
@@ -264,5 +271,20 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
          "gpu": functools.partial(gpu.matmul, **static,
                                   block_sizes=user_blocks),
          "reference": ref},
-        x2, w, x_scale, w_scale, bias)
+        x2, w, x_scale, w_scale, bias,
+        rule=_matmul_rule(weight_layout, x_scale, w_scale, bias))
   return out.reshape(batch + (n,))
+
+
+def _matmul_rule(weight_layout, x_scale, w_scale, bias):
+  """Rows (m) and output columns (n) split; K is contracted, never split."""
+  maybe = lambda value, factors: (
+      None if value is None else
+      _sharding.broadcast_factors(value.shape, factors, "one"))
+  return _sharding.make_rule(
+      "int8_matmul",
+      [("x", "m k"), ("w", "k n" if weight_layout == "kn" else "n k"),
+       ("x_scale", maybe(x_scale, "m s")), ("w_scale", maybe(w_scale, "s n")),
+       ("bias", maybe(bias, "s n"))],
+      ["m n"], split="m n", helper="shard_int8_matmul (or jax.shard_map)",
+      names={"m": "rows", "k": "K (contracted)", "n": "N (output columns)"})

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _backend
+from pallas_kernels import _backend, _sharding
 from . import _math, gpu, mosaic_tpu, reference
 
 DEFAULT_EPS = reference.DEFAULT_EPS
@@ -145,8 +145,25 @@ def _backward_impls(cfg, shared):
           "reference": ref}
 
 
+_BOX_NAMES = {"n": "boxes", "c": "coordinates", "b": "batch",
+              "m": "boxes2"}
+
+
+def _boxes_rule(op, results, sums=None, cotangent=None):
+  """Matching boxes [n, 4] split by box; a sum over boxes is psum-ed."""
+  operands = [("boxes1", "n c"), ("boxes2", "n c")]
+  if cotangent is not None:
+    operands.append(("cotangent", cotangent))
+  return _sharding.make_rule(op, operands, results, split="n", sums=sums,
+                             helper="jax.shard_map", names=_BOX_NAMES)
+
+
 def _elementwise_forward(cfg, b1, b2):
-  out = _backend.dispatch(cfg.op, cfg.backend, _forward_impls(cfg), b1, b2)
+  reduced = cfg.reduction != "none"
+  rule = _boxes_rule(cfg.op, ["" if reduced else "n"],
+                     sums=["n" if reduced else ""])
+  out = _backend.dispatch(cfg.op, cfg.backend, _forward_impls(cfg), b1, b2,
+                          rule=rule)
   if cfg.reduction == "mean":
     out = out / max(b1.shape[0], 1)
   return out.astype(cfg.out_dtype)
@@ -204,7 +221,8 @@ def _elementwise_fwd(cfg, b1, b2):
   grad_scale = (-1.0 if cfg.as_loss else 1.0) * mean_scale
   total, d1, d2 = _backend.dispatch(
       cfg.op + "_value_and_grad", cfg.backend,
-      _value_and_grad_impls(cfg, grad_scale, mean_scale), b1, b2)
+      _value_and_grad_impls(cfg, grad_scale, mean_scale), b1, b2,
+      rule=_boxes_rule(cfg.op, ["", "n c", "n c"], sums=["n", "", ""]))
   return total.astype(cfg.out_dtype), (d1, d2)
 
 
@@ -220,8 +238,11 @@ def _elementwise_bwd(cfg, residuals, g):
   if cfg.reduction == "mean":
     g = g / max(b1.shape[0], 1)
   cot = g.reshape(1) if shared else g
+  rule = _boxes_rule(cfg.op, ["n c", "n c"],
+                     cotangent="one" if shared else "n")
   return _backend.dispatch(cfg.op + "_backward", cfg.backend,
-                           _backward_impls(cfg, shared), b1, b2, cot)
+                           _backward_impls(cfg, shared), b1, b2, cot,
+                           rule=rule)
 
 
 _elementwise_kernel_op.defvjp(_elementwise_fwd, _elementwise_bwd)
@@ -344,7 +365,10 @@ def _pairwise_forward(cfg, a, b):
       "reference": lambda a, b: reference.pairwise_score(
           cfg.kind, cfg.eps, "xyxy", a, b).astype(cfg.out_dtype),
   }
-  return _backend.dispatch(cfg.op, cfg.backend, impls, a, b)
+  rule = _sharding.make_rule(
+      cfg.op, [("boxes1", "b n c"), ("boxes2", "b m c")], ["b n m"],
+      split="b n m", helper="jax.shard_map", names=_BOX_NAMES)
+  return _backend.dispatch(cfg.op, cfg.backend, impls, a, b, rule=rule)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _backend
+from pallas_kernels import _backend, _sharding
 from . import block_sizes, gpu, mosaic_tpu, reference
 
 
@@ -201,7 +201,13 @@ def _run(op, backend, boxes, scores, class_ids, iou_threshold,
       "mosaic_tpu": functools.partial(_tpu_batched, **static),
       "gpu": functools.partial(_gpu_batched, **static),
       "reference": functools.partial(_reference_batched, **static),
-  }, boxes, scores, class_ids)
+  }, boxes, scores, class_ids, rule=_sharding.make_rule(
+      op, [("boxes", "b n c"), ("scores", "b n"),
+           ("class_ids", None if class_ids is None else "b n")],
+      ["b k", "b"], split="b",
+      helper="batched_nms with the image batch sharded (NMS of one image "
+      "is sequential over its boxes)",
+      names={"b": "image batch", "n": "boxes", "c": "coordinates"}))
 
 
 # -------------------------------------------------------------------- public
