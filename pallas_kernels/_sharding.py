@@ -155,10 +155,29 @@ def run(rule: Rule, fn: Callable, *args, auto: bool = True):
 def _in_checked_shard_map(fn, args):
   varying = frozenset().union(
       *(_compat.varying_axes(a) for a in args if a is not None))
+  # Operands typed alike: an interpreted kernel body is evaluated later,
+  # with the check on, and mixes them.
+  args = [None if a is None else _compat.make_varying(a, varying)
+          for a in args]
   with _compat.vma_check_disabled():
     out = fn(*args)
   return jax.tree_util.tree_map(
       lambda x: _compat.make_varying(x, varying), out)
+
+
+def cotangents_like(primals, cotangents):
+  """Each cotangent summed over the manual axes its primal does not vary over.
+
+  Inside ``shard_map(check_vma=True)`` a custom VJP must return cotangents
+  typed like its inputs: the gradient of a replicated input (a bias shared by
+  every batch shard) is the sum of the shards' contributions.
+  """
+  def like(primal, cotangent):
+    if primal is None or cotangent is None or not _compat.vma_checked():
+      return cotangent
+    extra = _compat.varying_axes(cotangent) - _compat.varying_axes(primal)
+    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
+  return tuple(like(p, c) for p, c in zip(primals, cotangents))
 
 
 # ----------------------------------------------------- factor assignment --

@@ -6,6 +6,11 @@ import os
 from pallas_kernels import _quiet
 
 _quiet.select_cpu_when_no_accelerator()
+# 8 CPU devices for the sharding tests (read when jax starts its backends).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
+                                                                  ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_ENABLE_X64", "0")
 
 import jax  # noqa: E402

@@ -173,6 +173,9 @@ def _attention_bwd(config, residuals, cotangents):
       OP, config.backend, _implementations(config, False),
       q, k, v, q_seg, kv_seg, bias, out, lse, d_out.astype(q.dtype), d_lse,
       rule=_sharding_rule(q_seg, kv_seg, bias, False, d_lse))
+  from pallas_kernels import _sharding
+  dq, dk, dv, dbias = _sharding.cotangents_like((q, k, v, bias),
+                                                (dq, dk, dv, dbias))
   return (dq, dk, dv, _integer_cotangent(q_seg), _integer_cotangent(kv_seg),
           dbias)
 
