@@ -4,8 +4,9 @@ Public ops (each takes ``backend=None | "mosaic_tpu" | "gpu" | "interpret" |
 "reference"``; see ``pallas_kernels._backend`` for how None is resolved):
 
   attention:   flash_attention, shard_flash_attention
-  int8 matmul: quantize_int8, int8_matmul, nn.int8_dense
-  boxes:       giou, pairwise_giou, giou_loss, box_iou, ... ; nms, batched_nms
+  int8 matmul: quantize_int8, int8_matmul, shard_int8_matmul, nn.int8_dense
+  boxes:       giou, pairwise_giou, giou_loss, box_iou, ... ; nms, batched_nms,
+               shard_batched_nms
 
 ``pallas_kernels.reference`` holds the plain-JAX versions with identical
 semantics. ``force_interpret()`` runs everything in Pallas interpret mode.
@@ -25,6 +26,7 @@ _EXPORTS = {
     "shard_flash_attention": "pallas_kernels.attention",
     "quantize_int8": "pallas_kernels.int8",
     "int8_matmul": "pallas_kernels.int8",
+    "shard_int8_matmul": "pallas_kernels.int8",
     "giou": "pallas_kernels.boxes.iou",
     "pairwise_giou": "pallas_kernels.boxes.iou",
     "giou_loss": "pallas_kernels.boxes.iou",
@@ -40,6 +42,7 @@ _EXPORTS = {
     "ciou_loss": "pallas_kernels.boxes.iou",
     "nms": "pallas_kernels.boxes.nms",
     "batched_nms": "pallas_kernels.boxes.nms",
+    "shard_batched_nms": "pallas_kernels.boxes.nms",
     "soft_nms": "pallas_kernels.boxes.nms",
 }
 _SUBMODULES = ("reference", "nn", "tpu_aot", "attention", "int8", "boxes")

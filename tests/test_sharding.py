@@ -209,3 +209,34 @@ def test_int8_in_checked_shard_map_with_tpu_interpreter(rng):
   mapped = jax.shard_map(case.fn("interpret"), mesh=_mesh(AxisType.Auto),
                          in_specs=case.specs, out_specs=case.out_specs)
   _close(case, jax.jit(mapped)(*args), want)
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("axes", [dict(row_axis="data", n_axis="model"),
+                                  dict(row_axis="data", k_axis="model")])
+def test_shard_int8_matmul_helper(axes, layout, rng):
+  x, w, xs, ws, bias = sc.case("int8_matmul").make(rng)
+  w = w if layout == "kn" else w.T
+  kwargs = dict(x_scale=xs, w_scale=ws, bias=bias, out_dtype=jnp.float32,
+                weight_layout=layout)
+  want = pk.int8_matmul(x, w, backend="reference", **kwargs)
+  got = pk.shard_int8_matmul(_mesh(AxisType.Auto), x, w, **axes, **kwargs)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+  raw = pk.shard_int8_matmul(_mesh(AxisType.Auto), x, w, weight_layout=layout,
+                             **axes)
+  assert raw.dtype == jnp.int32
+  np.testing.assert_array_equal(raw, pk.int8_matmul(
+      x, w, weight_layout=layout, backend="reference"))
+
+
+def test_shard_batched_nms_helper(rng):
+  boxes, scores = sc.case("batched_nms").make(rng)
+  kwargs = dict(iou_threshold=0.5, max_output_size=12)
+  want = pk.batched_nms(boxes, scores, backend="reference", **kwargs)
+  got = pk.shard_batched_nms(_mesh(AxisType.Auto, shape=(4,)), boxes, scores,
+                             **kwargs)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+  with pytest.raises(ValueError, match="not divisible by mesh axis"):
+    pk.shard_batched_nms(_mesh(AxisType.Auto, shape=(8,)), boxes, scores,
+                         **kwargs)

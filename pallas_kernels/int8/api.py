@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -288,3 +289,78 @@ def _matmul_rule(weight_layout, x_scale, w_scale, bias):
        ("bias", maybe(bias, "s n"))],
       ["m n"], split="m n", helper="shard_int8_matmul (or jax.shard_map)",
       names={"m": "rows", "k": "K (contracted)", "n": "N (output columns)"})
+
+
+def shard_int8_matmul(mesh, x, w, *, row_axis=None, n_axis=None, k_axis=None,
+                      x_scale=None, w_scale=None, bias=None, out_dtype=None,
+                      weight_layout="kn", **kwargs):
+  """``int8_matmul`` with rows, N (column parallel) and/or K (row parallel)
+  split over mesh axes, as in tensor-parallel layers.
+
+  ``x [M, K]`` is split as ``(row_axis, k_axis)``; ``w`` as ``(k_axis,
+  n_axis)`` (``(n_axis, k_axis)`` for ``weight_layout="nk"``); per-row
+  ``x_scale [M, 1]`` follows the rows, ``w_scale``/``bias [N]`` follow N.
+  With ``k_axis`` every device multiplies its K slice and the partial
+  products are summed over that axis (``psum``, in float32, or int32 in
+  raw mode) before the bias is added. The result is split as ``(row_axis,
+  n_axis)``. Other keyword arguments go to ``int8_matmul``.
+
+  Example::
+
+      mesh = jax.make_mesh((2, 4), ("data", "model"))
+      y = shard_int8_matmul(mesh, x_q, w_q, x_scale=sx, w_scale=sw,
+                            row_axis="data", n_axis="model")
+  """
+  from jax.sharding import PartitionSpec as P
+  from pallas_kernels import _compat
+  _check_array("x", x)
+  _check_array("w", w)
+  if x.ndim != 2:
+    raise ValueError(f"shard_int8_matmul: x must be [M, K], got shape "
+                     f"{x.shape}")
+  for name, axis in (("row_axis", row_axis), ("n_axis", n_axis),
+                     ("k_axis", k_axis)):
+    if axis is not None and axis not in mesh.shape:
+      raise ValueError(f"shard_int8_matmul: {name}={axis!r} is not a mesh "
+                       f"axis ({tuple(mesh.shape)})")
+  final_dtype = jax.eval_shape(
+      lambda *a: int8_matmul(*a[:2], x_scale=a[2], w_scale=a[3], bias=a[4],
+                             out_dtype=out_dtype, weight_layout=weight_layout,
+                             **kwargs),
+      x, w, x_scale, w_scale, bias).dtype
+  w_spec = (P(k_axis, n_axis) if weight_layout == "kn" else P(n_axis, k_axis))
+  def vector(v, row_spec=None):
+    if v is None:
+      return None
+    if jnp.size(v) <= 1:
+      return P()
+    if row_spec is not None:
+      return row_spec
+    return P(n_axis) if jnp.ndim(v) == 1 else P(None, n_axis)
+  args = [x, w, x_scale, w_scale, bias]
+  specs = [P(row_axis, k_axis), w_spec, vector(x_scale, P(row_axis, None)),
+           vector(w_scale), vector(bias)]
+  present = [i for i, a in enumerate(args) if a is not None]
+
+  def local(*arrays):
+    full = [None] * 5
+    for i, a in zip(present, arrays):
+      full[i] = a
+    xl, wl, xs, ws, b = full
+    if k_axis is None:
+      return int8_matmul(xl, wl, x_scale=xs, w_scale=ws, bias=b,
+                         out_dtype=out_dtype, weight_layout=weight_layout,
+                         **kwargs)
+    partial_dtype = (jnp.int32 if final_dtype == jnp.int32 else jnp.float32)
+    part = int8_matmul(xl, wl, x_scale=xs, w_scale=ws,
+                       out_dtype=None if partial_dtype == jnp.int32 and
+                       out_dtype is None else partial_dtype,
+                       weight_layout=weight_layout, **kwargs)
+    total = jax.lax.psum(part.astype(partial_dtype), k_axis)
+    if b is not None:
+      total = total + jnp.reshape(b, (1, -1)).astype(jnp.float32)
+    return total.astype(final_dtype)
+
+  return _compat.shard_map(
+      local, mesh=mesh, in_specs=tuple(specs[i] for i in present),
+      out_specs=P(row_axis, n_axis))(*[args[i] for i in present])

@@ -4,7 +4,7 @@
 and ``soft_nms`` (reference only). See ``reference`` for the semantics,
 ``mosaic_tpu`` and ``gpu`` for the algorithms.
 """
-from .api import batched_nms, nms, soft_nms
+from .api import batched_nms, nms, shard_batched_nms, soft_nms
 
-__all__ = ["nms", "batched_nms", "soft_nms"]
+__all__ = ["nms", "batched_nms", "shard_batched_nms", "soft_nms"]
 

@@ -288,3 +288,36 @@ def soft_nms(boxes, scores, *, max_output_size, method="gaussian", sigma=0.5,
       boxes, scores, max_output_size=max_output_size, method=method,
       sigma=sigma, iou_threshold=iou_threshold,
       score_threshold=score_threshold, class_ids=class_ids)
+
+
+def shard_batched_nms(mesh, boxes, scores, *, batch_axis="data",
+                      class_ids=None, **kwargs):
+  """:func:`batched_nms` with the images split over mesh axis ``batch_axis``.
+
+  Each device runs NMS on its images (``shard_map``); indices and counts
+  come back split the same way. Other keyword arguments go to
+  ``batched_nms``.
+
+  Example::
+
+      mesh = jax.make_mesh((8,), ("data",))
+      keep, count = shard_batched_nms(mesh, boxes, scores, iou_threshold=0.5,
+                                      max_output_size=100)
+  """
+  from jax.sharding import PartitionSpec as P
+  from pallas_kernels import _compat
+  if batch_axis not in mesh.shape:
+    raise ValueError(f"shard_batched_nms: batch_axis={batch_axis!r} is not a "
+                     f"mesh axis ({tuple(mesh.shape)})")
+  if jnp.shape(scores)[0] % mesh.shape[batch_axis]:
+    raise ValueError(f"shard_batched_nms: batch {jnp.shape(scores)[0]} is not "
+                     f"divisible by mesh axis {batch_axis!r} "
+                     f"({mesh.shape[batch_axis]})")
+  spec = P(batch_axis)
+  args = [boxes, scores] + ([] if class_ids is None else [class_ids])
+
+  def local(boxes, scores, class_ids=None):
+    return batched_nms(boxes, scores, class_ids=class_ids, **kwargs)
+
+  return _compat.shard_map(local, mesh=mesh, in_specs=(spec,) * len(args),
+                           out_specs=(spec, spec))(*args)
