@@ -107,8 +107,24 @@ def mosaic_version_for_aot(max_version: int = 7):
     tpu_custom_call.get_ir_version = original
 
 
+# ---------------------------------------------- Mosaic GPU, GPU lowering --
+
+def mosaic_gpu_load(ref, idx=(), *, layout=None, optimized=True):
+  """``plgpu.load`` of ``ref[idx]`` into registers in ``layout``.
+
+  jax 0.12 dropped load's index argument (slice the ref with ``.at``).
+  """
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, idx, layout=layout, optimized=optimized)
+  if not isinstance(idx, tuple) or idx:
+    ref = ref.at[idx]
+  return plgpu.load(ref, layout=layout, optimized=optimized)
+
+
 __all__ = [
     "JAX_VERSION", "HAS_TPU_INTERPRETER", "TpuInterpretParams", "pl", "pltpu",
     "tpu_compiler_params", "gpu_compiler_params", "tpu_interpret_params",
     "races_found", "shard_map", "mosaic_version_for_aot",
+    "mosaic_gpu_load",
 ]
