@@ -122,9 +122,43 @@ def mosaic_gpu_load(ref, idx=(), *, layout=None, optimized=True):
   return plgpu.load(ref, layout=layout, optimized=optimized)
 
 
+# What GPU kernels lower for on a host without one: an sm_90 (Hopper) GPU,
+# the one the Mosaic GPU kernels are written for.
+ABSTRACT_GPU_KIND = "NVIDIA H100 80GB HBM3"
+
+
+@contextlib.contextmanager
+def abstract_gpu_target(device_kind: str = ABSTRACT_GPU_KIND):
+  """Lets GPU (Triton) kernels lower for ``device_kind`` without that GPU.
+
+  jax >= 0.12's Triton lowering reads the target's compute capability from
+  the device and raises without a GPU unless an abstract GPU device is set
+  through an abstract mesh; older jax picks a default target itself. The
+  abstract mesh is part of the trace context: trace inside the context too.
+  """
+  sharding = jax.sharding
+  if not hasattr(sharding, "AbstractDevice"):
+    yield
+    return
+  device = sharding.AbstractDevice(device_kind=device_kind, num_cores=None,
+                                   platform="cuda")
+  # No axes: only the device is set, nothing gets sharded.
+  with sharding.use_abstract_mesh(
+      sharding.AbstractMesh((), (), abstract_device=device)):
+    yield
+
+
+def lower_for_cuda(fn, *args, device_kind: str = ABSTRACT_GPU_KIND):
+  """``jax.jit(fn)`` traced for ``args`` and lowered for CUDA on any host
+  (no GPU needed); returns jax's ``Lowered``."""
+  with abstract_gpu_target(device_kind):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 __all__ = [
     "JAX_VERSION", "HAS_TPU_INTERPRETER", "TpuInterpretParams", "pl", "pltpu",
     "tpu_compiler_params", "gpu_compiler_params", "tpu_interpret_params",
     "races_found", "shard_map", "mosaic_version_for_aot",
-    "mosaic_gpu_load",
+    "mosaic_gpu_load", "ABSTRACT_GPU_KIND", "abstract_gpu_target",
+    "lower_for_cuda",
 ]
