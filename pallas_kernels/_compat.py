@@ -183,6 +183,52 @@ def load_tpu_plugin_for_aot() -> None:
                  if "partitioner" in getattr(getattr(c, "func", c), "__name__", "")]
     for callback in callbacks:
       callback(c_api=c_api)
+# ---------------------------------------------- Mosaic GPU, GPU lowering --
+
+def mosaic_gpu_load(ref, idx=(), *, layout=None, optimized=True):
+  """``plgpu.load`` of ``ref[idx]`` into registers in ``layout``.
+
+  jax 0.12 dropped load's index argument (slice the ref with ``.at``).
+  """
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, idx, layout=layout, optimized=optimized)
+  if not isinstance(idx, tuple) or idx:
+    ref = ref.at[idx]
+  return plgpu.load(ref, layout=layout, optimized=optimized)
+
+
+# What GPU kernels lower for on a host without one: an sm_90 (Hopper) GPU,
+# the one the Mosaic GPU kernels are written for.
+ABSTRACT_GPU_KIND = "NVIDIA H100 80GB HBM3"
+
+
+@contextlib.contextmanager
+def abstract_gpu_target(device_kind: str = ABSTRACT_GPU_KIND):
+  """Lets GPU (Triton) kernels lower for ``device_kind`` without that GPU.
+
+  jax >= 0.12's Triton lowering reads the target's compute capability from
+  the device and raises without a GPU unless an abstract GPU device is set
+  through an abstract mesh; older jax picks a default target itself. The
+  abstract mesh is part of the trace context: trace inside the context too.
+  """
+  sharding = jax.sharding
+  if not hasattr(sharding, "AbstractDevice"):
+    yield
+    return
+  device = sharding.AbstractDevice(device_kind=device_kind, num_cores=None,
+                                   platform="cuda")
+  # No axes: only the device is set, nothing gets sharded.
+  with sharding.use_abstract_mesh(
+      sharding.AbstractMesh((), (), abstract_device=device)):
+    yield
+
+
+def lower_for_cuda(fn, *args, device_kind: str = ABSTRACT_GPU_KIND):
+  """``jax.jit(fn)`` traced for ``args`` and lowered for CUDA on any host
+  (no GPU needed); returns jax's ``Lowered``."""
+  with abstract_gpu_target(device_kind):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 __all__ = [
@@ -191,4 +237,6 @@ __all__ = [
     "races_found", "shard_map", "mosaic_version_for_aot", "varying_axes",
     "make_varying", "vma_checked", "vma_check_disabled", "in_manual_context",
     "is_explicit_axis", "reshard", "load_tpu_plugin_for_aot",
+    "mosaic_gpu_load", "ABSTRACT_GPU_KIND", "abstract_gpu_target",
+    "lower_for_cuda",
 ]

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+from pallas_kernels import _compat
 from pallas_kernels.attention import gpu
 
 SMALL = gpu.GpuBlockSizes(block_q=16, block_k=16, block_q_dq=16,
@@ -536,8 +537,7 @@ def test_cuda_gradient_runs_the_forward_once():
                                                       backend="gpu"), q, k, v)
     return out, vjp(do)
 
-  text = jax.jit(fwd_bwd).trace(q, q, q, q).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = _compat.lower_for_cuda(fwd_bwd, q, q, q, q).as_text()
   for name in ("flash_attention_fwd_gpu", "flash_attention_dq_gpu",
                "flash_attention_dkv_gpu"):
     assert text.count(f'"{name}"') == 1, name

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import _compat
 from pallas_kernels.attention import mosaic_gpu
 from test_attention_gpu import reference as float64_reference
 
@@ -222,8 +223,7 @@ def test_schedules_lower_for_cuda_on_a_cpu_host(switches):
   assert mosaic_gpu.supports(q, kv, kv, block_sizes=sizes) is True
   fn = lambda q, k, v: _run(q, k, v, causal=True, left=100,  # noqa: E731
                             block_sizes=sizes, interpret=False)
-  text = jax.jit(fn).trace(q, kv, kv).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = _compat.lower_for_cuda(fn, q, kv, kv).as_text()
   assert "mosaic_gpu" in text
 
 
@@ -329,8 +329,7 @@ def test_dkv_gpu_kernel_lowers_for_cuda_on_a_cpu_host(d):
       logit_soft_cap=3.0)
   dk, dv = jax.eval_shape(fn, q, kv, kv, q, rows, rows)
   assert dk.shape == dv.shape == kv.shape
-  text = jax.jit(fn).trace(q, kv, kv, q, rows, rows).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = _compat.lower_for_cuda(fn, q, kv, kv, q, rows, rows).as_text()
   assert "mosaic_gpu" in text
 
 
@@ -415,8 +414,7 @@ def test_dq_gpu_kernel_lowers_for_cuda_on_a_cpu_host(block_k):
       logit_soft_cap=3.0,
       block_sizes=mosaic_gpu_bwd.MosaicGpuDqBlockSizes(block_k=block_k))
   assert jax.eval_shape(fn, q, kv, kv, q, rows, rows).shape == q.shape
-  text = jax.jit(fn).trace(q, kv, kv, q, rows, rows).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = _compat.lower_for_cuda(fn, q, kv, kv, q, rows, rows).as_text()
   assert "mosaic_gpu" in text
 
 

@@ -601,12 +601,7 @@ def test_gpu_kernels_lower_for_cuda(rng):
       (lambda x, y: pk.pairwise_giou(x, y, backend="gpu"), (b[:100], b)),
   ]
   for fn, args in fns:
-    try:
-      lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    except Exception as e:  # noqa: BLE001
-      if "cuda" in str(e).lower() and "platform" in str(e).lower():
-        pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
-      raise
+    lowered = _compat.lower_for_cuda(fn, *args)
     assert "triton" in lowered.as_text().lower() or "__gpu" in lowered.as_text()
 
 
@@ -729,15 +724,10 @@ def test_gpu_pairwise_ptx_division_lowers_for_cuda(rng, division, formula,
                                                    ptx):
   """The PTX division variants lower (interpret mode divides exactly)."""
   b = jnp.asarray(random_boxes(rng, (256,)))
-  fn = jax.jit(lambda x, y: gpu.pairwise(
+  fn = lambda x, y: gpu.pairwise(  # noqa: E731
       x[None], y[None], kind="giou", eps=0.0, out_dtype=jnp.float32,
-      division=division, formula=formula))
-  try:
-    text = fn.trace(b, b).lower(lowering_platforms=("cuda",)).as_text()
-  except Exception as e:  # noqa: BLE001
-    if "cuda" in str(e).lower() and "platform" in str(e).lower():
-      pytest.skip(f"this jaxlib cannot lower for CUDA: {e}")
-    raise
+      division=division, formula=formula)
+  text = _compat.lower_for_cuda(fn, b, b).as_text()
   assert ptx in text  # the PTX string inside the kernel's IR
   got = gpu.pairwise(b[None, :40], b[None], kind="giou", eps=0.0,
                      out_dtype=jnp.float32, division=division,

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import _compat
 from pallas_kernels.int8 import block_sizes as bs
 from pallas_kernels.int8 import gpu, mosaic_gpu
 
@@ -151,6 +152,29 @@ def test_plan_fused_epilogue_and_clusters():
   assert mosaic_gpu.plan(128, 14336, 4096, sizes(
       split_reduce="cluster")).cluster == 1  # the cluster is the split
   assert mosaic_gpu.plan(128, 4096, 14336, sizes(cluster=1)).cluster == 1
+
+
+@pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
+                    reason="no Mosaic GPU Pallas API in this jax")
+@pytest.mark.parametrize("m, k, n, sizes", [
+    (16, 4096, 14336, {}),  # fused epilogue: scale and bias loads
+    (128, 14336, 4096, {}),  # split K, XLA sum; x pairs
+    (20, 256, 300, dict(tile_k=64, stages=3, wg_rows=128, cluster=2)),
+    (9, 600, 130, dict(tile_k=128, stages=2, split_reduce="cluster")),
+])
+def test_gpu_kernel_lowers_for_cuda_on_a_cpu_host(m, k, n, sizes):
+  """The Pallas -> Mosaic GPU lowering (wgmma, layouts, TMA, the epilogue's
+  vector loads) runs here; the interpreter tests skip it. Only the PTX
+  compile needs the GPU."""
+  sizes = mosaic_gpu.MgpuBlockSizes(**sizes)
+  fn = lambda x, w, s, b: mosaic_gpu.matmul(  # noqa: E731
+      x, w, None, s, b, mode="weight_only", out_dtype=jnp.bfloat16,
+      w_layout="nk", block_sizes=sizes)
+  args = (_sds((m, k), jnp.bfloat16), _sds((n, k), jnp.int8),
+          _sds((1, n), jnp.float32), _sds((1, n), jnp.float32))
+  assert jax.eval_shape(fn, *args).shape == (m, n)
+  text = _compat.lower_for_cuda(fn, *args).as_text()
+  assert "mosaic_gpu" in text
 
 
 # -------------------------------------------------------------- wiring --

@@ -347,7 +347,8 @@ def wgmma_iota(shape, dim, interpreting):
 
 def load_vector(ref, layout, interpreting):
   """A per-row (or per-column) vector from shared memory in ``layout``."""
-  return ref[...] if interpreting else plgpu.load(ref, (), layout=layout)
+  return ref[...] if interpreting else _compat.mosaic_gpu_load(ref,
+                                                               layout=layout)
 
 
 def register_tools(tile_shape, vector_axis: int, interpreting):

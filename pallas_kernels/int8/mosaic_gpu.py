@@ -434,8 +434,9 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret):
         if interpreting:
           v = ref[pl.ds(row0, ROWS_PER_WG)]
         else:  # one value per accumulator row, in the wgmma's row layout
-          v = plgpu.load(ref, (pl.ds(row0, ROWS_PER_WG),),
-                         layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+          v = _compat.mosaic_gpu_load(
+              ref, (pl.ds(row0, ROWS_PER_WG),),
+              layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
         v = lax.broadcast_in_dim(v, (ROWS_PER_WG, p.mp), (0,))
         acc = acc * v if scale else acc + v
       val = acc.astype(out_dtype)
