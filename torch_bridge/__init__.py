@@ -23,10 +23,17 @@ implementation and an autograd formula that runs the JAX VJP.
 SPMD / FSDP:
   * FSDPv2 (``SpmdFullyShardedDataParallel``): pass ``partition_spec`` to
     the ops, or ``batch_axis``/``head_axis`` to the modules; the kernel runs
-    per shard in manual-sharding mode. Gradients of inputs replicated over an
+    per shard in manual-sharding mode. Every op and module takes them
+    (``ops`` says which dimensions each can split; any other raises
+    ValueError). A batch the mesh axis does not divide is zero-padded inside
+    the op and the outputs are cut back, so shapes are always the unsharded
+    ones; reduced losses reduce the per-box losses in torch. Without a spec
+    under SPMD an op runs unsharded and warns once (``UnshardedWarning``).
+    Gradients of inputs replicated over an
     axis the others are split on (a weight, a broadcast bias) are partial
     sums, reduced by the SPMD partitioner. ``examples/train_vit_fsdp.py``
-    trains a ViT this way on 4 CPU XLA devices (a test runs it).
+    trains a ViT this way on CPU XLA devices (tests run it on 4 and 8,
+    with a batch the devices do not divide).
   * FSDPv1 (``XlaFullyShardedDataParallel``): nothing to shard manually
     (one replica per device); ``train_vit_fsdp.py --fsdp v1``. Unverified:
     it cannot run on the CPU PJRT client here (see that script).
@@ -69,6 +76,7 @@ _EXPORTS = {
     "giou_loss": "torch_bridge.ops",
     "nms": "torch_bridge.ops",
     "batched_nms": "torch_bridge.ops",
+    "UnshardedWarning": "torch_bridge.ops",
     "Attention": "torch_bridge.modules",
     "Int8Linear": "torch_bridge.modules",
     "GIoULoss": "torch_bridge.modules",

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -92,7 +93,27 @@ def _is_float(t) -> bool:
                             else jnp.issubdtype(t.dtype, jnp.floating))
 
 
-ShardSpecsFn = Callable[[dict, Sequence[Any], Sequence[Any]], tuple]
+ShardSpecsFn = Callable[[dict, tuple, Sequence[Any], Any], tuple]
+
+
+class UnshardedWarning(UserWarning):
+  """A bridge op on XLA tensors under SPMD was given no ``partition_spec``,
+  so its kernel runs unsharded (shown once per op)."""
+
+
+_WARNED_UNSHARDED: set[str] = set()
+
+
+def _warn_unsharded(name: str) -> None:
+  if name in _WARNED_UNSHARDED:
+    return
+  _WARNED_UNSHARDED.add(name)
+  warnings.warn(
+      f"{name}: torch_xla SPMD is on but no partition_spec was given, so the "
+      "kernel runs unsharded (whole operands on every device). Pass "
+      "partition_spec= (and mesh=; modules: batch_axis=) to run it per "
+      "shard, or an all-None partition_spec to replicate it on purpose. "
+      "Shown once per op.", UnshardedWarning, stacklevel=4)
 
 
 @dataclasses.dataclass
@@ -102,10 +123,15 @@ class JaxOp:
   ``fn(*arrays, **static)`` takes its arrays positionally (None for absent
   optional ones). ``differentiable`` lists the positions that may receive
   gradients (default: every floating-point one).
-  ``shard_specs(static, partition_spec, arrays) -> (in_specs, out_specs)``
-  maps the user's ``partition_spec`` (for the op's main operand) to one spec
-  per input position and output; ops without it run unsharded under SPMD
-  (the partitioner then gathers their operands).
+  ``shard_specs(static, partition_spec, arrays, mesh) -> (in_specs,
+  out_specs)`` maps the user's ``partition_spec`` (for the op's main
+  operand) to one spec per input position and output, raising ValueError
+  for a dimension that cannot be split; ``mesh`` is None when only the
+  spec's structure is checked (every call that has a spec, on any device).
+  Sharded dimensions the mesh does not divide are padded and cut back
+  (``_xla.call_sharded``): ``shard_specs`` must refuse those where padding
+  would change the real rows' results. Under SPMD an XLA call without a
+  spec runs unsharded and warns once (``UnshardedWarning``).
 
   torch.library cannot carry None inside a tensor list through autograd, so
   the custom ops take the present tensors only, and the static string
@@ -143,6 +169,15 @@ class JaxOp:
                **static) -> list[torch.Tensor]:
     static["_layout"] = tuple(a is not None for a in arrays)
     present = [a for a in arrays if a is not None]
+    spec = static.get("_partition_spec")
+    if spec is not None:
+      if self.shard_specs is None:
+        raise TypeError(f"{self.name} takes no partition_spec")
+      self.shard_specs(static, tuple(spec), list(arrays), None)
+    elif any(a.device.type == "xla" for a in present):
+      from torch_bridge import _xla
+      if _xla.spmd_active():
+        _warn_unsharded(self.name)
     return list(self.forward_op(encode_static(static), present))
 
 
@@ -240,8 +275,12 @@ def _run_xla(op, static_text, mask, tensors, shard):
   if shard is None:
     return _xla.call(key, fn, tensors)
   shard, partial = shard
+  out_shapes = None
+  if _xla.needs_padding(tensors, shard):
+    specs = tuple(_convert.shape_dtype(t) for t in tensors)
+    out_shapes = _out_shapes(op.name, static_text, mask, specs)
   if not any(partial):
-    return _xla.call_sharded(key, fn, tensors, shard)
+    return _xla.call_sharded(key, fn, tensors, shard, out_shapes)
   # A gradient of an input replicated over mesh axes that other inputs are
   # split on is a per-device partial sum: stack the partials on a new leading
   # axis sharded over those axes and sum it outside the manual region, where
@@ -249,8 +288,20 @@ def _run_xla(op, static_text, mask, tensors, shard):
   def stacked(*arrays):
     return tuple(g[None] if axes else g
                  for g, axes in zip(fn(*arrays), partial))
-  outs = _xla.call_sharded(key + (partial,), stacked, tensors, shard)
+  if out_shapes is not None:
+    out_shapes = [((_xla.entry_size(shard.mesh, axes),) + s) if axes else s
+                  for s, axes in zip(out_shapes, partial)]
+  outs = _xla.call_sharded(key + (partial,), stacked, tensors, shard,
+                           out_shapes)
   return [o.sum(0) if axes else o for o, axes in zip(outs, partial)]
+
+
+@functools.lru_cache(maxsize=None)
+def _out_shapes(name, static_text, mask, specs) -> list[tuple[int, ...]]:
+  """Global output shapes of the forward (mask None) or VJP on ``specs``."""
+  fn = (_jax_forward(name, static_text) if mask is None
+        else _jax_vjp(name, static_text, mask))
+  return [tuple(o.shape) for o in jax.eval_shape(fn, *specs)]
 
 
 def _axes_of(spec) -> set:
@@ -278,8 +329,10 @@ def _shard_for(op: JaxOp, static_text: str, arrays, float_outputs=None,
   if not _xla.spmd_active():
     return None
   mesh = _mesh_from(static.get("_mesh"))
+  _check_axes(op.name, spec, mesh)
   layout = static["_layout"]
-  full_ins, outs = op.shard_specs(static, spec, _fill(layout, arrays))
+  full_ins, outs = op.shard_specs(static, tuple(spec), _fill(layout, arrays),
+                                  mesh)
   ins = [s for s, here in zip(full_ins, layout) if here]
   ins = [tuple(s) if s is not None else (None,) * a.dim()
          for s, a in zip(ins, arrays)]
@@ -295,6 +348,23 @@ def _shard_for(op: JaxOp, static_text: str, arrays, float_outputs=None,
   ct_specs = [s for s, f in zip(outs, float_outputs) if f]
   return (_xla.ShardSpec(mesh, tuple(ins) + tuple(ct_specs), tuple(grads)),
           tuple(partial))
+
+
+def _check_axes(name, spec, mesh):
+  """Every mesh axis named in ``spec`` exists and splits one dimension."""
+  from torch_bridge import _xla
+  seen = {}
+  for dim, entry in enumerate(spec):
+    for axis in _xla._axes(entry):
+      try:
+        _xla.axis_size(mesh, axis)
+      except ValueError as e:
+        raise ValueError(f"{name}: partition_spec {tuple(spec)!r}: {e}"
+                         ) from None
+      if axis in seen:
+        raise ValueError(f"{name}: partition_spec {tuple(spec)!r} uses mesh "
+                         f"axis {axis!r} for dims {seen[axis]} and {dim}")
+      seen[axis] = dim
 
 
 def _mesh_from(text):

@@ -17,7 +17,10 @@ with a ``ShardSpec`` the inputs enter manual-sharding mode
 (``xs.enable_manual_sharding``), the kernel runs on each device's shard and
 the outputs leave it again (``xs.disable_manual_sharding``), as torch_xla's
 own ``custom_kernel.flash_attention`` does. Only dimensions the op treats
-independently (batch, heads) may be sharded.
+independently (batch, heads, rows) may be sharded. A sharded dimension the
+mesh axes do not divide is zero-padded up to a multiple before the kernel
+and the outputs are cut back to their true shapes after it (the padded rows
+are independent of the real ones, so they change nothing but are computed).
 """
 from __future__ import annotations
 
@@ -118,16 +121,56 @@ def spmd_active() -> bool:
   return bool(xr.is_spmd())
 
 
-def _full_shape(local_shape, spec, mesh) -> tuple[int, ...]:
+def _axes(entry) -> tuple:
+  """A partition-spec entry as a tuple of mesh axes (None: ())."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def axis_size(mesh, axis) -> int:
+  """Devices along mesh axis ``axis`` (a name, or an index into the mesh)."""
   sizes = mesh.shape()
-  full = []
-  for size, axes in zip(local_shape, spec):
-    if axes is None:
-      axes = ()
-    elif isinstance(axes, (str, int)):
-      axes = (axes,)
-    full.append(size * math.prod(sizes[a] for a in axes))
-  return tuple(full)
+  if axis in sizes:
+    return int(sizes[axis])
+  if (isinstance(axis, int) and not isinstance(axis, bool)
+      and 0 <= axis < len(mesh.mesh_shape)):
+    return int(mesh.mesh_shape[axis])
+  raise ValueError(f"mesh axis {axis!r} is not in the mesh (axes "
+                   f"{tuple(sizes)}, shape {tuple(mesh.mesh_shape)})")
+
+
+def entry_size(mesh, entry) -> int:
+  """Devices a dimension is split over: the product of its axes' sizes."""
+  return math.prod(axis_size(mesh, a) for a in _axes(entry))
+
+
+def padded_shape(shape, spec, mesh) -> tuple[int, ...]:
+  """``shape`` with each sharded dimension rounded up to a multiple of the
+  number of devices it is split over."""
+  return tuple(-(-size // n) * n for size, n in
+               ((size, entry_size(mesh, e)) for size, e in zip(shape, spec)))
+
+
+def _full_shape(local_shape, spec, mesh) -> tuple[int, ...]:
+  return tuple(size * entry_size(mesh, e)
+               for size, e in zip(local_shape, spec))
+
+
+def _pad(t: torch.Tensor, shape) -> torch.Tensor:
+  """``t`` zero-padded at the end of each dimension up to ``shape``."""
+  pads = []
+  for size, target in reversed(list(zip(t.shape, shape))):
+    pads += [0, target - size]
+  return torch.nn.functional.pad(t, pads)
+
+
+def _crop(xs, t: torch.Tensor, shape, spec, mesh) -> torch.Tensor:
+  """``t``'s leading ``shape`` block, still split as ``spec`` (unevenly)."""
+  if tuple(t.shape) == tuple(shape):
+    return t
+  t = t[tuple(slice(0, s) for s in shape)].clone()
+  return xs.mark_sharding(t, mesh, spec).global_tensor
 
 
 def _enter_manual(torch_xla, xs, t, spec, mesh):
@@ -142,9 +185,24 @@ def _enter_manual(torch_xla, xs, t, spec, mesh):
   return torch_xla._XLAC._spmd_full_to_shard_shape(t)
 
 
+def needs_padding(tensors: Sequence[torch.Tensor | None],
+                  shard: ShardSpec) -> bool:
+  """Whether some sharded dimension is not a multiple of its devices."""
+  return any(t is not None and spec is not None and
+             padded_shape(t.shape, spec, shard.mesh) != tuple(t.shape)
+             for t, spec in zip(tensors, shard.inputs))
+
+
 def call_sharded(key, fn: Callable, tensors: Sequence[torch.Tensor | None],
-                 shard: ShardSpec) -> list[torch.Tensor]:
-  """``call`` with each input/output manually sharded over ``shard.mesh``."""
+                 shard: ShardSpec, out_shapes=None) -> list[torch.Tensor]:
+  """``call`` with each input/output manually sharded over ``shard.mesh``.
+
+  Inputs whose sharded dimensions the mesh does not divide are zero-padded
+  (``needs_padding``); then ``out_shapes`` (the outputs' unpadded global
+  shapes) is required and the outputs are cut back to it.
+  """
+  if out_shapes is None and needs_padding(tensors, shard):
+    raise AssertionError(f"{key}: padded inputs need out_shapes")
   import torch_xla.distributed.spmd as xs
   if len(shard.inputs) != len(tensors):
     raise AssertionError(f"{key}: {len(tensors)} inputs, "
@@ -156,15 +214,21 @@ def call_sharded(key, fn: Callable, tensors: Sequence[torch.Tensor | None],
       local.append(None)
       continue
     spec = (None,) * t.dim() if spec is None else tuple(spec)
+    target = padded_shape(t.shape, spec, shard.mesh)
+    if target != tuple(t.shape):
+      t = _pad(t, target)
     local.append(_enter_manual(torch_xla, xs, t, spec, shard.mesh))
   outs = call(key, fn, local)
   if len(outs) != len(shard.outputs):
     raise AssertionError(f"{key}: {len(outs)} outputs, "
                          f"{len(shard.outputs)} specs")
   result = []
-  for r, spec in zip(outs, shard.outputs):
+  for i, (r, spec) in enumerate(zip(outs, shard.outputs)):
     spec = tuple(spec) if spec is not None else (None,) * r.dim()
-    result.append(xs.disable_manual_sharding(
+    r = xs.disable_manual_sharding(
         r, spec, _full_shape(r.shape, spec, shard.mesh),
-        mesh=shard.mesh).global_tensor)
+        mesh=shard.mesh).global_tensor
+    if out_shapes is not None:
+      r = _crop(xs, r, out_shapes[i], spec, shard.mesh)
+    result.append(r)
   return result

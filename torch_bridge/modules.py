@@ -13,7 +13,12 @@
 
 SPMD: give ``batch_axis`` (and for attention ``head_axis``) to run the kernels
 per shard over ``mesh`` (default: the global mesh); e.g. ``batch_axis="fsdp"``
-under FSDPv2. ``use_kernel=False`` computes the same function with plain
+under FSDPv2. ``partition_spec`` instead gives the op's whole spec (see
+``torch_bridge.ops``; Int8Linear: for x, Attention: for q/k/v ``[B, H, N,
+D]``, GIoULoss: for the boxes). A batch the axis does not divide is padded
+inside the op and the outputs keep their true shapes; without any of these
+under SPMD the kernels run unsharded (with a one-time warning).
+``use_kernel=False`` computes the same function with plain
 PyTorch (SDPA / F.linear), for comparisons on identical weights.
 """
 from __future__ import annotations
@@ -27,6 +32,19 @@ import torch.nn.functional as F
 from torch_bridge import ops
 
 
+def _one_of(name, **given):
+  named = [k for k, v in given.items() if v is not None]
+  if len(named) > 1:
+    raise ValueError(f"{name}: give {' or '.join(named)}, not both")
+
+
+def _leading_spec(batch_axis, partition_spec, x):
+  """``partition_spec``, or ``batch_axis`` on dim 0 of ``x`` (or None)."""
+  if partition_spec is not None or batch_axis is None:
+    return partition_spec
+  return (batch_axis,) + (None,) * (x.dim() - 1)
+
+
 class Int8Linear(nn.Linear):
   """``nn.Linear`` whose forward runs the int8 kernel (see ``ops.int8_dense``).
 
@@ -36,11 +54,14 @@ class Int8Linear(nn.Linear):
   """
 
   def __init__(self, in_features, out_features, bias=True, device=None,
-               dtype=None, *, batch_axis=None, mesh=None, backend=None,
-               use_kernel=True):
+               dtype=None, *, batch_axis=None, partition_spec=None, mesh=None,
+               backend=None, use_kernel=True):
     super().__init__(in_features, out_features, bias=bias, device=device,
                      dtype=dtype)
+    _one_of("Int8Linear", batch_axis=batch_axis,
+            partition_spec=partition_spec)
     self.batch_axis = batch_axis
+    self.partition_spec = partition_spec
     self.mesh = mesh
     self.backend = backend
     self.use_kernel = use_kernel
@@ -58,21 +79,27 @@ class Int8Linear(nn.Linear):
   def forward(self, x: torch.Tensor) -> torch.Tensor:
     if not self.use_kernel:
       return F.linear(x, self.weight, self.bias)
-    spec = None
-    if self.batch_axis is not None:
-      spec = (self.batch_axis,) + (None,) * (x.dim() - 1)
+    spec = _leading_spec(self.batch_axis, self.partition_spec, x)
     return ops.int8_dense(x, self.weight, self.bias, backend=self.backend,
                           partition_spec=spec, mesh=self.mesh)
 
 
 class Attention(nn.Module):
-  """Multi-head (or grouped-query) self-attention on ``[B, N, dim]``."""
+  """Multi-head (or grouped-query) self-attention on ``[B, N, dim]``.
+
+  ``batch_axis``/``head_axis`` split q, k, v ``[B, H, N, D]`` over those mesh
+  axes, as ``partition_spec=(batch_axis, head_axis, None, None)`` does.
+  """
 
   def __init__(self, dim: int, num_heads: int, *, num_kv_heads=None,
                qkv_bias=False, causal=False, sm_scale=None, linear=nn.Linear,
-               batch_axis=None, head_axis=None, mesh=None, backend=None,
-               use_kernel=True):
+               batch_axis=None, head_axis=None, partition_spec=None,
+               mesh=None, backend=None, use_kernel=True):
     super().__init__()
+    if partition_spec is not None and (batch_axis is not None or
+                                       head_axis is not None):
+      raise ValueError("Attention: give batch_axis/head_axis or "
+                       "partition_spec, not both")
     if dim % num_heads:
       raise ValueError(f"Attention: dim ({dim}) must be divisible by "
                        f"num_heads ({num_heads})")
@@ -86,6 +113,7 @@ class Attention(nn.Module):
     self.sm_scale = (1.0 / math.sqrt(self.head_dim) if sm_scale is None
                      else float(sm_scale))
     self.batch_axis, self.head_axis, self.mesh = batch_axis, head_axis, mesh
+    self.partition_spec = partition_spec
     self.backend, self.use_kernel = backend, use_kernel
     kv_dim = num_kv_heads * self.head_dim
     if num_kv_heads == num_heads:
@@ -114,7 +142,7 @@ class Attention(nn.Module):
         v = v.repeat_interleave(group, dim=1)
       return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
                                             scale=self.sm_scale)
-    spec = None
+    spec = self.partition_spec
     if self.batch_axis is not None or self.head_axis is not None:
       spec = (self.batch_axis, self.head_axis, None, None)
     return ops.flash_attention(q, k, v, causal=self.causal,
@@ -158,17 +186,40 @@ class ViTBlock(nn.Module):
 
 
 class GIoULoss(nn.Module):
-  """``1 - GIoU(pred, target)`` for boxes ``[..., 4]`` (x1, y1, x2, y2)."""
+  """``1 - GIoU(pred, target)`` for boxes ``[..., 4]`` (``box_format``
+  "xyxy": x1, y1, x2, y2; "cxcywh": centre, width, height), reduced by
+  "none", "mean" or "sum" (``ops.giou_loss``).
 
-  def __init__(self, reduction: str = "mean", eps: float = 1e-7):
+  ``batch_axis`` splits dim 0 of the boxes over that mesh axis; a whole
+  ``partition_spec`` for the (broadcast) boxes may be given instead. Under
+  SPMD the per-box losses are computed sharded and reduced in torch, so a
+  mean or sum spans every shard and never counts padding.
+  """
+
+  def __init__(self, reduction: str = "mean", eps: float = 1e-7, *,
+               box_format: str = "xyxy", batch_axis=None, partition_spec=None,
+               mesh=None, backend=None):
     super().__init__()
     if reduction not in ("none", "mean", "sum"):
       raise ValueError(f"GIoULoss: reduction must be 'none', 'mean' or 'sum', "
                        f"got {reduction!r}")
-    self.reduction, self.eps = reduction, eps
+    if box_format not in ("xyxy", "cxcywh"):
+      raise ValueError(f"GIoULoss: box_format must be 'xyxy' or 'cxcywh', "
+                       f"got {box_format!r}")
+    _one_of("GIoULoss", batch_axis=batch_axis, partition_spec=partition_spec)
+    self.reduction, self.eps, self.box_format = reduction, eps, box_format
+    self.batch_axis, self.partition_spec = batch_axis, partition_spec
+    self.mesh, self.backend = mesh, backend
 
   def forward(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ops.giou_loss(pred, target, reduction=self.reduction, eps=self.eps)
+    if self.partition_spec is None and self.batch_axis is not None:
+      full = torch.broadcast_shapes(pred.shape, target.shape)
+      spec = (self.batch_axis,) + (None,) * (len(full) - 1)
+    else:
+      spec = self.partition_spec
+    return ops.giou_loss(pred, target, reduction=self.reduction, eps=self.eps,
+                         box_format=self.box_format, backend=self.backend,
+                         partition_spec=spec, mesh=self.mesh)
 
 
 __all__ = ["Attention", "Int8Linear", "ViTBlock", "GIoULoss", "Mlp"]

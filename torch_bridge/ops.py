@@ -3,12 +3,19 @@
 Each function takes and returns torch tensors, with the argument names and
 semantics of the ``pallas_kernels`` op of the same name (see there), plus:
 
-  partition_spec, mesh  (flash_attention, int8_matmul, int8_dense) under
-      torch_xla SPMD: the kernel runs on each device's shard in manual
-      sharding mode. ``partition_spec`` names the mesh axes of the main
-      operand (q for attention, x for the matmuls); only batch (and heads)
-      may be split. ``mesh`` defaults to the global mesh. Ignored when SPMD
-      is off or the tensors are not XLA tensors.
+  partition_spec, mesh  under torch_xla SPMD: the kernel runs on each
+      device's shard in manual sharding mode. ``partition_spec`` has one
+      entry (a mesh axis name, a tuple of them, or None) per dimension of
+      the op's main operand; the op's docstring says which dimensions may
+      be split (those whose rows the op treats independently: batch, heads,
+      rows, boxes, images). Splitting any other dimension, or naming an axis
+      the mesh lacks, raises ValueError. A split dimension the mesh does not
+      divide (an odd batch) is zero-padded up to a multiple inside the op
+      and the results are cut back: the outputs always have the unsharded
+      shapes. ``mesh`` defaults to the global mesh. The spec is checked
+      everywhere but only used for XLA tensors under SPMD; there, calling an
+      op without one runs it unsharded and warns once per op
+      (``UnshardedWarning``; an all-None spec replicates it on purpose).
 
 Where the tensors live picks how the op runs (``torch_bridge._core``): XLA
 tensors embed the JAX op into the torch_xla graph (Mosaic kernel on TPU,
@@ -26,7 +33,7 @@ import functools
 
 import torch
 
-from torch_bridge._core import JaxOp
+from torch_bridge._core import JaxOp, UnshardedWarning
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -75,18 +82,59 @@ def _int32(t):
                                  else t)
 
 
+def _is_axis(a) -> bool:
+  return isinstance(a, str) or (isinstance(a, int) and not isinstance(a, bool))
+
+
 def _sharding(static: dict, partition_spec, mesh, op: str):
   if partition_spec is None:
     if mesh is not None:
       raise ValueError(f"{op}: mesh given without partition_spec")
     return static
-  if not isinstance(partition_spec, (tuple, list)):
-    raise TypeError(f"{op}: partition_spec must be a tuple of mesh axis names "
-                    f"(or None entries), got {partition_spec!r}")
-  static = dict(static, _partition_spec=tuple(partition_spec))
+  if not isinstance(partition_spec, (tuple, list)) or not all(
+      e is None or _is_axis(e) or (isinstance(e, (tuple, list)) and
+                                   all(_is_axis(a) for a in e))
+      for e in partition_spec):
+    raise TypeError(f"{op}: partition_spec must be a tuple with one entry per "
+                    "dimension: a mesh axis name, a tuple of names, or None; "
+                    f"got {partition_spec!r}")
+  partition_spec = tuple(tuple(e) if isinstance(e, list) else e
+                         for e in partition_spec)
+  static = dict(static, _partition_spec=partition_spec)
   if mesh is not None:
     static["_mesh"] = str(mesh)
   return static
+
+
+def _spec_length(op, spec, arg, shape, what=None):
+  if len(spec) != len(shape):
+    what = f" ({what})" if what else ""
+    raise ValueError(f"{op}: partition_spec {spec!r} must have one entry per "
+                     f"dimension of {arg}{what}, shape {tuple(shape)}")
+
+
+def _unsplittable(op, spec, arg, dims: dict[int, str], why: str):
+  """ValueError for the first of ``dims`` (dim -> its name) that ``spec``
+  splits: the op needs that dimension whole on every device."""
+  owner = arg + ("'" if arg.endswith("s") else "'s")
+  for dim, name in dims.items():
+    if spec[dim] is not None:
+      raise ValueError(f"{op}: partition_spec {spec!r} splits {owner} dim "
+                       f"{dim} ({name}) over mesh axis {spec[dim]!r}, but "
+                       f"{why}")
+
+
+def _broadcast_spec(spec, shape, full_shape):
+  """The spec of an input of ``shape`` that broadcasts (numpy rules) to
+  ``full_shape`` split by ``spec``: its broadcast (size-1) dimensions are
+  replicated."""
+  offset = len(full_shape) - len(shape)
+  return tuple(None if size == 1 and full_shape[offset + i] != 1
+               else spec[offset + i] for i, size in enumerate(shape))
+
+
+def _replicated(t):
+  return None if t is None else (None,) * t.dim()
 
 
 def _plain_block_sizes(block_sizes):
@@ -120,15 +168,25 @@ def _attention_jax(q, k, v, q_segment_ids, kv_segment_ids, bias, **static):
                                         bias=bias, **static)
 
 
-def _attention_shards(static, spec, arrays):
-  if len(spec) != 4:
-    raise ValueError("flash_attention: partition_spec must have 4 entries "
-                     f"(batch, heads, seq, head_dim), got {spec!r}")
-  if spec[2] is not None or spec[3] is not None:
-    raise ValueError("flash_attention: only batch and heads may be sharded "
-                     f"(partition_spec={spec!r})")
+def _attention_shards(static, spec, arrays, mesh):
+  q, k, _, _, _, bias = arrays
+  op = "flash_attention"
+  _spec_length(op, spec, "q", q.shape, "batch, heads, seq, head_dim")
+  _unsplittable(op, spec, "q", {2: "sequence", 3: "head_dim"},
+                "only batch (dim 0) and heads (dim 1) can be split: each "
+                "query needs every key and the whole head_dim")
   batch_axis, head_axis = spec[0], spec[1]
-  bias = arrays[5]
+  if head_axis is not None and mesh is not None and k.shape[1] != q.shape[1]:
+    from torch_bridge import _xla
+    n = _xla.entry_size(mesh, head_axis)
+    if k.shape[1] % n:
+      # Padding k/v heads would move the boundaries of the query-head groups.
+      raise ValueError(
+          f"{op}: heads are split over mesh axis {head_axis!r} of size {n}, "
+          f"which does not divide k/v's {k.shape[1]} heads (grouped-query "
+          f"attention, {q.shape[1]} query heads; padding would regroup "
+          "them): use a multiple of that many kv heads or leave heads "
+          "unsplit")
   bias_spec = None if bias is None else (
       batch_axis if bias.shape[0] > 1 else None,
       head_axis if bias.shape[1] > 1 else None, None, None)
@@ -147,7 +205,14 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
                     sliding_window=None, logit_soft_cap=None, bias=None,
                     return_lse=False, block_sizes=None, backend=None,
                     partition_spec=None, mesh=None):
-  """``pallas_kernels.flash_attention`` on torch tensors ``[B, H, S, D]``."""
+  """``pallas_kernels.flash_attention`` on torch tensors ``[B, H, S, D]``.
+
+  ``partition_spec``: 4 entries for q's (batch, heads, seq, head_dim); batch
+  and heads may be split (k, v, segment_ids and bias follow q). An odd
+  batch, or (for MHA) a head count the axis does not divide, is padded
+  inside; grouped-query attention needs the kv heads divisible by the heads'
+  axis size.
+  """
   op = "flash_attention"
   for name, t in (("q", q), ("k", k), ("v", v)):
     _check_tensor(op, name, t, dtypes=_FLOATS, ndim=4)
@@ -175,18 +240,43 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
 
 # ----------------------------------------------------------- int8 matmul --
 
-def _quantize_jax(x, *, axis):
+def _quantize_jax(x, *, axis, backend=None):
   import pallas_kernels
-  return pallas_kernels.quantize_int8(x, axis=axis)
+  return pallas_kernels.quantize_int8(x, axis=axis, backend=backend)
 
 
-_QUANTIZE = JaxOp("quantize_int8", _quantize_jax, differentiable=())
+def _quantize_shards(static, spec, arrays, mesh):
+  (x,), axis, op = arrays, static["axis"], "quantize_int8"
+  _spec_length(op, spec, "x", x.shape)
+  if axis is None:
+    _unsplittable(op, spec, "x", {d: "axis=None" for d in range(x.dim())},
+                  "axis=None takes one scale over the whole tensor")
+    return (spec,), (spec, ())
+  if not -x.dim() <= axis < x.dim():
+    raise ValueError(f"{op}: axis={axis} is out of range for x of rank "
+                     f"{x.dim()}")
+  axis %= x.dim()
+  _unsplittable(op, spec, "x", {axis: f"axis={static['axis']}"},
+                "the scale is the maximum over that dimension")
+  return (spec,), (spec, spec)  # scale keeps that dimension (size 1)
 
 
-def quantize_int8(x, *, axis=-1):
-  """``(q int8, scale float32)`` with ``x ~= q * scale`` (no gradient)."""
-  _check_tensor("quantize_int8", "x", x, dtypes=_FLOATS)
-  q, scale = _QUANTIZE([x], axis=axis)
+_QUANTIZE = JaxOp("quantize_int8", _quantize_jax, differentiable=(),
+                  shard_specs=_quantize_shards)
+
+
+def quantize_int8(x, *, axis=-1, backend=None, partition_spec=None,
+                  mesh=None):
+  """``(q int8, scale float32)`` with ``x ~= q * scale`` (no gradient).
+
+  ``partition_spec``: one entry per dim of x; any dimension but ``axis``
+  (the one the scale is taken over) may be split.
+  """
+  op = "quantize_int8"
+  _check_tensor(op, "x", x, dtypes=_FLOATS)
+  static = _sharding(dict(axis=axis, backend=backend), partition_spec, mesh,
+                     op)
+  q, scale = _QUANTIZE([x], **static)
   return q, scale
 
 
@@ -196,18 +286,21 @@ def _matmul_jax(x, w, x_scale, w_scale, bias, **static):
                                     bias=bias, **static)
 
 
-def _matmul_shards(static, spec, arrays):
-  x, _, x_scale, w_scale, bias = arrays
-  spec = tuple(spec)
-  if len(spec) != x.dim() or spec[-1] is not None:
-    raise ValueError("partition_spec must give one entry per dimension of x "
-                     f"with the last (K) unsharded, got {spec!r} for x of "
-                     f"shape {tuple(x.shape)}")
-  replicated = lambda t: None if t is None else (None,) * t.dim()
+def _rows_spec(op, spec, x, k_name):
+  """Checks a spec of ``x [..., K]``: rows may be split, K may not."""
+  _spec_length(op, spec, "x", x.shape)
+  _unsplittable(op, spec, "x", {x.dim() - 1: k_name},
+                "the matmul contracts over it (only rows can be split)")
+
+
+def _matmul_shards(static, spec, arrays, mesh):
+  x, w, x_scale, w_scale, bias = arrays
+  _rows_spec("int8_matmul", spec, x, "K")
   x_scale_spec = (None if x_scale is None else
-                  (replicated(x_scale) if x_scale.dim() < x.dim() else spec))
-  ins = (spec, replicated(arrays[1]), x_scale_spec, replicated(w_scale),
-         replicated(bias))
+                  _replicated(x_scale) if x_scale.numel() == 1 else
+                  _broadcast_spec(spec, x_scale.shape, x.shape))
+  ins = (spec, _replicated(w), x_scale_spec, _replicated(w_scale),
+         _replicated(bias))
   return ins, (spec,)
 
 
@@ -220,6 +313,8 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None,
                 backend=None, partition_spec=None, mesh=None):
   """``pallas_kernels.int8_matmul``: int8 ``x [..., K] @ w [K, N]``.
 
+  ``partition_spec``: one entry per dim of x; the row dims may be split
+  (x_scale follows x), K may not.
   No gradient (the JAX op defines none); for a trainable layer use
   ``int8_dense`` / ``Int8Linear``.
   """
@@ -246,13 +341,10 @@ def _dense_jax(x, weight, bias, **static):
   return nn.int8_dense(x, weight.T, bias, **static)
 
 
-def _dense_shards(static, spec, arrays):
-  x, w, bias = arrays
-  spec = tuple(spec)
-  if len(spec) != x.dim() or spec[-1] is not None:
-    raise ValueError("partition_spec must give one entry per dimension of x "
-                     f"with the last (in_features) unsharded, got {spec!r}")
-  return (spec, (None, None), None if bias is None else (None,)), (spec,)
+def _dense_shards(static, spec, arrays, mesh):
+  x, weight, bias = arrays
+  _rows_spec("int8_dense", spec, x, "in_features")
+  return (spec, _replicated(weight), _replicated(bias)), (spec,)
 
 
 _DENSE = JaxOp("int8_dense", _dense_jax, shard_specs=_dense_shards)
@@ -267,6 +359,8 @@ def int8_dense(x, weight, bias=None, *, int8_input_grad=False, backend=None,
   multiplied by the int8 kernel with int32 accumulation and rescaled.
   Backward: straight-through estimator, i.e. the gradients of the float
   ``x @ weight.T + bias`` (``int8_input_grad=True``: dx by an int8 matmul).
+  ``partition_spec``: one entry per dim of x; the row dims may be split,
+  in_features may not (weight and bias are replicated).
   """
   op = "int8_dense"
   _check_tensor(op, "x", x, dtypes=_FLOATS, min_ndim=1)
@@ -291,59 +385,156 @@ def _box_jax(b1, b2, *, fn_name, **static):
   return getattr(pallas_kernels, fn_name)(b1, b2, **static)
 
 
-_GIOU = JaxOp("giou", functools.partial(_box_jax, fn_name="giou"))
+def _broadcast_shape(op, names, b1, b2, keep=1):
+  """Broadcast shape of two box arrays' leading dims (all but ``keep``)."""
+  try:
+    return tuple(torch.broadcast_shapes(b1.shape[:b1.dim() - keep],
+                                        b2.shape[:b2.dim() - keep]))
+  except RuntimeError:
+    raise ValueError(f"{op}: shapes of {names[0]} {tuple(b1.shape)} and "
+                     f"{names[1]} {tuple(b2.shape)} do not broadcast"
+                     ) from None
+
+
+def _elementwise_box_shards(op, names):
+  def shards(static, spec, arrays, mesh):
+    b1, b2 = arrays
+    if static.get("reduction", "none") != "none":
+      raise ValueError(
+          f"{op}: a reduced loss (reduction={static['reduction']!r}) cannot "
+          "run per shard: each device would reduce only its own boxes. "
+          "torch_bridge.giou_loss computes the per-box losses sharded and "
+          "reduces them in torch")
+    full = _broadcast_shape(op, names, b1, b2) + (4,)
+    _spec_length(op, spec, "the boxes", full, "boxes broadcast to [..., 4]")
+    _unsplittable(op, spec, "the boxes", {len(full) - 1: "coordinates"},
+                  "each box needs its 4 coordinates")
+    ins = tuple(_broadcast_spec(spec, b.shape, full) for b in arrays)
+    return ins, (spec[:-1],)
+  return shards
+
+
+def _pairwise_shards(static, spec, arrays, mesh):
+  b1, b2 = arrays
+  op, names = "pairwise_giou", ("boxes1", "boxes2")
+  batch = _broadcast_shape(op, names, b1, b2, keep=2)
+  full = batch + (b1.shape[-2], b2.shape[-2])
+  _spec_length(op, spec, "the output", full, "[..., N, M]")
+  ins = (_broadcast_spec(spec[:-2], b1.shape[:-2], batch) + (spec[-2], None),
+         _broadcast_spec(spec[:-2], b2.shape[:-2], batch) + (spec[-1], None))
+  return ins, (spec,)
+
+
+_GIOU = JaxOp("giou", functools.partial(_box_jax, fn_name="giou"),
+              shard_specs=_elementwise_box_shards("giou",
+                                                  ("boxes1", "boxes2")))
 _PAIRWISE_GIOU = JaxOp("pairwise_giou",
-                       functools.partial(_box_jax, fn_name="pairwise_giou"))
+                       functools.partial(_box_jax, fn_name="pairwise_giou"),
+                       shard_specs=_pairwise_shards)
 _GIOU_LOSS = JaxOp("giou_loss",
-                   functools.partial(_box_jax, fn_name="giou_loss"))
+                   functools.partial(_box_jax, fn_name="giou_loss"),
+                   shard_specs=_elementwise_box_shards("giou_loss",
+                                                       ("pred", "target")))
 
 
 def _boxes(op, names, b1, b2, pairwise=False):
   for name, t in zip(names, (b1, b2)):
-    _check_tensor(op, name, t, dtypes=_FLOATS, min_ndim=1)
+    _check_tensor(op, name, t, dtypes=_FLOATS, min_ndim=2 if pairwise else 1)
     if t.shape[-1] != 4:
       raise ValueError(f"{op}: {name} must have a last dimension of 4 (box "
                        f"coordinates), got shape {tuple(t.shape)}")
   _check_devices(op, dict(zip(names, (b1, b2))))
 
 
-def giou(boxes1, boxes2, **kwargs):
-  """Generalized IoU of matching boxes ``[..., 4]`` (``pallas_kernels.giou``)."""
-  _boxes("giou", ("boxes1", "boxes2"), boxes1, boxes2)
-  return _GIOU([boxes1, boxes2], **kwargs)[0]
+def giou(boxes1, boxes2, *, box_format="xyxy", backend=None,
+         partition_spec=None, mesh=None):
+  """Generalized IoU of matching boxes ``[..., 4]`` (``pallas_kernels.giou``).
+
+  ``partition_spec``: one entry per dim of the broadcast box shape ``[...,
+  4]``; any but the last (coordinates) may be split.
+  """
+  op = "giou"
+  _boxes(op, ("boxes1", "boxes2"), boxes1, boxes2)
+  static = _sharding(dict(box_format=box_format, backend=backend),
+                     partition_spec, mesh, op)
+  return _GIOU([boxes1, boxes2], **static)[0]
 
 
-def pairwise_giou(boxes1, boxes2, **kwargs):
-  """GIoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``."""
-  _boxes("pairwise_giou", ("boxes1", "boxes2"), boxes1, boxes2)
-  return _PAIRWISE_GIOU([boxes1, boxes2], **kwargs)[0]
+def pairwise_giou(boxes1, boxes2, *, box_format="xyxy", backend=None,
+                  partition_spec=None, mesh=None):
+  """GIoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``.
+
+  ``partition_spec``: one entry per dim of the output ``[..., N, M]``; all
+  may be split (N splits boxes1's boxes, M boxes2's).
+  """
+  op = "pairwise_giou"
+  _boxes(op, ("boxes1", "boxes2"), boxes1, boxes2, pairwise=True)
+  static = _sharding(dict(box_format=box_format, backend=backend),
+                     partition_spec, mesh, op)
+  return _PAIRWISE_GIOU([boxes1, boxes2], **static)[0]
 
 
-def giou_loss(pred, target, *, reduction="none", eps=1e-7, **kwargs):
-  """``1 - giou(pred, target)`` reduced by "none", "mean" or "sum"."""
-  _boxes("giou_loss", ("pred", "target"), pred, target)
+def giou_loss(pred, target, *, reduction="none", eps=1e-7, box_format="xyxy",
+              backend=None, partition_spec=None, mesh=None):
+  """``1 - giou(pred, target)`` reduced by "none", "mean" or "sum".
+
+  ``partition_spec``: as for ``giou`` (boxes, not coordinates). With a spec
+  the kernel computes the per-box losses (sharded under SPMD) and torch
+  reduces them, accumulating in float32 (a mean over no boxes is 0).
+  """
+  op = "giou_loss"
+  _boxes(op, ("pred", "target"), pred, target)
   if reduction not in ("none", "mean", "sum"):
     raise ValueError(f"giou_loss: reduction must be 'none', 'mean' or 'sum', "
                      f"got {reduction!r}")
-  return _GIOU_LOSS([pred, target], reduction=reduction, eps=eps,
-                    **kwargs)[0]
+  static = dict(eps=eps, box_format=box_format, backend=backend)
+  if partition_spec is None:
+    static = _sharding(dict(static, reduction=reduction), None, mesh, op)
+    return _GIOU_LOSS([pred, target], **static)[0]
+  # Reduced here, outside the sharded op: the sum then spans every shard
+  # and never sees the padding of an odd batch.
+  static = _sharding(dict(static, reduction="none"), partition_spec, mesh, op)
+  loss = _GIOU_LOSS([pred, target], **static)[0]
+  if reduction == "none":
+    return loss
+  total = loss.float().sum()
+  if reduction == "mean":
+    total = total / max(loss.numel(), 1)
+  return total.to(loss.dtype)
 
 
 # ------------------------------------------------------------------- NMS --
 
 def _nms_jax(boxes, scores, class_ids, *, fn_name, **static):
   import pallas_kernels
-  fn = getattr(pallas_kernels, fn_name)
-  if fn_name == "batched_nms":
-    return fn(boxes, scores, **static)
-  return fn(boxes, scores, class_ids=class_ids, **static)
+  return getattr(pallas_kernels, fn_name)(boxes, scores, class_ids=class_ids,
+                                          **static)
+
+
+def _nms_shards(static, spec, arrays, mesh):
+  boxes = arrays[0]
+  _spec_length("nms", spec, "boxes", boxes.shape)
+  _unsplittable("nms", spec, "boxes", {0: "boxes", 1: "coordinates"},
+                "greedy NMS compares every pair of boxes of the image; "
+                "batched_nms can split images")
+  return ((None, None), (None,), (None,)), ((None,), ())
+
+
+def _batched_nms_shards(static, spec, arrays, mesh):
+  boxes, op = arrays[0], "batched_nms"
+  _spec_length(op, spec, "boxes", boxes.shape, "images, boxes, 4")
+  _unsplittable(op, spec, "boxes", {1: "boxes", 2: "coordinates"},
+                "greedy NMS compares every pair of boxes of an image; only "
+                "images (dim 0) can be split")
+  image = (spec[0], None)
+  return (spec, image, image), (image, (spec[0],))
 
 
 _NMS = JaxOp("nms", functools.partial(_nms_jax, fn_name="nms"),
-             differentiable=())
+             differentiable=(), shard_specs=_nms_shards)
 _BATCHED_NMS = JaxOp("batched_nms",
                      functools.partial(_nms_jax, fn_name="batched_nms"),
-                     differentiable=())
+                     differentiable=(), shard_specs=_batched_nms_shards)
 
 
 def _nms_checks(op, boxes, scores, class_ids, iou_threshold, max_output_size):
@@ -366,29 +557,40 @@ def _nms_checks(op, boxes, scores, class_ids, iou_threshold, max_output_size):
 
 
 def nms(boxes, scores, *, iou_threshold, max_output_size, score_threshold=None,
-        class_ids=None, backend=None):
+        class_ids=None, backend=None, partition_spec=None, mesh=None):
   """Greedy NMS: ``(indices int32 [max_output_size], num_valid int32)``.
 
   ``indices[:num_valid]`` are the kept boxes by descending score; the rest
   is padding (see ``pallas_kernels.nms``). No gradient.
+  ``partition_spec``: nothing can be split (all-None replicates the op).
   """
-  _nms_checks("nms", boxes, scores, class_ids, iou_threshold, max_output_size)
-  idx, num_valid = _NMS([boxes, scores, _int32(class_ids)],
-                        iou_threshold=iou_threshold,
-                        max_output_size=max_output_size,
-                        score_threshold=score_threshold, backend=backend)
+  op = "nms"
+  _nms_checks(op, boxes, scores, class_ids, iou_threshold, max_output_size)
+  static = _sharding(dict(iou_threshold=iou_threshold,
+                          max_output_size=max_output_size,
+                          score_threshold=score_threshold, backend=backend),
+                     partition_spec, mesh, op)
+  idx, num_valid = _NMS([boxes, scores, _int32(class_ids)], **static)
   return idx, num_valid
 
 
 def batched_nms(boxes, scores, *, iou_threshold, max_output_size,
-                **kwargs):
-  """``pallas_kernels.batched_nms``: NMS of each image in a batch."""
-  _nms_checks("batched_nms", boxes, scores, None, iou_threshold,
-              max_output_size)
-  outs = _BATCHED_NMS([boxes, scores, None], iou_threshold=iou_threshold,
-                      max_output_size=max_output_size, **kwargs)
+                score_threshold=None, class_ids=None, backend=None,
+                partition_spec=None, mesh=None):
+  """``pallas_kernels.batched_nms``: NMS of each image of ``boxes [B, N, 4]``.
+
+  Returns ``(indices int32 [B, max_output_size], num_valid int32 [B])``.
+  ``partition_spec``: 3 entries for boxes; only images (dim 0) may be split.
+  """
+  op = "batched_nms"
+  _nms_checks(op, boxes, scores, class_ids, iou_threshold, max_output_size)
+  static = _sharding(dict(iou_threshold=iou_threshold,
+                          max_output_size=max_output_size,
+                          score_threshold=score_threshold, backend=backend),
+                     partition_spec, mesh, op)
+  outs = _BATCHED_NMS([boxes, scores, _int32(class_ids)], **static)
   return tuple(outs)
 
 
-__all__ = ["flash_attention", "quantize_int8", "int8_matmul", "int8_dense",
+__all__ = ["UnshardedWarning", "flash_attention", "quantize_int8", "int8_matmul", "int8_dense",
            "giou", "pairwise_giou", "giou_loss", "nms", "batched_nms"]
