@@ -21,7 +21,7 @@ find_python() {
   if command -v pyenv >/dev/null 2>&1; then
     local root
     root="$(pyenv root)"
-    for candidate in $(ls -d "$root"/versions/3.* 2>/dev/null | sort -V); do
+    for candidate in $(find "$root/versions" -mindepth 1 -maxdepth 1 -name "3.*" 2>/dev/null | sort -V); do
       minor="$(basename "$candidate" | cut -d. -f2)"
       if [[ "$minor" =~ ^[0-9]+$ ]] && (( minor >= min_minor )) \
           && [[ -x "$candidate/bin/python3" ]]; then
