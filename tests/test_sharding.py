@@ -96,12 +96,17 @@ def _absent_axes(spec):
   return tuple(a for a in sc.MESH_AXES if a not in used)
 
 
-@pytest.mark.parametrize("name", sc.CASE_NAMES)
-def test_jit_on_auto_sharded_inputs(name, rng):
+def _setup(name, rng, axis_type):
+  """The case, fresh inputs, the reference's results and a 2x4 mesh."""
   case = sc.case(name)
   args = case.make(rng)
   want, want_grads = _expected(case, args)
-  mesh = _mesh(AxisType.Auto)
+  return case, args, want, want_grads, _mesh(axis_type)
+
+
+@pytest.mark.parametrize("name", sc.CASE_NAMES)
+def test_jit_on_auto_sharded_inputs(name, rng):
+  case, args, want, want_grads, mesh = _setup(name, rng, AxisType.Auto)
   sharded = _put(mesh, args, case.specs)
   fn = jax.jit(case.fn(None))
   _close(case, fn(*sharded), want)
@@ -117,10 +122,7 @@ def test_jit_on_auto_sharded_inputs(name, rng):
 
 @pytest.mark.parametrize("name", sc.CASE_NAMES)
 def test_jit_on_explicit_axes(name, rng):
-  case = sc.case(name)
-  args = case.make(rng)
-  want, want_grads = _expected(case, args)
-  mesh = _mesh(AxisType.Explicit)
+  case, args, want, want_grads, mesh = _setup(name, rng, AxisType.Explicit)
   with _use_mesh(mesh):
     sharded = _put(mesh, args, case.specs)
     fn = jax.jit(case.fn(None))

@@ -564,13 +564,9 @@ def nms(boxes, scores, *, iou_threshold, max_output_size, score_threshold=None,
   is padding (see ``pallas_kernels.nms``). No gradient.
   ``partition_spec``: nothing can be split (all-None replicates the op).
   """
-  op = "nms"
-  _nms_checks(op, boxes, scores, class_ids, iou_threshold, max_output_size)
-  static = _sharding(dict(iou_threshold=iou_threshold,
-                          max_output_size=max_output_size,
-                          score_threshold=score_threshold, backend=backend),
-                     partition_spec, mesh, op)
-  idx, num_valid = _NMS([boxes, scores, _int32(class_ids)], **static)
+  idx, num_valid = _run_nms(
+      _NMS, "nms", boxes, scores, class_ids, iou_threshold, max_output_size,
+      score_threshold, backend, partition_spec, mesh)
   return idx, num_valid
 
 
@@ -582,14 +578,19 @@ def batched_nms(boxes, scores, *, iou_threshold, max_output_size,
   Returns ``(indices int32 [B, max_output_size], num_valid int32 [B])``.
   ``partition_spec``: 3 entries for boxes; only images (dim 0) may be split.
   """
-  op = "batched_nms"
+  return tuple(_run_nms(
+      _BATCHED_NMS, "batched_nms", boxes, scores, class_ids, iou_threshold,
+      max_output_size, score_threshold, backend, partition_spec, mesh))
+
+
+def _run_nms(jax_op, op, boxes, scores, class_ids, iou_threshold,
+             max_output_size, score_threshold, backend, partition_spec, mesh):
   _nms_checks(op, boxes, scores, class_ids, iou_threshold, max_output_size)
   static = _sharding(dict(iou_threshold=iou_threshold,
                           max_output_size=max_output_size,
                           score_threshold=score_threshold, backend=backend),
                      partition_spec, mesh, op)
-  outs = _BATCHED_NMS([boxes, scores, _int32(class_ids)], **static)
-  return tuple(outs)
+  return jax_op([boxes, scores, _int32(class_ids)], **static)
 
 
 __all__ = ["UnshardedWarning", "flash_attention", "quantize_int8", "int8_matmul", "int8_dense",
