@@ -1,45 +1,70 @@
-"""The one place where an op's backend is chosen.
+"""The one place where an op's kernel is chosen.
 
-Backends:
-  "mosaic_tpu"  the Pallas kernel compiled by Mosaic for TPU.
-  "gpu"         the Pallas kernel lowered for NVIDIA GPUs (Triton / Mosaic GPU).
-  "interpret"   the TPU kernel run by the Pallas interpreter (any platform).
+Each op lists its implementations as ``Kernel`` rows, best first, and calls
+``dispatch``. A row names its kernel after its lowering:
+
+  "mosaic_tpu"  Pallas compiled by Mosaic for TPU.
+  "triton"      Pallas lowered through Triton for NVIDIA GPUs.
+  "mosaic_gpu"  Pallas compiled by Mosaic GPU (Hopper).
   "reference"   plain JAX with identical semantics (XLA fuses it).
-  None          chosen by the platform the computation is *lowered for*
-                (``jax.lax.platform_dependent``): TPU -> mosaic_tpu,
-                CUDA -> gpu, anything else (CPU) -> interpret. Because the
-                choice is made at lowering time, AOT-compiling for a TPU from a
-                CPU host picks the Mosaic kernel.
 
-Interpret mode can be forced everywhere with the environment variable
-``PALLAS_KERNELS_INTERPRET`` or the ``force_interpret`` context manager. Its
-value picks the interpreter flavour:
+``backend=`` picks one of them, or:
+  None          the first row that supports the call on the platform the
+                computation is *lowered for* (``jax.lax.platform_dependent``):
+                TPU -> its TPU rows, CUDA -> its GPU rows, anything else (CPU)
+                -> the TPU kernel in Pallas' generic interpreter; the reference
+                where no row supports the call. AOT-compiling for a TPU from a
+                CPU host therefore picks the Mosaic kernel.
+  "gpu"         the first GPU row that supports the call ("best GPU kernel").
+  "interpret"   the TPU kernel run by the Pallas interpreter (any platform).
+
+A named kernel that cannot run the call raises ValueError with its reason.
+
+A row's ``supports`` says whether the kernel handles the call's shapes and
+options; its ``hardware`` whether the chip does (``Target``: TPU generation,
+GPU compute capability). Hardware facts come from the lowering target: the
+``target_override`` context (set by ``tpu_aot`` from the AOT topology), else
+the attached devices of that platform, else the defaults (v5e; no Hopper).
+
+Interpret mode is forced everywhere by ``PALLAS_KERNELS_INTERPRET`` or the
+``force_interpret`` context; the value picks the interpreter flavour:
   "1" / "tpu"   TPU-semantics interpreter (``pltpu.InterpretParams``), which
                 simulates VMEM, DMAs and semaphores;
   "races"       the same, with data-race detection;
   "generic"     Pallas' generic interpreter (``interpret=True``).
-The context is read when a function is traced: a jitted function keeps the
-choice it was traced with.
+Under it, ``backend=None`` means "interpret"; a named GPU kernel runs in its
+own interpreter (Triton: generic; Mosaic GPU: its simulator) and only its
+``supports`` is checked, since the interpreter needs no chip. The context is
+read at trace time: a jitted function keeps the choice it was traced with.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Sequence
 
 import jax
 
 from pallas_kernels import _compat
 
-BACKENDS = ("mosaic_tpu", "gpu", "interpret", "reference")
+KERNELS = ("mosaic_tpu", "triton", "mosaic_gpu", "reference")
+BACKENDS = KERNELS + ("gpu", "interpret")
+GPU_KERNELS = ("mosaic_gpu", "triton")
 INTERPRET_FLAVOURS = ("tpu", "races", "generic")
 INTERPRET_ENV_VAR = "PALLAS_KERNELS_INTERPRET"
+TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
+DEFAULT_TPU_GENERATION = "v5e"
+
+_PLATFORM = {"mosaic_tpu": "tpu", "triton": "cuda", "mosaic_gpu": "cuda",
+             "reference": None}
 
 _forced_flavour: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "pallas_kernels_forced_interpret", default=None)
 
 
+# ------------------------------------------------------------- interpreters
 def _flavour_from_env() -> str | None:
   value = os.environ.get(INTERPRET_ENV_VAR, "").strip().lower()
   if value in ("", "0", "false", "no", "off"):
@@ -72,11 +97,138 @@ def force_interpret(flavour: str = "tpu"):
 
 
 def interpret_value(flavour: str | None = None) -> Any:
-  """The ``interpret=`` value to pass to ``pl.pallas_call``."""
+  """The ``interpret=`` value that runs a TPU kernel in the interpreter."""
   flavour = flavour or forced_interpret_flavour() or "tpu"
   if flavour == "generic":
     return True
   return _compat.tpu_interpret_params(detect_races=(flavour == "races"))
+
+
+def _mosaic_gpu_interpreter() -> Any:
+  from pallas_kernels import _mosaic_gpu
+  return _mosaic_gpu.interpret_params()
+
+
+_INTERPRETERS: dict[str, Callable[[], Any]] = {
+    "mosaic_tpu": interpret_value,
+    "triton": lambda: True,
+    "mosaic_gpu": _mosaic_gpu_interpreter,
+}
+
+
+# ------------------------------------------------------------ hardware facts
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """The chip a kernel is lowered for, as far as kernels care."""
+  tpu_generation: str = DEFAULT_TPU_GENERATION
+  gpu_capability: str | None = None   # "9.0" for Hopper; None: unknown
+
+  @property
+  def hopper(self) -> bool:
+    return (self.gpu_capability or "").startswith("9")
+
+
+_override: contextvars.ContextVar[dict] = contextvars.ContextVar(
+    "pallas_kernels_target_override", default={})
+
+
+@contextlib.contextmanager
+def target_override(*, tpu_generation: str | None = None,
+                    gpu_capability: str | None = None):
+  """Lower for this chip whatever is attached (AOT compiles, tests)."""
+  if tpu_generation is not None and tpu_generation not in TPU_GENERATIONS:
+    raise ValueError(f"target_override: tpu_generation={tpu_generation!r} is "
+                     f"not one of {TPU_GENERATIONS}")
+  values = dict(_override.get())
+  if tpu_generation is not None:
+    values["tpu_generation"] = tpu_generation
+  if gpu_capability is not None:
+    values["gpu_capability"] = str(gpu_capability)
+  token = _override.set(values)
+  try:
+    yield
+  finally:
+    _override.reset(token)
+
+
+def generation_from_device_kind(kind: str) -> str:
+  """"TPU v5 lite" -> "v5e", "TPU v6e"/"Trillium" -> "v6e", "TPU7x" -> "tpu7x"."""
+  kind = kind.lower().replace(" ", "")
+  if "7x" in kind or "ironwood" in kind:
+    return "tpu7x"
+  if "v6" in kind or "trillium" in kind:
+    return "v6e"
+  if "v5p" in kind:
+    return "v5p"
+  if "v5" in kind:          # "TPU v5 lite", "TPU v5e"
+    return "v5e"
+  if "v4" in kind:
+    return "v4"
+  return DEFAULT_TPU_GENERATION
+
+
+def _attached(platform: str):
+  try:
+    return jax.devices(platform)[0]
+  except Exception:  # no such backend here
+    return None
+
+
+def target() -> Target:
+  """The hardware facts of the current lowering target."""
+  values = dict(_override.get())
+  if "tpu_generation" not in values:
+    device = _attached("tpu")
+    if device is not None:
+      values["tpu_generation"] = generation_from_device_kind(
+          device.device_kind)
+  if "gpu_capability" not in values:
+    device = _attached("gpu")
+    capability = getattr(device, "compute_capability", None)
+    if capability is not None:
+      values["gpu_capability"] = str(capability)
+  return Target(**values)
+
+
+# ------------------------------------------------------------------- chooser
+def _supported(target: Target) -> str | None:
+  del target
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One implementation of an op for one call.
+
+  ``run(*arrays, interpret=None)`` runs it (``interpret`` is the interpreter
+  value, or None to compile for the chip; the reference takes no
+  ``interpret``). ``supports()`` and ``hardware(target)`` return None when
+  the kernel can run the call, else the reason it cannot.
+  """
+  name: str
+  run: Callable[..., Any]
+  supports: Callable[[], str | None] = lambda: None
+  hardware: Callable[[Target], str | None] = _supported
+
+  def __post_init__(self):
+    if self.name not in KERNELS:
+      raise AssertionError(f"unknown kernel name {self.name!r}")
+
+  @property
+  def platform(self) -> str | None:
+    return _PLATFORM[self.name]
+
+  def reason(self, target: Target | None, interpreted: bool = False):
+    """Why this kernel cannot run the call (on ``target``), else None."""
+    why = self.supports()
+    if why is None and not interpreted and target is not None:
+      why = self.hardware(target)
+    return why
+
+  def call(self, args, interpret=None):
+    if self.name == "reference":
+      return self.run(*args)
+    return self.run(*args, interpret=interpret)
 
 
 def check_backend(op: str, backend: str | None) -> None:
@@ -86,42 +238,99 @@ def check_backend(op: str, backend: str | None) -> None:
         + ", ".join(repr(b) for b in BACKENDS))
 
 
-Implementation = Callable[..., Any] | str
+def choose(op: str, backend: str | None, kernels: Sequence[Kernel],
+           platform: str | None = None) -> tuple[Kernel, Any]:
+  """The kernel (and interpret value) ``dispatch`` runs for a named backend,
+  or for ``backend=None`` on ``platform`` ("tpu", "cuda", "cpu")."""
+  check_backend(op, backend)
+  table = _table(op, kernels)
+  flavour = forced_interpret_flavour()
+  if backend is None and flavour is not None:
+    backend = "interpret"
+  if backend is None:
+    if platform is None:
+      raise TypeError("choose: backend=None needs the platform")
+    return _for_platform(table, platform)
+  if backend == "interpret":
+    kernel = _named(op, table, "mosaic_tpu", backend, None, True)
+    return kernel, interpret_value()
+  if backend == "gpu":
+    reasons = []
+    for name in GPU_KERNELS:
+      kernel = table.get(name)
+      if kernel is None:
+        continue
+      why = kernel.reason(target(), interpreted=flavour is not None)
+      if why is None:
+        return kernel, _INTERPRETERS[name]() if flavour else None
+      reasons.append(f"{name}: {why}")
+    raise ValueError(f"{op}: backend='gpu' has no GPU kernel for this call ("
+                     + ("; ".join(reasons) or "no GPU kernel exists") + ")")
+  kernel = _named(op, table, backend, backend, target(), flavour is not None)
+  if backend == "reference" or flavour is None:
+    return kernel, None
+  value = _INTERPRETERS[backend]()
+  if value is None:
+    raise ValueError(f"{op}: backend={backend!r} cannot be interpreted: this "
+                     "jax has no interpreter for it")
+  return kernel, value
 
 
-def dispatch(op: str, backend: str | None,
-             implementations: Mapping[str, Implementation], *args,
+def dispatch(op: str, backend: str | None, kernels: Sequence[Kernel], *args,
              rule: Any = None) -> Any:
-  """Calls ``op``'s implementation for ``backend`` on ``args`` (arrays only).
+  """Runs ``op`` on ``args`` (arrays only) with the kernel ``backend`` picks.
 
-  ``implementations`` maps "mosaic_tpu", "gpu" and "reference" to callables
-  taking ``args``; the TPU callable must accept ``interpret=``. A string value
-  marks the backend unsupported and says why. "interpret" may be given
-  explicitly; otherwise it is the TPU callable run with ``interpret=``.
-  Static parameters belong in the callables (functools.partial), not in args.
-  ``rule`` (a ``_sharding.Rule``) makes a kernel call compose with sharding
+  ``kernels`` lists the op's rows, best first; static parameters belong in
+  the rows' callables (functools.partial), not in ``args``. ``rule`` (a
+  ``_sharding.Rule``) makes a kernel call compose with sharding
   (``pallas_kernels._sharding``); the reference needs none (XLA partitions
   it).
   """
   check_backend(op, backend)
-  impls = _complete(op, implementations)
+  if isinstance(kernels, dict):
+    kernels = _legacy_kernels(kernels)
+  if backend is None and forced_interpret_flavour() is None:
+    table = _table(op, kernels)
 
-  if backend is None:
-    if forced_interpret_flavour() is not None:
-      backend = "interpret"
-    else:
-      call = lambda *a: _by_lowering_platform(op, impls, a)
-      return _sharded(rule, call, args)
-  impl = impls[backend]
-  if isinstance(impl, str):
-    raise ValueError(f"{op}: backend={backend!r} is not supported: {impl}")
-  if backend == "reference":
-    return impl(*args)
+    def by_platform(*a):
+      branches = {}
+      for key, platform in (("tpu", "tpu"), ("cuda", "cuda"),
+                            ("default", "cpu")):
+        kernel, interpret = _for_platform(table, platform)
+        branches[key] = _bound(kernel, interpret)
+      return jax.lax.platform_dependent(*a, **branches)
+
+    return _sharded(rule, by_platform, args)
+  kernel, interpret = choose(op, backend, kernels)
+  if kernel.name == "reference":
+    return kernel.call(args)
   # The TPU-semantics interpreter's ordered callbacks cannot live inside
   # custom_partitioning: under Auto axes it runs unpartitioned.
-  effects = backend == "interpret" and (forced_interpret_flavour()
-                                        or "tpu") != "generic"
-  return _sharded(rule, impl, args, auto=not effects)
+  effects = kernel.name == "mosaic_tpu" and interpret not in (None, True)
+  return _sharded(rule, _bound(kernel, interpret), args, auto=not effects)
+
+
+def _legacy_kernels(mapping):
+  """TEMPORARY while families move to Kernel rows: the old dict form."""
+  rows = []
+  tpu, interp = mapping.get("mosaic_tpu"), mapping.get("interpret")
+  if tpu is not None:
+    def run_tpu(*a, interpret=None):
+      if interpret is not None and interp is not None and not isinstance(interp, str):
+        return interp(*a)
+      return tpu(*a, interpret=interpret or False)
+    rows.append(Kernel("mosaic_tpu", run_tpu if not isinstance(tpu, str) else None,
+                       supports=(lambda: tpu) if isinstance(tpu, str) else (lambda: None)))
+  gpu = mapping.get("gpu")
+  if gpu is not None:
+    rows.append(Kernel("triton", (lambda *a, interpret=None: gpu(*a)) if not isinstance(gpu, str) else None,
+                       supports=(lambda: gpu) if isinstance(gpu, str) else (lambda: None)))
+  rows.append(Kernel("reference", mapping["reference"]))
+  return rows
+
+
+def _bound(kernel: Kernel, interpret):
+  return lambda *a: kernel.call(a, interpret)
 
 
 def _sharded(rule, call, args, auto=True):
@@ -131,43 +340,54 @@ def _sharded(rule, call, args, auto=True):
   return _sharding.run(rule, call, *args, auto=auto)
 
 
-def _complete(op: str, implementations: Mapping[str, Implementation]):
-  unknown = set(implementations) - set(BACKENDS)
-  if unknown:
-    raise AssertionError(f"{op}: unknown backends {sorted(unknown)}")
-  impls = dict(implementations)
-  if "reference" not in impls:
+def _table(op: str, kernels: Sequence[Kernel]) -> dict[str, Kernel]:
+  table = {}
+  for kernel in kernels:
+    if kernel.name in table:
+      raise AssertionError(f"{op}: kernel {kernel.name!r} listed twice")
+    table[kernel.name] = kernel
+  if "reference" not in table:
     raise AssertionError(f"{op}: every op needs a reference implementation")
-  tpu = impls.get("mosaic_tpu", "no Mosaic TPU kernel exists for this op")
-  impls["mosaic_tpu"] = tpu
-  impls.setdefault("gpu", "no GPU kernel exists for this op")
-  if "interpret" not in impls:
-    if isinstance(tpu, str):
-      impls["interpret"] = tpu
-    else:
-      impls["interpret"] = lambda *a: tpu(*a, interpret=interpret_value())
-  return impls
+  return table
 
 
-def _by_lowering_platform(op, impls, args):
-  """Each platform's branch; only the one lowered for is compiled."""
-  def usable(name, fallback="reference"):
-    impl = impls[name]
-    return impls[fallback] if isinstance(impl, str) else impl
-
-  # The CPU branch uses the generic interpreter: the TPU-semantics one emits
-  # ordered callbacks, which a cond whose other branches are pruned at
-  # lowering cannot carry. Forced interpret mode (tests) takes the TPU one.
-  tpu = impls["mosaic_tpu"]
-  cpu = (impls["reference"] if isinstance(tpu, str)
-         else lambda *a: tpu(*a, interpret=interpret_value("generic")))
-  branches = dict(tpu=usable("mosaic_tpu"), cuda=usable("gpu"), default=cpu)
-  return jax.lax.platform_dependent(*args, **branches)
+def _named(op, table, name, backend, target_, interpreted):
+  kernel = table.get(name)
+  if kernel is None:
+    raise ValueError(f"{op}: backend={backend!r} is not supported: no "
+                     f"{name} kernel exists for this op")
+  why = kernel.reason(target_, interpreted)
+  if why is not None:
+    raise ValueError(f"{op}: backend={backend!r} cannot run this call: {why}")
+  return kernel
 
 
-def resolve_for_platform(platform: str) -> str:
-  """The backend that ``backend=None`` selects when lowering for ``platform``."""
+def _for_platform(table: dict[str, Kernel], platform: str):
+  """The first row that supports the call on ``platform``, else the
+  reference. CPU runs the TPU kernel in the generic interpreter: the
+  TPU-semantics one emits ordered callbacks, which a cond whose other
+  branches are pruned at lowering cannot carry."""
+  if platform == "cpu":
+    tpu = table.get("mosaic_tpu")
+    if tpu is not None and tpu.reason(None, interpreted=True) is None:
+      return tpu, interpret_value("generic")
+    return table["reference"], None
+  hw = target()
+  for kernel in table.values():
+    if kernel.platform == platform and kernel.reason(hw) is None:
+      return kernel, None
+  return table["reference"], None
+
+
+def resolve_for_platform(platform: str, kernels: Sequence[Kernel] | None = None
+                         ) -> str:
+  """The backend name ``backend=None`` selects when lowering for
+  ``platform`` ("tpu", "cuda"/"gpu", "cpu"); without ``kernels``, the
+  family of kernel a platform gets."""
   if forced_interpret_flavour() is not None:
     return "interpret"
-  return {"tpu": "mosaic_tpu", "cuda": "gpu", "gpu": "gpu"}.get(
-      platform, "interpret")
+  platform = {"gpu": "cuda"}.get(platform, platform)
+  if kernels is None:
+    return {"tpu": "mosaic_tpu", "cuda": "gpu"}.get(platform, "interpret")
+  kernel, interpret = _for_platform(_table("resolve", kernels), platform)
+  return "interpret" if interpret is not None else kernel.name
