@@ -32,9 +32,10 @@ Interpret mode is forced everywhere by ``PALLAS_KERNELS_INTERPRET`` or the
                 simulates VMEM, DMAs and semaphores;
   "races"       the same, with data-race detection;
   "generic"     Pallas' generic interpreter (``interpret=True``).
-Under it, ``backend=None`` means "interpret"; a named GPU kernel runs in its
-own interpreter (Triton: generic; Mosaic GPU: its simulator) and only its
-``supports`` is checked, since the interpreter needs no chip. The context is
+Under it, ``backend=None`` means "interpret"; GPU kernels run in their own
+interpreter (Triton: generic; Mosaic GPU: its simulator). A named kernel then
+needs only its ``supports``, since the interpreter needs no chip; "gpu" still
+chooses by the target's chip. The context is
 read at trace time: a jitted function keeps the choice it was traced with.
 """
 from __future__ import annotations
@@ -260,9 +261,12 @@ def choose(op: str, backend: str | None, kernels: Sequence[Kernel],
       kernel = table.get(name)
       if kernel is None:
         continue
-      why = kernel.reason(target(), interpreted=flavour is not None)
+      why = kernel.reason(target())  # a choice: by the target's chip
+      value = _INTERPRETERS[name]() if flavour else None
+      if why is None and flavour and value is None:
+        why = "this jax has no interpreter for it"
       if why is None:
-        return kernel, _INTERPRETERS[name]() if flavour else None
+        return kernel, value
       reasons.append(f"{name}: {why}")
     raise ValueError(f"{op}: backend='gpu' has no GPU kernel for this call ("
                      + ("; ".join(reasons) or "no GPU kernel exists") + ")")

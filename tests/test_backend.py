@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _backend, _compat
+from pallas_kernels import _backend, _compat, _mosaic_gpu
 from pallas_kernels._compat import pl
 
 
@@ -31,14 +31,23 @@ def _recording(name, fn):
   return wrapped
 
 
-def toy_op(x, backend=None, gpu_supported=True):
-  impls = {
-      "mosaic_tpu": _recording("mosaic_tpu", _double_tpu),
-      "reference": _recording("reference", lambda x: x * 2),
-  }
-  impls["gpu"] = (_recording("gpu", lambda x: x * 2) if gpu_supported
-                  else "toy has no GPU kernel")
-  return _backend.dispatch("toy_op", backend, impls, x)
+def _double_gpu(x, *, interpret=None):
+  del interpret
+  return x * 2
+
+
+def toy_op(x, backend=None, gpu_supported=True, hopper_kernel=False):
+  rows = [_backend.Kernel("mosaic_tpu", _recording("mosaic_tpu", _double_tpu))]
+  if hopper_kernel:
+    rows.append(_backend.Kernel(
+        "mosaic_gpu", _recording("mosaic_gpu", _double_gpu),
+        hardware=lambda t: None if t.hopper else "needs a Hopper GPU"))
+  rows.append(_backend.Kernel(
+      "triton", _recording("triton", _double_gpu),
+      supports=lambda: None if gpu_supported else "toy has no GPU kernel"))
+  rows.append(_backend.Kernel("reference",
+                              _recording("reference", lambda x: x * 2)))
+  return _backend.dispatch("toy_op", backend, rows, x)
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +61,7 @@ def test_auto_on_cpu_runs_interpret_branch():
   out = jax.jit(toy_op)(x)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(x) * 2)
   # Every platform's branch is traced, but the CPU executes the interpreter.
-  assert "mosaic_tpu" in CALLS and "gpu" in CALLS
+  assert "mosaic_tpu" in CALLS and "triton" in CALLS
 
 
 @pytest.mark.parametrize("backend", ["interpret", "reference"])
@@ -69,9 +78,62 @@ def test_bad_backend_value_names_op_and_choices():
 
 
 def test_unsupported_backend_says_why():
-  with pytest.raises(ValueError, match="toy_op: backend='gpu' is not supported: "
-                     "toy has no GPU kernel"):
+  with pytest.raises(ValueError, match="toy_op: backend='gpu' has no GPU "
+                     "kernel for this call .triton: toy has no GPU kernel"):
     toy_op(jnp.ones(3), backend="gpu", gpu_supported=False)
+  with pytest.raises(ValueError, match="toy_op: backend='triton' cannot run "
+                     "this call: toy has no GPU kernel"):
+    toy_op(jnp.ones(3), backend="triton", gpu_supported=False)
+  with pytest.raises(ValueError, match="toy_op: backend='mosaic_gpu' is not "
+                     "supported: no mosaic_gpu kernel exists for this op"):
+    toy_op(jnp.ones(3), backend="mosaic_gpu")
+
+
+def test_named_kernel_checks_the_chip_unless_interpreted():
+  x = jnp.ones((8, 128), jnp.float32)
+  with pytest.raises(ValueError, match="mosaic_gpu.*needs a Hopper GPU"):
+    toy_op(x, backend="mosaic_gpu", hopper_kernel=True)
+  with _backend.force_interpret("generic"):
+    if _mosaic_gpu.interpret_params() is None:
+      with pytest.raises(ValueError, match="cannot be interpreted"):
+        toy_op(x, backend="mosaic_gpu", hopper_kernel=True)
+      return
+    toy_op(x, backend="mosaic_gpu", hopper_kernel=True)
+  assert CALLS == ["mosaic_gpu"]
+
+
+def test_best_gpu_kernel_follows_the_target():
+  x = jnp.ones((8, 128), jnp.float32)
+  with _backend.force_interpret("generic"):
+    toy_op(x, backend="gpu", hopper_kernel=True)
+    with _backend.target_override(gpu_capability="9.0"):
+      toy_op(x, backend="gpu", hopper_kernel=True)
+  interpreted = _mosaic_gpu.interpret_params() is not None
+  assert CALLS == ["triton", "mosaic_gpu" if interpreted else "triton"]
+
+
+def test_target_override_and_device_kinds():
+  assert _backend.target().tpu_generation == "v5e"  # CPU host: the default
+  assert not _backend.target().hopper
+  with _backend.target_override(tpu_generation="v6e", gpu_capability="9.0"):
+    assert _backend.target() == _backend.Target("v6e", "9.0")
+    assert _backend.target().hopper
+  with pytest.raises(ValueError, match="tpu_generation='v9'"):
+    with _backend.target_override(tpu_generation="v9"):
+      pass
+  kinds = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e",
+           "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e",
+           "TPU7x": "tpu7x"}
+  for kind, generation in kinds.items():
+    assert _backend.generation_from_device_kind(kind) == generation, kind
+
+
+def test_kernel_rows_are_checked():
+  with pytest.raises(AssertionError, match="unknown kernel name"):
+    _backend.Kernel("cuda", lambda x: x)
+  with pytest.raises(AssertionError, match="needs a reference"):
+    _backend.dispatch("toy", "interpret", [
+        _backend.Kernel("mosaic_tpu", _double_tpu)], jnp.ones(3))
 
 
 def test_force_interpret_context_and_env(monkeypatch):
@@ -105,6 +167,10 @@ def test_resolve_for_platform():
   assert _backend.resolve_for_platform("tpu") == "mosaic_tpu"
   assert _backend.resolve_for_platform("cuda") == "gpu"
   assert _backend.resolve_for_platform("cpu") == "interpret"
+  rows = [_backend.Kernel("triton", _double_gpu, supports=lambda: "no"),
+          _backend.Kernel("reference", lambda x: x)]
+  assert _backend.resolve_for_platform("cuda", rows) == "reference"
+  assert _backend.resolve_for_platform("cpu", rows) == "reference"
 
 
 def test_grad_through_auto_dispatch():
