@@ -153,16 +153,17 @@ def target_override(*, tpu_generation: str | None = None,
 
 
 def generation_from_device_kind(kind: str) -> str:
-  """"TPU v5 lite" -> "v5e", "TPU v6e"/"Trillium" -> "v6e", "TPU7x" -> "tpu7x"."""
+  """"TPU v5 lite" -> "v5e", "TPU v5" -> "v5p", "TPU v6 lite" -> "v6e",
+  "TPU7x" -> "tpu7x"."""
   kind = kind.lower().replace(" ", "")
   if "7x" in kind or "ironwood" in kind:
     return "tpu7x"
   if "v6" in kind or "trillium" in kind:
     return "v6e"
-  if "v5p" in kind:
-    return "v5p"
-  if "v5" in kind:          # "TPU v5 lite", "TPU v5e"
+  if "v5lite" in kind or "v5e" in kind:
     return "v5e"
+  if "v5" in kind:          # "TPU v5" is how libtpu names v5p
+    return "v5p"
   if "v4" in kind:
     return "v4"
   return DEFAULT_TPU_GENERATION

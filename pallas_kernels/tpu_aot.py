@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from pallas_kernels import _compat, _quiet
+from pallas_kernels import _backend, _compat, _quiet
 
 # Topologies the test-suite compiles for; each is (generation, chips).
 KNOWN_TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v4:2x2x1", "v5p:2x2x1")
@@ -110,6 +110,13 @@ def topology_devices(topology: str = "v5e:2x2") -> tuple:
   return tuple(desc.devices)
 
 
+def topology_generation(topology: str) -> str:
+  """The TPU generation of a topology's chips ("v5e", "v6e", ...), from the
+  device kind libtpu reports for it."""
+  return _backend.generation_from_device_kind(
+      topology_devices(topology)[0].device_kind)
+
+
 def topology_mesh(topology: str, axis_names: Sequence[str],
                   mesh_shape: Sequence[int] | None = None) -> Mesh:
   devices = np.array(topology_devices(topology))
@@ -141,6 +148,8 @@ def compile_for_tpu(fn: Callable, *args: jax.ShapeDtypeStruct,
                     static_kwargs: dict | None = None) -> CompileResult:
   """AOT-compiles ``fn(*args)`` for ``topology``.
 
+  Kernels are lowered with the topology's generation as their target
+  (``_backend.target_override``), so they pick that chip's block tables.
   Without ``mesh_axes`` the arguments live on the topology's first chip.
   With ``mesh_axes`` (and ``in_specs``/``out_specs``), ``fn`` runs per shard
   under ``shard_map`` over all chips of the topology: Mosaic kernels cannot be
@@ -161,7 +170,9 @@ def compile_for_tpu(fn: Callable, *args: jax.ShapeDtypeStruct,
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype,
                                   sharding=NamedSharding(mesh, spec))
              for a, spec in zip(args, in_specs)]
-  with _captured_stderr(), _compat.mosaic_version_for_aot():
+  generation = topology_generation(topology)
+  with _captured_stderr(), _compat.mosaic_version_for_aot(), \
+      _backend.target_override(tpu_generation=generation):
     try:
       lowered = jax.jit(call).lower(*specs)
       compiled = lowered.compile()

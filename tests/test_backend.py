@@ -122,7 +122,7 @@ def test_target_override_and_device_kinds():
     with _backend.target_override(tpu_generation="v9"):
       pass
   kinds = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e",
-           "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e",
+           "TPU v5p": "v5p", "TPU v5": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e",
            "TPU7x": "tpu7x"}
   for kind, generation in kinds.items():
     assert _backend.generation_from_device_kind(kind) == generation, kind
@@ -196,3 +196,19 @@ def test_auto_dispatch_picks_mosaic_when_compiled_for_tpu(tpu_topologies):
       toy_op, jax.ShapeDtypeStruct((8, 128), jnp.float32),
       topology=tpu_topologies[0])
   assert "tpu_custom_call" in result.hlo_text
+
+
+@pytest.mark.tpu_aot
+def test_aot_compile_lowers_for_the_topologys_generation(tpu_topologies):
+  from pallas_kernels import tpu_aot
+  seen = []
+
+  def op(x):
+    seen.append(_backend.target().tpu_generation)
+    return toy_op(x)
+
+  for topology in tpu_topologies:
+    tpu_aot.compile_for_tpu(op, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                            topology=topology)
+  assert seen == [tpu_aot.topology_generation(t) for t in tpu_topologies]
+  assert seen[0] == tpu_topologies[0].split(":")[0]
