@@ -54,6 +54,26 @@ def lowering_platform() -> str:
   return {"TPU": "tpu", "CUDA": "cuda", "GPU": "cuda"}.get(kind.upper(), "cpu")
 
 
+def lowering_target() -> dict:
+  """The chip facts for ``_backend.target_override``, from torch_xla (JAX
+  has no device of its own here: torch_xla holds the accelerator)."""
+  platform = lowering_platform()
+  if platform == "cpu":
+    return {}
+  try:
+    import torch_xla.core.xla_model as xm
+    kind = str(xm.xla_device_kind())
+  except Exception:  # an older torch_xla: the defaults apply
+    return {}
+  if platform == "tpu":
+    return dict(tpu_generation=_backend.generation_from_device_kind(kind))
+  import torch
+  if torch.cuda.is_available():
+    major, minor = torch.cuda.get_device_capability()
+    return dict(gpu_capability=f"{major}.{minor}")
+  return {}
+
+
 def interpret_flavour_for_graph() -> str | None:
   flavour = _backend.forced_interpret_flavour()
   return None if flavour is None else "generic"
@@ -64,8 +84,10 @@ def _computation(key, fn: Callable, present: Sequence[torch.Tensor],
   jax = _jax()
   platform = lowering_platform()
   flavour = interpret_flavour_for_graph()
+  target = lowering_target()
   specs = tuple(_convert.shape_dtype(t) for t in present)
-  cache_key = (key, specs, layout, platform, flavour,
+  cache_key = (key, specs, layout, platform, tuple(sorted(target.items())),
+               flavour,
                jax.config.jax_enable_x64)
   found = _COMPUTATIONS.get(cache_key)
   if found is not None:
@@ -82,7 +104,8 @@ def _computation(key, fn: Callable, present: Sequence[torch.Tensor],
   from pallas_kernels import _sharding
   # The arrays are already per-device shards (manual sharding), so the
   # kernels run as given, with no partitioning custom call of their own.
-  with scope, _sharding.local_only():
+  with scope, _sharding.local_only(), \
+      _backend.target_override(**target):
     traced = jax.jit(flat_fn, keep_unused=True).trace(*specs)
     lowered = traced.lower(lowering_platforms=(platform,))
   proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()

@@ -1,0 +1,30 @@
+"""The README's PyTorch/XLA SPMD example runs (4 CPU devices, own process)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch_xla")
+pytestmark = pytest.mark.torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from test_readme_examples import sharding_blocks  # noqa: E402
+
+
+def test_torch_spmd_example_runs():
+  _, torch_blocks = sharding_blocks()
+  assert len(torch_blocks) == 1
+  env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  proc = subprocess.run([sys.executable, "-c", torch_blocks[0]], env=env,
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  # out, y shapes; the loss of identical boxes; one box kept per image.
+  assert proc.stdout.strip().splitlines()[-1] == (
+      "torch.Size([7, 4, 128, 64]) torch.Size([7, 512]) 0.0 "
+      "[1, 1, 1, 1, 1, 1, 1]")
