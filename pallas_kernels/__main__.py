@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import sys
@@ -16,33 +15,7 @@ _quiet.select_cpu_when_no_accelerator()
 
 import jax  # noqa: E402
 
-from pallas_kernels import _backend, _cases, _timing  # noqa: E402
-
-
-def _parse(argv):
-  parser = argparse.ArgumentParser(
-      prog="python -m pallas_kernels",
-      description=(
-          "Runs every kernel on this machine's default JAX backend (a CPU "
-          "runs the TPU kernels in Pallas interpret mode), checks each against "
-          "its pure-JAX reference and times both. Prints one row per case: "
-          "op, shape, backend, max error vs reference, tolerance, times and "
-          "speed-up over the reference."))
-  parser.add_argument("--size", choices=_cases.SIZES, default="small",
-                      help="problem sizes to run (default: small, fits a laptop "
-                           "in interpret mode)")
-  parser.add_argument("--ops", nargs="*", default=None,
-                      help="only these ops (e.g. flash_attention nms)")
-  parser.add_argument("--families", nargs="*", default=list(_cases.FAMILIES),
-                      choices=list(_cases.FAMILIES), help="kernel families to run")
-  parser.add_argument("--backend", default=None,
-                      choices=[b for b in _backend.BACKENDS if b != "reference"],
-                      help="force a backend instead of the platform's default")
-  parser.add_argument("--iters", type=int, default=5,
-                      help="timed runs per case (median reported)")
-  parser.add_argument("--json", default=None,
-                      help="also write the rows to this JSON file")
-  return parser.parse_args(argv)
+from pallas_kernels import _backend, _cases, _cli, _timing  # noqa: E402
 
 
 def _row(case, backend, iters):
@@ -66,17 +39,13 @@ def _row(case, backend, iters):
 
 
 def main(argv=None) -> int:
-  args = _parse(argv)
+  args = _cli.parse(argv)
   platform = jax.default_backend()
   shown_backend = args.backend or _backend.resolve_for_platform(platform)
   print(f"jax {jax.__version__} on {platform} ({jax.devices()[0].device_kind}); "
         f"kernels run as: {shown_backend}")
   cases = _cases.load_cases(args.size, args.families)
   if args.ops:
-    unknown = set(args.ops) - {c.op for c in cases}
-    if unknown:
-      print(f"--ops: unknown op(s) {sorted(unknown)}", file=sys.stderr)
-      return 2
     cases = [c for c in cases if c.op in args.ops]
   header = (f"{'op':<22} {'shape':<48} {'backend':<11} {'max error':>10} "
             f"{'tol':>8} {'kernel ms':>10} {'ref ms':>9} {'speed-up':>8}  status")

@@ -55,11 +55,17 @@ ensure_env() {
     "$python" -m venv "$venv"
   fi
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
-    echo "[setup] installing $(basename "$requirements") into $venv (first run takes minutes)" >&2
+    local size
+    size="$(sed -n 's/^# size: //p' "$requirements" | head -n 1)"
+    echo "[setup] 1/3 pip itself, in $venv" >&2
     "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >&2
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$requirements" >&2
+    echo "[setup] 2/3 $(basename "$requirements") (${size:-size unknown}; pip's progress follows)" >&2
+    "$venv/bin/python" -m pip install --progress-bar on --disable-pip-version-check \
+      -r "$requirements" >&2
+    echo "[setup] 3/3 this repository, editable" >&2
     "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$REPO_ROOT" >&2
     echo "$want" > "$stamp"
+    echo "[setup] done: $venv" >&2
   fi
   # shellcheck disable=SC2034  # read by the scripts that source this file
   ENV_PYTHON="$venv/bin/python"

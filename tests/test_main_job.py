@@ -45,10 +45,41 @@ def test_small_run_prints_table_and_every_case_matches(tmp_path):
   assert "libtpu" not in result.stderr
 
 
-def test_unknown_op_is_rejected():
-  result = _main("--ops", "no_such_op", "--families", "iou")
+def test_unknown_op_is_rejected_with_the_valid_names():
+  result = _main("--ops", "nmss", "--families", "iou")
   assert result.returncode == 2
-  assert "unknown op" in result.stderr
+  assert "unknown op(s) nmss" in result.stderr
+  assert "flash_attention" in result.stderr and "batched_nms" in result.stderr
+
+
+def _script(*args):
+  """scripts/main.sh with an environment directory that does not exist: the
+  answer must come before any environment is built."""
+  env = dict(os.environ, PALLAS_KERNELS_VENVS="/nonexistent/venvs")
+  return subprocess.run(["bash", os.path.join(ROOT, "scripts", "main.sh"),
+                         *args], capture_output=True, text=True, env=env,
+                        timeout=60)
+
+
+def test_script_answers_help_and_bad_arguments_before_installing():
+  result = _script("--help")
+  assert result.returncode == 0 and "--ops" in result.stdout
+  assert "[setup]" not in result.stderr
+  result = _script("--ops", "nmss")
+  assert result.returncode == 2 and "the ops are:" in result.stderr
+  assert "[setup]" not in result.stderr
+  result = _script("--size", "huge")
+  assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_cli_ops_are_the_main_job_cases():
+  from pallas_kernels import _cli
+  cases = _cases.load_cases("small")
+  assert set(_cli.OPS) == {c.op for c in cases}
+  assert tuple(_cli.FAMILIES) == tuple(_cases.FAMILIES)
+  assert tuple(_cli.SIZES) == tuple(_cases.SIZES)
+  from pallas_kernels import _backend
+  assert set(_cli.BACKENDS) == set(_backend.BACKENDS) - {"reference"}
 
 
 def test_broken_family_becomes_error_row(monkeypatch):
