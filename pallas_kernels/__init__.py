@@ -10,12 +10,21 @@ Public ops (each takes ``backend=None | "mosaic_tpu" | "gpu" | "interpret" |
 
 ``pallas_kernels.reference`` holds the plain-JAX versions with identical
 semantics. ``force_interpret()`` runs everything in Pallas interpret mode.
+Importing the package on a machine with no TPU or GPU attached selects JAX's
+CPU platform unless ``JAX_PLATFORMS`` is set (libtpu's TPU probe is noisy).
 """
 from __future__ import annotations
 
 import importlib
 
-from pallas_kernels._backend import BACKENDS, force_interpret  # noqa: F401
+from pallas_kernels import _quiet
+
+# On a host with libtpu installed but no accelerator, JAX would probe for a TPU
+# and libtpu would print start-up errors: select the CPU (AOT TPU compiles
+# still work). A platform the user chose is kept.
+_quiet.select_cpu_when_no_accelerator()
+
+from pallas_kernels._backend import BACKENDS, force_interpret  # noqa: E402,F401
 
 __version__ = "0.1.0"
 

@@ -96,3 +96,18 @@ def test_max_abs_error_handles_nan_and_shape():
   assert _cases.max_abs_error(np.array([1.0, np.nan]), np.array([1.5, np.nan])) == 0.5
   assert _cases.max_abs_error(np.array([np.nan]), np.array([1.0])) == float("inf")
   assert _cases.max_abs_error(np.zeros(2), np.zeros(3)) == float("inf")
+
+
+def test_import_on_a_cpu_host_prints_no_tpu_noise():
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  for name in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME"):
+    env.pop(name, None)
+  for order in ("import pallas_kernels, jax", "import jax, pallas_kernels"):
+    result = subprocess.run(
+        [sys.executable, "-c", order + "; print(jax.devices()[0].platform)"],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    if not any(os.path.exists(p) for p in ("/dev/accel0", "/dev/nvidia0")):
+      assert result.stdout.strip() == "cpu"
+    assert "libtpu" not in result.stderr and "TPU_" not in result.stderr, (
+        result.stderr[-2000:])
