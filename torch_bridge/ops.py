@@ -23,8 +23,11 @@ generic Pallas interpreter on CPU), CPU and CUDA tensors go through DLPack
 to a jitted JAX call. Each op is also ``torch.ops.pallas_kernels.<name>``
 (static parameters encoded in its first, string argument).
 
-Integer inputs given as int64 (torch's default) are narrowed to int32, as
-JAX runs without 64-bit types; index outputs are int32.
+JAX runs without 64-bit types: ids given as int64 (torch's default;
+segment and class ids) are passed as int32 with equality kept exactly (values
+outside int32 are renumbered); box ops take integer boxes (upcast to float32,
+as torchvision does) and float64 boxes (computed in float32, returned as
+float64); index outputs are int32.
 """
 from __future__ import annotations
 
@@ -36,6 +39,9 @@ import torch
 from torch_bridge._core import JaxOp, UnshardedWarning
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_INTS = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+# Boxes as torchvision takes them: integers are upcast, float64 runs in float32.
+_BOX_DTYPES = _FLOATS + (torch.float64,) + _INTS
 
 
 # ---------------------------------------------------------------- checks --
@@ -77,9 +83,42 @@ def _check_devices(op: str, named: dict[str, torch.Tensor | None]):
                        f"{first[1]}; all tensors must share a device")
 
 
-def _int32(t):
-  return None if t is None else (t.to(torch.int32) if t.dtype == torch.int64
-                                 else t)
+_INT32 = torch.iinfo(torch.int32)
+
+
+def _ids_int32(*ids):
+  """Integer id tensors as int32 with equality kept exactly (ids are only
+  compared for equality; JAX runs without 64-bit types).
+
+  int64 values that may not fit int32 are replaced by their rank among all
+  the given ids, on their device (a sort; no host sync on XLA tensors).
+  """
+  present = [t for t in ids if t is not None]
+  wide = [t for t in present if t.dtype == torch.int64]
+  lazy = any(t.device.type in ("xla", "meta") for t in wide)
+  if wide and (lazy or any(
+      t.numel() and (int(t.min()) < _INT32.min or int(t.max()) > _INT32.max)
+      for t in wide)):
+    flat = torch.cat([t.reshape(-1).long() for t in present])
+    values, order = torch.sort(flat)
+    new = torch.zeros_like(values)
+    new[1:] = (values[1:] != values[:-1]).long()
+    ranks = torch.empty_like(flat).scatter_(0, order, torch.cumsum(new, 0))
+    sizes = [t.numel() for t in present]
+    present = [r.reshape(t.shape) for r, t in
+               zip(torch.split(ranks, sizes), present)]
+  it = iter(t.to(torch.int32) for t in present)
+  return tuple(None if t is None else next(it) for t in ids)
+
+
+def _as_float_boxes(*tensors):
+  """torchvision's convention: integer boxes are upcast to float32; float64
+  runs in float32 (JAX runs without 64-bit types). Returns the tensors and
+  whether a float64 input asks for a float64 result."""
+  wide = any(t is not None and t.dtype == torch.float64 for t in tensors)
+  out = tuple(t if t is None or t.dtype in _FLOATS else t.float()
+              for t in tensors)
+  return out, wide
 
 
 def _is_axis(a) -> bool:
@@ -221,11 +260,12 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
     if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
       raise TypeError(f"{op}: segment_ids must be a (q_segment_ids, "
                       "kv_segment_ids) pair of tensors")
-    ints = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
-    q_seg = _int32(_check_tensor(op, "q_segment_ids", segment_ids[0],
-                                 dtypes=ints, ndim=2))
-    kv_seg = _int32(_check_tensor(op, "kv_segment_ids", segment_ids[1],
-                                  dtypes=ints, ndim=2))
+    ints = _INTS
+    q_seg, kv_seg = _ids_int32(
+        _check_tensor(op, "q_segment_ids", segment_ids[0], dtypes=ints,
+                      ndim=2),
+        _check_tensor(op, "kv_segment_ids", segment_ids[1], dtypes=ints,
+                      ndim=2))
   _check_tensor(op, "bias", bias, dtypes=_FLOATS, ndim=4, optional=True)
   _check_devices(op, dict(q=q, k=k, v=v, q_segment_ids=q_seg,
                           kv_segment_ids=kv_seg, bias=bias))
@@ -437,9 +477,14 @@ _GIOU_LOSS = JaxOp("giou_loss",
                                                        ("pred", "target")))
 
 
+def _widened(t, wide: bool):
+  return t.double() if wide else t
+
+
 def _boxes(op, names, b1, b2, pairwise=False):
   for name, t in zip(names, (b1, b2)):
-    _check_tensor(op, name, t, dtypes=_FLOATS, min_ndim=2 if pairwise else 1)
+    _check_tensor(op, name, t, dtypes=_BOX_DTYPES,
+                  min_ndim=2 if pairwise else 1)
     if t.shape[-1] != 4:
       raise ValueError(f"{op}: {name} must have a last dimension of 4 (box "
                        f"coordinates), got shape {tuple(t.shape)}")
@@ -457,7 +502,8 @@ def giou(boxes1, boxes2, *, box_format="xyxy", backend=None,
   _boxes(op, ("boxes1", "boxes2"), boxes1, boxes2)
   static = _sharding(dict(box_format=box_format, backend=backend),
                      partition_spec, mesh, op)
-  return _GIOU([boxes1, boxes2], **static)[0]
+  (boxes1, boxes2), wide = _as_float_boxes(boxes1, boxes2)
+  return _widened(_GIOU([boxes1, boxes2], **static)[0], wide)
 
 
 def pairwise_giou(boxes1, boxes2, *, box_format="xyxy", backend=None,
@@ -471,7 +517,8 @@ def pairwise_giou(boxes1, boxes2, *, box_format="xyxy", backend=None,
   _boxes(op, ("boxes1", "boxes2"), boxes1, boxes2, pairwise=True)
   static = _sharding(dict(box_format=box_format, backend=backend),
                      partition_spec, mesh, op)
-  return _PAIRWISE_GIOU([boxes1, boxes2], **static)[0]
+  (boxes1, boxes2), wide = _as_float_boxes(boxes1, boxes2)
+  return _widened(_PAIRWISE_GIOU([boxes1, boxes2], **static)[0], wide)
 
 
 def giou_loss(pred, target, *, reduction="none", eps=1e-7, box_format="xyxy",
@@ -488,19 +535,20 @@ def giou_loss(pred, target, *, reduction="none", eps=1e-7, box_format="xyxy",
     raise ValueError(f"giou_loss: reduction must be 'none', 'mean' or 'sum', "
                      f"got {reduction!r}")
   static = dict(eps=eps, box_format=box_format, backend=backend)
+  (pred, target), wide = _as_float_boxes(pred, target)
   if partition_spec is None:
     static = _sharding(dict(static, reduction=reduction), None, mesh, op)
-    return _GIOU_LOSS([pred, target], **static)[0]
+    return _widened(_GIOU_LOSS([pred, target], **static)[0], wide)
   # Reduced here, outside the sharded op: the sum then spans every shard
   # and never sees the padding of an odd batch.
   static = _sharding(dict(static, reduction="none"), partition_spec, mesh, op)
   loss = _GIOU_LOSS([pred, target], **static)[0]
   if reduction == "none":
-    return loss
+    return _widened(loss, wide)
   total = loss.float().sum()
   if reduction == "mean":
     total = total / max(loss.numel(), 1)
-  return total.to(loss.dtype)
+  return _widened(total.to(loss.dtype), wide)
 
 
 # ------------------------------------------------------------------- NMS --
@@ -538,8 +586,8 @@ _BATCHED_NMS = JaxOp("batched_nms",
 
 
 def _nms_checks(op, boxes, scores, class_ids, iou_threshold, max_output_size):
-  _check_tensor(op, "boxes", boxes, dtypes=_FLOATS, min_ndim=2)
-  _check_tensor(op, "scores", scores, dtypes=_FLOATS, min_ndim=1)
+  _check_tensor(op, "boxes", boxes, dtypes=_BOX_DTYPES, min_ndim=2)
+  _check_tensor(op, "scores", scores, dtypes=_BOX_DTYPES, min_ndim=1)
   if boxes.shape[-1] != 4:
     raise ValueError(f"{op}: boxes must be [..., N, 4], got shape "
                      f"{tuple(boxes.shape)}")
@@ -547,7 +595,7 @@ def _nms_checks(op, boxes, scores, class_ids, iou_threshold, max_output_size):
     raise ValueError(f"{op}: scores must have shape {tuple(boxes.shape[:-1])} "
                      f"(boxes without the last axis), got "
                      f"{tuple(scores.shape)}")
-  ints = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+  ints = _INTS
   _check_tensor(op, "class_ids", class_ids, dtypes=ints, optional=True)
   if isinstance(iou_threshold, torch.Tensor) or isinstance(
       max_output_size, torch.Tensor):
@@ -590,7 +638,8 @@ def _run_nms(jax_op, op, boxes, scores, class_ids, iou_threshold,
                           max_output_size=max_output_size,
                           score_threshold=score_threshold, backend=backend),
                      partition_spec, mesh, op)
-  return jax_op([boxes, scores, _int32(class_ids)], **static)
+  (boxes, scores), _ = _as_float_boxes(boxes, scores)
+  return jax_op([boxes, scores, _ids_int32(class_ids)[0]], **static)
 
 
 __all__ = ["UnshardedWarning", "flash_attention", "quantize_int8", "int8_matmul", "int8_dense",
