@@ -104,7 +104,7 @@ def test_giou_loss_module(torch_gen):
     (lambda: tb.giou(torch.zeros(3, 5), torch.zeros(3, 5)), ValueError,
      "boxes1 must have a last dimension of 4"),
     (lambda: tb.giou_loss(torch.zeros(3, 4), torch.zeros(3, 4,
-                                                          dtype=torch.int32)),
+                                                          dtype=torch.complex64)),
      TypeError, "target"),
     (lambda: tb.giou_loss(torch.zeros(3, 4), torch.zeros(3, 4),
                           reduction="max"), ValueError, "reduction"),
