@@ -97,24 +97,23 @@ def run(case, timer):
   rows = []
   for mode in MODES:
     name, flops = f"{label(case)} {mode}", useful_flops(case, mode)
-    outs = {}
+    outs, ours = {}, None
     for impl, (fn, layout) in jax_impls(case, timer.quick).items():
       args = layouts[layout][:3 if mode == "fwd" else 4]
 
       def timed(fn=fn, args=args, impl=impl, layout=layout):
         seconds, out = timer.jax(_with_vjp(fn, mode), *args)
-        first = out if mode == "fwd" else out[0]
+        first = out if mode == "fwd" else out[0]  # the output, or dq
         outs[impl] = first if layout == "bhld" else jnp.swapaxes(first, 1, 2)
         return seconds
-      harness.measure(rows, name, impl, timed, flops=flops)
+      row = harness.measure(rows, name, impl, timed, flops=flops)
+      ours = ours or row
     for impl, thunks in torch_peers.items():
       harness.measure(rows, name, impl,
                       lambda t=thunks[mode]: timer.torch(t), flops=flops)
     peer = next((p for p in outs if p != "ours"), None)
     if "ours" in outs and peer:
-      ours_row = next(r for r in rows if r["case"] == name
-                      and r["impl"] == "ours")
-      ours_row["err"] = harness.rel_error(outs["ours"], outs[peer])
+      ours["err"] = harness.rel_error(outs["ours"], outs[peer])
   return rows
 
 

@@ -27,9 +27,9 @@ from bench import harness, roofline
 
 F32 = 4
 CASES = ([dict(op="loss", shape=s, mode=m, copies=c)
-          for s, c in (((1024, 256), 50), ((16 * 2**20,), 3))
+          for s, c in (((1024, 256), 20), ((16 * 2**20,), 2))
           for m in ("fwd", "fwd+bwd")]
-         + [dict(op="pairwise", shape=(4096, 4096), mode="fwd", copies=20)])
+         + [dict(op="pairwise", shape=(4096, 4096), mode="fwd", copies=10)])
 QUICK = [dict(op="loss", shape=(4, 300), mode=m, copies=1)
          for m in ("fwd", "fwd+bwd")] + [
              dict(op="pairwise", shape=(256, 512), mode="fwd", copies=1)]

@@ -1,8 +1,9 @@
 """The benches' one harness: timing, results files, tables, plots.
 
-``python -m bench.<op> [--quick] [--cases TEXT] [--tag TAG] [--out DIR]``
-times each case of the op's list (``--cases``: those whose label contains
-TEXT) and writes ``<op>[-TAG]-<device>-<date>.json`` (date, device,
+``python -m bench.<op> [--quick] [--cases TEXT] [--tag TAG] [--out DIR]
+[--roofline]`` times each case of the op's list (``--cases``: those whose
+label contains TEXT; ``--roofline``: none, only the TPU estimates) and
+writes ``<op>[-TAG]-<device>-<date>.json`` (date, device,
 versions, rows, TPU roofline estimates) after every case, so a run cut
 short keeps what it timed, and a PNG beside it when matplotlib imports.
 
@@ -22,6 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
@@ -51,16 +53,20 @@ def steady_slope(run: Callable[[int], float], counts: tuple[int, int],
   return statistics.median(slopes)
 
 
+@functools.lru_cache(maxsize=None)
+def _program(op: Callable, count: int, copies: int):
+  import jax
+  return jax.jit(lambda *f: [op(*f[i * count:(i + 1) * count])
+                             for i in range(copies)])
+
+
 def replicated_program(op: Callable, args: Sequence, copies: int):
   """(program, inputs): one jitted program of ``copies`` calls of ``op``,
-  each on its own copy of ``args``; it returns their outputs as a list."""
-  import jax
+  each on its own device copy of ``args``; it returns their outputs as a
+  list. The same op and counts give the same program (compiled once)."""
   import jax.numpy as jnp
-  count = len(args)
   flat = [jnp.array(a, copy=True) for _ in range(copies) for a in args]
-  program = jax.jit(lambda *f: [op(*f[i * count:(i + 1) * count])
-                                for i in range(copies)])
-  return program, flat
+  return _program(op, len(args), copies), flat
 
 
 def torch_module():
@@ -78,8 +84,9 @@ def wait(out: Any) -> Any:
   """Blocks until ``out`` (JAX arrays, torch tensors) is computed."""
   import jax
   jax.block_until_ready(out)
-  torch = sys.modules.get("torch")  # only when something loaded it
-  if getattr(torch, "cuda", None) is not None and torch.cuda.is_available():
+  torch = sys.modules.get("torch")  # loaded by whoever made torch tensors
+  if any(type(leaf).__module__.startswith("torch")
+         for leaf in jax.tree.leaves(out)) and torch.cuda.is_available():
     torch.cuda.synchronize()
   return out
 
@@ -94,16 +101,26 @@ class Timer:
           call: the slope between 2 and 8 such programs dispatched back to
           back, which cancels the one dispatch and final wait that every
           sample pays; the median over alternating pairs, so a slow spell
-          of the host spoils one pair, not the result.
+          of the host spoils one pair, not the result. Pairs: ``iters``,
+          or more (up to ``max_iters``) while they fit in ``budget_s``,
+          since host noise weighs most on the shortest ops.
   torch   CUDA events around ``reps`` and ``4 reps`` back-to-back launches,
           the same slope; tensors on the CPU: host wall time.
   synced  host wall time of one call waited for (torchvision's NMS, which
-          syncs itself; the torch bridge).
+          syncs itself; the torch bridge); ``jax_synced`` for a JAX op.
   ``quick``: one sample of one call each.
   """
   quick: bool = False
   iters: int = 7
+  max_iters: int = 31
+  budget_s: float = 0.3
   programs: tuple[int, int] = (2, 8)
+
+  def _pairs(self, iters: int | None, pair_seconds: float) -> int:
+    if iters:
+      return iters
+    return max(self.iters, min(self.max_iters,
+                               int(self.budget_s / max(pair_seconds, 1e-9))))
 
   def jax(self, op: Callable, *args, copies: int = 1,
           iters: int | None = None) -> tuple[float, Any]:
@@ -121,8 +138,14 @@ class Timer:
 
     if self.quick:
       return run(1) / copies, first
-    run(1)
-    return steady_slope(run, self.programs, iters or self.iters) / copies, first
+    pairs = self._pairs(iters, sum(self.programs) * run(1))
+    return steady_slope(run, self.programs, pairs) / copies, first
+
+  def jax_synced(self, op: Callable, *args, iters: int | None = None):
+    """Host seconds of one call of ``op(*args)`` dispatched and waited for
+    (``jax``'s program with one copy: no second compile)."""
+    program, flat = replicated_program(op, args, 1)
+    return self.synced(lambda: program(*flat), iters)
 
   def torch(self, fn: Callable[[], Any], reps: int = 1,
             iters: int | None = None) -> float:
@@ -146,7 +169,8 @@ class Timer:
 
     if self.quick:
       return run(reps) / reps
-    return steady_slope(run, (reps, 4 * reps), iters or self.iters)
+    pairs = self._pairs(iters, 5 * run(reps))
+    return steady_slope(run, (reps, 4 * reps), pairs)
 
   def synced(self, fn: Callable[[], Any], iters: int | None = None) -> float:
     """Median host seconds of ``fn()`` with its result waited for."""
@@ -341,7 +365,11 @@ def main(op: str, cases: Sequence, quick_cases: Sequence,
                       help="only cases whose label contains this text")
   parser.add_argument("--tag", default="", help="added to the file name")
   parser.add_argument("--out", default=None, help="results directory")
+  parser.add_argument("--roofline", action="store_true",
+                      help="only the cases' TPU roofline estimates, no timing")
   args = parser.parse_args(argv)
+  if args.roofline:
+    args.tag = args.tag or "roofline"
   import jax
   if args.quick and jax.config.jax_platforms != "cpu":
     jax.config.update("jax_platforms", "cpu")
@@ -370,7 +398,8 @@ def main(op: str, cases: Sequence, quick_cases: Sequence,
   interpret = pk.force_interpret("generic") if args.quick else (
       contextlib.nullcontext())
   with interpret:
-    for case in chosen:
+    for case in [] if args.roofline else chosen:
+      start = time.perf_counter()
       try:
         rows += run_case(case, Timer(quick=args.quick))
       except Exception as e:  # noqa: BLE001  (the other cases still run)
@@ -379,8 +408,9 @@ def main(op: str, cases: Sequence, quick_cases: Sequence,
                          error=f"{type(e).__name__}: {str(e)[:300]}"))
       add_ratios(rows)
       write_results(path, rows, extra)
+      print(f"{label(case)}: {time.perf_counter() - start:.1f} s", flush=True)
   print_table(rows, columns)
-  print("wrote", path)
+  print("wrote", write_results(path, rows, extra))
   png = plot(path[:-len(".json")] + ".png", rows, extra["tpu_roofline"])
   if png:
     print("wrote", png)

@@ -6,9 +6,10 @@ Cases: N = 1k, 5k, 20k, 100k boxes at IoU thresholds 0.1 and 0.5 with
 max_output_size 128 and N (``pk.nms``), and 16 images x 5k boxes in one
 ``pk.batched_nms`` call. Boxes: integer corners in a 1024 x 1024 image,
 sizes 1..1023, distinct scores (orders are unique, so indices compare
-exactly). ours: ``ms`` timed in-program like every JAX op (what a model
-that never syncs on the result sees; the op needs no host sync) and
-``synced_ms``, one call dispatched and waited for. Peer: torchvision's
+exactly). ours: ``ms``, calls dispatched back to back (``Timer.jax`` with
+one copy per program: what a model that never syncs on the result sees;
+the op needs no host sync), and ``synced_ms``, one call dispatched and
+waited for. Peer: torchvision's
 ``nms`` / ``batched_nms``, whose host-side pass syncs each call, timed
 synced. ``vs_torchvision`` compares ours in-program, ``synced_vs_torchvision``
 synced with synced. ``same``: ours keeps torchvision's indices.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import numpy as np
 
 import pallas_kernels as pk
@@ -72,18 +72,16 @@ def run(case, timer):
     data, op = boxes(rng, case["n"]), pk.nms
   op = functools.partial(op, iou_threshold=case["thr"],
                          max_output_size=case["m"])
-  big = case["n"] * case.get("batch", 1) >= 50_000
-  copies, iters = (1, 3) if big else (4, None)
+  iters = 3 if case["n"] * case.get("batch", 1) >= 50_000 else None
   rows, name, got = [], label(case), {}
 
   def timed():
-    seconds, got["out"] = timer.jax(op, *data, copies=copies, iters=iters)
+    seconds, got["out"] = timer.jax(op, *data, iters=iters)
     return seconds
   ours = harness.measure(rows, name, "ours", timed)
   if ours["ms"]:
     ours["kept"] = int(np.sum(got["out"][1]))
-    ours["synced_ms"] = 1e3 * timer.synced(
-        functools.partial(jax.jit(op), *data), iters=iters)
+    ours["synced_ms"] = 1e3 * timer.jax_synced(op, *data, iters=iters)
   try:
     call, kept = torchvision_peer(case, data)
   except ImportError:

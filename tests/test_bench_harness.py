@@ -34,6 +34,14 @@ def test_steady_slope_shrugs_off_one_slow_sample():
                               iters=5) == pytest.approx(5.0)
 
 
+def test_timer_takes_more_pairs_for_short_ops_within_its_budget():
+  timer = harness.Timer(iters=7, max_iters=31, budget_s=0.3)
+  assert timer._pairs(None, 1.0) == 7      # long ops: the minimum
+  assert timer._pairs(None, 0.03) == 10    # as many as fit in 0.3 s
+  assert timer._pairs(None, 1e-4) == 31    # capped
+  assert timer._pairs(5, 1e-4) == 5        # asked for
+
+
 def test_timer_jax_traces_one_call_per_copy_on_its_own_inputs():
   traced = []
 
@@ -48,6 +56,19 @@ def test_timer_jax_traces_one_call_per_copy_on_its_own_inputs():
   assert jnp.array_equal(first, x * y)
   seconds, first = harness.Timer(quick=True).jax(op, x, y, copies=3)
   assert len(traced) == 4 and seconds > 0  # quick: one copy, one sample
+
+
+def test_timer_jax_synced_reuses_the_one_copy_program():
+  traced = []
+
+  def op(x):
+    traced.append(1)
+    return x + 1
+
+  timer = harness.Timer(iters=1, programs=(1, 2))
+  timer.jax(op, jnp.ones(3))
+  assert timer.jax_synced(op, jnp.ones(3), iters=2) >= 0
+  assert len(traced) == 1
 
 
 def test_timer_synced_waits_for_each_call():
