@@ -1,6 +1,2 @@
-"""Benchmarks (see run.py). Importing the package keeps JAX from taking
-most of the GPU memory up front, which the torch peers in the same process
-need."""
-import os
-
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+"""Benchmarks: ``python -m bench.<op>`` (attention, int8_matmul, giou, nms,
+torch_bridge), or ``python -m bench.run`` for all; see ``bench.harness``."""

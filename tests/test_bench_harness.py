@@ -1,61 +1,30 @@
-"""The benchmark harness: timing, results files, tables, roofline."""
+"""The benchmark harness, the roofline table, and each bench's --quick run."""
 from __future__ import annotations
 
+import importlib
 import json
-import os
-import sys
+import pathlib
+import re
 
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import harness, roofline  # noqa: E402
+from bench import harness, roofline, run
 
-
-def test_time_jax_waits_for_results():
-  seconds = harness.time_jax(lambda x: x @ x, jnp.ones((64, 64)), warmup=1,
-                             iters=3)
-  assert 0 < seconds < 5
-
-
-def test_time_jax_reps_dispatches_all_calls_and_waits_once():
-  calls = []
-
-  def counted(x):
-    calls.append(1)
-    return x + 1
-
-  harness.time_jax(counted, jnp.ones(4), warmup=2, iters=3, reps=5)
-  # 2 warm-up calls, then 3 samples of 5 back-to-back calls each.
-  assert len(calls) == 2 + 3 * 5
-
-
-def test_time_replicated_jax_traces_one_call_per_copy_on_its_own_inputs():
-  seen = []
-
-  def traced(x, y):
-    seen.append(1)   # runs at trace time only: once per copy
-    return x * y
-
-  x, y = jnp.arange(4.0), jnp.full((4,), 3.0)
-  seconds, first = harness.time_replicated_jax(traced, (x, y), copies=3,
-                                               iters=2, host_reps=2)
-  assert len(seen) == 3 and 0 < seconds < 5
-  assert jnp.array_equal(first, x * y)
+BENCH = pathlib.Path(harness.__file__).parent
 
 
 def test_steady_slope_cancels_what_every_sample_pays_once():
-  # 7 s paid once per sample, 2 s per unit: the slope is the 2 s alone.
   calls = []
 
-  def run(count):
+  def timed(count):  # 7 s paid once per sample, 2 s per unit
     calls.append(count)
     return 7.0 + 2.0 * count
 
-  assert harness.steady_slope(run, (2, 6), iters=3) == pytest.approx(2.0)
+  assert harness.steady_slope(timed, (2, 6), iters=3) == pytest.approx(2.0)
   assert calls == [2, 6, 2, 6, 2, 6]
   with pytest.raises(ValueError, match="counts"):
-    harness.steady_slope(run, (4, 4))
+    harness.steady_slope(timed, (4, 4), iters=1)
 
 
 def test_steady_slope_shrugs_off_one_slow_sample():
@@ -65,73 +34,174 @@ def test_steady_slope_shrugs_off_one_slow_sample():
                               iters=5) == pytest.approx(5.0)
 
 
-def test_time_replicated_jax_steady_runs_both_program_counts():
-  x = jnp.arange(4.0)
-  seconds, first = harness.time_replicated_jax(lambda v: v + 1, (x,),
-                                               copies=2, iters=2,
-                                               steady=(1, 3))
-  assert abs(seconds) < 5 and jnp.array_equal(first, x + 1)
+def test_timer_takes_more_pairs_for_short_ops_within_its_budget():
+  timer = harness.Timer(iters=7, max_iters=31, budget_s=0.3)
+  assert timer._pairs(None, 1.0) == 7      # long ops: the minimum
+  assert timer._pairs(None, 0.03) == 10    # as many as fit in 0.3 s
+  assert timer._pairs(None, 1e-4) == 31    # capped
+  assert timer._pairs(5, 1e-4) == 5        # asked for
 
 
-def test_results_file_records_device_versions_date(tmp_path):
-  rows = [{"shape": "4x4", "ours_ms": 1.0, "peer_ms": 2.0,
-           "speedup": harness.ratio(2.0, 1.0)}]
-  path = harness.write_results("demo", rows, extra={"note": "x"},
-                               directory=str(tmp_path))
-  data = json.loads(open(path).read())
-  assert data["benchmark"] == "demo" and data["rows"] == rows
-  assert data["jax"] and data["device"] and data["date"][:4].isdigit()
-  assert os.path.basename(path).startswith("demo-cpu-")
-  assert rows[0]["speedup"] == 2.0
-  assert harness.ratio(None, 1.0) is None
+def test_timer_jax_traces_one_call_per_copy_on_its_own_inputs():
+  traced = []
+
+  def op(x, y):
+    traced.append(1)  # runs at trace time only: once per copy
+    return x * y
+
+  x, y = jnp.arange(4.0), jnp.full((4,), 3.0)
+  seconds, first = harness.Timer(iters=2, programs=(1, 3)).jax(
+      op, x, y, copies=3)
+  assert len(traced) == 3 and abs(seconds) < 5
+  assert jnp.array_equal(first, x * y)
+  seconds, first = harness.Timer(quick=True).jax(op, x, y, copies=3)
+  assert len(traced) == 4 and seconds > 0  # quick: one copy, one sample
 
 
-def test_print_table_aligns_columns(capsys):
-  harness.print_table([{"op": "a", "ms": 1.23456}, {"op": "bbbb", "ms": 12345.0}])
+def test_timer_jax_synced_reuses_the_one_copy_program():
+  traced = []
+
+  def op(x):
+    traced.append(1)
+    return x + 1
+
+  timer = harness.Timer(iters=1, programs=(1, 2))
+  timer.jax(op, jnp.ones(3))
+  assert timer.jax_synced(op, jnp.ones(3), iters=2) >= 0
+  assert len(traced) == 1
+
+
+def test_timer_synced_waits_for_each_call():
+  calls = []
+  seconds = harness.Timer(iters=2).synced(lambda: calls.append(1) or
+                                          jnp.ones(3))
+  assert seconds >= 0 and len(calls) == 2 + 6  # warm-up, then 3 * iters
+
+
+def test_measure_records_time_flops_and_failures():
+  rows = []
+  ok = harness.measure(rows, "c", "ours", lambda: 0.002, flops=4e9, d=1)
+  bad = harness.measure(rows, "c", "peer", lambda: 1 / 0)
+  assert ok == dict(case="c", impl="ours", ms=2.0, d=1, tflops=2.0)
+  assert bad["ms"] is None and bad["error"].startswith("ZeroDivisionError")
+
+
+def test_add_ratios_compares_each_ours_row_with_the_peers_of_its_case():
+  rows = [dict(case="a", impl="ours", ms=2.0),
+          dict(case="a", impl="ours_nk", ms=4.0),
+          dict(case="a", impl="peer", ms=8.0),
+          dict(case="a", impl="broken", ms=None),
+          dict(case="b", impl="peer", ms=1.0)]
+  harness.add_ratios(rows)
+  assert rows[0]["vs_peer"] == 4.0 and rows[1]["vs_peer"] == 2.0
+  assert "vs_broken" not in rows[0] and "vs_ours" not in rows[2]
+
+
+def test_rel_error_scales_by_the_largest_magnitude():
+  assert harness.rel_error([1.0, 2.0], [1.0, 4.0]) == pytest.approx(0.5)
+  assert harness.rel_error([float("nan")], [1.0]) == float("inf")
+
+
+def test_device_slug_and_table(capsys):
+  assert harness.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+  assert harness.device_slug("TPU v5 lite") == "v5e"
+  assert harness.device_slug("TPU7x") == "tpu7x"
+  assert harness.device_slug("cpu") == "cpu"
+  harness.print_table([{"op": "a", "ms": 1.23456}, {"op": "bbbb", "ms": 1e4}])
   lines = capsys.readouterr().out.splitlines()
-  assert lines[0].startswith("op  ") and len({len(l.rstrip()) for l in lines[2:]}) >= 1
-  assert "1.235" in lines[2] and "1.23e+04" in lines[3]
+  assert lines[0].split() == ["op", "ms"]
+  assert "1.235" in lines[2] and "1e+04" in lines[3]
 
 
-def test_roofline_bound_and_int8_rate():
-  # 8192^3 matmul in bf16 on v5e: compute bound, 2*n^3 / 197e12 s.
-  n = 8192
+def test_roofline_bound_rates_and_vmem():
+  n = 8192  # 8192^3 matmul in bf16 on v5e: compute bound
   est = roofline.roofline("v5e", 2 * n**3, 3 * n * n * 2, "bf16")
   assert est["bound"] == "compute"
   assert est["time_s"] == pytest.approx(2 * n**3 / 197e12)
   int8 = roofline.roofline("v5e", 2 * n**3, 3 * n * n, "int8")
-  assert int8["time_s"] == pytest.approx(est["time_s"] / 2)
+  assert int8["time_s"] == pytest.approx(2 * n**3 / 393e12)
   copy = roofline.roofline("h100", 0, 1e9)
-  assert copy["bound"] == "memory" and copy["time_s"] == pytest.approx(1e9 / 3.35e12)
+  assert copy["bound"] == "memory" and copy["time_s"] == pytest.approx(
+      1e9 / 3.35e12)
+  assert roofline.SPECS["v5p"]["vmem"] == 64 * 2**20
+  with pytest.raises(ValueError, match="tpu7x.*int8"):
+    roofline.roofline("tpu7x", 1e9, 1e6, "int8")
+  chips = [r["chip"] for r in roofline.rows("mm", 1e12, 1e9, "int8")]
+  assert chips == ["v5e", "v5p", "v6e"]  # TPU7x publishes no int8 rate
+  [row] = roofline.rows("mm", 1e12, 1e9, chips=("v6e",), useful_flops=5e11)
+  assert row["tflops"] == pytest.approx(5e11 / (1e12 / 918e12) / 1e12)
 
 
-def test_run_lists_and_rejects_unknown(capsys):
-  from bench import run
+def test_run_rejects_unknown_and_reports_failures(monkeypatch, capsys):
   assert run.main(["no_such_bench"]) == 2
+  commands = []
+  monkeypatch.setattr(run.subprocess, "call",
+                      lambda cmd: commands.append(cmd) or ("nms" in cmd[2]))
+  assert run.main(["--", "--quick"]) == 1
+  assert [c[2:] for c in commands] == [[f"bench.{op}", "--quick"]
+                                       for op in run.OPS]
+  assert "failed: nms" in capsys.readouterr().out
 
 
-def test_run_counts_only_int_codes_as_failures(tmp_path, monkeypatch):
-  from bench import run
-  scripts = {"rows": "def main(argv):\n  return [{'a': 1}]\n",
-             "fails": "def main(argv):\n  return 3\n",
-             "ok": "def main(argv):\n  return None\n"}
-  for name, body in scripts.items():
-    (tmp_path / f"bench_{name}.py").write_text(body)
-  monkeypatch.setattr(run, "HERE", str(tmp_path))
-  assert run.main(["rows", "ok"]) == 0
-  assert run.main(["rows", "fails"]) == 1
+def test_plot_draws_ratios_and_rooflines(tmp_path):
+  pytest.importorskip("matplotlib")
+  rows = [dict(case="a", impl="ours", ms=1.0, vs_peer=2.0),
+          dict(case="a", impl="peer", ms=2.0)]
+  png = harness.plot(str(tmp_path / "x.png"), rows,
+                     roofline.rows("mm", 1e12, 1e9))
+  assert png and (tmp_path / "x.png").stat().st_size > 0
 
 
-def test_device_kernel_times_reports_a_total():
-  # On the CPU there is no GPU stream, so the total is zero kernels.
-  times = harness.device_kernel_times(lambda x: x * 2, jnp.ones(8), reps=2)
-  assert times["(device total)"][0] >= 0 and "(device total)" in times
+def test_benches_use_only_the_public_api():
+  # The same scripts time the package before and after a refactor.
+  allowed = {"pallas_kernels.attention.mosaic_tpu",
+             "pallas_kernels.attention.block_sizes"}
+  for path in BENCH.glob("*.py"):
+    text = path.read_text()
+    modules = set(re.findall(r"from (pallas_kernels[\w.]*) import", text))
+    modules |= set(re.findall(r"import (pallas_kernels[\w.]+)", text))
+    assert modules <= allowed, (path.name, modules - allowed)
+    assert "torch_bridge._" not in text and "sys.path" not in text
+    assert "os.environ[" not in text and "environ.setdefault" not in text
 
 
-def test_module_settings_reads_named_attributes():
-  import types
-  module = types.SimpleNamespace(TILE=(8, 128), WARPS=2, OTHER="x")
-  assert harness.module_settings(module, ("TILE", "WARPS")) == {
-      "TILE": (8, 128), "WARPS": 2}
-  with pytest.raises(AttributeError):
-    harness.module_settings(module, ("MISSING",))
+def _quick(op, tmp_path):
+  module = importlib.import_module(f"bench.{op}")
+  path = module.main(["--quick", "--out", str(tmp_path)])
+  data = json.loads(pathlib.Path(path).read_text())
+  assert pathlib.Path(path).name.startswith(f"{op}-cpu-")
+  for key in ("benchmark", "date", "device", "jax", "platform", "timing",
+              "tpu_roofline", "rows"):
+    assert key in data, key
+  assert data["quick"] is True and data["benchmark"] == op
+  for case in module.QUICK:  # every case ran (attention adds the mode)
+    assert any(r["case"].startswith(module.label(case))
+               for r in data["rows"]), case
+  ours = [r for r in data["rows"] if r["impl"].startswith("ours")]
+  assert ours and all(r["ms"] and r["ms"] > 0 for r in ours), ours
+  return data
+
+
+@pytest.mark.parametrize("op", ["attention", "int8_matmul", "giou"])
+def test_quick_run_times_ours_against_a_jax_peer(op, tmp_path):
+  data = _quick(op, tmp_path)
+  ours = [r for r in data["rows"] if r["impl"].startswith("ours")]
+  assert all(any(k.startswith("vs_") for k in r) for r in ours)
+  assert all(r["err"] < 2e-2 for r in ours)
+
+
+def test_quick_run_nms(tmp_path):
+  data = _quick("nms", tmp_path)
+  assert all(r.get("synced_ms") for r in data["rows"] if r["impl"] == "ours")
+  for row in data["rows"]:
+    if row["impl"] == "ours" and "same" in row:
+      assert row["same"], row
+
+
+def test_quick_run_torch_bridge(tmp_path):
+  pytest.importorskip("torch")
+  pytest.importorskip("torchvision")
+  data = _quick("torch_bridge", tmp_path)
+  ours = [r for r in data["rows"] if r["impl"] == "ours"]
+  assert all("vs_jax" in r and "vs_torch" in r for r in ours)
+  assert all(r.get("same", True) and r.get("err", 0) < 1e-3 for r in ours)
