@@ -359,7 +359,7 @@ def test_gradient_through_lse(rng):
 
 def test_gpu_backward_path_passes_lse_cotangent(rng):
   """api._gpu_backward hands d_lse to the GPU backward (run interpreted)."""
-  from pallas_kernels.attention import api, gpu
+  from pallas_kernels.attention import api, triton as gpu
 
   class InterpretedGpu:
     @staticmethod
@@ -651,7 +651,7 @@ def test_block_size_table_and_fitting():
   assert block_sizes.generation_from_device_kind("TPU v5 lite") == "v5e"
   assert block_sizes.generation_from_device_kind("TPU v5p") == "v5p"
   # Another backend's block sizes pass through and leave the table in charge.
-  from pallas_kernels.attention import gpu
+  from pallas_kernels.attention import triton as gpu
   gpu_blocks = block_sizes.as_block_sizes(gpu.GpuBlockSizes(block_q=64))
   assert isinstance(gpu_blocks, gpu.GpuBlockSizes)
   assert block_sizes.choose(4096, 4096, 128, gpu_blocks,

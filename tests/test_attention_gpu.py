@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from pallas_kernels import _compat
-from pallas_kernels.attention import gpu
+from pallas_kernels.attention import triton as gpu
 
 SMALL = gpu.GpuBlockSizes(block_q=16, block_k=16, block_q_dq=16,
                           block_k_dq=32, block_q_dkv=32, block_k_dkv=16)

@@ -250,7 +250,7 @@ def test_interpreted_kernel_is_deterministic(rng):
 # hands them over). Tolerances as above: P and dS are rounded to the input
 # dtype before their matmuls and dK/dV are returned in it.
 
-from pallas_kernels.attention import gpu, mosaic_gpu_bwd  # noqa: E402
+from pallas_kernels.attention import mosaic_gpu_bwd, triton as gpu  # noqa: E402
 
 
 def _check_backward(kernel, rng, b, h, hk, lq, lk, d, dtype=jnp.bfloat16,

@@ -8,9 +8,9 @@ backward kernels (``jax.custom_vjp``): the Mosaic dq and dk/dv kernels on TPU,
 the GPU kernels on CUDA, and autodiff of the reference for
 ``backend="reference"``. On a Hopper GPU the forward is the Mosaic GPU kernel
 (``attention/mosaic_gpu.py``) for the calls it supports, the Triton one
-otherwise (``attention.gpu.forward_kernel`` says how to choose); likewise the
+otherwise (``attention.triton.forward_kernel`` says how to choose); likewise the
 backward runs the Mosaic GPU dq and dk/dv kernels
-(``attention/mosaic_gpu_bwd.py``, ``attention.gpu.backward_kernel``).
+(``attention/mosaic_gpu_bwd.py``, ``attention.triton.backward_kernel``).
 """
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ class _Config:
 def _gpu_module():
   """The GPU kernels, or a string saying why they cannot be used."""
   try:
-    from pallas_kernels.attention import gpu
+    from pallas_kernels.attention import triton as gpu
   except Exception as e:  # missing module or a broken optional dependency
     return f"the GPU attention kernels could not be imported: {e}"
   if not (hasattr(gpu, "forward") and hasattr(gpu, "backward")):
-    return "pallas_kernels.attention.gpu lacks forward/backward"
+    return "pallas_kernels.attention.triton lacks forward/backward"
   return gpu
 
 
@@ -337,7 +337,7 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
       (differentiable).
     block_sizes: ``BlockSizes``, ``(block_q, block_kv)`` or dict; None uses
       the per-generation table (``pallas_kernels.attention.block_sizes``).
-      A ``pallas_kernels.attention.gpu.GpuBlockSizes`` sets the GPU kernels'
+      A ``pallas_kernels.attention.triton.GpuBlockSizes`` sets the GPU kernels'
       tiles, launch order and forward kernel instead.
     backend: None (by platform), "mosaic_tpu", "gpu", "interpret" or
       "reference".

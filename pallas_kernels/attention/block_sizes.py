@@ -41,7 +41,7 @@ CPU host) the v5e row is used; ``table_block_sizes("v6e", head_dim)`` gives
 another generation's row for ahead-of-time compiles. Override with
 ``flash_attention(..., block_sizes=BlockSizes(...))``, a ``(block_q,
 block_kv)`` pair, or a dict of ``BlockSizes`` fields. A ``GpuBlockSizes``
-(``pallas_kernels.attention.gpu``) is handed to the GPU kernel and ignored
+(``pallas_kernels.attention.triton``) is handed to the GPU kernel and ignored
 here; the GPU kernel likewise ignores a ``BlockSizes``.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ class BlockSizes:
 def as_block_sizes(value):
   """Normalizes the user's ``block_sizes=`` argument.
 
-  Another backend's frozen block-size dataclass (``gpu.GpuBlockSizes``) is
+  Another backend's frozen block-size dataclass (``triton.GpuBlockSizes``) is
   passed through unchanged: the GPU kernel reads it, the TPU kernel uses its
   table instead.
   """

@@ -34,7 +34,7 @@ Schedules (``MosaicGpuBlockSizes`` switches; defaults by ``default_schedule``)
   In the interpreter the hardware barriers run as mbarriers (same order).
 
 Semantics are those of ``pallas_kernels.attention.reference`` and of the
-Triton forward (``attention/gpu.py``): float32 logits ``sm_scale * q.k``,
+Triton forward (``attention/triton.py``): float32 logits ``sm_scale * q.k``,
 optional soft cap ``cap * tanh(s / cap)``, causal / sliding-window masks
 aligned at the sequence ends (``offset = Lk - Lq``). Rows with no unmasked key
 give ``out = 0`` and ``lse = -inf``. Not handled here (``supports`` says so,
@@ -919,7 +919,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
             interpret):
   """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32).
 
-  Same contract as ``attention.gpu.forward``; call only where ``supports``
+  Same contract as ``attention.triton.forward``; call only where ``supports``
   returned True. ``interpret``: False on a GPU, or an ``InterpretGPUParams``
   (``interpret_params()``) to run in the Mosaic GPU interpreter; True picks
   the default interpreter parameters.

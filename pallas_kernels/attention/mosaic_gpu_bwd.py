@@ -1,6 +1,6 @@
 """Flash-attention backward for Hopper GPUs: Pallas Mosaic GPU kernels.
 
-Two kernels, as in the Triton backward (``attention/gpu.py``), so that no
+Two kernels, as in the Triton backward (``attention/triton.py``), so that no
 atomics are needed; both recompute ``P = exp2(S * scale2 - lse2)`` from the
 forward's lse (7 matmuls per block pair where an atomic-dq kernel does 5).
 delta = rowsum(dO * O) - d_lse is one XLA reduction before them.
@@ -34,7 +34,7 @@ aligned at the sequence ends (``offset = Lk - Lq``). Rows with lse = -inf
 (no unmasked key) and padded query rows carry lse2 = +inf, so their P is 0
 and their dq is 0. Padded keys are masked in the dq kernel; in the dk/dv
 kernel their rows are computed and cropped. Not handled (``supports`` /
-``supports_dq`` say so, and ``gpu.backward`` runs the Triton kernels): bias,
+``supports_dq`` say so, and ``triton.backward`` runs the Triton kernels): bias,
 segment ids, float32, head_dim other than 64 or 128 (at 256 the two 64 x 256
 float32 dK/dV accumulators alone need 256 registers per thread, and the dq
 kernel's Q, dO and K/V ring overflow shared memory).
@@ -172,7 +172,7 @@ class MosaicGpuBwdBlockSizes(_RingBlockSizes):
 
 # The sizes ``dkv`` uses when given none (a bench may swap them for a sweep).
 DEFAULT_BLOCK_SIZES = MosaicGpuBwdBlockSizes()
-# Whether ``attention.gpu.backward`` also runs the Mosaic GPU dq kernel
+# Whether ``attention.triton.backward`` also runs the Mosaic GPU dq kernel
 # (else the Triton one, which also computes delta); a bench may flip it.
 DQ_KERNEL = True
 
