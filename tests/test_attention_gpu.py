@@ -130,7 +130,7 @@ def run_kernels(q, k, v, q_seg, kv_seg, bias, do, **kw):
   out, lse = fwd(q, k, v, q_seg, kv_seg, bias)
   grads = None
   if do is not None:
-    grads = bwd(q, k, v, q_seg, kv_seg, bias, out, lse, do)
+    grads = bwd(q, k, v, q_seg, kv_seg, bias, out, lse, do, None)
   return out, lse, grads
 
 
@@ -329,7 +329,7 @@ def test_traces_without_interpret_on_cpu():
   assert out.shape == (2, 4, 100, 64) and out.dtype == jnp.bfloat16
   assert lse.shape == (2, 4, 100) and lse.dtype == jnp.float32
   grads = jax.eval_shape(functools.partial(gpu.backward, **kw),
-                         q, kv, kv, seg, seg, bias, out, lse, q)
+                         q, kv, kv, seg, seg, bias, out, lse, q, None)
   assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape, bias.shape]
 
 
@@ -450,8 +450,8 @@ def test_lse_cotangent(rng):
   d_lse = rng.standard_normal((1, 4, 40)).astype(np.float32)
   kw = _kernel_kwargs(0.25, causal=True)
   out, lse = gpu.forward(q, k, v, q_seg, kv_seg, None, **kw)
-  grads = gpu.backward(q, k, v, q_seg, kv_seg, None, out, lse, do,
-                       d_lse=d_lse, **kw)
+  grads = gpu.backward(q, k, v, q_seg, kv_seg, None, out, lse, do, d_lse,
+                       **kw)
   ref = reference(q, k, v, q_seg, kv_seg, None, do, sm_scale=0.25,
                   causal=True, d_lse=d_lse)
   for name, got, expected in zip(("dq", "dk", "dv"), grads, ref[2]):
@@ -506,23 +506,7 @@ def test_causal_launch_orders_match_float64(rng, chunk):
              bias_shape=(2, 4, 96, 96))
 
 
-def test_forward_kernel_choice(monkeypatch):
-  assert gpu.forward_kernel(None) == "auto"
-  assert gpu.forward_kernel(gpu.GpuBlockSizes(forward_kernel="triton")) == (
-      "triton")
-  monkeypatch.setenv(gpu.FORWARD_KERNEL_ENV_VAR, "mosaic")
-  assert gpu.forward_kernel(gpu.GpuBlockSizes()) == "mosaic"
-  # No Hopper GPU here: the Triton kernel runs even when Mosaic is asked for.
-  q = jnp.zeros((1, 2, 128, 64), jnp.bfloat16)
-  assert gpu._mosaic_forward(q, q, q, None, None, None, None,
-                             dict(sm_scale=0.1, causal=True, window_left=None,
-                                  window_right=None,
-                                  logit_soft_cap=None)) is None
-  monkeypatch.setenv(gpu.FORWARD_KERNEL_ENV_VAR, "cudnn")
-  with pytest.raises(ValueError, match="forward kernel"):
-    gpu.forward_kernel(None)
-  with pytest.raises(ValueError, match="forward_kernel"):
-    gpu.GpuBlockSizes(forward_kernel="fast").resolved(256, banded=False)
+def test_invalid_band_chunk():
   with pytest.raises(ValueError, match="band_chunk"):
     gpu.GpuBlockSizes(band_chunk=-1).resolved(256, banded=True)
 

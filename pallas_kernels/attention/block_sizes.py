@@ -47,10 +47,11 @@ here; the GPU kernel likewise ignores a ``BlockSizes``.
 from __future__ import annotations
 
 import dataclasses
-import functools
+
+from pallas_kernels import _backend
 
 LANES = 128
-DEFAULT_GENERATION = "v5e"
+DEFAULT_GENERATION = _backend.DEFAULT_TPU_GENERATION
 
 # generation -> ((max head_dim, (fwd_q, fwd_kv), (bwd_q, bwd_kv)), ...)
 TABLE = {
@@ -110,32 +111,6 @@ def as_block_sizes(value):
                   f"block_kv) pair or a dict, got {value!r}")
 
 
-def tpu_generation() -> str:
-  """The TPU generation to tune for (v5e unless running on another TPU)."""
-  try:
-    import jax
-    if jax.default_backend() != "tpu":
-      return DEFAULT_GENERATION
-    kind = jax.devices()[0].device_kind.lower()
-  except Exception:  # no backend initialised: tuning only, never an error
-    return DEFAULT_GENERATION
-  return generation_from_device_kind(kind)
-
-
-@functools.cache
-def generation_from_device_kind(kind: str) -> str:
-  kind = kind.lower().replace(" ", "")
-  if "v6" in kind or "trillium" in kind:
-    return "v6e"
-  if "v5p" in kind:
-    return "v5p"
-  if "v5" in kind:
-    return "v5e"
-  if "v4" in kind:
-    return "v4"
-  return DEFAULT_GENERATION
-
-
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
@@ -176,8 +151,10 @@ def table_block_sizes(generation: str, head_dim: int) -> BlockSizes:
 def choose(q_len: int, kv_len: int, head_dim: int,
            override: BlockSizes | None = None,
            generation: str | None = None) -> ChosenBlocks:
-  """Block sizes for one problem: the table, then the user's override."""
-  table = table_block_sizes(generation or tpu_generation(), head_dim)
+  """Block sizes for one problem: the table row of ``generation`` (default:
+  the lowering target's, ``_backend.target()``), then the user's override."""
+  table = table_block_sizes(generation or _backend.target().tpu_generation,
+                            head_dim)
   if not isinstance(override, BlockSizes):
     override = BlockSizes()     # None, or another backend's block sizes
   fq = override.block_q or fit_block(table.block_q, q_len)

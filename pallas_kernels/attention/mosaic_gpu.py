@@ -130,7 +130,6 @@ LN2 = math.log(2.0)
 NEG_INF = float("-inf")
 ROWS_PER_WG = 64  # one wgmma M tile per compute warpgroup
 COMPUTE_WGS = 2
-SMEM_BYTES = 227 * 1024
 _NEEDED_API = ("kernel", "wgmma", "Barrier", "SMEM", "ACC", "Layout",
                "layout_cast", "broadcasted_iota", "barrier_wait",
                "barrier_arrive", "copy_gmem_to_smem", "copy_smem_to_gmem",
@@ -145,24 +144,6 @@ def api_missing() -> str | None:
 
 
 interpret_params = _mosaic_gpu.interpret_params
-
-
-def register_budget_problem(compute_registers: int, memory_registers: int):
-  """None, or why these ``setmaxnreg`` budgets are refused."""
-  # setmaxnreg blocks until the registers are free: a larger request than
-  # the launch can give hangs the kernel (240/32 did on an H100). 384 threads
-  # start with 168 registers each (64K / 384, rounded down to 8), so two
-  # compute warpgroups can gain only what the memory one gives back:
-  # 2 (c - 168) <= 168 - m, i.e. 232/40 or 240/24.
-  for name, value, low, high in (
-      ("compute_registers", compute_registers, 24, 240),
-      ("memory_registers", memory_registers, 24, 256)):
-    if value % 8 or not low <= value <= high:
-      return f"{name}={value}: must be a multiple of 8 in [{low}, {high}]"
-  if 2 * compute_registers + memory_registers > 504:
-    return (f"compute_registers={compute_registers} with memory_registers="
-            f"{memory_registers}: needs 2 * compute + memory <= 504")
-  return None
 
 
 def call_refusal(kernel: str, q, k, v, q_segment_ids, bias, head_dims):
@@ -188,57 +169,26 @@ def call_refusal(kernel: str, q, k, v, q_segment_ids, bias, head_dims):
   return None
 
 
-DEFAULT_LEAN = False
+# Keys per ring slot by head_dim (H100-tuned; docs/design/attention.md).
+BLOCK_K = {64: 256, 128: 128, 256: 64}
+STAGES = 2
+# Per-thread registers of the compute and memory warpgroups (setmaxnreg).
+# 384 threads start with 168 each; the compute warpgroups can only gain what
+# the memory one gives back, 2 (c - 168) <= 168 - m, and asking for more
+# than the launch can give hangs the kernel.
+COMPUTE_REGISTERS = 232
+MEMORY_REGISTERS = 40
 # Hardware barriers of the named-barrier ping-pong: Mosaic GPU itself uses
 # barrier 0 (whole CTA) and 1-3 (one per warpgroup).
 PING_PONG_BARRIER = 12
-REDUCTION_SCRATCH_BYTES = 128 * 4 * 4  # CompilerParams' default
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicGpuBlockSizes:
-  """block_k (multiple of 64), stages (>= 2), the per-thread register
-  budgets of the compute and memory warpgroups (``setmaxnreg``) and the
-  schedule switches ``overlap``, ``named_barriers`` and ``lean`` (module
-  docstring, "Schedules"); None picks the default (the docstring's tables;
-  ``overlap`` and ``named_barriers`` by ``default_schedule``)."""
-  block_k: int | None = None
-  stages: int | None = None
-  compute_registers: int = 232
-  memory_registers: int = 40
-  overlap: bool | None = None
-  named_barriers: bool | None = None
-  lean: bool | None = None
-
-  def resolved(self, head_dim: int) -> "MosaicGpuBlockSizes":
-    block_k, stages = {64: (256, 2), 128: (128, 2)}.get(head_dim, (64, 2))
-    block_k = self.block_k or block_k
-    stages = self.stages or stages
-    lean = DEFAULT_LEAN if self.lean is None else bool(self.lean)
-    if block_k % 64 or block_k <= 0:
-      raise ValueError(f"MosaicGpuBlockSizes.block_k={block_k}: must be a "
-                       "positive multiple of 64")
-    if stages < 2:
-      raise ValueError(f"MosaicGpuBlockSizes.stages={stages}: must be >= 2")
-    problem = register_budget_problem(self.compute_registers,
-                                      self.memory_registers)
-    if problem:
-      raise ValueError(f"MosaicGpuBlockSizes.{problem}")
-    return dataclasses.replace(self, block_k=block_k, stages=stages,
-                               lean=lean)
 
 
 def default_schedule(head_dim: int, block_k: int, lk: int, causal: bool,
                      window_left, window_right, soft_cap):
-  """(overlap, named_barriers) where ``MosaicGpuBlockSizes`` leaves them
-  None. Measured on an H100 at head_dim 128 (B4 H16 L4096, bf16): the
-  overlapped steps took the non-causal forward from 0.945 to 0.888 ms but
-  the causal one from 0.524 to 0.765 ms (cause not found: with the masked
-  steps' softmax moved after their P V, a second run gave 0.762 ms), so they
-  run only where no step is masked; hardware ping-pong barriers took causal
-  from 0.524 to 0.491 ms and non-causal from 0.945 to 0.930. Other head dims
-  keep the measured original schedule (overlap with 128-key blocks was 25%
-  slower at head_dim 64; named barriers were not measured there)."""
+  """(overlap, named_barriers): at head_dim 128 the overlapped steps when no
+  step is masked (no causal mask, window or soft cap, Lk a multiple of
+  block_k), else the hardware-barrier ping-pong; the rendezvous schedule at
+  other head dims."""
   if head_dim != 128:
     return False, False
   unmasked = (not causal and window_left is None and window_right is None
@@ -246,52 +196,11 @@ def default_schedule(head_dim: int, block_k: int, lk: int, causal: bool,
   return (True, False) if unmasked else (False, True)
 
 
-def _smem_bytes(head_dim, itemsize, block_k, stages, lean=False):
-  q = COMPUTE_WGS * ROWS_PER_WG * head_dim * itemsize
-  kv = 2 * stages * block_k * head_dim * itemsize
-  lse = COMPUTE_WGS * ROWS_PER_WG * 4
-  # Barriers and alignment (measured: 632) plus the cross-warp reduction
-  # scratch, which ``lean`` drops (the row reductions stay within warps).
-  return q + kv + lse + 1024 + (0 if lean else REDUCTION_SCRATCH_BYTES)
-
-
-def supports(q, k, v, q_segment_ids=None, kv_segment_ids=None, bias=None, *,
-             sm_scale=None, causal=False, window_left=None, window_right=None,
-             logit_soft_cap=None, block_sizes=None):
-  """True when ``forward`` handles this call, else a string saying why not.
-
-  Arguments as for ``forward`` (arrays or ShapeDtypeStructs).
-  """
-  del sm_scale, causal, window_left, window_right, logit_soft_cap
-  del kv_segment_ids
-  reason = call_refusal("attention", q, k, v, q_segment_ids, bias,
-                        (64, 128, 256))
-  if reason:
-    return reason
-  head_dim = q.shape[-1]
-  sizes = (block_sizes if isinstance(block_sizes, MosaicGpuBlockSizes)
-           else MosaicGpuBlockSizes())
-  try:
-    sizes = sizes.resolved(head_dim)
-  except ValueError as e:
-    return str(e)
-  for switch, api in (("overlap", "wgmma_accumulator_load"),
-                      ("named_barriers", "inline_mgpu")):
-    if getattr(sizes, switch) and not hasattr(plgpu, api):  # asked for
-      return f"MosaicGpuBlockSizes.{switch} needs plgpu.{api}"
-  if _smem_bytes(head_dim, jnp.dtype(q.dtype).itemsize, sizes.block_k,
-                 sizes.stages, sizes.lean) > SMEM_BYTES:
-    return "block_k x stages do not fit in shared memory"
-  try:  # On a machine with a GPU, it must be a Hopper (wgmma).
-    gpus = jax.devices("gpu")
-  except Exception:  # no GPU backend
-    gpus = []
-  if gpus:
-    capability = str(getattr(gpus[0], "compute_capability", "9.0"))
-    if not capability.startswith("9"):
-      return ("the Mosaic GPU attention kernel needs sm_90 "
-              f"(found sm_{capability})")
-  return True
+def supports(q, k, v, q_segment_ids=None, bias=None) -> str | None:
+  """None when ``forward`` handles this call, else why not (arrays or
+  ShapeDtypeStructs)."""
+  return call_refusal("attention", q, k, v, q_segment_ids, bias,
+                      tuple(BLOCK_K))
 
 
 # --------------------------------------------------------------- masking --
@@ -563,8 +472,7 @@ def stream_kv_lagged(first, end, stages, load_k, load_v, wait_k_free,
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
             sm_scale, soft_cap, block_k, stages, group, nq, reverse_q,
-            interpreting, compute_registers, memory_registers, overlap,
-            named_barriers):
+            interpreting, overlap, named_barriers):
   (q_smem2, k_smem, v_smem, lse_smem2), barriers = scratch
   (k_loaded, v_loaded, q_loaded, k_consumed, v_consumed,
    schedule_barrier) = barriers
@@ -578,7 +486,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
 
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(compute_registers, action="increase")
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
     q_smem = q_smem2.at[wg]
     row0 = cta_row0 + wg * bq
     plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, bq)], q_smem,
@@ -684,7 +592,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
 
   @pl.when(wg == COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(memory_registers, action="decrease")
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
     kv_head = lax.div(head, jnp.int32(group))
 
     def load_one(ref, smem, loaded, c, slot):
@@ -900,53 +808,30 @@ def _pad_axis(x, axis: int, size: int):
   return jnp.pad(x, widths)
 
 
-def _compiler_params(lean: bool):
-  """approx_math; with ``lean`` also no automatic SMEM barriers (each
-  warpgroup only writes its own Q/O tile after its last read of it, and
-  ``commit_smem`` orders the epilogue's TMA stores) and no cross-warp
-  reduction scratch (the row reductions stay within warps)."""
-  extra = {}
-  if lean:
-    fields = {f.name for f in dataclasses.fields(plgpu.CompilerParams)}
-    extra = {k: v for k, v in (("unsafe_no_auto_barriers", True),
-                               ("reduction_scratch_bytes", 0))
-             if k in fields}
-  return plgpu.CompilerParams(approx_math=True, **extra)
-
-
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
-            causal, window_left, window_right, logit_soft_cap, block_sizes,
-            interpret):
+            causal, window_left, window_right, logit_soft_cap, interpret):
   """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32).
 
-  Same contract as ``attention.triton.forward``; call only where ``supports``
-  returned True. ``interpret``: False on a GPU, or an ``InterpretGPUParams``
-  (``interpret_params()``) to run in the Mosaic GPU interpreter; True picks
-  the default interpreter parameters.
+  Same contract as ``attention.triton.forward`` for the calls ``supports``
+  accepts (it raises ValueError on the others). ``interpret``: False on a
+  GPU, or an ``InterpretGPUParams`` (``interpret_params()``) to run in the
+  Mosaic GPU interpreter; True picks the default interpreter parameters.
   """
-  ok = supports(q, k, v, q_segment_ids, kv_segment_ids, bias,
-                block_sizes=block_sizes)
-  if ok is not True:
-    raise ValueError(f"mosaic_gpu.forward: unsupported call: {ok}")
+  del kv_segment_ids  # None whenever q_segment_ids is (supports checks it)
+  reason = supports(q, k, v, q_segment_ids, bias)
+  if reason:
+    raise ValueError(f"mosaic_gpu.forward: unsupported call: {reason}")
   if interpret is True:
     interpret = interpret_params()
   batch, heads, lq, head_dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
   group = heads // kv_heads
-  sizes = (block_sizes if isinstance(block_sizes, MosaicGpuBlockSizes)
-           else MosaicGpuBlockSizes()).resolved(head_dim)
-  block_k, stages = sizes.block_k, sizes.stages
+  block_k, stages = BLOCK_K[head_dim], STAGES
   overlap, named = default_schedule(head_dim, block_k, lk, causal,
                                     window_left, window_right,
                                     logit_soft_cap)
-  sizes = dataclasses.replace(
-      sizes, overlap=overlap if sizes.overlap is None else sizes.overlap,
-      named_barriers=(named if sizes.named_barriers is None
-                      else sizes.named_barriers))
-  if sizes.named_barriers and not hasattr(plgpu, "inline_mgpu"):
-    sizes = dataclasses.replace(sizes, named_barriers=False)
-  if sizes.overlap and not hasattr(plgpu, "wgmma_accumulator_load"):
-    sizes = dataclasses.replace(sizes, overlap=False)
+  overlap = overlap and hasattr(plgpu, "wgmma_accumulator_load")
+  named = named and hasattr(plgpu, "inline_mgpu")
   band = _band(lq, lk, causal, window_left, window_right)
   tile_rows = COMPUTE_WGS * ROWS_PER_WG
   lq_pad = -(-lq // tile_rows) * tile_rows
@@ -957,7 +842,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   nq = lq_pad // tile_rows
   interpreting = bool(interpret)
   dtype = q.dtype
-  rendezvous = not (sizes.overlap or sizes.named_barriers)
+  rendezvous = not (overlap or named)
 
   scratch = (
       tile_smem((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype),
@@ -981,9 +866,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
       block_k=block_k, stages=stages, group=group, nq=nq,
       reverse_q=band.right is not None and band.left is None,
-      interpreting=interpreting, compute_registers=sizes.compute_registers,
-      memory_registers=sizes.memory_registers, overlap=sizes.overlap,
-      named_barriers=sizes.named_barriers)
+      interpreting=interpreting, overlap=overlap, named_barriers=named)
 
   def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
     pl.run_scoped(
@@ -1002,7 +885,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
-      compiler_params=_compiler_params(sizes.lean),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
       **kwargs,
   )(q, k, v)
   if lq_pad != lq:

@@ -78,10 +78,8 @@ float32-accumulated dots of the same SMEM tiles; the GPU lowering itself
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +96,7 @@ NEG_INF = float("-inf")
 KEYS_PER_WG = 64  # one wgmma M tile per compute warpgroup
 COMPUTE_WGS = 2
 TILE_K = KEYS_PER_WG * COMPUTE_WGS
+STAGES = 2
 
 
 def _nt_products(lhs1, rhs1, lhs2, rhs2, shape, interpreting):
@@ -136,67 +135,16 @@ def _probs_and_dlogits(s, dp, t, lse2, delta, row_axis):
   return p, ds
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _RingBlockSizes:
-  """What both backward kernels take: the block streamed through the ring
-  (``STREAMED``; a multiple of 64, None: 128 at head_dim 64 and 64 above,
-  where 128 would not fit the register budget), ring stages (>= 2) and the
-  warpgroups' register budgets."""
-  STREAMED: ClassVar[str] = ""
-  stages: int = 2
-  compute_registers: int = 232
-  memory_registers: int = 40
-
-  def resolved(self, head_dim: int):
-    if getattr(self, self.STREAMED) is not None:
-      return self
-    return dataclasses.replace(
-        self, **{self.STREAMED: 128 if head_dim <= 64 else 64})
-
-  def check(self) -> str | None:
-    block = getattr(self, self.STREAMED)
-    if block is not None and (block % 64 or block <= 0):
-      return f"{self.STREAMED}={block}: must be a positive multiple of 64"
-    if self.stages < 2:
-      return f"stages={self.stages}: must be >= 2"
-    return fwd.register_budget_problem(self.compute_registers,
-                                       self.memory_registers)
+def block_size(head_dim: int) -> int:
+  """Rows per ring slot (dk/dv: queries, dq: keys): 128 at head_dim 64; 64
+  above, where 128 would need more registers than the compute warpgroups
+  get."""
+  return 128 if head_dim <= 64 else 64
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicGpuBwdBlockSizes(_RingBlockSizes):
-  """dk/dv kernel: ``block_q`` query rows per ring slot, then the ring."""
-  STREAMED: ClassVar[str] = "block_q"
-  block_q: int | None = None
-
-
-# The sizes ``dkv`` uses when given none (a bench may swap them for a sweep).
-DEFAULT_BLOCK_SIZES = MosaicGpuBwdBlockSizes()
-# Whether ``attention.triton.backward`` also runs the Mosaic GPU dq kernel
-# (else the Triton one, which also computes delta); a bench may flip it.
-DQ_KERNEL = True
-
-
-def _smem_bytes(head_dim, itemsize, sizes: MosaicGpuBwdBlockSizes):
-  kv = 2 * COMPUTE_WGS * KEYS_PER_WG * head_dim * itemsize
-  ring = sizes.stages * (2 * sizes.block_q * head_dim * itemsize
-                         + 2 * sizes.block_q * 4)
-  return kv + ring + 4096  # barriers and alignment
-
-
-def supports(q, k, v, q_segment_ids=None, bias=None, block_sizes=None):
-  """True when ``dkv`` handles this call, else a string saying why not."""
-  reason = fwd.call_refusal("dk/dv", q, k, v, q_segment_ids, bias, (64, 128))
-  if reason:
-    return reason
-  head_dim = q.shape[-1]
-  sizes = (block_sizes or DEFAULT_BLOCK_SIZES).resolved(head_dim)
-  reason = sizes.check()
-  if reason:
-    return f"MosaicGpuBwdBlockSizes.{reason}"
-  if _smem_bytes(head_dim, jnp.dtype(q.dtype).itemsize, sizes) > fwd.SMEM_BYTES:
-    return "block_q x stages do not fit in shared memory"
-  return True
+def supports(q, k, v, q_segment_ids=None, bias=None) -> str | None:
+  """None when ``backward`` handles this call, else why not."""
+  return fwd.call_refusal("backward", q, k, v, q_segment_ids, bias, (64, 128))
 
 
 def _q_ranges(col0, cols: int, block_q: int, band):
@@ -228,7 +176,7 @@ def _q_ranges(col0, cols: int, block_q: int, band):
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
             scratch, *, band, sm_scale, soft_cap, block_q, stages, group,
-            interpreting, compute_registers, memory_registers):
+            interpreting):
   (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), barriers = scratch
   (k_loaded, v_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded,
    consumed) = barriers
@@ -249,7 +197,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
 
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(compute_registers, action="increase")
+    plgpu.set_max_registers(fwd.COMPUTE_REGISTERS, action="increase")
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     col0 = cta_col0 + wg * bk
     rows = pl.ds(col0, bk)
@@ -326,7 +274,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
 
   @pl.when(wg == COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(memory_registers, action="decrease")
+    plgpu.set_max_registers(fwd.MEMORY_REGISTERS, action="decrease")
 
     def load(t, slot):
       g = lax.div(t, blocks)
@@ -360,15 +308,15 @@ def _row_inputs(lse, delta, lq, lq_pad):
   return lse2, delta
 
 
-def _prepared(kernel, check, sizes, arrays, q_multiple, k_multiple, causal,
-              window_left, window_right, interpret):
+def _prepared(kernel, arrays, q_multiple, k_multiple, causal, window_left,
+              window_right, interpret):
   """Checks a backward call and pads it: ((q, k, v, d_out, lse2, delta),
   band, interpret params) with q rows a multiple of ``q_multiple`` and keys
   of ``k_multiple``."""
   q, k, v, d_out, lse, delta = arrays
-  ok = check(q, k, v, block_sizes=sizes)
-  if ok is not True:
-    raise ValueError(f"mosaic_gpu_bwd.{kernel}: unsupported call: {ok}")
+  reason = supports(q, k, v)
+  if reason:
+    raise ValueError(f"mosaic_gpu_bwd.{kernel}: unsupported call: {reason}")
   if interpret is True:
     interpret = fwd.interpret_params()
   lq, lk = q.shape[2], k.shape[2]
@@ -382,39 +330,53 @@ def _prepared(kernel, check, sizes, arrays, q_multiple, k_multiple, causal,
   return padded, band, interpret
 
 
-def _kernel_statics(band, sm_scale, logit_soft_cap, sizes, group,
-                    interpreting):
+def _kernel_statics(band, sm_scale, logit_soft_cap, group, interpreting):
   """The static arguments both backward kernels take."""
   return dict(
       band=band, sm_scale=float(sm_scale),
       soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
-      stages=sizes.stages, group=group, interpreting=interpreting,
-      compute_registers=sizes.compute_registers,
-      memory_registers=sizes.memory_registers)
+      stages=STAGES, group=group, interpreting=interpreting)
+
+
+def _launch(body, scratch, barriers, out_type, grid, grid_names, interpret,
+            args):
+  """``plgpu.kernel`` of ``body(*input and output refs, (scratch refs,
+  barrier refs))`` with two compute warpgroups and a memory one."""
+  n_scratch = len(scratch)
+
+  def entry(*refs):
+    pl.run_scoped(
+        lambda *scoped: body(*refs, (scoped[:n_scratch], scoped[n_scratch:])),
+        *scratch, *barriers, collective_axes="wg")
+
+  kwargs = {"interpret": interpret} if interpret else {}
+  return plgpu.kernel(
+      entry, out_type=out_type, grid=grid, grid_names=grid_names,
+      num_threads=COMPUTE_WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs,
+  )(*args)
 
 
 def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
-        window_right, logit_soft_cap, block_sizes=None, interpret=False):
+        window_right, logit_soft_cap, interpret=False):
   """(dk, dv) [B, Hk, Lk, D] for the attention forward's (out, lse).
 
   ``lse`` [B, H, Lq] natural-log (-inf for empty rows); ``delta`` [B, H, Lq]
   = rowsum(dO * O) - d_lse, both float32 (longer arrays, padded rows beyond
-  ``q.shape[2]``, are cut). Call only where ``supports`` returned True.
+  ``q.shape[2]``, are cut). Raises ValueError where ``supports`` declines.
   ``interpret``: False on a GPU or ``InterpretGPUParams``; True picks the
   default interpreter parameters.
   """
-  sizes = (block_sizes or DEFAULT_BLOCK_SIZES).resolved(q.shape[-1])
   batch, heads, lq, head_dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
   group = heads // kv_heads
-  bq = sizes.block_q
+  bq = block_size(head_dim)
   (q, k, v, d_out, lse2, delta), band, interpret = _prepared(
-      "dkv", supports, sizes, (q, k, v, d_out, lse, delta), bq, TILE_K,
-      causal, window_left, window_right, interpret)
+      "dkv", (q, k, v, d_out, lse, delta), bq, TILE_K, causal, window_left,
+      window_right, interpret)
   lk_pad = k.shape[2]
   dtype = q.dtype
-  interpreting = bool(interpret)
-  stages = sizes.stages
+  stages = STAGES
 
   scratch = (
       fwd.tile_smem((COMPUTE_WGS, KEYS_PER_WG, head_dim), dtype),
@@ -435,30 +397,12 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   )
   body = functools.partial(
       _kernel, block_q=bq, **_kernel_statics(
-          band, sm_scale, logit_soft_cap, sizes, group, interpreting))
-  n_scratch = len(scratch)
-
-  def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
-    pl.run_scoped(
-        lambda *refs: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                           dk_ref, dv_ref,
-                           (refs[:n_scratch], refs[n_scratch:])),
-        *scratch, *barriers, collective_axes="wg")
-
-  kwargs = {}
-  if interpret:
-    kwargs["interpret"] = interpret
+          band, sm_scale, logit_soft_cap, group, bool(interpret)))
   kv_type = jax.ShapeDtypeStruct((batch, kv_heads, lk_pad, head_dim), dtype)
-  dk, dv = plgpu.kernel(
-      entry,
-      out_type=(kv_type, kv_type),
-      grid=(kv_heads, lk_pad // TILE_K, batch),
-      grid_names=("heads", "kv_tiles", "batch"),
-      num_threads=COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      **kwargs,
-  )(q, k, v, d_out, lse2, delta)
+  dk, dv = _launch(body, scratch, barriers, (kv_type, kv_type),
+                   (kv_heads, lk_pad // TILE_K, batch),
+                   ("heads", "kv_tiles", "batch"), interpret,
+                   (q, k, v, d_out, lse2, delta))
   if lk_pad != lk:
     dk, dv = dk[:, :, :lk], dv[:, :, :lk]
   return dk, dv
@@ -467,43 +411,13 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
 # -------------------------------------------------------------- dq kernel --
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicGpuDqBlockSizes(_RingBlockSizes):
-  """dq kernel: ``block_k`` keys per ring slot, then the ring."""
-  STREAMED: ClassVar[str] = "block_k"
-  block_k: int | None = None
-
-
-DEFAULT_DQ_BLOCK_SIZES = MosaicGpuDqBlockSizes()
 ROWS_PER_WG = 64
 TILE_Q = ROWS_PER_WG * COMPUTE_WGS
 
 
-def _dq_smem_bytes(head_dim, itemsize, sizes: MosaicGpuDqBlockSizes):
-  q_do = 2 * TILE_Q * head_dim * itemsize
-  ring = 2 * sizes.stages * sizes.block_k * head_dim * itemsize
-  return q_do + ring + 2 * TILE_Q * 4 + 4096
-
-
-def supports_dq(q, k, v, q_segment_ids=None, bias=None, block_sizes=None):
-  """True when ``dq`` handles this call, else a string saying why not."""
-  reason = supports(q, k, v, q_segment_ids, bias)
-  if reason is not True:
-    return reason.replace("dk/dv", "dq")
-  sizes = (block_sizes or DEFAULT_DQ_BLOCK_SIZES).resolved(q.shape[-1])
-  reason = sizes.check()
-  if reason:
-    return f"MosaicGpuDqBlockSizes.{reason}"
-  if (_dq_smem_bytes(q.shape[-1], jnp.dtype(q.dtype).itemsize, sizes)
-      > fwd.SMEM_BYTES):
-    return "block_k x stages do not fit in shared memory"
-  return True
-
-
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
                scratch, *, band, sm_scale, soft_cap, block_k, stages, group,
-               nq, reverse_q, interpreting, compute_registers,
-               memory_registers):
+               nq, reverse_q, interpreting):
   (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), barriers = (
       scratch)
   (rows_loaded, k_loaded, v_loaded, consumed) = barriers
@@ -519,7 +433,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
 
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(compute_registers, action="increase")
+    plgpu.set_max_registers(fwd.COMPUTE_REGISTERS, action="increase")
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
     row0 = cta_row0 + wg * bq
@@ -580,7 +494,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
 
   @pl.when(wg == COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(memory_registers, action="decrease")
+    plgpu.set_max_registers(fwd.MEMORY_REGISTERS, action="decrease")
     kv_head = lax.div(head, jnp.int32(group))
 
     def load(c, slot):
@@ -606,16 +520,15 @@ def delta_of(out, d_out, d_lse=None):
 
 
 def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
-       window_right, logit_soft_cap, block_sizes=None, interpret=False):
+       window_right, logit_soft_cap, interpret=False):
   """dq [B, H, Lq, D]; arguments as for ``dkv``."""
-  sizes = (block_sizes or DEFAULT_DQ_BLOCK_SIZES).resolved(q.shape[-1])
   batch, heads, lq, head_dim = q.shape
   kv_heads = k.shape[1]
   group = heads // kv_heads
-  block_k, stages = sizes.block_k, sizes.stages
+  block_k, stages = block_size(head_dim), STAGES
   (q, k, v, d_out, lse2, delta), band, interpret = _prepared(
-      "dq", supports_dq, sizes, (q, k, v, d_out, lse, delta), TILE_Q, block_k,
-      causal, window_left, window_right, interpret)
+      "dq", (q, k, v, d_out, lse, delta), TILE_Q, block_k, causal,
+      window_left, window_right, interpret)
   lq_pad = q.shape[2]
   dtype = q.dtype
   nq = lq_pad // TILE_Q
@@ -637,27 +550,28 @@ def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   body = functools.partial(
       _dq_kernel, block_k=block_k, nq=nq,
       reverse_q=band.right is not None and band.left is None,
-      **_kernel_statics(band, sm_scale, logit_soft_cap, sizes, group,
+      **_kernel_statics(band, sm_scale, logit_soft_cap, group,
                         bool(interpret)))
-  n_scratch = len(scratch)
-
-  def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
-    pl.run_scoped(
-        lambda *refs: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                           dq_ref, (refs[:n_scratch], refs[n_scratch:])),
-        *scratch, *barriers, collective_axes="wg")
-
-  kwargs = {}
-  if interpret:
-    kwargs["interpret"] = interpret
-  out = plgpu.kernel(
-      entry,
-      out_type=jax.ShapeDtypeStruct((batch, heads, lq_pad, head_dim), dtype),
-      grid=(heads, nq, batch),
-      grid_names=("heads", "q_tiles", "batch"),
-      num_threads=COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      **kwargs,
-  )(q, k, v, d_out, lse2, delta)
+  out = _launch(
+      body, scratch, barriers,
+      jax.ShapeDtypeStruct((batch, heads, lq_pad, head_dim), dtype),
+      (heads, nq, batch), ("heads", "q_tiles", "batch"), interpret,
+      (q, k, v, d_out, lse2, delta))
   return out[:, :, :lq] if lq_pad != lq else out
+
+
+def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
+             d_lse, *, sm_scale, causal, window_left, window_right,
+             logit_soft_cap, interpret):
+  """(dq, dk, dv, None): ``attention.triton.backward``'s contract for the
+  calls ``supports`` accepts (no bias, no segment ids)."""
+  del kv_segment_ids
+  reason = supports(q, k, v, q_segment_ids, bias)
+  if reason:
+    raise ValueError(f"mosaic_gpu_bwd.backward: unsupported call: {reason}")
+  kwargs = dict(sm_scale=sm_scale, causal=causal, window_left=window_left,
+                window_right=window_right, logit_soft_cap=logit_soft_cap,
+                interpret=interpret)
+  delta = delta_of(out, d_out, d_lse)
+  dk, dv = dkv(q, k, v, d_out, lse, delta, **kwargs)
+  return dq(q, k, v, d_out, lse, delta, **kwargs), dk, dv, None

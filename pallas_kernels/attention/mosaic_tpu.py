@@ -612,17 +612,18 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
 
 
 def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
-             *, sm_scale, causal, window_left, window_right, logit_soft_cap,
-             block_sizes, interpret, d_lse=None):
+             d_lse, *, sm_scale, causal, window_left, window_right,
+             logit_soft_cap, block_sizes, interpret):
   """(dq, dk, dv, dbias or None); ``d_lse`` is the cotangent of lse."""
   if q.dtype == jnp.float16 or (bias is not None and bias.dtype == jnp.float16):
     q32, k32, v32, bias32, out32, d_out32 = _f16_to_f32(q, k, v, bias, out,
                                                         d_out)
     dq, dk, dv, dbias = backward(
         q32, k32, v32, q_segment_ids, kv_segment_ids, bias32, out32, lse,
-        d_out32, sm_scale=sm_scale, causal=causal, window_left=window_left,
-        window_right=window_right, logit_soft_cap=logit_soft_cap,
-        block_sizes=block_sizes, interpret=interpret, d_lse=d_lse)
+        d_out32, d_lse, sm_scale=sm_scale, causal=causal,
+        window_left=window_left, window_right=window_right,
+        logit_soft_cap=logit_soft_cap, block_sizes=block_sizes,
+        interpret=interpret)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None if dbias is None else dbias.astype(bias.dtype))
   batch, heads, q_len, head_dim = q.shape

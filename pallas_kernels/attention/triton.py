@@ -99,13 +99,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _compat, _mosaic_gpu
+from pallas_kernels import _compat
 
 pl = _compat.pl
 
@@ -135,11 +134,6 @@ class GpuBlockSizes:
   # of this many blocks per head (see _LaunchOrder); 0 keeps the plain
   # block-major order.
   band_chunk: int | None = None
-  # Forward kernel: None (auto), "triton" or "mosaic"; see forward_kernel().
-  forward_kernel: str | None = None
-  # Backward kernels: None (auto), "triton" or "mosaic"; see
-  # backward_kernel().
-  backward_kernel: str | None = None
 
   def resolved(self, row_bytes: int, banded: bool, bias: bool = False,
                itemsize: int = 2) -> "GpuBlockSizes":
@@ -166,17 +160,7 @@ class GpuBlockSizes:
     defaults["band_chunk"] = 16
     values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     for name, value in values.items():
-      if name == "forward_kernel":
-        if value is not None and value not in FORWARD_KERNELS:
-          raise ValueError(f"GpuBlockSizes.forward_kernel={value!r}: must be "
-                           f"None or one of {FORWARD_KERNELS}")
-        values[name] = forward_kernel(self)
-      elif name == "backward_kernel":
-        if value is not None and value not in FORWARD_KERNELS:
-          raise ValueError(f"GpuBlockSizes.backward_kernel={value!r}: must "
-                           f"be None or one of {FORWARD_KERNELS}")
-        values[name] = backward_kernel(self)
-      elif value is None:
+      if value is None:
         values[name] = defaults[name]
       elif name.startswith("block") and (value < MIN_BLOCK
                                          or value & (value - 1)):
@@ -472,82 +456,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
   lse_ref[...] = jnp.where(empty, NEG_INF, (m + jnp.log2(l)) * LN2)
 
 
-FORWARD_KERNEL_ENV_VAR = "PALLAS_KERNELS_ATTENTION_GPU_FORWARD"
-FORWARD_KERNELS = ("auto", "triton", "mosaic")
-
-
-def forward_kernel(block_sizes=None) -> str:
-  """Which forward kernel the GPU path asks for: "auto", "triton", "mosaic".
-
-  ``GpuBlockSizes.forward_kernel`` wins, then the environment variable
-  ``PALLAS_KERNELS_ATTENTION_GPU_FORWARD``, else "auto". "auto" and "mosaic"
-  both run the Mosaic GPU kernel (``attention/mosaic_gpu.py``) on a Hopper
-  GPU for the calls its ``supports`` accepts, and Triton otherwise; "triton"
-  never uses it. Read at trace time.
-  """
-  choice = getattr(block_sizes, "forward_kernel", None)
-  if choice is None:
-    choice = os.environ.get(FORWARD_KERNEL_ENV_VAR, "").strip().lower() or "auto"
-  if choice not in FORWARD_KERNELS:
-    raise ValueError(f"attention GPU forward kernel {choice!r}: expected one "
-                     f"of {FORWARD_KERNELS} (GpuBlockSizes.forward_kernel or "
-                     f"{FORWARD_KERNEL_ENV_VAR})")
-  return choice
-
-
-BACKWARD_KERNEL_ENV_VAR = "PALLAS_KERNELS_ATTENTION_GPU_BACKWARD"
-
-
-def backward_kernel(block_sizes=None) -> str:
-  """Which backward kernels the GPU path asks for: "auto", "triton",
-  "mosaic".
-
-  As ``forward_kernel``, from ``GpuBlockSizes.backward_kernel`` or
-  ``PALLAS_KERNELS_ATTENTION_GPU_BACKWARD``: "auto" and "mosaic" run the
-  Mosaic GPU dq and dk/dv kernels (``attention/mosaic_gpu_bwd.py``) on a
-  Hopper GPU where their ``supports`` accept the call; "triton" never does.
-  """
-  choice = getattr(block_sizes, "backward_kernel", None)
-  if choice is None:
-    choice = (os.environ.get(BACKWARD_KERNEL_ENV_VAR, "").strip().lower()
-              or "auto")
-  if choice not in FORWARD_KERNELS:
-    raise ValueError(f"attention GPU backward kernel {choice!r}: expected one "
-                     f"of {FORWARD_KERNELS} (GpuBlockSizes.backward_kernel "
-                     f"or {BACKWARD_KERNEL_ENV_VAR})")
-  return choice
-
-
-def _mosaic_backward(q, k, v, q_seg, bias, block_sizes):
-  """The Mosaic GPU backward module when it should run this backward, else
-  None."""
-  if backward_kernel(block_sizes) == "triton" or not _is_hopper():
-    return None
-  try:
-    from pallas_kernels.attention import mosaic_gpu_bwd
-  except Exception:  # absent or broken on this jax: Triton it is
-    return None
-  if mosaic_gpu_bwd.supports(q, k, v, q_seg, bias) is not True:
-    return None
-  return mosaic_gpu_bwd
-
-
-_is_hopper = _mosaic_gpu.is_hopper  # a module name, so tests can patch it
-
-
-def _mosaic_forward(q, k, v, q_seg, kv_seg, bias, block_sizes, kwargs):
-  """The Mosaic GPU module when it should run this forward, else None."""
-  if forward_kernel(block_sizes) == "triton" or not _is_hopper():
-    return None
-  try:
-    from pallas_kernels.attention import mosaic_gpu
-  except Exception:  # absent or broken on this jax: Triton it is
-    return None
-  if mosaic_gpu.supports(q, k, v, q_seg, kv_seg, bias, **kwargs) is not True:
-    return None
-  return mosaic_gpu
-
-
 def _prepare(q, k, v, q_segment_ids, kv_segment_ids, bias, bq, bk, dp):
   """Pads sequences to tile multiples and head_dim to ``dp`` (zeros)."""
   lq_pad = _round_up(q.shape[2], bq)
@@ -622,23 +530,17 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
             interpret):
   """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32).
 
-  On a Hopper GPU the Mosaic GPU kernel runs the calls it supports (see
-  ``forward_kernel``); everything else, and interpret mode, runs the Triton
-  kernel below.
+  q [B, H, Lq, D]; k, v [B, Hk, Lk, D]; segment ids [B, Lq] / [B, Lk] or
+  None; bias [B or 1, H or 1, Lq, Lk] or None; the window already split into
+  ``window_left``/``window_right`` (None: unbounded). ``block_sizes``: a
+  ``GpuBlockSizes`` (anything else: the defaults). ``interpret``: run in
+  Pallas' interpreter.
   """
   batch, heads, lq, dim = q.shape
   lk = k.shape[2]
   if lq == 0 or lk == 0 or dim == 0 or batch == 0:
     return (jnp.zeros(q.shape, q.dtype),
             jnp.full((batch, heads, lq), NEG_INF, jnp.float32))
-  kwargs = dict(sm_scale=sm_scale, causal=causal, window_left=window_left,
-                window_right=window_right, logit_soft_cap=logit_soft_cap)
-  if not interpret:
-    mosaic = _mosaic_forward(q, k, v, q_segment_ids, kv_segment_ids, bias,
-                             block_sizes, kwargs)
-    if mosaic is not None:
-      return mosaic.forward(q, k, v, q_segment_ids, kv_segment_ids, bias,
-                            block_sizes=None, interpret=False, **kwargs)
   group, dp, segments, mask, sizes = _geometry(
       q, k, q_segment_ids, bias, causal=causal, window_left=window_left,
       window_right=window_right, block_sizes=block_sizes)
@@ -789,13 +691,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
-             sm_scale, causal, window_left, window_right, logit_soft_cap,
-             block_sizes, interpret, d_lse=None):
+def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
+             d_lse, *, sm_scale, causal, window_left, window_right,
+             logit_soft_cap, block_sizes, interpret):
   """Attention backward: (dq, dk, dv, dbias or None) for ``forward``'s output.
 
-  ``d_lse`` (optional, [B, H, Lq]) is the cotangent of lse: since
-  d lse_i / d s_ij = p_ij it only shifts delta (ds = p * (dp - delta + d_lse)).
+  ``out``/``lse`` may come from any forward kernel (lse natural-log, -inf for
+  rows without keys). ``d_lse`` ([B, H, Lq] or None) is the cotangent of
+  lse: since d lse_i / d s_ij = p_ij it only shifts delta
+  (ds = p * (dp - delta + d_lse)).
   """
   batch, heads, lq, dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
@@ -806,19 +710,6 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
   group, dp, segments, mask, sizes = _geometry(
       q, k, q_segment_ids, bias, causal=causal, window_left=window_left,
       window_right=window_right, block_sizes=block_sizes)
-  mosaic = None if interpret else _mosaic_backward(
-      q, k, v, q_segment_ids, bias, block_sizes)
-  unpadded = (q, k, v, d_out, lse)
-  mask_kwargs = dict(sm_scale=sm_scale, causal=causal,
-                     window_left=window_left, window_right=window_right,
-                     logit_soft_cap=logit_soft_cap)
-  if mosaic is not None and mosaic.DQ_KERNEL and mosaic.supports_dq(
-      q, k, v) is True:
-    # Both Mosaic GPU kernels; delta = rowsum(dO * O) - d_lse in XLA.
-    delta = mosaic.delta_of(out, d_out, d_lse)
-    dq = mosaic.dq(*unpadded, delta, **mask_kwargs)
-    dk, dv = mosaic.dkv(*unpadded, delta, **mask_kwargs)
-    return dq, dk, dv, None
   bq_dq = _fit_block(sizes.block_q_dq, lq)
   bk_dq = _fit_block(sizes.block_k_dq, lk)
   bq_kv = _fit_block(sizes.block_q_dkv, lq)
@@ -843,10 +734,6 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
       q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, sizes=sizes,
       mask=mask, bq=bq_dq, bk=bk_dq, group=group, dbias_wanted=dbias_wanted,
       sm_scale=sm_scale, soft_cap=logit_soft_cap, interpret=interpret)
-  if mosaic is not None:
-    dk, dv = mosaic.dkv(*unpadded, delta, **mask_kwargs)
-    return _crop(dq, (batch, heads, lq, dim)), dk, dv, None
-
   # dk, dv: grid over kv blocks and kv heads; loops over the group's q heads.
   order = _launch_order(lk_pad // bk_kv, batch, kv_heads, mask, sizes,
                         heavy_last=False)
