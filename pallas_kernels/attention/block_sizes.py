@@ -1,15 +1,9 @@
 """Block sizes for the Mosaic TPU flash-attention kernels.
 
-A block is ``block_q`` query rows by ``block_kv`` key rows. Both must be
-multiples of 128: the kernels keep softmax statistics lane-replicated and
-transpose ``[128, block_q]`` tiles, and the MXU works on 128 (v5e) or 256
-(v6e) wide tiles.
-
-Table (``TABLE[generation]``), chosen so that every buffer of the backward
-pass (the heaviest kernel: q, k, v, dO blocks double-buffered, plus four
-float32 ``[block_q, block_kv]`` temporaries and the float32 accumulators)
-stays well inside the default scoped VMEM (v5e 16 MiB of 128 MiB physical,
-v6e 32 MiB of 128 MiB):
+A block is ``block_q`` query rows by ``block_kv`` key rows, both multiples of
+128 (lane-replicated statistics, ``[128, block_q]`` transposes, the MXU
+width). ``TABLE[generation]`` (generation from ``_backend.target()``, the
+lowering target; the v5e row where the table has none):
 
   generation  head_dim   forward (q, kv)   backward (q, kv)
   v5e / v4    <= 128     (512, 512)        (512, 512)
@@ -18,31 +12,14 @@ v6e 32 MiB of 128 MiB):
   v6e         <= 128     (1024, 512)       (512, 1024)
   v6e         256        (1024, 512)       (512, 512)
 
-Why: the forward re-reads k/v once per query block, so its arithmetic
-intensity is about ``block_q`` flops per HBM byte; the dq kernel's is
-``1.5 * block_q`` and the dk/dv kernel's ``2 * block_kv``. The chip's
-flop/byte balance (v5e 197 TFLOP/s / 819 GB/s = 240, v6e 918 / 1640 = 560,
-v5p 459 / 2765 = 166) sets the least block that keeps the MXU fed: 512 on
-v5e/v5p, 1024 for v6e's forward. Larger blocks also amortize the per-grid-
-step overhead (about 0.35 us). ``mosaic_tpu.roofline_rows()`` prints the
-resulting estimate.
-
-Short sequences: a block never exceeds the sequence rounded up to 128, and it
-is halved (down to 128) while rounding the sequence up to it would pad more
-than 1/8 of the sequence, so e.g. ``q_len=600`` runs 5 blocks of 128 instead
-of 2 of 512. Padding costs: a sequence is computed as if it were rounded up
-to a multiple of its block (at least 128), and ``head_dim`` is rounded up to
-a multiple of 128 (64 is kept as is). Decoding with ``q_len=1`` therefore
-does the work of 128 query rows.
-
-The generation comes from ``jax.devices()[0].device_kind`` when the default
-backend is a TPU; otherwise (CPU interpret runs, ahead-of-time compiles from a
-CPU host) the v5e row is used; ``table_block_sizes("v6e", head_dim)`` gives
-another generation's row for ahead-of-time compiles. Override with
-``flash_attention(..., block_sizes=BlockSizes(...))``, a ``(block_q,
-block_kv)`` pair, or a dict of ``BlockSizes`` fields. A ``GpuBlockSizes``
-(``pallas_kernels.attention.triton``) is handed to the GPU kernel and ignored
-here; the GPU kernel likewise ignores a ``BlockSizes``.
+A block never exceeds the sequence rounded up to 128, and it is halved (down
+to 128) while rounding the sequence up to it would pad more than 1/8 of it.
+Sequences are computed as if rounded up to their block, head_dim as if
+rounded up to a multiple of 128 (64 kept): decoding with ``q_len=1`` does the
+work of 128 query rows. ``flash_attention(..., block_sizes=BlockSizes(...))``,
+a ``(block_q, block_kv)`` pair or a dict overrides the table; another
+kernel's block sizes (``triton.GpuBlockSizes``) leave the table in charge.
+Why these sizes: docs/design/attention.md.
 """
 from __future__ import annotations
 

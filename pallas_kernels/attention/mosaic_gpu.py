@@ -1,112 +1,29 @@
 """Flash-attention forward for Hopper GPUs: a Pallas Mosaic GPU kernel.
 
-Algorithm (FlashAttention-3 style, warp specialised)
-  One CTA per (head, 128-row q tile, batch) runs three warpgroups. Two compute
-  warpgroups each own 64 query rows; the third (memory) warpgroup streams the
-  K/V blocks of the tile's kv band through a ring of ``stages`` SMEM slots with
-  TMA, one "loaded" barrier per slot and one "consumed" barrier per slot that
-  both compute warpgroups arrive on. A compute warpgroup issues
-  ``S = Q K^T`` with wgmma (Q and K from SMEM), runs the online softmax in
-  registers (base-2 domain, running max ``m``, sum ``l``), and issues
-  ``acc += P V`` with P taken straight from registers. A two-arrival
-  "schedule" barrier, entered once more by warpgroup 1 at the start and by
-  warpgroup 0 at the end, makes the two warpgroups alternate: one runs its
-  softmax (MUFU/FMA work) while the other's matmuls occupy the tensor cores.
-  The epilogue writes ``out = acc / l`` and ``lse = (m + log2 l) ln 2`` via SMEM
-  and TMA.
-
-Schedules (``MosaicGpuBlockSizes`` switches; defaults by ``default_schedule``)
-  rendezvous   the two-arrival barrier above (head_dim 64 and 256).
-  named        ping-pong through two hardware barriers (``bar.sync`` /
-               ``bar.arrive``, ids 12 and 13): warpgroup w waits on its own
-               before issuing its matmuls and releases the other's after,
-               with no mbarrier round trip (head_dim 128 with a mask).
-  overlap      FlashAttention-3's intra-warpgroup pipelining: step c issues
-               S_c = Q K_c^T and acc += P_{c-1} V_{c-1} back to back, waits
-               for S_c only, and runs block c's softmax while P V still
-               runs; V is then released one step after K, so the memory
-               warpgroup loads each V one refill after its K
-               (``stream_kv_lagged``). Ping-pong through one mbarrier per
-               warpgroup (head_dim 128 when no step is masked: no causal
-               mask, window or soft cap, Lk a multiple of block_k).
-  lean         no automatic SMEM barriers and no reduction scratch (frees
-               2 KiB: room for a third 128-key stage at head_dim 128).
-  In the interpreter the hardware barriers run as mbarriers (same order).
-
-Semantics are those of ``pallas_kernels.attention.reference`` and of the
-Triton forward (``attention/triton.py``): float32 logits ``sm_scale * q.k``,
-optional soft cap ``cap * tanh(s / cap)``, causal / sliding-window masks
-aligned at the sequence ends (``offset = Lk - Lq``). Rows with no unmasked key
-give ``out = 0`` and ``lse = -inf``. Not handled here (``supports`` says so,
-and the caller falls back to the Triton kernel): an additive bias, segment ids,
-float32 inputs, head_dim outside {64, 128, 256}.
-
-Block skipping
-  The memory warpgroup loads only the kv blocks of the union of the two
-  warpgroups' bands. Each compute warpgroup walks the same number of steps so
-  that the barriers' phases stay paired, but for a block outside its own band
-  it only waits for and releases the slot (no matmul, no softmax). Within its
-  band, blocks that are unmasked for all of its rows skip the mask arithmetic.
-
-Padding (where it costs speed)
-  ``Lq`` is padded to a multiple of 128 and ``Lk`` to a multiple of
-  ``block_k`` (``jnp.pad``: an extra copy of q or k/v). Padded keys are masked
-  in-kernel, padded query rows are cropped. Aligned shapes pay nothing.
-
-Block sizes (``MosaicGpuBlockSizes``; by head_dim, bf16/fp16), tuned on an
-H100 (B=4, H=16, L=4096; bench/bench_attention_mgpu.py --sweep)
-  =========  =======  =======  ======  ==========================
-  head_dim   block_q  block_k  stages  registers (compute/memory)
-  =========  =======  =======  ======  ==========================
-  64         64 x 2   256      2       232 / 40
-  128        64 x 2   128      2       232 / 40
-  256        64 x 2   64       2       232 / 40
-  =========  =======  =======  ======  ==========================
-  SMEM: Q/O 2 x 64 x D, K and V ``stages x block_k x D`` each; the H100 has
-  227 KiB, so D=128 cannot take a third 128-key stage (232568 bytes: over by
-  120). Measured alternatives (non-causal): D=64 with 128 keys x 2 stages
-  0.65 ms, x 3 stages 0.74 ms, 64 x 4 0.79 ms, against 0.60 ms for 256 x 2;
-  D=128 with 64 keys x 2 stages is 15-20% slower than 128 x 2. Asking for
-  more than 232 compute registers (240/32) hung the kernel on the H100
-  (``setmaxnreg`` waits for registers the launch never gets), so the
-  budgets are capped.
-
-Schedules at head_dim 128 (H100, B4 H16 L4096 bf16, forward ms, first of
-two timing rounds; bench/results/attention_mgpu_variants-h100-2026-11-22.json,
-``bench_attention_mgpu.py --variants``; the second round ran 4-10% slower
-for every implementation):
-  ======  ==========  =====  =======  =====  =======
-  causal  rendezvous  named  overlap  cuDNN  tokamax
-  ======  ==========  =====  =======  =====  =======
-  no      0.945       0.930  0.888    0.923  0.894
-  yes     0.524       0.491  0.765    0.551  0.532
-  ======  ==========  =====  =======  =====  =======
-  (overlap with hardware barriers: 0.913 / 0.750; lean: 0.930 / 0.527;
-  lean with 3 stages: 0.991 / 0.513; jax attention_mgpu fp16: 0.923 / 0.556)
-
-Measured before the schedule switches (H100, bf16, B=4, H=16, L=4096,
-forward, ms; bench/results/attention_mgpu-h100-2026-11-22.json; repeated
-runs moved every implementation by up to 5-9%, see
-attention_mgpu_sweep-*.json)
-  ========  =====  =====  ==============  ==============  ==========
-  D/causal  this   cuDNN  jax mgpu fp16   Triton forward  this/cuDNN
-  ========  =====  =====  ==============  ==============  ==========
-  128 no    0.92   0.95   0.94            1.17            1.03
-  128 yes   0.49   0.53   0.53            0.73            1.08
-  64 no     0.61   0.64   0.66            0.82            1.05
-  64 yes    0.37   0.37   0.39            0.49            0.99
-  256 no    1.81   1.76   1.84            2.49            0.97
-  256 yes   0.92   0.96   1.03            1.35            1.04
-  ========  =====  =====  ==============  ==============  ==========
-
-Testing without a GPU
-  jax's Mosaic GPU interpreter (``InterpretGPUParams``, jax >= 0.10) runs this
-  kernel on the CPU with its warpgroups, barriers and TMA copies simulated.
-  It cannot run these wgmmas (no transposed SMEM operand, no register
-  operand, no ``run_state``) nor layout casts, so under ``interpret`` the two
-  products are plain float32-accumulated dots of the same SMEM tiles and the
-  casts are dropped; everything else (band arithmetic, masks, barriers, ring
-  slots, schedule barrier, epilogue) is the code the GPU runs.
+One CTA per (head, 128-row q tile, batch) runs three warpgroups. Two compute
+warpgroups own 64 query rows each; the memory warpgroup streams the K/V
+blocks of the tile's band through a ring of ``STAGES`` SMEM slots with TMA
+(a "loaded" barrier per slot, and a "consumed" one that both compute
+warpgroups arrive on). A compute warpgroup issues ``S = Q K^T`` with wgmma,
+runs the online softmax in registers (base 2: running max ``m``, sum ``l``)
+and issues ``acc += P V`` with P taken from registers; the epilogue writes
+``out = acc / l`` and ``lse = (m + log2 l) ln 2`` through SMEM and TMA.
+The compute warpgroups take turns, so that one's softmax overlaps the
+other's matmuls; ``default_schedule`` picks how:
+  rendezvous  a two-arrival barrier both pass together (head_dim 64, 256);
+  named       ping-pong through the hardware barriers ``bar.sync`` /
+              ``bar.arrive`` (head_dim 128 with a masked step);
+  overlap     FlashAttention-3 pipelining within a warpgroup: step c issues
+              S_c and P_{c-1} V_{c-1} back to back and runs block c's softmax
+              while P V runs; V is released a step after K, so the memory
+              warpgroup loads it a refill later (head_dim 128, no mask).
+Block skipping: the memory warpgroup loads the union of the two warpgroups'
+bands; a warpgroup passes over slots outside its own band and masks only
+the band's edge blocks. Lq is padded to 128 and Lk to ``BLOCK_K`` (masked).
+Not handled (``supports``): bias, segment ids, float32, head_dim outside
+64/128/256. In the Mosaic GPU interpreter (jax >= 0.10) the wgmmas are
+float32-accumulated dots of the same SMEM tiles and layout casts are
+dropped; the rest is the code the GPU runs.
 """
 from __future__ import annotations
 

@@ -1,80 +1,27 @@
 """Flash-attention backward for Hopper GPUs: Pallas Mosaic GPU kernels.
 
-Two kernels, as in the Triton backward (``attention/triton.py``), so that no
-atomics are needed; both recompute ``P = exp2(S * scale2 - lse2)`` from the
-forward's lse (7 matmuls per block pair where an atomic-dq kernel does 5).
-delta = rowsum(dO * O) - d_lse is one XLA reduction before them.
-
-dk/dv kernel (``dkv``; warp specialised, wgmma + TMA)
-  One CTA per (kv head, 128-key tile, batch) runs three warpgroups. Each of
-  the two compute warpgroups owns 64 keys: it loads its K and V rows into
-  SMEM once and keeps float32 dK and dV accumulators (64 x D each) in
-  registers. The memory warpgroup streams, for every query head of the GQA
-  group and every ``block_q``-row query block of the tile's band, the blocks
-  of Q, dO, the base-2 lse and delta into a ring of ``stages`` SMEM slots with
-  TMA (one "loaded" barrier per buffer and slot, one "consumed" barrier per
-  slot that both compute warpgroups arrive on). Per block a compute
-  warpgroup issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` together, forms
-  ``P^T`` and ``dS^T = P^T (dP^T - delta)`` in registers, then issues
-  ``dV += P^T dO`` and ``dK += dS^T Q`` with the left operands taken straight
-  from registers. The two compute warpgroups are not synchronised with each
-  other, so one's exp work overlaps the other's matmuls. The epilogue writes
-  ``dK * sm_scale`` and ``dV`` through the K/V SMEM tiles with TMA.
-
-dq kernel (``dq``; same structure as the forward, attention/mosaic_gpu.py)
-  One CTA per (head, 128-row q tile, batch); each compute warpgroup owns 64
-  query rows (Q, dO, lse2 and delta loaded once) and a float32 dQ
-  accumulator; the memory warpgroup streams K and V blocks of the band
-  through the ring. Per block: ``S = Q K^T`` and ``dP = dO V^T`` issued
-  together, ``dS = P (dP - delta)``, ``dQ += dS K`` from registers.
-
-Semantics are those of the Triton backward: logits ``sm_scale * q.k``,
-optional soft cap (``ds *= 1 - tanh^2``), causal / sliding-window band
-aligned at the sequence ends (``offset = Lk - Lq``). Rows with lse = -inf
-(no unmasked key) and padded query rows carry lse2 = +inf, so their P is 0
-and their dq is 0. Padded keys are masked in the dq kernel; in the dk/dv
-kernel their rows are computed and cropped. Not handled (``supports`` /
-``supports_dq`` say so, and ``triton.backward`` runs the Triton kernels): bias,
-segment ids, float32, head_dim other than 64 or 128 (at 256 the two 64 x 256
-float32 dK/dV accumulators alone need 256 registers per thread, and the dq
-kernel's Q, dO and K/V ring overflow shared memory).
-
-Block skipping
-  Each memory warpgroup loads only the blocks of the union of its two
-  compute warpgroups' bands; a compute warpgroup waits for and releases the
-  slots of blocks outside its own band without computing, and builds the
-  mask only for blocks on the band's edges. Under a causal mask the dq
-  kernel starts the longest q tiles first; the dk/dv kernel's first kv
-  tiles (launched first) are already the longest.
-
-Padding (where it costs speed): dk/dv pads ``Lk`` to a multiple of 128 and
-``Lq`` to one of ``block_q``; dq pads ``Lq`` to 128 and ``Lk`` to ``block_k``
-(``jnp.pad`` copies); aligned shapes pay nothing.
-
-Block sizes (``MosaicGpuBwdBlockSizes``, ``MosaicGpuDqBlockSizes``; tuned
-on an H100, bf16, B=4, H=16, L=4096 with bench/bench_attention.py --probe;
-results/attention_backward_probe-h100-*.json), 2 ring stages and 232/40
-registers throughout:
-  ========  ==============  ==========  ====================================
-  head_dim  dk/dv block_q   dq block_k  backward ms (full / causal), others
-  ========  ==============  ==========  ====================================
-  128       64              64          3.03 / 1.65; Triton 3.91 / 2.01;
-                                        dk/dv 3 stages 3.01; dq block_k 128
-                                        3.08; Triton dq + this dk/dv 3.43
-  64        128             128         64/64: 1.99 / 1.09; dk/dv block_q
-                                        128 alone 1.80 / 1.03, dq block_k
-                                        128 alone 1.91 / 1.07 (both:
-                                        fwd+bwd 2.32 / 1.34); Triton
-                                        2.34 / 1.25
-  ========  ==============  ==========  ====================================
-  At head_dim 128 a 128-row dk/dv block_q would need 64 more registers per
-  thread for S^T and dP^T than the 232 the compute warpgroups get.
-
-Testing without a GPU: as for the forward, the Mosaic GPU interpreter runs
-everything but the wgmmas and layout casts, which become plain
-float32-accumulated dots of the same SMEM tiles; the GPU lowering itself
-(wgmma operands, layouts, TMA) runs on a CPU host too (``jax.jit(...).trace(
-...).lower(lowering_platforms=("cuda",))``).
+Two kernels, as in the Triton backward, so that no atomics are needed; both
+recompute ``P = exp2(S * scale2 - lse2)`` from the forward's lse, and
+``delta = rowsum(dO * O) - d_lse`` is one XLA reduction before them.
+dk/dv (``dkv``): one CTA per (kv head, 128-key tile, batch) runs three
+warpgroups. Each compute warpgroup owns 64 keys: its K and V rows stay in
+SMEM and its float32 dK and dV accumulators in registers. The memory
+warpgroup streams Q, dO, lse2 and delta blocks (``block_size`` query rows)
+of every query head of the GQA group and every q block of the tile's band
+through a ring of ``STAGES`` SMEM slots with TMA. Per block a compute
+warpgroup issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` together, forms
+``P^T`` and ``dS^T = P^T (dP^T - delta)`` in registers, then issues
+``dV += P^T dO`` and ``dK += dS^T Q`` with the left operands in registers.
+The two compute warpgroups are not synchronised, so one's exponentials
+overlap the other's matmuls.
+dq (``dq``): the forward's structure; each compute warpgroup owns 64 query
+rows (Q, dO, lse2, delta loaded once) and a float32 dQ accumulator, and the
+memory warpgroup streams K and V blocks; per block ``S = Q K^T`` and
+``dP = dO V^T`` together, then ``dQ += dS K``.
+Rows without keys and padded rows carry lse2 = +inf, so their P is 0. dk/dv
+pads Lk to 128 and Lq to ``block_size``, dq the other way round. Block
+skipping as in the forward (``attention/mosaic_gpu.py``). Not handled
+(``supports``): bias, segment ids, float32, head_dim other than 64 or 128.
 """
 from __future__ import annotations
 
@@ -96,6 +43,8 @@ NEG_INF = float("-inf")
 KEYS_PER_WG = 64  # one wgmma M tile per compute warpgroup
 COMPUTE_WGS = 2
 TILE_K = KEYS_PER_WG * COMPUTE_WGS
+ROWS_PER_WG = 64  # query rows per compute warpgroup in the dq kernel
+TILE_Q = ROWS_PER_WG * COMPUTE_WGS
 STAGES = 2
 
 
@@ -409,10 +358,6 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
 
 
 # -------------------------------------------------------------- dq kernel --
-
-
-ROWS_PER_WG = 64
-TILE_Q = ROWS_PER_WG * COMPUTE_WGS
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,

@@ -1,50 +1,27 @@
 """Mosaic TPU flash attention: forward, dq and dk/dv kernels.
 
-Forward (online softmax). Grid ``(batch, heads, q blocks, kv blocks)``, the
-last axis sequential ("arbitrary"), the others "parallel". For each query
-block the kernel keeps the running row maximum ``m``, the running sum ``l``
-(both float32, lane-replicated ``[block_q, 128]``) and the float32 output
-accumulator in VMEM scratch; each kv block rescales them by
-``exp(m_old - m_new)``. The last kv step writes ``acc / l`` and
-``lse = m + log l``; ``lse`` is stored lane-dense as ``[B, H, 1, Lq]`` by
-transposing the lane-replicated column once per query block.
-
-Backward. ``di = rowsum(dO * O)`` (minus the lse cotangent, if any) is a cheap
-XLA reduction. Two kernels recompute the probabilities from ``lse``:
-  dq:    grid ``(B, H, q blocks, kv blocks)``; ``ds = p * (dO V^T - di)``,
-         ``dq += ds K``; also writes ``dbias = ds`` blocks when a bias is given.
-  dk/dv: grid ``(B, Hkv, kv blocks, group * q blocks)``: the inner axis walks
-         the query blocks of every query head sharing the kv head, so GQA
-         gradients are summed in VMEM. It works on transposed logits
-         ``[block_kv, block_q]`` so ``lse``/``di`` rows broadcast without
-         transposes: ``dv += p^T dO``, ``dk += ds^T Q``.
-
-Skipping. Causal and sliding-window structure gives each query block a
-contiguous range of kv blocks (and each kv block a range of query blocks).
-Blocks outside it are skipped by ``pl.when``, and the index maps clamp the
-block index into the range, so a skipped step re-uses the block already in
-VMEM and issues no DMA. Blocks wholly inside the allowed band and free of
-padding skip the element mask too. With segment ids, each block's min/max id
-(computed by XLA, passed as a scalar-prefetch SMEM vector) skips the compute
-of blocks whose id ranges are disjoint: packed sorted sequences cost about
-the sum of their own attention, not the whole row's (their k/v blocks are
-still fetched; unsorted ids simply skip nothing).
-
-Layout. Segment ids travel lane-dense: the side that indexes rows of the
-logits tile as ``[B, L, 128]`` (lane-broadcast), the side that indexes
-columns as ``[B, 1, L]``. GQA never repeats k/v in HBM: index maps read kv
-head ``h // group``. Sequences are padded to block multiples and
-``head_dim`` to a multiple of 128 (64 kept) with zeros; padded keys are
-masked, padded queries dropped (they get ``lse = +inf`` in the backward so
-they contribute nothing). Fully masked rows give ``out = 0`` and
-``lse = -inf``. The dq kernel turns the ``lse``/``di`` rows into columns once
-per query block (broadcast to ``[128, block_q]``, transpose).
-
-Costs to know: a bias adds a ``[block_q, block_kv]`` read per visited block
-and, under ``grad``, a float32 ``[B, H, Lq, Lk]`` dbias write (then summed
-over broadcast dimensions by XLA). float16 inputs run as float32 (Mosaic has
-no float16 matmul on v5e/v6e). Index maps divide with ``lax.div``: Python
-``//`` lowers through ``sign``, which Mosaic only lowers on a TPU host.
+Forward (online softmax): grid ``(batch, heads, q blocks, kv blocks)``, the
+kv axis sequential. Per query block, VMEM scratch keeps the running max
+``m``, the running sum ``l`` (float32, lane-replicated ``[block_q, 128]``)
+and the float32 accumulator; the last kv step writes ``acc / l`` and
+``lse = m + log l`` (stored lane-dense as ``[B, H, 1, Lq]``).
+Backward: ``di = rowsum(dO * O) - d_lse`` in XLA; two kernels recompute the
+probabilities from lse. dq: grid ``(B, H, q blocks, kv blocks)``,
+``ds = p * (dO V^T - di)``, ``dq += ds K``, plus ``dbias = ds`` blocks with a
+bias. dk/dv: grid ``(B, Hkv, kv blocks, group * q blocks)``, the inner axis
+walking the q blocks of every query head sharing the kv head (GQA gradients
+sum in VMEM), on transposed logits so lse/di rows broadcast without
+transposes: ``dv += p^T dO``, ``dk += ds^T Q``.
+Skipping: causal/window bands give each query block a contiguous kv block
+range (and each kv block a q block range); blocks outside run nothing and
+the index maps clamp into the range, so they issue no DMA. Blocks inside the
+band without padding skip the element mask. With segment ids each block's
+min/max id (scalar prefetch) skips blocks whose id ranges are disjoint.
+Layout: GQA reads kv head ``h // group`` (no repeat in HBM); sequences are
+padded to block multiples and head_dim to a multiple of 128 (64 kept);
+padded queries get lse = +inf in the backward. float16 runs as float32 (no
+float16 matmul in Mosaic on v5e/v6e). Index maps divide with ``lax.div``:
+Python ``//`` lowers through ``sign``, which Mosaic lowers only on a TPU.
 """
 from __future__ import annotations
 

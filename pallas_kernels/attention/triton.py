@@ -1,98 +1,31 @@
 """Flash attention for NVIDIA GPUs: Pallas kernels with the Triton lowering.
 
-Algorithm
-  Forward (FlashAttention-2): one program per (q block, batch, head). It keeps
-  its q tile in registers and walks the kv blocks with a ``lax.fori_loop``
-  doing the online softmax (running max ``m``, running sum ``l``, unnormalised
-  float32 accumulator), in the base-2 domain (``exp2``; the scale is folded
-  into one multiply). It writes ``out = acc / l`` and ``lse = (m + log2 l) ln 2``.
-  On a Hopper GPU the forward instead runs the warp-specialised Mosaic GPU
-  kernel of ``attention/mosaic_gpu.py`` for the calls its ``supports``
-  accepts (bf16/fp16, head_dim 64/128/256, no bias or segment ids); choose
-  with ``GpuBlockSizes.forward_kernel`` or ``PALLAS_KERNELS_ATTENTION_GPU_
-  FORWARD`` = auto | triton | mosaic (``forward_kernel()``). Interpret mode
-  always runs the Triton kernel.
-  Backward: two kernels that recompute ``p = exp(s - lse)``: a dq kernel (one
-  program per q block, loop over kv blocks; it also computes ``delta =
-  rowsum(dO * O)`` for its rows, saving a separate pass over O and dO, and
-  writes ``dS`` when the bias gradient is wanted) and a dk/dv kernel (one
-  program per kv block and kv head, looping over the query heads of its GQA
-  group and the q blocks; it reads delta back), so no atomics are needed.
-  Measured alternative (H100, bench_attention.py --sweep): one kernel adding
-  each block's dq share into a float32 buffer with Triton atomics does 5
-  matmuls instead of 7 but ran 3-8x slower (D=128: 12-31 ms against 3.6 ms),
-  the atomics' memory traffic dominating; it was dropped.
-  On a Hopper GPU the backward instead runs the two warp-specialised Mosaic
-  GPU kernels of ``attention/mosaic_gpu_bwd.py`` (same split, delta from one
-  XLA reduction) for the calls their ``supports`` accept (bf16/fp16,
-  head_dim 64/128, no bias or segment ids); choose with
-  ``GpuBlockSizes.backward_kernel`` or ``PALLAS_KERNELS_ATTENTION_GPU_
-  BACKWARD`` = auto | triton | mosaic (``backward_kernel()``). Interpret mode
-  always runs the Triton kernels.
-
-Semantics are those of ``pallas_kernels.attention.reference`` (shared with the
-TPU kernel): logits ``sm_scale * q.k`` in float32, optional soft cap
-``cap * tanh(s / cap)``, then the additive bias, then the mask (causal and
-sliding window aligned at the sequence ends, ``offset = Lk - Lq``; segment
-ids). Fully masked rows give ``out = 0``, ``lse = -inf`` and zero gradients.
-
-Block skipping, masking cost and launch order
-  Loop bounds come from the causal/window band, so kv blocks outside it are
-  never loaded (causal runs in about 0.6x the time of full attention at
-  L=4096 on the H100). Each loop is split
-  into masked edge blocks and unmasked interior blocks: only the edge blocks
-  pay for building the mask. Segment ids mask every visited block (their
-  structure is data, not known to the loop bounds). Under a causal mask the
-  programs' work differs up to L/block-fold; each head's heaviest blocks are
-  launched first, 16 blocks of every head at a time (``_LaunchOrder``,
-  ``GpuBlockSizes.band_chunk``), so that the light ones fill the tail while
-  programs running together still share a head's tiles in L2.
-
-Padding (where it costs speed)
-  Triton tiles need power-of-two sizes of at least 16, so ``Lq`` and ``Lk`` are
-  padded (``jnp.pad``, an extra copy of q/k/v) to multiples of the block sizes
-  and ``head_dim`` to the next power of two >= 16. Padded keys are masked,
-  padded queries dropped, padded feature columns are zeros (exact). Aligned
-  shapes (``L % 128 == 0``, ``head_dim`` in {16, 32, 64, 128, 256}) pay nothing.
-  A head_dim such as 80 or 96 wastes the padded fraction of the matmul work.
-
-Block sizes (``GpuBlockSizes``), by bytes per row (head_dim * itemsize);
-(block_q, block_k, num_warps, num_stages), tuned on an H100 (bf16, B=4,
-H=16, L=4096; bench/bench_attention.py --tune / --sweep) except the float32
-row, which was checked for correctness there, not tuned.
-  ==============  =====================  ==============  ==============
-  row bytes       forward                dq              dk/dv
-  ==============  =====================  ==============  ==============
-  <= 128 (D<=64)  128, 64, 4, 3          64, 64, 4, 2    64, 64, 4, 2
-  256 (D=128)     256, 64, 8, 3 full     64, 64, 4, 2    64, 64, 4, 2
-                  128, 64, 8, 3 banded
-                    or with a bias
-  512, bf16       128, 64, 8, 2          64, 32, 4, 2    64, 64, 8, 2
-   (D=256)        64, 32, 4, 2 w/ bias
-  other (f32)     64, 32, 4, 2           64, 32, 4, 2    32, 64, 4, 2
-  ==============  =====================  ==============  ==============
-  ("banded": causal or sliding window. With a bias the larger forward tiles
-  and their float32 bias tiles overflow the H100's 227 KiB of shared memory.
-  D=256: the dk/dv tile 64x64 with 8 warps halved the backward against
-  32x64 with 4 warps, 13.5 ms against 29.6 ms.) Blocks shrink to the
-  power-of-two (>= 16) sequence length for short inputs. Pass a
-  ``GpuBlockSizes`` as ``block_sizes`` to override any field; other values
-  (for instance the TPU kernel's block sizes) are ignored here.
-
-Measured (H100, bf16, B=4, H=16, L=4096; bench/results/attention-h100-*.json
-and attention_head_dims-h100-*.json have every peer). Speed relative to
-cuDNN (jax.nn.dot_product_attention), forward / forward+backward, with the
-Mosaic GPU forward and backward:
-  D=128  full 0.97 / 0.94-0.97   causal 1.13 / 0.96-0.98
-  D=64   full 1.09 / 1.01        causal 1.03 / 1.08
-  D=256  full 0.95 / 0.63 (Triton backward)
-  With the Triton backward instead, D=128 forward+backward is 0.81 (full)
-  and 0.86 (causal) of cuDNN; its backward (3.9 ms at D=128, full mask)
-  does not overlap its exp work with the matmuls (no warp specialisation in
-  the Triton lowering). The Mosaic GPU backward takes 3.0 ms there: its 7
-  matmuls run at about 630 TFLOP/s, so the remaining gap to cuDNN (which
-  does 5) is the recomputation of P in both kernels. The chunked causal
-  launch order took 6% off the Triton causal forward+backward.
+Forward (FlashAttention-2): one program per (q block, batch, head) keeps its
+q tile in registers and walks the kv blocks with ``lax.fori_loop``, doing the
+online softmax (running max ``m``, running sum ``l``, float32 accumulator) in
+base 2 (``exp2``, the scale folded into one multiply). It writes
+``out = acc / l`` and ``lse = (m + log2 l) ln 2``.
+Backward: two kernels recompute ``p = exp(s - lse)``, so no atomics are
+needed. The dq kernel (one program per q block, looping over kv blocks) also
+computes ``delta = rowsum(dO * O) - d_lse`` for its rows and writes ``dS``
+when the bias gradient is wanted; the dk/dv kernel (one program per kv block
+and kv head, looping over the GQA group's query heads and their q blocks)
+reads delta back.
+Masks: loop bounds come from the causal/window band, so kv blocks outside it
+are never loaded, and each loop splits into masked edge blocks and unmasked
+interior ones. Segment ids mask every visited block. Under a causal mask each
+head's heaviest blocks launch first, ``band_chunk`` blocks of every head at a
+time (``_LaunchOrder``), so light blocks fill the tail.
+Padding: Triton tiles need power-of-two sizes >= 16: Lq and Lk are padded to
+block multiples, head_dim to the next power of two (padded keys masked,
+padded queries dropped, padded features zero).
+Tiles (``GpuBlockSizes``: block_q, block_k, warps, stages) by the bytes of a
+q/k/v row (head_dim * itemsize); "banded": causal or sliding window:
+  row bytes   forward                          dq           dk/dv
+  <= 128      128,64,4,3                       64,64,4,2    64,64,4,2
+  256         256,64,8,3; banded/bias 128,..   64,64,4,2    64,64,4,2
+  512, bf16   128,64,8,2; bias 64,32,4,2       64,32,4,2    64,64,8,2
+  other       64,32,4,2                        64,32,4,2    32,64,4,2
 """
 from __future__ import annotations
 
@@ -145,10 +78,10 @@ class GpuBlockSizes:
     """
     if row_bytes <= 128:  # head_dim <= 64 in bf16
       fwd, dq, dkv = (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)
-    elif row_bytes <= 256:  # head_dim 128 in bf16 (tuned on the H100)
+    elif row_bytes <= 256:  # head_dim 128 in bf16
       fwd = (128, 64, 8, 3) if banded or bias else (256, 64, 8, 3)
       dq, dkv = (64, 64, 4, 2), (64, 64, 4, 2)
-    elif row_bytes <= 512 and itemsize == 2:  # head_dim 256 in bf16 (H100)
+    elif row_bytes <= 512 and itemsize == 2:  # head_dim 256 in bf16
       fwd = (64, 32, 4, 2) if bias else (128, 64, 8, 2)
       dq, dkv = (64, 32, 4, 2), (64, 64, 8, 2)
     else:  # float32 with head_dim >= 128, or wider: keep tiles in smem
