@@ -82,7 +82,7 @@ def call_refusal(kernel: str, q, k, v, q_segment_ids, bias, head_dims):
     return (f"the Mosaic GPU {kernel} kernel needs head_dim in "
             f"{'/'.join(map(str, head_dims))}, got {head_dim}")
   if min(q.shape) == 0 or min(k.shape) == 0:
-    return "empty inputs are left to the Triton kernel"
+    return f"the Mosaic GPU {kernel} kernel needs non-empty inputs"
   return None
 
 

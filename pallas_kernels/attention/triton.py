@@ -465,15 +465,13 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
 
   q [B, H, Lq, D]; k, v [B, Hk, Lk, D]; segment ids [B, Lq] / [B, Lk] or
   None; bias [B or 1, H or 1, Lq, Lk] or None; the window already split into
-  ``window_left``/``window_right`` (None: unbounded). ``block_sizes``: a
+  ``window_left``/``window_right`` (None: unbounded); no dimension empty
+  (``flash_attention`` answers those itself). ``block_sizes``: a
   ``GpuBlockSizes`` (anything else: the defaults). ``interpret``: run in
   Pallas' interpreter.
   """
   batch, heads, lq, dim = q.shape
   lk = k.shape[2]
-  if lq == 0 or lk == 0 or dim == 0 or batch == 0:
-    return (jnp.zeros(q.shape, q.dtype),
-            jnp.full((batch, heads, lq), NEG_INF, jnp.float32))
   group, dp, segments, mask, sizes = _geometry(
       q, k, q_segment_ids, bias, causal=causal, window_left=window_left,
       window_right=window_right, block_sizes=block_sizes)
@@ -637,9 +635,6 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   batch, heads, lq, dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
   dbias_wanted = bias is not None
-  if lq == 0 or lk == 0 or dim == 0 or batch == 0:
-    return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v),
-            None if bias is None else jnp.zeros_like(bias))
   group, dp, segments, mask, sizes = _geometry(
       q, k, q_segment_ids, bias, causal=causal, window_left=window_left,
       window_right=window_right, block_sizes=block_sizes)
