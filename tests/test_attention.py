@@ -244,19 +244,15 @@ def _problems(draw):
 
 
 @pytest.mark.parametrize("backend", ALL)
-@settings(max_examples=3)
-@given(case=_problems(), seed=st.integers(0, 2**31 - 1))
-def test_random_shapes_and_masks(backend, case, seed):
+@pytest.mark.parametrize("examples", [
+    3, pytest.param(25, marks=pytest.mark.slow)])
+def test_random_shapes_and_masks(backend, examples):
   """Default block sizes at random odd shapes."""
-  check(backend, case, np.random.default_rng(seed))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ALL)
-@settings(max_examples=25)
-@given(case=_problems(), seed=st.integers(0, 2**31 - 1))
-def test_random_shapes_and_masks_thoroughly(backend, case, seed):
-  check(backend, case, np.random.default_rng(seed))
+  @settings(max_examples=examples)
+  @given(case=_problems(), seed=st.integers(0, 2**31 - 1))
+  def run(case, seed):
+    check(backend, case, np.random.default_rng(seed))
+  run()
 
 
 @pytest.mark.slow
