@@ -1,13 +1,17 @@
-"""The Mosaic GPU (Hopper) flash-attention forward, in jax's Mosaic GPU
-interpreter (warpgroups, barriers and TMA copies simulated on the CPU).
+"""The Mosaic GPU (Hopper) flash-attention kernels' own pieces, in jax's
+Mosaic GPU interpreter (warpgroups, barriers and TMA copies simulated on the
+CPU).
 
-Compared with a float64 numpy implementation of the shared semantics
-(attention/reference.py). The interpreter runs the kernel's barriers, ring
-slots, band arithmetic and masks; its two matrix products run as plain dots
-(see the module docstring), so the wgmma calls themselves are checked on a GPU
-by bench/bench_attention_mgpu.py. Tolerances: outputs are bf16/fp16-rounded
-and P is rounded to the input dtype before P V: relative L2 error 1e-2, max
-abs 3e-2 on O(1) values; lse is float32 math: 1e-4.
+The shared suite (``test_attention.py``) runs these kernels through
+``flash_attention``; here: what ``supports`` declines, the CUDA lowering of
+every schedule on this host, and interpreter runs of the schedules and ring
+paths the suite's shapes do not reach (lagged V refills, ring refills under
+a window, warpgroups without keys). The interpreter runs barriers, ring
+slots, band arithmetic and masks; the wgmmas run as plain dots (module
+docstring), so the wgmma calls themselves are checked on a GPU by the
+benchmarks. Against the float64 oracle (``tests/oracles/attention.py``):
+outputs and gradients are bf16/fp16-rounded and P is rounded before P V:
+relative L2 error 1e-2, max abs 3e-2 on O(1) values; lse is float32: 1e-4.
 
 Skipped where jax has no Mosaic GPU interpreter (jax < 0.10, e.g. 0.7.1);
 there only ``supports`` is checked (it must decline).
@@ -22,21 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from oracles import attention as oracle
 from pallas_kernels import _compat
-from pallas_kernels.attention import mosaic_gpu
-from test_attention_gpu import reference as float64_reference
+from pallas_kernels.attention import mosaic_gpu, mosaic_gpu_bwd
 
 INTERPRET = mosaic_gpu.interpret_params()
 needs_interpreter = pytest.mark.skipif(
     mosaic_gpu.api_missing() is not None or INTERPRET is None,
     reason="this jax has no Mosaic GPU Pallas interpreter")
-
-
-def reference64(q, k, v, *, sm_scale, causal=False, left=None, right=None,
-                cap=None):
-  """float64 (out, lse) for the reference semantics (no bias/segments)."""
-  return float64_reference(q, k, v, sm_scale=sm_scale, causal=causal,
-                           left=left, right=right, cap=cap)
 
 
 def _inputs(rng, b, h, hk, lq, lk, d, dtype):
@@ -45,24 +42,25 @@ def _inputs(rng, b, h, hk, lq, lk, d, dtype):
 
 
 def _run(q, k, v, *, causal=False, left=None, right=None, cap=None,
-         block_sizes=None, interpret=None):
+         interpret=None):
   d = q.shape[-1]
   return mosaic_gpu.forward(
       q, k, v, None, None, None, sm_scale=1 / math.sqrt(d), causal=causal,
       window_left=left, window_right=right, logit_soft_cap=cap,
-      block_sizes=block_sizes,
       interpret=INTERPRET if interpret is None else interpret)
 
 
-def _check(rng, b, h, hk, lq, lk, d, dtype=jnp.bfloat16, block_sizes=None,
-           **mask):
+def _oracle_mask(causal=False, left=None, right=None, cap=None):
+  return dict(causal=causal, sliding_window=(left, right),
+              logit_soft_cap=cap)
+
+
+def _check(rng, b, h, hk, lq, lk, d, dtype=jnp.bfloat16, **mask):
   q, k, v = _inputs(rng, b, h, hk, lq, lk, d, dtype)
-  out, lse = _run(q, k, v, block_sizes=block_sizes, **mask)
+  out, lse = _run(q, k, v, **mask)
   assert out.shape == q.shape and out.dtype == q.dtype
   assert lse.shape == q.shape[:3] and lse.dtype == jnp.float32
-  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-  ref_out, ref_lse = reference64(f32(q), f32(k), f32(v),
-                                 sm_scale=1 / math.sqrt(d), **mask)
+  ref_out, ref_lse = oracle.attention(q, k, v, **_oracle_mask(**mask))
   out = np.asarray(out.astype(jnp.float32), np.float64)
   lse = np.asarray(lse, np.float64)
   assert not np.isnan(out).any() and not np.isnan(lse).any()
@@ -89,7 +87,7 @@ def _accepted_gqa_call(supports):
   if mosaic_gpu.api_missing() is not None:
     assert isinstance(supports(q, kv, kv), str)
     return None, None
-  assert supports(q, kv, kv) is True
+  assert supports(q, kv, kv) is None
   return q, kv
 
 
@@ -100,25 +98,15 @@ def test_supports_declines_without_the_api_or_with_unsupported_inputs():
   bias = _sds((1, 4, 256, 256), jnp.float32)
   seg = _sds((1, 256), jnp.int32)
   cases = {
-      "bias": ((q, kv, kv, None, None, bias), {}),
-      "segment": ((q, kv, kv, seg, seg, None), {}),
-      "bf16 or all fp16": ((_sds(q.shape, jnp.float32), kv, kv), {}),
-      "head_dim": ((_sds((1, 4, 256, 80)), _sds((1, 2, 256, 80)),
-                    _sds((1, 2, 256, 80))), {}),
-      "empty": ((_sds((1, 4, 0, 128)), kv, kv), {}),
-      "block_k": ((q, kv, kv), {"block_sizes":
-                                mosaic_gpu.MosaicGpuBlockSizes(block_k=96)}),
-      "stages": ((q, kv, kv), {"block_sizes":
-                               mosaic_gpu.MosaicGpuBlockSizes(stages=1)}),
-      "compute_registers": ((q, kv, kv), {"block_sizes":
-                                          mosaic_gpu.MosaicGpuBlockSizes(
-                                              compute_registers=240)}),
-      "shared memory": ((q, kv, kv), {"block_sizes":
-                                      mosaic_gpu.MosaicGpuBlockSizes(
-                                          block_k=256, stages=4)}),
+      "bias": (q, kv, kv, None, bias),
+      "segment": (q, kv, kv, seg),
+      "bf16 or all fp16": (_sds(q.shape, jnp.float32), kv, kv),
+      "head_dim": (_sds((1, 4, 256, 80)), _sds((1, 2, 256, 80)),
+                   _sds((1, 2, 256, 80))),
+      "empty": (_sds((1, 4, 0, 128)), kv, kv),
   }
-  for needle, (args, kwargs) in cases.items():
-    reason = mosaic_gpu.supports(*args, **kwargs)
+  for needle, args in cases.items():
+    reason = mosaic_gpu.supports(*args)
     assert isinstance(reason, str) and needle in reason, (needle, reason)
 
 
@@ -130,24 +118,22 @@ def test_forward_rejects_unsupported_calls():
 
 @pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
                     reason="no Mosaic GPU Pallas API in this jax")
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_gpu_kernel_traces_on_a_cpu_host(d):
-  q, kv = _sds((2, 4, 1000, d)), _sds((2, 2, 1500, d))
-  fn = lambda q, k, v: _run(q, k, v, causal=True, left=100, cap=3.0,  # noqa
-                            interpret=False)
+@pytest.mark.parametrize("d,lk,mask", [
+    (64, 1500, dict(causal=True, left=100, cap=3.0)),   # rendezvous
+    (128, 1536, {}),                                    # overlapped steps
+    (128, 1500, dict(causal=True, left=100)),           # hardware ping-pong
+    (256, 1500, dict(causal=True))])
+def test_gpu_kernel_lowers_for_cuda_on_a_cpu_host(d, lk, mask):
+  # Pallas -> Mosaic GPU lowering of each schedule (wgmma, hardware
+  # barriers, accumulator waits); only the PTX compile needs the GPU.
+  q, kv = _sds((2, 4, 1000, d)), _sds((2, 2, lk, d))
+  fn = lambda q, k, v: _run(q, k, v, interpret=False, **mask)  # noqa: E731
   out, lse = jax.eval_shape(fn, q, kv, kv)
   assert out.shape == q.shape and lse.shape == q.shape[:3]
-  jax.make_jaxpr(fn)(q, kv, kv)
+  assert "mosaic_gpu" in _compat.lower_for_cuda(fn, q, kv, kv).as_text()
 
 
 # ---------------------------------------------------------- interpreter --
-
-@needs_interpreter
-def test_gqa_ragged_end_aligned_causal(rng):
-  # 2 q tiles (one partly padding), 3 kv blocks of 128 (the last padded);
-  # 3 ring slots: every kv block of the first tile lies before the band end.
-  _check(rng, 1, 2, 1, 200, 300, 64, causal=True)
-
 
 @needs_interpreter
 def test_more_queries_than_keys_gives_empty_rows(rng):
@@ -160,32 +146,17 @@ def test_more_queries_than_keys_gives_empty_rows(rng):
 
 @needs_interpreter
 def test_window_soft_cap_fp16_ring_refill(rng):
-  # Sliding window on both sides with 64-key blocks and 2 slots: the band
+  # Sliding window on both sides with 256-key blocks and 2 slots: the band
   # starts past block 0 (leading blocks skipped), and refills reuse slots.
   _check(rng, 1, 1, 1, 128, 520, 64, dtype=jnp.float16, left=150, right=40,
-         cap=4.0, block_sizes=mosaic_gpu.MosaicGpuBlockSizes(block_k=64,
-                                                             stages=2))
+         cap=4.0)
 
 
 @needs_interpreter
-def test_overlapped_steps_with_empty_bands_and_masked_steps(rng):
-  # The overlapped schedule where it is not the default: Lq > Lk causal
-  # leaves whole warpgroups without a band (their one empty step keeps the
-  # ping-pong paired) and masks the other warpgroups' diagonal steps.
-  out, lse, _ = _check(rng, 1, 1, 1, 200, 40, 128, causal=True,
-                       block_sizes=mosaic_gpu.MosaicGpuBlockSizes(
-                           overlap=True))
-  assert np.all(np.isneginf(lse[..., :160]))
-  assert np.all(out[..., :160, :] == 0)
-
-
-@needs_interpreter
-def test_overlapped_steps_window_skips_and_lagged_ring(rng):
-  # Leading and trailing blocks outside the window are skipped steps; 64-key
-  # blocks in 2 slots make the lagged V refills wrap around the ring.
-  _check(rng, 1, 1, 1, 128, 520, 64, left=150, right=40, cap=4.0,
-         block_sizes=mosaic_gpu.MosaicGpuBlockSizes(block_k=64, stages=2,
-                                                    overlap=True, lean=True))
+def test_overlapped_steps_and_lagged_ring(rng):
+  # head_dim 128 without a mask runs the overlapped schedule; three 128-key
+  # blocks in two slots make the lagged V refills wrap around the ring.
+  _check(rng, 1, 2, 1, 200, 384, 128)
 
 
 def test_default_schedule_by_mask():
@@ -200,31 +171,6 @@ def test_default_schedule_by_mask():
                                      None) == (False, True)
   assert mosaic_gpu.default_schedule(128, 128, 4096, False, None, None,
                                      5.0) == (False, True)
-
-
-def test_register_budgets_trade_between_warpgroups():
-  problem = mosaic_gpu.register_budget_problem
-  assert problem(240, 24) is None and problem(232, 40) is None
-  assert "504" in problem(240, 32)
-  assert "multiple of 8" in problem(236, 24)
-
-
-@pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
-                    reason="no Mosaic GPU Pallas API in this jax")
-@pytest.mark.parametrize("switches", [
-    dict(overlap=True), dict(named_barriers=True, lean=True, stages=3),
-    dict(overlap=True, named_barriers=True, compute_registers=240,
-         memory_registers=24)])
-def test_schedules_lower_for_cuda_on_a_cpu_host(switches):
-  # Pallas -> Mosaic GPU lowering of each schedule (wgmma, hardware
-  # barriers, accumulator waits); only the PTX compile needs the GPU.
-  q, kv = _sds((2, 4, 1000, 128)), _sds((2, 2, 1500, 128))
-  sizes = mosaic_gpu.MosaicGpuBlockSizes(**switches)
-  assert mosaic_gpu.supports(q, kv, kv, block_sizes=sizes) is True
-  fn = lambda q, k, v: _run(q, k, v, causal=True, left=100,  # noqa: E731
-                            block_sizes=sizes, interpret=False)
-  text = _compat.lower_for_cuda(fn, q, kv, kv).as_text()
-  assert "mosaic_gpu" in text
 
 
 @pytest.mark.slow
@@ -244,31 +190,29 @@ def test_interpreted_kernel_is_deterministic(rng):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-# ------------------------------------------------------ dk/dv backward --
-# attention/mosaic_gpu_bwd.py, in the same interpreter against the float64
-# gradients (delta and lse from the float64 forward, as the Triton dq kernel
-# hands them over). Tolerances as above: P and dS are rounded to the input
-# dtype before their matmuls and dK/dV are returned in it.
-
-from pallas_kernels.attention import gpu, mosaic_gpu_bwd  # noqa: E402
+# ------------------------------------------------------------ backward --
+# attention/mosaic_gpu_bwd.py's dq and dk/dv kernels in the same interpreter,
+# given the float64 forward's lse and delta. Tolerances as above: P and dS
+# are rounded to the input dtype before their matmuls and the gradients are
+# returned in it.
 
 
 def _check_backward(kernel, rng, b, h, hk, lq, lk, d, dtype=jnp.bfloat16,
-                    sizes=None, causal=False, left=None, right=None, cap=None):
+                    causal=False, left=None, right=None, cap=None):
   """Runs ``mosaic_gpu_bwd.<kernel>`` ("dkv" or "dq") in the interpreter and
   checks its gradients against the float64 ones; returns them."""
   q, k, v = _inputs(rng, b, h, hk, lq, lk, d, dtype)
   do = jnp.asarray(rng.standard_normal(q.shape), dtype)
   f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa
   scale = 1 / math.sqrt(d)
-  out, lse, (dq, dk, dv, _) = float64_reference(
-      f64(q), f64(k), f64(v), None, None, None, f64(do), sm_scale=scale,
-      causal=causal, left=left, right=right, cap=cap)
+  out, lse, (dq, dk, dv, _) = oracle.attention(
+      q, k, v, d_out=do, sm_scale=scale,
+      **_oracle_mask(causal=causal, left=left, right=right, cap=cap))
   delta = mosaic_gpu_bwd.delta_of(jnp.asarray(out, jnp.float32), do)
   got = getattr(mosaic_gpu_bwd, kernel)(
       q, k, v, do, jnp.asarray(lse, jnp.float32), delta, sm_scale=scale,
       causal=causal, window_left=left, window_right=right,
-      logit_soft_cap=cap, block_sizes=sizes, interpret=INTERPRET)
+      logit_soft_cap=cap, interpret=INTERPRET)
   names, refs = (("dk", "dv"), (dk, dv)) if kernel == "dkv" else (("dq",),
                                                                  (dq,))
   got = tuple(got) if kernel == "dkv" else (got,)
@@ -285,28 +229,27 @@ def _check_backward(kernel, rng, b, h, hk, lq, lk, d, dtype=jnp.bfloat16,
 _check_dkv = functools.partial(_check_backward, "dkv")
 
 
-def test_dkv_supports_declines_what_it_cannot_run():
+def _check_dq(*args, **kwargs):
+  [dq] = _check_backward("dq", *args, **kwargs)
+  return dq
+
+
+def test_backward_supports_declines_what_it_cannot_run():
   q, kv = _accepted_gqa_call(mosaic_gpu_bwd.supports)
   if q is None:
     return
   seg = _sds((1, 256), jnp.int32)
   bias = _sds((1, 4, 256, 256), jnp.float32)
   d256 = _sds((1, 4, 256, 256))
-  sizes = mosaic_gpu_bwd.MosaicGpuBwdBlockSizes
   cases = {
-      "bias": ((q, kv, kv, None, bias), {}),
-      "segment": ((q, kv, kv, seg), {}),
-      "bf16 or all fp16": ((_sds(q.shape, jnp.float32), kv, kv), {}),
-      "head_dim in 64/128": ((d256, d256, d256), {}),
-      "empty": ((_sds((1, 4, 0, 128)), kv, kv), {}),
-      "block_q": ((q, kv, kv), {"block_sizes": sizes(block_q=96)}),
-      "stages": ((q, kv, kv), {"block_sizes": sizes(stages=1)}),
-      "compute_registers": ((q, kv, kv), {"block_sizes":
-                                          sizes(compute_registers=236)}),
-      "shared memory": ((q, kv, kv), {"block_sizes": sizes(stages=8)}),
+      "bias": (q, kv, kv, None, bias),
+      "segment": (q, kv, kv, seg),
+      "bf16 or all fp16": (_sds(q.shape, jnp.float32), kv, kv),
+      "head_dim in 64/128": (d256, d256, d256),
+      "empty": (_sds((1, 4, 0, 128)), kv, kv),
   }
-  for needle, (args, kwargs) in cases.items():
-    reason = mosaic_gpu_bwd.supports(*args, **kwargs)
+  for needle, args in cases.items():
+    reason = mosaic_gpu_bwd.supports(*args)
     assert isinstance(reason, str) and needle in reason, (needle, reason)
   with pytest.raises(ValueError, match="unsupported"):
     mosaic_gpu_bwd.dkv(jnp.zeros((1, 1, 64, 80), jnp.bfloat16),
@@ -318,26 +261,21 @@ def test_dkv_supports_declines_what_it_cannot_run():
 
 @pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
                     reason="no Mosaic GPU Pallas API in this jax")
+@pytest.mark.parametrize("kernel", ["dq", "dkv"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_dkv_gpu_kernel_lowers_for_cuda_on_a_cpu_host(d):
+def test_backward_kernels_lower_for_cuda_on_a_cpu_host(kernel, d):
   # The Pallas -> Mosaic GPU lowering (wgmmas, layouts, TMA) runs here; only
   # the final PTX compile needs the GPU.
   q, kv = _sds((2, 4, 1000, d)), _sds((2, 2, 1500, d))
   rows = _sds((2, 4, 1000), jnp.float32)
-  fn = lambda *a: mosaic_gpu_bwd.dkv(  # noqa: E731
+  fn = lambda *a: getattr(mosaic_gpu_bwd, kernel)(  # noqa: E731
       *a, sm_scale=0.1, causal=True, window_left=100, window_right=None,
       logit_soft_cap=3.0)
-  dk, dv = jax.eval_shape(fn, q, kv, kv, q, rows, rows)
-  assert dk.shape == dv.shape == kv.shape
+  shapes = jax.eval_shape(fn, q, kv, kv, q, rows, rows)
+  want = [q.shape] if kernel == "dq" else [kv.shape, kv.shape]
+  assert [x.shape for x in jax.tree_util.tree_leaves(shapes)] == want
   text = _compat.lower_for_cuda(fn, q, kv, kv, q, rows, rows).as_text()
   assert "mosaic_gpu" in text
-
-
-@needs_interpreter
-def test_dkv_gqa_ragged_end_aligned_causal(rng):
-  # GQA group 2 over 3 kv tiles of 64 keys per warpgroup (the last part
-  # padding); Lk > Lq shifts the causal band by Lk - Lq.
-  _check_dkv(rng, 1, 2, 1, 200, 300, 64, causal=True)
 
 
 @needs_interpreter
@@ -347,30 +285,18 @@ def test_dkv_more_queries_than_keys_and_empty_rows(rng):
 
 
 @needs_interpreter
-def test_dkv_window_soft_cap_fp16_three_slots(rng):
+def test_dkv_window_soft_cap_fp16_ring_refill(rng):
   # A two-sided window skips leading and trailing q blocks of each
-  # warpgroup; 3 ring slots are refilled; soft cap scales dS by 1 - tanh^2.
-  _check_dkv(rng, 1, 1, 1, 130, 260, 64, dtype=jnp.float16, left=150,
-             right=40, cap=4.0,
-             sizes=mosaic_gpu_bwd.MosaicGpuBwdBlockSizes(stages=3))
+  # warpgroup; the 2 ring slots are refilled; soft cap scales dS by
+  # 1 - tanh^2.
+  _check_dkv(rng, 1, 1, 1, 400, 260, 64, dtype=jnp.float16, left=150,
+             right=40, cap=4.0)
 
 
 @pytest.mark.slow
 @needs_interpreter
 def test_dkv_full_mask_multi_head_group(rng):
   _check_dkv(rng, 2, 4, 2, 128, 256, 128)
-
-
-def _check_dq(*args, **kwargs):
-  [dq] = _check_backward("dq", *args, **kwargs)
-  return dq
-
-
-@needs_interpreter
-def test_dq_gqa_ragged_end_aligned_causal(rng):
-  # 2 q tiles (the second part padding) over 3 kv blocks of 128 keys, the
-  # last one padded (its keys masked); GQA group 2.
-  _check_dq(rng, 1, 2, 1, 130, 300, 64, causal=True)
 
 
 @needs_interpreter
@@ -380,58 +306,6 @@ def test_dq_more_queries_than_keys_gives_zero_rows(rng):
 
 
 @needs_interpreter
-def test_dq_window_soft_cap_fp16_three_slots(rng):
-  _check_dq(rng, 1, 1, 1, 130, 260, 64, dtype=jnp.float16, left=150,
-            right=40, cap=4.0,
-            sizes=mosaic_gpu_bwd.MosaicGpuDqBlockSizes(stages=3))
-
-
-def test_dq_supports_declines_what_it_cannot_run():
-  q, kv = _accepted_gqa_call(mosaic_gpu_bwd.supports_dq)
-  if q is None:
-    return
-  sizes = mosaic_gpu_bwd.MosaicGpuDqBlockSizes
-  for needle, kwargs in (("block_k", dict(block_k=32)),
-                         ("stages", dict(stages=1)),
-                         ("shared memory", dict(block_k=256, stages=3))):
-    reason = mosaic_gpu_bwd.supports_dq(q, kv, kv,
-                                        block_sizes=sizes(**kwargs))
-    assert isinstance(reason, str) and needle in reason, (needle, reason)
-  reason = mosaic_gpu_bwd.supports_dq(_sds((1, 4, 256, 256)),
-                                      _sds((1, 4, 256, 256)),
-                                      _sds((1, 4, 256, 256)))
-  assert "dq kernel needs head_dim" in reason
-
-
-@pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
-                    reason="no Mosaic GPU Pallas API in this jax")
-@pytest.mark.parametrize("block_k", [64, 128])
-def test_dq_gpu_kernel_lowers_for_cuda_on_a_cpu_host(block_k):
-  q, kv = _sds((2, 4, 1000, 128)), _sds((2, 2, 1500, 128))
-  rows = _sds((2, 4, 1000), jnp.float32)
-  fn = lambda *a: mosaic_gpu_bwd.dq(  # noqa: E731
-      *a, sm_scale=0.1, causal=True, window_left=100, window_right=None,
-      logit_soft_cap=3.0,
-      block_sizes=mosaic_gpu_bwd.MosaicGpuDqBlockSizes(block_k=block_k))
-  assert jax.eval_shape(fn, q, kv, kv, q, rows, rows).shape == q.shape
-  text = _compat.lower_for_cuda(fn, q, kv, kv, q, rows, rows).as_text()
-  assert "mosaic_gpu" in text
-
-
-def test_backward_kernel_choice(monkeypatch):
-  monkeypatch.delenv(gpu.BACKWARD_KERNEL_ENV_VAR, raising=False)
-  assert gpu.backward_kernel() == "auto"
-  monkeypatch.setenv(gpu.BACKWARD_KERNEL_ENV_VAR, "Triton")
-  assert gpu.backward_kernel() == "triton"
-  assert gpu.backward_kernel(gpu.GpuBlockSizes(backward_kernel="mosaic")) == (
-      "mosaic")
-  monkeypatch.setenv(gpu.BACKWARD_KERNEL_ENV_VAR, "cudnn")
-  with pytest.raises(ValueError, match="backward kernel"):
-    gpu.backward_kernel()
-  with pytest.raises(ValueError, match="backward_kernel"):
-    gpu.GpuBlockSizes(backward_kernel="x").resolved(256, False)
-  monkeypatch.delenv(gpu.BACKWARD_KERNEL_ENV_VAR)
-  # No Hopper GPU here: the Triton dk/dv kernel runs even when asked for.
-  q = jnp.zeros((1, 2, 128, 128), jnp.bfloat16)
-  assert gpu._mosaic_backward(q, q, q, None, None, gpu.GpuBlockSizes(
-      backward_kernel="mosaic")) is None
+def test_dq_window_soft_cap_fp16_ring_refill(rng):
+  _check_dq(rng, 1, 1, 1, 130, 520, 64, dtype=jnp.float16, left=150,
+            right=40, cap=4.0)

@@ -189,9 +189,9 @@ def _plain_block_sizes(block_sizes):
 def _block_sizes_from_plain(block_sizes):
   if not isinstance(block_sizes, dict) or "_class" not in block_sizes:
     return block_sizes
-  from pallas_kernels.attention import block_sizes as tpu_blocks, gpu
+  from pallas_kernels.attention import block_sizes as tpu_blocks, triton
   classes = {"BlockSizes": tpu_blocks.BlockSizes,
-             "GpuBlockSizes": gpu.GpuBlockSizes}
+             "GpuBlockSizes": triton.GpuBlockSizes}
   fields = dict(block_sizes)
   return classes[fields.pop("_class")](**fields)
 

@@ -1,12 +1,30 @@
-"""Flash attention: Mosaic TPU and GPU Pallas kernels plus a JAX reference.
+"""Flash attention: Mosaic TPU, Mosaic GPU and Triton kernels plus a JAX
+reference.
 
     from pallas_kernels import flash_attention, shard_flash_attention
 
-See ``api.flash_attention`` for the arguments, ``reference`` for the exact
-semantics, ``mosaic_tpu`` for the TPU algorithm and ``block_sizes`` for the
-per-generation block table.
+``api`` holds the arguments and the kernel choice, ``reference`` the exact
+semantics, ``mosaic_tpu``/``mosaic_gpu``/``mosaic_gpu_bwd``/``triton`` the
+kernels and ``block_sizes`` the TPU block table. Names load on first use, so
+importing ``reference`` does not import the API.
 """
-from pallas_kernels.attention.api import flash_attention, shard_flash_attention
-from pallas_kernels.attention.block_sizes import BlockSizes
+from __future__ import annotations
 
-__all__ = ["flash_attention", "shard_flash_attention", "BlockSizes"]
+import importlib
+
+_EXPORTS = {
+    "flash_attention": "pallas_kernels.attention.api",
+    "shard_flash_attention": "pallas_kernels.attention.api",
+    "BlockSizes": "pallas_kernels.attention.block_sizes",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+  if name not in _EXPORTS:
+    raise AttributeError(
+        f"module 'pallas_kernels.attention' has no attribute {name!r}")
+  value = getattr(importlib.import_module(_EXPORTS[name]), name)
+  globals()[name] = value
+  return value

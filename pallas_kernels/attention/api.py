@@ -1,21 +1,21 @@
-"""Public flash-attention API: validation, custom VJP, backend dispatch.
+"""Public flash-attention API: validation, custom VJP, kernel choice.
 
 ``flash_attention`` computes softmax attention with the semantics documented
 in :mod:`pallas_kernels.attention.reference` (causal masks align the *ends* of
 the query and key sequences, as in decoding: with ``q_len < kv_len`` query
-``i`` sees keys ``j <= i + kv_len - q_len``). Gradients run the backend's own
-backward kernels (``jax.custom_vjp``): the Mosaic dq and dk/dv kernels on TPU,
-the GPU kernels on CUDA, and autodiff of the reference for
-``backend="reference"``. On a Hopper GPU the forward is the Mosaic GPU kernel
-(``attention/mosaic_gpu.py``) for the calls it supports, the Triton one
-otherwise (``attention.gpu.forward_kernel`` says how to choose); likewise the
-backward runs the Mosaic GPU dq and dk/dv kernels
-(``attention/mosaic_gpu_bwd.py``, ``attention.gpu.backward_kernel``).
+``i`` sees keys ``j <= i + kv_len - q_len``). Forward and backward each pick
+their kernel (``_backend.dispatch``) from the rows, best first:
+``mosaic_tpu`` (TPU), ``mosaic_gpu`` (Hopper; bf16/fp16 without bias or
+segment ids; forward head_dim 64/128/256, backward 64/128), ``triton``
+(any GPU, every feature), ``reference`` (autodiff of the plain-JAX
+reference). So on a Hopper a head_dim-256 call runs the Mosaic GPU forward
+and the Triton backward.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 import numbers
 
@@ -51,28 +51,39 @@ class _Config:
 
 # ------------------------------------------------------------- backends --
 
-def _gpu_module():
-  """The GPU kernels, or a string saying why they cannot be used."""
+def _hopper(target):
+  if target.hopper:
+    return None
+  return ("the Mosaic GPU attention kernels need a Hopper GPU (sm_90), "
+          f"found {target.gpu_capability or 'none'}")
+
+
+def _module(name):
+  """``pallas_kernels.attention.<name>``, imported when a row needs it."""
+  return importlib.import_module(f"pallas_kernels.attention.{name}")
+
+
+def _mosaic_gpu_supports(module, *arrays):
+  """The Mosaic GPU module's ``supports``, or why it cannot be imported."""
   try:
-    from pallas_kernels.attention import gpu
-  except Exception as e:  # missing module or a broken optional dependency
-    return f"the GPU attention kernels could not be imported: {e}"
-  if not (hasattr(gpu, "forward") and hasattr(gpu, "backward")):
-    return "pallas_kernels.attention.gpu lacks forward/backward"
-  return gpu
+    supports = _module(module).supports
+  except Exception as e:  # a broken optional dependency of this jax
+    return f"pallas_kernels.attention.{module} cannot be imported: {e}"
+  return supports(*arrays)
 
 
-def _tpu_forward(config, *arrays, interpret=False):
-  from pallas_kernels.attention import mosaic_tpu
-  return mosaic_tpu.forward(*arrays, interpret=interpret,
-                            **config.kernel_kwargs())
-
-
-def _tpu_backward(config, *arrays, interpret=False):
-  from pallas_kernels.attention import mosaic_tpu
-  *arrays, d_lse = arrays
-  return mosaic_tpu.backward(*arrays, d_lse=d_lse, interpret=interpret,
-                             **config.kernel_kwargs())
+def _run(config, module, function, block_sizes=True):
+  """A row's ``run``: ``module.function(*arrays, interpret=..., **config)``;
+  the Mosaic GPU kernels take no block sizes (their tiles are fixed per
+  head_dim)."""
+  def run(*arrays, interpret=None):
+    kwargs = config.kernel_kwargs()
+    if not block_sizes:
+      del kwargs["block_sizes"]
+    return getattr(_module(module), function)(
+        *arrays, interpret=False if interpret is None else interpret,
+        **kwargs)
+  return run
 
 
 def _reference_forward(config, q, k, v, q_seg, kv_seg, bias):
@@ -92,31 +103,26 @@ def _reference_backward(config, q, k, v, q_seg, kv_seg, bias, out, lse, d_out,
   return vjp((d_out, d_lse))
 
 
-def _gpu_forward(gpu, config, *arrays):
-  return gpu.forward(*arrays, interpret=False, **config.kernel_kwargs())
-
-
-def _gpu_backward(gpu, config, q, k, v, q_seg, kv_seg, bias, out, lse, d_out,
-                  d_lse):
-  # The lse cotangent only shifts delta (ds = p * (dp - delta + d_lse)).
-  return gpu.backward(q, k, v, q_seg, kv_seg, bias, out, lse, d_out,
-                      interpret=False, d_lse=d_lse, **config.kernel_kwargs())
-
-
-def _implementations(config, forward: bool):
-  gpu = _gpu_module()
-  if forward:
-    impls = {"mosaic_tpu": functools.partial(_tpu_forward, config),
-             "reference": functools.partial(_reference_forward, config)}
-    if not isinstance(gpu, str):
-      gpu = functools.partial(_gpu_forward, gpu, config)
-  else:
-    impls = {"mosaic_tpu": functools.partial(_tpu_backward, config),
-             "reference": functools.partial(_reference_backward, config)}
-    if not isinstance(gpu, str):
-      gpu = functools.partial(_gpu_backward, gpu, config)
-  impls["gpu"] = gpu
-  return impls
+def _rows(config, function, q, k, v, q_seg, bias):
+  """The kernels of the ``function`` pass ("forward" or "backward"), best
+  first. Forward arrays: q, k, v, q_seg, kv_seg, bias -> (out, lse).
+  Backward arrays: those, out, lse, d_out, d_lse -> (dq, dk, dv, dbias or
+  None). The passes choose independently (e.g. a Mosaic GPU forward and a
+  Triton backward): every forward's lse is the natural-log log-sum-exp with
+  -inf for rows without keys, which every backward takes."""
+  mosaic_gpu = "mosaic_gpu" if function == "forward" else "mosaic_gpu_bwd"
+  reference = {"forward": _reference_forward,
+               "backward": _reference_backward}[function]
+  return [
+      _backend.Kernel("mosaic_tpu", _run(config, "mosaic_tpu", function)),
+      _backend.Kernel(
+          "mosaic_gpu", _run(config, mosaic_gpu, function, block_sizes=False),
+          supports=lambda: _mosaic_gpu_supports(mosaic_gpu, q, k, v, q_seg,
+                                                bias),
+          hardware=_hopper),
+      _backend.Kernel("triton", _run(config, "triton", function)),
+      _backend.Kernel("reference", functools.partial(reference, config)),
+  ]
 
 
 _FACTOR_NAMES = {"b": "batch", "h": "heads", "g": "kv_heads", "l": "q_len",
@@ -149,9 +155,10 @@ def _sharding_rule(q_seg, kv_seg, bias, forward: bool, d_lse=None):
 
 
 def _forward(config, q, k, v, q_seg, kv_seg, bias):
-  return _backend.dispatch(OP, config.backend, _implementations(config, True),
-                           q, k, v, q_seg, kv_seg, bias,
-                           rule=_sharding_rule(q_seg, kv_seg, bias, True))
+  return _backend.dispatch(
+      OP, config.backend, _rows(config, "forward", q, k, v, q_seg, bias),
+      q, k, v, q_seg, kv_seg, bias,
+      rule=_sharding_rule(q_seg, kv_seg, bias, True))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -170,7 +177,7 @@ def _attention_bwd(config, residuals, cotangents):
   if not config.return_lse:
     d_lse = None
   dq, dk, dv, dbias = _backend.dispatch(
-      OP, config.backend, _implementations(config, False),
+      OP, config.backend, _rows(config, "backward", q, k, v, q_seg, bias),
       q, k, v, q_seg, kv_seg, bias, out, lse, d_out.astype(q.dtype), d_lse,
       rule=_sharding_rule(q_seg, kv_seg, bias, False, d_lse))
   from pallas_kernels import _sharding
@@ -335,12 +342,15 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
     bias: additive float ``[batch or 1, heads or 1, q_len, kv_len]``.
     return_lse: also return the float32 log-sum-exp ``[batch, heads, q_len]``
       (differentiable).
-    block_sizes: ``BlockSizes``, ``(block_q, block_kv)`` or dict; None uses
-      the per-generation table (``pallas_kernels.attention.block_sizes``).
-      A ``pallas_kernels.attention.gpu.GpuBlockSizes`` sets the GPU kernels'
-      tiles, launch order and forward kernel instead.
-    backend: None (by platform), "mosaic_tpu", "gpu", "interpret" or
-      "reference".
+    block_sizes: the TPU kernels' ``BlockSizes``, ``(block_q, block_kv)`` or
+      dict (None: the per-generation table,
+      ``pallas_kernels.attention.block_sizes``); or the Triton kernels'
+      ``pallas_kernels.attention.triton.GpuBlockSizes``. Other kernels
+      ignore them.
+    backend: None (the best kernel for the platform lowered for),
+      "mosaic_tpu", "mosaic_gpu", "triton", "gpu" (the best GPU kernel),
+      "interpret" (the TPU kernel in Pallas' interpreter) or "reference". A
+      named kernel that cannot run the call raises ValueError.
 
   Returns:
     ``out`` with q's shape and dtype, or ``(out, lse)``. A query row with no

@@ -1,15 +1,9 @@
 """Block sizes for the Mosaic TPU flash-attention kernels.
 
-A block is ``block_q`` query rows by ``block_kv`` key rows. Both must be
-multiples of 128: the kernels keep softmax statistics lane-replicated and
-transpose ``[128, block_q]`` tiles, and the MXU works on 128 (v5e) or 256
-(v6e) wide tiles.
-
-Table (``TABLE[generation]``), chosen so that every buffer of the backward
-pass (the heaviest kernel: q, k, v, dO blocks double-buffered, plus four
-float32 ``[block_q, block_kv]`` temporaries and the float32 accumulators)
-stays well inside the default scoped VMEM (v5e 16 MiB of 128 MiB physical,
-v6e 32 MiB of 128 MiB):
+A block is ``block_q`` query rows by ``block_kv`` key rows, both multiples of
+128 (lane-replicated statistics, ``[128, block_q]`` transposes, the MXU
+width). ``TABLE[generation]`` (generation from ``_backend.target()``, the
+lowering target; the v5e row where the table has none):
 
   generation  head_dim   forward (q, kv)   backward (q, kv)
   v5e / v4    <= 128     (512, 512)        (512, 512)
@@ -18,39 +12,23 @@ v6e 32 MiB of 128 MiB):
   v6e         <= 128     (1024, 512)       (512, 1024)
   v6e         256        (1024, 512)       (512, 512)
 
-Why: the forward re-reads k/v once per query block, so its arithmetic
-intensity is about ``block_q`` flops per HBM byte; the dq kernel's is
-``1.5 * block_q`` and the dk/dv kernel's ``2 * block_kv``. The chip's
-flop/byte balance (v5e 197 TFLOP/s / 819 GB/s = 240, v6e 918 / 1640 = 560,
-v5p 459 / 2765 = 166) sets the least block that keeps the MXU fed: 512 on
-v5e/v5p, 1024 for v6e's forward. Larger blocks also amortize the per-grid-
-step overhead (about 0.35 us). ``mosaic_tpu.roofline_rows()`` prints the
-resulting estimate.
-
-Short sequences: a block never exceeds the sequence rounded up to 128, and it
-is halved (down to 128) while rounding the sequence up to it would pad more
-than 1/8 of the sequence, so e.g. ``q_len=600`` runs 5 blocks of 128 instead
-of 2 of 512. Padding costs: a sequence is computed as if it were rounded up
-to a multiple of its block (at least 128), and ``head_dim`` is rounded up to
-a multiple of 128 (64 is kept as is). Decoding with ``q_len=1`` therefore
-does the work of 128 query rows.
-
-The generation comes from ``jax.devices()[0].device_kind`` when the default
-backend is a TPU; otherwise (CPU interpret runs, ahead-of-time compiles from a
-CPU host) the v5e row is used; ``table_block_sizes("v6e", head_dim)`` gives
-another generation's row for ahead-of-time compiles. Override with
-``flash_attention(..., block_sizes=BlockSizes(...))``, a ``(block_q,
-block_kv)`` pair, or a dict of ``BlockSizes`` fields. A ``GpuBlockSizes``
-(``pallas_kernels.attention.gpu``) is handed to the GPU kernel and ignored
-here; the GPU kernel likewise ignores a ``BlockSizes``.
+A block never exceeds the sequence rounded up to 128, and it is halved (down
+to 128) while rounding the sequence up to it would pad more than 1/8 of it.
+Sequences are computed as if rounded up to their block, head_dim as if
+rounded up to a multiple of 128 (64 kept): decoding with ``q_len=1`` does the
+work of 128 query rows. ``flash_attention(..., block_sizes=BlockSizes(...))``,
+a ``(block_q, block_kv)`` pair or a dict overrides the table; another
+kernel's block sizes (``triton.GpuBlockSizes``) leave the table in charge.
+Why these sizes: docs/design/attention.md.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
+
+from pallas_kernels import _backend
 
 LANES = 128
-DEFAULT_GENERATION = "v5e"
+DEFAULT_GENERATION = _backend.DEFAULT_TPU_GENERATION
 
 # generation -> ((max head_dim, (fwd_q, fwd_kv), (bwd_q, bwd_kv)), ...)
 TABLE = {
@@ -90,7 +68,7 @@ class BlockSizes:
 def as_block_sizes(value):
   """Normalizes the user's ``block_sizes=`` argument.
 
-  Another backend's frozen block-size dataclass (``gpu.GpuBlockSizes``) is
+  Another backend's frozen block-size dataclass (``triton.GpuBlockSizes``) is
   passed through unchanged: the GPU kernel reads it, the TPU kernel uses its
   table instead.
   """
@@ -108,32 +86,6 @@ def as_block_sizes(value):
     return BlockSizes(block_q=value[0], block_kv=value[1])
   raise TypeError("block_sizes must be None, a BlockSizes, a (block_q, "
                   f"block_kv) pair or a dict, got {value!r}")
-
-
-def tpu_generation() -> str:
-  """The TPU generation to tune for (v5e unless running on another TPU)."""
-  try:
-    import jax
-    if jax.default_backend() != "tpu":
-      return DEFAULT_GENERATION
-    kind = jax.devices()[0].device_kind.lower()
-  except Exception:  # no backend initialised: tuning only, never an error
-    return DEFAULT_GENERATION
-  return generation_from_device_kind(kind)
-
-
-@functools.cache
-def generation_from_device_kind(kind: str) -> str:
-  kind = kind.lower().replace(" ", "")
-  if "v6" in kind or "trillium" in kind:
-    return "v6e"
-  if "v5p" in kind:
-    return "v5p"
-  if "v5" in kind:
-    return "v5e"
-  if "v4" in kind:
-    return "v4"
-  return DEFAULT_GENERATION
 
 
 def _round_up(x: int, m: int) -> int:
@@ -176,8 +128,10 @@ def table_block_sizes(generation: str, head_dim: int) -> BlockSizes:
 def choose(q_len: int, kv_len: int, head_dim: int,
            override: BlockSizes | None = None,
            generation: str | None = None) -> ChosenBlocks:
-  """Block sizes for one problem: the table, then the user's override."""
-  table = table_block_sizes(generation or tpu_generation(), head_dim)
+  """Block sizes for one problem: the table row of ``generation`` (default:
+  the lowering target's, ``_backend.target()``), then the user's override."""
+  table = table_block_sizes(generation or _backend.target().tpu_generation,
+                            head_dim)
   if not isinstance(override, BlockSizes):
     override = BlockSizes()     # None, or another backend's block sizes
   fq = override.block_q or fit_block(table.block_q, q_len)

@@ -1,112 +1,29 @@
 """Flash-attention forward for Hopper GPUs: a Pallas Mosaic GPU kernel.
 
-Algorithm (FlashAttention-3 style, warp specialised)
-  One CTA per (head, 128-row q tile, batch) runs three warpgroups. Two compute
-  warpgroups each own 64 query rows; the third (memory) warpgroup streams the
-  K/V blocks of the tile's kv band through a ring of ``stages`` SMEM slots with
-  TMA, one "loaded" barrier per slot and one "consumed" barrier per slot that
-  both compute warpgroups arrive on. A compute warpgroup issues
-  ``S = Q K^T`` with wgmma (Q and K from SMEM), runs the online softmax in
-  registers (base-2 domain, running max ``m``, sum ``l``), and issues
-  ``acc += P V`` with P taken straight from registers. A two-arrival
-  "schedule" barrier, entered once more by warpgroup 1 at the start and by
-  warpgroup 0 at the end, makes the two warpgroups alternate: one runs its
-  softmax (MUFU/FMA work) while the other's matmuls occupy the tensor cores.
-  The epilogue writes ``out = acc / l`` and ``lse = (m + log2 l) ln 2`` via SMEM
-  and TMA.
-
-Schedules (``MosaicGpuBlockSizes`` switches; defaults by ``default_schedule``)
-  rendezvous   the two-arrival barrier above (head_dim 64 and 256).
-  named        ping-pong through two hardware barriers (``bar.sync`` /
-               ``bar.arrive``, ids 12 and 13): warpgroup w waits on its own
-               before issuing its matmuls and releases the other's after,
-               with no mbarrier round trip (head_dim 128 with a mask).
-  overlap      FlashAttention-3's intra-warpgroup pipelining: step c issues
-               S_c = Q K_c^T and acc += P_{c-1} V_{c-1} back to back, waits
-               for S_c only, and runs block c's softmax while P V still
-               runs; V is then released one step after K, so the memory
-               warpgroup loads each V one refill after its K
-               (``stream_kv_lagged``). Ping-pong through one mbarrier per
-               warpgroup (head_dim 128 when no step is masked: no causal
-               mask, window or soft cap, Lk a multiple of block_k).
-  lean         no automatic SMEM barriers and no reduction scratch (frees
-               2 KiB: room for a third 128-key stage at head_dim 128).
-  In the interpreter the hardware barriers run as mbarriers (same order).
-
-Semantics are those of ``pallas_kernels.attention.reference`` and of the
-Triton forward (``attention/gpu.py``): float32 logits ``sm_scale * q.k``,
-optional soft cap ``cap * tanh(s / cap)``, causal / sliding-window masks
-aligned at the sequence ends (``offset = Lk - Lq``). Rows with no unmasked key
-give ``out = 0`` and ``lse = -inf``. Not handled here (``supports`` says so,
-and the caller falls back to the Triton kernel): an additive bias, segment ids,
-float32 inputs, head_dim outside {64, 128, 256}.
-
-Block skipping
-  The memory warpgroup loads only the kv blocks of the union of the two
-  warpgroups' bands. Each compute warpgroup walks the same number of steps so
-  that the barriers' phases stay paired, but for a block outside its own band
-  it only waits for and releases the slot (no matmul, no softmax). Within its
-  band, blocks that are unmasked for all of its rows skip the mask arithmetic.
-
-Padding (where it costs speed)
-  ``Lq`` is padded to a multiple of 128 and ``Lk`` to a multiple of
-  ``block_k`` (``jnp.pad``: an extra copy of q or k/v). Padded keys are masked
-  in-kernel, padded query rows are cropped. Aligned shapes pay nothing.
-
-Block sizes (``MosaicGpuBlockSizes``; by head_dim, bf16/fp16), tuned on an
-H100 (B=4, H=16, L=4096; bench/bench_attention_mgpu.py --sweep)
-  =========  =======  =======  ======  ==========================
-  head_dim   block_q  block_k  stages  registers (compute/memory)
-  =========  =======  =======  ======  ==========================
-  64         64 x 2   256      2       232 / 40
-  128        64 x 2   128      2       232 / 40
-  256        64 x 2   64       2       232 / 40
-  =========  =======  =======  ======  ==========================
-  SMEM: Q/O 2 x 64 x D, K and V ``stages x block_k x D`` each; the H100 has
-  227 KiB, so D=128 cannot take a third 128-key stage (232568 bytes: over by
-  120). Measured alternatives (non-causal): D=64 with 128 keys x 2 stages
-  0.65 ms, x 3 stages 0.74 ms, 64 x 4 0.79 ms, against 0.60 ms for 256 x 2;
-  D=128 with 64 keys x 2 stages is 15-20% slower than 128 x 2. Asking for
-  more than 232 compute registers (240/32) hung the kernel on the H100
-  (``setmaxnreg`` waits for registers the launch never gets), so the
-  budgets are capped.
-
-Schedules at head_dim 128 (H100, B4 H16 L4096 bf16, forward ms, first of
-two timing rounds; bench/results/attention_mgpu_variants-h100-2026-11-22.json,
-``bench_attention_mgpu.py --variants``; the second round ran 4-10% slower
-for every implementation):
-  ======  ==========  =====  =======  =====  =======
-  causal  rendezvous  named  overlap  cuDNN  tokamax
-  ======  ==========  =====  =======  =====  =======
-  no      0.945       0.930  0.888    0.923  0.894
-  yes     0.524       0.491  0.765    0.551  0.532
-  ======  ==========  =====  =======  =====  =======
-  (overlap with hardware barriers: 0.913 / 0.750; lean: 0.930 / 0.527;
-  lean with 3 stages: 0.991 / 0.513; jax attention_mgpu fp16: 0.923 / 0.556)
-
-Measured before the schedule switches (H100, bf16, B=4, H=16, L=4096,
-forward, ms; bench/results/attention_mgpu-h100-2026-11-22.json; repeated
-runs moved every implementation by up to 5-9%, see
-attention_mgpu_sweep-*.json)
-  ========  =====  =====  ==============  ==============  ==========
-  D/causal  this   cuDNN  jax mgpu fp16   Triton forward  this/cuDNN
-  ========  =====  =====  ==============  ==============  ==========
-  128 no    0.92   0.95   0.94            1.17            1.03
-  128 yes   0.49   0.53   0.53            0.73            1.08
-  64 no     0.61   0.64   0.66            0.82            1.05
-  64 yes    0.37   0.37   0.39            0.49            0.99
-  256 no    1.81   1.76   1.84            2.49            0.97
-  256 yes   0.92   0.96   1.03            1.35            1.04
-  ========  =====  =====  ==============  ==============  ==========
-
-Testing without a GPU
-  jax's Mosaic GPU interpreter (``InterpretGPUParams``, jax >= 0.10) runs this
-  kernel on the CPU with its warpgroups, barriers and TMA copies simulated.
-  It cannot run these wgmmas (no transposed SMEM operand, no register
-  operand, no ``run_state``) nor layout casts, so under ``interpret`` the two
-  products are plain float32-accumulated dots of the same SMEM tiles and the
-  casts are dropped; everything else (band arithmetic, masks, barriers, ring
-  slots, schedule barrier, epilogue) is the code the GPU runs.
+One CTA per (head, 128-row q tile, batch) runs three warpgroups. Two compute
+warpgroups own 64 query rows each; the memory warpgroup streams the K/V
+blocks of the tile's band through a ring of ``STAGES`` SMEM slots with TMA
+(a "loaded" barrier per slot, and a "consumed" one that both compute
+warpgroups arrive on). A compute warpgroup issues ``S = Q K^T`` with wgmma,
+runs the online softmax in registers (base 2: running max ``m``, sum ``l``)
+and issues ``acc += P V`` with P taken from registers; the epilogue writes
+``out = acc / l`` and ``lse = (m + log2 l) ln 2`` through SMEM and TMA.
+The compute warpgroups take turns, so that one's softmax overlaps the
+other's matmuls; ``default_schedule`` picks how:
+  rendezvous  a two-arrival barrier both pass together (head_dim 64, 256);
+  named       ping-pong through the hardware barriers ``bar.sync`` /
+              ``bar.arrive`` (head_dim 128 with a masked step);
+  overlap     FlashAttention-3 pipelining within a warpgroup: step c issues
+              S_c and P_{c-1} V_{c-1} back to back and runs block c's softmax
+              while P V runs; V is released a step after K, so the memory
+              warpgroup loads it a refill later (head_dim 128, no mask).
+Block skipping: the memory warpgroup loads the union of the two warpgroups'
+bands; a warpgroup passes over slots outside its own band and masks only
+the band's edge blocks. Lq is padded to 128 and Lk to ``BLOCK_K`` (masked).
+Not handled (``supports``): bias, segment ids, float32, head_dim outside
+64/128/256. In the Mosaic GPU interpreter (jax >= 0.10) the wgmmas are
+float32-accumulated dots of the same SMEM tiles and layout casts are
+dropped; the rest is the code the GPU runs.
 """
 from __future__ import annotations
 
@@ -130,7 +47,6 @@ LN2 = math.log(2.0)
 NEG_INF = float("-inf")
 ROWS_PER_WG = 64  # one wgmma M tile per compute warpgroup
 COMPUTE_WGS = 2
-SMEM_BYTES = 227 * 1024
 _NEEDED_API = ("kernel", "wgmma", "Barrier", "SMEM", "ACC", "Layout",
                "layout_cast", "broadcasted_iota", "barrier_wait",
                "barrier_arrive", "copy_gmem_to_smem", "copy_smem_to_gmem",
@@ -145,24 +61,6 @@ def api_missing() -> str | None:
 
 
 interpret_params = _mosaic_gpu.interpret_params
-
-
-def register_budget_problem(compute_registers: int, memory_registers: int):
-  """None, or why these ``setmaxnreg`` budgets are refused."""
-  # setmaxnreg blocks until the registers are free: a larger request than
-  # the launch can give hangs the kernel (240/32 did on an H100). 384 threads
-  # start with 168 registers each (64K / 384, rounded down to 8), so two
-  # compute warpgroups can gain only what the memory one gives back:
-  # 2 (c - 168) <= 168 - m, i.e. 232/40 or 240/24.
-  for name, value, low, high in (
-      ("compute_registers", compute_registers, 24, 240),
-      ("memory_registers", memory_registers, 24, 256)):
-    if value % 8 or not low <= value <= high:
-      return f"{name}={value}: must be a multiple of 8 in [{low}, {high}]"
-  if 2 * compute_registers + memory_registers > 504:
-    return (f"compute_registers={compute_registers} with memory_registers="
-            f"{memory_registers}: needs 2 * compute + memory <= 504")
-  return None
 
 
 def call_refusal(kernel: str, q, k, v, q_segment_ids, bias, head_dims):
@@ -184,61 +82,30 @@ def call_refusal(kernel: str, q, k, v, q_segment_ids, bias, head_dims):
     return (f"the Mosaic GPU {kernel} kernel needs head_dim in "
             f"{'/'.join(map(str, head_dims))}, got {head_dim}")
   if min(q.shape) == 0 or min(k.shape) == 0:
-    return "empty inputs are left to the Triton kernel"
+    return f"the Mosaic GPU {kernel} kernel needs non-empty inputs"
   return None
 
 
-DEFAULT_LEAN = False
+# Keys per ring slot by head_dim (H100-tuned; docs/design/attention.md).
+BLOCK_K = {64: 256, 128: 128, 256: 64}
+STAGES = 2
+# Per-thread registers of the compute and memory warpgroups (setmaxnreg).
+# 384 threads start with 168 each; the compute warpgroups can only gain what
+# the memory one gives back, 2 (c - 168) <= 168 - m, and asking for more
+# than the launch can give hangs the kernel.
+COMPUTE_REGISTERS = 232
+MEMORY_REGISTERS = 40
 # Hardware barriers of the named-barrier ping-pong: Mosaic GPU itself uses
 # barrier 0 (whole CTA) and 1-3 (one per warpgroup).
 PING_PONG_BARRIER = 12
-REDUCTION_SCRATCH_BYTES = 128 * 4 * 4  # CompilerParams' default
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicGpuBlockSizes:
-  """block_k (multiple of 64), stages (>= 2), the per-thread register
-  budgets of the compute and memory warpgroups (``setmaxnreg``) and the
-  schedule switches ``overlap``, ``named_barriers`` and ``lean`` (module
-  docstring, "Schedules"); None picks the default (the docstring's tables;
-  ``overlap`` and ``named_barriers`` by ``default_schedule``)."""
-  block_k: int | None = None
-  stages: int | None = None
-  compute_registers: int = 232
-  memory_registers: int = 40
-  overlap: bool | None = None
-  named_barriers: bool | None = None
-  lean: bool | None = None
-
-  def resolved(self, head_dim: int) -> "MosaicGpuBlockSizes":
-    block_k, stages = {64: (256, 2), 128: (128, 2)}.get(head_dim, (64, 2))
-    block_k = self.block_k or block_k
-    stages = self.stages or stages
-    lean = DEFAULT_LEAN if self.lean is None else bool(self.lean)
-    if block_k % 64 or block_k <= 0:
-      raise ValueError(f"MosaicGpuBlockSizes.block_k={block_k}: must be a "
-                       "positive multiple of 64")
-    if stages < 2:
-      raise ValueError(f"MosaicGpuBlockSizes.stages={stages}: must be >= 2")
-    problem = register_budget_problem(self.compute_registers,
-                                      self.memory_registers)
-    if problem:
-      raise ValueError(f"MosaicGpuBlockSizes.{problem}")
-    return dataclasses.replace(self, block_k=block_k, stages=stages,
-                               lean=lean)
 
 
 def default_schedule(head_dim: int, block_k: int, lk: int, causal: bool,
                      window_left, window_right, soft_cap):
-  """(overlap, named_barriers) where ``MosaicGpuBlockSizes`` leaves them
-  None. Measured on an H100 at head_dim 128 (B4 H16 L4096, bf16): the
-  overlapped steps took the non-causal forward from 0.945 to 0.888 ms but
-  the causal one from 0.524 to 0.765 ms (cause not found: with the masked
-  steps' softmax moved after their P V, a second run gave 0.762 ms), so they
-  run only where no step is masked; hardware ping-pong barriers took causal
-  from 0.524 to 0.491 ms and non-causal from 0.945 to 0.930. Other head dims
-  keep the measured original schedule (overlap with 128-key blocks was 25%
-  slower at head_dim 64; named barriers were not measured there)."""
+  """(overlap, named_barriers): at head_dim 128 the overlapped steps when no
+  step is masked (no causal mask, window or soft cap, Lk a multiple of
+  block_k), else the hardware-barrier ping-pong; the rendezvous schedule at
+  other head dims."""
   if head_dim != 128:
     return False, False
   unmasked = (not causal and window_left is None and window_right is None
@@ -246,52 +113,11 @@ def default_schedule(head_dim: int, block_k: int, lk: int, causal: bool,
   return (True, False) if unmasked else (False, True)
 
 
-def _smem_bytes(head_dim, itemsize, block_k, stages, lean=False):
-  q = COMPUTE_WGS * ROWS_PER_WG * head_dim * itemsize
-  kv = 2 * stages * block_k * head_dim * itemsize
-  lse = COMPUTE_WGS * ROWS_PER_WG * 4
-  # Barriers and alignment (measured: 632) plus the cross-warp reduction
-  # scratch, which ``lean`` drops (the row reductions stay within warps).
-  return q + kv + lse + 1024 + (0 if lean else REDUCTION_SCRATCH_BYTES)
-
-
-def supports(q, k, v, q_segment_ids=None, kv_segment_ids=None, bias=None, *,
-             sm_scale=None, causal=False, window_left=None, window_right=None,
-             logit_soft_cap=None, block_sizes=None):
-  """True when ``forward`` handles this call, else a string saying why not.
-
-  Arguments as for ``forward`` (arrays or ShapeDtypeStructs).
-  """
-  del sm_scale, causal, window_left, window_right, logit_soft_cap
-  del kv_segment_ids
-  reason = call_refusal("attention", q, k, v, q_segment_ids, bias,
-                        (64, 128, 256))
-  if reason:
-    return reason
-  head_dim = q.shape[-1]
-  sizes = (block_sizes if isinstance(block_sizes, MosaicGpuBlockSizes)
-           else MosaicGpuBlockSizes())
-  try:
-    sizes = sizes.resolved(head_dim)
-  except ValueError as e:
-    return str(e)
-  for switch, api in (("overlap", "wgmma_accumulator_load"),
-                      ("named_barriers", "inline_mgpu")):
-    if getattr(sizes, switch) and not hasattr(plgpu, api):  # asked for
-      return f"MosaicGpuBlockSizes.{switch} needs plgpu.{api}"
-  if _smem_bytes(head_dim, jnp.dtype(q.dtype).itemsize, sizes.block_k,
-                 sizes.stages, sizes.lean) > SMEM_BYTES:
-    return "block_k x stages do not fit in shared memory"
-  try:  # On a machine with a GPU, it must be a Hopper (wgmma).
-    gpus = jax.devices("gpu")
-  except Exception:  # no GPU backend
-    gpus = []
-  if gpus:
-    capability = str(getattr(gpus[0], "compute_capability", "9.0"))
-    if not capability.startswith("9"):
-      return ("the Mosaic GPU attention kernel needs sm_90 "
-              f"(found sm_{capability})")
-  return True
+def supports(q, k, v, q_segment_ids=None, bias=None) -> str | None:
+  """None when ``forward`` handles this call, else why not (arrays or
+  ShapeDtypeStructs)."""
+  return call_refusal("attention", q, k, v, q_segment_ids, bias,
+                      tuple(BLOCK_K))
 
 
 # --------------------------------------------------------------- masking --
@@ -563,8 +389,7 @@ def stream_kv_lagged(first, end, stages, load_k, load_v, wait_k_free,
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
             sm_scale, soft_cap, block_k, stages, group, nq, reverse_q,
-            interpreting, compute_registers, memory_registers, overlap,
-            named_barriers):
+            interpreting, overlap, named_barriers):
   (q_smem2, k_smem, v_smem, lse_smem2), barriers = scratch
   (k_loaded, v_loaded, q_loaded, k_consumed, v_consumed,
    schedule_barrier) = barriers
@@ -578,7 +403,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
 
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(compute_registers, action="increase")
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
     q_smem = q_smem2.at[wg]
     row0 = cta_row0 + wg * bq
     plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, bq)], q_smem,
@@ -684,7 +509,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
 
   @pl.when(wg == COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(memory_registers, action="decrease")
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
     kv_head = lax.div(head, jnp.int32(group))
 
     def load_one(ref, smem, loaded, c, slot):
@@ -900,53 +725,30 @@ def _pad_axis(x, axis: int, size: int):
   return jnp.pad(x, widths)
 
 
-def _compiler_params(lean: bool):
-  """approx_math; with ``lean`` also no automatic SMEM barriers (each
-  warpgroup only writes its own Q/O tile after its last read of it, and
-  ``commit_smem`` orders the epilogue's TMA stores) and no cross-warp
-  reduction scratch (the row reductions stay within warps)."""
-  extra = {}
-  if lean:
-    fields = {f.name for f in dataclasses.fields(plgpu.CompilerParams)}
-    extra = {k: v for k, v in (("unsafe_no_auto_barriers", True),
-                               ("reduction_scratch_bytes", 0))
-             if k in fields}
-  return plgpu.CompilerParams(approx_math=True, **extra)
-
-
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
-            causal, window_left, window_right, logit_soft_cap, block_sizes,
-            interpret):
+            causal, window_left, window_right, logit_soft_cap, interpret):
   """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32).
 
-  Same contract as ``attention.gpu.forward``; call only where ``supports``
-  returned True. ``interpret``: False on a GPU, or an ``InterpretGPUParams``
-  (``interpret_params()``) to run in the Mosaic GPU interpreter; True picks
-  the default interpreter parameters.
+  Same contract as ``attention.triton.forward`` for the calls ``supports``
+  accepts (it raises ValueError on the others). ``interpret``: False on a
+  GPU, or an ``InterpretGPUParams`` (``interpret_params()``) to run in the
+  Mosaic GPU interpreter; True picks the default interpreter parameters.
   """
-  ok = supports(q, k, v, q_segment_ids, kv_segment_ids, bias,
-                block_sizes=block_sizes)
-  if ok is not True:
-    raise ValueError(f"mosaic_gpu.forward: unsupported call: {ok}")
+  del kv_segment_ids  # None whenever q_segment_ids is (supports checks it)
+  reason = supports(q, k, v, q_segment_ids, bias)
+  if reason:
+    raise ValueError(f"mosaic_gpu.forward: unsupported call: {reason}")
   if interpret is True:
     interpret = interpret_params()
   batch, heads, lq, head_dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
   group = heads // kv_heads
-  sizes = (block_sizes if isinstance(block_sizes, MosaicGpuBlockSizes)
-           else MosaicGpuBlockSizes()).resolved(head_dim)
-  block_k, stages = sizes.block_k, sizes.stages
+  block_k, stages = BLOCK_K[head_dim], STAGES
   overlap, named = default_schedule(head_dim, block_k, lk, causal,
                                     window_left, window_right,
                                     logit_soft_cap)
-  sizes = dataclasses.replace(
-      sizes, overlap=overlap if sizes.overlap is None else sizes.overlap,
-      named_barriers=(named if sizes.named_barriers is None
-                      else sizes.named_barriers))
-  if sizes.named_barriers and not hasattr(plgpu, "inline_mgpu"):
-    sizes = dataclasses.replace(sizes, named_barriers=False)
-  if sizes.overlap and not hasattr(plgpu, "wgmma_accumulator_load"):
-    sizes = dataclasses.replace(sizes, overlap=False)
+  overlap = overlap and hasattr(plgpu, "wgmma_accumulator_load")
+  named = named and hasattr(plgpu, "inline_mgpu")
   band = _band(lq, lk, causal, window_left, window_right)
   tile_rows = COMPUTE_WGS * ROWS_PER_WG
   lq_pad = -(-lq // tile_rows) * tile_rows
@@ -957,7 +759,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   nq = lq_pad // tile_rows
   interpreting = bool(interpret)
   dtype = q.dtype
-  rendezvous = not (sizes.overlap or sizes.named_barriers)
+  rendezvous = not (overlap or named)
 
   scratch = (
       tile_smem((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype),
@@ -981,9 +783,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
       block_k=block_k, stages=stages, group=group, nq=nq,
       reverse_q=band.right is not None and band.left is None,
-      interpreting=interpreting, compute_registers=sizes.compute_registers,
-      memory_registers=sizes.memory_registers, overlap=sizes.overlap,
-      named_barriers=sizes.named_barriers)
+      interpreting=interpreting, overlap=overlap, named_barriers=named)
 
   def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
     pl.run_scoped(
@@ -1002,7 +802,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
-      compiler_params=_compiler_params(sizes.lean),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
       **kwargs,
   )(q, k, v)
   if lq_pad != lq:

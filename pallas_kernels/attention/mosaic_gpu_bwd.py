@@ -1,87 +1,32 @@
 """Flash-attention backward for Hopper GPUs: Pallas Mosaic GPU kernels.
 
-Two kernels, as in the Triton backward (``attention/gpu.py``), so that no
-atomics are needed; both recompute ``P = exp2(S * scale2 - lse2)`` from the
-forward's lse (7 matmuls per block pair where an atomic-dq kernel does 5).
-delta = rowsum(dO * O) - d_lse is one XLA reduction before them.
-
-dk/dv kernel (``dkv``; warp specialised, wgmma + TMA)
-  One CTA per (kv head, 128-key tile, batch) runs three warpgroups. Each of
-  the two compute warpgroups owns 64 keys: it loads its K and V rows into
-  SMEM once and keeps float32 dK and dV accumulators (64 x D each) in
-  registers. The memory warpgroup streams, for every query head of the GQA
-  group and every ``block_q``-row query block of the tile's band, the blocks
-  of Q, dO, the base-2 lse and delta into a ring of ``stages`` SMEM slots with
-  TMA (one "loaded" barrier per buffer and slot, one "consumed" barrier per
-  slot that both compute warpgroups arrive on). Per block a compute
-  warpgroup issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` together, forms
-  ``P^T`` and ``dS^T = P^T (dP^T - delta)`` in registers, then issues
-  ``dV += P^T dO`` and ``dK += dS^T Q`` with the left operands taken straight
-  from registers. The two compute warpgroups are not synchronised with each
-  other, so one's exp work overlaps the other's matmuls. The epilogue writes
-  ``dK * sm_scale`` and ``dV`` through the K/V SMEM tiles with TMA.
-
-dq kernel (``dq``; same structure as the forward, attention/mosaic_gpu.py)
-  One CTA per (head, 128-row q tile, batch); each compute warpgroup owns 64
-  query rows (Q, dO, lse2 and delta loaded once) and a float32 dQ
-  accumulator; the memory warpgroup streams K and V blocks of the band
-  through the ring. Per block: ``S = Q K^T`` and ``dP = dO V^T`` issued
-  together, ``dS = P (dP - delta)``, ``dQ += dS K`` from registers.
-
-Semantics are those of the Triton backward: logits ``sm_scale * q.k``,
-optional soft cap (``ds *= 1 - tanh^2``), causal / sliding-window band
-aligned at the sequence ends (``offset = Lk - Lq``). Rows with lse = -inf
-(no unmasked key) and padded query rows carry lse2 = +inf, so their P is 0
-and their dq is 0. Padded keys are masked in the dq kernel; in the dk/dv
-kernel their rows are computed and cropped. Not handled (``supports`` /
-``supports_dq`` say so, and ``gpu.backward`` runs the Triton kernels): bias,
-segment ids, float32, head_dim other than 64 or 128 (at 256 the two 64 x 256
-float32 dK/dV accumulators alone need 256 registers per thread, and the dq
-kernel's Q, dO and K/V ring overflow shared memory).
-
-Block skipping
-  Each memory warpgroup loads only the blocks of the union of its two
-  compute warpgroups' bands; a compute warpgroup waits for and releases the
-  slots of blocks outside its own band without computing, and builds the
-  mask only for blocks on the band's edges. Under a causal mask the dq
-  kernel starts the longest q tiles first; the dk/dv kernel's first kv
-  tiles (launched first) are already the longest.
-
-Padding (where it costs speed): dk/dv pads ``Lk`` to a multiple of 128 and
-``Lq`` to one of ``block_q``; dq pads ``Lq`` to 128 and ``Lk`` to ``block_k``
-(``jnp.pad`` copies); aligned shapes pay nothing.
-
-Block sizes (``MosaicGpuBwdBlockSizes``, ``MosaicGpuDqBlockSizes``; tuned
-on an H100, bf16, B=4, H=16, L=4096 with bench/bench_attention.py --probe;
-results/attention_backward_probe-h100-*.json), 2 ring stages and 232/40
-registers throughout:
-  ========  ==============  ==========  ====================================
-  head_dim  dk/dv block_q   dq block_k  backward ms (full / causal), others
-  ========  ==============  ==========  ====================================
-  128       64              64          3.03 / 1.65; Triton 3.91 / 2.01;
-                                        dk/dv 3 stages 3.01; dq block_k 128
-                                        3.08; Triton dq + this dk/dv 3.43
-  64        128             128         64/64: 1.99 / 1.09; dk/dv block_q
-                                        128 alone 1.80 / 1.03, dq block_k
-                                        128 alone 1.91 / 1.07 (both:
-                                        fwd+bwd 2.32 / 1.34); Triton
-                                        2.34 / 1.25
-  ========  ==============  ==========  ====================================
-  At head_dim 128 a 128-row dk/dv block_q would need 64 more registers per
-  thread for S^T and dP^T than the 232 the compute warpgroups get.
-
-Testing without a GPU: as for the forward, the Mosaic GPU interpreter runs
-everything but the wgmmas and layout casts, which become plain
-float32-accumulated dots of the same SMEM tiles; the GPU lowering itself
-(wgmma operands, layouts, TMA) runs on a CPU host too (``jax.jit(...).trace(
-...).lower(lowering_platforms=("cuda",))``).
+Two kernels, as in the Triton backward, so that no atomics are needed; both
+recompute ``P = exp2(S * scale2 - lse2)`` from the forward's lse, and
+``delta = rowsum(dO * O) - d_lse`` is one XLA reduction before them.
+dk/dv (``dkv``): one CTA per (kv head, 128-key tile, batch) runs three
+warpgroups. Each compute warpgroup owns 64 keys: its K and V rows stay in
+SMEM and its float32 dK and dV accumulators in registers. The memory
+warpgroup streams Q, dO, lse2 and delta blocks (``block_size`` query rows)
+of every query head of the GQA group and every q block of the tile's band
+through a ring of ``STAGES`` SMEM slots with TMA. Per block a compute
+warpgroup issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` together, forms
+``P^T`` and ``dS^T = P^T (dP^T - delta)`` in registers, then issues
+``dV += P^T dO`` and ``dK += dS^T Q`` with the left operands in registers.
+The two compute warpgroups are not synchronised, so one's exponentials
+overlap the other's matmuls.
+dq (``dq``): the forward's structure; each compute warpgroup owns 64 query
+rows (Q, dO, lse2, delta loaded once) and a float32 dQ accumulator, and the
+memory warpgroup streams K and V blocks; per block ``S = Q K^T`` and
+``dP = dO V^T`` together, then ``dQ += dS K``.
+Rows without keys and padded rows carry lse2 = +inf, so their P is 0. dk/dv
+pads Lk to 128 and Lq to ``block_size``, dq the other way round. Block
+skipping as in the forward (``attention/mosaic_gpu.py``). Not handled
+(``supports``): bias, segment ids, float32, head_dim other than 64 or 128.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +43,9 @@ NEG_INF = float("-inf")
 KEYS_PER_WG = 64  # one wgmma M tile per compute warpgroup
 COMPUTE_WGS = 2
 TILE_K = KEYS_PER_WG * COMPUTE_WGS
+ROWS_PER_WG = 64  # query rows per compute warpgroup in the dq kernel
+TILE_Q = ROWS_PER_WG * COMPUTE_WGS
+STAGES = 2
 
 
 def _nt_products(lhs1, rhs1, lhs2, rhs2, shape, interpreting):
@@ -136,67 +84,16 @@ def _probs_and_dlogits(s, dp, t, lse2, delta, row_axis):
   return p, ds
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _RingBlockSizes:
-  """What both backward kernels take: the block streamed through the ring
-  (``STREAMED``; a multiple of 64, None: 128 at head_dim 64 and 64 above,
-  where 128 would not fit the register budget), ring stages (>= 2) and the
-  warpgroups' register budgets."""
-  STREAMED: ClassVar[str] = ""
-  stages: int = 2
-  compute_registers: int = 232
-  memory_registers: int = 40
-
-  def resolved(self, head_dim: int):
-    if getattr(self, self.STREAMED) is not None:
-      return self
-    return dataclasses.replace(
-        self, **{self.STREAMED: 128 if head_dim <= 64 else 64})
-
-  def check(self) -> str | None:
-    block = getattr(self, self.STREAMED)
-    if block is not None and (block % 64 or block <= 0):
-      return f"{self.STREAMED}={block}: must be a positive multiple of 64"
-    if self.stages < 2:
-      return f"stages={self.stages}: must be >= 2"
-    return fwd.register_budget_problem(self.compute_registers,
-                                       self.memory_registers)
+def block_size(head_dim: int) -> int:
+  """Rows per ring slot (dk/dv: queries, dq: keys): 128 at head_dim 64; 64
+  above, where 128 would need more registers than the compute warpgroups
+  get."""
+  return 128 if head_dim <= 64 else 64
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicGpuBwdBlockSizes(_RingBlockSizes):
-  """dk/dv kernel: ``block_q`` query rows per ring slot, then the ring."""
-  STREAMED: ClassVar[str] = "block_q"
-  block_q: int | None = None
-
-
-# The sizes ``dkv`` uses when given none (a bench may swap them for a sweep).
-DEFAULT_BLOCK_SIZES = MosaicGpuBwdBlockSizes()
-# Whether ``attention.gpu.backward`` also runs the Mosaic GPU dq kernel
-# (else the Triton one, which also computes delta); a bench may flip it.
-DQ_KERNEL = True
-
-
-def _smem_bytes(head_dim, itemsize, sizes: MosaicGpuBwdBlockSizes):
-  kv = 2 * COMPUTE_WGS * KEYS_PER_WG * head_dim * itemsize
-  ring = sizes.stages * (2 * sizes.block_q * head_dim * itemsize
-                         + 2 * sizes.block_q * 4)
-  return kv + ring + 4096  # barriers and alignment
-
-
-def supports(q, k, v, q_segment_ids=None, bias=None, block_sizes=None):
-  """True when ``dkv`` handles this call, else a string saying why not."""
-  reason = fwd.call_refusal("dk/dv", q, k, v, q_segment_ids, bias, (64, 128))
-  if reason:
-    return reason
-  head_dim = q.shape[-1]
-  sizes = (block_sizes or DEFAULT_BLOCK_SIZES).resolved(head_dim)
-  reason = sizes.check()
-  if reason:
-    return f"MosaicGpuBwdBlockSizes.{reason}"
-  if _smem_bytes(head_dim, jnp.dtype(q.dtype).itemsize, sizes) > fwd.SMEM_BYTES:
-    return "block_q x stages do not fit in shared memory"
-  return True
+def supports(q, k, v, q_segment_ids=None, bias=None) -> str | None:
+  """None when ``backward`` handles this call, else why not."""
+  return fwd.call_refusal("backward", q, k, v, q_segment_ids, bias, (64, 128))
 
 
 def _q_ranges(col0, cols: int, block_q: int, band):
@@ -228,7 +125,7 @@ def _q_ranges(col0, cols: int, block_q: int, band):
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
             scratch, *, band, sm_scale, soft_cap, block_q, stages, group,
-            interpreting, compute_registers, memory_registers):
+            interpreting):
   (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), barriers = scratch
   (k_loaded, v_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded,
    consumed) = barriers
@@ -249,7 +146,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
 
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(compute_registers, action="increase")
+    plgpu.set_max_registers(fwd.COMPUTE_REGISTERS, action="increase")
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     col0 = cta_col0 + wg * bk
     rows = pl.ds(col0, bk)
@@ -326,7 +223,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
 
   @pl.when(wg == COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(memory_registers, action="decrease")
+    plgpu.set_max_registers(fwd.MEMORY_REGISTERS, action="decrease")
 
     def load(t, slot):
       g = lax.div(t, blocks)
@@ -360,15 +257,15 @@ def _row_inputs(lse, delta, lq, lq_pad):
   return lse2, delta
 
 
-def _prepared(kernel, check, sizes, arrays, q_multiple, k_multiple, causal,
-              window_left, window_right, interpret):
+def _prepared(kernel, arrays, q_multiple, k_multiple, causal, window_left,
+              window_right, interpret):
   """Checks a backward call and pads it: ((q, k, v, d_out, lse2, delta),
   band, interpret params) with q rows a multiple of ``q_multiple`` and keys
   of ``k_multiple``."""
   q, k, v, d_out, lse, delta = arrays
-  ok = check(q, k, v, block_sizes=sizes)
-  if ok is not True:
-    raise ValueError(f"mosaic_gpu_bwd.{kernel}: unsupported call: {ok}")
+  reason = supports(q, k, v)
+  if reason:
+    raise ValueError(f"mosaic_gpu_bwd.{kernel}: unsupported call: {reason}")
   if interpret is True:
     interpret = fwd.interpret_params()
   lq, lk = q.shape[2], k.shape[2]
@@ -382,39 +279,53 @@ def _prepared(kernel, check, sizes, arrays, q_multiple, k_multiple, causal,
   return padded, band, interpret
 
 
-def _kernel_statics(band, sm_scale, logit_soft_cap, sizes, group,
-                    interpreting):
+def _kernel_statics(band, sm_scale, logit_soft_cap, group, interpreting):
   """The static arguments both backward kernels take."""
   return dict(
       band=band, sm_scale=float(sm_scale),
       soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
-      stages=sizes.stages, group=group, interpreting=interpreting,
-      compute_registers=sizes.compute_registers,
-      memory_registers=sizes.memory_registers)
+      stages=STAGES, group=group, interpreting=interpreting)
+
+
+def _launch(body, scratch, barriers, out_type, grid, grid_names, interpret,
+            args):
+  """``plgpu.kernel`` of ``body(*input and output refs, (scratch refs,
+  barrier refs))`` with two compute warpgroups and a memory one."""
+  n_scratch = len(scratch)
+
+  def entry(*refs):
+    pl.run_scoped(
+        lambda *scoped: body(*refs, (scoped[:n_scratch], scoped[n_scratch:])),
+        *scratch, *barriers, collective_axes="wg")
+
+  kwargs = {"interpret": interpret} if interpret else {}
+  return plgpu.kernel(
+      entry, out_type=out_type, grid=grid, grid_names=grid_names,
+      num_threads=COMPUTE_WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs,
+  )(*args)
 
 
 def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
-        window_right, logit_soft_cap, block_sizes=None, interpret=False):
+        window_right, logit_soft_cap, interpret=False):
   """(dk, dv) [B, Hk, Lk, D] for the attention forward's (out, lse).
 
   ``lse`` [B, H, Lq] natural-log (-inf for empty rows); ``delta`` [B, H, Lq]
   = rowsum(dO * O) - d_lse, both float32 (longer arrays, padded rows beyond
-  ``q.shape[2]``, are cut). Call only where ``supports`` returned True.
+  ``q.shape[2]``, are cut). Raises ValueError where ``supports`` declines.
   ``interpret``: False on a GPU or ``InterpretGPUParams``; True picks the
   default interpreter parameters.
   """
-  sizes = (block_sizes or DEFAULT_BLOCK_SIZES).resolved(q.shape[-1])
   batch, heads, lq, head_dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
   group = heads // kv_heads
-  bq = sizes.block_q
+  bq = block_size(head_dim)
   (q, k, v, d_out, lse2, delta), band, interpret = _prepared(
-      "dkv", supports, sizes, (q, k, v, d_out, lse, delta), bq, TILE_K,
-      causal, window_left, window_right, interpret)
+      "dkv", (q, k, v, d_out, lse, delta), bq, TILE_K, causal, window_left,
+      window_right, interpret)
   lk_pad = k.shape[2]
   dtype = q.dtype
-  interpreting = bool(interpret)
-  stages = sizes.stages
+  stages = STAGES
 
   scratch = (
       fwd.tile_smem((COMPUTE_WGS, KEYS_PER_WG, head_dim), dtype),
@@ -435,30 +346,12 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   )
   body = functools.partial(
       _kernel, block_q=bq, **_kernel_statics(
-          band, sm_scale, logit_soft_cap, sizes, group, interpreting))
-  n_scratch = len(scratch)
-
-  def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
-    pl.run_scoped(
-        lambda *refs: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                           dk_ref, dv_ref,
-                           (refs[:n_scratch], refs[n_scratch:])),
-        *scratch, *barriers, collective_axes="wg")
-
-  kwargs = {}
-  if interpret:
-    kwargs["interpret"] = interpret
+          band, sm_scale, logit_soft_cap, group, bool(interpret)))
   kv_type = jax.ShapeDtypeStruct((batch, kv_heads, lk_pad, head_dim), dtype)
-  dk, dv = plgpu.kernel(
-      entry,
-      out_type=(kv_type, kv_type),
-      grid=(kv_heads, lk_pad // TILE_K, batch),
-      grid_names=("heads", "kv_tiles", "batch"),
-      num_threads=COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      **kwargs,
-  )(q, k, v, d_out, lse2, delta)
+  dk, dv = _launch(body, scratch, barriers, (kv_type, kv_type),
+                   (kv_heads, lk_pad // TILE_K, batch),
+                   ("heads", "kv_tiles", "batch"), interpret,
+                   (q, k, v, d_out, lse2, delta))
   if lk_pad != lk:
     dk, dv = dk[:, :, :lk], dv[:, :, :lk]
   return dk, dv
@@ -467,43 +360,9 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
 # -------------------------------------------------------------- dq kernel --
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicGpuDqBlockSizes(_RingBlockSizes):
-  """dq kernel: ``block_k`` keys per ring slot, then the ring."""
-  STREAMED: ClassVar[str] = "block_k"
-  block_k: int | None = None
-
-
-DEFAULT_DQ_BLOCK_SIZES = MosaicGpuDqBlockSizes()
-ROWS_PER_WG = 64
-TILE_Q = ROWS_PER_WG * COMPUTE_WGS
-
-
-def _dq_smem_bytes(head_dim, itemsize, sizes: MosaicGpuDqBlockSizes):
-  q_do = 2 * TILE_Q * head_dim * itemsize
-  ring = 2 * sizes.stages * sizes.block_k * head_dim * itemsize
-  return q_do + ring + 2 * TILE_Q * 4 + 4096
-
-
-def supports_dq(q, k, v, q_segment_ids=None, bias=None, block_sizes=None):
-  """True when ``dq`` handles this call, else a string saying why not."""
-  reason = supports(q, k, v, q_segment_ids, bias)
-  if reason is not True:
-    return reason.replace("dk/dv", "dq")
-  sizes = (block_sizes or DEFAULT_DQ_BLOCK_SIZES).resolved(q.shape[-1])
-  reason = sizes.check()
-  if reason:
-    return f"MosaicGpuDqBlockSizes.{reason}"
-  if (_dq_smem_bytes(q.shape[-1], jnp.dtype(q.dtype).itemsize, sizes)
-      > fwd.SMEM_BYTES):
-    return "block_k x stages do not fit in shared memory"
-  return True
-
-
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
                scratch, *, band, sm_scale, soft_cap, block_k, stages, group,
-               nq, reverse_q, interpreting, compute_registers,
-               memory_registers):
+               nq, reverse_q, interpreting):
   (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), barriers = (
       scratch)
   (rows_loaded, k_loaded, v_loaded, consumed) = barriers
@@ -519,7 +378,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
 
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(compute_registers, action="increase")
+    plgpu.set_max_registers(fwd.COMPUTE_REGISTERS, action="increase")
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
     row0 = cta_row0 + wg * bq
@@ -580,7 +439,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
 
   @pl.when(wg == COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(memory_registers, action="decrease")
+    plgpu.set_max_registers(fwd.MEMORY_REGISTERS, action="decrease")
     kv_head = lax.div(head, jnp.int32(group))
 
     def load(c, slot):
@@ -606,16 +465,15 @@ def delta_of(out, d_out, d_lse=None):
 
 
 def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
-       window_right, logit_soft_cap, block_sizes=None, interpret=False):
+       window_right, logit_soft_cap, interpret=False):
   """dq [B, H, Lq, D]; arguments as for ``dkv``."""
-  sizes = (block_sizes or DEFAULT_DQ_BLOCK_SIZES).resolved(q.shape[-1])
   batch, heads, lq, head_dim = q.shape
   kv_heads = k.shape[1]
   group = heads // kv_heads
-  block_k, stages = sizes.block_k, sizes.stages
+  block_k, stages = block_size(head_dim), STAGES
   (q, k, v, d_out, lse2, delta), band, interpret = _prepared(
-      "dq", supports_dq, sizes, (q, k, v, d_out, lse, delta), TILE_Q, block_k,
-      causal, window_left, window_right, interpret)
+      "dq", (q, k, v, d_out, lse, delta), TILE_Q, block_k, causal,
+      window_left, window_right, interpret)
   lq_pad = q.shape[2]
   dtype = q.dtype
   nq = lq_pad // TILE_Q
@@ -637,27 +495,28 @@ def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   body = functools.partial(
       _dq_kernel, block_k=block_k, nq=nq,
       reverse_q=band.right is not None and band.left is None,
-      **_kernel_statics(band, sm_scale, logit_soft_cap, sizes, group,
+      **_kernel_statics(band, sm_scale, logit_soft_cap, group,
                         bool(interpret)))
-  n_scratch = len(scratch)
-
-  def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
-    pl.run_scoped(
-        lambda *refs: body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                           dq_ref, (refs[:n_scratch], refs[n_scratch:])),
-        *scratch, *barriers, collective_axes="wg")
-
-  kwargs = {}
-  if interpret:
-    kwargs["interpret"] = interpret
-  out = plgpu.kernel(
-      entry,
-      out_type=jax.ShapeDtypeStruct((batch, heads, lq_pad, head_dim), dtype),
-      grid=(heads, nq, batch),
-      grid_names=("heads", "q_tiles", "batch"),
-      num_threads=COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      **kwargs,
-  )(q, k, v, d_out, lse2, delta)
+  out = _launch(
+      body, scratch, barriers,
+      jax.ShapeDtypeStruct((batch, heads, lq_pad, head_dim), dtype),
+      (heads, nq, batch), ("heads", "q_tiles", "batch"), interpret,
+      (q, k, v, d_out, lse2, delta))
   return out[:, :, :lq] if lq_pad != lq else out
+
+
+def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
+             d_lse, *, sm_scale, causal, window_left, window_right,
+             logit_soft_cap, interpret):
+  """(dq, dk, dv, None): ``attention.triton.backward``'s contract for the
+  calls ``supports`` accepts (no bias, no segment ids)."""
+  del kv_segment_ids
+  reason = supports(q, k, v, q_segment_ids, bias)
+  if reason:
+    raise ValueError(f"mosaic_gpu_bwd.backward: unsupported call: {reason}")
+  kwargs = dict(sm_scale=sm_scale, causal=causal, window_left=window_left,
+                window_right=window_right, logit_soft_cap=logit_soft_cap,
+                interpret=interpret)
+  delta = delta_of(out, d_out, d_lse)
+  dk, dv = dkv(q, k, v, d_out, lse, delta, **kwargs)
+  return dq(q, k, v, d_out, lse, delta, **kwargs), dk, dv, None

@@ -1,50 +1,27 @@
 """Mosaic TPU flash attention: forward, dq and dk/dv kernels.
 
-Forward (online softmax). Grid ``(batch, heads, q blocks, kv blocks)``, the
-last axis sequential ("arbitrary"), the others "parallel". For each query
-block the kernel keeps the running row maximum ``m``, the running sum ``l``
-(both float32, lane-replicated ``[block_q, 128]``) and the float32 output
-accumulator in VMEM scratch; each kv block rescales them by
-``exp(m_old - m_new)``. The last kv step writes ``acc / l`` and
-``lse = m + log l``; ``lse`` is stored lane-dense as ``[B, H, 1, Lq]`` by
-transposing the lane-replicated column once per query block.
-
-Backward. ``di = rowsum(dO * O)`` (minus the lse cotangent, if any) is a cheap
-XLA reduction. Two kernels recompute the probabilities from ``lse``:
-  dq:    grid ``(B, H, q blocks, kv blocks)``; ``ds = p * (dO V^T - di)``,
-         ``dq += ds K``; also writes ``dbias = ds`` blocks when a bias is given.
-  dk/dv: grid ``(B, Hkv, kv blocks, group * q blocks)``: the inner axis walks
-         the query blocks of every query head sharing the kv head, so GQA
-         gradients are summed in VMEM. It works on transposed logits
-         ``[block_kv, block_q]`` so ``lse``/``di`` rows broadcast without
-         transposes: ``dv += p^T dO``, ``dk += ds^T Q``.
-
-Skipping. Causal and sliding-window structure gives each query block a
-contiguous range of kv blocks (and each kv block a range of query blocks).
-Blocks outside it are skipped by ``pl.when``, and the index maps clamp the
-block index into the range, so a skipped step re-uses the block already in
-VMEM and issues no DMA. Blocks wholly inside the allowed band and free of
-padding skip the element mask too. With segment ids, each block's min/max id
-(computed by XLA, passed as a scalar-prefetch SMEM vector) skips the compute
-of blocks whose id ranges are disjoint: packed sorted sequences cost about
-the sum of their own attention, not the whole row's (their k/v blocks are
-still fetched; unsorted ids simply skip nothing).
-
-Layout. Segment ids travel lane-dense: the side that indexes rows of the
-logits tile as ``[B, L, 128]`` (lane-broadcast), the side that indexes
-columns as ``[B, 1, L]``. GQA never repeats k/v in HBM: index maps read kv
-head ``h // group``. Sequences are padded to block multiples and
-``head_dim`` to a multiple of 128 (64 kept) with zeros; padded keys are
-masked, padded queries dropped (they get ``lse = +inf`` in the backward so
-they contribute nothing). Fully masked rows give ``out = 0`` and
-``lse = -inf``. The dq kernel turns the ``lse``/``di`` rows into columns once
-per query block (broadcast to ``[128, block_q]``, transpose).
-
-Costs to know: a bias adds a ``[block_q, block_kv]`` read per visited block
-and, under ``grad``, a float32 ``[B, H, Lq, Lk]`` dbias write (then summed
-over broadcast dimensions by XLA). float16 inputs run as float32 (Mosaic has
-no float16 matmul on v5e/v6e). Index maps divide with ``lax.div``: Python
-``//`` lowers through ``sign``, which Mosaic only lowers on a TPU host.
+Forward (online softmax): grid ``(batch, heads, q blocks, kv blocks)``, the
+kv axis sequential. Per query block, VMEM scratch keeps the running max
+``m``, the running sum ``l`` (float32, lane-replicated ``[block_q, 128]``)
+and the float32 accumulator; the last kv step writes ``acc / l`` and
+``lse = m + log l`` (stored lane-dense as ``[B, H, 1, Lq]``).
+Backward: ``di = rowsum(dO * O) - d_lse`` in XLA; two kernels recompute the
+probabilities from lse. dq: grid ``(B, H, q blocks, kv blocks)``,
+``ds = p * (dO V^T - di)``, ``dq += ds K``, plus ``dbias = ds`` blocks with a
+bias. dk/dv: grid ``(B, Hkv, kv blocks, group * q blocks)``, the inner axis
+walking the q blocks of every query head sharing the kv head (GQA gradients
+sum in VMEM), on transposed logits so lse/di rows broadcast without
+transposes: ``dv += p^T dO``, ``dk += ds^T Q``.
+Skipping: causal/window bands give each query block a contiguous kv block
+range (and each kv block a q block range); blocks outside run nothing and
+the index maps clamp into the range, so they issue no DMA. Blocks inside the
+band without padding skip the element mask. With segment ids each block's
+min/max id (scalar prefetch) skips blocks whose id ranges are disjoint.
+Layout: GQA reads kv head ``h // group`` (no repeat in HBM); sequences are
+padded to block multiples and head_dim to a multiple of 128 (64 kept);
+padded queries get lse = +inf in the backward. float16 runs as float32 (no
+float16 matmul in Mosaic on v5e/v6e). Index maps divide with ``lax.div``:
+Python ``//`` lowers through ``sign``, which Mosaic lowers only on a TPU.
 """
 from __future__ import annotations
 
@@ -612,17 +589,18 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
 
 
 def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
-             *, sm_scale, causal, window_left, window_right, logit_soft_cap,
-             block_sizes, interpret, d_lse=None):
+             d_lse, *, sm_scale, causal, window_left, window_right,
+             logit_soft_cap, block_sizes, interpret):
   """(dq, dk, dv, dbias or None); ``d_lse`` is the cotangent of lse."""
   if q.dtype == jnp.float16 or (bias is not None and bias.dtype == jnp.float16):
     q32, k32, v32, bias32, out32, d_out32 = _f16_to_f32(q, k, v, bias, out,
                                                         d_out)
     dq, dk, dv, dbias = backward(
         q32, k32, v32, q_segment_ids, kv_segment_ids, bias32, out32, lse,
-        d_out32, sm_scale=sm_scale, causal=causal, window_left=window_left,
-        window_right=window_right, logit_soft_cap=logit_soft_cap,
-        block_sizes=block_sizes, interpret=interpret, d_lse=d_lse)
+        d_out32, d_lse, sm_scale=sm_scale, causal=causal,
+        window_left=window_left, window_right=window_right,
+        logit_soft_cap=logit_soft_cap, block_sizes=block_sizes,
+        interpret=interpret)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None if dbias is None else dbias.astype(bias.dtype))
   batch, heads, q_len, head_dim = q.shape
@@ -756,48 +734,3 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
       name="flash_attention_dkv")
   return (dq, dk[:, :, :kv_len, :head_dim], dv[:, :, :kv_len, :head_dim],
           dbias)
-
-
-def roofline_rows(batch=4, heads=16, seq=4096, head_dim=128, kv_heads=None,
-                  generations=("v5e", "v6e")) -> list[dict]:
-  """Roofline estimate of the TPU kernels per generation (for bench/).
-
-  One row per generation x causal x pass ("fwd", "fwd+bwd") with the table's
-  block sizes, the matmul FLOPs and HBM bytes the kernels actually do
-  (skipped blocks excluded), VMEM per step, and, when ``bench.roofline`` is
-  importable (run from the repository root), the bound time and TFLOP/s of
-  useful work (causal counts half of the full square, as usual).
-  """
-  try:
-    from bench import roofline as _roofline
-  except ImportError:
-    _roofline = None
-  rows = []
-  useful_full = 4 * batch * heads * seq * seq * head_dim
-  for generation in generations:
-    blocks = _bs.table_block_sizes(generation, head_dim)
-    for causal in (False, True):
-      fwd = cost(batch, heads, seq, seq, head_dim, 2, kv_heads=kv_heads,
-                 causal=causal, block_q=blocks.block_q,
-                 block_kv=blocks.block_kv)
-      bwd = cost(batch, heads, seq, seq, head_dim, 2, kv_heads=kv_heads,
-                 causal=causal, block_q=blocks.block_q_bwd,
-                 block_kv=blocks.block_kv_bwd, backward=True)
-      for name, parts, useful in (("fwd", [fwd], 1.0), ("fwd+bwd", [fwd, bwd],
-                                                        3.5)):
-        flops = sum(p["flops"] for p in parts)
-        nbytes = sum(p["bytes_accessed"] for p in parts)
-        row = dict(chip=generation, causal=causal, pass_=name,
-                   blocks=f"{blocks.block_q}x{blocks.block_kv}/"
-                          f"{blocks.block_q_bwd}x{blocks.block_kv_bwd}",
-                   gflop=flops / 1e9, mbytes=nbytes / 1e6,
-                   skipped=1 - parts[0]["visited_blocks"]
-                   / parts[0]["total_blocks"],
-                   vmem_mib=max(p["vmem_bytes"] for p in parts) / 2**20)
-        if _roofline is not None:
-          bound = _roofline.roofline(generation, flops, nbytes)
-          useful_flops = useful_full * useful * (0.5 if causal else 1.0)
-          row.update(time_ms=bound["time_s"] * 1e3, bound=bound["bound"],
-                     useful_tflops=useful_flops / bound["time_s"] / 1e12)
-        rows.append(row)
-  return rows

@@ -18,6 +18,8 @@ A row with no unmasked key (or whose unmasked logits are all -inf) gives
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -96,13 +98,15 @@ def attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, bias=None, *,
 def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
                     sliding_window=None, logit_soft_cap=None, bias=None,
                     return_lse=False, block_sizes=None):
-  """Reference for :func:`pallas_kernels.flash_attention` (same arguments).
-
-  ``block_sizes`` is accepted and ignored, so calls can switch freely.
-  """
+  """Reference for :func:`pallas_kernels.flash_attention` (same arguments and
+  results; no argument checks). ``block_sizes`` is accepted and ignored, so
+  calls can switch freely."""
   del block_sizes
-  from pallas_kernels.attention import api
-  return api.flash_attention(
-      q, k, v, causal=causal, sm_scale=sm_scale, segment_ids=segment_ids,
-      sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, bias=bias,
-      return_lse=return_lse, backend="reference")
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(q.shape[-1])
+  left, right = normalize_window(sliding_window, causal)
+  q_seg, kv_seg = (None, None) if segment_ids is None else segment_ids
+  out, lse = attention(q, k, v, q_seg, kv_seg, bias, sm_scale=sm_scale,
+                       causal=causal, window_left=left, window_right=right,
+                       logit_soft_cap=logit_soft_cap)
+  return (out, lse) if return_lse else out

@@ -207,7 +207,7 @@ def test_meta_shape_property(batch, kv_heads, group, q_len, kv_len, head_dim,
 @pytest.mark.parametrize("kind", ["tpu", "gpu"])
 def test_block_size_dataclasses_cross_the_op_schema(kind):
   from pallas_kernels.attention import BlockSizes
-  from pallas_kernels.attention.gpu import GpuBlockSizes
+  from pallas_kernels.attention.triton import GpuBlockSizes
   blocks = (BlockSizes(block_q=128, block_kv=128) if kind == "tpu"
             else GpuBlockSizes(block_q=16, block_k=16))
   gen = torch.Generator().manual_seed(3)

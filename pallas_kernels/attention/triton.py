@@ -1,111 +1,43 @@
 """Flash attention for NVIDIA GPUs: Pallas kernels with the Triton lowering.
 
-Algorithm
-  Forward (FlashAttention-2): one program per (q block, batch, head). It keeps
-  its q tile in registers and walks the kv blocks with a ``lax.fori_loop``
-  doing the online softmax (running max ``m``, running sum ``l``, unnormalised
-  float32 accumulator), in the base-2 domain (``exp2``; the scale is folded
-  into one multiply). It writes ``out = acc / l`` and ``lse = (m + log2 l) ln 2``.
-  On a Hopper GPU the forward instead runs the warp-specialised Mosaic GPU
-  kernel of ``attention/mosaic_gpu.py`` for the calls its ``supports``
-  accepts (bf16/fp16, head_dim 64/128/256, no bias or segment ids); choose
-  with ``GpuBlockSizes.forward_kernel`` or ``PALLAS_KERNELS_ATTENTION_GPU_
-  FORWARD`` = auto | triton | mosaic (``forward_kernel()``). Interpret mode
-  always runs the Triton kernel.
-  Backward: two kernels that recompute ``p = exp(s - lse)``: a dq kernel (one
-  program per q block, loop over kv blocks; it also computes ``delta =
-  rowsum(dO * O)`` for its rows, saving a separate pass over O and dO, and
-  writes ``dS`` when the bias gradient is wanted) and a dk/dv kernel (one
-  program per kv block and kv head, looping over the query heads of its GQA
-  group and the q blocks; it reads delta back), so no atomics are needed.
-  Measured alternative (H100, bench_attention.py --sweep): one kernel adding
-  each block's dq share into a float32 buffer with Triton atomics does 5
-  matmuls instead of 7 but ran 3-8x slower (D=128: 12-31 ms against 3.6 ms),
-  the atomics' memory traffic dominating; it was dropped.
-  On a Hopper GPU the backward instead runs the two warp-specialised Mosaic
-  GPU kernels of ``attention/mosaic_gpu_bwd.py`` (same split, delta from one
-  XLA reduction) for the calls their ``supports`` accept (bf16/fp16,
-  head_dim 64/128, no bias or segment ids); choose with
-  ``GpuBlockSizes.backward_kernel`` or ``PALLAS_KERNELS_ATTENTION_GPU_
-  BACKWARD`` = auto | triton | mosaic (``backward_kernel()``). Interpret mode
-  always runs the Triton kernels.
-
-Semantics are those of ``pallas_kernels.attention.reference`` (shared with the
-TPU kernel): logits ``sm_scale * q.k`` in float32, optional soft cap
-``cap * tanh(s / cap)``, then the additive bias, then the mask (causal and
-sliding window aligned at the sequence ends, ``offset = Lk - Lq``; segment
-ids). Fully masked rows give ``out = 0``, ``lse = -inf`` and zero gradients.
-
-Block skipping, masking cost and launch order
-  Loop bounds come from the causal/window band, so kv blocks outside it are
-  never loaded (causal runs in about 0.6x the time of full attention at
-  L=4096 on the H100). Each loop is split
-  into masked edge blocks and unmasked interior blocks: only the edge blocks
-  pay for building the mask. Segment ids mask every visited block (their
-  structure is data, not known to the loop bounds). Under a causal mask the
-  programs' work differs up to L/block-fold; each head's heaviest blocks are
-  launched first, 16 blocks of every head at a time (``_LaunchOrder``,
-  ``GpuBlockSizes.band_chunk``), so that the light ones fill the tail while
-  programs running together still share a head's tiles in L2.
-
-Padding (where it costs speed)
-  Triton tiles need power-of-two sizes of at least 16, so ``Lq`` and ``Lk`` are
-  padded (``jnp.pad``, an extra copy of q/k/v) to multiples of the block sizes
-  and ``head_dim`` to the next power of two >= 16. Padded keys are masked,
-  padded queries dropped, padded feature columns are zeros (exact). Aligned
-  shapes (``L % 128 == 0``, ``head_dim`` in {16, 32, 64, 128, 256}) pay nothing.
-  A head_dim such as 80 or 96 wastes the padded fraction of the matmul work.
-
-Block sizes (``GpuBlockSizes``), by bytes per row (head_dim * itemsize);
-(block_q, block_k, num_warps, num_stages), tuned on an H100 (bf16, B=4,
-H=16, L=4096; bench/bench_attention.py --tune / --sweep) except the float32
-row, which was checked for correctness there, not tuned.
-  ==============  =====================  ==============  ==============
-  row bytes       forward                dq              dk/dv
-  ==============  =====================  ==============  ==============
-  <= 128 (D<=64)  128, 64, 4, 3          64, 64, 4, 2    64, 64, 4, 2
-  256 (D=128)     256, 64, 8, 3 full     64, 64, 4, 2    64, 64, 4, 2
-                  128, 64, 8, 3 banded
-                    or with a bias
-  512, bf16       128, 64, 8, 2          64, 32, 4, 2    64, 64, 8, 2
-   (D=256)        64, 32, 4, 2 w/ bias
-  other (f32)     64, 32, 4, 2           64, 32, 4, 2    32, 64, 4, 2
-  ==============  =====================  ==============  ==============
-  ("banded": causal or sliding window. With a bias the larger forward tiles
-  and their float32 bias tiles overflow the H100's 227 KiB of shared memory.
-  D=256: the dk/dv tile 64x64 with 8 warps halved the backward against
-  32x64 with 4 warps, 13.5 ms against 29.6 ms.) Blocks shrink to the
-  power-of-two (>= 16) sequence length for short inputs. Pass a
-  ``GpuBlockSizes`` as ``block_sizes`` to override any field; other values
-  (for instance the TPU kernel's block sizes) are ignored here.
-
-Measured (H100, bf16, B=4, H=16, L=4096; bench/results/attention-h100-*.json
-and attention_head_dims-h100-*.json have every peer). Speed relative to
-cuDNN (jax.nn.dot_product_attention), forward / forward+backward, with the
-Mosaic GPU forward and backward:
-  D=128  full 0.97 / 0.94-0.97   causal 1.13 / 0.96-0.98
-  D=64   full 1.09 / 1.01        causal 1.03 / 1.08
-  D=256  full 0.95 / 0.63 (Triton backward)
-  With the Triton backward instead, D=128 forward+backward is 0.81 (full)
-  and 0.86 (causal) of cuDNN; its backward (3.9 ms at D=128, full mask)
-  does not overlap its exp work with the matmuls (no warp specialisation in
-  the Triton lowering). The Mosaic GPU backward takes 3.0 ms there: its 7
-  matmuls run at about 630 TFLOP/s, so the remaining gap to cuDNN (which
-  does 5) is the recomputation of P in both kernels. The chunked causal
-  launch order took 6% off the Triton causal forward+backward.
+Forward (FlashAttention-2): one program per (q block, batch, head) keeps its
+q tile in registers and walks the kv blocks with ``lax.fori_loop``, doing the
+online softmax (running max ``m``, running sum ``l``, float32 accumulator) in
+base 2 (``exp2``, the scale folded into one multiply). It writes
+``out = acc / l`` and ``lse = (m + log2 l) ln 2``.
+Backward: two kernels recompute ``p = exp(s - lse)``, so no atomics are
+needed. The dq kernel (one program per q block, looping over kv blocks) also
+computes ``delta = rowsum(dO * O) - d_lse`` for its rows and writes ``dS``
+when the bias gradient is wanted; the dk/dv kernel (one program per kv block
+and kv head, looping over the GQA group's query heads and their q blocks)
+reads delta back.
+Masks: loop bounds come from the causal/window band, so kv blocks outside it
+are never loaded, and each loop splits into masked edge blocks and unmasked
+interior ones. Segment ids mask every visited block. Under a causal mask each
+head's heaviest blocks launch first, ``band_chunk`` blocks of every head at a
+time (``_LaunchOrder``), so light blocks fill the tail.
+Padding: Triton tiles need power-of-two sizes >= 16: Lq and Lk are padded to
+block multiples, head_dim to the next power of two (padded keys masked,
+padded queries dropped, padded features zero).
+Tiles (``GpuBlockSizes``: block_q, block_k, warps, stages) by the bytes of a
+q/k/v row (head_dim * itemsize); "banded": causal or sliding window:
+  row bytes   forward                          dq           dk/dv
+  <= 128      128,64,4,3                       64,64,4,2    64,64,4,2
+  256         256,64,8,3; banded/bias 128,..   64,64,4,2    64,64,4,2
+  512, bf16   128,64,8,2; bias 64,32,4,2       64,32,4,2    64,64,8,2
+  other       64,32,4,2                        64,32,4,2    32,64,4,2
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _compat, _mosaic_gpu
+from pallas_kernels import _compat
 
 pl = _compat.pl
 
@@ -135,11 +67,6 @@ class GpuBlockSizes:
   # of this many blocks per head (see _LaunchOrder); 0 keeps the plain
   # block-major order.
   band_chunk: int | None = None
-  # Forward kernel: None (auto), "triton" or "mosaic"; see forward_kernel().
-  forward_kernel: str | None = None
-  # Backward kernels: None (auto), "triton" or "mosaic"; see
-  # backward_kernel().
-  backward_kernel: str | None = None
 
   def resolved(self, row_bytes: int, banded: bool, bias: bool = False,
                itemsize: int = 2) -> "GpuBlockSizes":
@@ -151,10 +78,10 @@ class GpuBlockSizes:
     """
     if row_bytes <= 128:  # head_dim <= 64 in bf16
       fwd, dq, dkv = (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)
-    elif row_bytes <= 256:  # head_dim 128 in bf16 (tuned on the H100)
+    elif row_bytes <= 256:  # head_dim 128 in bf16
       fwd = (128, 64, 8, 3) if banded or bias else (256, 64, 8, 3)
       dq, dkv = (64, 64, 4, 2), (64, 64, 4, 2)
-    elif row_bytes <= 512 and itemsize == 2:  # head_dim 256 in bf16 (H100)
+    elif row_bytes <= 512 and itemsize == 2:  # head_dim 256 in bf16
       fwd = (64, 32, 4, 2) if bias else (128, 64, 8, 2)
       dq, dkv = (64, 32, 4, 2), (64, 64, 8, 2)
     else:  # float32 with head_dim >= 128, or wider: keep tiles in smem
@@ -166,17 +93,7 @@ class GpuBlockSizes:
     defaults["band_chunk"] = 16
     values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     for name, value in values.items():
-      if name == "forward_kernel":
-        if value is not None and value not in FORWARD_KERNELS:
-          raise ValueError(f"GpuBlockSizes.forward_kernel={value!r}: must be "
-                           f"None or one of {FORWARD_KERNELS}")
-        values[name] = forward_kernel(self)
-      elif name == "backward_kernel":
-        if value is not None and value not in FORWARD_KERNELS:
-          raise ValueError(f"GpuBlockSizes.backward_kernel={value!r}: must "
-                           f"be None or one of {FORWARD_KERNELS}")
-        values[name] = backward_kernel(self)
-      elif value is None:
+      if value is None:
         values[name] = defaults[name]
       elif name.startswith("block") and (value < MIN_BLOCK
                                          or value & (value - 1)):
@@ -472,82 +389,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
   lse_ref[...] = jnp.where(empty, NEG_INF, (m + jnp.log2(l)) * LN2)
 
 
-FORWARD_KERNEL_ENV_VAR = "PALLAS_KERNELS_ATTENTION_GPU_FORWARD"
-FORWARD_KERNELS = ("auto", "triton", "mosaic")
-
-
-def forward_kernel(block_sizes=None) -> str:
-  """Which forward kernel the GPU path asks for: "auto", "triton", "mosaic".
-
-  ``GpuBlockSizes.forward_kernel`` wins, then the environment variable
-  ``PALLAS_KERNELS_ATTENTION_GPU_FORWARD``, else "auto". "auto" and "mosaic"
-  both run the Mosaic GPU kernel (``attention/mosaic_gpu.py``) on a Hopper
-  GPU for the calls its ``supports`` accepts, and Triton otherwise; "triton"
-  never uses it. Read at trace time.
-  """
-  choice = getattr(block_sizes, "forward_kernel", None)
-  if choice is None:
-    choice = os.environ.get(FORWARD_KERNEL_ENV_VAR, "").strip().lower() or "auto"
-  if choice not in FORWARD_KERNELS:
-    raise ValueError(f"attention GPU forward kernel {choice!r}: expected one "
-                     f"of {FORWARD_KERNELS} (GpuBlockSizes.forward_kernel or "
-                     f"{FORWARD_KERNEL_ENV_VAR})")
-  return choice
-
-
-BACKWARD_KERNEL_ENV_VAR = "PALLAS_KERNELS_ATTENTION_GPU_BACKWARD"
-
-
-def backward_kernel(block_sizes=None) -> str:
-  """Which backward kernels the GPU path asks for: "auto", "triton",
-  "mosaic".
-
-  As ``forward_kernel``, from ``GpuBlockSizes.backward_kernel`` or
-  ``PALLAS_KERNELS_ATTENTION_GPU_BACKWARD``: "auto" and "mosaic" run the
-  Mosaic GPU dq and dk/dv kernels (``attention/mosaic_gpu_bwd.py``) on a
-  Hopper GPU where their ``supports`` accept the call; "triton" never does.
-  """
-  choice = getattr(block_sizes, "backward_kernel", None)
-  if choice is None:
-    choice = (os.environ.get(BACKWARD_KERNEL_ENV_VAR, "").strip().lower()
-              or "auto")
-  if choice not in FORWARD_KERNELS:
-    raise ValueError(f"attention GPU backward kernel {choice!r}: expected one "
-                     f"of {FORWARD_KERNELS} (GpuBlockSizes.backward_kernel "
-                     f"or {BACKWARD_KERNEL_ENV_VAR})")
-  return choice
-
-
-def _mosaic_backward(q, k, v, q_seg, bias, block_sizes):
-  """The Mosaic GPU backward module when it should run this backward, else
-  None."""
-  if backward_kernel(block_sizes) == "triton" or not _is_hopper():
-    return None
-  try:
-    from pallas_kernels.attention import mosaic_gpu_bwd
-  except Exception:  # absent or broken on this jax: Triton it is
-    return None
-  if mosaic_gpu_bwd.supports(q, k, v, q_seg, bias) is not True:
-    return None
-  return mosaic_gpu_bwd
-
-
-_is_hopper = _mosaic_gpu.is_hopper  # a module name, so tests can patch it
-
-
-def _mosaic_forward(q, k, v, q_seg, kv_seg, bias, block_sizes, kwargs):
-  """The Mosaic GPU module when it should run this forward, else None."""
-  if forward_kernel(block_sizes) == "triton" or not _is_hopper():
-    return None
-  try:
-    from pallas_kernels.attention import mosaic_gpu
-  except Exception:  # absent or broken on this jax: Triton it is
-    return None
-  if mosaic_gpu.supports(q, k, v, q_seg, kv_seg, bias, **kwargs) is not True:
-    return None
-  return mosaic_gpu
-
-
 def _prepare(q, k, v, q_segment_ids, kv_segment_ids, bias, bq, bk, dp):
   """Pads sequences to tile multiples and head_dim to ``dp`` (zeros)."""
   lq_pad = _round_up(q.shape[2], bq)
@@ -622,23 +463,15 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
             interpret):
   """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32).
 
-  On a Hopper GPU the Mosaic GPU kernel runs the calls it supports (see
-  ``forward_kernel``); everything else, and interpret mode, runs the Triton
-  kernel below.
+  q [B, H, Lq, D]; k, v [B, Hk, Lk, D]; segment ids [B, Lq] / [B, Lk] or
+  None; bias [B or 1, H or 1, Lq, Lk] or None; the window already split into
+  ``window_left``/``window_right`` (None: unbounded); no dimension empty
+  (``flash_attention`` answers those itself). ``block_sizes``: a
+  ``GpuBlockSizes`` (anything else: the defaults). ``interpret``: run in
+  Pallas' interpreter.
   """
   batch, heads, lq, dim = q.shape
   lk = k.shape[2]
-  if lq == 0 or lk == 0 or dim == 0 or batch == 0:
-    return (jnp.zeros(q.shape, q.dtype),
-            jnp.full((batch, heads, lq), NEG_INF, jnp.float32))
-  kwargs = dict(sm_scale=sm_scale, causal=causal, window_left=window_left,
-                window_right=window_right, logit_soft_cap=logit_soft_cap)
-  if not interpret:
-    mosaic = _mosaic_forward(q, k, v, q_segment_ids, kv_segment_ids, bias,
-                             block_sizes, kwargs)
-    if mosaic is not None:
-      return mosaic.forward(q, k, v, q_segment_ids, kv_segment_ids, bias,
-                            block_sizes=None, interpret=False, **kwargs)
   group, dp, segments, mask, sizes = _geometry(
       q, k, q_segment_ids, bias, causal=causal, window_left=window_left,
       window_right=window_right, block_sizes=block_sizes)
@@ -789,36 +622,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
-             sm_scale, causal, window_left, window_right, logit_soft_cap,
-             block_sizes, interpret, d_lse=None):
+def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
+             d_lse, *, sm_scale, causal, window_left, window_right,
+             logit_soft_cap, block_sizes, interpret):
   """Attention backward: (dq, dk, dv, dbias or None) for ``forward``'s output.
 
-  ``d_lse`` (optional, [B, H, Lq]) is the cotangent of lse: since
-  d lse_i / d s_ij = p_ij it only shifts delta (ds = p * (dp - delta + d_lse)).
+  ``out``/``lse`` may come from any forward kernel (lse natural-log, -inf for
+  rows without keys). ``d_lse`` ([B, H, Lq] or None) is the cotangent of
+  lse: since d lse_i / d s_ij = p_ij it only shifts delta
+  (ds = p * (dp - delta + d_lse)).
   """
   batch, heads, lq, dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
   dbias_wanted = bias is not None
-  if lq == 0 or lk == 0 or dim == 0 or batch == 0:
-    return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v),
-            None if bias is None else jnp.zeros_like(bias))
   group, dp, segments, mask, sizes = _geometry(
       q, k, q_segment_ids, bias, causal=causal, window_left=window_left,
       window_right=window_right, block_sizes=block_sizes)
-  mosaic = None if interpret else _mosaic_backward(
-      q, k, v, q_segment_ids, bias, block_sizes)
-  unpadded = (q, k, v, d_out, lse)
-  mask_kwargs = dict(sm_scale=sm_scale, causal=causal,
-                     window_left=window_left, window_right=window_right,
-                     logit_soft_cap=logit_soft_cap)
-  if mosaic is not None and mosaic.DQ_KERNEL and mosaic.supports_dq(
-      q, k, v) is True:
-    # Both Mosaic GPU kernels; delta = rowsum(dO * O) - d_lse in XLA.
-    delta = mosaic.delta_of(out, d_out, d_lse)
-    dq = mosaic.dq(*unpadded, delta, **mask_kwargs)
-    dk, dv = mosaic.dkv(*unpadded, delta, **mask_kwargs)
-    return dq, dk, dv, None
   bq_dq = _fit_block(sizes.block_q_dq, lq)
   bk_dq = _fit_block(sizes.block_k_dq, lk)
   bq_kv = _fit_block(sizes.block_q_dkv, lq)
@@ -843,10 +662,6 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out, *,
       q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, sizes=sizes,
       mask=mask, bq=bq_dq, bk=bk_dq, group=group, dbias_wanted=dbias_wanted,
       sm_scale=sm_scale, soft_cap=logit_soft_cap, interpret=interpret)
-  if mosaic is not None:
-    dk, dv = mosaic.dkv(*unpadded, delta, **mask_kwargs)
-    return _crop(dq, (batch, heads, lq, dim)), dk, dv, None
-
   # dk, dv: grid over kv blocks and kv heads; loops over the group's q heads.
   order = _launch_order(lk_pad // bk_kv, batch, kv_heads, mask, sizes,
                         heavy_last=False)
