@@ -19,7 +19,7 @@ from hypothesis import example, given, strategies as st
 
 import pallas_kernels as pk
 from pallas_kernels import _compat, force_interpret
-from pallas_kernels.int8 import api, block_sizes as bs, gpu, reference
+from pallas_kernels.int8 import api, block_sizes as bs, reference, triton
 
 MAX_K = api.MAX_INT8_K
 HALF_ULP = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11, jnp.float32: 2.0**-24}
@@ -80,7 +80,7 @@ def test_raw_int32_bit_exact_gpu_kernel(rng, x_shape, n, blocks):
   x = int8_values(rng, x_shape).reshape(-1, x_shape[-1])
   w = int8_values(rng, (x_shape[-1], n))
   block = None if blocks is None else bs.BlockSizes(16, 64, 32)
-  out = gpu.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
+  out = triton.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
                    mode="raw", out_dtype=None, block_sizes=block,
                    interpret=True)
   np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
@@ -133,7 +133,7 @@ def test_gpu_kernel_k_major_weights_and_split_k(rng, mode, split_k):
   w = jnp.asarray(int8_values(rng, (k, n)))
   ws = jnp.asarray(rng.uniform(1e-3, 2e-3, (1, n)), jnp.float32)
   ws = None if mode == "raw" else ws
-  run = functools.partial(gpu.matmul, x, w, None, ws, None, mode=mode,
+  run = functools.partial(triton.matmul, x, w, None, ws, None, mode=mode,
                           out_dtype=jnp.float32, interpret=True)
   kmajor = run(block_sizes=bs.BlockSizes(16, 64, 32, 4, 3, w_kmajor=True,
                                          split_k=split_k))
@@ -165,7 +165,7 @@ def test_gpu_weight_only_decode_variants(rng, layout, switches):
   ws = rng.uniform(0.5, 1.5, (1, n)).astype(np.float32)
   bias = rng.standard_normal((1, n)).astype(np.float32)
   blocks = bs.BlockSizes(16, 32, 64, 4, 3, **switches)
-  out = gpu.matmul(x, jnp.asarray(w if layout == "kn" else w.T.copy()), None,
+  out = triton.matmul(x, jnp.asarray(w if layout == "kn" else w.T.copy()), None,
                    jnp.asarray(ws), jnp.asarray(bias), mode="weight_only",
                    out_dtype=jnp.float32, block_sizes=blocks, w_layout=layout,
                    interpret=True)
@@ -182,7 +182,7 @@ def test_gpu_weight_only_decode_variants(rng, layout, switches):
 def test_gpu_staggered_k_order_keeps_raw_exact(rng):
   x, w = int8_values(rng, (20, 300)), int8_values(rng, (300, 40))
   blocks = bs.BlockSizes(16, 32, 32, 4, 3, split_k=3, stagger_k=True)
-  out = gpu.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
+  out = triton.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
                    mode="raw", out_dtype=None, block_sizes=blocks,
                    interpret=True)
   np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
@@ -214,14 +214,14 @@ def test_gpu_int8_via_bf16_is_exact_at_its_worst_case(rng):
   x[1:] = int8_values(rng, (15, k))
   w = np.full((k, 32), -128, np.int8)
   w[:, 1:] = int8_values(rng, (k, 31))
-  out = gpu.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
+  out = triton.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
                    mode="raw", out_dtype=None, interpret=True,
                    block_sizes=bs.BlockSizes(16, 1024, 32, int8_via_bf16=True,
                                              split_k=2))
   np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
   assert int(out[0, 0]) == k * 128 * 128
   with pytest.raises(ValueError, match="exact only for bk <= 1024"):
-    gpu.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None, mode="raw",
+    triton.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None, mode="raw",
                out_dtype=None, interpret=True,
                block_sizes=bs.BlockSizes(16, 2048, 32, int8_via_bf16=True))
 
@@ -234,7 +234,7 @@ def test_gpu_transpose_is_exact(rng, monkeypatch, transpose, shape):
   # (100, 64) is no tile multiple: XLA's transpose stands in.
   monkeypatch.setattr(bs, "GPU_TRANSPOSE", transpose)
   w = int8_values(rng, shape)
-  out = gpu.transpose(jnp.asarray(w), interpret=True)
+  out = triton.transpose(jnp.asarray(w), interpret=True)
   assert out.dtype == jnp.int8
   np.testing.assert_array_equal(np.asarray(out), w.T)
 
@@ -242,7 +242,7 @@ def test_gpu_transpose_is_exact(rng, monkeypatch, transpose, shape):
 def test_gpu_k_major_path_with_packed_transpose(rng, monkeypatch):
   monkeypatch.setattr(bs, "GPU_TRANSPOSE", ("packed", 64, 64, 4))
   x, w = int8_values(rng, (20, 128)), int8_values(rng, (128, 192))
-  out = gpu.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
+  out = triton.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
                    mode="raw", out_dtype=None, interpret=True,
                    block_sizes=bs.BlockSizes(16, 64, 64, w_kmajor=True))
   np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
@@ -251,7 +251,7 @@ def test_gpu_k_major_path_with_packed_transpose(rng, monkeypatch):
 @pytest.mark.parametrize("ni,nj,group_m", [(5, 3, 2), (7, 4, 8), (1, 6, 4),
                                           (8, 2, 4)])
 def test_gpu_grouped_tile_order_visits_every_tile_once(ni, nj, group_m):
-  grid, tile = gpu._tile_order(ni, nj, group_m)
+  grid, tile = triton._tile_order(ni, nj, group_m)
   seen = [tuple(int(v) for v in tile(jnp.int32(p), jnp.int32(q)))
           for p in range(grid[0]) for q in range(grid[1])]
   assert sorted(seen) == [(i, j) for i in range(ni) for j in range(nj)]
@@ -264,7 +264,7 @@ def test_gpu_grouped_order_raw_exact_and_dequant(rng):
   m, k, n = 70, 200, 100
   x, w = int8_values(rng, (m, k)), int8_values(rng, (k, n))
   blocks = bs.BlockSizes(16, 64, 32, 4, 3, split_k=2, group_m=2)
-  out = gpu.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
+  out = triton.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
                    mode="raw", out_dtype=None, interpret=True,
                    block_sizes=blocks)
   np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
@@ -272,7 +272,7 @@ def test_gpu_grouped_order_raw_exact_and_dequant(rng):
   ws = rng.uniform(1e-3, 2e-3, (1, n)).astype(np.float32)
   bias = rng.standard_normal((1, n)).astype(np.float32)
   blocks = bs.BlockSizes(16, 64, 32, 4, 3, w_kmajor=True, group_m=3)
-  out = gpu.matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(xs),
+  out = triton.matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(xs),
                    jnp.asarray(ws), jnp.asarray(bias), mode="dequant",
                    out_dtype=jnp.float32, interpret=True, block_sizes=blocks)
   check_dequant(out, exact_int(x, w), xs, ws, bias, jnp.float32)
@@ -323,7 +323,7 @@ def test_dequant_variants_gpu_kernel(rng, mode_kwargs):
   ws = rng.uniform(1e-3, 2e-3, (1, n)).astype(np.float32)
   bias = rng.standard_normal((1, n)).astype(np.float32)
   out_dtype = mode_kwargs.get("out_dtype", jnp.bfloat16)
-  out = gpu.matmul(
+  out = triton.matmul(
       jnp.asarray(x), jnp.asarray(w),
       jnp.asarray(xs) if mode_kwargs.get("x_scale") else None,
       jnp.asarray(ws) if mode_kwargs.get("w_scale") else None,
@@ -375,7 +375,7 @@ def test_weight_only_w8a16(rng, x_dtype):
                                     bias=jnp.asarray(bias), weight_only=True,
                                     block_sizes=(32, 128, 128),
                                     backend="interpret"),
-      "gpu": lambda: gpu.matmul(
+      "gpu": lambda: triton.matmul(
           x.astype(jnp.float32) if x_dtype == jnp.float16 else x,
           jnp.asarray(w), None, jnp.asarray(ws).reshape(1, n),
           jnp.asarray(bias).reshape(1, n), mode="weight_only",
@@ -594,7 +594,7 @@ def test_bad_block_sizes_for_a_kernel_raise():
   with pytest.raises(ValueError, match="block_sizes.bk=96 must be a multiple of 128"):
     pk.int8_matmul(x, w, block_sizes=(32, 96, 128), backend="interpret")
   with pytest.raises(ValueError, match="power of two"):
-    gpu.matmul(x, w, None, None, None, mode="raw", out_dtype=None,
+    triton.matmul(x, w, None, None, None, mode="raw", out_dtype=None,
                block_sizes=bs.BlockSizes(32, 96, 128), interpret=True)
 
 
@@ -664,7 +664,7 @@ def _gpu_call(x, w, *, layout, x_scale=None, w_scale=None, bias=None,
   out_dtype = out_dtype or (jnp.int32 if mode == "raw" else x.dtype)
   ws = None if w_scale is None else w_scale.reshape(1, -1)
   b = None if bias is None else bias.reshape(1, -1)
-  return gpu.matmul(x, w, x_scale, ws, b, mode=mode, out_dtype=out_dtype,
+  return triton.matmul(x, w, x_scale, ws, b, mode=mode, out_dtype=out_dtype,
                     w_layout=layout, interpret=True)
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from pallas_kernels import _compat
 from pallas_kernels.int8 import block_sizes as bs
-from pallas_kernels.int8 import gpu, mosaic_gpu
+from pallas_kernels.int8 import mosaic_gpu, triton
 
 INTERPRET = mosaic_gpu.interpret_params()
 needs_interpreter = pytest.mark.skipif(
@@ -191,9 +191,9 @@ def test_env_choice(monkeypatch):
 
 
 def test_gpu_path_picks_mosaic_only_on_hopper(monkeypatch):
-  """Which weight-only kernel gpu.matmul traces (decided at trace time)."""
+  """Which weight-only kernel triton.matmul traces (decided at trace time)."""
   def picked(m, block_sizes=None, mode="weight_only", w_layout="nk"):
-    return gpu._mosaic_weight_only(
+    return triton._mosaic_weight_only(
         _sds((m, 512), jnp.bfloat16), _sds((256, 512), jnp.int8), None,
         mode=mode, w_layout=w_layout, block_sizes=block_sizes)
 
@@ -201,7 +201,7 @@ def test_gpu_path_picks_mosaic_only_on_hopper(monkeypatch):
   assert picked(128) is None  # no Hopper GPU here
   if mosaic_gpu.api_missing() is not None:
     return
-  monkeypatch.setattr(gpu, "_is_hopper", lambda: True)
+  monkeypatch.setattr(triton, "_is_hopper", lambda: True)
   low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
   assert picked(high) is mosaic_gpu and picked(low) is mosaic_gpu
   assert picked(low - 1) is None  # auto leaves small M to Triton
@@ -218,7 +218,7 @@ def test_gpu_path_picks_mosaic_only_on_hopper(monkeypatch):
 def test_gpu_interpret_path_unchanged(rng):
   """backend interpret / generic never takes the Mosaic kernel."""
   x, w, w_scale, _ = _inputs(rng, 5, 96, 40)
-  out = gpu.matmul(x, w, None, w_scale, None, mode="weight_only",
+  out = triton.matmul(x, w, None, w_scale, None, mode="weight_only",
                    out_dtype=jnp.float32, w_layout="nk", interpret=True)
   _check(out, _float64(x, w, w_scale, None), jnp.float32)
 

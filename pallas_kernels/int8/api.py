@@ -33,7 +33,7 @@ is the same as with w.T in the default "kn" layout. Store inference weights
 this way on GPUs: Hopper's int8 tensor cores read both operands K-major, so
 a [K, N] weight costs one transpose per call (~9% of an 8192^3 product);
 an [N, K] one costs none. Weight-only decode (M <= 64) also streams an
-[N, K] w ~10-15% faster on an H100 (gpu.py). TPUs read either layout at the
+[N, K] w ~10-15% faster on an H100 (triton.py). TPUs read either layout at the
 same speed.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ import numpy as np
 
 from pallas_kernels import _backend, _sharding
 from pallas_kernels.int8 import block_sizes as bs
-from pallas_kernels.int8 import gpu, mosaic_tpu, reference
+from pallas_kernels.int8 import mosaic_tpu, reference, triton
 
 MAX_INT8_K = (2**31 - 1) // (128 * 128)  # 131071
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -269,7 +269,7 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
         {"mosaic_tpu": functools.partial(mosaic_tpu.matmul, **static,
                                          block_sizes=user_blocks,
                                          generation=generation),
-         "gpu": functools.partial(gpu.matmul, **static,
+         "gpu": functools.partial(triton.matmul, **static,
                                   block_sizes=user_blocks),
          "reference": ref},
         x2, w, x_scale, w_scale, bias,

@@ -33,7 +33,7 @@ dimension), K tiles divide K (K is zero-padded to a multiple of 128 only
 when it is not one and exceeds the tile), and a config over the budget is
 shrunk by halving its largest tile dimension.
 
-GPU (Triton): see GPU_TABLE below and gpu.py for the switches.
+GPU (Triton): see GPU_TABLE below and triton.py for the switches.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class BlockSizes:
   bn: int
   num_warps: int | None = None
   num_stages: int | None = None
-  w_kmajor: bool | None = None   # GPU: feed the kernel w.T (see gpu.py)
+  w_kmajor: bool | None = None   # GPU: feed the kernel w.T (see triton.py)
   split_k: int | None = None     # GPU: K split over this many programs
   int8_via_bf16: bool | None = None  # GPU: exact int8 dots on bf16 units
   group_m: int | None = None     # GPU: row tiles per band of program order
@@ -91,11 +91,11 @@ MEDIUM_MAX_M = 1024
 
 # GPU (Triton) configs per shape class of M, for int8 x and for weight-only
 # (float x). Every tile dimension is a power of two (a Triton requirement);
-# M, N, K are zero-padded to tile multiples. Fields, gpu.py explains each:
+# M, N, K are zero-padded to tile multiples. Fields, triton.py explains each:
 #   bm, bk, bn, num_warps, num_stages; w_kmajor (feed w.T); split_k (0:
 #   auto, enough programs for two waves); int8_via_bf16; group_m (program
 #   order in bands of group_m row tiles); swap_ab, stream_w, stagger_k
-#   (weight-only switches, gpu.py).
+#   (weight-only switches, triton.py).
 # Chosen from sweeps on an H100 (bench/results/int8_matmul_sweep-h100-*):
 # K-major w is 3-9x faster for the int8 MMA once M pays for the transpose;
 # at 8192^3 128x128x256 with 8 warps, 3 stages and bands of 16 row tiles
@@ -133,7 +133,7 @@ GPU_TABLE_WEIGHT_ONLY_NK = dict(
 # unswapped); split 2 where split 1 fills the GPU cost 30%.
 GPU_WEIGHT_ONLY_TARGET_PROGRAMS = {"decode": 192, "small": 112}
 GPU_WEIGHT_ONLY_SMALL_MAX_M = 256
-# The per-call transpose of w for w_kmajor (gpu.transpose): (kind, tile_k,
+# The per-call transpose of w for w_kmajor (triton.transpose): (kind, tile_k,
 # tile_n, num_warps), kind "xla" or "packed". At 8192^2 on the H100 XLA's
 # and ("packed", 128, 128, 4) tied at 104 us; other packed tiles 138-196 us.
 GPU_TRANSPOSE = ("xla", 0, 0, 0)

@@ -544,7 +544,7 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
            block_sizes=None, interpret=False):
   """Weight-only x2 [M, K] bf16 @ w [N, K] int8 -> [M, N] out_dtype.
 
-  Same contract as ``gpu.matmul``; call only where ``supports`` is True.
+  Same contract as ``triton.matmul``; call only where ``supports`` is True.
   ``interpret``: False on a GPU, an ``InterpretGPUParams`` (or True) to run
   in the Mosaic GPU interpreter.
   """
