@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _compat
+from pallas_kernels import _backend, _compat
+from pallas_kernels.int8 import api, mosaic_gpu
 from pallas_kernels.int8 import block_sizes as bs
-from pallas_kernels.int8 import mosaic_gpu, triton
 
 INTERPRET = mosaic_gpu.interpret_params()
 needs_interpreter = pytest.mark.skipif(
@@ -79,9 +79,9 @@ def test_supports_declines_what_it_does_not_implement():
   if mosaic_gpu.api_missing() is not None:
     assert isinstance(_supports(16, 256, 128), str)
     return
-  assert _supports(16, 256, 128) is True
-  assert _supports(1, 64, 1) is True
-  assert _supports(128, 4096, 14336) is True
+  assert _supports(16, 256, 128) is None
+  assert _supports(1, 64, 1) is None
+  assert _supports(128, 4096, 14336) is None
   cases = [dict(w_layout="kn"), dict(x_dtype=jnp.float32),
            dict(x_dtype=jnp.float16), dict(mode="dequant"),
            dict(x_scale=_sds((16, 1), jnp.float32))]
@@ -179,48 +179,35 @@ def test_gpu_kernel_lowers_for_cuda_on_a_cpu_host(m, k, n, sizes):
 
 # -------------------------------------------------------------- wiring --
 
-def test_env_choice(monkeypatch):
-  monkeypatch.delenv(mosaic_gpu.ENV_WEIGHT_ONLY, raising=False)
-  assert mosaic_gpu.choice() == "auto"
-  for value in ("triton", "MOSAIC", " auto "):
-    monkeypatch.setenv(mosaic_gpu.ENV_WEIGHT_ONLY, value)
-    assert mosaic_gpu.choice() == value.strip().lower()
-  monkeypatch.setenv(mosaic_gpu.ENV_WEIGHT_ONLY, "cuda")
-  with pytest.raises(ValueError, match=mosaic_gpu.ENV_WEIGHT_ONLY):
-    mosaic_gpu.choice()
+def _picked(m, backend=None, block_sizes=None, mode="weight_only",
+            w_layout="nk"):
+  """The kernel int8_matmul's chooser takes for a CUDA lowering."""
+  w_shape = (256, 512) if w_layout == "nk" else (512, 256)
+  static = dict(mode=mode, out_dtype=jnp.bfloat16, w_layout=w_layout)
+  rows = api._matmul_kernels(_sds((m, 512), jnp.bfloat16),
+                             _sds(w_shape, jnp.int8), None, static,
+                             block_sizes, None)
+  return _backend.choose("int8_matmul", backend, rows, platform="cuda")[0].name
 
 
-def test_gpu_path_picks_mosaic_only_on_hopper(monkeypatch):
-  """Which weight-only kernel triton.matmul traces (decided at trace time)."""
-  def picked(m, block_sizes=None, mode="weight_only", w_layout="nk"):
-    return triton._mosaic_weight_only(
-        _sds((m, 512), jnp.bfloat16), _sds((256, 512), jnp.int8), None,
-        mode=mode, w_layout=w_layout, block_sizes=block_sizes)
-
-  monkeypatch.delenv(mosaic_gpu.ENV_WEIGHT_ONLY, raising=False)
-  assert picked(128) is None  # no Hopper GPU here
-  if mosaic_gpu.api_missing() is not None:
-    return
-  monkeypatch.setattr(triton, "_is_hopper", lambda: True)
-  low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
-  assert picked(high) is mosaic_gpu and picked(low) is mosaic_gpu
-  assert picked(low - 1) is None  # auto leaves small M to Triton
-  assert picked(128, block_sizes=bs.BlockSizes(16, 64, 64)) is None
-  assert picked(128, w_layout="kn") is None
-  assert picked(128, mode="dequant") is None
-  monkeypatch.setenv(mosaic_gpu.ENV_WEIGHT_ONLY, "mosaic")
-  assert picked(16) is mosaic_gpu
-  assert picked(129) is None  # beyond what the kernel supports
-  monkeypatch.setenv(mosaic_gpu.ENV_WEIGHT_ONLY, "triton")
-  assert picked(128) is None
-
-
-def test_gpu_interpret_path_unchanged(rng):
-  """backend interpret / generic never takes the Mosaic kernel."""
-  x, w, w_scale, _ = _inputs(rng, 5, 96, 40)
-  out = triton.matmul(x, w, None, w_scale, None, mode="weight_only",
-                   out_dtype=jnp.float32, w_layout="nk", interpret=True)
-  _check(out, _float64(x, w, w_scale, None), jnp.float32)
+def test_chooser_takes_mosaic_only_on_hopper_in_its_m_range():
+  assert _picked(128) == "triton"  # no Hopper GPU here
+  with pytest.raises(ValueError, match="needs a Hopper GPU"):
+    _picked(128, backend="mosaic_gpu")
+  with _backend.target_override(gpu_capability="9.0"):
+    if mosaic_gpu.api_missing() is not None:
+      assert _picked(128) == "triton"
+      return
+    low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+    assert _picked(high) == _picked(low) == "mosaic_gpu"
+    assert _picked(high, backend="gpu") == "mosaic_gpu"
+    assert _picked(low - 1) == _picked(low - 1, backend="gpu") == "triton"
+    with pytest.raises(ValueError, match=rf"M={low - 1} is outside "
+                       rf"\[{low}, {high}\], where the Triton kernel"):
+      _picked(low - 1, backend="mosaic_gpu")
+    assert _picked(128, block_sizes=bs.BlockSizes(16, 64, 64)) == "triton"
+    assert _picked(128, w_layout="kn") == "triton"
+    assert _picked(128, mode="dequant") == "triton"
 
 
 # ------------------------------------------------- interpreter semantics --

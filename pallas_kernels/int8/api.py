@@ -47,7 +47,7 @@ import numpy as np
 
 from pallas_kernels import _backend, _sharding
 from pallas_kernels.int8 import block_sizes as bs
-from pallas_kernels.int8 import mosaic_tpu, reference, triton
+from pallas_kernels.int8 import mosaic_gpu, mosaic_tpu, reference, triton
 
 MAX_INT8_K = (2**31 - 1) // (128 * 128)  # 131071
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -96,13 +96,6 @@ def quantize_int8(x, *, axis=-1, backend=None):
   xla = functools.partial(reference.quantize_xla, axis=axis)
   if axis is None or axis != x.ndim - 1 or x.size == 0:
     return xla(x)
-
-  def rows(kernel):
-    def run(x_):
-      q, s = kernel(x_.reshape(-1, x_.shape[-1]))
-      return q.reshape(x_.shape), s.reshape(x_.shape[:-1] + (1,))
-    return run
-
   rows_rule = _sharding.make_rule(
       "quantize_int8",
       [("x", " ".join(f"a{i}" for i in range(x.ndim - 1)) + " r")],
@@ -110,12 +103,16 @@ def quantize_int8(x, *, axis=-1, backend=None):
        " ".join(f"a{i}" for i in range(x.ndim - 1)) + " one"],
       split=" ".join(f"a{i}" for i in range(x.ndim - 1)),
       helper="jax.shard_map", names={"r": "quantized (last)"})
+  def tpu(x_, interpret=None):
+    q, s = mosaic_tpu.quantize_rows(x_.reshape(-1, x_.shape[-1]),
+                                    interpret=interpret or False)
+    return q.reshape(x_.shape), s.reshape(x_.shape[:-1] + (1,))
+
+  if backend == "gpu":  # no GPU kernel: XLA fuses the reference into one
+    backend = "reference"
   return _backend.dispatch(
       "quantize_int8", backend,
-      {"mosaic_tpu": lambda x_, interpret=False: rows(functools.partial(
-          mosaic_tpu.quantize_rows, interpret=interpret))(x_),
-       "gpu": xla,
-       "reference": xla},
+      [_backend.Kernel("mosaic_tpu", tpu), _backend.Kernel("reference", xla)],
       x, rule=rows_rule)
 
 
@@ -190,7 +187,8 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
     weight_only: float x is multiplied by the dequantized w (w8a16).
     weight_layout: "kn" (w is [K, N]) or "nk" (w is [N, K], no transpose
       per call on GPUs; see the module docstring).
-    backend: None, "mosaic_tpu", "gpu", "interpret" or "reference".
+    backend: None (chosen per platform), "mosaic_tpu", "triton",
+      "mosaic_gpu", "gpu" (the best GPU kernel), "interpret" or "reference".
   """
   _check_array("x", x)
   _check_array("w", w)
@@ -266,15 +264,46 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
   else:
     out = _backend.dispatch(
         "int8_matmul", backend,
-        {"mosaic_tpu": functools.partial(mosaic_tpu.matmul, **static,
-                                         block_sizes=user_blocks,
-                                         generation=generation),
-         "gpu": functools.partial(triton.matmul, **static,
-                                  block_sizes=user_blocks),
-         "reference": ref},
+        _matmul_kernels(x2, w, x_scale, static, user_blocks, generation),
         x2, w, x_scale, w_scale, bias,
         rule=_matmul_rule(weight_layout, x_scale, w_scale, bias))
   return out.reshape(batch + (n,))
+
+
+def _matmul_kernels(x2, w, x_scale, static, user_blocks, generation):
+  """int8_matmul's implementations for one normalized call, best first."""
+  def tpu(*arrays, interpret=None):
+    return mosaic_tpu.matmul(*arrays, **static, block_sizes=user_blocks,
+                             generation=generation,
+                             interpret=interpret or False)
+
+  def mgpu(*arrays, interpret=None):
+    return mosaic_gpu.matmul(*arrays, **static, interpret=interpret or False)
+
+  def triton_(*arrays, interpret=None):
+    return triton.matmul(*arrays, **static, block_sizes=user_blocks,
+                         interpret=interpret or False)
+
+  def mgpu_supports():
+    why = mosaic_gpu.supports(x2, w, x_scale, mode=static["mode"],
+                              w_layout=static["w_layout"])
+    low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+    m = x2.shape[0]
+    if why is None and not low <= m <= high:
+      why = (f"M={m} is outside [{low}, {high}], where the Triton kernel is "
+             "faster")
+    if why is None and user_blocks is not None:
+      why = "block_sizes are for the Triton and TPU kernels"
+    return why
+
+  return [
+      _backend.Kernel("mosaic_tpu", tpu),
+      _backend.Kernel("mosaic_gpu", mgpu, supports=mgpu_supports,
+                      hardware=mosaic_gpu.hardware),
+      _backend.Kernel("triton", triton_),
+      _backend.Kernel("reference", functools.partial(reference.matmul_2d,
+                                                     **static)),
+  ]
 
 
 def _matmul_rule(weight_layout, x_scale, w_scale, bias):

@@ -40,8 +40,6 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-import jax
-
 MiB = 1 << 20
 
 
@@ -138,8 +136,7 @@ GPU_WEIGHT_ONLY_SMALL_MAX_M = 256
 # and ("packed", 128, 128, 4) tied at 104 us; other packed tiles 138-196 us.
 GPU_TRANSPOSE = ("xla", 0, 0, 0)
 # Weight-only calls with w [N, K], bf16 x and M in this range (inclusive)
-# run the Mosaic GPU kernel (mosaic_gpu.py) on a Hopper GPU by default;
-# elsewhere only with PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY=mosaic. Its tiles
+# run the Mosaic GPU kernel (mosaic_gpu.py) on a Hopper GPU. Its tiles
 # are mosaic_gpu.DEFAULT_TILES. Measured on the H100
 # (int8_matmul_mgpu-h100-*, int8_matmul_128-h100-*): at M = 128 it beats
 # the Triton kernel 1.27x / 1.41x (K, N = 4096/14336 / 14336/4096; 43.0 /
@@ -177,24 +174,6 @@ def gpu_shape_class(m: int) -> str:
   if m <= GPU_DECODE_MAX_M:
     return "decode"
   return "medium" if m <= GPU_MEDIUM_MAX_M else "large"
-
-
-def tpu_generation() -> str | None:
-  """The TPU generation of the default device, or None off TPU."""
-  try:
-    device = jax.devices()[0]
-  except RuntimeError:
-    return None
-  if device.platform != "tpu":
-    return None
-  kind = device.device_kind.lower()
-  if "v6" in kind:
-    return "v6e"
-  if "v5" in kind:
-    return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
-  if "v4" in kind:
-    return "v4"
-  return None
 
 
 def round_up(x: int, m: int) -> int:

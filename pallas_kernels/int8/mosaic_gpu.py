@@ -126,7 +126,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -296,20 +295,16 @@ def _transforms(minor: int, itemsize: int):
           plgpu.SwizzleTransform(swizzle))
 
 
-def _on_hopper_or_no_gpu() -> str | None:
-  try:
-    gpus = jax.devices("gpu")
-  except Exception:  # no GPU backend
+def hardware(target) -> str | None:
+  """Why ``target`` cannot run the kernel (not a Hopper GPU), else None."""
+  if target.hopper:
     return None
-  if gpus:
-    capability = str(getattr(gpus[0], "compute_capability", "9.0"))
-    if not capability.startswith("9"):
-      return f"the Mosaic GPU int8 kernel needs sm_90 (found sm_{capability})"
-  return None
+  found = target.gpu_capability or "no GPU"
+  return f"the Mosaic GPU int8 kernel needs a Hopper GPU (sm_90), found {found}"
 
 
 def supports(x2, w, x_scale=None, *, mode, w_layout, block_sizes=None):
-  """True when ``matmul`` handles this call, else a string saying why not."""
+  """None when ``matmul`` handles this call (on a Hopper GPU), else why not."""
   reason = api_missing()
   if reason:
     return reason
@@ -332,7 +327,7 @@ def supports(x2, w, x_scale=None, *, mode, w_layout, block_sizes=None):
     return str(e)
   if smem_bytes(p) > SMEM_BYTES:
     return "tile_k x stages do not fit in shared memory"
-  return _on_hopper_or_no_gpu() or True
+  return None
 
 
 def _pad_to(a, shape):
@@ -544,14 +539,14 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
            block_sizes=None, interpret=False):
   """Weight-only x2 [M, K] bf16 @ w [N, K] int8 -> [M, N] out_dtype.
 
-  Same contract as ``triton.matmul``; call only where ``supports`` is True.
+  Same contract as ``triton.matmul``; call only where ``supports`` is None.
   ``interpret``: False on a GPU, an ``InterpretGPUParams`` (or True) to run
   in the Mosaic GPU interpreter.
   """
-  ok = supports(x2, w, x_scale, mode=mode, w_layout=w_layout,
-                block_sizes=block_sizes)
-  if ok is not True:
-    raise ValueError(f"int8 mosaic_gpu.matmul: unsupported call: {ok}")
+  why = supports(x2, w, x_scale, mode=mode, w_layout=w_layout,
+                 block_sizes=block_sizes)
+  if why is not None:
+    raise ValueError(f"int8 mosaic_gpu.matmul: unsupported call: {why}")
   if interpret is True:
     interpret = interpret_params()
   m, k = x2.shape
@@ -570,15 +565,3 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
   if bias is not None:
     out = out + bias
   return out.astype(out_dtype)
-
-
-ENV_WEIGHT_ONLY = "PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY"
-
-
-def choice() -> str:
-  """auto | triton | mosaic from PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY."""
-  value = os.environ.get(ENV_WEIGHT_ONLY, "auto").strip().lower() or "auto"
-  if value not in ("auto", "triton", "mosaic"):
-    raise ValueError(f"{ENV_WEIGHT_ONLY}={value!r}: must be auto, triton or "
-                     "mosaic")
-  return value

@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _compat
+from pallas_kernels import _backend, _compat
 from pallas_kernels._compat import pl, pltpu
 from pallas_kernels.int8 import block_sizes as bs
 from pallas_kernels.int8 import reference
@@ -96,7 +96,7 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
     mode = "dequant"
   m, k = x2.shape
   n = w.shape[1 if kn else 0]
-  generation = generation or bs.tpu_generation()
+  generation = generation or _backend.target().tpu_generation
   out_dtype = jnp.dtype(jnp.int32 if mode == "raw" else out_dtype)
   plan = bs.plan_tpu(m, k, n, x_bytes=x2.dtype.itemsize,
                      out_bytes=out_dtype.itemsize, mode=mode,

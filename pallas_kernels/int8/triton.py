@@ -109,7 +109,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _compat, _mosaic_gpu
+from pallas_kernels import _compat
 from pallas_kernels._compat import pl
 from pallas_kernels.int8 import block_sizes as bs
 from pallas_kernels.int8 import reference
@@ -254,42 +254,10 @@ def _tile_order(ni, nj, group_m):
   return (ni * nj, 1), tile
 
 
-_is_hopper = _mosaic_gpu.is_hopper  # a module name, so tests can patch it
-
-
-def _mosaic_weight_only(x2, w, x_scale, *, mode, w_layout, block_sizes):
-  """The Mosaic GPU module (mosaic_gpu.py) when it should run this call,
-  else None. PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY: "mosaic" runs it on a
-  Hopper GPU wherever its ``supports`` accepts the call, "triton" never,
-  "auto" (default) for M in bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M without user
-  block sizes. Read at trace time."""
-  if mode != "weight_only" or not _is_hopper():
-    return None
-  try:
-    from pallas_kernels.int8 import mosaic_gpu
-  except Exception:  # absent or broken on this jax: Triton it is
-    return None
-  choice = mosaic_gpu.choice()
-  low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
-  if choice == "triton" or (choice == "auto" and (
-      block_sizes is not None or not low <= x2.shape[0] <= high)):
-    return None
-  if mosaic_gpu.supports(x2, w, x_scale, mode=mode,
-                         w_layout=w_layout) is not True:
-    return None
-  return mosaic_gpu
-
-
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
            w_layout="kn", interpret=False):
   """[M, K] x [K, N] (w [N, K] for w_layout "nk": read K-major as it is, no
   transpose) for modes raw / dequant / dynamic / weight_only."""
-  if not interpret:
-    mosaic = _mosaic_weight_only(x2, w, x_scale, mode=mode, w_layout=w_layout,
-                                 block_sizes=block_sizes)
-    if mosaic is not None:
-      return mosaic.matmul(x2, w, x_scale, w_scale, bias, mode=mode,
-                           out_dtype=out_dtype, w_layout=w_layout)
   if mode == "dynamic":
     x2, x_scale = reference.quantize_xla(x2, axis=-1)
     mode = "dequant"
