@@ -19,7 +19,7 @@ from hypothesis import example, given, strategies as st
 
 import pallas_kernels as pk
 from pallas_kernels import _compat, force_interpret
-from pallas_kernels.int8 import api, block_sizes as bs, reference, triton
+from pallas_kernels.int8 import api, block_sizes as bs, triton
 
 MAX_K = api.MAX_INT8_K
 HALF_ULP = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11, jnp.float32: 2.0**-24}

@@ -39,32 +39,16 @@ same speed.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import _backend, _sharding
 from pallas_kernels.int8 import block_sizes as bs
-from pallas_kernels.int8 import mosaic_gpu, mosaic_tpu, reference, triton
+from pallas_kernels.int8 import (mosaic_gpu, mosaic_tpu, operands, quant,
+                                 reference, triton)
 
-MAX_INT8_K = (2**31 - 1) // (128 * 128)  # 131071
-FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-FLOAT_OUT_DTYPES = FLOAT_DTYPES
-
-
-def _is_float(dtype) -> bool:
-  return any(jnp.dtype(dtype) == jnp.dtype(d) for d in FLOAT_DTYPES)
-
-
-def _dtype_name(dtype) -> str:
-  return jnp.dtype(dtype).name
-
-
-def _check_array(name, value):
-  if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-    raise TypeError(f"{name} must be an array, got {type(value).__name__}")
+MAX_INT8_K = operands.MAX_INT8_K
 
 
 # ----------------------------------------------------------------------------
@@ -81,19 +65,9 @@ def quantize_int8(x, *, axis=-1, backend=None):
   row's scale is NaN). ``x`` must be bfloat16, float16 or float32. The last
   axis uses a one-pass Pallas kernel on TPU; other axes use XLA.
   """
-  _check_array("x", x)
-  if not _is_float(x.dtype):
-    raise TypeError(f"quantize_int8: x must be bfloat16, float16 or float32, "
-                    f"got {_dtype_name(x.dtype)}")
+  axis = operands.quantize_axis(x, axis)
   _backend.check_backend("quantize_int8", backend)
-  if axis is not None:
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-      raise TypeError(f"quantize_int8: axis must be an int or None, got {axis!r}")
-    if not -x.ndim <= axis < x.ndim:
-      raise ValueError(f"quantize_int8: axis={axis} is out of range for x of "
-                       f"rank {x.ndim}")
-    axis = int(axis) % x.ndim
-  xla = functools.partial(reference.quantize_xla, axis=axis)
+  xla = functools.partial(quant.quantize, axis=axis)
   if axis is None or axis != x.ndim - 1 or x.size == 0:
     return xla(x)
   rows_rule = _sharding.make_rule(
@@ -138,38 +112,6 @@ def _as_block_sizes(block_sizes):
                   "generation name")
 
 
-def _scale_or_bias(name, value, allowed_shapes, described):
-  if value is None:
-    return None
-  _check_array(name, value)
-  value = jnp.asarray(value)
-  if not _is_float(value.dtype):
-    raise TypeError(f"int8_matmul: {name} must be a float array, got "
-                    f"{_dtype_name(value.dtype)}")
-  if value.shape not in allowed_shapes:
-    raise ValueError(f"int8_matmul: {name} has shape {value.shape}; expected "
-                     f"{described}")
-  return value.astype(jnp.float32)
-
-
-def _mode(x, weight_only, x_scale, w_scale, bias, out_dtype):
-  if _is_float(x.dtype):
-    if x_scale is not None:
-      raise ValueError("int8_matmul: x_scale is only for int8 x; float x is "
-                       "quantized per row on the fly (or weight_only=True)")
-    return "weight_only" if weight_only else "dynamic"
-  if weight_only:
-    raise ValueError("int8_matmul: weight_only=True needs float x (bfloat16, "
-                     f"float16 or float32), got {_dtype_name(x.dtype)}")
-  float_out = out_dtype is not None and jnp.dtype(out_dtype) != jnp.int32
-  if x_scale is None and w_scale is None and bias is None and not float_out:
-    return "raw"
-  return "dequant"
-
-
-WEIGHT_LAYOUTS = ("kn", "nk")
-
-
 def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
                 block_sizes=None, weight_only=False, weight_layout="kn",
                 backend=None):
@@ -190,84 +132,20 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
     backend: None (chosen per platform), "mosaic_tpu", "triton",
       "mosaic_gpu", "gpu" (the best GPU kernel), "interpret" or "reference".
   """
-  _check_array("x", x)
-  _check_array("w", w)
   _backend.check_backend("int8_matmul", backend)
-  if jnp.dtype(x.dtype) != jnp.int8 and not _is_float(x.dtype):
-    raise TypeError(f"int8_matmul: x must be int8, bfloat16, float16 or "
-                    f"float32, got {_dtype_name(x.dtype)}")
-  if jnp.dtype(w.dtype) != jnp.int8:
-    raise TypeError(f"int8_matmul: w must be int8, got {_dtype_name(w.dtype)}")
-  if x.ndim < 1:
-    raise ValueError("int8_matmul: x must have at least one dimension [..., K]")
-  if weight_layout not in WEIGHT_LAYOUTS:
-    raise ValueError(f"int8_matmul: weight_layout must be 'kn' (w [K, N]) or "
-                     f"'nk' (w [N, K]), got {weight_layout!r}")
-  w_dims = "[K, N]" if weight_layout == "kn" else "[N, K]"
-  if w.ndim != 2:
-    raise ValueError(f"int8_matmul: w must be 2-D {w_dims}, got shape "
-                     f"{w.shape}")
-  k_axis = 0 if weight_layout == "kn" else 1
-  if x.shape[-1] != w.shape[k_axis]:
-    raise ValueError(f"int8_matmul: x's last dimension ({x.shape[-1]}) must "
-                     f"equal K, w's {'first' if k_axis == 0 else 'second'} "
-                     f"dimension for weight_layout={weight_layout!r} "
-                     f"(w.shape = {w.shape})")
-  batch, k, n = x.shape[:-1], w.shape[k_axis], w.shape[1 - k_axis]
-  m = math.prod(batch)
-
-  x_scale = _scale_or_bias(
-      "x_scale", x_scale, {(), (1,), batch + (1,)} | {(1,) * x.ndim},
-      f"a scalar or x.shape[:-1] + (1,) = {batch + (1,)}")
-  w_scale = _scale_or_bias("w_scale", w_scale, {(), (1,), (1, 1), (n,), (1, n)},
-                           f"a scalar, ({n},) or (1, {n})")
-  bias = _scale_or_bias("bias", bias, {(n,), (1, n)}, f"({n},) or (1, {n})")
-
-  if out_dtype is not None:
-    try:
-      out_dtype = jnp.dtype(out_dtype)
-    except TypeError as e:
-      raise TypeError(f"int8_matmul: out_dtype={out_dtype!r} is no dtype") from e
-    if out_dtype != jnp.int32 and not _is_float(out_dtype):
-      raise TypeError(f"int8_matmul: out_dtype must be int32 or a float dtype, "
-                      f"got {out_dtype.name}")
-  mode = _mode(x, weight_only, x_scale, w_scale, bias, out_dtype)
-  if out_dtype is not None and out_dtype == jnp.int32 and mode != "raw":
-    raise ValueError("int8_matmul: out_dtype=int32 is only for the raw mode "
-                     "(int8 x, no x_scale, w_scale or bias)")
-  if mode != "weight_only" and k > MAX_INT8_K:
-    raise ValueError(
-        f"int8_matmul: K={k} exceeds {MAX_INT8_K}, beyond which the int32 "
-        "accumulator could overflow ((2**31 - 1) // 128**2); split K and add "
-        "the (scaled) partial results, or use weight_only=True")
-  if out_dtype is None:
-    out_dtype = (jnp.dtype(jnp.int32) if mode == "raw" else
-                 jnp.dtype(jnp.bfloat16) if mode == "dequant" else
-                 jnp.dtype(x.dtype))
+  call = operands.matmul_call(x, w, x_scale=x_scale, w_scale=w_scale,
+                              bias=bias, out_dtype=out_dtype,
+                              weight_only=weight_only,
+                              weight_layout=weight_layout)
   user_blocks, generation = _as_block_sizes(block_sizes)
-
-  x2 = x.reshape(m, k)
-  if mode == "weight_only" and x2.dtype == jnp.float16:
-    x2 = x2.astype(jnp.float32)
-  if x_scale is not None:
-    x_scale = (jnp.broadcast_to(x_scale.reshape(1, 1), (m, 1))
-               if x_scale.size == 1 else x_scale.reshape(m, 1))
-  if w_scale is not None:
-    w_scale = jnp.broadcast_to(w_scale.reshape(1, -1), (1, n))
-  if bias is not None:
-    bias = bias.reshape(1, n)
-
-  static = dict(mode=mode, out_dtype=out_dtype, w_layout=weight_layout)
-  ref = functools.partial(reference.matmul_2d, **static)
-  if m == 0 or n == 0 or k == 0:
-    out = ref(x2, w, x_scale, w_scale, bias)
-  else:
-    out = _backend.dispatch(
-        "int8_matmul", backend,
-        _matmul_kernels(x2, w, x_scale, static, user_blocks, generation),
-        x2, w, x_scale, w_scale, bias,
-        rule=_matmul_rule(weight_layout, x_scale, w_scale, bias))
-  return out.reshape(batch + (n,))
+  if call.empty:
+    return call.result(reference.matmul_2d(*call.operands, **call.static))
+  x2, w, x_scale, w_scale, bias = call.operands
+  out = _backend.dispatch(
+      "int8_matmul", backend,
+      _matmul_kernels(x2, w, x_scale, call.static, user_blocks, generation),
+      *call.operands, rule=_matmul_rule(weight_layout, x_scale, w_scale, bias))
+  return call.result(out)
 
 
 def _matmul_kernels(x2, w, x_scale, static, user_blocks, generation):
@@ -342,8 +220,8 @@ def shard_int8_matmul(mesh, x, w, *, row_axis=None, n_axis=None, k_axis=None,
   """
   from jax.sharding import PartitionSpec as P
   from pallas_kernels import _compat
-  _check_array("x", x)
-  _check_array("w", w)
+  operands.check_array("shard_int8_matmul", "x", x)
+  operands.check_array("shard_int8_matmul", "w", w)
   if x.ndim != 2:
     raise ValueError(f"shard_int8_matmul: x must be [M, K], got shape "
                      f"{x.shape}")

@@ -112,14 +112,14 @@ import jax.numpy as jnp
 from pallas_kernels import _compat
 from pallas_kernels._compat import pl
 from pallas_kernels.int8 import block_sizes as bs
-from pallas_kernels.int8 import reference
+from pallas_kernels.int8 import operands, quant
 
 
 def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
                    split, via_bf16, swap_ab=False, stream_w=False,
                    stagger_k=False):
   x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs = (
-      reference.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
+      operands.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
                                   has_b=has_b))
   bm, bn = o_ref.shape[-2:]
   weight_only = mode == "weight_only"
@@ -173,11 +173,11 @@ def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
   if mode == "raw":
     o_ref[...] = acc
   elif split:  # scaled float32 partial sum; the bias is added after the sum
-    o_ref[...] = reference.epilogue(
+    o_ref[...] = quant.epilogue(
         acc, None if xs_ref is None else xs_ref[...],
         None if ws_ref is None else ws_ref[...], None, jnp.float32)
   else:
-    o_ref[...] = reference.epilogue(
+    o_ref[...] = quant.epilogue(
         acc, None if xs_ref is None else xs_ref[...],
         None if ws_ref is None else ws_ref[...],
         None if b_ref is None else b_ref[...], o_ref.dtype)
@@ -259,7 +259,7 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
   """[M, K] x [K, N] (w [N, K] for w_layout "nk": read K-major as it is, no
   transpose) for modes raw / dequant / dynamic / weight_only."""
   if mode == "dynamic":
-    x2, x_scale = reference.quantize_xla(x2, axis=-1)
+    x2, x_scale = quant.quantize(x2, axis=-1)
     mode = "dequant"
   m, k = x2.shape
   n = w.shape[1 if w_layout == "kn" else 0]
