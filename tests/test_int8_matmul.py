@@ -150,8 +150,8 @@ def test_gpu_kernel_k_major_weights_and_split_k(rng, mode, split_k):
 WEIGHT_ONLY_VARIANTS = [  # (layout, BlockSizes keyword switches)
     ("nk", dict(swap_ab=True)),
     ("kn", dict(swap_ab=True, split_k=2)),
-    ("nk", dict(stream_w=True, stagger_k=True, split_k=2)),
-    ("kn", dict(swap_ab=True, stream_w=True, stagger_k=True)),
+    ("nk", dict(stream_w=True, split_k=2)),
+    ("kn", dict(swap_ab=True, stream_w=True)),
 ]
 
 
@@ -179,15 +179,6 @@ def test_gpu_weight_only_decode_variants(rng, layout, switches):
   assert out.shape == (m, n) and np.all(excess <= 0), excess.max()
 
 
-def test_gpu_staggered_k_order_keeps_raw_exact(rng):
-  x, w = int8_values(rng, (20, 300)), int8_values(rng, (300, 40))
-  blocks = bs.BlockSizes(16, 32, 32, 4, 3, split_k=3, stagger_k=True)
-  out = triton.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
-                   mode="raw", out_dtype=None, block_sizes=blocks,
-                   interpret=True)
-  np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
-
-
 def test_gpu_weight_only_decode_plan_fills_the_gpu():
   target = bs.GPU_WEIGHT_ONLY_TARGET_PROGRAMS["decode"]
   for k, n in [(4096, 14336), (14336, 4096), (4096, 4096), (300, 200)]:
@@ -205,47 +196,6 @@ def test_gpu_weight_only_decode_plan_fills_the_gpu():
   assert not bs.plan_gpu(16, 256, 256, mode="raw", block_sizes=cfg).swap_ab
   assert bs.plan_gpu(128, 4096, 4096, mode="weight_only",
                      w_layout="nk").swap_ab
-
-
-def test_gpu_int8_via_bf16_is_exact_at_its_worst_case(rng):
-  # bk = 1024 products of (-128) * (-128) sum to exactly 2**24 per tile.
-  k = 2048 + 40
-  x = np.full((16, k), -128, np.int8)
-  x[1:] = int8_values(rng, (15, k))
-  w = np.full((k, 32), -128, np.int8)
-  w[:, 1:] = int8_values(rng, (k, 31))
-  out = triton.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
-                   mode="raw", out_dtype=None, interpret=True,
-                   block_sizes=bs.BlockSizes(16, 1024, 32, int8_via_bf16=True,
-                                             split_k=2))
-  np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
-  assert int(out[0, 0]) == k * 128 * 128
-  with pytest.raises(ValueError, match="exact only for bk <= 1024"):
-    triton.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None, mode="raw",
-               out_dtype=None, interpret=True,
-               block_sizes=bs.BlockSizes(16, 2048, 32, int8_via_bf16=True))
-
-
-@pytest.mark.parametrize("transpose", [("xla", 0, 0, 0),
-                                       ("packed", 128, 128, 4),
-                                       ("packed", 64, 128, 4)])
-@pytest.mark.parametrize("shape", [(128, 256), (256, 128), (100, 64)])
-def test_gpu_transpose_is_exact(rng, monkeypatch, transpose, shape):
-  # (100, 64) is no tile multiple: XLA's transpose stands in.
-  monkeypatch.setattr(bs, "GPU_TRANSPOSE", transpose)
-  w = int8_values(rng, shape)
-  out = triton.transpose(jnp.asarray(w), interpret=True)
-  assert out.dtype == jnp.int8
-  np.testing.assert_array_equal(np.asarray(out), w.T)
-
-
-def test_gpu_k_major_path_with_packed_transpose(rng, monkeypatch):
-  monkeypatch.setattr(bs, "GPU_TRANSPOSE", ("packed", 64, 64, 4))
-  x, w = int8_values(rng, (20, 128)), int8_values(rng, (128, 192))
-  out = triton.matmul(jnp.asarray(x), jnp.asarray(w), None, None, None,
-                   mode="raw", out_dtype=None, interpret=True,
-                   block_sizes=bs.BlockSizes(16, 64, 64, w_kmajor=True))
-  np.testing.assert_array_equal(np.asarray(out), exact_int(x, w))
 
 
 @pytest.mark.parametrize("ni,nj,group_m", [(5, 3, 2), (7, 4, 8), (1, 6, 4),

@@ -95,9 +95,8 @@ def test_supports_declines_what_it_does_not_implement():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tile_k", 100), ("tile_k", -64), ("stages", 1), ("compute_wgs", 3),
-    ("wg_rows", 32), ("max_split", 0), ("target_ctas", 0), ("cluster", 3),
-    ("split_reduce", "atomic")])
+    ("tile_k", 100), ("tile_k", -64), ("stages", 1), ("max_split", 0),
+    ("target_ctas", 0)])
 def test_bad_block_sizes_raise(field, value):
   sizes = mosaic_gpu.MgpuBlockSizes(**{field: value})
   with pytest.raises(ValueError, match=field):
@@ -106,11 +105,14 @@ def test_bad_block_sizes_raise(field, value):
     assert field in _supports(16, 1024, 1024, block_sizes=sizes)
 
 
-def test_plan_split_fills_one_wave():
-  # 112 column tiles of 128: no split; 32 tiles: split 4 (128 CTAs <= 132).
-  assert mosaic_gpu.plan(16, 4096, 14336).split == 1
+def test_plan_split_fills_one_wave_and_fuses_unsplit():
+  # 112 column tiles of 128: no split, epilogue in the kernel; 32 tiles:
+  # split 4 (128 CTAs <= 132), partials summed by XLA.
+  p = mosaic_gpu.plan(16, 4096, 14336)
+  assert p.split == 1 and p.fused
   p = mosaic_gpu.plan(16, 14336, 4096)
-  assert p.split == 4 and p.steps * p.split * p.sizes.tile_k == p.kp >= 14336
+  assert p.split == 4 and not p.fused
+  assert p.steps * p.split * p.sizes.tile_k == p.kp >= 14336
   # never more K pieces than K tiles, nor more than max_split
   assert mosaic_gpu.plan(16, 256, 128).split == 1
   assert mosaic_gpu.plan(
@@ -124,52 +126,27 @@ def test_plan_split_fills_one_wave():
         mosaic_gpu.SMEM_BYTES)
 
 
-def test_plan_fused_epilogue_and_clusters():
-  """Unsplit plans run the epilogue in the kernel; a K split does so only
-  with split_reduce="cluster" (at most MAX_CLUSTER CTAs per cluster);
-  fused=False keeps the XLA epilogue, fused=True forbids a split."""
-  sizes = mosaic_gpu.MgpuBlockSizes
-  assert mosaic_gpu.plan(16, 4096, 14336).fused
-  p = mosaic_gpu.plan(16, 14336, 4096)
-  assert p.split > 1 and not p.fused and not p.cluster_reduce
-  assert not mosaic_gpu.plan(16, 4096, 14336, sizes(fused=False)).fused
-  p = mosaic_gpu.plan(16, 14336, 4096, sizes(fused=True, compute_wgs=1))
-  assert p.split == 1 and p.fused and p.rows == 64
-  p = mosaic_gpu.plan(16, 14336, 4096, sizes(split_reduce="cluster"))
-  assert p.fused and p.cluster_reduce and 1 < p.split <= mosaic_gpu.MAX_CLUSTER
-  assert p.cluster == 1
-  # the cluster reduction needs 64-row warpgroups; else the XLA pass
-  p = mosaic_gpu.plan(16, 14336, 4096, sizes(split_reduce="cluster",
-                                             wg_rows=128))
-  assert not p.cluster_reduce and not p.fused
-  # x multicast clusters: only where the column tiles divide evenly; by
-  # default pairs at Mp = 128
-  assert mosaic_gpu.plan(16, 4096, 14336, sizes(cluster=2)).cluster == 2
-  assert mosaic_gpu.plan(16, 4096, 14336 - 128, sizes(cluster=2)).cluster == 1
+def test_plan_pairs_ctas_for_x_multicast_at_mp_128():
   assert mosaic_gpu.plan(16, 4096, 14336).cluster == 1
   assert mosaic_gpu.plan(128, 4096, 14336).cluster == 2
   assert mosaic_gpu.plan(128, 14336, 4096).cluster == 2  # split K too
-  assert mosaic_gpu.plan(128, 14336, 4096, sizes(
-      split_reduce="cluster")).cluster == 1  # the cluster is the split
-  assert mosaic_gpu.plan(128, 4096, 14336, sizes(cluster=1)).cluster == 1
+  assert mosaic_gpu.plan(128, 4096, 14336 - 128).cluster == 1  # odd tiles
 
 
 @pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
                     reason="no Mosaic GPU Pallas API in this jax")
-@pytest.mark.parametrize("m, k, n, sizes", [
-    (16, 4096, 14336, {}),  # fused epilogue: scale and bias loads
-    (128, 14336, 4096, {}),  # split K, XLA sum; x pairs
-    (20, 256, 300, dict(tile_k=64, stages=3, wg_rows=128, cluster=2)),
-    (9, 600, 130, dict(tile_k=128, stages=2, split_reduce="cluster")),
+@pytest.mark.parametrize("m, k, n", [
+    (16, 4096, 14336),   # fused epilogue: scale and bias loads
+    (128, 14336, 4096),  # split K, XLA sum; x pairs
+    (100, 256, 512),     # fused, x pairs
 ])
-def test_gpu_kernel_lowers_for_cuda_on_a_cpu_host(m, k, n, sizes):
+def test_gpu_kernel_lowers_for_cuda_on_a_cpu_host(m, k, n):
   """The Pallas -> Mosaic GPU lowering (wgmma, layouts, TMA, the epilogue's
   vector loads) runs here; the interpreter tests skip it. Only the PTX
   compile needs the GPU."""
-  sizes = mosaic_gpu.MgpuBlockSizes(**sizes)
   fn = lambda x, w, s, b: mosaic_gpu.matmul(  # noqa: E731
       x, w, None, s, b, mode="weight_only", out_dtype=jnp.bfloat16,
-      w_layout="nk", block_sizes=sizes)
+      w_layout="nk")
   args = (_sds((m, k), jnp.bfloat16), _sds((n, k), jnp.int8),
           _sds((1, n), jnp.float32), _sds((1, n), jnp.float32))
   assert jax.eval_shape(fn, *args).shape == (m, n)
@@ -216,21 +193,12 @@ def test_chooser_takes_mosaic_only_on_hopper_in_its_m_range():
 @pytest.mark.parametrize("m, k, n, out_dtype, sizes", [
     # ragged M, N and K; split K (K 300 -> 3 x 128-wide tiles, split 2)
     (5, 300, 130, jnp.float32, dict(tile_k=128, stages=2)),
-    # M padded to 32, x^T from XLA, one compute warpgroup, bf16 out
-    (20, 256, 64, jnp.bfloat16, dict(tile_k=128, stages=2, compute_wgs=1,
-                                     x_pretransposed=True)),
-    # 128 w rows per warpgroup (two 64-row epilogue chunks), tile_k 64
-    (33, 192, 300, jnp.float32, dict(tile_k=64, stages=3, wg_rows=128)),
+    # M padded to 32, bf16 out, split K into 2 x 2 tiles of 64
+    (20, 256, 64, jnp.bfloat16, dict(tile_k=64, stages=3)),
     # fused epilogue (no split): scale, bias and cast in the kernel, the
     # accumulator rows stored as output columns; ragged M and N
-    (5, 200, 130, jnp.float32, dict(tile_k=128, stages=2, fused=True)),
-    (20, 256, 300, jnp.bfloat16, dict(tile_k=64, stages=3, wg_rows=128,
-                                      fused=True, cluster=2)),
-    # split_reduce="cluster": the interpreter has no cluster barriers, so it
-    # runs the same tiles with the XLA pass (the GPU bench checks the
-    # cluster sum)
-    (9, 600, 130, jnp.float32, dict(tile_k=128, stages=2,
-                                    split_reduce="cluster")),
+    (5, 200, 130, jnp.float32, dict(tile_k=128, stages=2, max_split=1)),
+    (33, 192, 300, jnp.bfloat16, dict(tile_k=64, stages=3, max_split=1)),
 ])
 def test_matches_float64(rng, m, k, n, out_dtype, sizes):
   x, w, w_scale, bias = _inputs(rng, m, k, n)

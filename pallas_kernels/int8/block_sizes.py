@@ -53,11 +53,9 @@ class BlockSizes:
   num_stages: int | None = None
   w_kmajor: bool | None = None   # GPU: feed the kernel w.T (see triton.py)
   split_k: int | None = None     # GPU: K split over this many programs
-  int8_via_bf16: bool | None = None  # GPU: exact int8 dots on bf16 units
   group_m: int | None = None     # GPU: row tiles per band of program order
   swap_ab: bool | None = None    # GPU weight-only: compute (w @ x.T).T
   stream_w: bool | None = None   # GPU: load w tiles with evict_first
-  stagger_k: bool | None = None  # GPU: each column tile starts K elsewhere
 
   def __post_init__(self):
     for name in ("bm", "bk", "bn"):
@@ -103,22 +101,31 @@ MEDIUM_MAX_M = 1024
 # ("small") 128x64x128 / 8 warps (65 us at M = 128; 81-89 us without
 # evict-first and with a finer split).
 GPU_TABLE = {
-    "decode": BlockSizes(16, 256, 128, 4, 4, False, 0, False, 1),
-    "medium": BlockSizes(128, 128, 128, 4, 4, True, 1, False, 8),
-    "large": BlockSizes(128, 128, 256, 8, 3, True, 1, False, 16),
+    "decode": BlockSizes(16, 256, 128, 4, 4, w_kmajor=False, split_k=0,
+                         group_m=1),
+    "medium": BlockSizes(128, 128, 128, 4, 4, w_kmajor=True, split_k=1,
+                         group_m=8),
+    "large": BlockSizes(128, 128, 256, 8, 3, w_kmajor=True, split_k=1,
+                        group_m=16),
 }
 GPU_TABLE_WEIGHT_ONLY = {  # the [K, N] weight layout
-    "decode": BlockSizes(16, 64, 128, 4, 6, False, 0, False, 1, False, True),
-    "small": BlockSizes(128, 64, 128, 8, 4, False, 0, False, 1, False, True),
-    "medium": BlockSizes(128, 64, 128, 8, 4, False, 0, False, 8),
-    "large": BlockSizes(128, 64, 128, 8, 3, False, 1, False, 8),
+    "decode": BlockSizes(16, 64, 128, 4, 6, w_kmajor=False, split_k=0,
+                         group_m=1, stream_w=True),
+    "small": BlockSizes(128, 64, 128, 8, 4, w_kmajor=False, split_k=0,
+                        group_m=1, stream_w=True),
+    "medium": BlockSizes(128, 64, 128, 8, 4, w_kmajor=False, split_k=0,
+                         group_m=8),
+    "large": BlockSizes(128, 64, 128, 8, 3, w_kmajor=False, split_k=1,
+                        group_m=8),
 }
 # Weight-only with w stored [N, K] (K-major tiles, no transpose): its own
 # decode and small tiles; medium and large as for [K, N].
 GPU_TABLE_WEIGHT_ONLY_NK = dict(
     GPU_TABLE_WEIGHT_ONLY,
-    decode=BlockSizes(16, 256, 64, 8, 4, False, 0, False, 1, False, True),
-    small=BlockSizes(128, 128, 64, 4, 3, False, 0, False, 1, True, True))
+    decode=BlockSizes(16, 256, 64, 8, 4, w_kmajor=False, split_k=0, group_m=1,
+                      stream_w=True),
+    small=BlockSizes(128, 128, 64, 4, 3, w_kmajor=False, split_k=0, group_m=1,
+                     swap_ab=True, stream_w=True))
 # Weight-only decode is bound by streaming w: the auto split (split_k 0)
 # aims at this many programs (about 1.5 per SM, all resident at once; more
 # waves or a finer K split cost more than they hide), and for w [N, K] bn
@@ -131,10 +138,6 @@ GPU_TABLE_WEIGHT_ONLY_NK = dict(
 # unswapped); split 2 where split 1 fills the GPU cost 30%.
 GPU_WEIGHT_ONLY_TARGET_PROGRAMS = {"decode": 192, "small": 112}
 GPU_WEIGHT_ONLY_SMALL_MAX_M = 256
-# The per-call transpose of w for w_kmajor (triton.transpose): (kind, tile_k,
-# tile_n, num_warps), kind "xla" or "packed". At 8192^2 on the H100 XLA's
-# and ("packed", 128, 128, 4) tied at 104 us; other packed tiles 138-196 us.
-GPU_TRANSPOSE = ("xla", 0, 0, 0)
 # Weight-only calls with w [N, K], bf16 x and M in this range (inclusive)
 # run the Mosaic GPU kernel (mosaic_gpu.py) on a Hopper GPU. Its tiles
 # are mosaic_gpu.DEFAULT_TILES. Measured on the H100
@@ -157,11 +160,9 @@ class GpuPlan(NamedTuple):
   num_stages: int
   w_kmajor: bool
   split_k: int
-  int8_via_bf16: bool
   group_m: int
   swap_ab: bool = False
   stream_w: bool = False
-  stagger_k: bool = False
 
 
 def shape_class(m: int) -> str:
@@ -325,11 +326,7 @@ def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None,
   stages = cfg.num_stages or 3
   kmajor = bool(cfg.w_kmajor)
   split = 1 if cfg.split_k is None else cfg.split_k
-  via_bf16 = bool(cfg.int8_via_bf16)
   group_m = max(1, cfg.group_m or 1)
-  if via_bf16 and bk > 1024:
-    raise ValueError(f"block_sizes.bk={bk}: int8_via_bf16 is exact only for "
-                     "bk <= 1024")
   if split == 0:  # auto: enough programs to fill ~132 SMs
     programs = -(-m // bm) * -(-n // bn)
     split = 1
@@ -337,6 +334,6 @@ def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None,
       split *= 2
   # Never split K finer than one tile per program.
   split = max(1, min(split, -(-k // bk)))
-  return GpuPlan(bm, bk, bn, warps, stages, kmajor, split, via_bf16, group_m,
+  return GpuPlan(bm, bk, bn, warps, stages, kmajor, split, group_m,
                  bool(cfg.swap_ab) and mode == "weight_only",
-                 bool(cfg.stream_w), bool(cfg.stagger_k))
+                 bool(cfg.stream_w))

@@ -116,8 +116,7 @@ from pallas_kernels.int8 import operands, quant
 
 
 def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
-                   split, via_bf16, swap_ab=False, stream_w=False,
-                   stagger_k=False):
+                   split, swap_ab=False, stream_w=False):
   x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs = (
       operands.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
                                   has_b=has_b))
@@ -136,13 +135,7 @@ def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
       return pltriton.load(w_ref.at[window], eviction_policy="evict_first")
     return w_ref[window]
 
-  # stagger_k: column tile j walks its K blocks from block j % nk on, so
-  # programs running together read different parts of x and of w's rows.
-  rotate = jax.lax.rem(pl.program_id(1), nk) if stagger_k and nk > 1 else None
-
   def step(kk, acc):
-    if rotate is not None:
-      kk = jax.lax.rem(kk + rotate, nk)
     start = pl.multiple_of((first + kk) * bk, bk)
     x = x_ref[:, pl.ds(start, bk)]
     if w_kmajor:  # w is [N, K]: contract both operands' last dimension
@@ -159,10 +152,6 @@ def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
       return acc + jax.lax.dot_general(x, w.astype(x.dtype), dims,
                                        precision=precision,
                                        preferred_element_type=jnp.float32)
-    if via_bf16:  # exact: each tile's sum stays within float32's 2**24
-      part = jax.lax.dot_general(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
-                                 dims, preferred_element_type=jnp.float32)
-      return acc + part.astype(jnp.int32)
     return acc + jax.lax.dot_general(x, w, dims,
                                      preferred_element_type=jnp.int32)
 
@@ -188,48 +177,6 @@ def _pad_to(a, shape, value=0):
   if all(p == (0, 0) for p in pads):
     return a
   return jnp.pad(a, pads, constant_values=value)
-
-
-def _transpose_packed_kernel(w_ref, o_ref):
-  """w_ref [tk/4, 4, tn/4] int32: row 4a+i of the int8 tile, 4 columns per
-  word; o_ref [tn/4, 4, tk/4] likewise for the transposed tile. Word c of
-  the output gathers byte c of the four input rows (byte i from row i), so
-  the 4 x 4 byte blocks turn in registers and only 32-bit words move
-  across threads."""
-  rows = [w_ref[:, i, :] for i in range(4)]
-  byte = jnp.int32(0xFF)
-  for c in range(4):
-    word = None
-    for i, row in enumerate(rows):
-      part = jax.lax.shift_right_logical(row, jnp.int32(8 * c)) & byte
-      part = jax.lax.shift_left(part, jnp.int32(8 * i)) if i else part
-      word = part if word is None else word | part
-    o_ref[:, c, :] = word.T
-
-
-def transpose(w, *, interpret=False):
-  """w.T for int8 w [K, N], the per-call transpose of the w_kmajor path.
-
-  block_sizes.GPU_TRANSPOSE picks it: ("xla", ...) XLA's transpose, or
-  ("packed", tk, tn, warps) a Pallas kernel moving 32-bit words (4 x 4 byte
-  blocks turned in registers); XLA's where K or N is no tile multiple.
-  """
-  kind, tk, tn, warps = bs.GPU_TRANSPOSE
-  k, n = w.shape
-  if kind == "xla" or k % tk or n % tn:
-    return w.T
-  params = _compat.gpu_compiler_params(num_warps=warps, num_stages=1)
-  words = jax.lax.bitcast_convert_type(w.reshape(k, n // 4, 4), jnp.int32)
-  out = pl.pallas_call(
-      _transpose_packed_kernel,
-      grid=(k // tk, n // tn),
-      in_specs=[pl.BlockSpec((tk // 4, 4, tn // 4), lambda i, j: (i, 0, j))],
-      out_specs=pl.BlockSpec((tn // 4, 4, tk // 4), lambda i, j: (j, 0, i)),
-      out_shape=jax.ShapeDtypeStruct((n // 4, 4, k // 4), jnp.int32),
-      compiler_params=params, interpret=interpret,
-  )(words.reshape(k // 4, 4, n // 4))
-  return jax.lax.bitcast_convert_type(out.reshape(n, k // 4),
-                                      jnp.int8).reshape(n, k)
 
 
 def _tile_order(ni, nj, group_m):
@@ -268,7 +215,6 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
                      w_layout=w_layout)
   w_kmajor = plan.w_kmajor or w_layout == "nk"
   bm, bk, bn, split = plan.bm, plan.bk, plan.bn, plan.split_k
-  via_bf16 = plan.int8_via_bf16 and mode != "weight_only"
   mp, kp, np_ = (bs.round_up(m, bm), bs.round_up(k, bk * split),
                  bs.round_up(n, bn))
   grid, tile = _tile_order(mp // bm, np_ // bn, plan.group_m)
@@ -278,7 +224,7 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
     operands.append(_pad_to(w, (np_, kp)))
     in_specs.append(pl.BlockSpec((bn, kp), lambda p, q, s: (tile(p, q)[1], 0)))
   elif w_kmajor:
-    operands.append(transpose(_pad_to(w, (kp, np_)), interpret=interpret))
+    operands.append(_pad_to(w, (kp, np_)).T)  # K-major for the int8 MMA
     in_specs.append(pl.BlockSpec((bn, kp), lambda p, q, s: (tile(p, q)[1], 0)))
   else:
     operands.append(_pad_to(w, (kp, np_)))
@@ -296,8 +242,7 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
       _matmul_kernel, mode=mode, nk=kp // bk // split, bk=bk,
       has_xs=x_scale is not None, has_ws=w_scale is not None,
       has_b=fused_bias is not None, w_kmajor=w_kmajor, split=split > 1,
-      via_bf16=via_bf16, swap_ab=plan.swap_ab, stream_w=plan.stream_w,
-      stagger_k=plan.stagger_k and plan.group_m <= 1)
+      swap_ab=plan.swap_ab, stream_w=plan.stream_w)
   if split == 1:
     out_spec = pl.BlockSpec((bm, bn), lambda p, q, s: tile(p, q))
     out_struct = jax.ShapeDtypeStruct((mp, np_), out_dtype)
