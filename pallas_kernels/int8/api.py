@@ -31,10 +31,13 @@ stores weights so; quantize it per output channel with
 ``quantize_int8(w, axis=1)`` and pass that scale reshaped to [N]). The result
 is the same as with w.T in the default "kn" layout. Store inference weights
 this way on GPUs: Hopper's int8 tensor cores read both operands K-major, so
-a [K, N] weight costs one transpose per call (~9% of an 8192^3 product);
-an [N, K] one costs none. Weight-only decode (M <= 64) also streams an
-[N, K] w ~10-15% faster on an H100 (triton.py). TPUs read either layout at the
-same speed.
+a [K, N] weight costs a transpose per call and an [N, K] one none. TPUs read
+either layout at the same speed.
+
+Kernels (``backend=``): "mosaic_tpu" (TPU), "mosaic_gpu" (Hopper, weight-only
+with w [N, K], bf16 x and M in ``block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M``),
+"triton" (NVIDIA GPUs), "reference" (plain JAX); ``backend=None`` takes the
+first that supports the call on the platform it is lowered for.
 """
 from __future__ import annotations
 
@@ -58,36 +61,43 @@ MAX_INT8_K = operands.MAX_INT8_K
 def quantize_int8(x, *, axis=-1, backend=None):
   """Symmetric int8 quantization: ``(q, scale)`` with ``x ~= q * scale``.
 
-  scale = max|x| * float32(1/127) over ``axis`` (kept as size 1;
-  ``axis=None`` gives one 0-d scale for the whole tensor), or 1 where that
-  max is 0; q =
-  clip(round_half_even(x / scale), -127, 127) as int8 (NaN -> 0, and the
-  row's scale is NaN). ``x`` must be bfloat16, float16 or float32. The last
-  axis uses a one-pass Pallas kernel on TPU; other axes use XLA.
+  scale = max|x| * float32(1/127) over ``axis``, or 1 where that max is 0;
+  q = clip(round_half_even(x / scale), -127, 127) as int8. NaN quantizes to
+  0 and makes its row's scale NaN (inf: an inf scale), so nothing
+  dequantized from a bad row looks plausible.
+
+  Args:
+    x: bfloat16, float16 or float32 array.
+    axis: the axis reduced (an int), or None for one scale over all of x.
+    backend: None, "mosaic_tpu", "interpret" or "reference" (the kernel
+      quantizes along the last axis; other axes run XLA). "gpu" runs the
+      reference, which XLA fuses into one pass: there is no GPU kernel.
+  Returns:
+    q: int8, x's shape.
+    scale: float32, x's shape with ``axis`` kept as size 1 (0-d for
+      ``axis=None``).
   """
   axis = operands.quantize_axis(x, axis)
   _backend.check_backend("quantize_int8", backend)
   xla = functools.partial(quant.quantize, axis=axis)
   if axis is None or axis != x.ndim - 1 or x.size == 0:
     return xla(x)
-  rows_rule = _sharding.make_rule(
-      "quantize_int8",
-      [("x", " ".join(f"a{i}" for i in range(x.ndim - 1)) + " r")],
-      [" ".join(f"a{i}" for i in range(x.ndim - 1)) + " r",
-       " ".join(f"a{i}" for i in range(x.ndim - 1)) + " one"],
-      split=" ".join(f"a{i}" for i in range(x.ndim - 1)),
-      helper="jax.shard_map", names={"r": "quantized (last)"})
+  if backend == "gpu":
+    backend = "reference"
+
   def tpu(x_, interpret=None):
     q, s = mosaic_tpu.quantize_rows(x_.reshape(-1, x_.shape[-1]),
                                     interpret=interpret or False)
     return q.reshape(x_.shape), s.reshape(x_.shape[:-1] + (1,))
 
-  if backend == "gpu":  # no GPU kernel: XLA fuses the reference into one
-    backend = "reference"
+  lead = " ".join(f"a{i}" for i in range(x.ndim - 1))
+  rule = _sharding.make_rule(
+      "quantize_int8", [("x", lead + " r")], [lead + " r", lead + " one"],
+      split=lead, helper="jax.shard_map", names={"r": "quantized (last)"})
   return _backend.dispatch(
       "quantize_int8", backend,
       [_backend.Kernel("mosaic_tpu", tpu), _backend.Kernel("reference", xla)],
-      x, rule=rows_rule)
+      x, rule=rule)
 
 
 # ----------------------------------------------------------------------------
@@ -115,7 +125,7 @@ def _as_block_sizes(block_sizes):
 def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
                 block_sizes=None, weight_only=False, weight_layout="kn",
                 backend=None):
-  """int8 x @ int8 w with int32 accumulation; modes in the module docstring.
+  """x @ w for int8 w with a fused epilogue; modes in the module docstring.
 
   Args:
     x: [..., K] int8, or bfloat16/float16/float32 (dynamic or weight-only).
@@ -131,6 +141,9 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
       per call on GPUs; see the module docstring).
     backend: None (chosen per platform), "mosaic_tpu", "triton",
       "mosaic_gpu", "gpu" (the best GPU kernel), "interpret" or "reference".
+  Returns:
+    x.shape[:-1] + (N,): int32 in raw mode, else out_dtype (default
+    bfloat16 for int8 x, x's dtype for float x).
   """
   _backend.check_backend("int8_matmul", backend)
   call = operands.matmul_call(x, w, x_scale=x_scale, w_scale=w_scale,

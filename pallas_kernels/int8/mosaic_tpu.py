@@ -52,7 +52,7 @@ def _dot(x, w, mode, w_layout):
 def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout):
   x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs = (
       operands.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
-                                  has_b=has_b))
+                                 has_b=has_b))
   acc_ref = refs.pop(0) if refs else None
 
   part = _dot(x_ref[...], w_ref[...], mode, w_layout)
@@ -88,8 +88,11 @@ def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout):
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
            generation=None, w_layout="kn", interpret=False):
-  """[M, K] x [K, N] (w [N, K] for w_layout "nk") for modes raw / dequant /
-  dynamic / weight_only."""
+  """The normalized operands (``operands.MatmulCall``) -> [M, N] out_dtype
+  for modes raw / dequant / dynamic / weight_only; w is [K, N], or [N, K]
+  for w_layout "nk". ``generation`` picks the block-table row (None: the
+  lowering target's, ``_backend.target()``); ``block_sizes`` overrides it.
+  """
   kn = w_layout == "kn"
   if mode == "dynamic":
     x2, x_scale = quantize_rows(x2, interpret=interpret)

@@ -1,106 +1,27 @@
-"""GPU (Triton-lowered Pallas) int8 matmul with the same semantics as the TPU one.
+"""int8 matmul for NVIDIA GPUs: Pallas lowered through Triton.
 
-Grid (M/bm, N/bn, split_k); each program walks K in a ``fori_loop`` (Triton
-software-pipelines it, ``num_stages`` deep): int8 x int8 -> int32 dots on the
-tensor cores (``jnp.dot(..., preferred_element_type=jnp.int32)``), or for
-weight-only mode the int8 w tile upcast to x's dtype in registers, then a
-float32-accumulating dot. The epilogue (x_scale [bm, 1], w_scale [1, bn],
-bias [1, bn], cast) runs on the accumulator in registers before the single
-store, so no int32 matrix is written to HBM.
+Grid (M/bm, N/bn, split_k); each program walks its K range in a
+``fori_loop`` that Triton software-pipelines ``num_stages`` deep: int8 x int8
+-> int32 tensor-core dots, or in weight-only mode the int8 w tile upcast to
+x's dtype in registers and a float32-accumulating dot. The epilogue
+(x_scale [bm, 1], w_scale [1, bn], bias [1, bn], cast) runs on the
+accumulator before the single store: no int32 matrix reaches HBM.
 
-Program order (``group_m`` > 1): one flat program axis walks the output in
-bands of group_m row tiles, down a band's rows for one column tile before
-the next, so the ~132 programs resident together share their x rows and w
-columns in L2 (the plain order streams all of x once per column pair).
+Weight layout: the int8 MMA reads both operands K-major, so w [N, K]
+(``weight_layout="nk"``) is read as it is; w [K, N] is either read directly
+or, with ``w_kmajor``, transposed once per call by XLA.
 
-Weight layout. Hopper's wgmma takes 8-bit operands only K-major, so with
-``w_kmajor`` the wrapper hands the kernel w.T ([N, K], one transpose of w
-per call, ``transpose``) and the kernel contracts both operands' last
-dimension; without it the kernel reads w [K, N] directly, and Triton turns
-each int8 tile through shared memory (int8 MMA at ~105 TOP/s). The
-transpose of an 8192^2 int8 w costs 104 us (~1.3 TB/s, XLA's or the
-``packed`` Pallas kernel here: both tie), ~9% of the 8192^3 product.
+Plan switches (``block_sizes.GpuPlan``): ``group_m`` > 1 orders programs in
+bands of group_m row tiles so that programs resident together share x rows
+and w columns in L2; ``split_k`` > 1 gives each program 1/split_k of K (for
+small M), writes scaled float32 (raw: int32) partials that one XLA pass
+sums before the bias; ``swap_ab`` computes a weight-only tile as
+(w_tile @ x_tile.T).T so the upcast w is the MMA's register operand and bn
+fills its M; ``stream_w`` loads w tiles evict-first (read once) so x stays
+in L2.
 
-bf16 tensor cores for int8 (``int8_via_bf16``, for memory-bound shapes
-whose w stays [K, N]): each tile's x and w are upcast to bfloat16 (exact for
-int8), multiplied with float32 accumulation and the tile's sum converted to
-int32 before it joins the int32 accumulator. Exact: a tile sums at most
-bk <= 1024 products of magnitude <= 2**14, so every partial sum is an integer
-below 2**24 that float32 holds exactly. It runs at the bf16 rate, which
-memory-bound shapes do not reach, and needs no transpose of w.
-
-Split K (``split_k`` > 1, for small M where M/bm x N/bn programs cannot
-fill the GPU): a third grid axis gives each program 1/split_k of K; it
-writes its scaled float32 partial sum (int32 in raw mode), and one XLA pass
-sums the split_k partials, adds the bias and casts. The partials are
-split_k x M x N (small for the decode shapes it is meant for); the float
-result may differ from the unsplit one by a few roundings.
-
-Weight-only decode (M <= 64; w8a16) is bound by streaming the int8 w once:
-K N bytes, half of bf16's. Switches (BlockSizes / GpuPlan):
-  swap_ab    the tile is computed as (w_tile @ x_tile.T).T, so the upcast
-             w is the tensor cores' left operand (straight from registers)
-             and bn fills their M; best at M = 128, 10-60% slower at 16.
-  stream_w   w tiles are loaded with evict_first (read once; x, which every
-             column tile re-reads, stays in L2).
-  stagger_k  column tile j walks its K blocks from block j % nk on, so the
-             programs running together read different parts of x and of
-             w's rows (an option; not yet measured on a GPU).
-The table (block_sizes.GPU_TABLE_WEIGHT_ONLY_NK, w [N, K]) takes bk 256,
-bn 64, no split where N / 64 gives >= 192 column tiles (about 1.5 per SM,
-all resident at once), else bn 32 and split K up to that many programs.
-
-Measured on an H100 (jax 0.11.2, triton 3.6; ratios peer time / ours; JAX
-programs of R calls with the host's sync hidden; one run each):
-  bench/results/int8_matmul-h100-2026-11-22.json (this session):
-  M = 16    weight-only, w [N, K]: 31.8 / 32.8 us (K, N = 4096/14336 /
-            14336/4096) = 1.85 / 1.79 TB/s of w: 1.53x / 1.40x torch bf16
-            (48.7 / 45.8 us), 1.56x / 1.49x XLA bf16, 1.15x / 1.05x XLA's
-            own fused w8a16. w [K, N]: 36.0 / 36.5 us (1.35x / 1.26x torch
-            bf16). Last session (w [K, N] only): 54 / 45 us.
-  M = 128   weight-only, w [N, K]: 52.9 / 61.0 us: 0.90x / 0.89x torch bf16
-            (0.93x / 0.97x XLA bf16); w [K, N] 65.1 / 64.5 us (0.73x /
-            0.85x). 1.5x over bf16 is out of reach here: the product is
-            15 GFLOP, ~19 us at the bf16 peak, beside streaming w (~20 us).
-  M = 2048  fused int8 (x, w int8, scales, bias -> bf16), w [N, K]: 293 /
-            317 us (K, N = 14336/4096 / 4096/14336): 1.05x / 0.99x torch
-            bf16, 1.16x / 1.12x XLA bf16, 6.6x / 6.1x torch._int_mm;
-            w [K, N] (transpose per call) 322 / 365 us (0.95x / 0.86x).
-  8192^3    (int8_matmul_square-h100-*, last session; these kernels are
-            unchanged) fused 1093 us = 1.28x torch bf16 (1.21x XLA int8,
-            7.7x torch._int_mm), w [N, K] 1113 us (1.25x); raw [N, K]
-            1083 us (1.29x). Grouped order (group_m 16) gave 5-7%.
-Tried and dropped (bench/results/int8_matmul_sweep-h100-* and
-int8_matmul_decode_sweep-h100-*): upcasting w as int16 column pairs and
-swap_ab with w [K, N] were 5-60% slower for weight-only at M = 16;
-int8_via_bf16 lost at every shape; a Pallas transpose turning int8 tiles
-(128 us) lost to XLA's; a finer K split where the column tiles alone fill
-the GPU (M = 16, N = 14336: split 2, 44 us vs 34) and bk 512 or 64.
-
-Mosaic GPU kernel for weight-only decode (mosaic_gpu.py: TMA ring filled by
-a memory warpgroup, int8 w converted to bf16 in registers as the wgmma's
-left operand, the epilogue fused where K is not split, x tiles multicast to
-CTA pairs at M > 64): on a Hopper GPU ``matmul`` runs it for weight-only
-calls with w [N, K], bf16 x and M in block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
-(65..128: 43.0 / 44.1 us at M = 128, 1.27x / 1.41x this Triton kernel,
-1.11x / 1.24x torch bf16; bench/results/int8_matmul_128-h100-*), or
-wherever it applies with PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY=mosaic
-("triton": never). Interpret mode always runs the Triton kernel.
-Latest M = 16 run (int8_matmul_16-h100-2026-11-23, stop 13; the bench
-now times the steady-state slope, which no longer counts each sample's one
-program dispatch and wait, ~5 us per call before): this kernel 24.8 / 25.4
-us = 1.92x / 1.74x torch bf16 (47.7 / 44.0 us), 1.69x / 1.67x XLA bf16;
-the kernels alone (profiler) 25.4 / 25.3 us against cuBLAS's 46.0 / 42.7
-us (1.81x / 1.69x), i.e. w streams at 2.3 TB/s, about what cuBLAS reaches
-reading the same 58.7 MB as bf16 (24.2 us at 16 x 4096 x 7168).
-Tried there without gain: w pre-tiled so each [bn, bk] tile is contiguous,
-and a PTX bit-trick int8 -> bf16 upcast instead of Triton's conversion
-(int8_matmul_upcast_delay_probe).
-
-Triton needs power-of-two tiles, so M, N and K are zero-padded to tile
-multiples (a copy of x and/or w when a dimension is not a multiple: the LLM
-shapes in the bench need none). The w8a8 dynamic pre-pass (row quantization)
-uses XLA here, which fuses it into one kernel on GPU.
+Tiles are powers of two (a Triton rule): M, N and K are zero-padded to tile
+multiples. The dynamic (w8a8) mode quantizes x per row with XLA first.
 """
 from __future__ import annotations
 
@@ -119,7 +40,7 @@ def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
                    split, swap_ab=False, stream_w=False):
   x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs = (
       operands.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
-                                  has_b=has_b))
+                                 has_b=has_b))
   bm, bn = o_ref.shape[-2:]
   weight_only = mode == "weight_only"
   acc_dtype = jnp.float32 if weight_only else jnp.int32
@@ -161,11 +82,7 @@ def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
     acc = acc.T
   if mode == "raw":
     o_ref[...] = acc
-  elif split:  # scaled float32 partial sum; the bias is added after the sum
-    o_ref[...] = quant.epilogue(
-        acc, None if xs_ref is None else xs_ref[...],
-        None if ws_ref is None else ws_ref[...], None, jnp.float32)
-  else:
+  else:  # split K: a float32 partial without the bias (added after the sum)
     o_ref[...] = quant.epilogue(
         acc, None if xs_ref is None else xs_ref[...],
         None if ws_ref is None else ws_ref[...],
@@ -203,8 +120,10 @@ def _tile_order(ni, nj, group_m):
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
            w_layout="kn", interpret=False):
-  """[M, K] x [K, N] (w [N, K] for w_layout "nk": read K-major as it is, no
-  transpose) for modes raw / dequant / dynamic / weight_only."""
+  """The normalized operands (``operands.MatmulCall``) -> [M, N] out_dtype
+  for modes raw / dequant / dynamic / weight_only; w is [K, N], or [N, K]
+  for w_layout "nk". ``block_sizes`` (``BlockSizes``) overrides the table.
+  ``interpret``: run in Pallas' generic interpreter."""
   if mode == "dynamic":
     x2, x_scale = quant.quantize(x2, axis=-1)
     mode = "dequant"
