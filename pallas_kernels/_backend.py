@@ -304,9 +304,9 @@ def dispatch(op: str, backend: str | None, kernels: Sequence[Kernel], *args,
   kernel, interpret = choose(op, backend, kernels)
   if kernel.name == "reference":
     return kernel.call(args)
-  # The TPU-semantics interpreter's ordered callbacks cannot live inside
-  # custom_partitioning: under Auto axes it runs unpartitioned.
-  effects = kernel.name == "mosaic_tpu" and interpret not in (None, True)
+  # The TPU-semantics and Mosaic GPU interpreters' ordered callbacks cannot
+  # live inside custom_partitioning: under Auto axes they run unpartitioned.
+  effects = interpret not in (None, True)
   return _sharded(rule, _bound(kernel, interpret), args, auto=not effects)
 
 

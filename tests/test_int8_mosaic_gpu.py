@@ -1,24 +1,24 @@
-"""The Mosaic GPU (Hopper) weight-only int8 kernel, in jax's Mosaic GPU
-interpreter (warp-specialised pipeline, barriers and TMA copies simulated on
-the CPU), and its wiring in the GPU path.
+"""The Mosaic GPU (Hopper) weight-only int8 kernel: what it supports, its
+plans, its choice by int8_matmul's chooser, its lowering for CUDA from this
+CPU host, and its tiling in jax's Mosaic GPU interpreter (warp-specialised
+pipeline, barriers and TMA copies simulated on the CPU; the wgmma is a
+float32-accumulated dot of the same tiles there). The shared suite in
+test_int8_matmul.py runs it through the public call.
 
-Compared with float64 numpy: out = (x @ w.T) * w_scale + bias for int8 w
-[N, K] and bf16 x. The interpreter runs the kernel's tiling, ring slots,
-split-K partials and epilogue; its product is a plain float32-accumulated
-dot of the same SMEM tiles (the wgmma itself is checked on the H100 by
-bench/bench_int8_matmul.py --mgpu). Tolerances: float32 out 1e-5 of the
-largest magnitude (float32 sums of exact bf16 x int8 products); bf16 out
-adds its rounding, 2**-8 relative per element.
+Results are compared with ``oracles.int8`` within its stated bound.
 
 Skipped where jax has no Mosaic GPU interpreter (jax < 0.10, e.g. 0.7.1);
 there ``supports`` must decline.
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracles import int8 as oracle
 
 from pallas_kernels import _backend, _compat
 from pallas_kernels.int8 import api, mosaic_gpu
@@ -50,27 +50,16 @@ def _inputs(rng, m, k, n):
   return x, w, w_scale, bias
 
 
-def _float64(x, w, w_scale, bias):
-  out = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-  if w_scale is not None:
-    out = out * np.asarray(w_scale, np.float64)
-  if bias is not None:
-    out = out + np.asarray(bias, np.float64)
-  return out
-
-
 def _run(x, w, w_scale, bias, out_dtype, sizes=None):
   return mosaic_gpu.matmul(x, w, None, w_scale, bias, mode="weight_only",
                            out_dtype=out_dtype, w_layout="nk",
                            block_sizes=sizes, interpret=INTERPRET)
 
 
-def _check(got, want, out_dtype):
-  got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-  assert got.shape == want.shape
-  scale = np.abs(want).max()
-  rtol = 0.0 if out_dtype == jnp.float32 else 2.0 ** -8
-  np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-5 * scale)
+def _check(got, x, w, w_scale, bias, out_dtype):
+  oracle.assert_int8_matmul(got, x, w, jnp.dtype(out_dtype).name,
+                            w_scale=w_scale, bias=bias, weight_only=True,
+                            weight_layout="nk")
 
 
 # ------------------------------------------------------------- supports --
@@ -169,7 +158,8 @@ def _picked(m, backend=None, block_sizes=None, mode="weight_only",
 
 def test_chooser_takes_mosaic_only_on_hopper_in_its_m_range():
   assert _picked(128) == "triton"  # no Hopper GPU here
-  with pytest.raises(ValueError, match="needs a Hopper GPU"):
+  reason = mosaic_gpu.api_missing() or "needs a Hopper GPU"
+  with pytest.raises(ValueError, match=re.escape(reason)):
     _picked(128, backend="mosaic_gpu")
   with _backend.target_override(gpu_capability="9.0"):
     if mosaic_gpu.api_missing() is not None:
@@ -185,6 +175,21 @@ def test_chooser_takes_mosaic_only_on_hopper_in_its_m_range():
     assert _picked(128, block_sizes=bs.BlockSizes(16, 64, 64)) == "triton"
     assert _picked(128, w_layout="kn") == "triton"
     assert _picked(128, mode="dequant") == "triton"
+
+
+@pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
+                    reason="no Mosaic GPU Pallas API in this jax")
+def test_public_call_lowers_to_mosaic_gpu_for_a_hopper_target():
+  def lowered(m):
+    fn = lambda x, w, s: api.int8_matmul(  # noqa: E731
+        x, w, w_scale=s, weight_only=True, weight_layout="nk")
+    args = (_sds((m, 512), jnp.bfloat16), _sds((256, 512), jnp.int8),
+            _sds((256,), jnp.float32))
+    return _compat.lower_for_cuda(fn, *args).as_text()
+  with _backend.target_override(gpu_capability="9.0"):
+    assert "mosaic_gpu" in lowered(128)
+    assert "triton" in lowered(16) and "mosaic_gpu" not in lowered(16)
+  assert "mosaic_gpu" not in lowered(128)  # no Hopper: Triton
 
 
 # ------------------------------------------------- interpreter semantics --
@@ -205,7 +210,7 @@ def test_matches_float64(rng, m, k, n, out_dtype, sizes):
   out = _run(x, w, w_scale, bias, out_dtype,
              mosaic_gpu.MgpuBlockSizes(**sizes))
   assert out.dtype == out_dtype
-  _check(out, _float64(x, w, w_scale, bias), out_dtype)
+  _check(out, x, w, w_scale, bias, out_dtype)
 
 
 @needs_interpreter
@@ -218,5 +223,4 @@ def test_table_tiles_m128_no_scale_nan_row(rng):
   out = np.asarray(_run(x, w, None, None, jnp.float32))
   assert np.isnan(out[7]).all()
   rest = np.delete(np.arange(m), 7)
-  want = _float64(x, w, None, None)
-  _check(out[rest], want[rest], jnp.float32)
+  _check(out[rest], np.asarray(x)[rest], w, None, None, jnp.float32)

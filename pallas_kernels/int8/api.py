@@ -62,7 +62,8 @@ def quantize_int8(x, *, axis=-1, backend=None):
   """Symmetric int8 quantization: ``(q, scale)`` with ``x ~= q * scale``.
 
   scale = max|x| * float32(1/127) over ``axis``, or 1 where that max is 0;
-  q = clip(round_half_even(x / scale), -127, 127) as int8. NaN quantizes to
+  q = clip(round_half_even(x * (1 / scale)), -127, 127) as int8 (one
+  reciprocal per row, so every implementation rounds alike). NaN quantizes to
   0 and makes its row's scale NaN (inf: an inf scale), so nothing
   dequantized from a bad row looks plausible.
 

@@ -1,8 +1,10 @@
 """Symmetric int8 quantization and the dequantizing epilogue: the arithmetic
 that the reference and every int8 kernel share, so that they round alike.
 
+  amax  = max |x|, NaN where x holds a NaN
   scale = amax * float32(1/127), or 1 where amax == 0
-  q     = clip(round_half_to_even(x / scale), -127, 127) as int8; NaN -> 0
+  q     = clip(round_half_to_even(x * (1 / scale)), -127, 127) as int8;
+          NaN -> 0
   out   = ((float32(acc) * x_scale) * w_scale + bias) -> out_dtype
 """
 from __future__ import annotations
@@ -18,8 +20,20 @@ def scale_from_amax(amax):
   return jnp.where(amax == 0, jnp.float32(1), amax * jnp.float32(1 / INT8_MAX))
 
 
+def amax(x, axis):
+  """max |x| over ``axis`` (kept as size 1; a scalar for None), NaN where x
+  holds a NaN: XLA's CPU max reduction can skip NaNs, so that is explicit."""
+  keep = axis is not None
+  a = jnp.max(jnp.abs(x), axis=axis, keepdims=keep, initial=0.0)
+  nan = jnp.max(jnp.isnan(x).astype(jnp.float32), axis=axis, keepdims=keep,
+                initial=0.0)  # a float reduction: Mosaic has no bool one
+  return jnp.where(nan > 0, jnp.float32(jnp.nan), a)
+
+
 def round_to_int8(x, scale):
-  q = jnp.round(x / scale)  # jnp.round rounds half to even
+  # One reciprocal per row and a multiply (what XLA makes of a division by
+  # a broadcast anyway), so every implementation rounds the same product.
+  q = jnp.round(x * (1 / scale))  # jnp.round rounds half to even
   q = jnp.clip(q, -INT8_MAX, INT8_MAX)
   q = jnp.where(jnp.isnan(q), 0.0, q)
   return q.astype(jnp.int8)
@@ -29,11 +43,7 @@ def quantize(x, axis=-1):
   """(int8 q, float32 scale) of ``x`` along ``axis`` (kept as size 1; a 0-d
   scale for ``axis=None``), in plain JAX."""
   x = jnp.asarray(x).astype(jnp.float32)
-  if axis is None:
-    scale = scale_from_amax(jnp.max(jnp.abs(x)) if x.size else jnp.float32(0))
-    return round_to_int8(x, scale), scale
-  amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True, initial=0.0)
-  scale = scale_from_amax(amax)
+  scale = scale_from_amax(amax(x, axis))
   return round_to_int8(x, scale), scale
 
 

@@ -4,7 +4,8 @@ matches (the arithmetic itself is ``quant``'s).
 quantize_int8(x, axis)
   amax  = max |x| over ``axis`` (keepdims; every axis when ``axis=None``)
   scale = amax * float32(1/127), or 1 where amax == 0 (never a division by 0)
-  q     = clip(round_half_to_even(x / scale), -127, 127) as int8; NaN -> 0
+  q     = clip(round_half_to_even(x * (1 / scale)), -127, 127) as int8;
+          NaN -> 0
   Returned scale is float32 with ``axis`` kept as size 1 (a 0-d scalar for
   ``axis=None``), so ``q * scale`` broadcasts back to ``x``. A row holding
   NaN or +-inf gets a NaN/inf scale, so anything dequantized from it is
