@@ -10,7 +10,9 @@ quantize_int8: float32 arithmetic as documented (IEEE, so bit-exact):
 int8_matmul: the int32 accumulator exactly (int64), then the dequantizing
   epilogue ``acc * x_scale * w_scale + bias`` in float64.
 ``int8_matmul_bound`` is the error a float32 pipeline may add to that
-float64 value, plus the rounding of the output dtype.
+float64 value, plus the rounding of the output dtype. Where a reciprocal is
+not correctly rounded (GPU division), q may take the other neighbour of a
+near tie: ``assert_quantized`` and the bound allow that step there.
 """
 from __future__ import annotations
 
@@ -41,6 +43,31 @@ def quantize_int8(x, axis=-1):
     q = np.rint(x * (np.float32(1) / scale))  # half to even
   q = np.where(np.isnan(q), 0, np.clip(q, -INT8_MAX, INT8_MAX))
   return q.astype(np.int8), scale
+
+
+def quantize_near_ties(x, axis=-1, ulps=4):
+  """Where x * (1 / scale) lies within ``ulps`` float32 roundings of a
+  half-integer: there a reciprocal that is not correctly rounded (GPU
+  division) may round q to the other neighbour."""
+  _, scale = quantize_int8(x, axis)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    t = np.asarray(_f32(x), np.float64) / np.asarray(scale, np.float64)
+    near = np.abs(np.abs(t - np.floor(t)) - 0.5) <= ulps * F32 * np.abs(t)
+  return near & np.isfinite(t)
+
+
+def assert_quantized(q, scale, x, axis=-1, near_ties=True):
+  """``(q, scale)`` equals ``quantize_int8(x, axis)``: scale bit-exact, q
+  exact (``near_ties``: except within one step where
+  ``quantize_near_ties``)."""
+  q_want, s_want = quantize_int8(x, axis)
+  np.testing.assert_array_equal(np.asarray(scale), s_want)  # NaN == NaN
+  diff = np.abs(np.asarray(q, np.int32) - q_want.astype(np.int32))
+  near = quantize_near_ties(x, axis) if near_ties else np.zeros(diff.shape,
+                                                                bool)
+  assert np.asarray(q).shape == q_want.shape
+  assert np.all(diff[~near] == 0), f"{int((diff[~near] != 0).sum())} q differ"
+  assert np.all(diff <= 1)
 
 
 def _columns(v, n, absent):
@@ -87,7 +114,8 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None,
 
 
 def int8_matmul_bound(x, w, out_dtype, *, x_scale=None, w_scale=None,
-                      bias=None, weight_only=False, weight_layout="kn"):
+                      bias=None, weight_only=False, weight_layout="kn",
+                      near_ties=True):
   """Per-element bound on |float result - ``int8_matmul``| for a float32
   pipeline followed by a cast to ``out_dtype`` ("bfloat16", "float16" or
   "float32").
@@ -98,7 +126,8 @@ def int8_matmul_bound(x, w, out_dtype, *, x_scale=None, w_scale=None,
   |x| @ |w| * |x_scale * w_scale| + |bias|. Weight-only: float32 sums of K
   products (exact for bf16/f16 x, rounded once for float32 x) cost K
   roundings of |x| @ |w| * |w_scale|, the scale and bias 5 more. The final
-  cast adds the output's unit roundoff of the result.
+  cast adds the output's unit roundoff of the result. ``near_ties``: float
+  x's per-row quantization may be one step off at near ties.
   """
   kwargs = dict(x_scale=x_scale, w_scale=w_scale, bias=bias,
                 weight_only=weight_only, weight_layout=weight_layout)
@@ -111,11 +140,15 @@ def int8_matmul_bound(x, w, out_dtype, *, x_scale=None, w_scale=None,
                  * _columns(w_scale, n, 1.0))
   roundings = k + 5 if weight_only else 12
   err = roundings * F32 * (magnitude * scale + np.abs(_columns(bias, n, 0.0)))
+  x = np.asarray(x)
+  if near_ties and x.dtype != np.int8 and not weight_only:
+    near = quantize_near_ties(x.reshape(-1, k)).astype(np.float64)
+    err = err + (near @ np.abs(np.asarray(w, np.float64))) * scale
   err = err.reshape(want.shape)
   return err + UNIT_ROUNDOFF[out_dtype] * (want + err)
 
 
-def assert_int8_matmul(out, x, w, out_dtype, **kwargs):
+def assert_int8_matmul(out, x, w, out_dtype, near_ties=True, **kwargs):
   """``out`` (any array) equals ``int8_matmul(x, w, **kwargs)`` exactly when
   that is an integer result, else lies within ``int8_matmul_bound``."""
   want = int8_matmul(x, w, **kwargs)
@@ -124,6 +157,6 @@ def assert_int8_matmul(out, x, w, out_dtype, **kwargs):
   if want.dtype == np.int64:
     np.testing.assert_array_equal(got, want)
     return
-  bound = int8_matmul_bound(x, w, out_dtype, **kwargs)
+  bound = int8_matmul_bound(x, w, out_dtype, near_ties=near_ties, **kwargs)
   excess = np.abs(got.astype(np.float64) - want) - bound
   assert np.all(excess <= 0), f"max excess {excess.max():.3g}"
