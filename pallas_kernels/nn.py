@@ -32,14 +32,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _backend
 from pallas_kernels.int8 import api as _int8
+from pallas_kernels.int8 import operands as _operands
 
 __all__ = ["int8_dense"]
 
 
 def _check(x, w, bias):
   for name, value in (("x", x), ("w", w)):
-    if not hasattr(value, "dtype") or not _int8._is_float(value.dtype):
+    if not hasattr(value, "dtype") or not _operands.is_float(value.dtype):
       raise TypeError(f"int8_dense: {name} must be a bfloat16, float16 or "
                       f"float32 array, got "
                       f"{getattr(value, 'dtype', type(value).__name__)}")
@@ -49,15 +51,22 @@ def _check(x, w, bias):
     raise ValueError(f"int8_dense: x's last dimension must equal w's first "
                      f"(K = {w.shape[0]}), got x of shape {x.shape}")
   if bias is not None:
-    if not hasattr(bias, "dtype") or not _int8._is_float(bias.dtype):
+    if not hasattr(bias, "dtype") or not _operands.is_float(bias.dtype):
       raise TypeError("int8_dense: bias must be a float array")
     if bias.shape != (w.shape[1],):
       raise ValueError(f"int8_dense: bias must have shape ({w.shape[1]},), "
                        f"got {bias.shape}")
 
 
+def _quantize(w, axis, backend):
+  # quantize_int8 has no GPU kernel: on GPUs XLA's fused quantization runs.
+  if backend in _backend.GPU_KERNELS:
+    backend = "reference"
+  return _int8.quantize_int8(w, axis=axis, backend=backend)
+
+
 def _forward(x, w, bias, backend):
-  w_q, w_scale = _int8.quantize_int8(w, axis=0, backend=backend)
+  w_q, w_scale = _quantize(w, 0, backend)
   return _int8.int8_matmul(x, w_q, w_scale=w_scale, bias=bias,
                            out_dtype=x.dtype, backend=backend)
 
@@ -77,7 +86,7 @@ def _bwd(int8_input_grad, backend, residuals, dy):
   dy2 = dy.reshape(-1, n)
   x2 = x.reshape(-1, k)
   if int8_input_grad:
-    w_q, w_scale = _int8.quantize_int8(w, axis=1, backend=backend)  # [K, 1]
+    w_q, w_scale = _quantize(w, 1, backend)  # [K, 1]
     # dy @ w_q.T: w_q [K, N] is that product's weight in the "nk" layout.
     dx = _int8.int8_matmul(dy2, w_q, w_scale=w_scale.reshape(k),
                            out_dtype=x.dtype, weight_layout="nk",

@@ -1,28 +1,28 @@
-"""The Mosaic GPU (Hopper) weight-only int8 kernel, in jax's Mosaic GPU
-interpreter (warp-specialised pipeline, barriers and TMA copies simulated on
-the CPU), and its wiring in the GPU path.
+"""The Mosaic GPU (Hopper) weight-only int8 kernel: what it supports, its
+plans, its choice by int8_matmul's chooser, its lowering for CUDA from this
+CPU host, and its tiling in jax's Mosaic GPU interpreter (warp-specialised
+pipeline, barriers and TMA copies simulated on the CPU; the wgmma is a
+float32-accumulated dot of the same tiles there). The shared suite in
+test_int8_matmul.py runs it through the public call.
 
-Compared with float64 numpy: out = (x @ w.T) * w_scale + bias for int8 w
-[N, K] and bf16 x. The interpreter runs the kernel's tiling, ring slots,
-split-K partials and epilogue; its product is a plain float32-accumulated
-dot of the same SMEM tiles (the wgmma itself is checked on the H100 by
-bench/bench_int8_matmul.py --mgpu). Tolerances: float32 out 1e-5 of the
-largest magnitude (float32 sums of exact bf16 x int8 products); bf16 out
-adds its rounding, 2**-8 relative per element.
+Results are compared with ``oracles.int8`` within its stated bound.
 
 Skipped where jax has no Mosaic GPU interpreter (jax < 0.10, e.g. 0.7.1);
 there ``supports`` must decline.
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracles import int8 as oracle
 
-from pallas_kernels import _compat
+from pallas_kernels import _backend, _compat
+from pallas_kernels.int8 import api, mosaic_gpu
 from pallas_kernels.int8 import block_sizes as bs
-from pallas_kernels.int8 import gpu, mosaic_gpu
 
 INTERPRET = mosaic_gpu.interpret_params()
 needs_interpreter = pytest.mark.skipif(
@@ -50,27 +50,16 @@ def _inputs(rng, m, k, n):
   return x, w, w_scale, bias
 
 
-def _float64(x, w, w_scale, bias):
-  out = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-  if w_scale is not None:
-    out = out * np.asarray(w_scale, np.float64)
-  if bias is not None:
-    out = out + np.asarray(bias, np.float64)
-  return out
-
-
 def _run(x, w, w_scale, bias, out_dtype, sizes=None):
   return mosaic_gpu.matmul(x, w, None, w_scale, bias, mode="weight_only",
                            out_dtype=out_dtype, w_layout="nk",
                            block_sizes=sizes, interpret=INTERPRET)
 
 
-def _check(got, want, out_dtype):
-  got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-  assert got.shape == want.shape
-  scale = np.abs(want).max()
-  rtol = 0.0 if out_dtype == jnp.float32 else 2.0 ** -8
-  np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-5 * scale)
+def _check(got, x, w, w_scale, bias, out_dtype):
+  oracle.assert_int8_matmul(got, x, w, jnp.dtype(out_dtype).name,
+                            w_scale=w_scale, bias=bias, weight_only=True,
+                            weight_layout="nk")
 
 
 # ------------------------------------------------------------- supports --
@@ -79,9 +68,9 @@ def test_supports_declines_what_it_does_not_implement():
   if mosaic_gpu.api_missing() is not None:
     assert isinstance(_supports(16, 256, 128), str)
     return
-  assert _supports(16, 256, 128) is True
-  assert _supports(1, 64, 1) is True
-  assert _supports(128, 4096, 14336) is True
+  assert _supports(16, 256, 128) is None
+  assert _supports(1, 64, 1) is None
+  assert _supports(128, 4096, 14336) is None
   cases = [dict(w_layout="kn"), dict(x_dtype=jnp.float32),
            dict(x_dtype=jnp.float16), dict(mode="dequant"),
            dict(x_scale=_sds((16, 1), jnp.float32))]
@@ -95,9 +84,8 @@ def test_supports_declines_what_it_does_not_implement():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tile_k", 100), ("tile_k", -64), ("stages", 1), ("compute_wgs", 3),
-    ("wg_rows", 32), ("max_split", 0), ("target_ctas", 0), ("cluster", 3),
-    ("split_reduce", "atomic")])
+    ("tile_k", 100), ("tile_k", -64), ("stages", 1), ("max_split", 0),
+    ("target_ctas", 0)])
 def test_bad_block_sizes_raise(field, value):
   sizes = mosaic_gpu.MgpuBlockSizes(**{field: value})
   with pytest.raises(ValueError, match=field):
@@ -106,11 +94,14 @@ def test_bad_block_sizes_raise(field, value):
     assert field in _supports(16, 1024, 1024, block_sizes=sizes)
 
 
-def test_plan_split_fills_one_wave():
-  # 112 column tiles of 128: no split; 32 tiles: split 4 (128 CTAs <= 132).
-  assert mosaic_gpu.plan(16, 4096, 14336).split == 1
+def test_plan_split_fills_one_wave_and_fuses_unsplit():
+  # 112 column tiles of 128: no split, epilogue in the kernel; 32 tiles:
+  # split 4 (128 CTAs <= 132), partials summed by XLA.
+  p = mosaic_gpu.plan(16, 4096, 14336)
+  assert p.split == 1 and p.fused
   p = mosaic_gpu.plan(16, 14336, 4096)
-  assert p.split == 4 and p.steps * p.split * p.sizes.tile_k == p.kp >= 14336
+  assert p.split == 4 and not p.fused
+  assert p.steps * p.split * p.sizes.tile_k == p.kp >= 14336
   # never more K pieces than K tiles, nor more than max_split
   assert mosaic_gpu.plan(16, 256, 128).split == 1
   assert mosaic_gpu.plan(
@@ -124,52 +115,27 @@ def test_plan_split_fills_one_wave():
         mosaic_gpu.SMEM_BYTES)
 
 
-def test_plan_fused_epilogue_and_clusters():
-  """Unsplit plans run the epilogue in the kernel; a K split does so only
-  with split_reduce="cluster" (at most MAX_CLUSTER CTAs per cluster);
-  fused=False keeps the XLA epilogue, fused=True forbids a split."""
-  sizes = mosaic_gpu.MgpuBlockSizes
-  assert mosaic_gpu.plan(16, 4096, 14336).fused
-  p = mosaic_gpu.plan(16, 14336, 4096)
-  assert p.split > 1 and not p.fused and not p.cluster_reduce
-  assert not mosaic_gpu.plan(16, 4096, 14336, sizes(fused=False)).fused
-  p = mosaic_gpu.plan(16, 14336, 4096, sizes(fused=True, compute_wgs=1))
-  assert p.split == 1 and p.fused and p.rows == 64
-  p = mosaic_gpu.plan(16, 14336, 4096, sizes(split_reduce="cluster"))
-  assert p.fused and p.cluster_reduce and 1 < p.split <= mosaic_gpu.MAX_CLUSTER
-  assert p.cluster == 1
-  # the cluster reduction needs 64-row warpgroups; else the XLA pass
-  p = mosaic_gpu.plan(16, 14336, 4096, sizes(split_reduce="cluster",
-                                             wg_rows=128))
-  assert not p.cluster_reduce and not p.fused
-  # x multicast clusters: only where the column tiles divide evenly; by
-  # default pairs at Mp = 128
-  assert mosaic_gpu.plan(16, 4096, 14336, sizes(cluster=2)).cluster == 2
-  assert mosaic_gpu.plan(16, 4096, 14336 - 128, sizes(cluster=2)).cluster == 1
+def test_plan_pairs_ctas_for_x_multicast_at_mp_128():
   assert mosaic_gpu.plan(16, 4096, 14336).cluster == 1
   assert mosaic_gpu.plan(128, 4096, 14336).cluster == 2
   assert mosaic_gpu.plan(128, 14336, 4096).cluster == 2  # split K too
-  assert mosaic_gpu.plan(128, 14336, 4096, sizes(
-      split_reduce="cluster")).cluster == 1  # the cluster is the split
-  assert mosaic_gpu.plan(128, 4096, 14336, sizes(cluster=1)).cluster == 1
+  assert mosaic_gpu.plan(128, 4096, 14336 - 128).cluster == 1  # odd tiles
 
 
 @pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
                     reason="no Mosaic GPU Pallas API in this jax")
-@pytest.mark.parametrize("m, k, n, sizes", [
-    (16, 4096, 14336, {}),  # fused epilogue: scale and bias loads
-    (128, 14336, 4096, {}),  # split K, XLA sum; x pairs
-    (20, 256, 300, dict(tile_k=64, stages=3, wg_rows=128, cluster=2)),
-    (9, 600, 130, dict(tile_k=128, stages=2, split_reduce="cluster")),
+@pytest.mark.parametrize("m, k, n", [
+    (16, 4096, 14336),   # fused epilogue: scale and bias loads
+    (128, 14336, 4096),  # split K, XLA sum; x pairs
+    (100, 256, 512),     # fused, x pairs
 ])
-def test_gpu_kernel_lowers_for_cuda_on_a_cpu_host(m, k, n, sizes):
+def test_gpu_kernel_lowers_for_cuda_on_a_cpu_host(m, k, n):
   """The Pallas -> Mosaic GPU lowering (wgmma, layouts, TMA, the epilogue's
   vector loads) runs here; the interpreter tests skip it. Only the PTX
   compile needs the GPU."""
-  sizes = mosaic_gpu.MgpuBlockSizes(**sizes)
   fn = lambda x, w, s, b: mosaic_gpu.matmul(  # noqa: E731
       x, w, None, s, b, mode="weight_only", out_dtype=jnp.bfloat16,
-      w_layout="nk", block_sizes=sizes)
+      w_layout="nk")
   args = (_sds((m, k), jnp.bfloat16), _sds((n, k), jnp.int8),
           _sds((1, n), jnp.float32), _sds((1, n), jnp.float32))
   assert jax.eval_shape(fn, *args).shape == (m, n)
@@ -179,48 +145,51 @@ def test_gpu_kernel_lowers_for_cuda_on_a_cpu_host(m, k, n, sizes):
 
 # -------------------------------------------------------------- wiring --
 
-def test_env_choice(monkeypatch):
-  monkeypatch.delenv(mosaic_gpu.ENV_WEIGHT_ONLY, raising=False)
-  assert mosaic_gpu.choice() == "auto"
-  for value in ("triton", "MOSAIC", " auto "):
-    monkeypatch.setenv(mosaic_gpu.ENV_WEIGHT_ONLY, value)
-    assert mosaic_gpu.choice() == value.strip().lower()
-  monkeypatch.setenv(mosaic_gpu.ENV_WEIGHT_ONLY, "cuda")
-  with pytest.raises(ValueError, match=mosaic_gpu.ENV_WEIGHT_ONLY):
-    mosaic_gpu.choice()
+def _picked(m, backend=None, block_sizes=None, mode="weight_only",
+            w_layout="nk"):
+  """The kernel int8_matmul's chooser takes for a CUDA lowering."""
+  w_shape = (256, 512) if w_layout == "nk" else (512, 256)
+  static = dict(mode=mode, out_dtype=jnp.bfloat16, w_layout=w_layout)
+  rows = api._matmul_kernels(_sds((m, 512), jnp.bfloat16),
+                             _sds(w_shape, jnp.int8), None, static,
+                             block_sizes, None)
+  return _backend.choose("int8_matmul", backend, rows, platform="cuda")[0].name
 
 
-def test_gpu_path_picks_mosaic_only_on_hopper(monkeypatch):
-  """Which weight-only kernel gpu.matmul traces (decided at trace time)."""
-  def picked(m, block_sizes=None, mode="weight_only", w_layout="nk"):
-    return gpu._mosaic_weight_only(
-        _sds((m, 512), jnp.bfloat16), _sds((256, 512), jnp.int8), None,
-        mode=mode, w_layout=w_layout, block_sizes=block_sizes)
-
-  monkeypatch.delenv(mosaic_gpu.ENV_WEIGHT_ONLY, raising=False)
-  assert picked(128) is None  # no Hopper GPU here
-  if mosaic_gpu.api_missing() is not None:
-    return
-  monkeypatch.setattr(gpu, "_is_hopper", lambda: True)
-  low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
-  assert picked(high) is mosaic_gpu and picked(low) is mosaic_gpu
-  assert picked(low - 1) is None  # auto leaves small M to Triton
-  assert picked(128, block_sizes=bs.BlockSizes(16, 64, 64)) is None
-  assert picked(128, w_layout="kn") is None
-  assert picked(128, mode="dequant") is None
-  monkeypatch.setenv(mosaic_gpu.ENV_WEIGHT_ONLY, "mosaic")
-  assert picked(16) is mosaic_gpu
-  assert picked(129) is None  # beyond what the kernel supports
-  monkeypatch.setenv(mosaic_gpu.ENV_WEIGHT_ONLY, "triton")
-  assert picked(128) is None
+def test_chooser_takes_mosaic_only_on_hopper_in_its_m_range():
+  assert _picked(128) == "triton"  # no Hopper GPU here
+  reason = mosaic_gpu.api_missing() or "needs a Hopper GPU"
+  with pytest.raises(ValueError, match=re.escape(reason)):
+    _picked(128, backend="mosaic_gpu")
+  with _backend.target_override(gpu_capability="9.0"):
+    if mosaic_gpu.api_missing() is not None:
+      assert _picked(128) == "triton"
+      return
+    low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+    assert _picked(high) == _picked(low) == "mosaic_gpu"
+    assert _picked(high, backend="gpu") == "mosaic_gpu"
+    assert _picked(low - 1) == _picked(low - 1, backend="gpu") == "triton"
+    with pytest.raises(ValueError, match=rf"M={low - 1} is outside "
+                       rf"\[{low}, {high}\], where the Triton kernel"):
+      _picked(low - 1, backend="mosaic_gpu")
+    assert _picked(128, block_sizes=bs.BlockSizes(16, 64, 64)) == "triton"
+    assert _picked(128, w_layout="kn") == "triton"
+    assert _picked(128, mode="dequant") == "triton"
 
 
-def test_gpu_interpret_path_unchanged(rng):
-  """backend interpret / generic never takes the Mosaic kernel."""
-  x, w, w_scale, _ = _inputs(rng, 5, 96, 40)
-  out = gpu.matmul(x, w, None, w_scale, None, mode="weight_only",
-                   out_dtype=jnp.float32, w_layout="nk", interpret=True)
-  _check(out, _float64(x, w, w_scale, None), jnp.float32)
+@pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
+                    reason="no Mosaic GPU Pallas API in this jax")
+def test_public_call_lowers_to_mosaic_gpu_for_a_hopper_target():
+  def lowered(m):
+    fn = lambda x, w, s: api.int8_matmul(  # noqa: E731
+        x, w, w_scale=s, weight_only=True, weight_layout="nk")
+    args = (_sds((m, 512), jnp.bfloat16), _sds((256, 512), jnp.int8),
+            _sds((256,), jnp.float32))
+    return _compat.lower_for_cuda(fn, *args).as_text()
+  with _backend.target_override(gpu_capability="9.0"):
+    assert "mosaic_gpu" in lowered(128)
+    assert "triton" in lowered(16) and "mosaic_gpu" not in lowered(16)
+  assert "mosaic_gpu" not in lowered(128)  # no Hopper: Triton
 
 
 # ------------------------------------------------- interpreter semantics --
@@ -229,28 +198,19 @@ def test_gpu_interpret_path_unchanged(rng):
 @pytest.mark.parametrize("m, k, n, out_dtype, sizes", [
     # ragged M, N and K; split K (K 300 -> 3 x 128-wide tiles, split 2)
     (5, 300, 130, jnp.float32, dict(tile_k=128, stages=2)),
-    # M padded to 32, x^T from XLA, one compute warpgroup, bf16 out
-    (20, 256, 64, jnp.bfloat16, dict(tile_k=128, stages=2, compute_wgs=1,
-                                     x_pretransposed=True)),
-    # 128 w rows per warpgroup (two 64-row epilogue chunks), tile_k 64
-    (33, 192, 300, jnp.float32, dict(tile_k=64, stages=3, wg_rows=128)),
+    # M padded to 32, bf16 out, split K into 2 x 2 tiles of 64
+    (20, 256, 64, jnp.bfloat16, dict(tile_k=64, stages=3)),
     # fused epilogue (no split): scale, bias and cast in the kernel, the
     # accumulator rows stored as output columns; ragged M and N
-    (5, 200, 130, jnp.float32, dict(tile_k=128, stages=2, fused=True)),
-    (20, 256, 300, jnp.bfloat16, dict(tile_k=64, stages=3, wg_rows=128,
-                                      fused=True, cluster=2)),
-    # split_reduce="cluster": the interpreter has no cluster barriers, so it
-    # runs the same tiles with the XLA pass (the GPU bench checks the
-    # cluster sum)
-    (9, 600, 130, jnp.float32, dict(tile_k=128, stages=2,
-                                    split_reduce="cluster")),
+    (5, 200, 130, jnp.float32, dict(tile_k=128, stages=2, max_split=1)),
+    (33, 192, 300, jnp.bfloat16, dict(tile_k=64, stages=3, max_split=1)),
 ])
 def test_matches_float64(rng, m, k, n, out_dtype, sizes):
   x, w, w_scale, bias = _inputs(rng, m, k, n)
   out = _run(x, w, w_scale, bias, out_dtype,
              mosaic_gpu.MgpuBlockSizes(**sizes))
   assert out.dtype == out_dtype
-  _check(out, _float64(x, w, w_scale, bias), out_dtype)
+  _check(out, x, w, w_scale, bias, out_dtype)
 
 
 @needs_interpreter
@@ -263,5 +223,4 @@ def test_table_tiles_m128_no_scale_nan_row(rng):
   out = np.asarray(_run(x, w, None, None, jnp.float32))
   assert np.isnan(out[7]).all()
   rest = np.delete(np.arange(m), 7)
-  want = _float64(x, w, None, None)
-  _check(out[rest], want[rest], jnp.float32)
+  _check(out[rest], np.asarray(x)[rest], w, None, None, jnp.float32)

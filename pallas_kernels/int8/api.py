@@ -31,40 +31,27 @@ stores weights so; quantize it per output channel with
 ``quantize_int8(w, axis=1)`` and pass that scale reshaped to [N]). The result
 is the same as with w.T in the default "kn" layout. Store inference weights
 this way on GPUs: Hopper's int8 tensor cores read both operands K-major, so
-a [K, N] weight costs one transpose per call (~9% of an 8192^3 product);
-an [N, K] one costs none. Weight-only decode (M <= 64) also streams an
-[N, K] w ~10-15% faster on an H100 (gpu.py). TPUs read either layout at the
-same speed.
+a [K, N] weight costs a transpose per call and an [N, K] one none. TPUs read
+either layout at the same speed.
+
+Kernels (``backend=``): "mosaic_tpu" (TPU), "mosaic_gpu" (Hopper, weight-only
+with w [N, K], bf16 x and M in ``block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M``),
+"triton" (NVIDIA GPUs), "reference" (plain JAX); ``backend=None`` takes the
+first that supports the call on the platform it is lowered for.
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import _backend, _sharding
 from pallas_kernels.int8 import block_sizes as bs
-from pallas_kernels.int8 import gpu, mosaic_tpu, reference
+from pallas_kernels.int8 import (mosaic_gpu, mosaic_tpu, operands, quant,
+                                 reference, triton)
 
-MAX_INT8_K = (2**31 - 1) // (128 * 128)  # 131071
-FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-FLOAT_OUT_DTYPES = FLOAT_DTYPES
-
-
-def _is_float(dtype) -> bool:
-  return any(jnp.dtype(dtype) == jnp.dtype(d) for d in FLOAT_DTYPES)
-
-
-def _dtype_name(dtype) -> str:
-  return jnp.dtype(dtype).name
-
-
-def _check_array(name, value):
-  if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-    raise TypeError(f"{name} must be an array, got {type(value).__name__}")
+MAX_INT8_K = operands.MAX_INT8_K
 
 
 # ----------------------------------------------------------------------------
@@ -74,49 +61,44 @@ def _check_array(name, value):
 def quantize_int8(x, *, axis=-1, backend=None):
   """Symmetric int8 quantization: ``(q, scale)`` with ``x ~= q * scale``.
 
-  scale = max|x| * float32(1/127) over ``axis`` (kept as size 1;
-  ``axis=None`` gives one 0-d scale for the whole tensor), or 1 where that
-  max is 0; q =
-  clip(round_half_even(x / scale), -127, 127) as int8 (NaN -> 0, and the
-  row's scale is NaN). ``x`` must be bfloat16, float16 or float32. The last
-  axis uses a one-pass Pallas kernel on TPU; other axes use XLA.
+  scale = max|x| * float32(1/127) over ``axis``, or 1 where that max is 0;
+  q = clip(round_half_even(x * (1 / scale)), -127, 127) as int8 (one
+  reciprocal per row, so every implementation rounds alike). NaN quantizes to
+  0 and makes its row's scale NaN (inf: an inf scale), so nothing
+  dequantized from a bad row looks plausible.
+
+  Args:
+    x: bfloat16, float16 or float32 array.
+    axis: the axis reduced (an int), or None for one scale over all of x.
+    backend: None, "mosaic_tpu", "interpret" or "reference" (the kernel
+      quantizes along the last axis; other axes run XLA). "gpu" runs the
+      reference, which XLA fuses into one pass: there is no GPU kernel.
+  Returns:
+    q: int8, x's shape.
+    scale: float32, x's shape with ``axis`` kept as size 1 (0-d for
+      ``axis=None``).
   """
-  _check_array("x", x)
-  if not _is_float(x.dtype):
-    raise TypeError(f"quantize_int8: x must be bfloat16, float16 or float32, "
-                    f"got {_dtype_name(x.dtype)}")
+  axis = operands.quantize_axis(x, axis)
   _backend.check_backend("quantize_int8", backend)
-  if axis is not None:
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-      raise TypeError(f"quantize_int8: axis must be an int or None, got {axis!r}")
-    if not -x.ndim <= axis < x.ndim:
-      raise ValueError(f"quantize_int8: axis={axis} is out of range for x of "
-                       f"rank {x.ndim}")
-    axis = int(axis) % x.ndim
-  xla = functools.partial(reference.quantize_xla, axis=axis)
+  xla = functools.partial(quant.quantize, axis=axis)
   if axis is None or axis != x.ndim - 1 or x.size == 0:
     return xla(x)
+  if backend == "gpu":
+    backend = "reference"
 
-  def rows(kernel):
-    def run(x_):
-      q, s = kernel(x_.reshape(-1, x_.shape[-1]))
-      return q.reshape(x_.shape), s.reshape(x_.shape[:-1] + (1,))
-    return run
+  def tpu(x_, interpret=None):
+    q, s = mosaic_tpu.quantize_rows(x_.reshape(-1, x_.shape[-1]),
+                                    interpret=interpret or False)
+    return q.reshape(x_.shape), s.reshape(x_.shape[:-1] + (1,))
 
-  rows_rule = _sharding.make_rule(
-      "quantize_int8",
-      [("x", " ".join(f"a{i}" for i in range(x.ndim - 1)) + " r")],
-      [" ".join(f"a{i}" for i in range(x.ndim - 1)) + " r",
-       " ".join(f"a{i}" for i in range(x.ndim - 1)) + " one"],
-      split=" ".join(f"a{i}" for i in range(x.ndim - 1)),
-      helper="jax.shard_map", names={"r": "quantized (last)"})
+  lead = " ".join(f"a{i}" for i in range(x.ndim - 1))
+  rule = _sharding.make_rule(
+      "quantize_int8", [("x", lead + " r")], [lead + " r", lead + " one"],
+      split=lead, helper="jax.shard_map", names={"r": "quantized (last)"})
   return _backend.dispatch(
       "quantize_int8", backend,
-      {"mosaic_tpu": lambda x_, interpret=False: rows(functools.partial(
-          mosaic_tpu.quantize_rows, interpret=interpret))(x_),
-       "gpu": xla,
-       "reference": xla},
-      x, rule=rows_rule)
+      [_backend.Kernel("mosaic_tpu", tpu), _backend.Kernel("reference", xla)],
+      x, rule=rule)
 
 
 # ----------------------------------------------------------------------------
@@ -141,42 +123,10 @@ def _as_block_sizes(block_sizes):
                   "generation name")
 
 
-def _scale_or_bias(name, value, allowed_shapes, described):
-  if value is None:
-    return None
-  _check_array(name, value)
-  value = jnp.asarray(value)
-  if not _is_float(value.dtype):
-    raise TypeError(f"int8_matmul: {name} must be a float array, got "
-                    f"{_dtype_name(value.dtype)}")
-  if value.shape not in allowed_shapes:
-    raise ValueError(f"int8_matmul: {name} has shape {value.shape}; expected "
-                     f"{described}")
-  return value.astype(jnp.float32)
-
-
-def _mode(x, weight_only, x_scale, w_scale, bias, out_dtype):
-  if _is_float(x.dtype):
-    if x_scale is not None:
-      raise ValueError("int8_matmul: x_scale is only for int8 x; float x is "
-                       "quantized per row on the fly (or weight_only=True)")
-    return "weight_only" if weight_only else "dynamic"
-  if weight_only:
-    raise ValueError("int8_matmul: weight_only=True needs float x (bfloat16, "
-                     f"float16 or float32), got {_dtype_name(x.dtype)}")
-  float_out = out_dtype is not None and jnp.dtype(out_dtype) != jnp.int32
-  if x_scale is None and w_scale is None and bias is None and not float_out:
-    return "raw"
-  return "dequant"
-
-
-WEIGHT_LAYOUTS = ("kn", "nk")
-
-
 def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
                 block_sizes=None, weight_only=False, weight_layout="kn",
                 backend=None):
-  """int8 x @ int8 w with int32 accumulation; modes in the module docstring.
+  """x @ w for int8 w with a fused epilogue; modes in the module docstring.
 
   Args:
     x: [..., K] int8, or bfloat16/float16/float32 (dynamic or weight-only).
@@ -190,91 +140,62 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
     weight_only: float x is multiplied by the dequantized w (w8a16).
     weight_layout: "kn" (w is [K, N]) or "nk" (w is [N, K], no transpose
       per call on GPUs; see the module docstring).
-    backend: None, "mosaic_tpu", "gpu", "interpret" or "reference".
+    backend: None (chosen per platform), "mosaic_tpu", "triton",
+      "mosaic_gpu", "gpu" (the best GPU kernel), "interpret" or "reference".
+  Returns:
+    x.shape[:-1] + (N,): int32 in raw mode, else out_dtype (default
+    bfloat16 for int8 x, x's dtype for float x).
   """
-  _check_array("x", x)
-  _check_array("w", w)
   _backend.check_backend("int8_matmul", backend)
-  if jnp.dtype(x.dtype) != jnp.int8 and not _is_float(x.dtype):
-    raise TypeError(f"int8_matmul: x must be int8, bfloat16, float16 or "
-                    f"float32, got {_dtype_name(x.dtype)}")
-  if jnp.dtype(w.dtype) != jnp.int8:
-    raise TypeError(f"int8_matmul: w must be int8, got {_dtype_name(w.dtype)}")
-  if x.ndim < 1:
-    raise ValueError("int8_matmul: x must have at least one dimension [..., K]")
-  if weight_layout not in WEIGHT_LAYOUTS:
-    raise ValueError(f"int8_matmul: weight_layout must be 'kn' (w [K, N]) or "
-                     f"'nk' (w [N, K]), got {weight_layout!r}")
-  w_dims = "[K, N]" if weight_layout == "kn" else "[N, K]"
-  if w.ndim != 2:
-    raise ValueError(f"int8_matmul: w must be 2-D {w_dims}, got shape "
-                     f"{w.shape}")
-  k_axis = 0 if weight_layout == "kn" else 1
-  if x.shape[-1] != w.shape[k_axis]:
-    raise ValueError(f"int8_matmul: x's last dimension ({x.shape[-1]}) must "
-                     f"equal K, w's {'first' if k_axis == 0 else 'second'} "
-                     f"dimension for weight_layout={weight_layout!r} "
-                     f"(w.shape = {w.shape})")
-  batch, k, n = x.shape[:-1], w.shape[k_axis], w.shape[1 - k_axis]
-  m = math.prod(batch)
-
-  x_scale = _scale_or_bias(
-      "x_scale", x_scale, {(), (1,), batch + (1,)} | {(1,) * x.ndim},
-      f"a scalar or x.shape[:-1] + (1,) = {batch + (1,)}")
-  w_scale = _scale_or_bias("w_scale", w_scale, {(), (1,), (1, 1), (n,), (1, n)},
-                           f"a scalar, ({n},) or (1, {n})")
-  bias = _scale_or_bias("bias", bias, {(n,), (1, n)}, f"({n},) or (1, {n})")
-
-  if out_dtype is not None:
-    try:
-      out_dtype = jnp.dtype(out_dtype)
-    except TypeError as e:
-      raise TypeError(f"int8_matmul: out_dtype={out_dtype!r} is no dtype") from e
-    if out_dtype != jnp.int32 and not _is_float(out_dtype):
-      raise TypeError(f"int8_matmul: out_dtype must be int32 or a float dtype, "
-                      f"got {out_dtype.name}")
-  mode = _mode(x, weight_only, x_scale, w_scale, bias, out_dtype)
-  if out_dtype is not None and out_dtype == jnp.int32 and mode != "raw":
-    raise ValueError("int8_matmul: out_dtype=int32 is only for the raw mode "
-                     "(int8 x, no x_scale, w_scale or bias)")
-  if mode != "weight_only" and k > MAX_INT8_K:
-    raise ValueError(
-        f"int8_matmul: K={k} exceeds {MAX_INT8_K}, beyond which the int32 "
-        "accumulator could overflow ((2**31 - 1) // 128**2); split K and add "
-        "the (scaled) partial results, or use weight_only=True")
-  if out_dtype is None:
-    out_dtype = (jnp.dtype(jnp.int32) if mode == "raw" else
-                 jnp.dtype(jnp.bfloat16) if mode == "dequant" else
-                 jnp.dtype(x.dtype))
+  call = operands.matmul_call(x, w, x_scale=x_scale, w_scale=w_scale,
+                              bias=bias, out_dtype=out_dtype,
+                              weight_only=weight_only,
+                              weight_layout=weight_layout)
   user_blocks, generation = _as_block_sizes(block_sizes)
+  if call.empty:
+    return call.result(reference.matmul_2d(*call.operands, **call.static))
+  x2, w, x_scale, w_scale, bias = call.operands
+  out = _backend.dispatch(
+      "int8_matmul", backend,
+      _matmul_kernels(x2, w, x_scale, call.static, user_blocks, generation),
+      *call.operands, rule=_matmul_rule(weight_layout, x_scale, w_scale, bias))
+  return call.result(out)
 
-  x2 = x.reshape(m, k)
-  if mode == "weight_only" and x2.dtype == jnp.float16:
-    x2 = x2.astype(jnp.float32)
-  if x_scale is not None:
-    x_scale = (jnp.broadcast_to(x_scale.reshape(1, 1), (m, 1))
-               if x_scale.size == 1 else x_scale.reshape(m, 1))
-  if w_scale is not None:
-    w_scale = jnp.broadcast_to(w_scale.reshape(1, -1), (1, n))
-  if bias is not None:
-    bias = bias.reshape(1, n)
 
-  static = dict(mode=mode, out_dtype=out_dtype, w_layout=weight_layout)
-  ref = functools.partial(reference.matmul_2d, **static)
-  if m == 0 or n == 0 or k == 0:
-    out = ref(x2, w, x_scale, w_scale, bias)
-  else:
-    out = _backend.dispatch(
-        "int8_matmul", backend,
-        {"mosaic_tpu": functools.partial(mosaic_tpu.matmul, **static,
-                                         block_sizes=user_blocks,
-                                         generation=generation),
-         "gpu": functools.partial(gpu.matmul, **static,
-                                  block_sizes=user_blocks),
-         "reference": ref},
-        x2, w, x_scale, w_scale, bias,
-        rule=_matmul_rule(weight_layout, x_scale, w_scale, bias))
-  return out.reshape(batch + (n,))
+def _matmul_kernels(x2, w, x_scale, static, user_blocks, generation):
+  """int8_matmul's implementations for one normalized call, best first."""
+  def tpu(*arrays, interpret=None):
+    return mosaic_tpu.matmul(*arrays, **static, block_sizes=user_blocks,
+                             generation=generation,
+                             interpret=interpret or False)
+
+  def mgpu(*arrays, interpret=None):
+    return mosaic_gpu.matmul(*arrays, **static, interpret=interpret or False)
+
+  def triton_(*arrays, interpret=None):
+    return triton.matmul(*arrays, **static, block_sizes=user_blocks,
+                         interpret=interpret or False)
+
+  def mgpu_supports():
+    why = mosaic_gpu.supports(x2, w, x_scale, mode=static["mode"],
+                              w_layout=static["w_layout"])
+    low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+    m = x2.shape[0]
+    if why is None and not low <= m <= high:
+      why = (f"M={m} is outside [{low}, {high}], where the Triton kernel is "
+             "faster")
+    if why is None and user_blocks is not None:
+      why = "block_sizes are for the Triton and TPU kernels"
+    return why
+
+  return [
+      _backend.Kernel("mosaic_tpu", tpu),
+      _backend.Kernel("mosaic_gpu", mgpu, supports=mgpu_supports,
+                      hardware=mosaic_gpu.hardware),
+      _backend.Kernel("triton", triton_),
+      _backend.Kernel("reference", functools.partial(reference.matmul_2d,
+                                                     **static)),
+  ]
 
 
 def _matmul_rule(weight_layout, x_scale, w_scale, bias):
@@ -313,8 +234,8 @@ def shard_int8_matmul(mesh, x, w, *, row_axis=None, n_axis=None, k_axis=None,
   """
   from jax.sharding import PartitionSpec as P
   from pallas_kernels import _compat
-  _check_array("x", x)
-  _check_array("w", w)
+  operands.check_array("shard_int8_matmul", "x", x)
+  operands.check_array("shard_int8_matmul", "w", w)
   if x.ndim != 2:
     raise ValueError(f"shard_int8_matmul: x must be [M, K], got shape "
                      f"{x.shape}")

@@ -19,47 +19,50 @@ and "large". Arithmetic intensity of a tile is about 2*bm*bn/(bm+bn) int8
 ops per byte; v5e needs ~480 (394 TOP/s over 819 GB/s), v6e ~560 (918 over
 1640), hence 1024-wide tiles for large problems.
 
-| gen     | decode (bm=M)   | medium           | large             | budget / limit |
-|---------|-----------------|------------------|-------------------|----------------|
-| v5e     | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
-| v6e     | bk 4096 bn 2048 | 512 x 1024 x 2048| 1024 x 1024 x 1024| 40 / 64 MiB    |
-| v5p     | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
-| v4, ??? | bk 2048 bn 1024 | 256 x 1024 x 1024| 512 x 1024 x 1024 | 12 / 16 MiB    |
+| gen       | decode (bm=M)   | medium           | large             | budget / limit |
+|-----------|-----------------|------------------|-------------------|----------------|
+| v5e       | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
+| v6e       | bk 4096 bn 2048 | 512 x 1024 x 2048| 1024 x 1024 x 1024| 40 / 64 MiB    |
+| v5p       | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
+| v4, other | bk 2048 bn 1024 | 256 x 1024 x 1024| 512 x 1024 x 1024 | 12 / 16 MiB    |
 
-These are chosen from the rates and the VMEM budget; they are untuned on
-real TPUs (no TPU was available), so tune them when one is. A config is
-clamped to the problem (a dimension smaller than its tile uses the whole
-dimension), K tiles divide K (K is zero-padded to a multiple of 128 only
-when it is not one and exceeds the tile), and a config over the budget is
-shrunk by halving its largest tile dimension.
+A config is clamped to the problem (a dimension smaller than its tile uses
+the whole dimension), K tiles divide K (K is zero-padded to a multiple of
+128 only when it is not one and exceeds the tile), and a config over the
+budget is shrunk by halving its largest tile dimension. The TPU rows come
+from the chips' rates and budgets, untuned on hardware.
 
-GPU (Triton): see GPU_TABLE below and gpu.py for the switches.
+GPU (Triton): ``GPU_TABLE*`` by shape class of M, powers of two; fields in
+``BlockSizes`` and triton.py. Record of the measurements behind both tables:
+docs/design/int8.md.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import NamedTuple
 
-import jax
-
 MiB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes; for GPU also warps per program and pipeline stages."""
+  """Tile sizes for ``int8_matmul(block_sizes=...)``.
+
+  The x tile is bm x bk, the w tile bk x bn, the output tile bm x bn. TPU:
+  bm a multiple of 32, bk and bn of 128 (unless the whole dimension); GPU
+  (Triton): powers of two >= 16. The other fields are Triton options, None
+  taking the table's value.
+  """
   bm: int
   bk: int
   bn: int
   num_warps: int | None = None
   num_stages: int | None = None
-  w_kmajor: bool | None = None   # GPU: feed the kernel w.T (see gpu.py)
+  w_kmajor: bool | None = None   # GPU: feed the kernel w.T (see triton.py)
   split_k: int | None = None     # GPU: K split over this many programs
-  int8_via_bf16: bool | None = None  # GPU: exact int8 dots on bf16 units
   group_m: int | None = None     # GPU: row tiles per band of program order
   swap_ab: bool | None = None    # GPU weight-only: compute (w @ x.T).T
   stream_w: bool | None = None   # GPU: load w tiles with evict_first
-  stagger_k: bool | None = None  # GPU: each column tile starts K elsewhere
 
   def __post_init__(self):
     for name in ("bm", "bk", "bn"):
@@ -90,62 +93,43 @@ DECODE_MAX_M = 128
 MEDIUM_MAX_M = 1024
 
 # GPU (Triton) configs per shape class of M, for int8 x and for weight-only
-# (float x). Every tile dimension is a power of two (a Triton requirement);
-# M, N, K are zero-padded to tile multiples. Fields, gpu.py explains each:
-#   bm, bk, bn, num_warps, num_stages; w_kmajor (feed w.T); split_k (0:
-#   auto, enough programs for two waves); int8_via_bf16; group_m (program
-#   order in bands of group_m row tiles); swap_ab, stream_w, stagger_k
-#   (weight-only switches, gpu.py).
-# Chosen from sweeps on an H100 (bench/results/int8_matmul_sweep-h100-*):
-# K-major w is 3-9x faster for the int8 MMA once M pays for the transpose;
-# at 8192^3 128x128x256 with 8 warps, 3 stages and bands of 16 row tiles
-# was best (1132-1142 us; 256x128x128 / 4 stages 1143-1154 us, bk 64
-# 1430+ us). Weight-only, w [K, N]: decode bk 64 with 6 stages (36.0-36.5
-# us at M = 16 with evict-first loads; 43-55 us without); M <= 256
-# ("small") 128x64x128 / 8 warps (65 us at M = 128; 81-89 us without
-# evict-first and with a finer split).
+# (float x), from H100 sweeps (docs/design/int8.md). split_k 0: automatic,
+# enough programs to fill the GPU (GPU_TARGET_PROGRAMS).
 GPU_TABLE = {
-    "decode": BlockSizes(16, 256, 128, 4, 4, False, 0, False, 1),
-    "medium": BlockSizes(128, 128, 128, 4, 4, True, 1, False, 8),
-    "large": BlockSizes(128, 128, 256, 8, 3, True, 1, False, 16),
+    "decode": BlockSizes(16, 256, 128, 4, 4, w_kmajor=False, split_k=0,
+                         group_m=1),
+    "medium": BlockSizes(128, 128, 128, 4, 4, w_kmajor=True, split_k=1,
+                         group_m=8),
+    "large": BlockSizes(128, 128, 256, 8, 3, w_kmajor=True, split_k=1,
+                        group_m=16),
 }
 GPU_TABLE_WEIGHT_ONLY = {  # the [K, N] weight layout
-    "decode": BlockSizes(16, 64, 128, 4, 6, False, 0, False, 1, False, True),
-    "small": BlockSizes(128, 64, 128, 8, 4, False, 0, False, 1, False, True),
-    "medium": BlockSizes(128, 64, 128, 8, 4, False, 0, False, 8),
-    "large": BlockSizes(128, 64, 128, 8, 3, False, 1, False, 8),
+    "decode": BlockSizes(16, 64, 128, 4, 6, w_kmajor=False, split_k=0,
+                         group_m=1, stream_w=True),
+    "small": BlockSizes(128, 64, 128, 8, 4, w_kmajor=False, split_k=0,
+                        group_m=1, stream_w=True),
+    "medium": BlockSizes(128, 64, 128, 8, 4, w_kmajor=False, split_k=0,
+                         group_m=8),
+    "large": BlockSizes(128, 64, 128, 8, 3, w_kmajor=False, split_k=1,
+                        group_m=8),
 }
 # Weight-only with w stored [N, K] (K-major tiles, no transpose): its own
 # decode and small tiles; medium and large as for [K, N].
 GPU_TABLE_WEIGHT_ONLY_NK = dict(
     GPU_TABLE_WEIGHT_ONLY,
-    decode=BlockSizes(16, 256, 64, 8, 4, False, 0, False, 1, False, True),
-    small=BlockSizes(128, 128, 64, 4, 3, False, 0, False, 1, True, True))
-# Weight-only decode is bound by streaming w: the auto split (split_k 0)
-# aims at this many programs (about 1.5 per SM, all resident at once; more
-# waves or a finer K split cost more than they hide), and for w [N, K] bn
-# first narrows (down to 32, with at most 4 warps) while the column tiles
-# alone number fewer. Measured on the H100 (int8_matmul_decode_sweep-h100-*,
-# M = 16, w [N, K]): bk 256 x bn 64, no split at N = 14336 (224 programs,
-# 31.8-34.5 us = 1.7-1.85 TB/s of w; warps 2-8, stages 3-5, bk 128-512
-# all within 10%); bn 32, split 2 at N = 4096 (256 programs, 32.8-33.0
-# us); swap_ab 10-60% slower there, but best at M = 128 (53 us vs 63.6-79.0
-# unswapped); split 2 where split 1 fills the GPU cost 30%.
+    decode=BlockSizes(16, 256, 64, 8, 4, w_kmajor=False, split_k=0, group_m=1,
+                      stream_w=True),
+    small=BlockSizes(128, 128, 64, 4, 3, w_kmajor=False, split_k=0, group_m=1,
+                     swap_ab=True, stream_w=True))
+# Weight-only decode is bound by streaming w: the automatic split aims at
+# this many programs (about 1.5 per SM, all resident at once), and for w
+# [N, K] bn first narrows (down to 32, with at most 4 warps) while the column
+# tiles alone number fewer.
 GPU_WEIGHT_ONLY_TARGET_PROGRAMS = {"decode": 192, "small": 112}
 GPU_WEIGHT_ONLY_SMALL_MAX_M = 256
-# The per-call transpose of w for w_kmajor (gpu.transpose): (kind, tile_k,
-# tile_n, num_warps), kind "xla" or "packed". At 8192^2 on the H100 XLA's
-# and ("packed", 128, 128, 4) tied at 104 us; other packed tiles 138-196 us.
-GPU_TRANSPOSE = ("xla", 0, 0, 0)
 # Weight-only calls with w [N, K], bf16 x and M in this range (inclusive)
-# run the Mosaic GPU kernel (mosaic_gpu.py) on a Hopper GPU by default;
-# elsewhere only with PALLAS_KERNELS_INT8_GPU_WEIGHT_ONLY=mosaic. Its tiles
-# are mosaic_gpu.DEFAULT_TILES. Measured on the H100
-# (int8_matmul_mgpu-h100-*, int8_matmul_128-h100-*): at M = 128 it beats
-# the Triton kernel 1.27x / 1.41x (K, N = 4096/14336 / 14336/4096; 43.0 /
-# 44.1 us with the fused epilogue and x pairs vs 54.6 / 62.2); at M = 16
-# even the fused kernel (32.3-36.3 us) did not beat the Triton kernel
-# (30.4-34.8 us) in the same runs, so M <= 64 stays on Triton.
+# run the Mosaic GPU kernel on a Hopper GPU; below it the Triton kernel is
+# faster (docs/design/int8.md).
 GPU_WEIGHT_ONLY_MOSAIC_AUTO_M = (65, 128)
 GPU_DECODE_MAX_M = 64
 GPU_MEDIUM_MAX_M = 2048
@@ -160,11 +144,9 @@ class GpuPlan(NamedTuple):
   num_stages: int
   w_kmajor: bool
   split_k: int
-  int8_via_bf16: bool
   group_m: int
   swap_ab: bool = False
   stream_w: bool = False
-  stagger_k: bool = False
 
 
 def shape_class(m: int) -> str:
@@ -177,24 +159,6 @@ def gpu_shape_class(m: int) -> str:
   if m <= GPU_DECODE_MAX_M:
     return "decode"
   return "medium" if m <= GPU_MEDIUM_MAX_M else "large"
-
-
-def tpu_generation() -> str | None:
-  """The TPU generation of the default device, or None off TPU."""
-  try:
-    device = jax.devices()[0]
-  except RuntimeError:
-    return None
-  if device.platform != "tpu":
-    return None
-  kind = device.device_kind.lower()
-  if "v6" in kind:
-    return "v6e"
-  if "v5" in kind:
-    return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
-  if "v4" in kind:
-    return "v4"
-  return None
 
 
 def round_up(x: int, m: int) -> int:
@@ -346,11 +310,7 @@ def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None,
   stages = cfg.num_stages or 3
   kmajor = bool(cfg.w_kmajor)
   split = 1 if cfg.split_k is None else cfg.split_k
-  via_bf16 = bool(cfg.int8_via_bf16)
   group_m = max(1, cfg.group_m or 1)
-  if via_bf16 and bk > 1024:
-    raise ValueError(f"block_sizes.bk={bk}: int8_via_bf16 is exact only for "
-                     "bk <= 1024")
   if split == 0:  # auto: enough programs to fill ~132 SMs
     programs = -(-m // bm) * -(-n // bn)
     split = 1
@@ -358,6 +318,6 @@ def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None,
       split *= 2
   # Never split K finer than one tile per program.
   split = max(1, min(split, -(-k // bk)))
-  return GpuPlan(bm, bk, bn, warps, stages, kmajor, split, via_bf16, group_m,
+  return GpuPlan(bm, bk, bn, warps, stages, kmajor, split, group_m,
                  bool(cfg.swap_ab) and mode == "weight_only",
-                 bool(cfg.stream_w), bool(cfg.stagger_k))
+                 bool(cfg.stream_w))

@@ -19,7 +19,7 @@ that divide K otherwise.
 
 Row quantization ("w8a8 dynamic" pre-pass). Grid over row blocks of
 [bm, K]: one read of x computes each row's amax, the scale and the int8 row
-(reference.quantize_xla's formula, shared code), one write of int8 + scale.
+(quant.quantize's formula, shared code), one write of int8 + scale.
 XLA's version reads x twice (reduction, then the elementwise pass). Rows
 longer than the VMEM budget allows fall back to XLA.
 """
@@ -30,10 +30,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _compat
+from pallas_kernels import _backend, _compat
 from pallas_kernels._compat import pl, pltpu
 from pallas_kernels.int8 import block_sizes as bs
-from pallas_kernels.int8 import reference
+from pallas_kernels.int8 import operands, quant
 
 MiB = 1 << 20
 QUANTIZE_VMEM_BUDGET = 8 * MiB
@@ -51,8 +51,8 @@ def _dot(x, w, mode, w_layout):
 
 def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout):
   x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs = (
-      reference.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
-                                  has_b=has_b))
+      operands.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
+                                 has_b=has_b))
   acc_ref = refs.pop(0) if refs else None
 
   part = _dot(x_ref[...], w_ref[...], mode, w_layout)
@@ -61,7 +61,7 @@ def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout):
     if mode == "raw":
       o_ref[...] = acc
     else:
-      o_ref[...] = reference.epilogue(
+      o_ref[...] = quant.epilogue(
           acc, None if xs_ref is None else xs_ref[...],
           None if ws_ref is None else ws_ref[...],
           None if b_ref is None else b_ref[...], o_ref.dtype)
@@ -88,15 +88,18 @@ def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout):
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
            generation=None, w_layout="kn", interpret=False):
-  """[M, K] x [K, N] (w [N, K] for w_layout "nk") for modes raw / dequant /
-  dynamic / weight_only."""
+  """The normalized operands (``operands.MatmulCall``) -> [M, N] out_dtype
+  for modes raw / dequant / dynamic / weight_only; w is [K, N], or [N, K]
+  for w_layout "nk". ``generation`` picks the block-table row (None: the
+  lowering target's, ``_backend.target()``); ``block_sizes`` overrides it.
+  """
   kn = w_layout == "kn"
   if mode == "dynamic":
     x2, x_scale = quantize_rows(x2, interpret=interpret)
     mode = "dequant"
   m, k = x2.shape
   n = w.shape[1 if kn else 0]
-  generation = generation or bs.tpu_generation()
+  generation = generation or _backend.target().tpu_generation
   out_dtype = jnp.dtype(jnp.int32 if mode == "raw" else out_dtype)
   plan = bs.plan_tpu(m, k, n, x_bytes=x2.dtype.itemsize,
                      out_bytes=out_dtype.itemsize, mode=mode,
@@ -144,9 +147,8 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
 
 def _quantize_kernel(x_ref, q_ref, s_ref):
   x = x_ref[...].astype(jnp.float32)
-  amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
-  scale = reference.scale_from_amax(amax)
-  q_ref[...] = reference.round_to_int8(x, scale)
+  scale = quant.scale_from_amax(quant.amax(x, axis=1))
+  q_ref[...] = quant.round_to_int8(x, scale)
   s_ref[...] = scale
 
 
@@ -166,7 +168,7 @@ def quantize_rows(x2, *, interpret=False):
   m, k = x2.shape
   bm = quantize_rows_block(m, k, x2.dtype.itemsize)
   if bm is None or m == 0 or k == 0:
-    return reference.quantize_xla(x2, axis=-1)
+    return quant.quantize(x2, axis=-1)
   return pl.pallas_call(
       _quantize_kernel,
       grid=(pl.cdiv(m, bm),),

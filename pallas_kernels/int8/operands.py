@@ -1,0 +1,197 @@
+"""The int8 ops' arguments: checked, and normalized into the 2-D operands
+that the reference and every kernel take.
+
+``int8_matmul``'s operands are ``(x2 [M, K], w, x_scale [M, 1] | None,
+w_scale [1, N] | None, bias [1, N] | None)`` (scales and bias float32; w
+[K, N], or [N, K] for the "nk" layout) with static ``mode``, ``out_dtype``
+and ``w_layout``; Pallas kernels receive them as refs in that order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+MAX_INT8_K = (2**31 - 1) // (128 * 128)  # 131071: (-128)**2 * K fits int32
+FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+WEIGHT_LAYOUTS = ("kn", "nk")
+MODES = ("raw", "dequant", "dynamic", "weight_only")
+
+
+def is_float(dtype) -> bool:
+  return any(jnp.dtype(dtype) == jnp.dtype(d) for d in FLOAT_DTYPES)
+
+
+def _name(dtype) -> str:
+  return jnp.dtype(dtype).name
+
+
+def check_array(op, name, value):
+  if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+    raise TypeError(f"{op}: {name} must be an array, got "
+                    f"{type(value).__name__}")
+
+
+def quantize_axis(x, axis):
+  """``quantize_int8``'s x checked and ``axis`` as a non-negative int or
+  None."""
+  check_array("quantize_int8", "x", x)
+  if not is_float(x.dtype):
+    raise TypeError(f"quantize_int8: x must be bfloat16, float16 or float32, "
+                    f"got {_name(x.dtype)}")
+  if axis is None:
+    return None
+  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+    raise TypeError(f"quantize_int8: axis must be an int or None, got {axis!r}")
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"quantize_int8: axis={axis} is out of range for x of "
+                     f"rank {x.ndim}")
+  return int(axis) % x.ndim
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulCall:
+  """One ``int8_matmul`` call, normalized."""
+  operands: tuple   # (x2, w, x_scale, w_scale, bias), see the module doc
+  mode: str         # one of MODES
+  out_dtype: jnp.dtype
+  w_layout: str
+  batch: tuple      # x's leading dimensions
+  k: int
+  n: int
+
+  @property
+  def static(self) -> dict:
+    return dict(mode=self.mode, out_dtype=self.out_dtype,
+                w_layout=self.w_layout)
+
+  @property
+  def empty(self) -> bool:
+    return 0 in (math.prod(self.batch), self.k, self.n)
+
+  def result(self, out2):
+    """The [M, N] result reshaped to x's leading dimensions + (N,)."""
+    return out2.reshape(self.batch + (self.n,))
+
+
+def _scale_or_bias(name, value, allowed_shapes, described):
+  if value is None:
+    return None
+  check_array("int8_matmul", name, value)
+  value = jnp.asarray(value)
+  if not is_float(value.dtype):
+    raise TypeError(f"int8_matmul: {name} must be a float array, got "
+                    f"{_name(value.dtype)}")
+  if value.shape not in allowed_shapes:
+    raise ValueError(f"int8_matmul: {name} has shape {value.shape}; expected "
+                     f"{described}")
+  return value.astype(jnp.float32)
+
+
+def _mode(x, weight_only, x_scale, w_scale, bias, out_dtype):
+  if is_float(x.dtype):
+    if x_scale is not None:
+      raise ValueError("int8_matmul: x_scale is only for int8 x; float x is "
+                       "quantized per row on the fly (or weight_only=True)")
+    return "weight_only" if weight_only else "dynamic"
+  if weight_only:
+    raise ValueError("int8_matmul: weight_only=True needs float x (bfloat16, "
+                     f"float16 or float32), got {_name(x.dtype)}")
+  float_out = out_dtype is not None and out_dtype != jnp.int32
+  if x_scale is None and w_scale is None and bias is None and not float_out:
+    return "raw"
+  return "dequant"
+
+
+def _out_dtype(out_dtype):
+  if out_dtype is None:
+    return None
+  try:
+    out_dtype = jnp.dtype(out_dtype)
+  except TypeError as e:
+    raise TypeError(f"int8_matmul: out_dtype={out_dtype!r} is no dtype") from e
+  if out_dtype != jnp.int32 and not is_float(out_dtype):
+    raise TypeError(f"int8_matmul: out_dtype must be int32 or a float dtype, "
+                    f"got {out_dtype.name}")
+  return out_dtype
+
+
+def _shapes(x, w, weight_layout):
+  """(batch, K, N) after checking x's and w's dtypes and shapes."""
+  check_array("int8_matmul", "x", x)
+  check_array("int8_matmul", "w", w)
+  if jnp.dtype(x.dtype) != jnp.int8 and not is_float(x.dtype):
+    raise TypeError(f"int8_matmul: x must be int8, bfloat16, float16 or "
+                    f"float32, got {_name(x.dtype)}")
+  if jnp.dtype(w.dtype) != jnp.int8:
+    raise TypeError(f"int8_matmul: w must be int8, got {_name(w.dtype)}")
+  if x.ndim < 1:
+    raise ValueError("int8_matmul: x must have at least one dimension [..., K]")
+  if weight_layout not in WEIGHT_LAYOUTS:
+    raise ValueError(f"int8_matmul: weight_layout must be 'kn' (w [K, N]) or "
+                     f"'nk' (w [N, K]), got {weight_layout!r}")
+  if w.ndim != 2:
+    dims = "[K, N]" if weight_layout == "kn" else "[N, K]"
+    raise ValueError(f"int8_matmul: w must be 2-D {dims}, got shape {w.shape}")
+  k_axis = 0 if weight_layout == "kn" else 1
+  if x.shape[-1] != w.shape[k_axis]:
+    raise ValueError(f"int8_matmul: x's last dimension ({x.shape[-1]}) must "
+                     f"equal K, w's {'first' if k_axis == 0 else 'second'} "
+                     f"dimension for weight_layout={weight_layout!r} "
+                     f"(w.shape = {w.shape})")
+  return x.shape[:-1], w.shape[k_axis], w.shape[1 - k_axis]
+
+
+def matmul_call(x, w, *, x_scale=None, w_scale=None, bias=None,
+                out_dtype=None, weight_only=False,
+                weight_layout="kn") -> MatmulCall:
+  """``int8_matmul``'s arguments checked (ValueError/TypeError naming the
+  argument) and normalized."""
+  batch, k, n = _shapes(x, w, weight_layout)
+  m = math.prod(batch)
+  x_scale = _scale_or_bias(
+      "x_scale", x_scale, {(), (1,), batch + (1,)} | {(1,) * x.ndim},
+      f"a scalar or x.shape[:-1] + (1,) = {batch + (1,)}")
+  w_scale = _scale_or_bias("w_scale", w_scale, {(), (1,), (1, 1), (n,), (1, n)},
+                           f"a scalar, ({n},) or (1, {n})")
+  bias = _scale_or_bias("bias", bias, {(n,), (1, n)}, f"({n},) or (1, {n})")
+  out_dtype = _out_dtype(out_dtype)
+  mode = _mode(x, weight_only, x_scale, w_scale, bias, out_dtype)
+  if out_dtype == jnp.int32 and mode != "raw":
+    raise ValueError("int8_matmul: out_dtype=int32 is only for the raw mode "
+                     "(int8 x, no x_scale, w_scale or bias)")
+  if mode != "weight_only" and k > MAX_INT8_K:
+    raise ValueError(
+        f"int8_matmul: K={k} exceeds {MAX_INT8_K}, beyond which the int32 "
+        "accumulator could overflow ((2**31 - 1) // 128**2); split K and add "
+        "the (scaled) partial results, or use weight_only=True")
+  if out_dtype is None:
+    out_dtype = jnp.dtype(jnp.int32 if mode == "raw" else
+                          jnp.bfloat16 if mode == "dequant" else x.dtype)
+
+  x2 = x.reshape(m, k)
+  if mode == "weight_only" and x2.dtype == jnp.float16:
+    x2 = x2.astype(jnp.float32)
+  if x_scale is not None:
+    x_scale = (jnp.broadcast_to(x_scale.reshape(1, 1), (m, 1))
+               if x_scale.size == 1 else x_scale.reshape(m, 1))
+  if w_scale is not None:
+    w_scale = jnp.broadcast_to(w_scale.reshape(1, -1), (1, n))
+  if bias is not None:
+    bias = bias.reshape(1, n)
+  return MatmulCall((x2, w, x_scale, w_scale, bias), mode, out_dtype,
+                    weight_layout, batch, k, n)
+
+
+def split_kernel_refs(refs, *, has_xs, has_ws, has_b):
+  """(x, w, x_scale|None, w_scale|None, bias|None, out, [scratch...]) from a
+  Pallas kernel's positional refs (the operands minus the absent ones)."""
+  refs = list(refs)
+  x_ref, w_ref = refs.pop(0), refs.pop(0)
+  xs_ref = refs.pop(0) if has_xs else None
+  ws_ref = refs.pop(0) if has_ws else None
+  b_ref = refs.pop(0) if has_b else None
+  o_ref = refs.pop(0)
+  return x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs

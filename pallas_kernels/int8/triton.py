@@ -1,0 +1,190 @@
+"""int8 matmul for NVIDIA GPUs: Pallas lowered through Triton.
+
+Grid (M/bm, N/bn, split_k); each program walks its K range in a
+``fori_loop`` that Triton software-pipelines ``num_stages`` deep: int8 x int8
+-> int32 tensor-core dots, or in weight-only mode the int8 w tile upcast to
+x's dtype in registers and a float32-accumulating dot. The epilogue
+(x_scale [bm, 1], w_scale [1, bn], bias [1, bn], cast) runs on the
+accumulator before the single store: no int32 matrix reaches HBM.
+
+Weight layout: the int8 MMA reads both operands K-major, so w [N, K]
+(``weight_layout="nk"``) is read as it is; w [K, N] is either read directly
+or, with ``w_kmajor``, transposed once per call by XLA.
+
+Plan switches (``block_sizes.GpuPlan``): ``group_m`` > 1 orders programs in
+bands of group_m row tiles so that programs resident together share x rows
+and w columns in L2; ``split_k`` > 1 gives each program 1/split_k of K (for
+small M), writes scaled float32 (raw: int32) partials that one XLA pass
+sums before the bias; ``swap_ab`` computes a weight-only tile as
+(w_tile @ x_tile.T).T so the upcast w is the MMA's register operand and bn
+fills its M; ``stream_w`` loads w tiles evict-first (read once) so x stays
+in L2.
+
+Tiles are powers of two (a Triton rule): M, N and K are zero-padded to tile
+multiples. The dynamic (w8a8) mode quantizes x per row with XLA first.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _compat
+from pallas_kernels._compat import pl
+from pallas_kernels.int8 import block_sizes as bs
+from pallas_kernels.int8 import operands, quant
+
+
+def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
+                   split, swap_ab=False, stream_w=False):
+  x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs = (
+      operands.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
+                                 has_b=has_b))
+  bm, bn = o_ref.shape[-2:]
+  weight_only = mode == "weight_only"
+  acc_dtype = jnp.float32 if weight_only else jnp.int32
+  first = pl.program_id(2) * nk if split else 0
+  dims = (((1,), (1,)), ((), ())) if w_kmajor else (((1,), (0,)), ((), ()))
+  # swap_ab: w is the left operand (w tile [bn, bk] @ x tile.T), so the
+  # tensor cores take the upcast w from registers and bn fills their M.
+  swapped_dims = (((1 if w_kmajor else 0,), (1,)), ((), ()))
+
+  def load_w(window):
+    if stream_w:  # read once: keep x and the partials in L2 instead
+      from jax.experimental.pallas import triton as pltriton
+      return pltriton.load(w_ref.at[window], eviction_policy="evict_first")
+    return w_ref[window]
+
+  def step(kk, acc):
+    start = pl.multiple_of((first + kk) * bk, bk)
+    x = x_ref[:, pl.ds(start, bk)]
+    if w_kmajor:  # w is [N, K]: contract both operands' last dimension
+      w = load_w((slice(None), pl.ds(start, bk)))
+    else:
+      w = load_w((pl.ds(start, bk), slice(None)))
+    if weight_only:
+      precision = (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
+                   else jax.lax.Precision.DEFAULT)
+      if swap_ab:
+        return acc + jax.lax.dot_general(w.astype(x.dtype), x, swapped_dims,
+                                         precision=precision,
+                                         preferred_element_type=jnp.float32)
+      return acc + jax.lax.dot_general(x, w.astype(x.dtype), dims,
+                                       precision=precision,
+                                       preferred_element_type=jnp.float32)
+    return acc + jax.lax.dot_general(x, w, dims,
+                                     preferred_element_type=jnp.int32)
+
+  acc_shape = (bn, bm) if swap_ab else (bm, bn)
+  acc = jax.lax.fori_loop(0, nk, step, jnp.zeros(acc_shape, acc_dtype))
+  if swap_ab:
+    acc = acc.T
+  if mode == "raw":
+    o_ref[...] = acc
+  else:  # split K: a float32 partial without the bias (added after the sum)
+    o_ref[...] = quant.epilogue(
+        acc, None if xs_ref is None else xs_ref[...],
+        None if ws_ref is None else ws_ref[...],
+        None if b_ref is None else b_ref[...], o_ref.dtype)
+
+
+def _pad_to(a, shape, value=0):
+  pads = [(0, t - s) for s, t in zip(a.shape, shape)]
+  if all(p == (0, 0) for p in pads):
+    return a
+  return jnp.pad(a, pads, constant_values=value)
+
+
+def _tile_order(ni, nj, group_m):
+  """(grid, tile(p, q) -> (i, j)): the output tile each program computes.
+
+  group_m > 1 launches one flat program axis in bands: consecutive programs
+  walk down group_m row tiles of one column tile, then the next column tile,
+  so the programs resident together share their x rows and w columns in L2.
+  """
+  if group_m <= 1 or ni == 1:
+    return (ni, nj), lambda p, q: (p, q)
+  per_band = group_m * nj
+
+  def tile(p, q):
+    del q
+    band = p // per_band
+    first = band * group_m
+    rows = jnp.minimum(ni - first, group_m)
+    local = p % per_band
+    return first + local % rows, local // rows
+
+  return (ni * nj, 1), tile
+
+
+def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
+           w_layout="kn", interpret=False):
+  """The normalized operands (``operands.MatmulCall``) -> [M, N] out_dtype
+  for modes raw / dequant / dynamic / weight_only; w is [K, N], or [N, K]
+  for w_layout "nk". ``block_sizes`` (``BlockSizes``) overrides the table.
+  ``interpret``: run in Pallas' generic interpreter."""
+  if mode == "dynamic":
+    x2, x_scale = quant.quantize(x2, axis=-1)
+    mode = "dequant"
+  m, k = x2.shape
+  n = w.shape[1 if w_layout == "kn" else 0]
+  out_dtype = jnp.dtype(jnp.int32 if mode == "raw" else out_dtype)
+  plan = bs.plan_gpu(m, k, n, mode=mode, block_sizes=block_sizes,
+                     w_layout=w_layout)
+  w_kmajor = plan.w_kmajor or w_layout == "nk"
+  bm, bk, bn, split = plan.bm, plan.bk, plan.bn, plan.split_k
+  mp, kp, np_ = (bs.round_up(m, bm), bs.round_up(k, bk * split),
+                 bs.round_up(n, bn))
+  grid, tile = _tile_order(mp // bm, np_ // bn, plan.group_m)
+  operands = [_pad_to(x2, (mp, kp))]
+  in_specs = [pl.BlockSpec((bm, kp), lambda p, q, s: (tile(p, q)[0], 0))]
+  if w_layout == "nk":
+    operands.append(_pad_to(w, (np_, kp)))
+    in_specs.append(pl.BlockSpec((bn, kp), lambda p, q, s: (tile(p, q)[1], 0)))
+  elif w_kmajor:
+    operands.append(_pad_to(w, (kp, np_)).T)  # K-major for the int8 MMA
+    in_specs.append(pl.BlockSpec((bn, kp), lambda p, q, s: (tile(p, q)[1], 0)))
+  else:
+    operands.append(_pad_to(w, (kp, np_)))
+    in_specs.append(pl.BlockSpec((kp, bn), lambda p, q, s: (0, tile(p, q)[1])))
+  if x_scale is not None:
+    operands.append(_pad_to(x_scale, (mp, 1), 1))
+    in_specs.append(pl.BlockSpec((bm, 1), lambda p, q, s: (tile(p, q)[0], 0)))
+  fused_bias = bias if split == 1 else None
+  for row_vector in (w_scale, fused_bias):
+    if row_vector is not None:
+      operands.append(_pad_to(row_vector, (1, np_)))
+      in_specs.append(pl.BlockSpec((1, bn),
+                                   lambda p, q, s: (0, tile(p, q)[1])))
+  kernel = functools.partial(
+      _matmul_kernel, mode=mode, nk=kp // bk // split, bk=bk,
+      has_xs=x_scale is not None, has_ws=w_scale is not None,
+      has_b=fused_bias is not None, w_kmajor=w_kmajor, split=split > 1,
+      swap_ab=plan.swap_ab, stream_w=plan.stream_w)
+  if split == 1:
+    out_spec = pl.BlockSpec((bm, bn), lambda p, q, s: tile(p, q))
+    out_struct = jax.ShapeDtypeStruct((mp, np_), out_dtype)
+  else:
+    out_spec = pl.BlockSpec((None, bm, bn), lambda p, q, s: (s, *tile(p, q)))
+    out_struct = jax.ShapeDtypeStruct(
+        (split, mp, np_), jnp.int32 if mode == "raw" else jnp.float32)
+  out = pl.pallas_call(
+      kernel,
+      grid=(*grid, split),
+      in_specs=in_specs,
+      out_specs=out_spec,
+      out_shape=out_struct,
+      compiler_params=_compat.gpu_compiler_params(
+          num_warps=plan.num_warps, num_stages=plan.num_stages),
+      interpret=interpret,
+  )(*operands)
+  if split > 1:
+    out = out.sum(axis=0)
+    if mode != "raw":
+      if bias is not None:
+        out = out + _pad_to(bias, (1, np_))
+      out = out.astype(out_dtype)
+  if (mp, np_) != (m, n):
+    out = out[:m, :n]
+  return out
