@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 
 import pallas_kernels as pk
 from pallas_kernels import _compat, force_interpret
-from pallas_kernels.boxes.iou import _math, api, gpu, mosaic_tpu
+from pallas_kernels.boxes.iou import _math, api, mosaic_tpu, triton
 
 KINDS = ("iou", "giou", "diou", "ciou")
 
@@ -551,10 +551,10 @@ def test_gpu_kernels_interpreted(kind, rng):
   n, block = 300, 128  # 3 programs, the last one ragged
   b1, b2 = random_boxes(rng, (n,), 0.05), random_boxes(rng, (n,))
   g = rng.normal(size=n).astype(np.float32)
-  value = gpu.elementwise(b1, b2, kind=kind, formula="loss", eps=EPS,
+  value = triton.elementwise(b1, b2, kind=kind, formula="loss", eps=EPS,
                           box_format="xyxy", as_loss=True, interpret=True,
                           block=block)
-  total = gpu.elementwise(b1, b2, kind=kind, formula="loss", eps=EPS,
+  total = triton.elementwise(b1, b2, kind=kind, formula="loss", eps=EPS,
                           box_format="xyxy", as_loss=True, reduce=True,
                           interpret=True, block=block)
   expected = tv_loss(kind, b1, b2)
@@ -562,18 +562,18 @@ def test_gpu_kernels_interpreted(kind, rng):
   np.testing.assert_allclose(total, np.sum(np.asarray(value, np.float64)),
                              rtol=1e-5)
   b1 = random_boxes(rng, (n,))  # torchvision's gradient is NaN at h == 0
-  d1, d2 = gpu.elementwise_vjp(b1, b2, -g, kind=kind, formula="loss", eps=EPS,
+  d1, d2 = triton.elementwise_vjp(b1, b2, -g, kind=kind, formula="loss", eps=EPS,
                                box_format="xyxy", interpret=True, block=block)
   want = _float64_grads(kind, "none", b1, b2, g)
   for got, w in zip((d1, d2), want):
     np.testing.assert_allclose(got, w, atol=np.max(np.abs(w)) * 2e-5)
-  s1, _ = gpu.elementwise_vjp(b1, b2, jnp.full((1,), -1.0), kind=kind,
+  s1, _ = triton.elementwise_vjp(b1, b2, jnp.full((1,), -1.0), kind=kind,
                               formula="loss", eps=EPS, box_format="xyxy",
                               shared_cotangent=True, interpret=True,
                               block=block)
   want = _float64_grads(kind, "sum", b1, b2, 1.0)[0]
   np.testing.assert_allclose(s1, want, atol=np.max(np.abs(want)) * 2e-5)
-  pw = gpu.pairwise(jnp.asarray(b1[None, :70]), jnp.asarray(b2[None, :130]),
+  pw = triton.pairwise(jnp.asarray(b1[None, :70]), jnp.asarray(b2[None, :130]),
                     kind=kind, eps=EPS, out_dtype=jnp.float32, interpret=True)
   assert_matches_where_defined(pw[0], tv_pairwise(kind, b1[:70], b2[:130]),
                                F32_ATOL)
@@ -612,7 +612,7 @@ def test_gpu_direct_vjp_call_at_ragged_size(rng):
   """
   b1, b2 = random_boxes(rng, (3000,)), random_boxes(rng, (3000,))
   g = rng.normal(size=3000).astype(np.float32)
-  d1, d2 = jax.jit(lambda x, y, c: gpu.elementwise_vjp(
+  d1, d2 = jax.jit(lambda x, y, c: triton.elementwise_vjp(
       x, y, c, kind="giou", formula="loss", eps=EPS, box_format="xyxy",
       interpret=True))(b1, b2, g)
   want = _float64_grads("giou", "none", b1, b2, -g)
@@ -634,9 +634,9 @@ def test_gpu_kernels_mask_every_ragged_store():
   kernels whose outputs have ragged blocks must store through a mask."""
   b = jnp.ones((3000, 4), jnp.float32)
   common = dict(kind="giou", formula="loss", eps=EPS, box_format="xyxy")
-  for fn in (lambda x, y: gpu.elementwise(x, y, **common),
-             lambda x, y: gpu.elementwise_vjp(x, y, jnp.ones(3000), **common),
-             lambda x, y: gpu.pairwise(x[None, :100], y[None], kind="giou",
+  for fn in (lambda x, y: triton.elementwise(x, y, **common),
+             lambda x, y: triton.elementwise_vjp(x, y, jnp.ones(3000), **common),
+             lambda x, y: triton.pairwise(x[None, :100], y[None], kind="giou",
                                        eps=0.0, out_dtype=jnp.float32)):
     names = _kernel_primitives(fn, b, b)
     assert "masked_swap" in names and "swap" not in names, names
@@ -648,7 +648,7 @@ def test_gpu_fused_value_and_grad_interpreted(rng, reduction):
   n, block = 300, 128  # 3 programs, the last one ragged
   b1, b2 = random_boxes(rng, (n,)), random_boxes(rng, (n,))
   scale = -1.0 / n if reduction == "mean" else -1.0
-  total, d1, d2 = gpu.elementwise_value_and_grad(
+  total, d1, d2 = triton.elementwise_value_and_grad(
       b1, b2, kind="giou", formula="loss", eps=EPS, box_format="xyxy",
       as_loss=True, grad_scale=scale, interpret=True, block=block)
   np.testing.assert_allclose(total, np.sum(tv_loss("giou", b1, b2)),
@@ -664,14 +664,14 @@ def test_gpu_fused_value_and_grad_interpreted(rng, reduction):
 
 def test_gpu_padded_variant_interpreted(rng, monkeypatch):
   # The fallback for ragged edges (pad to whole blocks) gives the same result.
-  monkeypatch.setattr(gpu, "RAGGED", "pad")
+  monkeypatch.setattr(triton, "RAGGED", "pad")
   b1, b2 = random_boxes(rng, (300,)), random_boxes(rng, (300,))
   common = dict(kind="giou", formula="loss", eps=EPS, box_format="xyxy",
                 interpret=True)
-  d1, _ = gpu.elementwise_vjp(b1, b2, jnp.ones((300,)), block=128, **common)
+  d1, _ = triton.elementwise_vjp(b1, b2, jnp.ones((300,)), block=128, **common)
   want = -_float64_grads("giou", "none", b1, b2, np.ones(300))[0]
   np.testing.assert_allclose(d1, want, atol=np.max(np.abs(want)) * 2e-5)
-  pw = gpu.pairwise(jnp.asarray(b1[None, :70]), jnp.asarray(b2[None, :130]),
+  pw = triton.pairwise(jnp.asarray(b1[None, :70]), jnp.asarray(b2[None, :130]),
                     kind="giou", eps=0.0, out_dtype=jnp.float32, interpret=True)
   assert pw.shape == (1, 70, 130)
   assert_matches_where_defined(pw[0], tv_pairwise("giou", b1[:70], b2[:130]),
@@ -689,7 +689,7 @@ def test_gpu_pairwise_tiles_and_grid_orders_interpreted(rng, order, access):
                                (77, 100, (32, 64), 8),     # loop, ragged
                                (64, 128, (32, 64), 16),    # loop, aligned
                                (5, 70, (128, 64), 16)):    # tile > rows
-    pw = gpu.pairwise(jnp.asarray(b1[None, :n]), jnp.asarray(b2[None, :m]),
+    pw = triton.pairwise(jnp.asarray(b1[None, :n]), jnp.asarray(b2[None, :m]),
                       kind="giou", eps=0.0, out_dtype=jnp.float32,
                       interpret=True, tile=tile, sub_rows=sub_rows,
                       grid_order=order, column_access=access)
@@ -697,7 +697,7 @@ def test_gpu_pairwise_tiles_and_grid_orders_interpreted(rng, order, access):
     assert_matches_where_defined(pw[0], tv_pairwise("giou", b1[:n], b2[:m]),
                                  F32_ATOL)
   with pytest.raises(ValueError, match="sub_rows"):
-    gpu.pairwise(jnp.asarray(b1[None]), jnp.asarray(b2[None]), kind="giou",
+    triton.pairwise(jnp.asarray(b1[None]), jnp.asarray(b2[None]), kind="giou",
                  eps=0.0, out_dtype=jnp.float32, interpret=True,
                  tile=(32, 64), sub_rows=12)
 
@@ -705,10 +705,10 @@ def test_gpu_pairwise_tiles_and_grid_orders_interpreted(rng, order, access):
 def test_gpu_pairwise_plain_store_only_for_whole_tiles():
   """Aligned matrices store tiles unmasked; a ragged edge still masks."""
   b = jnp.ones((256, 4), jnp.float32)
-  tile_n, tile_m = gpu.PAIRWISE_TILE
+  tile_n, tile_m = triton.PAIRWISE_TILE
 
   def names(n, m):
-    return _kernel_primitives(lambda x, y: gpu.pairwise(
+    return _kernel_primitives(lambda x, y: triton.pairwise(
         x[None, :n], y[None, :m], kind="giou", eps=0.0,
         out_dtype=jnp.float32), b, b)
 
@@ -724,12 +724,12 @@ def test_gpu_pairwise_ptx_division_lowers_for_cuda(rng, division, formula,
                                                    ptx):
   """The PTX division variants lower (interpret mode divides exactly)."""
   b = jnp.asarray(random_boxes(rng, (256,)))
-  fn = lambda x, y: gpu.pairwise(  # noqa: E731
+  fn = lambda x, y: triton.pairwise(  # noqa: E731
       x[None], y[None], kind="giou", eps=0.0, out_dtype=jnp.float32,
       division=division, formula=formula)
   text = _compat.lower_for_cuda(fn, b, b).as_text()
   assert ptx in text  # the PTX string inside the kernel's IR
-  got = gpu.pairwise(b[None, :40], b[None], kind="giou", eps=0.0,
+  got = triton.pairwise(b[None, :40], b[None], kind="giou", eps=0.0,
                      out_dtype=jnp.float32, division=division,
                      formula=formula, interpret=True)
   assert_matches_where_defined(got[0], tv_pairwise("giou", b[:40], b),
@@ -739,7 +739,7 @@ def test_gpu_pairwise_ptx_division_lowers_for_cuda(rng, division, formula,
 def test_gpu_pairwise_reciprocal_needs_lean_formula(rng):
   b = jnp.asarray(random_boxes(rng, (16,)))
   with pytest.raises(ValueError, match="rcp"):
-    gpu.pairwise(b[None], b[None], kind="giou", eps=0.0,
+    triton.pairwise(b[None], b[None], kind="giou", eps=0.0,
                  out_dtype=jnp.float32, division="rcp", formula="shared")
 
 
@@ -758,7 +758,7 @@ def test_gpu_pairwise_lean_formula_interpreted(kind, rng, monkeypatch):
   expected = tv_pairwise(kind, b1, b2)
 
   def run(formula):
-    return np.asarray(gpu.pairwise(
+    return np.asarray(triton.pairwise(
         jnp.asarray(b1[None]), jnp.asarray(b2[None]), kind=kind, eps=0.0,
         out_dtype=jnp.float32, interpret=True, tile=(8, 64),
         formula=formula))[0]
@@ -771,7 +771,7 @@ def test_gpu_pairwise_lean_formula_interpreted(kind, rng, monkeypatch):
                             kind=kind, eps=0.0, out_dtype=jnp.float32,
                             interpret=True)[0]
   assert_matches_where_defined(tpu, expected, F32_ATOL)
-  monkeypatch.setattr(gpu, "PAIRWISE_HULL_FROM_WIDTHS", True)
+  monkeypatch.setattr(triton, "PAIRWISE_HULL_FROM_WIDTHS", True)
   valid = np.ix_(np.r_[0:3, 4:61], np.r_[0:4, 5:78])  # no inverted boxes
   assert_matches_where_defined(run("lean")[valid], expected[valid], F32_ATOL)
   with pytest.raises(ValueError, match="diou"):

@@ -265,18 +265,18 @@ def _assert_bitmask_words_match_reference(boxes, scores, thr=0.5, m=None,
   """The GPU bitmask kernels (interpreted, 32 x 2-word mask tiles) keep
   exactly the reference's boxes (max_output_size ``m``, default N); returns
   how many."""
-  from pallas_kernels.boxes.nms import gpu
+  from pallas_kernels.boxes.nms import triton
   n = len(scores)
   m = n if m is None else m
   want = run_reference(boxes, scores, thr, m)
   order, planes, classes, flags = api._sorted_inputs(
       jnp.asarray(boxes, jnp.float32)[None],
       jnp.asarray(scores, jnp.float32)[None], None, None, n)
-  keep, base, count = gpu.keep_words_bitmask(
+  keep, base, count = triton.keep_words_bitmask(
       planes, classes, flags, iou_threshold=thr, max_output_size=m,
       rows=32, words=2, use_classes=False, interpret=True,
       **{"scan_depth": 1, **scan_options})
-  idx, count = gpu.words_to_indices(keep, base, count, order, m)
+  idx, count = triton.words_to_indices(keep, base, count, order, m)
   np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
   assert int(count[0]) == want[1]
   return want[1]
@@ -302,14 +302,14 @@ def test_gpu_pipelined_scan_and_skipped_words_interpret(rng, thr, m, depth,
   With jumps, a third of the scores are NaN (a run of removed words at the
   end, besides the runs that suppression leaves).
   """
-  from pallas_kernels.boxes.nms import gpu
+  from pallas_kernels.boxes.nms import triton
   n = 200
   boxes, scores = GENERATORS["clustered"](rng, n)
   scores[rng.random(n) < (0.35 if jump else 0.1)] = np.nan
   # m < N: 4 chunks, the early-exit while loop; else 2 unrolled chunks of
   # 4 words (the deep scan's word-after-next path needs 3 or more).
   chunk_rows = 64 if m < n else 128
-  assert gpu.static_chunks(-(-n // chunk_rows), n, m) == (m >= n)
+  assert triton.static_chunks(-(-n // chunk_rows), n, m) == (m >= n)
   _assert_bitmask_words_match_reference(
       boxes, scores, thr, m, chunk_rows=chunk_rows, scan_depth=depth,
       resolve_form=resolve, jump=jump, few_rows=few)
@@ -359,11 +359,11 @@ def test_gpu_overlapped_chunks_interpret(rng, thr, m, chunk_rows, first,
   on, one program per tile or ``programs`` looping over them; with m < N,
   the count reached within the (unrolled) chunks. Skipped words are all
   ones in interpret mode, so a wrong skip keeps too few boxes."""
-  from pallas_kernels.boxes.nms import gpu
+  from pallas_kernels.boxes.nms import triton
   n = 160  # 3 chunks of 64 rows (2 of 96)
   boxes, scores = GENERATORS["writeup"](rng, n)
   scores[rng.random(n) < 0.1] = np.nan
-  assert gpu.static_chunks(-(-n // chunk_rows), n, m)
+  assert triton.static_chunks(-(-n // chunk_rows), n, m)
   kept = _assert_bitmask_words_match_reference(
       boxes, scores, thr, m, chunk_rows=chunk_rows, resolve_form="where",
       few_rows=3, overlap=True, overlap_from=first,
@@ -377,12 +377,12 @@ def test_gpu_radix_order_equals_stable_sort(rng, batch, n, score_threshold):
   """The uint32-key sort (padded for one image) = the stable argsort of
   -score: ties (-0.0 against 0.0) by index, NaN / thresholded scores last,
   negative scores after positive ones."""
-  from pallas_kernels.boxes.nms import gpu
+  from pallas_kernels.boxes.nms import triton
   scores = rng.integers(-4, 7, (batch, n)).astype(np.float32)
   scores[rng.random((batch, n)) < 0.2] = np.nan
   scores[0, :n:2] = -0.0
   scores[:, 1::5] = np.float32(1e-40)  # subnormal
-  order, valid = gpu.radix_order(jnp.asarray(scores), score_threshold)
+  order, valid = triton.radix_order(jnp.asarray(scores), score_threshold)
   for b in range(batch):
     want, want_valid = reference.sort_by_score(jnp.asarray(scores[b]),
                                                score_threshold)
@@ -396,12 +396,12 @@ def test_gpu_radix_order_equals_stable_sort(rng, batch, n, score_threshold):
 def test_gpu_rank_order_equals_stable_sort(rng, n, score_threshold):
   """The GPU's rank-count sort = the stable argsort of -score: ties (also
   -0.0 against 0.0) by index, NaN and thresholded scores last by index."""
-  from pallas_kernels.boxes.nms import gpu
+  from pallas_kernels.boxes.nms import triton
   scores = rng.integers(0, 7, (2, n)).astype(np.float32)
   scores[rng.random((2, n)) < 0.2] = np.nan
   scores[0, :n:2] = -0.0
   scores[1, :n:3] = 0.0
-  order, valid = gpu.rank_order(jnp.asarray(scores), score_threshold,
+  order, valid = triton.rank_order(jnp.asarray(scores), score_threshold,
                                 interpret=True)
   for b in range(2):
     want, want_valid = reference.sort_by_score(jnp.asarray(scores[b]),
@@ -413,14 +413,14 @@ def test_gpu_rank_order_equals_stable_sort(rng, n, score_threshold):
 
 def test_gpu_bitmask_scratch_stays_within_budget():
   """Mask chunks shrink as N grows: scratch bounded, rows per chunk > 0."""
-  from pallas_kernels.boxes.nms import gpu
+  from pallas_kernels.boxes.nms import triton
   budget = 256 << 20
   for n in (1, 31, 1000, 20_000, 100_000, 1_000_000, 10_000_000):
-    words, chunk, chunks, nbytes = gpu.bitmask_layout(
+    words, chunk, chunks, nbytes = triton.bitmask_layout(
         1, n, rows=64, words=4, chunk_rows=4096, max_bytes=budget)
     assert nbytes <= budget and chunk % 64 == 0 and chunk >= 64
     assert words * 32 >= n and chunk * chunks >= n
-  assert gpu.bitmask_layout(1, 10**9, max_bytes=budget) is None  # -> blocked
+  assert triton.bitmask_layout(1, 10**9, max_bytes=budget) is None  # -> blocked
 
 
 def test_gpu_branch_traces_on_cpu(rng):

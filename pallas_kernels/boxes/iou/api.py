@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _backend, _sharding
-from . import _math, gpu, mosaic_tpu, reference
+from . import _math, mosaic_tpu, reference, triton
 
 DEFAULT_EPS = reference.DEFAULT_EPS
 REDUCTIONS = ("none", "mean", "sum")
@@ -116,7 +116,7 @@ def _forward_impls(cfg):
     return value.astype(cfg.out_dtype)
 
   return {"mosaic_tpu": functools.partial(mosaic_tpu.elementwise, **common),
-          "gpu": functools.partial(gpu.elementwise, **common,
+          "gpu": functools.partial(triton.elementwise, **common,
                                    interpret=_gpu_interpret()),
           "reference": ref}
 
@@ -140,7 +140,7 @@ def _backward_impls(cfg, shared):
     return pullback(cot)
 
   return {"mosaic_tpu": functools.partial(mosaic_tpu.elementwise_vjp, **common),
-          "gpu": functools.partial(gpu.elementwise_vjp, **common,
+          "gpu": functools.partial(triton.elementwise_vjp, **common,
                                    interpret=_gpu_interpret()),
           "reference": ref}
 
@@ -176,7 +176,7 @@ def _elementwise_kernel_op(cfg, b1, b2):
 
 def _fused_value_and_grad(cfg, num_boxes):
   """Small reduced losses: gradients computed with the value (one kernel)."""
-  return cfg.reduction != "none" and num_boxes <= gpu.FUSED_MAX_BOXES
+  return cfg.reduction != "none" and num_boxes <= triton.FUSED_MAX_BOXES
 
 
 def _value_and_grad_impls(cfg, grad_scale, value_scale):
@@ -204,7 +204,7 @@ def _value_and_grad_impls(cfg, grad_scale, value_scale):
             (d2 * scale).astype(b2.dtype))
 
   return {"mosaic_tpu": tpu,
-          "gpu": functools.partial(gpu.elementwise_value_and_grad,
+          "gpu": functools.partial(triton.elementwise_value_and_grad,
                                    as_loss=cfg.as_loss, grad_scale=grad_scale,
                                    value_scale=value_scale,
                                    interpret=_gpu_interpret(), **common),
@@ -359,7 +359,7 @@ def _pairwise_forward(cfg, a, b):
   impls = {
       "mosaic_tpu": functools.partial(mosaic_tpu.pairwise, kind=cfg.kind,
                                       eps=cfg.eps, out_dtype=cfg.out_dtype),
-      "gpu": functools.partial(gpu.pairwise, kind=cfg.kind, eps=cfg.eps,
+      "gpu": functools.partial(triton.pairwise, kind=cfg.kind, eps=cfg.eps,
                                out_dtype=cfg.out_dtype,
                                interpret=_gpu_interpret()),
       "reference": lambda a, b: reference.pairwise_score(

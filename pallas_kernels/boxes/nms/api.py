@@ -1,6 +1,6 @@
 """Public NMS ops: validation, the shared score sort, backend dispatch.
 
-See ``reference`` for the exact semantics and ``mosaic_tpu`` / ``gpu`` for
+See ``reference`` for the exact semantics and ``mosaic_tpu`` / ``triton`` for
 the kernels. Thresholds and ``max_output_size`` are static (Python numbers):
 the output shape is ``[max_output_size]`` so everything works under jit.
 """
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _backend, _sharding
-from . import block_sizes, gpu, mosaic_tpu, reference
+from . import block_sizes, mosaic_tpu, reference, triton
 
 
 # ----------------------------------------------------------------- validation
@@ -137,10 +137,10 @@ def _tpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
 def _bitmask_sizes(num_boxes, max_output_size):
   chunk_rows = block_sizes.mask_chunk_rows(num_boxes)
   if num_boxes >= block_sizes.SMALL_BOXES:  # else no cap: fewer launches
-    chunk_rows = gpu.chunk_rows_for(max_output_size, chunk_rows)
+    chunk_rows = triton.chunk_rows_for(max_output_size, chunk_rows)
     overlap_rows = block_sizes.MASK_CHUNK_ROWS_OVERLAP
-    if (gpu.OVERLAP and max_output_size >= num_boxes
-        and -(-num_boxes // overlap_rows) <= gpu.STATIC_CHUNKS_MAX):
+    if (triton.OVERLAP and max_output_size >= num_boxes
+        and -(-num_boxes // overlap_rows) <= triton.STATIC_CHUNKS_MAX):
       chunk_rows = overlap_rows
   return dict(rows=block_sizes.MASK_ROWS,
               words=block_sizes.mask_words(num_boxes),
@@ -152,24 +152,24 @@ def _gpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
                  score_threshold, interpret=False):
   batch, n = scores.shape
   sizes = _bitmask_sizes(n, max_output_size)
-  if gpu.bitmask_layout(batch, n, **sizes) is not None:
-    sort = (functools.partial(gpu.rank_order, interpret=interpret)
-            if n <= gpu.RANK_SORT_MAX else
-            gpu.radix_order if gpu.RADIX_SORT and n <= gpu.RADIX_SORT_MAX
+  if triton.bitmask_layout(batch, n, **sizes) is not None:
+    sort = (functools.partial(triton.rank_order, interpret=interpret)
+            if n <= triton.RANK_SORT_MAX else
+            triton.radix_order if triton.RADIX_SORT and n <= triton.RADIX_SORT_MAX
             else None)
     order, planes, classes, flags = _sorted_inputs(
         boxes, scores, class_ids, score_threshold, n, sort=sort)
-    keep, base, count = gpu.keep_words_bitmask(
+    keep, base, count = triton.keep_words_bitmask(
         planes, classes, flags, iou_threshold=iou_threshold,
         max_output_size=max_output_size, mask_warps=block_sizes.MASK_WARPS,
         scan_warps=block_sizes.SCAN_WARPS, use_classes=class_ids is not None,
         interpret=interpret, **sizes)
-    return gpu.words_to_indices(keep, base, count, order, max_output_size)
+    return triton.words_to_indices(keep, base, count, order, max_output_size)
   tile = block_sizes.GPU_TILE
   padded = block_sizes.padded_size(n, tile)
   order, planes, classes, flags = _sorted_inputs(
       boxes, scores, class_ids, score_threshold, padded)
-  pos, count = gpu.kept_positions(
+  pos, count = triton.kept_positions(
       *(planes[:, r] for r in range(5)), classes, flags,
       iou_threshold=iou_threshold, max_output_size=max_output_size,
       tile=tile, num_warps=block_sizes.GPU_NUM_WARPS, interpret=interpret)

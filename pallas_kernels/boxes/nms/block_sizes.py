@@ -8,7 +8,7 @@ still a single MXU pass per 128 rows).
 GPU, bitmask design (used while a mask chunk fits GPU_BITMASK_MAX_BYTES):
 the mask kernel's program covers MASK_ROWS boxes x mask_words(N) words (32
 boxes each); rows go in chunks of MASK_CHUNK_ROWS (2048 when
-max_output_size <= 128, see gpu.chunk_rows_for; below SMALL_BOXES chunks of
+max_output_size <= 128, see triton.chunk_rows_for; below SMALL_BOXES chunks of
 MASK_CHUNK_ROWS_SMALL rows whatever max_output_size); the scan kernel runs
 SCAN_WARPS warps per image (None: by row length). Measured on H100 at
 N = 20k (an earlier run's "tune", in the git history of
@@ -27,7 +27,7 @@ did not beat 4096 rows and 4 warps at 20k
 (bench/results/nms-forms-sizes-h100-2026-11-22.json); with the overlapped
 scan / next mask launches (stop 11) 2048-row chunks did
 (MASK_CHUNK_ROWS_OVERLAP, for max_output_size >= N and at most
-gpu.STATIC_CHUNKS_MAX chunks).
+triton.STATIC_CHUNKS_MAX chunks).
 GPU, blocked O(N)-memory design (fallback past the budget): a (T, T)
 register tile per thread block; in a first H100 sweep T = 128 with 8 warps
 beat T = 64 / 4 warps and T = 256 / 8 or 16 warps (6.1 vs 6.9-24 ms at
@@ -46,8 +46,8 @@ MASK_CHUNK_ROWS = 4096
 # chunk up to 8k boxes (the "band" scan's A/Bs ran with it).
 MASK_CHUNK_ROWS_SMALL = 8192
 MASK_WORDS = 8
-# Unrolled, overlapped chunks (gpu.OVERLAP, max_output_size >= N, at most
-# gpu.STATIC_CHUNKS_MAX chunks): smaller chunks, so chunk 0's unoverlapped
+# Unrolled, overlapped chunks (triton.OVERLAP, max_output_size >= N, at most
+# triton.STATIC_CHUNKS_MAX chunks): smaller chunks, so chunk 0's unoverlapped
 # mask is smaller and later masks are pruned sooner. H100, 20k boxes,
 # max_output_size = N (bench/results/nms-20k-h100-2026-11-23.json, "pick"):
 # 903 / 1438 us of device time at threshold 0.1 / 0.5 against 973 / 1501
