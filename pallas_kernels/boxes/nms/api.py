@@ -114,7 +114,7 @@ def _sorted_inputs(boxes, scores, class_ids, score_threshold, padded,
 
 
 def _tpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
-                 score_threshold, interpret=False):
+                 score_threshold, interpret=None):
   n = scores.shape[1]
   tile = block_sizes.tpu_tile(n)
   padded = block_sizes.padded_size(n, tile)
@@ -149,7 +149,7 @@ def _bitmask_sizes(num_boxes, max_output_size):
 
 
 def _gpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
-                 score_threshold, interpret=False):
+                 score_threshold, interpret=None):
   batch, n = scores.shape
   sizes = _bitmask_sizes(n, max_output_size)
   if triton.bitmask_layout(batch, n, **sizes) is not None:
@@ -197,11 +197,14 @@ def _run(op, backend, boxes, scores, class_ids, iou_threshold,
             jnp.zeros((batch,), jnp.int32))
   static = dict(iou_threshold=iou_threshold, max_output_size=max_output_size,
                 score_threshold=score_threshold)
-  return _backend.dispatch(op, backend, {
-      "mosaic_tpu": functools.partial(_tpu_batched, **static),
-      "gpu": functools.partial(_gpu_batched, **static),
-      "reference": functools.partial(_reference_batched, **static),
-  }, boxes, scores, class_ids, rule=_sharding.make_rule(
+  kernels = [
+      _backend.Kernel("mosaic_tpu", functools.partial(_tpu_batched, **static)),
+      _backend.Kernel("triton", functools.partial(_gpu_batched, **static)),
+      _backend.Kernel("reference",
+                      functools.partial(_reference_batched, **static)),
+  ]
+  return _backend.dispatch(op, backend, kernels, boxes, scores, class_ids,
+                           rule=_sharding.make_rule(
       op, [("boxes", "b n c"), ("scores", "b n"),
            ("class_ids", None if class_ids is None else "b n")],
       ["b k", "b"], split="b",
@@ -225,7 +228,8 @@ def nms(boxes, scores, *, iou_threshold, max_output_size, score_threshold=None,
     score_threshold: optional Python float; scores <= it are never kept.
     class_ids: optional [N] integer classes; different classes never
       suppress each other (torchvision's ``batched_nms``).
-    backend: None, "mosaic_tpu", "gpu", "interpret" or "reference".
+    backend: None (chosen by platform), "mosaic_tpu", "triton", "gpu"
+      (the best GPU kernel), "interpret" or "reference".
 
   Returns:
     (indices int32 [max_output_size]: kept box indices by decreasing score
@@ -268,7 +272,7 @@ def soft_nms(boxes, scores, *, max_output_size, method="gaussian", sigma=0.5,
   Only the reference (plain JAX, a while loop of K steps over all N boxes)
   exists: each step rescores every remaining box, so a tiled kernel cannot
   skip work the way greedy NMS does, and XLA already fuses each step into one
-  pass. Every backend therefore runs the reference.
+  pass. ``backend`` may be None or "reference"; a kernel name raises.
   """
   op = "soft_nms"
   _backend.check_backend(op, backend)
@@ -283,11 +287,15 @@ def soft_nms(boxes, scores, *, max_output_size, method="gaussian", sigma=0.5,
     raise ValueError(f"{op}: sigma must be > 0, got {sigma}")
   if score_threshold is None:
     score_threshold = -np.inf
-  # Every backend runs the reference (see above): no kernel to dispatch to.
-  return reference.soft_nms(
-      boxes, scores, max_output_size=max_output_size, method=method,
-      sigma=sigma, iou_threshold=iou_threshold,
-      score_threshold=score_threshold, class_ids=class_ids)
+
+  def run(boxes, scores, class_ids):
+    return reference.soft_nms(
+        boxes, scores, max_output_size=max_output_size, method=method,
+        sigma=sigma, iou_threshold=iou_threshold,
+        score_threshold=score_threshold, class_ids=class_ids)
+
+  return _backend.dispatch(op, backend, [_backend.Kernel("reference", run)],
+                           boxes, scores, class_ids)
 
 
 def shard_batched_nms(mesh, boxes, scores, *, batch_axis="data",
