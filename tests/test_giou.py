@@ -2,6 +2,7 @@
 degenerate boxes, odd sizes, properties and argument errors."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -663,44 +664,17 @@ def test_gpu_fused_value_and_grad_interpreted(rng, reduction):
                   "gpu", jnp.dtype(jnp.float32)), n)
 
 
-def test_gpu_padded_variant_interpreted(rng, monkeypatch):
-  # The fallback for ragged edges (pad to whole blocks) gives the same result.
-  monkeypatch.setattr(triton, "RAGGED", "pad")
-  b1, b2 = random_boxes(rng, (300,)), random_boxes(rng, (300,))
-  common = dict(kind="giou", formula="loss", eps=EPS, box_format="xyxy",
-                interpret=True)
-  d1, _ = triton.elementwise_vjp(b1, b2, jnp.ones((300,)), block=128, **common)
-  want = -_float64_grads("giou", "none", b1, b2, np.ones(300))[0]
-  np.testing.assert_allclose(d1, want, atol=np.max(np.abs(want)) * 2e-5)
-  pw = triton.pairwise(jnp.asarray(b1[None, :70]), jnp.asarray(b2[None, :130]),
-                    kind="giou", eps=0.0, out_dtype=jnp.float32, interpret=True)
-  assert pw.shape == (1, 70, 130)
-  assert_matches_where_defined(pw[0], tv_pairwise("giou", b1[:70], b2[:130]),
-                               F32_ATOL)
-
-
-@pytest.mark.parametrize("order,access", [("rows", "select"),
-                                          ("cols", "strided")])
-def test_gpu_pairwise_tiles_and_grid_orders_interpreted(rng, order, access):
-  """Every tile of ragged and aligned matrices, both grid orders and column
-  reads, whole tiles at once and row groups in a loop (sub_rows)."""
+def test_gpu_pairwise_tiles_interpreted(rng):
+  """Every tile of ragged and aligned matrices, tiles taller than N."""
   b1, b2 = random_boxes(rng, (77,), 0.05), random_boxes(rng, (160,))
-  for n, m, tile, sub_rows in ((37, 160, (8, 64), None),
-                               (32, 128, (16, 64), None),
-                               (77, 100, (32, 64), 8),     # loop, ragged
-                               (64, 128, (32, 64), 16),    # loop, aligned
-                               (5, 70, (128, 64), 16)):    # tile > rows
+  for n, m, tile in ((37, 160, (8, 64)), (32, 128, (16, 64)),
+                     (77, 100, (32, 64)), (5, 70, (128, 64))):
     pw = triton.pairwise(jnp.asarray(b1[None, :n]), jnp.asarray(b2[None, :m]),
-                      kind="giou", eps=0.0, out_dtype=jnp.float32,
-                      interpret=True, tile=tile, sub_rows=sub_rows,
-                      grid_order=order, column_access=access)
+                         kind="giou", eps=0.0, out_dtype=jnp.float32,
+                         interpret=True, tile=tile)
     assert pw.shape == (1, n, m)
     assert_matches_where_defined(pw[0], tv_pairwise("giou", b1[:n], b2[:m]),
                                  F32_ATOL)
-  with pytest.raises(ValueError, match="sub_rows"):
-    triton.pairwise(jnp.asarray(b1[None]), jnp.asarray(b2[None]), kind="giou",
-                 eps=0.0, out_dtype=jnp.float32, interpret=True,
-                 tile=(32, 64), sub_rows=12)
 
 
 def test_gpu_pairwise_plain_store_only_for_whole_tiles():
@@ -719,62 +693,30 @@ def test_gpu_pairwise_plain_store_only_for_whole_tiles():
   assert "masked_swap" in ragged and "swap" not in ragged, ragged
 
 
-@pytest.mark.parametrize("division, formula, ptx", [
-    ("fast", "shared", "div.full.f32"), ("rcp", "lean", "rcp.approx.ftz.f32")])
-def test_gpu_pairwise_ptx_division_lowers_for_cuda(rng, division, formula,
-                                                   ptx):
-  """The PTX division variants lower (interpret mode divides exactly)."""
-  b = jnp.asarray(random_boxes(rng, (256,)))
-  fn = lambda x, y: triton.pairwise(  # noqa: E731
-      x[None], y[None], kind="giou", eps=0.0, out_dtype=jnp.float32,
-      division=division, formula=formula)
-  text = _compat.lower_for_cuda(fn, b, b).as_text()
-  assert ptx in text  # the PTX string inside the kernel's IR
-  got = triton.pairwise(b[None, :40], b[None], kind="giou", eps=0.0,
-                     out_dtype=jnp.float32, division=division,
-                     formula=formula, interpret=True)
-  assert_matches_where_defined(got[0], tv_pairwise("giou", b[:40], b),
-                               F32_ATOL)
-
-
-def test_gpu_pairwise_reciprocal_needs_lean_formula(rng):
-  b = jnp.asarray(random_boxes(rng, (16,)))
-  with pytest.raises(ValueError, match="rcp"):
-    triton.pairwise(b[None], b[None], kind="giou", eps=0.0,
-                 out_dtype=jnp.float32, division="rcp", formula="shared")
-
-
 @pytest.mark.parametrize("kind", ["iou", "giou"])
-def test_gpu_pairwise_lean_formula_interpreted(kind, rng, monkeypatch):
+def test_pairwise_lean_formula_interpreted(kind, rng):
   """The pairwise kernels' lean IoU/GIoU (one select per quotient) against
   torchvision in float64 and bit for bit against the shared formula, on
   random, far-apart, nested, identical, zero-area and inverted (x2 < x1)
-  boxes, at large coordinates too; the hull-from-widths option only on
-  valid boxes (it may lose digits on inverted ones, as documented)."""
+  boxes, at large coordinates too; the kernels against torchvision."""
   special = np.array([[0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 4, 0], [3, 3, 1, 1],
                       [0, 0, 2, 2], [0.5, 0.5, 1.5, 1.5], [1e4, 1e4, 1e4 + 3,
                       1e4 + 1], [-50, -50, -49, -49]], np.float32)
   b1 = np.concatenate([special, random_boxes(rng, (53,), 0.1)])
   b2 = np.concatenate([special[::-1], random_boxes(rng, (70,), 0.1)])
   expected = tv_pairwise(kind, b1, b2)
-
-  def run(formula):
-    return np.asarray(triton.pairwise(
-        jnp.asarray(b1[None]), jnp.asarray(b2[None]), kind=kind, eps=0.0,
-        out_dtype=jnp.float32, interpret=True, tile=(8, 64),
-        formula=formula))[0]
-
-  lean = run("lean")
-  assert_matches_where_defined(lean, expected, F32_ATOL)
-  np.testing.assert_array_equal(lean, run("shared"))
-  # The TPU kernel uses the same formula (interpreted here).
-  tpu = mosaic_tpu.pairwise(jnp.asarray(b1[None]), jnp.asarray(b2[None]),
-                            kind=kind, eps=0.0, out_dtype=jnp.float32,
-                            interpret=True)[0]
-  assert_matches_where_defined(tpu, expected, F32_ATOL)
-  monkeypatch.setattr(triton, "PAIRWISE_HULL_FROM_WIDTHS", True)
-  valid = np.ix_(np.r_[0:3, 4:61], np.r_[0:4, 5:78])  # no inverted boxes
-  assert_matches_where_defined(run("lean")[valid], expected[valid], F32_ATOL)
+  a = tuple(jnp.asarray(b1[:, c])[:, None] for c in range(4))
+  b = tuple(jnp.asarray(b2[:, c])[None, :] for c in range(4))
+  for run in (lambda f: f, jax.jit):  # eager and fused: XLA may contract
+    lean = run(functools.partial(_math.pairwise_score_lean, kind))(a, b)
+    shared = run(functools.partial(_math.score, kind, "pairwise", 0.0))(a, b)
+    np.testing.assert_array_equal(lean, shared)
+  for got in (triton.pairwise(jnp.asarray(b1[None]), jnp.asarray(b2[None]),
+                              kind=kind, eps=0.0, out_dtype=jnp.float32,
+                              interpret=True, tile=(8, 64)),
+              mosaic_tpu.pairwise(jnp.asarray(b1[None]), jnp.asarray(b2[None]),
+                                  kind=kind, eps=0.0, out_dtype=jnp.float32,
+                                  interpret=True)):
+    assert_matches_where_defined(got[0], expected, F32_ATOL)
   with pytest.raises(ValueError, match="diou"):
-    _math.pairwise_score_lean("diou", (b1[:, 0],) * 4, (b2[:, 0],) * 4)
-
+    _math.pairwise_score_lean("diou", a, b)

@@ -261,7 +261,7 @@ def test_gpu_kernel_classes_nan_inverted(rng, small_tiles, design):
 
 
 def _assert_bitmask_words_match_reference(boxes, scores, thr=0.5, m=None,
-                                          **scan_options):
+                                          **options):
   """The GPU bitmask kernels (interpreted, 32 x 2-word mask tiles) keep
   exactly the reference's boxes (max_output_size ``m``, default N); returns
   how many."""
@@ -274,52 +274,39 @@ def _assert_bitmask_words_match_reference(boxes, scores, thr=0.5, m=None,
       jnp.asarray(scores, jnp.float32)[None], None, None, n)
   keep, base, count = triton.keep_words_bitmask(
       planes, classes, flags, iou_threshold=thr, max_output_size=m,
-      rows=32, words=2, use_classes=False, interpret=True,
-      **{"scan_depth": 1, **scan_options})
+      rows=32, words=2, use_classes=False, interpret=True, **options)
   idx, count = triton.words_to_indices(keep, base, count, order, m)
   np.testing.assert_array_equal(np.asarray(idx[0]), want[0])
   assert int(count[0]) == want[1]
   return want[1]
 
 
-@pytest.mark.parametrize("thr,m,depth,resolve,jump,few", [
-    (0.5, 200, 1, "where", False, 0), (0.1, 200, 1, "skip", False, 0),
-    (0.5, 200, 2, "skip", False, 0), (0.5, 200, 1, "band", False, 2),
-    (0.3, 20, 1, "band", False, 0), (0.1, 200, 1, "band", True, 0),
-    (0.5, 200, 1, "where", True, 3),
-    pytest.param(0.3, 20, 1, "band", True, 4, marks=SLOW),
-    pytest.param(0.3, 20, 1, "mask", False, 0, marks=SLOW),
-    pytest.param(0.1, 200, 2, "mask", False, 0, marks=SLOW),
-    pytest.param(0.1, 200, 1, "band", False, 0, marks=SLOW)])
-def test_gpu_pipelined_scan_and_skipped_words_interpret(rng, thr, m, depth,
-                                                       resolve, jump, few):
-  """The compiled scan forms (pipelined, deep, band, jumps, few kept rows
-  ORed by bit scans) in interpret mode.
+@pytest.mark.parametrize("thr,m,band", [
+    (0.5, 200, False), (0.1, 200, True), (0.3, 20, True),
+    pytest.param(0.3, 20, False, marks=SLOW),
+    pytest.param(0.1, 200, False, marks=SLOW)])
+def test_gpu_scan_forms_and_skipped_words_interpret(rng, thr, m, band):
+  """Both scan forms in interpret mode.
 
   Interpret mode fills every mask word the compiled kernel would leave
   unwritten (below the diagonal, padding, removed rows and columns) with
   all ones, so a scan that read one with effect would keep too few boxes.
-  With jumps, a third of the scores are NaN (a run of removed words at the
-  end, besides the runs that suppression leaves).
   """
   from pallas_kernels.boxes.nms import triton
   n = 200
   boxes, scores = GENERATORS["clustered"](rng, n)
-  scores[rng.random(n) < (0.35 if jump else 0.1)] = np.nan
-  # m < N: 4 chunks, the early-exit while loop; else 2 unrolled chunks of
-  # 4 words (the deep scan's word-after-next path needs 3 or more).
+  scores[rng.random(n) < 0.35] = np.nan
+  # m < N: 4 chunks, the early-exit while loop; else 2 unrolled chunks.
   chunk_rows = 64 if m < n else 128
   assert triton.static_chunks(-(-n // chunk_rows), n, m) == (m >= n)
   _assert_bitmask_words_match_reference(
-      boxes, scores, thr, m, chunk_rows=chunk_rows, scan_depth=depth,
-      resolve_form=resolve, jump=jump, few_rows=few)
+      boxes, scores, thr, m, chunk_rows=chunk_rows, band=band)
 
 
-@pytest.mark.parametrize("resolve", ["where", "band"])
-def test_gpu_scan_jumps_over_removed_words_interpret(rng, resolve):
-  """Jumps that land on a live word: words 1-2 are removed by word 0's kept
-  box, word 3 onwards are spread boxes; a jump that skipped too far (or too
-  little) would drop or keep the wrong boxes."""
+@pytest.mark.parametrize("band", [False, True])
+def test_gpu_scan_runs_of_removed_words_interpret(rng, band):
+  """Words 1-2 are removed by word 0's kept box, word 3 onwards are spread
+  boxes."""
   n = 256
   jitter = rng.random((n, 4)).astype(np.float32)
   boxes = np.tile(np.float32([0, 0, 50, 50]), (n, 1)) + jitter
@@ -327,12 +314,12 @@ def test_gpu_scan_jumps_over_removed_words_interpret(rng, resolve):
   boxes[96:] = spread
   scores = np.linspace(1, 0, n, dtype=np.float32)
   scores[200] = np.nan
-  _assert_bitmask_words_match_reference(
-      boxes, scores, chunk_rows=256, resolve_form=resolve, jump=True)
+  _assert_bitmask_words_match_reference(boxes, scores, chunk_rows=256,
+                                        band=band)
 
 
-@pytest.mark.parametrize("resolve,few", [("where", 3), ("band", 4)])
-def test_gpu_scan_few_kept_rows_interpret(resolve, few):
+@pytest.mark.parametrize("band", [False, True])
+def test_gpu_scan_few_kept_rows_interpret(band):
   """Word 0 keeps boxes 0-2 (the rest copy box 0), word 1 boxes 32-35; words
   2 and 3 hold one box on each of them, suppressed by that row alone, so a
   row left out of the OR keeps a box too many. The rest stand apart."""
@@ -345,29 +332,24 @@ def test_gpu_scan_few_kept_rows_interpret(resolve, few):
   boxes[96:100] = boxes[32:36] + 1
   scores = np.linspace(1, 0, n, dtype=np.float32)
   kept = _assert_bitmask_words_match_reference(
-      boxes, scores, chunk_rows=128, resolve_form=resolve, few_rows=few)
+      boxes, scores, chunk_rows=128, band=band)
   assert kept == n - 29 - 3 - 28 - 4
 
 
-@pytest.mark.parametrize("thr,m,chunk_rows,first,programs", [
-    (0.5, 160, 64, 1, 0), pytest.param(0.3, 160, 64, 0, 3, marks=SLOW),
-    pytest.param(0.5, 60, 96, 0, 0, marks=SLOW)])
-def test_gpu_overlapped_chunks_interpret(rng, thr, m, chunk_rows, first,
-                                        programs):
+@pytest.mark.parametrize("thr,m,chunk_rows", [
+    (0.5, 160, 64), pytest.param(0.3, 60, 64, marks=SLOW)])
+def test_gpu_overlapped_chunks_interpret(rng, thr, m, chunk_rows):
   """Chunk c's scan beside chunk c + 1's mask in one launch (the mask then
-  skips by the removed words from before that scan), from chunk ``first``
-  on, one program per tile or ``programs`` looping over them; with m < N,
-  the count reached within the (unrolled) chunks. Skipped words are all
-  ones in interpret mode, so a wrong skip keeps too few boxes."""
+  skips by the removed words from before that scan); with m < N, the count
+  reached within the (unrolled) chunks. Skipped words are all ones in
+  interpret mode, so a wrong skip keeps too few boxes."""
   from pallas_kernels.boxes.nms import triton
-  n = 160  # 3 chunks of 64 rows (2 of 96)
+  n = 160  # 3 chunks of 64 rows
   boxes, scores = GENERATORS["writeup"](rng, n)
   scores[rng.random(n) < 0.1] = np.nan
   assert triton.static_chunks(-(-n // chunk_rows), n, m)
   kept = _assert_bitmask_words_match_reference(
-      boxes, scores, thr, m, chunk_rows=chunk_rows, resolve_form="where",
-      few_rows=3, overlap=True, overlap_from=first,
-      overlap_programs=programs)
+      boxes, scores, thr, m, chunk_rows=chunk_rows, band=False)
   assert kept > 20  # many kept boxes: several rows ORed per chunk
 
 

@@ -139,7 +139,7 @@ def _bitmask_sizes(num_boxes, max_output_size):
   if num_boxes >= block_sizes.SMALL_BOXES:  # else no cap: fewer launches
     chunk_rows = triton.chunk_rows_for(max_output_size, chunk_rows)
     overlap_rows = block_sizes.MASK_CHUNK_ROWS_OVERLAP
-    if (triton.OVERLAP and max_output_size >= num_boxes
+    if (max_output_size >= num_boxes
         and -(-num_boxes // overlap_rows) <= triton.STATIC_CHUNKS_MAX):
       chunk_rows = overlap_rows
   return dict(rows=block_sizes.MASK_ROWS,
@@ -155,7 +155,7 @@ def _gpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
   if triton.bitmask_layout(batch, n, **sizes) is not None:
     sort = (functools.partial(triton.rank_order, interpret=interpret)
             if n <= triton.RANK_SORT_MAX else
-            triton.radix_order if triton.RADIX_SORT and n <= triton.RADIX_SORT_MAX
+            triton.radix_order if n <= triton.RADIX_SORT_MAX
             else None)
     order, planes, classes, flags = _sorted_inputs(
         boxes, scores, class_ids, score_threshold, n, sort=sort)
