@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 
 KINDS = ("iou", "giou", "diou", "ciou")
-FORMULAS = ("pairwise", "loss")
 BOX_FORMATS = ("xyxy", "cxcywh")
 
 _HALF_PI = math.pi / 2

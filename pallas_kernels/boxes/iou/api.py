@@ -1,34 +1,32 @@
-"""Public IoU-family ops: validation, custom VJPs and backend dispatch.
+"""Public IoU-family ops (torchvision semantics): validation, custom VJPs,
+kernel choice.
 
-Three groups, all matching torchvision (``torchvision.ops``):
+* metrics ``iou, giou, diou, ciou``: boxes ``[..., 4] x [..., 4] -> [...]``,
+  the diagonal of torchvision's ``box_iou`` / ``generalized_box_iou`` /
+  ``distance_box_iou`` / ``complete_box_iou`` (shapes broadcast);
+* pairwise ``pairwise_iou`` (= ``box_iou``), ``pairwise_giou``,
+  ``pairwise_diou``, ``pairwise_ciou``: ``[..., N, 4] x [..., M, 4] ->
+  [..., N, M]`` (leading dims broadcast);
+* losses ``iou_loss, giou_loss, diou_loss, ciou_loss``: torchvision's
+  ``*_box_iou_loss`` (``iou_loss`` = 1 - inter / (union + eps)).
 
-* elementwise metrics ``iou, giou, diou, ciou(boxes1 [..., 4], boxes2 [..., 4])
-  -> [...]``: the diagonal of torchvision's pairwise functions, i.e. the
-  ``box_iou`` / ``generalized_box_iou`` / ``distance_box_iou`` /
-  ``complete_box_iou`` formulas applied to matching boxes (shapes broadcast);
-* pairwise matrices ``pairwise_iou`` (alias ``box_iou``, which also takes
-  ``iou_kind=``), ``pairwise_giou``, ``pairwise_diou``, ``pairwise_ciou``:
-  ``[..., N, 4] x [..., M, 4] -> [..., N, M]`` (leading dims broadcast);
-* losses ``iou_loss, giou_loss, diou_loss, ciou_loss(pred, target, *,
-  reduction="none"|"mean"|"sum", eps=1e-7)``: torchvision's
-  ``*_box_iou_loss`` formulas (``iou_loss`` = 1 - IoU with the same eps).
+Arguments shared by the ops: boxes are real floating or integer arrays in
+``box_format`` "xyxy" (x1, y1, x2, y2) or "cxcywh" (centre x, centre y,
+width, height); ``eps`` is a Python float >= 0; ``reduction`` is "none",
+"mean" (0 for no boxes) or "sum"; ``backend`` is None (chosen for the
+lowering platform), "mosaic_tpu", "triton", "gpu" (the best GPU kernel),
+"interpret" (the TPU kernel in the interpreter) or "reference".
 
-Boxes are ``xyxy`` unless ``box_format="cxcywh"``. Kernels compute in
-float32; results have the inputs' floating dtype (float32 for integers).
-float64 boxes run the reference (the kernels do not support them; naming a
-kernel raises). Degenerate boxes (zero area, x2 < x1, identical, far apart)
-give finite values and finite gradients; where torchvision divides by zero
-the quotient is defined as 0 (details in ``pallas_kernels.boxes.iou._math``).
-NaN coordinates propagate.
+Results have the inputs' floating dtype (float32 for integers); kernels
+compute in float32, so float64 boxes run the reference (naming a kernel
+raises). Degenerate boxes (zero area, x2 < x1, identical, far apart) give
+finite values and gradients: where torchvision divides by zero the quotient
+is 0 (``_math``). NaN coordinates propagate.
 
-Kernels (``backend=``): ``mosaic_tpu``, ``triton``, ``reference``; each op
-lists them as ``_backend.Kernel`` rows and ``_backend.dispatch`` chooses.
-Gradients: elementwise metrics and losses differentiate through the chosen
-kernel's backward (one pass: boxes and cotangent in, both box gradients out;
-reduced losses read no cotangent array; small reduced losses compute them in
-the forward pass). Pairwise ops differentiate through the reference formula
-(XLA). The reference row's backward is JAX autodiff of the formula, an
-independent check of the kernels' gradients.
+Gradients: metrics and losses differentiate through the chosen kernel's
+backward (reduced losses read no cotangent array; small ones compute the
+gradients in the forward pass); pairwise ops through the reference formula
+(XLA). The reference row's backward is JAX autodiff of the formula.
 """
 from __future__ import annotations
 
@@ -301,49 +299,86 @@ def _check_broadcast(op, a, b, name_a, name_b, skip_last=1):
 
 
 def iou(boxes1, boxes2, *, box_format="xyxy", backend=None):
-  """IoU of matching boxes: [..., 4] x [..., 4] -> [...] (diag of box_iou)."""
+  """IoU of matching boxes: the diagonal of torchvision's ``box_iou``.
+
+  Args: ``boxes1``, ``boxes2`` [..., 4]; ``box_format``; ``backend``.
+  Returns: [...] in [0, 1] (0 where the union is 0).
+  """
   return _metric("iou", "iou", boxes1, boxes2, 0.0, box_format, backend)
 
 
 def giou(boxes1, boxes2, *, box_format="xyxy", backend=None):
-  """Generalized IoU of matching boxes, in [-1, 1]: [..., 4] x [..., 4] -> [...]."""
+  """Generalized IoU of matching boxes (``generalized_box_iou``'s diagonal).
+
+  Args: ``boxes1``, ``boxes2`` [..., 4]; ``box_format``; ``backend``.
+  Returns: [...] in [-1, 1]: IoU - (hull - union) / hull.
+  """
   return _metric("giou", "giou", boxes1, boxes2, 0.0, box_format, backend)
 
 
 def diou(boxes1, boxes2, *, eps=DEFAULT_EPS, box_format="xyxy", backend=None):
-  """Distance IoU of matching boxes (torchvision's distance_box_iou formula)."""
+  """Distance IoU of matching boxes (``distance_box_iou``'s diagonal).
+
+  Args: ``boxes1``, ``boxes2`` [..., 4]; ``eps`` (added to the hull's
+  squared diagonal); ``box_format``; ``backend``.
+  Returns: [...]: IoU - squared centre distance / squared hull diagonal.
+  """
   return _metric("diou", "diou", boxes1, boxes2, eps, box_format, backend)
 
 
 def ciou(boxes1, boxes2, *, eps=DEFAULT_EPS, box_format="xyxy", backend=None):
-  """Complete IoU of matching boxes (torchvision's complete_box_iou formula)."""
+  """Complete IoU of matching boxes (``complete_box_iou``'s diagonal).
+
+  Args: ``boxes1``, ``boxes2`` [..., 4]; ``eps``; ``box_format``; ``backend``.
+  Returns: [...]: DIoU - alpha * v, v the aspect-ratio term.
+  """
   return _metric("ciou", "ciou", boxes1, boxes2, eps, box_format, backend)
 
 
 def iou_loss(pred, target, *, reduction="none", eps=DEFAULT_EPS,
              box_format="xyxy", backend=None):
-  """1 - inter / (union + eps), reduced as torchvision's losses are."""
+  """1 - inter / (union + eps) of matching boxes, reduced.
+
+  Args: ``pred``, ``target`` [..., 4]; ``reduction``; ``eps``;
+  ``box_format``; ``backend``.
+  Returns: [...] for reduction="none", else a scalar.
+  """
   return _loss("iou_loss", "iou", pred, target, reduction, eps, box_format,
                backend)
 
 
 def giou_loss(pred, target, *, reduction="none", eps=DEFAULT_EPS,
               box_format="xyxy", backend=None):
-  """torchvision's generalized_box_iou_loss; Pallas forward and backward."""
+  """torchvision's ``generalized_box_iou_loss``.
+
+  Args: ``pred``, ``target`` [..., 4]; ``reduction``; ``eps`` (added to
+  the union and the hull area); ``box_format``; ``backend``.
+  Returns: 1 - GIoU, [...] for reduction="none", else a scalar.
+  """
   return _loss("giou_loss", "giou", pred, target, reduction, eps, box_format,
                backend)
 
 
 def diou_loss(pred, target, *, reduction="none", eps=DEFAULT_EPS,
               box_format="xyxy", backend=None):
-  """torchvision's distance_box_iou_loss; Pallas forward and backward."""
+  """torchvision's ``distance_box_iou_loss``.
+
+  Args: ``pred``, ``target`` [..., 4]; ``reduction``; ``eps``;
+  ``box_format``; ``backend``.
+  Returns: 1 - DIoU, [...] for reduction="none", else a scalar.
+  """
   return _loss("diou_loss", "diou", pred, target, reduction, eps, box_format,
                backend)
 
 
 def ciou_loss(pred, target, *, reduction="none", eps=DEFAULT_EPS,
               box_format="xyxy", backend=None):
-  """torchvision's complete_box_iou_loss; Pallas forward and backward."""
+  """torchvision's ``complete_box_iou_loss``.
+
+  Args: ``pred``, ``target`` [..., 4]; ``reduction``; ``eps``;
+  ``box_format``; ``backend``.
+  Returns: 1 - CIoU, [...] for reduction="none", else a scalar.
+  """
   return _loss("ciou_loss", "ciou", pred, target, reduction, eps, box_format,
                backend)
 
@@ -416,37 +451,60 @@ def _pairwise(op, kind, boxes1, boxes2, eps, box_format, backend):
 
 
 def pairwise_iou(boxes1, boxes2, *, box_format="xyxy", backend=None):
-  """torchvision's box_iou: [..., N, 4] x [..., M, 4] -> [..., N, M]."""
+  """torchvision's ``box_iou``: IoU of every pair of boxes.
+
+  Args: ``boxes1`` [..., N, 4], ``boxes2`` [..., M, 4]; ``box_format``;
+  ``backend``.
+  Returns: [..., N, M] in [0, 1].
+  """
   return _pairwise("pairwise_iou", "iou", boxes1, boxes2, 0.0, box_format,
                    backend)
 
 
 def pairwise_giou(boxes1, boxes2, *, box_format="xyxy", backend=None):
-  """torchvision's generalized_box_iou (the DETR matching cost matrix)."""
+  """torchvision's ``generalized_box_iou`` (DETR's matching cost).
+
+  Args: ``boxes1`` [..., N, 4], ``boxes2`` [..., M, 4]; ``box_format``;
+  ``backend``.
+  Returns: [..., N, M] in [-1, 1].
+  """
   return _pairwise("pairwise_giou", "giou", boxes1, boxes2, 0.0, box_format,
                    backend)
 
 
 def pairwise_diou(boxes1, boxes2, *, eps=DEFAULT_EPS, box_format="xyxy",
                   backend=None):
-  """torchvision's distance_box_iou: [..., N, 4] x [..., M, 4] -> [..., N, M]."""
+  """torchvision's ``distance_box_iou`` of every pair of boxes.
+
+  Args: ``boxes1`` [..., N, 4], ``boxes2`` [..., M, 4]; ``eps``;
+  ``box_format``; ``backend``.
+  Returns: [..., N, M].
+  """
   return _pairwise("pairwise_diou", "diou", boxes1, boxes2, eps, box_format,
                    backend)
 
 
 def pairwise_ciou(boxes1, boxes2, *, eps=DEFAULT_EPS, box_format="xyxy",
                   backend=None):
-  """torchvision's complete_box_iou: [..., N, 4] x [..., M, 4] -> [..., N, M]."""
+  """torchvision's ``complete_box_iou`` of every pair of boxes.
+
+  Args: ``boxes1`` [..., N, 4], ``boxes2`` [..., M, 4]; ``eps``;
+  ``box_format``; ``backend``.
+  Returns: [..., N, M].
+  """
   return _pairwise("pairwise_ciou", "ciou", boxes1, boxes2, eps, box_format,
                    backend)
 
 
 def box_iou(boxes1, boxes2, *, iou_kind="iou", eps=DEFAULT_EPS,
             box_format="xyxy", backend=None):
-  """Pairwise IoU-family matrix; ``iou_kind`` in ("iou", "giou", "diou", "ciou").
+  """Pairwise IoU-family matrix; with the default ``iou_kind="iou"``
+  torchvision's ``box_iou``.
 
-  With the default ``iou_kind="iou"`` this is torchvision's ``box_iou``.
-  ``eps`` is used by "diou" and "ciou" only.
+  Args: ``boxes1`` [..., N, 4], ``boxes2`` [..., M, 4]; ``iou_kind`` in
+  ("iou", "giou", "diou", "ciou"); ``eps`` (used by "diou" and "ciou");
+  ``box_format``; ``backend``.
+  Returns: [..., N, M].
   """
   if iou_kind not in _math.KINDS:
     raise ValueError(f"box_iou: iou_kind={iou_kind!r} is not one of "

@@ -247,11 +247,14 @@ def nms(boxes, scores, *, iou_threshold, max_output_size, score_threshold=None,
 
 def batched_nms(boxes, scores, *, iou_threshold, max_output_size,
                 score_threshold=None, class_ids=None, backend=None):
-  """:func:`nms` of B images at once: boxes [B, N, 4], scores [B, N].
+  """:func:`nms` of B independent images at once.
 
-  Images are independent (the batch axis is parallel across cores / thread
-  blocks); ``class_ids`` [B, N] makes it class-aware like torchvision's
-  ``batched_nms``. Returns ([B, max_output_size] int32 padded -1, [B] int32).
+  Args: ``boxes`` [B, N, 4], ``scores`` [B, N], optional ``class_ids``
+  [B, N]; the other arguments as for :func:`nms`. Images run in parallel
+  (across cores / thread blocks).
+
+  Returns:
+    (indices int32 [B, max_output_size] padded with -1, num_valid int32 [B]).
   """
   args = _validate("batched_nms", boxes, scores, class_ids, iou_threshold,
                    max_output_size, score_threshold, batched=True)
@@ -263,16 +266,18 @@ def soft_nms(boxes, scores, *, max_output_size, method="gaussian", sigma=0.5,
              backend=None):
   """Soft-NMS of one image: decays overlapping scores instead of dropping boxes.
 
-  ``method="gaussian"``: score *= exp(-iou^2 / sigma); ``"linear"``:
-  score *= 1 - iou where iou > iou_threshold. Picks the highest current score
-  each step, stops after ``max_output_size`` picks or when nothing scores
-  above ``score_threshold``. Returns (indices [M] padded -1, decayed scores
-  [M] padded 0, count).
+  Repeatedly picks the remaining box with the highest current score (ties:
+  lower index) and multiplies every other remaining box's score (same class,
+  with ``class_ids`` [N]) by exp(-iou^2 / sigma) (``method="gaussian"``) or
+  by 1 - iou where iou > ``iou_threshold`` (``"linear"``). Stops after
+  ``max_output_size`` picks or when no remaining score exceeds
+  ``score_threshold``.
 
-  Only the reference (plain JAX, a while loop of K steps over all N boxes)
-  exists: each step rescores every remaining box, so a tiled kernel cannot
-  skip work the way greedy NMS does, and XLA already fuses each step into one
-  pass. ``backend`` may be None or "reference"; a kernel name raises.
+  Args: ``boxes`` [N, 4] xyxy, ``scores`` [N]; ``sigma`` > 0; ``backend``
+  None or "reference" (only the reference exists: each step rescores every
+  remaining box, so a tiled kernel cannot skip work as greedy NMS does).
+  Returns: (indices int32 [max_output_size] padded with -1, decayed scores
+  float32 [max_output_size] padded with 0, count int32).
   """
   op = "soft_nms"
   _backend.check_backend(op, backend)

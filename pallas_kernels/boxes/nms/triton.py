@@ -1,107 +1,29 @@
 """Greedy NMS for NVIDIA GPUs (Pallas, Triton lowering); no host round trip.
 
-Two designs; ``api`` takes the bitmask one whenever its mask chunk fits the
-byte budget (``block_sizes.GPU_BITMASK_MAX_BYTES``, i.e. for any realistic N),
-else the blocked one.
+Boxes come sorted by score: ``rank_order`` (a parallel rank count and one
+scatter) below RANK_SORT_MAX boxes, ``radix_order`` (uint32 keys, CUB's radix
+sort) up to RADIX_SORT_MAX, else XLA's sort.
 
-Bitmask design (chunked, parallel + scan). Boxes arrive sorted by score.
-* Mask kernel, fully parallel: program (b, i, j) compares ``MASK_ROWS``
-  rows against ``32 * words`` columns (``block_sizes.mask_words``: narrow
-  programs below ``SMALL_BOXES`` boxes, for parallelism) and writes
-  mask[r, w] = the 32 bits "box r suppresses box 32w + c" (c > r, same class,
-  IoU > threshold). Nothing is written (and nothing computed) for blocks
-  below the diagonal, padding, rows or column words whose boxes earlier
-  chunks already removed, and everything once ``max_output_size`` boxes are
-  kept; see ``keep_words_bitmask`` for why the scan never needs those words.
-* Scan kernel, one program per image: walks the words in order; for word w
-  it takes the "removed" bits of its 32 boxes, resolves their own chain with
-  32 scalar bit steps on the diagonal words, then ORs the rows of the boxes
-  it kept into "removed". Pipelined (``SCAN_DEPTH`` = 1): the diagonal words
-  and the next word's column of the current rows are loaded a step ahead,
-  the next "removed" word is formed from scalars, and the kept rows' full
-  ORs (predicated loads, all in flight together) land a step later, so no
-  memory latency separates two steps. ``SCAN_DEPTH`` = 2 gives those loads
-  two steps (the word after next also via scalars); ``RESOLVE`` picks how
-  the 32-bit chain is written ("skip": behind a branch that skips words
-  whose boxes are all removed; "band": transposed diagonal blocks, see
-  ``_scan_kernel``, the default below 16k boxes). Stops at
-  ``max_output_size`` kept and
-  records the kept count before each word, so indices are placed with one
-  elementwise pass and a scatter (no prefix sum).
-* The score order comes from ``rank_order`` below RANK_SORT_MAX boxes (a
-  parallel rank count and one scatter: 8.5 us at 5k boxes against 48 us
-  for XLA's sort on the H100), then up to RADIX_SORT_MAX from
-  ``radix_order`` (uint32 keys that XLA hands to CUB's radix sort: 44
-  against 62 us at 20k), else from XLA's sort.
-* Overlap (``OVERLAP``, unrolled chunks, "where" scan): from chunk
-  ``OVERLAP_FROM`` on, one launch scans chunk c on program 0 while the
-  other programs compute chunk c + 1's mask (``_overlap_kernel``); that
-  mask prunes by the removals known before scan c. 20k boxes then run in
-  2048-row chunks (``block_sizes.MASK_CHUNK_ROWS_OVERLAP``).
-* Rows are processed in chunks of ``block_sizes.mask_chunk_rows(N)`` rows
-  (smaller when ``max_output_size`` is small: ``chunk_rows_for``; shrunk to
-  fit the byte budget): mask chunk c, then scan chunk c, carrying device
-  state (removed/keep/count). When every chunk must run anyway
-  (max_output_size >= N) or there are few (``static_chunks``), the chunks
-  are unrolled in the graph: an XLA ``while`` loop copies its predicate to
-  the host every iteration, a device-to-host sync per chunk that cost more
-  than the chunk itself at 5k-20k boxes. Otherwise a ``while`` loop ends
-  once every image has ``max_output_size`` boxes, so the remaining chunks
-  cost nothing. Scratch memory is chunk * N / 8 bytes: linear in N. A
-  single chunk (small N) runs without chunk state (fewer launches).
-Work: N^2 / 2 IoUs in parallel (fewer with early exit and removed boxes)
-plus N / 32 scan steps and K row ORs of N / 32 words for K kept boxes.
+Bitmask design (``keep_words_bitmask``; whenever a mask chunk fits
+``block_sizes.GPU_BITMASK_MAX_BYTES``):
+* mask kernel, fully parallel: program (b, i, j) compares a block of rows
+  with ``32 * words`` columns and writes mask[r, w] = the bits "box r
+  suppresses box 32 w + c" (c > r, same class, IoU > threshold), skipping
+  blocks below the diagonal, padding, boxes already removed and everything
+  once ``max_output_size`` boxes are kept;
+* scan kernel, one program per image: walks the 32-box words in order,
+  resolves each word's own greedy chain and ORs the kept boxes' mask rows
+  into "removed" (``_scan_kernel``), recording the kept count before each
+  word so that indices are placed by one elementwise pass and a scatter;
+* rows go in chunks (mask c, then scan c) carrying removed/keep/count, so
+  scratch is linear in N. Unrolled chunks overlap scan c with mask c + 1 in
+  one launch; else a while loop ends once every image has its boxes.
+Blocked design (``kept_positions``, past the budget; one program per image):
+the TPU kernel's algorithm (``mosaic_tpu``) on register tiles.
 
-Blocked design (one program per image, O(N) memory, no scratch), the
-algorithm of the TPU kernel (see ``mosaic_tpu``) in registers:
-* tiles of T boxes in order, a ``while`` loop that stops at
-  ``max_output_size`` kept;
-* kept boxes are appended compactly to per-image buffers; a new tile is
-  checked against them T at a time with (T, T) IoU blocks;
-* the tile's own chain is the fixed point of k = alive & ~any_i(k_i & S[i, j])
-  with S the strict upper-triangular suppression matrix;
-* compaction without scatters: ranks are masked column sums of the "i < j"
-  matrix and slot r gathers the box of rank r with a masked row sum; a
-  barrier separates these global writes from the next tile's reads.
-It uses one SM per image, so it is the slow fallback.
-
-Exactness: the IoU test is explicitly rounded PTX (``mul.rn``, ``add.rn``,
-``sub.rn``, then ``div.rn`` or, in the bitmask mask kernel with
-``COMPARE = "fma"``, an exact division-free sign test that falls back to
-``div.rn`` on ties; see ``_FMA_ASM``), so neither fused multiply-adds nor
-Triton's approximate f32 division change it: results equal the float32
-reference bit for bit. In interpret mode plain jnp arithmetic (the
-reference formula) is used.
-
-Measured on an H100 (stop 11, bench/results/nms-20k-h100-2026-11-23.json
-and nms-forms-overlap-h100-2026-11-23.json): the radix sort and the
-overlapped 2048-row chunks took 20k boxes, max_output_size = N, from 1059 /
-1722 us of device time (threshold 0.1 / 0.5) to 903 / 1438 us; overlapping
-from chunk 0 instead lost at 0.1 (1087 us: scan 0 beside an unpruned mask
-1 took 307 us; chunk 0's own mask alone is 257 us of the 434 us of masks).
-Earlier (bench/results/nms-h100-2026-11-22.json; nms-forms-*.json the
-A/Bs): the "band" scan below 16k boxes,
-kept rows ORed by bit scans (FEW_ROWS) and the rank sort took 5k boxes,
-threshold 0.1, max_output_size = N from 316 to 153 us of device time
-(scan 202 -> 83, sort 48 -> 8.5, mask 55 -> 52) and 20k from 1214 to 1053
-us (scan 711 -> 539). Earlier: before the pipelined scan and the dead-word
-skips
-(bench/results/nms-profile-h100-2026-11-22.json): at N = 100k,
-max_output_size = N the mask kernel took 14.4 ms and the scan 10.3 ms of
-25 ms; at N <= 20k the scan dominated (1.3 of 2.0 ms at 20k) and at 1k a
-call was ~12 launches (84 us on the device) behind a ~65 us dispatch floor.
-The pipelined scan took 5k / 20k (threshold 0.5, max_output_size = N) from
-1.33 / 3.89 ms (plain form) to 0.45 / 2.04 ms of device time. A scan step
-(32 boxes) still costs ~1.2-1.8 us of one warp whatever the chain's form
-(bench/results/nms-scan-tune-h100-2026-11-22.json: "where" and "mask"
-equal, depth 2 slower), so the ALU chain is not what bounds it; the
-step's ~650 instructions (64 scalar loads, 32 predicated row loads, the
-selects) are the likelier limit: the "band" form, which replaces the
-scalar loads and chains with two vector loads and lane ballots, ran the
-1k / 5k scans in 17 / 140 us against 48 / ~200 us (but see RESOLVE). The
-scan is ~2/3 of the device time at N <= 20k. Unrolling the chunk loop
-(no per-chunk host sync) took 5k / 20k, threshold 0.1, max_output_size = N
-from 0.60 / 1.57 ms to 0.47 / 1.54 ms per synced call.
+IoU tests use explicitly rounded PTX (``mul.rn``, ``add.rn``, ``sub.rn``,
+``div.rn`` or the division-free ``_FMA_ASM``), so results equal the float32
+reference bit for bit; the interpreter evaluates the reference formula.
 """
 from __future__ import annotations
 
@@ -904,8 +826,7 @@ def words_to_indices(keep, base, count, order, max_output_size):
 # Score order by ranks: below RANK_SORT_MAX boxes one parallel kernel counts,
 # for every box, the boxes that precede it (higher score, or equal score and
 # lower index); order[rank] = box is then one scatter. N^2 comparisons, but
-# spread over the whole chip it beats XLA's multi-pass sort at small N
-# (measured H100: XLA's sort took 11 / 48 us at 1k / 5k boxes).
+# spread over the whole chip faster than XLA's multi-pass sort at small N.
 
 RANK_SORT_MAX = 8192
 RANK_ROWS = 8      # boxes ranked per program (small: more programs)
