@@ -672,3 +672,17 @@ def test_public_names():
   assert ref_mod.batched_nms is reference.batched_nms
   assert callable(pk.nms) and callable(pk.batched_nms)
   assert callable(pk.soft_nms)
+
+
+def test_box_references_import_no_family_api():
+  """The references are the semantics the kernels are checked against:
+  they import the shared formulas, never the ops built on them."""
+  import ast
+  import inspect
+  from pallas_kernels.boxes.iou import reference as iou_reference
+  for module in (reference, iou_reference):
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+      if isinstance(node, ast.ImportFrom):
+        names = [node.module or ""] + [a.name for a in node.names]
+        assert not any(n == "api" or n.endswith(".api") for n in names), (
+            module.__name__, names)
