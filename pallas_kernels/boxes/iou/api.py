@@ -30,6 +30,7 @@ gradients in the forward pass); pairwise ops through the reference formula
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -93,6 +94,12 @@ def _kernels(dtype, tpu, gpu, ref):
           _backend.Kernel("reference", ref)]
 
 
+def _check_choice(op, backend, kernels):
+  """Raises where ``backend`` names a kernel that cannot run the call."""
+  if backend is not None:
+    _backend.choose(op, backend, kernels)
+
+
 # ----------------------------------------------------------- elementwise ops
 # Small reduced losses compute both gradients in the forward pass (one
 # kernel on GPUs; launches, not bytes, set the time there).
@@ -109,6 +116,7 @@ class _Config(NamedTuple):
   reduction: str
   backend: str | None
   out_dtype: object
+  flavour: str | None  # the interpreter forced when the op was called
 
   @property
   def acc_dtype(self):
@@ -248,9 +256,13 @@ def _elementwise_bwd(cfg, residuals, g):
   cot = g.reshape(1) if shared else g
   rule = _boxes_rule(cfg.op, ["n c", "n c"],
                      cotangent="one" if shared else "n")
-  return _backend.dispatch(cfg.op + "_backward", cfg.backend,
-                           _backward_kernels(cfg, shared), b1, b2, cot,
-                           rule=rule)
+  # Traced when the gradient is transposed, maybe after a force_interpret
+  # block around the op has ended: the forward's interpreter still holds.
+  with (_backend.force_interpret(cfg.flavour) if cfg.flavour
+        else contextlib.nullcontext()):
+    return _backend.dispatch(cfg.op + "_backward", cfg.backend,
+                             _backward_kernels(cfg, shared), b1, b2, cot,
+                             rule=rule)
 
 
 _elementwise_kernel_op.defvjp(_elementwise_fwd, _elementwise_bwd)
@@ -260,13 +272,15 @@ def _elementwise(op, kind, formula, eps, box_format, as_loss, reduction,
                  backend, boxes1, boxes2):
   shape = jnp.broadcast_shapes(tuple(boxes1.shape), tuple(boxes2.shape))
   out_dtype = jnp.dtype(reference.result_dtype(boxes1, boxes2))
+  cfg = _Config(op, kind, formula, float(eps), box_format, as_loss,
+                reduction, backend, out_dtype,
+                _backend.forced_interpret_flavour())
   if math.prod(shape) == 0:  # no boxes: nothing to compute
+    _check_choice(op, backend, _forward_kernels(cfg))
     return jnp.zeros(() if reduction != "none" else shape[:-1], out_dtype)
   dtype = _kernel_dtype(out_dtype)
   b1 = jnp.broadcast_to(jnp.asarray(boxes1).astype(dtype), shape).reshape(-1, 4)
   b2 = jnp.broadcast_to(jnp.asarray(boxes2).astype(dtype), shape).reshape(-1, 4)
-  cfg = _Config(op, kind, formula, float(eps), box_format, as_loss,
-                reduction, backend, out_dtype)
   out = _elementwise_kernel_op(cfg, b1, b2)
   return out if reduction != "none" else out.reshape(shape[:-1])
 
@@ -392,13 +406,17 @@ class _PairConfig(NamedTuple):
   out_dtype: object
 
 
-def _pairwise_forward(cfg, a, b):
+def _pairwise_kernels(cfg):
   common = dict(kind=cfg.kind, eps=cfg.eps, out_dtype=cfg.out_dtype)
-  kernels = _kernels(
+  return _kernels(
       cfg.out_dtype, functools.partial(mosaic_tpu.pairwise, **common),
       functools.partial(triton.pairwise, **common),
       lambda a, b: reference.pairwise_score(cfg.kind, cfg.eps, "xyxy", a,
                                             b).astype(cfg.out_dtype))
+
+
+def _pairwise_forward(cfg, a, b):
+  kernels = _pairwise_kernels(cfg)
   rule = _sharding.make_rule(
       cfg.op, [("boxes1", "b n c"), ("boxes2", "b m c")], ["b n m"],
       split="b n m", helper="jax.shard_map", names=_BOX_NAMES)
@@ -434,7 +452,9 @@ def _pairwise(op, kind, boxes1, boxes2, eps, box_format, backend):
   batch = jnp.broadcast_shapes(tuple(boxes1.shape[:-2]),
                                tuple(boxes2.shape[:-2]))
   n, m = boxes1.shape[-2], boxes2.shape[-2]
+  cfg = _PairConfig(op, kind, float(eps), backend, out_dtype)
   if math.prod(batch) * n * m == 0:  # an empty matrix: nothing to compute
+    _check_choice(op, backend, _pairwise_kernels(cfg))
     return jnp.zeros(batch + (n, m), out_dtype)
   dtype = jnp.promote_types(out_dtype, jnp.float32)
 
@@ -445,7 +465,6 @@ def _pairwise(op, kind, boxes1, boxes2, eps, box_format, backend):
       boxes = jnp.stack(planes, axis=-1)
     return jnp.broadcast_to(boxes, batch + (count, 4)).reshape(-1, count, 4)
 
-  cfg = _PairConfig(op, kind, float(eps), backend, out_dtype)
   out = _pairwise_kernel_op(cfg, prepare(boxes1, n), prepare(boxes2, m))
   return out.reshape(batch + (n, m))
 
