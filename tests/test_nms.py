@@ -383,6 +383,11 @@ def test_soft_nms_matches_oracle(rng, method):
                              rtol=1e-5)
   with pytest.raises(ValueError, match="no mosaic_tpu kernel"):
     pk.soft_nms(boxes, scores, max_output_size=60, backend="mosaic_tpu")
+  if method == "linear":  # backend=None under forced interpret: the reference
+    with force_interpret():
+      again = pk.soft_nms(boxes, scores, max_output_size=60, method=method,
+                          sigma=0.5, iou_threshold=0.3, score_threshold=0.05)
+    np.testing.assert_array_equal(again[0], idx)
 
 
 # ------------------------------------------------------------ properties
