@@ -122,7 +122,7 @@ def _compiler_params():
 
 def elementwise(boxes1, boxes2, *, kind, formula, eps, box_format,
                 as_loss=False, reduce=False, out_dtype=jnp.float32,
-                interpret=False, block_rows=FORWARD_BLOCK_ROWS):
+                interpret=None, block_rows=FORWARD_BLOCK_ROWS):
   """Score (or 1 - score) of matching boxes: [P, 4] x [P, 4] -> [P].
 
   With ``reduce`` the result is the float32 sum over the P boxes instead.
@@ -193,7 +193,7 @@ def _backward_kernel(b1_ref, b2_ref, g_ref, d1_ref, d2_ref, w1_ref, w2_ref,
 
 
 def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
-                    box_format, shared_cotangent=False, interpret=False,
+                    box_format, shared_cotangent=False, interpret=None,
                     block_rows=BACKWARD_BLOCK_ROWS):
   """Gradients of sum(cotangent * score) w.r.t. boxes1 and boxes2 ([P, 4]).
 
@@ -253,7 +253,7 @@ def _pairwise_kernel(a_ref, b_ref, o_ref, *, kind, eps, tile_n, tile_m):
   jax.lax.fori_loop(0, tile_n // GROUP, group_body, 0)
 
 
-def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=False,
+def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
              tile=PAIRWISE_TILE):
   """[B, N, 4] x [B, M, 4] (xyxy, float32) -> [B, N, M] in ``out_dtype``."""
   batch, n, _ = boxes1.shape

@@ -191,10 +191,6 @@ def _reference_batched(boxes, scores, class_ids, *, iou_threshold,
 def _run(op, backend, boxes, scores, class_ids, iou_threshold,
          max_output_size, score_threshold):
   _backend.check_backend(op, backend)
-  batch, n = scores.shape
-  if n == 0 or max_output_size == 0 or batch == 0:
-    return (jnp.full((batch, max_output_size), -1, jnp.int32),
-            jnp.zeros((batch,), jnp.int32))
   static = dict(iou_threshold=iou_threshold, max_output_size=max_output_size,
                 score_threshold=score_threshold)
   kernels = [
@@ -203,6 +199,12 @@ def _run(op, backend, boxes, scores, class_ids, iou_threshold,
       _backend.Kernel("reference",
                       functools.partial(_reference_batched, **static)),
   ]
+  batch, n = scores.shape
+  if n == 0 or max_output_size == 0 or batch == 0:  # nothing to compute
+    if backend is not None:  # still, a kernel named must exist
+      _backend.choose(op, backend, kernels)
+    return (jnp.full((batch, max_output_size), -1, jnp.int32),
+            jnp.zeros((batch,), jnp.int32))
   return _backend.dispatch(op, backend, kernels, boxes, scores, class_ids,
                            rule=_sharding.make_rule(
       op, [("boxes", "b n c"), ("scores", "b n"),

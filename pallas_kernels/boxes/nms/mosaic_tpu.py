@@ -139,7 +139,7 @@ def _nms_kernel(rows_ref, keep_ref, store_ref, state_ref, dma_buf, col_buf,
 
 
 def keep_mask(rows, *, iou_threshold, max_output_size, tile=DEFAULT_TILE,
-              interpret=False):
+              interpret=None):
   """Keep mask int32 [B, Np] over sorted positions from planes [B, 8, Np]."""
   batch, planes, padded = rows.shape
   assert planes == PLANES and padded % tile == 0, rows.shape

@@ -140,7 +140,7 @@ def _nms_kernel(x1_ref, y1_ref, x2_ref, y2_ref, area_ref, cls_ref, flag_ref,
 
 def kept_positions(x1, y1, x2, y2, area, cls, flag, *, iou_threshold,
                    max_output_size, tile=DEFAULT_TILE, num_warps=8,
-                   interpret=False):
+                   interpret=None):
   """Sorted positions of kept boxes [B, M] (garbage past count) and count [B].
 
   Inputs are [B, Np] planes in score order, Np a multiple of ``tile``.
@@ -892,7 +892,7 @@ def radix_order(scores, score_threshold=None):
   return order, jnp.take_along_axis(valid, order, axis=1)
 
 
-def rank_order(scores, score_threshold=None, *, interpret=False):
+def rank_order(scores, score_threshold=None, *, interpret=None):
   """(order [B, N], valid in that order [B, N]) as ``reference.sort_by_score``.
 
   Keys: -score (+0.0 for -0.0), +inf for unkeepable boxes; ties and the
