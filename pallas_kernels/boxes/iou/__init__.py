@@ -3,7 +3,7 @@
 Semantics follow torchvision.ops (see ``api`` and ``_math`` for the exact
 formulas and the values defined where torchvision divides by zero).
 Kernels: ``mosaic_tpu`` (lane-dense coordinate planes, a free view of XLA's
-TPU layout for ``[P, 4]``), ``gpu`` (Triton-lowered Pallas); ``reference``
+TPU layout for ``[P, 4]``), ``triton`` (Triton-lowered Pallas); ``reference``
 is plain JAX.
 """
 from .api import (  # noqa: F401

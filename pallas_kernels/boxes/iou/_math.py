@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 
 KINDS = ("iou", "giou", "diou", "ciou")
-FORMULAS = ("pairwise", "loss")
 BOX_FORMATS = ("xyxy", "cxcywh")
 
 _HALF_PI = math.pi / 2
@@ -40,16 +39,11 @@ _TAN_3PI_8 = 2.414213562373095
 _TAN_PI_8 = 0.4142135623730951
 
 
-def safe_div(num, den, divide=None):
-  """num / den, defined as 0 where den == 0 (finite gradient there too).
-
-  ``divide(num, den)`` replaces ``/`` (e.g. a faster approximate division in
-  a GPU kernel); it only ever sees nonzero denominators.
-  """
+def safe_div(num, den):
+  """num / den, defined as 0 where den == 0 (finite gradient there too)."""
   zero = den == 0
-  den = jnp.where(zero, 1.0, den)
-  quotient = num / den if divide is None else divide(num, den)
-  return jnp.where(zero, jnp.zeros_like(num), quotient)
+  return jnp.where(zero, jnp.zeros_like(num),
+                   num / jnp.where(zero, 1.0, den))
 
 
 def atan(x):
@@ -91,12 +85,11 @@ def to_xyxy(box_format, a, b, c, d):
   return a - half_w, b - half_h, a + half_w, b + half_h
 
 
-def score(kind, formula, eps, box1, box2, divide=None):
+def score(kind, formula, eps, box1, box2):
   """IoU / GIoU / DIoU / CIoU of matching elements of two box sets.
 
   box1, box2: (x1, y1, x2, y2) tuples of broadcast-compatible float arrays.
   The loss is ``1 - score`` for every kind (torchvision's losses).
-  ``divide`` (see ``safe_div``) is used for the IoU, GIoU and DIoU quotients.
   """
   x1, y1, x2, y2 = box1
   u1, v1, u2, v2 = box2
@@ -107,7 +100,7 @@ def score(kind, formula, eps, box1, box2, divide=None):
   inter_h = jnp.maximum(jnp.minimum(y2, v2) - jnp.maximum(y1, v1), 0.0)
   inter = inter_w * inter_h
   union = w1 * h1 + w2 * h2 - inter
-  iou = safe_div(inter, union + eps if loss else union, divide)
+  iou = safe_div(inter, union + eps if loss else union)
   if kind == "iou":
     return iou
   hull_w = jnp.maximum(x2, u2) - jnp.minimum(x1, u1)
@@ -117,12 +110,12 @@ def score(kind, formula, eps, box1, box2, divide=None):
     hull_h = jnp.maximum(hull_h, 0.0)
   if kind == "giou":
     hull_area = hull_w * hull_h
-    return iou - safe_div(hull_area - union, hull_area + eps if loss
-                          else hull_area, divide)
+    return iou - safe_div(hull_area - union,
+                          hull_area + eps if loss else hull_area)
   diagonal_sq = hull_w * hull_w + hull_h * hull_h + eps
   dx = (x1 + x2) * 0.5 - (u1 + u2) * 0.5
   dy = (y1 + y2) * 0.5 - (v1 + v2) * 0.5
-  diou = iou - safe_div(dx * dx + dy * dy, diagonal_sq, divide)
+  diou = iou - safe_div(dx * dx + dy * dy, diagonal_sq)
   if kind == "diou":
     return diou
   angle_diff = aspect_angle(w1, h1) - aspect_angle(w2, h2)
@@ -131,44 +124,31 @@ def score(kind, formula, eps, box1, box2, divide=None):
   return diou - alpha * v
 
 
-def pairwise_score_lean(kind, box1, box2, divide=None, is_zero=None,
-                        hull_from_widths=False):
-  """torchvision's pairwise IoU / GIoU (``score(kind, "pairwise", ...)``) in
-  fewer elementwise operations, for the pairwise kernels, whose time is set
-  by operations per pair rather than bytes.
-
-  A quotient with a zero denominator (``is_zero``, default ``den == 0``) is
-  replaced by 0 after dividing: one select instead of two, same values as
-  ``score``. ``hull_from_widths`` also takes the hull width as ``w1 + w2 -
-  (unclamped intersection width)`` (max + min = sum), saving a min and a max
-  per axis (8% on the H100), but for inverted boxes (x2 < x1) that sum can
-  cancel and lose digits that max - min keeps exactly, so it is off by
-  default. Forward only: the quotients are not safe to differentiate.
+def pairwise_score_lean(kind, box1, box2):
+  """``score(kind, "pairwise", 0, box1, box2)`` for IoU and GIoU in fewer
+  elementwise operations, for the pairwise kernels (whose time is set by
+  operations per pair, not bytes): a quotient with a zero denominator is
+  replaced by 0 after dividing, one select instead of two. Same values as
+  ``score``; forward only (the quotients are not safe to differentiate).
   """
   if kind not in ("iou", "giou"):
     raise ValueError(f"pairwise_score_lean: kind {kind!r} is not iou/giou")
   x1, y1, x2, y2 = box1
   u1, v1, u2, v2 = box2
-  divide = divide or (lambda num, den: num / den)
-  is_zero = is_zero or (lambda den: den == 0)
 
   def quotient(num, den):
-    return jnp.where(is_zero(den), 0.0, divide(num, den))
+    return jnp.where(den == 0, 0.0, num / den)
 
   w1, h1, w2, h2 = x2 - x1, y2 - y1, u2 - u1, v2 - v1
-  inter_w_raw = jnp.minimum(x2, u2) - jnp.maximum(x1, u1)
-  inter_h_raw = jnp.minimum(y2, v2) - jnp.maximum(y1, v1)
-  inter = jnp.maximum(inter_w_raw, 0.0) * jnp.maximum(inter_h_raw, 0.0)
+  inter_w = jnp.maximum(jnp.minimum(x2, u2) - jnp.maximum(x1, u1), 0.0)
+  inter_h = jnp.maximum(jnp.minimum(y2, v2) - jnp.maximum(y1, v1), 0.0)
+  inter = inter_w * inter_h
   union = (w1 * h1 + w2 * h2) - inter
   iou = quotient(inter, union)
   if kind == "iou":
     return iou
-  if hull_from_widths:
-    hull_w = jnp.maximum((w1 + w2) - inter_w_raw, 0.0)
-    hull_h = jnp.maximum((h1 + h2) - inter_h_raw, 0.0)
-  else:
-    hull_w = jnp.maximum(jnp.maximum(x2, u2) - jnp.minimum(x1, u1), 0.0)
-    hull_h = jnp.maximum(jnp.maximum(y2, v2) - jnp.minimum(y1, v1), 0.0)
+  hull_w = jnp.maximum(jnp.maximum(x2, u2) - jnp.minimum(x1, u1), 0.0)
+  hull_h = jnp.maximum(jnp.maximum(y2, v2) - jnp.minimum(y1, v1), 0.0)
   hull = hull_w * hull_h
   return iou - quotient(hull - union, hull)
 

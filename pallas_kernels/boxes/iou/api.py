@@ -1,33 +1,36 @@
-"""Public IoU-family ops: validation, custom VJPs and backend dispatch.
+"""Public IoU-family ops (torchvision semantics): validation, custom VJPs,
+kernel choice.
 
-Three groups, all matching torchvision (``torchvision.ops``):
+* metrics ``iou, giou, diou, ciou``: boxes ``[..., 4] x [..., 4] -> [...]``,
+  the diagonal of torchvision's ``box_iou`` / ``generalized_box_iou`` /
+  ``distance_box_iou`` / ``complete_box_iou`` (shapes broadcast);
+* pairwise ``pairwise_iou`` (= ``box_iou``), ``pairwise_giou``,
+  ``pairwise_diou``, ``pairwise_ciou``: ``[..., N, 4] x [..., M, 4] ->
+  [..., N, M]`` (leading dims broadcast);
+* losses ``iou_loss, giou_loss, diou_loss, ciou_loss``: torchvision's
+  ``*_box_iou_loss`` (``iou_loss`` = 1 - inter / (union + eps)).
 
-* elementwise metrics ``iou, giou, diou, ciou(boxes1 [..., 4], boxes2 [..., 4])
-  -> [...]``: the diagonal of torchvision's pairwise functions, i.e. the
-  ``box_iou`` / ``generalized_box_iou`` / ``distance_box_iou`` /
-  ``complete_box_iou`` formulas applied to matching boxes (shapes broadcast);
-* pairwise matrices ``pairwise_iou`` (alias ``box_iou``, which also takes
-  ``iou_kind=``), ``pairwise_giou``, ``pairwise_diou``, ``pairwise_ciou``:
-  ``[..., N, 4] x [..., M, 4] -> [..., N, M]`` (leading dims broadcast);
-* losses ``iou_loss, giou_loss, diou_loss, ciou_loss(pred, target, *,
-  reduction="none"|"mean"|"sum", eps=1e-7)``: torchvision's
-  ``*_box_iou_loss`` formulas (``iou_loss`` = 1 - IoU with the same eps).
+Arguments shared by the ops: boxes are real floating or integer arrays in
+``box_format`` "xyxy" (x1, y1, x2, y2) or "cxcywh" (centre x, centre y,
+width, height); ``eps`` is a Python float >= 0; ``reduction`` is "none",
+"mean" (0 for no boxes) or "sum"; ``backend`` is None (chosen for the
+lowering platform), "mosaic_tpu", "triton", "gpu" (the best GPU kernel),
+"interpret" (the TPU kernel in the interpreter) or "reference".
 
-Boxes are ``xyxy`` unless ``box_format="cxcywh"``. Kernels compute in
-float32; results have the inputs' floating dtype (float32 for integers);
-float64 boxes are accepted by ``backend="reference"`` only. Degenerate boxes
-(zero area, x2 < x1, identical, far apart) give finite values and finite
-gradients; where torchvision divides by zero the quotient is defined as 0
-(details in ``pallas_kernels.boxes.iou._math``). NaN coordinates propagate.
+Results have the inputs' floating dtype (float32 for integers); kernels
+compute in float32, so float64 boxes run the reference (naming a kernel
+raises). Degenerate boxes (zero area, x2 < x1, identical, far apart) give
+finite values and gradients: where torchvision divides by zero the quotient
+is 0 (``_math``). NaN coordinates propagate.
 
-Gradients: elementwise metrics and losses differentiate through a Pallas
-backward kernel (one pass: boxes and cotangent in, both box gradients out;
-reduced losses read no cotangent array). Pairwise ops differentiate through
-the reference formula (XLA). ``backend="reference"`` uses plain JAX autodiff
-throughout, an independent check of the kernels' gradients.
+Gradients: metrics and losses differentiate through the chosen kernel's
+backward (reduced losses read no cotangent array; small ones compute the
+gradients in the forward pass); pairwise ops through the reference formula
+(XLA). The reference row's backward is JAX autodiff of the formula.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _backend, _sharding
-from . import _math, gpu, mosaic_tpu, reference
+from . import _math, mosaic_tpu, reference, triton
 
 DEFAULT_EPS = reference.DEFAULT_EPS
 REDUCTIONS = ("none", "mean", "sum")
@@ -76,17 +79,33 @@ def _check_options(op, backend, box_format, eps=None, reduction=None):
     raise ValueError(f"{op}: reduction={reduction!r} is not one of {REDUCTIONS}")
 
 
-def _check_dtype_for_backend(op, backend, dtype):
-  if dtype == jnp.float64 and backend != "reference":
-    raise TypeError(f"{op}: float64 boxes need backend='reference' (the "
-                    "kernels compute in float32); cast to float32 instead")
-
-
 def _kernel_dtype(dtype):
   return dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.dtype(jnp.float32)
 
 
+def _kernels(dtype, tpu, gpu, ref):
+  """The op's Kernel rows, best first; ``ref`` is the plain-JAX formula."""
+  why = None
+  if dtype == jnp.float64:
+    why = ("float64 boxes: the kernels compute in float32 (cast the boxes to "
+           "float32, or use backend='reference')")
+  return [_backend.Kernel("mosaic_tpu", tpu, supports=lambda: why),
+          _backend.Kernel("triton", gpu, supports=lambda: why),
+          _backend.Kernel("reference", ref)]
+
+
+def _check_choice(op, backend, kernels):
+  """Raises where ``backend`` names a kernel that cannot run the call."""
+  if backend is not None:
+    _backend.choose(op, backend, kernels)
+
+
 # ----------------------------------------------------------- elementwise ops
+# Small reduced losses compute both gradients in the forward pass (one
+# kernel on GPUs; launches, not bytes, set the time there).
+FUSED_MAX_BOXES = 1 << 20
+
+
 class _Config(NamedTuple):
   op: str
   kind: str
@@ -97,52 +116,83 @@ class _Config(NamedTuple):
   reduction: str
   backend: str | None
   out_dtype: object
+  flavour: str | None  # the interpreter forced when the op was called
+
+  @property
+  def acc_dtype(self):
+    """Accumulation dtype: float32, float64 for float64 boxes."""
+    return jnp.promote_types(self.out_dtype, jnp.float32)
+
+  @property
+  def formula_args(self):
+    return dict(kind=self.kind, formula=self.formula, eps=self.eps,
+                box_format=self.box_format)
+
+  def kernels(self, tpu, gpu, ref):
+    return _kernels(self.out_dtype, tpu, gpu, ref)
 
 
-def _forward_impls(cfg):
-  common = dict(kind=cfg.kind, formula=cfg.formula, eps=cfg.eps,
-                box_format=cfg.box_format, as_loss=cfg.as_loss,
-                reduce=cfg.reduction != "none")
-  if cfg.reduction == "none":
+def _score(cfg, b1, b2):
+  """The reference formula's score of matching boxes (accumulation dtype)."""
+  return reference.elementwise_score(cfg.kind, cfg.formula, cfg.eps,
+                                     cfg.box_format, b1, b2).astype(
+                                         cfg.acc_dtype)
+
+
+def _forward_kernels(cfg):
+  reduce = cfg.reduction != "none"
+  common = dict(cfg.formula_args, as_loss=cfg.as_loss, reduce=reduce)
+  if not reduce:
     common["out_dtype"] = cfg.out_dtype
 
   def ref(b1, b2):
-    value = reference.elementwise_score(cfg.kind, cfg.formula, cfg.eps,
-                                        cfg.box_format, b1, b2)
+    value = _score(cfg, b1, b2)
     if cfg.as_loss:
       value = 1.0 - value
-    if cfg.reduction != "none":
-      return jnp.sum(value.astype(jnp.float32))
-    return value.astype(cfg.out_dtype)
+    return jnp.sum(value) if reduce else value.astype(cfg.out_dtype)
 
-  return {"mosaic_tpu": functools.partial(mosaic_tpu.elementwise, **common),
-          "gpu": functools.partial(gpu.elementwise, **common,
-                                   interpret=_gpu_interpret()),
-          "reference": ref}
+  return cfg.kernels(functools.partial(mosaic_tpu.elementwise, **common),
+                     functools.partial(triton.elementwise, **common), ref)
 
 
-def _gpu_interpret():
-  # Under forced interpret mode the GPU branch (traced everywhere) must not
-  # need a GPU either.
-  return _backend.forced_interpret_flavour() is not None
-
-
-def _backward_impls(cfg, shared):
-  common = dict(kind=cfg.kind, formula=cfg.formula, eps=cfg.eps,
-                box_format=cfg.box_format, shared_cotangent=shared)
+def _backward_kernels(cfg, shared):
+  common = dict(cfg.formula_args, shared_cotangent=shared)
 
   def ref(b1, b2, cot):
-    def fn(x, y):
-      return reference.elementwise_score(cfg.kind, cfg.formula, cfg.eps,
-                                         cfg.box_format, x, y).astype(jnp.float32)
-    _, pullback = jax.vjp(fn, b1, b2)
+    _, pullback = jax.vjp(lambda x, y: _score(cfg, x, y), b1, b2)
     cot = jnp.broadcast_to(cot, (b1.shape[0],)) if shared else cot
-    return pullback(cot)
+    return pullback(cot.astype(cfg.acc_dtype))
 
-  return {"mosaic_tpu": functools.partial(mosaic_tpu.elementwise_vjp, **common),
-          "gpu": functools.partial(gpu.elementwise_vjp, **common,
-                                   interpret=_gpu_interpret()),
-          "reference": ref}
+  return cfg.kernels(
+      functools.partial(mosaic_tpu.elementwise_vjp, **common),
+      functools.partial(triton.elementwise_vjp, **common), ref)
+
+
+def _value_and_grad_kernels(cfg, grad_scale, value_scale):
+  common = cfg.formula_args
+
+  def tpu(b1, b2, interpret=None):
+    total = value_scale * mosaic_tpu.elementwise(
+        b1, b2, as_loss=cfg.as_loss, reduce=True, interpret=interpret,
+        **common)
+    d1, d2 = mosaic_tpu.elementwise_vjp(
+        b1, b2, jnp.full((1,), grad_scale, jnp.float32),
+        shared_cotangent=True, interpret=interpret, **common)
+    return total, d1, d2
+
+  def ref(b1, b2):
+    def total(x, y):
+      value = _score(cfg, x, y)
+      return jnp.sum(1.0 - value if cfg.as_loss else value)
+    value, (d1, d2) = jax.value_and_grad(total, argnums=(0, 1))(b1, b2)
+    scale = grad_scale * (-1.0 if cfg.as_loss else 1.0)  # d total = -d score
+    return (value * value_scale, (d1 * scale).astype(b1.dtype),
+            (d2 * scale).astype(b2.dtype))
+
+  gpu = functools.partial(triton.elementwise_value_and_grad,
+                          as_loss=cfg.as_loss, grad_scale=grad_scale,
+                          value_scale=value_scale, **common)
+  return cfg.kernels(tpu, gpu, ref)
 
 
 _BOX_NAMES = {"n": "boxes", "c": "coordinates", "b": "batch",
@@ -162,10 +212,10 @@ def _elementwise_forward(cfg, b1, b2):
   reduced = cfg.reduction != "none"
   rule = _boxes_rule(cfg.op, ["" if reduced else "n"],
                      sums=["n" if reduced else ""])
-  out = _backend.dispatch(cfg.op, cfg.backend, _forward_impls(cfg), b1, b2,
+  out = _backend.dispatch(cfg.op, cfg.backend, _forward_kernels(cfg), b1, b2,
                           rule=rule)
   if cfg.reduction == "mean":
-    out = out / max(b1.shape[0], 1)
+    out = out / b1.shape[0]
   return out.astype(cfg.out_dtype)
 
 
@@ -175,40 +225,7 @@ def _elementwise_kernel_op(cfg, b1, b2):
 
 
 def _fused_value_and_grad(cfg, num_boxes):
-  """Small reduced losses: gradients computed with the value (one kernel)."""
-  return cfg.reduction != "none" and num_boxes <= gpu.FUSED_MAX_BOXES
-
-
-def _value_and_grad_impls(cfg, grad_scale, value_scale):
-  common = dict(kind=cfg.kind, formula=cfg.formula, eps=cfg.eps,
-                box_format=cfg.box_format)
-
-  def tpu(b1, b2, interpret=False):
-    total = value_scale * mosaic_tpu.elementwise(
-        b1, b2, as_loss=cfg.as_loss, reduce=True, interpret=interpret,
-        **common)
-    d1, d2 = mosaic_tpu.elementwise_vjp(
-        b1, b2, jnp.full((1,), grad_scale, jnp.float32),
-        shared_cotangent=True, interpret=interpret, **common)
-    return total, d1, d2
-
-  def ref(b1, b2):
-    def total(x, y):
-      value = reference.elementwise_score(
-          cfg.kind, cfg.formula, cfg.eps, cfg.box_format, x,
-          y).astype(jnp.float32)
-      return jnp.sum(1.0 - value if cfg.as_loss else value)
-    value, (d1, d2) = jax.value_and_grad(total, argnums=(0, 1))(b1, b2)
-    scale = grad_scale * (-1.0 if cfg.as_loss else 1.0)  # d total = -d score
-    return (value * value_scale, (d1 * scale).astype(b1.dtype),
-            (d2 * scale).astype(b2.dtype))
-
-  return {"mosaic_tpu": tpu,
-          "gpu": functools.partial(gpu.elementwise_value_and_grad,
-                                   as_loss=cfg.as_loss, grad_scale=grad_scale,
-                                   value_scale=value_scale,
-                                   interpret=_gpu_interpret(), **common),
-          "reference": ref}
+  return cfg.reduction != "none" and num_boxes <= FUSED_MAX_BOXES
 
 
 def _elementwise_fwd(cfg, b1, b2):
@@ -217,32 +234,35 @@ def _elementwise_fwd(cfg, b1, b2):
     return _elementwise_forward(cfg, b1, b2), (b1, b2)
   # Gradients of the reduced output for a unit cotangent, in the forward
   # pass; the backward only scales them (x * 1 folds away under grad).
-  mean_scale = 1.0 / max(n, 1) if cfg.reduction == "mean" else 1.0
+  mean_scale = 1.0 / n if cfg.reduction == "mean" else 1.0
   grad_scale = (-1.0 if cfg.as_loss else 1.0) * mean_scale
   total, d1, d2 = _backend.dispatch(
       cfg.op + "_value_and_grad", cfg.backend,
-      _value_and_grad_impls(cfg, grad_scale, mean_scale), b1, b2,
+      _value_and_grad_kernels(cfg, grad_scale, mean_scale), b1, b2,
       rule=_boxes_rule(cfg.op, ["", "n c", "n c"], sums=["n", "", ""]))
   return total.astype(cfg.out_dtype), (d1, d2)
 
 
 def _elementwise_bwd(cfg, residuals, g):
+  g = g.astype(cfg.acc_dtype)
   if _fused_value_and_grad(cfg, residuals[0].shape[0]):
     d1, d2 = residuals
-    g = g.astype(jnp.float32)
     return (d1 * g).astype(d1.dtype), (d2 * g).astype(d2.dtype)
   b1, b2 = residuals
-  sign = -1.0 if cfg.as_loss else 1.0
-  g = g.astype(jnp.float32) * sign
+  g = g * (-1.0 if cfg.as_loss else 1.0)
   shared = cfg.reduction != "none"
   if cfg.reduction == "mean":
-    g = g / max(b1.shape[0], 1)
+    g = g / b1.shape[0]
   cot = g.reshape(1) if shared else g
   rule = _boxes_rule(cfg.op, ["n c", "n c"],
                      cotangent="one" if shared else "n")
-  return _backend.dispatch(cfg.op + "_backward", cfg.backend,
-                           _backward_impls(cfg, shared), b1, b2, cot,
-                           rule=rule)
+  # Traced when the gradient is transposed, maybe after a force_interpret
+  # block around the op has ended: the forward's interpreter still holds.
+  with (_backend.force_interpret(cfg.flavour) if cfg.flavour
+        else contextlib.nullcontext()):
+    return _backend.dispatch(cfg.op + "_backward", cfg.backend,
+                             _backward_kernels(cfg, shared), b1, b2, cot,
+                             rule=rule)
 
 
 _elementwise_kernel_op.defvjp(_elementwise_fwd, _elementwise_bwd)
@@ -251,22 +271,16 @@ _elementwise_kernel_op.defvjp(_elementwise_fwd, _elementwise_bwd)
 def _elementwise(op, kind, formula, eps, box_format, as_loss, reduction,
                  backend, boxes1, boxes2):
   shape = jnp.broadcast_shapes(tuple(boxes1.shape), tuple(boxes2.shape))
-  out_dtype = reference.result_dtype(boxes1, boxes2)
-  _check_dtype_for_backend(op, backend, out_dtype)
-  if backend == "reference":
-    value = reference.elementwise_score(
-        kind, formula, eps, box_format, jnp.broadcast_to(boxes1, shape),
-        jnp.broadcast_to(boxes2, shape))
-    if as_loss:
-      return reference.reduce_loss(1.0 - value, reduction).astype(out_dtype)
-    return value.astype(out_dtype)
+  out_dtype = jnp.dtype(reference.result_dtype(boxes1, boxes2))
+  cfg = _Config(op, kind, formula, float(eps), box_format, as_loss,
+                reduction, backend, out_dtype,
+                _backend.forced_interpret_flavour())
+  if math.prod(shape) == 0:  # no boxes: nothing to compute
+    _check_choice(op, backend, _forward_kernels(cfg))
+    return jnp.zeros(() if reduction != "none" else shape[:-1], out_dtype)
   dtype = _kernel_dtype(out_dtype)
   b1 = jnp.broadcast_to(jnp.asarray(boxes1).astype(dtype), shape).reshape(-1, 4)
   b2 = jnp.broadcast_to(jnp.asarray(boxes2).astype(dtype), shape).reshape(-1, 4)
-  cfg = _Config(op, kind, formula, float(eps), box_format, as_loss,
-                reduction, backend, jnp.dtype(out_dtype))
-  if b1.shape[0] == 0:  # nothing for a kernel to do
-    cfg = cfg._replace(backend="reference")
   out = _elementwise_kernel_op(cfg, b1, b2)
   return out if reduction != "none" else out.reshape(shape[:-1])
 
@@ -299,49 +313,86 @@ def _check_broadcast(op, a, b, name_a, name_b, skip_last=1):
 
 
 def iou(boxes1, boxes2, *, box_format="xyxy", backend=None):
-  """IoU of matching boxes: [..., 4] x [..., 4] -> [...] (diag of box_iou)."""
+  """IoU of matching boxes: the diagonal of torchvision's ``box_iou``.
+
+  Args: ``boxes1``, ``boxes2`` [..., 4]; ``box_format``; ``backend``.
+  Returns: [...] in [0, 1] (0 where the union is 0).
+  """
   return _metric("iou", "iou", boxes1, boxes2, 0.0, box_format, backend)
 
 
 def giou(boxes1, boxes2, *, box_format="xyxy", backend=None):
-  """Generalized IoU of matching boxes, in [-1, 1]: [..., 4] x [..., 4] -> [...]."""
+  """Generalized IoU of matching boxes (``generalized_box_iou``'s diagonal).
+
+  Args: ``boxes1``, ``boxes2`` [..., 4]; ``box_format``; ``backend``.
+  Returns: [...] in [-1, 1]: IoU - (hull - union) / hull.
+  """
   return _metric("giou", "giou", boxes1, boxes2, 0.0, box_format, backend)
 
 
 def diou(boxes1, boxes2, *, eps=DEFAULT_EPS, box_format="xyxy", backend=None):
-  """Distance IoU of matching boxes (torchvision's distance_box_iou formula)."""
+  """Distance IoU of matching boxes (``distance_box_iou``'s diagonal).
+
+  Args: ``boxes1``, ``boxes2`` [..., 4]; ``eps`` (added to the hull's
+  squared diagonal); ``box_format``; ``backend``.
+  Returns: [...]: IoU - squared centre distance / squared hull diagonal.
+  """
   return _metric("diou", "diou", boxes1, boxes2, eps, box_format, backend)
 
 
 def ciou(boxes1, boxes2, *, eps=DEFAULT_EPS, box_format="xyxy", backend=None):
-  """Complete IoU of matching boxes (torchvision's complete_box_iou formula)."""
+  """Complete IoU of matching boxes (``complete_box_iou``'s diagonal).
+
+  Args: ``boxes1``, ``boxes2`` [..., 4]; ``eps``; ``box_format``; ``backend``.
+  Returns: [...]: DIoU - alpha * v, v the aspect-ratio term.
+  """
   return _metric("ciou", "ciou", boxes1, boxes2, eps, box_format, backend)
 
 
 def iou_loss(pred, target, *, reduction="none", eps=DEFAULT_EPS,
              box_format="xyxy", backend=None):
-  """1 - inter / (union + eps), reduced as torchvision's losses are."""
+  """1 - inter / (union + eps) of matching boxes, reduced.
+
+  Args: ``pred``, ``target`` [..., 4]; ``reduction``; ``eps``;
+  ``box_format``; ``backend``.
+  Returns: [...] for reduction="none", else a scalar.
+  """
   return _loss("iou_loss", "iou", pred, target, reduction, eps, box_format,
                backend)
 
 
 def giou_loss(pred, target, *, reduction="none", eps=DEFAULT_EPS,
               box_format="xyxy", backend=None):
-  """torchvision's generalized_box_iou_loss; Pallas forward and backward."""
+  """torchvision's ``generalized_box_iou_loss``.
+
+  Args: ``pred``, ``target`` [..., 4]; ``reduction``; ``eps`` (added to
+  the union and the hull area); ``box_format``; ``backend``.
+  Returns: 1 - GIoU, [...] for reduction="none", else a scalar.
+  """
   return _loss("giou_loss", "giou", pred, target, reduction, eps, box_format,
                backend)
 
 
 def diou_loss(pred, target, *, reduction="none", eps=DEFAULT_EPS,
               box_format="xyxy", backend=None):
-  """torchvision's distance_box_iou_loss; Pallas forward and backward."""
+  """torchvision's ``distance_box_iou_loss``.
+
+  Args: ``pred``, ``target`` [..., 4]; ``reduction``; ``eps``;
+  ``box_format``; ``backend``.
+  Returns: 1 - DIoU, [...] for reduction="none", else a scalar.
+  """
   return _loss("diou_loss", "diou", pred, target, reduction, eps, box_format,
                backend)
 
 
 def ciou_loss(pred, target, *, reduction="none", eps=DEFAULT_EPS,
               box_format="xyxy", backend=None):
-  """torchvision's complete_box_iou_loss; Pallas forward and backward."""
+  """torchvision's ``complete_box_iou_loss``.
+
+  Args: ``pred``, ``target`` [..., 4]; ``reduction``; ``eps``;
+  ``box_format``; ``backend``.
+  Returns: 1 - CIoU, [...] for reduction="none", else a scalar.
+  """
   return _loss("ciou_loss", "ciou", pred, target, reduction, eps, box_format,
                backend)
 
@@ -355,20 +406,21 @@ class _PairConfig(NamedTuple):
   out_dtype: object
 
 
+def _pairwise_kernels(cfg):
+  common = dict(kind=cfg.kind, eps=cfg.eps, out_dtype=cfg.out_dtype)
+  return _kernels(
+      cfg.out_dtype, functools.partial(mosaic_tpu.pairwise, **common),
+      functools.partial(triton.pairwise, **common),
+      lambda a, b: reference.pairwise_score(cfg.kind, cfg.eps, "xyxy", a,
+                                            b).astype(cfg.out_dtype))
+
+
 def _pairwise_forward(cfg, a, b):
-  impls = {
-      "mosaic_tpu": functools.partial(mosaic_tpu.pairwise, kind=cfg.kind,
-                                      eps=cfg.eps, out_dtype=cfg.out_dtype),
-      "gpu": functools.partial(gpu.pairwise, kind=cfg.kind, eps=cfg.eps,
-                               out_dtype=cfg.out_dtype,
-                               interpret=_gpu_interpret()),
-      "reference": lambda a, b: reference.pairwise_score(
-          cfg.kind, cfg.eps, "xyxy", a, b).astype(cfg.out_dtype),
-  }
+  kernels = _pairwise_kernels(cfg)
   rule = _sharding.make_rule(
       cfg.op, [("boxes1", "b n c"), ("boxes2", "b m c")], ["b n m"],
       split="b n m", helper="jax.shard_map", names=_BOX_NAMES)
-  return _backend.dispatch(cfg.op, cfg.backend, impls, a, b, rule=rule)
+  return _backend.dispatch(cfg.op, cfg.backend, kernels, a, b, rule=rule)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -385,7 +437,7 @@ def _pairwise_bwd(cfg, residuals, g):
   _, pullback = jax.vjp(
       lambda x, y: reference.pairwise_score(cfg.kind, cfg.eps, "xyxy", x, y),
       a, b)
-  return pullback(g.astype(jnp.float32))
+  return pullback(g.astype(a.dtype))
 
 
 _pairwise_kernel_op.defvjp(_pairwise_fwd, _pairwise_bwd)
@@ -396,61 +448,82 @@ def _pairwise(op, kind, boxes1, boxes2, eps, box_format, backend):
   boxes2 = _check_boxes(op, "boxes2", boxes2, min_ndim=2)
   _check_options(op, backend, box_format, eps=eps)
   _check_broadcast(op, boxes1, boxes2, "boxes1", "boxes2", skip_last=2)
-  out_dtype = reference.result_dtype(boxes1, boxes2)
-  _check_dtype_for_backend(op, backend, out_dtype)
-  if backend == "reference":
-    return reference.pairwise_score(kind, eps, box_format, boxes1,
-                                    boxes2).astype(out_dtype)
+  out_dtype = jnp.dtype(reference.result_dtype(boxes1, boxes2))
   batch = jnp.broadcast_shapes(tuple(boxes1.shape[:-2]),
                                tuple(boxes2.shape[:-2]))
   n, m = boxes1.shape[-2], boxes2.shape[-2]
+  cfg = _PairConfig(op, kind, float(eps), backend, out_dtype)
+  if math.prod(batch) * n * m == 0:  # an empty matrix: nothing to compute
+    _check_choice(op, backend, _pairwise_kernels(cfg))
+    return jnp.zeros(batch + (n, m), out_dtype)
+  dtype = jnp.promote_types(out_dtype, jnp.float32)
 
   def prepare(boxes, count):
-    boxes = jnp.asarray(boxes).astype(jnp.float32)
+    boxes = jnp.asarray(boxes).astype(dtype)
     if box_format != "xyxy":  # xyxy boxes go to the kernel as they are
       planes = _math.to_xyxy(box_format, *(boxes[..., c] for c in range(4)))
       boxes = jnp.stack(planes, axis=-1)
     return jnp.broadcast_to(boxes, batch + (count, 4)).reshape(-1, count, 4)
 
-  a, b = prepare(boxes1, n), prepare(boxes2, m)
-  cfg = _PairConfig(op, kind, float(eps), backend, jnp.dtype(out_dtype))
-  if a.shape[0] == 0 or n == 0 or m == 0:
-    cfg = cfg._replace(backend="reference")
-  return _pairwise_kernel_op(cfg, a, b).reshape(batch + (n, m))
+  out = _pairwise_kernel_op(cfg, prepare(boxes1, n), prepare(boxes2, m))
+  return out.reshape(batch + (n, m))
 
 
 def pairwise_iou(boxes1, boxes2, *, box_format="xyxy", backend=None):
-  """torchvision's box_iou: [..., N, 4] x [..., M, 4] -> [..., N, M]."""
+  """torchvision's ``box_iou``: IoU of every pair of boxes.
+
+  Args: ``boxes1`` [..., N, 4], ``boxes2`` [..., M, 4]; ``box_format``;
+  ``backend``.
+  Returns: [..., N, M] in [0, 1].
+  """
   return _pairwise("pairwise_iou", "iou", boxes1, boxes2, 0.0, box_format,
                    backend)
 
 
 def pairwise_giou(boxes1, boxes2, *, box_format="xyxy", backend=None):
-  """torchvision's generalized_box_iou (the DETR matching cost matrix)."""
+  """torchvision's ``generalized_box_iou`` (DETR's matching cost).
+
+  Args: ``boxes1`` [..., N, 4], ``boxes2`` [..., M, 4]; ``box_format``;
+  ``backend``.
+  Returns: [..., N, M] in [-1, 1].
+  """
   return _pairwise("pairwise_giou", "giou", boxes1, boxes2, 0.0, box_format,
                    backend)
 
 
 def pairwise_diou(boxes1, boxes2, *, eps=DEFAULT_EPS, box_format="xyxy",
                   backend=None):
-  """torchvision's distance_box_iou: [..., N, 4] x [..., M, 4] -> [..., N, M]."""
+  """torchvision's ``distance_box_iou`` of every pair of boxes.
+
+  Args: ``boxes1`` [..., N, 4], ``boxes2`` [..., M, 4]; ``eps``;
+  ``box_format``; ``backend``.
+  Returns: [..., N, M].
+  """
   return _pairwise("pairwise_diou", "diou", boxes1, boxes2, eps, box_format,
                    backend)
 
 
 def pairwise_ciou(boxes1, boxes2, *, eps=DEFAULT_EPS, box_format="xyxy",
                   backend=None):
-  """torchvision's complete_box_iou: [..., N, 4] x [..., M, 4] -> [..., N, M]."""
+  """torchvision's ``complete_box_iou`` of every pair of boxes.
+
+  Args: ``boxes1`` [..., N, 4], ``boxes2`` [..., M, 4]; ``eps``;
+  ``box_format``; ``backend``.
+  Returns: [..., N, M].
+  """
   return _pairwise("pairwise_ciou", "ciou", boxes1, boxes2, eps, box_format,
                    backend)
 
 
 def box_iou(boxes1, boxes2, *, iou_kind="iou", eps=DEFAULT_EPS,
             box_format="xyxy", backend=None):
-  """Pairwise IoU-family matrix; ``iou_kind`` in ("iou", "giou", "diou", "ciou").
+  """Pairwise IoU-family matrix; with the default ``iou_kind="iou"``
+  torchvision's ``box_iou``.
 
-  With the default ``iou_kind="iou"`` this is torchvision's ``box_iou``.
-  ``eps`` is used by "diou" and "ciou" only.
+  Args: ``boxes1`` [..., N, 4], ``boxes2`` [..., M, 4]; ``iou_kind`` in
+  ("iou", "giou", "diou", "ciou"); ``eps`` (used by "diou" and "ciou");
+  ``box_format``; ``backend``.
+  Returns: [..., N, M].
   """
   if iou_kind not in _math.KINDS:
     raise ValueError(f"box_iou: iou_kind={iou_kind!r} is not one of "

@@ -1,46 +1,27 @@
-"""Mosaic TPU kernels for the IoU family.
+"""IoU-family kernels for TPU (Mosaic).
 
-Layout (elementwise ops and the losses)
----------------------------------------
-XLA stores a float ``[P, 4]`` array on TPU with layout ``{0,1:T(4,128)}``:
-per group of 128 boxes, the 4 coordinates each as 128 contiguous values. In
-other words TPU HBM already holds boxes as coordinate planes, and the view
-``boxes.reshape(P/128, 128, 4).swapaxes(1, 2).reshape(4 P/128, 128)`` is a
-bitcast (checked in the AOT tests: no copy, no temp buffer). The kernels take
-that ``[4 R, 128]`` view (row 4 s + c = coordinate c of boxes 128 s ..
-128 s + 127) and read coordinate plane c with a sublane-strided load
-(rows c, c+4, ...), eight rows (one vreg, 1024 boxes) at a time, so all
-arithmetic runs on full vregs and the result ``[R, 128]`` is row-major
-``[P]``. The same holds for ``[..., N, 4]`` when N is a multiple of 128.
-Otherwise (or when P is not a multiple of 128) the view costs one relayout
-copy of the inputs; P is also padded to at least 1024 boxes.
+Elementwise ops and losses: XLA stores a float ``[P, 4]`` array on TPU with
+layout ``{0,1:T(4,128)}``, per group of 128 boxes the 4 coordinates each as
+128 contiguous values, so the view ``boxes.reshape(P/128, 128, 4)
+.swapaxes(1, 2).reshape(4 P/128, 128)`` is a bitcast (for P not a multiple
+of 128 it costs one relayout copy; P is padded to at least 1024 boxes). The
+kernels read coordinate plane c of that ``[4 R, 128]`` view (row 4 s + c =
+coordinate c of boxes 128 s .. 128 s + 127) with sublane-strided loads,
+eight rows (1024 boxes) at a time, so all arithmetic runs on full vregs and
+the result ``[R, 128]`` is row-major ``[P]``; reduced losses write one
+``[8, 128]`` partial sum per grid step. The backward kernel evaluates
+``_math.score_vjp`` on the planes and writes the gradient planes through
+strided stores. Strided access needs 32-bit data: bf16/f16 blocks are first
+widened into an f32 VMEM scratch. Pallas masks a partial last block; padded
+boxes are excluded from sums by index.
 
-Traffic per box pair: forward reads 32 B (f32) and writes 4 B, or nothing
-with reduction="sum"/"mean" (per-step partial sums of shape ``[8, 128]``);
-backward reads 32 B (+4 B cotangent unless reduced) and writes 32 B, the
-gradient planes going out through sublane-strided stores. The backward
-kernel evaluates closed-form derivatives of the same formula
-(``_math.score_vjp``) on the planes. Mosaic's strided loads/stores need
-32-bit data, so bf16/f16 blocks are first widened into an f32 VMEM scratch.
-A trailing partial grid block is read/written masked by Pallas; padded boxes
-are excluded from sums by index.
-
-Pairwise ops: boxes1 ``[N, 4]`` is read as a ``[TN, 4]`` block and each
-coordinate broadcast across lanes; boxes2 is passed transposed with each
-coordinate row repeated on 8 sublanes, ``[32, M]`` (an O(M) copy, negligible
-next to the O(NM) output), so its planes are plain ``[8, 128]`` loads. The output tile
-``[TN, TM]`` (N on sublanes, M on lanes) is computed 8 x 128 at a time and
-written once; edge tiles are masked by Pallas, so the output is never padded
-unless N < 8 or M < 128.
-
-Block sizes (rows of 128 boxes per grid step; VMEM with double buffering):
-  forward   1024 rows: f32 inputs 2 x 2 x 2 MiB
-  backward   512 rows: f32 inputs + outputs 4 x 2 x 1 MiB
-            (bf16 adds f32 widening scratch of the same size)
-  pairwise  TN x TM = 256 x 512 output tile (512 KiB f32, x2 buffers)
-Pairwise IoU and GIoU use ``_math.pairwise_score_lean`` (the GPU kernel's
-rearranged formula: fewer VPU operations per pair; not timed on a TPU).
-The scoped VMEM limit is raised to 40 MiB (v5e and v6e have 128 MiB).
+Pairwise: boxes1 arrives as ``[TN, 4]`` blocks, each coordinate broadcast
+across lanes; boxes2 transposed with each coordinate row repeated on 8
+sublanes, ``[32, M]`` (an O(M) copy), so its planes are plain ``[8, 128]``
+loads. The ``[TN, TM]`` output tile (N on sublanes, M on lanes) is computed
+8 x 128 at a time and written once; IoU and GIoU use
+``_math.pairwise_score_lean``. Block sizes below fit VMEM with double
+buffering (forward 2 x 2 x 2 MiB, backward 4 x 2 x 1 MiB of f32).
 """
 from __future__ import annotations
 
@@ -141,7 +122,7 @@ def _compiler_params():
 
 def elementwise(boxes1, boxes2, *, kind, formula, eps, box_format,
                 as_loss=False, reduce=False, out_dtype=jnp.float32,
-                interpret=False, block_rows=FORWARD_BLOCK_ROWS):
+                interpret=None, block_rows=FORWARD_BLOCK_ROWS):
   """Score (or 1 - score) of matching boxes: [P, 4] x [P, 4] -> [P].
 
   With ``reduce`` the result is the float32 sum over the P boxes instead.
@@ -212,7 +193,7 @@ def _backward_kernel(b1_ref, b2_ref, g_ref, d1_ref, d2_ref, w1_ref, w2_ref,
 
 
 def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
-                    box_format, shared_cotangent=False, interpret=False,
+                    box_format, shared_cotangent=False, interpret=None,
                     block_rows=BACKWARD_BLOCK_ROWS):
   """Gradients of sum(cotangent * score) w.r.t. boxes1 and boxes2 ([P, 4]).
 
@@ -272,7 +253,7 @@ def _pairwise_kernel(a_ref, b_ref, o_ref, *, kind, eps, tile_n, tile_m):
   jax.lax.fori_loop(0, tile_n // GROUP, group_body, 0)
 
 
-def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=False,
+def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
              tile=PAIRWISE_TILE):
   """[B, N, 4] x [B, M, 4] (xyxy, float32) -> [B, N, M] in ``out_dtype``."""
   batch, n, _ = boxes1.shape

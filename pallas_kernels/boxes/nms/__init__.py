@@ -2,7 +2,7 @@
 
 ``nms`` (one image), ``batched_nms`` (many images, optionally class-aware)
 and ``soft_nms`` (reference only). See ``reference`` for the semantics,
-``mosaic_tpu`` and ``gpu`` for the algorithms.
+``mosaic_tpu`` and ``triton`` for the algorithms.
 """
 from .api import batched_nms, nms, shard_batched_nms, soft_nms
 

@@ -1,6 +1,6 @@
 """Public NMS ops: validation, the shared score sort, backend dispatch.
 
-See ``reference`` for the exact semantics and ``mosaic_tpu`` / ``gpu`` for
+See ``reference`` for the exact semantics and ``mosaic_tpu`` / ``triton`` for
 the kernels. Thresholds and ``max_output_size`` are static (Python numbers):
 the output shape is ``[max_output_size]`` so everything works under jit.
 """
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _backend, _sharding
-from . import block_sizes, gpu, mosaic_tpu, reference
+from . import block_sizes, mosaic_tpu, reference, triton
 
 
 # ----------------------------------------------------------------- validation
@@ -114,7 +114,7 @@ def _sorted_inputs(boxes, scores, class_ids, score_threshold, padded,
 
 
 def _tpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
-                 score_threshold, interpret=False):
+                 score_threshold, interpret=None):
   n = scores.shape[1]
   tile = block_sizes.tpu_tile(n)
   padded = block_sizes.padded_size(n, tile)
@@ -137,10 +137,10 @@ def _tpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
 def _bitmask_sizes(num_boxes, max_output_size):
   chunk_rows = block_sizes.mask_chunk_rows(num_boxes)
   if num_boxes >= block_sizes.SMALL_BOXES:  # else no cap: fewer launches
-    chunk_rows = gpu.chunk_rows_for(max_output_size, chunk_rows)
+    chunk_rows = triton.chunk_rows_for(max_output_size, chunk_rows)
     overlap_rows = block_sizes.MASK_CHUNK_ROWS_OVERLAP
-    if (gpu.OVERLAP and max_output_size >= num_boxes
-        and -(-num_boxes // overlap_rows) <= gpu.STATIC_CHUNKS_MAX):
+    if (max_output_size >= num_boxes
+        and -(-num_boxes // overlap_rows) <= triton.STATIC_CHUNKS_MAX):
       chunk_rows = overlap_rows
   return dict(rows=block_sizes.MASK_ROWS,
               words=block_sizes.mask_words(num_boxes),
@@ -149,27 +149,27 @@ def _bitmask_sizes(num_boxes, max_output_size):
 
 
 def _gpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
-                 score_threshold, interpret=False):
+                 score_threshold, interpret=None):
   batch, n = scores.shape
   sizes = _bitmask_sizes(n, max_output_size)
-  if gpu.bitmask_layout(batch, n, **sizes) is not None:
-    sort = (functools.partial(gpu.rank_order, interpret=interpret)
-            if n <= gpu.RANK_SORT_MAX else
-            gpu.radix_order if gpu.RADIX_SORT and n <= gpu.RADIX_SORT_MAX
+  if triton.bitmask_layout(batch, n, **sizes) is not None:
+    sort = (functools.partial(triton.rank_order, interpret=interpret)
+            if n <= triton.RANK_SORT_MAX else
+            triton.radix_order if n <= triton.RADIX_SORT_MAX
             else None)
     order, planes, classes, flags = _sorted_inputs(
         boxes, scores, class_ids, score_threshold, n, sort=sort)
-    keep, base, count = gpu.keep_words_bitmask(
+    keep, base, count = triton.keep_words_bitmask(
         planes, classes, flags, iou_threshold=iou_threshold,
         max_output_size=max_output_size, mask_warps=block_sizes.MASK_WARPS,
         scan_warps=block_sizes.SCAN_WARPS, use_classes=class_ids is not None,
         interpret=interpret, **sizes)
-    return gpu.words_to_indices(keep, base, count, order, max_output_size)
+    return triton.words_to_indices(keep, base, count, order, max_output_size)
   tile = block_sizes.GPU_TILE
   padded = block_sizes.padded_size(n, tile)
   order, planes, classes, flags = _sorted_inputs(
       boxes, scores, class_ids, score_threshold, padded)
-  pos, count = gpu.kept_positions(
+  pos, count = triton.kept_positions(
       *(planes[:, r] for r in range(5)), classes, flags,
       iou_threshold=iou_threshold, max_output_size=max_output_size,
       tile=tile, num_warps=block_sizes.GPU_NUM_WARPS, interpret=interpret)
@@ -191,17 +191,22 @@ def _reference_batched(boxes, scores, class_ids, *, iou_threshold,
 def _run(op, backend, boxes, scores, class_ids, iou_threshold,
          max_output_size, score_threshold):
   _backend.check_backend(op, backend)
-  batch, n = scores.shape
-  if n == 0 or max_output_size == 0 or batch == 0:
-    return (jnp.full((batch, max_output_size), -1, jnp.int32),
-            jnp.zeros((batch,), jnp.int32))
   static = dict(iou_threshold=iou_threshold, max_output_size=max_output_size,
                 score_threshold=score_threshold)
-  return _backend.dispatch(op, backend, {
-      "mosaic_tpu": functools.partial(_tpu_batched, **static),
-      "gpu": functools.partial(_gpu_batched, **static),
-      "reference": functools.partial(_reference_batched, **static),
-  }, boxes, scores, class_ids, rule=_sharding.make_rule(
+  kernels = [
+      _backend.Kernel("mosaic_tpu", functools.partial(_tpu_batched, **static)),
+      _backend.Kernel("triton", functools.partial(_gpu_batched, **static)),
+      _backend.Kernel("reference",
+                      functools.partial(_reference_batched, **static)),
+  ]
+  batch, n = scores.shape
+  if n == 0 or max_output_size == 0 or batch == 0:  # nothing to compute
+    if backend is not None:  # still, a kernel named must exist
+      _backend.choose(op, backend, kernels)
+    return (jnp.full((batch, max_output_size), -1, jnp.int32),
+            jnp.zeros((batch,), jnp.int32))
+  return _backend.dispatch(op, backend, kernels, boxes, scores, class_ids,
+                           rule=_sharding.make_rule(
       op, [("boxes", "b n c"), ("scores", "b n"),
            ("class_ids", None if class_ids is None else "b n")],
       ["b k", "b"], split="b",
@@ -225,7 +230,8 @@ def nms(boxes, scores, *, iou_threshold, max_output_size, score_threshold=None,
     score_threshold: optional Python float; scores <= it are never kept.
     class_ids: optional [N] integer classes; different classes never
       suppress each other (torchvision's ``batched_nms``).
-    backend: None, "mosaic_tpu", "gpu", "interpret" or "reference".
+    backend: None (chosen by platform), "mosaic_tpu", "triton", "gpu"
+      (the best GPU kernel), "interpret" or "reference".
 
   Returns:
     (indices int32 [max_output_size]: kept box indices by decreasing score
@@ -243,11 +249,14 @@ def nms(boxes, scores, *, iou_threshold, max_output_size, score_threshold=None,
 
 def batched_nms(boxes, scores, *, iou_threshold, max_output_size,
                 score_threshold=None, class_ids=None, backend=None):
-  """:func:`nms` of B images at once: boxes [B, N, 4], scores [B, N].
+  """:func:`nms` of B independent images at once.
 
-  Images are independent (the batch axis is parallel across cores / thread
-  blocks); ``class_ids`` [B, N] makes it class-aware like torchvision's
-  ``batched_nms``. Returns ([B, max_output_size] int32 padded -1, [B] int32).
+  Args: ``boxes`` [B, N, 4], ``scores`` [B, N], optional ``class_ids``
+  [B, N]; the other arguments as for :func:`nms`. Images run in parallel
+  (across cores / thread blocks).
+
+  Returns:
+    (indices int32 [B, max_output_size] padded with -1, num_valid int32 [B]).
   """
   args = _validate("batched_nms", boxes, scores, class_ids, iou_threshold,
                    max_output_size, score_threshold, batched=True)
@@ -259,16 +268,18 @@ def soft_nms(boxes, scores, *, max_output_size, method="gaussian", sigma=0.5,
              backend=None):
   """Soft-NMS of one image: decays overlapping scores instead of dropping boxes.
 
-  ``method="gaussian"``: score *= exp(-iou^2 / sigma); ``"linear"``:
-  score *= 1 - iou where iou > iou_threshold. Picks the highest current score
-  each step, stops after ``max_output_size`` picks or when nothing scores
-  above ``score_threshold``. Returns (indices [M] padded -1, decayed scores
-  [M] padded 0, count).
+  Repeatedly picks the remaining box with the highest current score (ties:
+  lower index) and multiplies every other remaining box's score (same class,
+  with ``class_ids`` [N]) by exp(-iou^2 / sigma) (``method="gaussian"``) or
+  by 1 - iou where iou > ``iou_threshold`` (``"linear"``). Stops after
+  ``max_output_size`` picks or when no remaining score exceeds
+  ``score_threshold``.
 
-  Only the reference (plain JAX, a while loop of K steps over all N boxes)
-  exists: each step rescores every remaining box, so a tiled kernel cannot
-  skip work the way greedy NMS does, and XLA already fuses each step into one
-  pass. Every backend therefore runs the reference.
+  Args: ``boxes`` [N, 4] xyxy, ``scores`` [N]; ``sigma`` > 0; ``backend``
+  None or "reference" (only the reference exists: each step rescores every
+  remaining box, so a tiled kernel cannot skip work as greedy NMS does).
+  Returns: (indices int32 [max_output_size] padded with -1, decayed scores
+  float32 [max_output_size] padded with 0, count int32).
   """
   op = "soft_nms"
   _backend.check_backend(op, backend)
@@ -283,11 +294,15 @@ def soft_nms(boxes, scores, *, max_output_size, method="gaussian", sigma=0.5,
     raise ValueError(f"{op}: sigma must be > 0, got {sigma}")
   if score_threshold is None:
     score_threshold = -np.inf
-  # Every backend runs the reference (see above): no kernel to dispatch to.
-  return reference.soft_nms(
-      boxes, scores, max_output_size=max_output_size, method=method,
-      sigma=sigma, iou_threshold=iou_threshold,
-      score_threshold=score_threshold, class_ids=class_ids)
+
+  def run(boxes, scores, class_ids):
+    return reference.soft_nms(
+        boxes, scores, max_output_size=max_output_size, method=method,
+        sigma=sigma, iou_threshold=iou_threshold,
+        score_threshold=score_threshold, class_ids=class_ids)
+
+  return _backend.dispatch(op, backend, [_backend.Kernel("reference", run)],
+                           boxes, scores, class_ids)
 
 
 def shard_batched_nms(mesh, boxes, scores, *, batch_axis="data",

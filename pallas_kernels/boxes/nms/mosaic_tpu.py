@@ -1,55 +1,27 @@
 """Blocked greedy NMS for TPU (Mosaic): O(N) HBM, VMEM bounded independent of N.
 
-Layout. The wrapper sorts boxes by score once (XLA argsort) and lays them out
-as coordinate planes ``rows[B, 8, Np]`` float32: rows x1, y1, x2, y2, area,
-class id (int32 bits), keepable flag (1/0), zero; ``Np`` pads N to the tile
-size T with unkeepable boxes.
+The wrapper sorts boxes by score (XLA) and lays them out as planes
+``rows[B, 8, Np]`` float32: x1, y1, x2, y2, area, class id (int32 bits),
+keepable flag (1/0), zero; Np pads N to the tile size T with unkeepable
+boxes. Grid ``(B, Np // T)``: images "parallel" (megacore chips split them),
+tiles "arbitrary" (in order on one core, sharing SMEM state). Per tile:
 
-Algorithm, per image (grid ``(B, Np // T)``; the image axis is "parallel" so
-megacore chips split images, the tile axis "arbitrary" so tiles of one image
-run in order on one core and share SMEM state):
+1. Cross-tile suppression: every earlier tile that kept a box was appended
+   to an HBM store (output ``store``) as its (8, T) slab with the flag
+   replaced by its keep mask. Each stored slab is DMA'd into VMEM,
+   transposed to (T, 8), and (8, T) IoU blocks of its boxes against the
+   tile's row vectors are or-reduced (non-kept boxes have flag 0).
+2. Within-tile chain: S[i, j] = (i < j) & same class & IoU > threshold goes
+   to a (T, T) VMEM scratch; the greedy keep vector is the unique fixed
+   point of k = alive & (k @ S == 0) (S is acyclic), reached from k = alive
+   after (longest suppression chain + 1) MXU matvecs.
+3. The keep mask is written; a non-empty slab is appended to the store; the
+   kept count lives in SMEM. Once ``max_output_size`` boxes are kept, later
+   tiles skip all compute.
 
-1. Cross-tile suppression. Every earlier tile that kept at least one box was
-   stored to an HBM scratch (output ``store``) as its (8, T) slab with the
-   keepable flag replaced by its keep mask. The current tile is checked
-   against each stored slab: the slab is DMA'd into VMEM, transposed to
-   (T, 8) so its boxes run down sublanes, and for each group of 8 of them an
-   (8, T) IoU block against the tile's row vectors is or-reduced. Non-kept
-   boxes of a slab have flag 0 and suppress nothing.
-2. Within-tile greedy chain. The tile's strict upper-triangular suppression
-   matrix S[i, j] = (i < j) & same class & IoU > threshold goes to a (T, T)
-   VMEM scratch. The greedy keep vector k is the unique fixed point of
-   k = alive & (k @ S == 0) (S is acyclic); iterating from k = alive reaches
-   it after (longest suppression chain + 1) MXU matvecs, usually a handful.
-3. The tile's keep mask is written out; if non-empty the slab is appended to
-   ``store``; the kept count lives in SMEM. Once ``max_output_size`` boxes
-   are kept, later tiles skip all compute (their blocks are still streamed).
-
-The wrapper turns the keep mask over sorted positions into int32 indices.
-
-Cost. Per (stored slab, tile) pair T*T IoUs (~20 VPU ops each); per tile T*T
-for its own matrix. With K kept boxes spread over S stored slabs, about
-(S + 1) * N * T pair evaluations; early exit makes small ``max_output_size``
-cheap. Worst case (everything kept, max_output_size = N): N^2 / 2 pairs.
-
-VMEM (T = 512): input block 2 x 16 KiB (double-buffered), keep block
-2 x 16 KiB, DMA buffer 16 KiB, transposed slab (T, 8) padded to (T, 128)
-256 KiB, suppression matrix (T, T) float32 1 MiB: about 1.35 MiB whatever N
-(checked by the AOT test at N = 100k). HBM: the planes plus ``store``, 32
-bytes per box each, and a 4-byte keep mask.
-
-Roofline estimate (no TPU here to time it). One (slab, tile) pair is
-T^2 = 262k IoU tests of ~20 VPU ops: 5.2M element ops = 5.1k (8, 128)-vreg
-ops, i.e. ~1.3k cycles at 4 VALU slots, ~1 us on v5e (1.5 GHz); the tile's
-own matrix costs the same, each fixed-point round one (8, T) x (T, T) MXU
-matvec (~0.1 us). So a tile costs ~(stored slabs + 1) us plus a 16 KiB block
-DMA (~20 ns at 819 GB/s). N = 100k (196 tiles) with max_output_size = 128
-stops after a few tiles (~0.1 ms incl. the per-step overhead of skipped
-tiles); with every tile keeping boxes the worst case is 196^2 / 2 pairs,
-~20 ms. The XLA sort of N scores precedes it.
-
-Padding: N is padded to a multiple of T; the padding costs one partial tile
-of compute at most.
+Cost: about (stored slabs + 1) * N * T IoU tests, N^2 / 2 at worst. VMEM at
+T = 512: about 1.35 MiB whatever N (mostly the (T, T) matrix). HBM: the
+planes and the store (32 bytes per box each) and a 4-byte keep mask.
 """
 from __future__ import annotations
 
@@ -167,7 +139,7 @@ def _nms_kernel(rows_ref, keep_ref, store_ref, state_ref, dma_buf, col_buf,
 
 
 def keep_mask(rows, *, iou_threshold, max_output_size, tile=DEFAULT_TILE,
-              interpret=False):
+              interpret=None):
   """Keep mask int32 [B, Np] over sorted positions from planes [B, 8, Np]."""
   batch, planes, padded = rows.shape
   assert planes == PLANES and padded % tile == 0, rows.shape

@@ -1,107 +1,29 @@
 """Greedy NMS for NVIDIA GPUs (Pallas, Triton lowering); no host round trip.
 
-Two designs; ``api`` takes the bitmask one whenever its mask chunk fits the
-byte budget (``block_sizes.GPU_BITMASK_MAX_BYTES``, i.e. for any realistic N),
-else the blocked one.
+Boxes come sorted by score: ``rank_order`` (a parallel rank count and one
+scatter) below RANK_SORT_MAX boxes, ``radix_order`` (uint32 keys, CUB's radix
+sort) up to RADIX_SORT_MAX, else XLA's sort.
 
-Bitmask design (chunked, parallel + scan). Boxes arrive sorted by score.
-* Mask kernel, fully parallel: program (b, i, j) compares ``MASK_ROWS``
-  rows against ``32 * words`` columns (``block_sizes.mask_words``: narrow
-  programs below ``SMALL_BOXES`` boxes, for parallelism) and writes
-  mask[r, w] = the 32 bits "box r suppresses box 32w + c" (c > r, same class,
-  IoU > threshold). Nothing is written (and nothing computed) for blocks
-  below the diagonal, padding, rows or column words whose boxes earlier
-  chunks already removed, and everything once ``max_output_size`` boxes are
-  kept; see ``keep_words_bitmask`` for why the scan never needs those words.
-* Scan kernel, one program per image: walks the words in order; for word w
-  it takes the "removed" bits of its 32 boxes, resolves their own chain with
-  32 scalar bit steps on the diagonal words, then ORs the rows of the boxes
-  it kept into "removed". Pipelined (``SCAN_DEPTH`` = 1): the diagonal words
-  and the next word's column of the current rows are loaded a step ahead,
-  the next "removed" word is formed from scalars, and the kept rows' full
-  ORs (predicated loads, all in flight together) land a step later, so no
-  memory latency separates two steps. ``SCAN_DEPTH`` = 2 gives those loads
-  two steps (the word after next also via scalars); ``RESOLVE`` picks how
-  the 32-bit chain is written ("skip": behind a branch that skips words
-  whose boxes are all removed; "band": transposed diagonal blocks, see
-  ``_scan_kernel``, the default below 16k boxes). Stops at
-  ``max_output_size`` kept and
-  records the kept count before each word, so indices are placed with one
-  elementwise pass and a scatter (no prefix sum).
-* The score order comes from ``rank_order`` below RANK_SORT_MAX boxes (a
-  parallel rank count and one scatter: 8.5 us at 5k boxes against 48 us
-  for XLA's sort on the H100), then up to RADIX_SORT_MAX from
-  ``radix_order`` (uint32 keys that XLA hands to CUB's radix sort: 44
-  against 62 us at 20k), else from XLA's sort.
-* Overlap (``OVERLAP``, unrolled chunks, "where" scan): from chunk
-  ``OVERLAP_FROM`` on, one launch scans chunk c on program 0 while the
-  other programs compute chunk c + 1's mask (``_overlap_kernel``); that
-  mask prunes by the removals known before scan c. 20k boxes then run in
-  2048-row chunks (``block_sizes.MASK_CHUNK_ROWS_OVERLAP``).
-* Rows are processed in chunks of ``block_sizes.mask_chunk_rows(N)`` rows
-  (smaller when ``max_output_size`` is small: ``chunk_rows_for``; shrunk to
-  fit the byte budget): mask chunk c, then scan chunk c, carrying device
-  state (removed/keep/count). When every chunk must run anyway
-  (max_output_size >= N) or there are few (``static_chunks``), the chunks
-  are unrolled in the graph: an XLA ``while`` loop copies its predicate to
-  the host every iteration, a device-to-host sync per chunk that cost more
-  than the chunk itself at 5k-20k boxes. Otherwise a ``while`` loop ends
-  once every image has ``max_output_size`` boxes, so the remaining chunks
-  cost nothing. Scratch memory is chunk * N / 8 bytes: linear in N. A
-  single chunk (small N) runs without chunk state (fewer launches).
-Work: N^2 / 2 IoUs in parallel (fewer with early exit and removed boxes)
-plus N / 32 scan steps and K row ORs of N / 32 words for K kept boxes.
+Bitmask design (``keep_words_bitmask``; whenever a mask chunk fits
+``block_sizes.GPU_BITMASK_MAX_BYTES``):
+* mask kernel, fully parallel: program (b, i, j) compares a block of rows
+  with ``32 * words`` columns and writes mask[r, w] = the bits "box r
+  suppresses box 32 w + c" (c > r, same class, IoU > threshold), skipping
+  blocks below the diagonal, padding, boxes already removed and everything
+  once ``max_output_size`` boxes are kept;
+* scan kernel, one program per image: walks the 32-box words in order,
+  resolves each word's own greedy chain and ORs the kept boxes' mask rows
+  into "removed" (``_scan_kernel``), recording the kept count before each
+  word so that indices are placed by one elementwise pass and a scatter;
+* rows go in chunks (mask c, then scan c) carrying removed/keep/count, so
+  scratch is linear in N. Unrolled chunks overlap scan c with mask c + 1 in
+  one launch; else a while loop ends once every image has its boxes.
+Blocked design (``kept_positions``, past the budget; one program per image):
+the TPU kernel's algorithm (``mosaic_tpu``) on register tiles.
 
-Blocked design (one program per image, O(N) memory, no scratch), the
-algorithm of the TPU kernel (see ``mosaic_tpu``) in registers:
-* tiles of T boxes in order, a ``while`` loop that stops at
-  ``max_output_size`` kept;
-* kept boxes are appended compactly to per-image buffers; a new tile is
-  checked against them T at a time with (T, T) IoU blocks;
-* the tile's own chain is the fixed point of k = alive & ~any_i(k_i & S[i, j])
-  with S the strict upper-triangular suppression matrix;
-* compaction without scatters: ranks are masked column sums of the "i < j"
-  matrix and slot r gathers the box of rank r with a masked row sum; a
-  barrier separates these global writes from the next tile's reads.
-It uses one SM per image, so it is the slow fallback.
-
-Exactness: the IoU test is explicitly rounded PTX (``mul.rn``, ``add.rn``,
-``sub.rn``, then ``div.rn`` or, in the bitmask mask kernel with
-``COMPARE = "fma"``, an exact division-free sign test that falls back to
-``div.rn`` on ties; see ``_FMA_ASM``), so neither fused multiply-adds nor
-Triton's approximate f32 division change it: results equal the float32
-reference bit for bit. In interpret mode plain jnp arithmetic (the
-reference formula) is used.
-
-Measured on an H100 (stop 11, bench/results/nms-20k-h100-2026-11-23.json
-and nms-forms-overlap-h100-2026-11-23.json): the radix sort and the
-overlapped 2048-row chunks took 20k boxes, max_output_size = N, from 1059 /
-1722 us of device time (threshold 0.1 / 0.5) to 903 / 1438 us; overlapping
-from chunk 0 instead lost at 0.1 (1087 us: scan 0 beside an unpruned mask
-1 took 307 us; chunk 0's own mask alone is 257 us of the 434 us of masks).
-Earlier (bench/results/nms-h100-2026-11-22.json; nms-forms-*.json the
-A/Bs): the "band" scan below 16k boxes,
-kept rows ORed by bit scans (FEW_ROWS) and the rank sort took 5k boxes,
-threshold 0.1, max_output_size = N from 316 to 153 us of device time
-(scan 202 -> 83, sort 48 -> 8.5, mask 55 -> 52) and 20k from 1214 to 1053
-us (scan 711 -> 539). Earlier: before the pipelined scan and the dead-word
-skips
-(bench/results/nms-profile-h100-2026-11-22.json): at N = 100k,
-max_output_size = N the mask kernel took 14.4 ms and the scan 10.3 ms of
-25 ms; at N <= 20k the scan dominated (1.3 of 2.0 ms at 20k) and at 1k a
-call was ~12 launches (84 us on the device) behind a ~65 us dispatch floor.
-The pipelined scan took 5k / 20k (threshold 0.5, max_output_size = N) from
-1.33 / 3.89 ms (plain form) to 0.45 / 2.04 ms of device time. A scan step
-(32 boxes) still costs ~1.2-1.8 us of one warp whatever the chain's form
-(bench/results/nms-scan-tune-h100-2026-11-22.json: "where" and "mask"
-equal, depth 2 slower), so the ALU chain is not what bounds it; the
-step's ~650 instructions (64 scalar loads, 32 predicated row loads, the
-selects) are the likelier limit: the "band" form, which replaces the
-scalar loads and chains with two vector loads and lane ballots, ran the
-1k / 5k scans in 17 / 140 us against 48 / ~200 us (but see RESOLVE). The
-scan is ~2/3 of the device time at N <= 20k. Unrolling the chunk loop
-(no per-chunk host sync) took 5k / 20k, threshold 0.1, max_output_size = N
-from 0.60 / 1.57 ms to 0.47 / 1.54 ms per synced call.
+IoU tests use explicitly rounded PTX (``mul.rn``, ``add.rn``, ``sub.rn``,
+``div.rn`` or the division-free ``_FMA_ASM``), so results equal the float32
+reference bit for bit; the interpreter evaluates the reference formula.
 """
 from __future__ import annotations
 
@@ -110,6 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import pl
@@ -134,7 +57,6 @@ def _exceeds(a, b, iou_threshold, exact_ptx):
   b = tuple(p[None, :] for p in b)
   if not exact_ptx:
     return iou_exceeds(a, b, iou_threshold)
-  from jax.experimental.pallas import triton as pltriton
   ax1, ay1, ax2, ay2, aarea = a
   bx1, by1, bx2, by2, barea = b
   iw = jnp.maximum(jnp.minimum(ax2, bx2) - jnp.maximum(ax1, bx1), 0.0)
@@ -205,7 +127,6 @@ def _nms_kernel(x1_ref, y1_ref, x2_ref, y2_ref, area_ref, cls_ref, flag_ref,
     kcls_ref[dest] = gather(cls)
     pos_ref[dest] = gather(base + lanes)
     if exact_ptx:  # the interpreter has no threads to order
-      from jax.experimental.pallas import triton as pltriton
       pltriton.debug_barrier()
     return t + 1, count + jnp.sum(keep)
 
@@ -219,7 +140,7 @@ def _nms_kernel(x1_ref, y1_ref, x2_ref, y2_ref, area_ref, cls_ref, flag_ref,
 
 def kept_positions(x1, y1, x2, y2, area, cls, flag, *, iou_threshold,
                    max_output_size, tile=DEFAULT_TILE, num_warps=8,
-                   interpret=False):
+                   interpret=None):
   """Sorted positions of kept boxes [B, M] (garbage past count) and count [B].
 
   Inputs are [B, Np] planes in score order, Np a multiple of ``tile``.
@@ -255,61 +176,13 @@ def kept_positions(x1, y1, x2, y2, area, cls, flag, *, iou_threshold,
 # Bitmask design: a parallel mask kernel and a scan kernel, chunked by rows.
 
 WORD = 32  # boxes per mask word
-
-# How compiled kernels decide IoU > t: "div" divides (div.rn) and compares;
-# "fma" tests the sign of inter - mid * union exactly, where mid is the
-# midpoint between t and the next float (see _FMA_ASM), and divides only on
-# an exact tie or a tiny/NaN union. Both equal the float32 reference.
-COMPARE = "fma"
-# Scan form in compiled kernels, by how many steps the kept rows' full ORs
-# may take to land: 0 plain (within their step), 1 pipelined (one step; the
-# next word via scalars), 2 deep (two steps; the word after next too). The
-# defaults are the forms the committed H100 bench ran with.
-SCAN_DEPTH = 1
-SCAN_DEPTH_LARGE = 1  # from block_sizes.SMALL_BOXES boxes on
-# The greedy chain of one word: "mask" clears with an all-ones mask made by
-# two shifts (3 dependent ops per box), "where" selects (4 to 5), "skip" is
-# "mask" behind a branch that skips words whose boxes are all removed,
-# "band" is the lane-parallel fixed point on transposed blocks (depth 1).
-# H100 (bench/results/nms-forms-h100-2026-11-22.json, scan device time at
-# max_output_size = N): "band" 15-17 / 138 / 334 us at 1k / 5k thr 0.1 /
-# 5k thr 0.5 against 32-47 / 202 / 323 for "where", but 727 / 1913 us at
-# 20k (thr 0.1 / 0.5) against 711 / 1133: so "band" below SMALL_BOXES only.
-# Every form matched numpy's float32 greedy NMS on the NaN / inverted /
-# ties / clusters / classes checks there. (An earlier "band" failure on a
-# NaN / inverted check compared with the jitted reference on the GPU, not
-# with numpy; it did not recur in 14 such checks.)
-RESOLVE = "band"
-RESOLVE_LARGE = "where"  # from block_sizes.SMALL_BOXES boxes on
-# Depth-1 scans: jump over runs of all-removed words (see the scan's
-# ``advance``) instead of spending a step on each. Off: on the bench data
-# few words are all removed before the scan reaches them, and the branch
-# costs the "where" form its pipelining (20k: 1133 -> 2194 us).
-JUMP = False
-# A word that keeps at most FEW_ROWS boxes ORs only their rows (found by bit
-# scans) instead of issuing 32 predicated row loads; 0: always 32. H100
-# (bench/results/nms-h100-2026-11-22.json, "pick"): scan 143 -> 83 us at
-# 5k thr 0.1, 725 -> 539 / 1129 -> 908 us at 20k thr 0.1 / 0.5 (m = N).
+# A scan step keeping at most FEW_ROWS boxes ORs only their mask rows.
 FEW_ROWS = 4
+# Unrolled chunks (``static_chunks``) in the scalar scan form: from chunk 1
+# on, one launch scans chunk c on program 0 while the other programs compute
+# chunk c + 1's mask (``_overlap_kernel``). Chunk 0 runs alone: its scan
+# removes most boxes, so chunk 1's mask is pruned by it.
 
-# Unrolled chunks (``static_chunks``) with the "where"/"mask"/"skip" scans:
-# one launch scans chunk c on program 0 while the other programs compute
-# chunk c + 1's mask (``_overlap_kernel``), instead of a mask launch then a
-# scan launch per chunk. The scan occupies one SM for ~0.1 ms per 4096-row
-# chunk at 20k boxes; the mask fills the others meanwhile. Chunk c + 1's
-# mask then skips only what chunks before c removed (more words computed).
-# OVERLAP_PROGRAMS: 0 one program per mask tile, else that many programs
-# looping over the tiles (fewer neighbours for the scan's SM).
-# OVERLAP_FROM: the first chunk whose scan is overlapped. Chunk 0's scan
-# removes most boxes (at threshold 0.1), so chunk 1's mask runs after it
-# (pruned, 257 -> ~70 us at 20k) rather than beside it unpruned: H100, 20k,
-# max_output_size = N (bench/results/nms-forms-overlap-h100-2026-11-23.json),
-# OVERLAP_FROM = 0 took threshold 0.5 from 1688 to 1365 us but 0.1 from
-# 1028 to 1087 us (its first launch, scan 0 beside an unpruned mask 1, took
-# 307 us).
-OVERLAP = True
-OVERLAP_PROGRAMS = 0
-OVERLAP_FROM = 1
 
 # fl(inter / union) > t  <=>  inter / union > mid (round to nearest), and
 # inter - mid * union = fma(-t, union, inter) - half_ulp * union, where the
@@ -353,11 +226,11 @@ def _fma_asm(iou_threshold):
 
 
 def _exceeds_bits(a, b, iou_threshold, exact_ptx):
-  """Like ``_exceeds`` (a as rows, b as columns), division-free if enabled."""
-  asm = _fma_asm(iou_threshold) if (exact_ptx and COMPARE == "fma") else None
+  """Like ``_exceeds`` (a as rows, b as columns); compiled, division-free
+  (``_FMA_ASM``) for thresholds in [2^-20, 2^20]."""
+  asm = _fma_asm(iou_threshold) if exact_ptx else None
   if asm is None:
     return _exceeds(a, b, iou_threshold, exact_ptx)
-  from jax.experimental.pallas import triton as pltriton
   ax1, ay1, ax2, ay2, aarea = (p[:, None] for p in a)
   bx1, by1, bx2, by2, barea = (p[None, :] for p in b)
   iw = jnp.maximum(jnp.minimum(ax2, bx2) - jnp.maximum(ax1, bx1), 0.0)
@@ -486,32 +359,27 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
 
 def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
                  band_ref, removed_out, keep_out, base_out, state_out, *,
-                 chunk, num_words, max_output_size, depth, resolve_form,
-                 interpret, jump=False, few_rows=0):
+                 chunk, num_words, max_output_size, interpret):
   """Greedy scan of one chunk's words, 32 boxes per step, one program/image.
 
-  base[w] records the kept count before word w, so kept indices are placed
-  without a prefix sum afterwards.
+  Step w resolves word w's own chain (the greedy keep bits of its 32
+  boxes, given the "removed" bits from earlier words) and ORs the mask rows
+  of the boxes it kept into "removed"; base[w] records the kept count before
+  word w, so kept indices are placed without a prefix sum afterwards.
 
-  Pipelined form (depth 1): the removed bits of word w + 1 are formed from
-  scalars only: the word extracted from the removed vector, plus the words
-  w + 1 of the rows kept now, which (with the diagonal words) were loaded a
-  step ahead. The kept rows' full ORs are issued now and applied a step
-  later, so no memory latency sits on the step-to-step path.
-  Band form (RESOLVE = "band", depth 1; the default below SMALL_BOXES): the
-  word's diagonal and next blocks come transposed from band_ref, one box
-  per lane, as two vector loads a step ahead; the chain is the fixed point of
-  k = alive & ~(boxes hit by a box of k), iterated with lane ballots (a sum
-  of distinct bits) until it stops changing (at most 33 times, since bit c
-  is final after c + 1 rounds; usually 2-3), and the next word's removed
-  bits are one ballot. Far fewer instructions per step than 64 scalar loads
-  and 32-bit scalar chains.
-  Jumps (``jump``) and few kept rows (``few_rows``): see ``advance`` and
-  ``or_kept_rows``.
-  Deep form (depth 2): the full ORs land two steps later; word w + 1 then
-  takes the rows kept one step ago through their words w + 1 (scalars
-  loaded a step before use), and its extraction from the vector is off the
-  path (it does not wait for this step's chain).
+  Pipelined: the next word's removed bits are formed from scalars only (its
+  bits in the removed vector, plus word w + 1 of the rows kept now, loaded a
+  step ahead with the diagonal words); the kept rows' full ORs are issued now
+  and land a step later, so no memory latency sits on the step-to-step path.
+  A word keeping at most FEW_ROWS boxes ORs only their rows (found by bit
+  scans) instead of issuing 32 predicated row loads.
+
+  ``band_ref`` given (the "band" form): the diagonal and next blocks come
+  transposed, one box per lane (see ``_mask_kernel``), as two vector loads;
+  the chain is the fixed point of k = alive & ~(boxes hit by a box of k),
+  iterated with lane ballots until it stops changing (bit c is final after
+  c + 1 rounds; usually 2-3), and the next word's removed bits are one
+  ballot. Without it, the chain is 32 scalar bit steps on the diagonal words.
   """
   padded_words = removed_ref.shape[0]
   lanes = jnp.arange(padded_words, dtype=jnp.int32)
@@ -526,72 +394,33 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
   def bit_set(x, r):
     return jnp.bitwise_and(jnp.right_shift(x, r), 1) != 0
 
+  def clamp(w):  # loads past the chunk stay inside it (values unused)
+    return jnp.maximum(jnp.minimum(w, end_word - 1), first_word)
+
   def ahead(w):
-    # Words w and w + 1 of word w's 32 rows; clamped so that loads past the
-    # chunk stay inside it (their values are then unused).
-    w = jnp.maximum(jnp.minimum(w, end_word - 1), first_word)
+    # Words w and w + 1 of word w's 32 rows.
+    w = clamp(w)
     row0 = (w - first_word) * WORD
     nxt = jnp.minimum(w + 1, padded_words - 1)
     return (tuple(mask_ref[row0 + r, w] for r in range(WORD))
             + tuple(mask_ref[row0 + r, nxt] for r in range(WORD)))
 
-  def bit_mask(x, r):  # all ones where bit r of x is set, else 0
-    return jnp.right_shift(jnp.left_shift(x, WORD - 1 - r), WORD - 1)
-
-  def resolve(alive, diag):
-    if resolve_form == "skip":  # fully removed words skip the chain
-      return jax.lax.cond(alive != 0, lambda a: chain(a, diag, "mask"),
-                          lambda a: a, alive)
-    return chain(alive, diag, resolve_form)
-
-  def chain(alive, diag, form):
-    for r in range(WORD):  # the word's own greedy chain, scalar bit ops
-      if form == "mask":
-        alive = alive & ~(diag[r] & bit_mask(alive, r))
-      else:
-        alive = jnp.where(bit_set(alive, r), alive & ~diag[r], alive)
-    return alive
-
-  def or_selected(alive, values):
-    """OR of values[r] over the bits r set in alive, as a balanced tree."""
-    parts = [v & bit_mask(alive, r) for r, v in enumerate(values)]
-    while len(parts) > 1:
-      parts = [a | b for a, b in zip(parts[::2], parts[1::2])]
-    return parts[0]
-
-  def column(w, word):
-    # Word `word` of word w's 32 rows (w clamped into the chunk, word into
-    # the row: values for positions past them are never used).
-    w = jnp.maximum(jnp.minimum(w, end_word - 1), first_word)
-    row0 = (w - first_word) * WORD
-    word = jnp.minimum(word, padded_words - 1)
-    return tuple(mask_ref[row0 + r, word] for r in range(WORD))
-
   def load_row(row, pred):  # mask row `row`, or zeros where not pred
     if interpret:
       return jnp.where(pred, mask_ref[row, :], 0)
-    from jax.experimental.pallas import triton as pltriton
     return pltriton.load(mask_ref.at[row],
                          mask=jnp.broadcast_to(pred, (padded_words,)),
                          other=0)
 
   def or_kept_rows(alive, row0, acc):
-    if interpret and not few_rows:
-      def body(r, acc):
-        return jnp.where(bit_set(alive, r), acc | mask_ref[row0 + r, :], acc)
-      return jax.lax.fori_loop(0, WORD, body, acc)
-
     def rows(acc):  # predicated loads: all in flight at once
       for r in range(WORD):
         acc = acc | load_row(row0 + r, bit_set(alive, r))
       return acc
 
-    if not few_rows:
-      return jax.lax.cond(alive != 0, rows, lambda a: a, acc)
-
-    def few(acc):  # the lowest few_rows kept boxes' rows: fewer loads
+    def few(acc):  # the lowest FEW_ROWS kept boxes' rows: fewer loads
       bits = alive
-      for _ in range(few_rows):
+      for _ in range(FEW_ROWS):
         low = bits & -bits
         r = (WORD - 1 - jax.lax.clz(low)) & (WORD - 1)  # 31 if none left
         acc = acc | load_row(row0 + r, low != 0)
@@ -599,7 +428,7 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
       return acc
 
     def some(acc):  # nested conds: lax.switch's clamp fails Triton's verifier
-      return jax.lax.cond(jax.lax.population_count(alive) <= few_rows,
+      return jax.lax.cond(jax.lax.population_count(alive) <= FEW_ROWS,
                           few, rows, acc)
 
     return jax.lax.cond(alive != 0, some, lambda a: a, acc)
@@ -612,48 +441,22 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
             jnp.where(lanes == w, count, base),
             count + jax.lax.population_count(alive))
 
-  def step_pipelined(state):
+  def step_scalar(state):
     w, count, removed, keep, base, pending, removed_w = state[:7]
     loaded = state[7:]
     diag, next_col = loaded[:WORD], loaded[WORD:]
     upcoming = ahead(w + 1)  # independent of this step: overlaps it
-    alive = resolve(~removed_w, diag)
+    alive = ~removed_w
+    for r in range(WORD):  # the word's own greedy chain
+      alive = jnp.where(bit_set(alive, r), alive & ~diag[r], alive)
     removed = removed | pending  # rows kept one step ago have landed
     removed_next = word_of(removed, w + 1)
-    if resolve_form == "where":
-      for r in range(WORD):
-        removed_next = removed_next | jnp.where(bit_set(alive, r),
-                                                next_col[r], 0)
-    else:  # a balanced OR tree: 5 levels on the path instead of 32
-      removed_next = removed_next | or_selected(alive, next_col)
+    for r in range(WORD):
+      removed_next = removed_next | jnp.where(bit_set(alive, r),
+                                              next_col[r], 0)
     pending, keep, base, count = record(w, alive, keep, base, count)
-    nxt, removed_next, upcoming = advance(w, alive, removed, removed_next,
-                                          upcoming, ahead)
-    return (nxt, count, removed, keep, base, pending,
+    return (w + 1, count, removed, keep, base, pending,
             removed_next) + tuple(upcoming)
-
-  def advance(w, alive, removed, removed_next, upcoming, load):
-    """(next word, its removed bits, its preloaded data).
-
-    With ``jump``: when this step kept nothing (so ``removed`` is complete:
-    no rows in flight) and word w + 1 is all removed, go straight to the
-    first word after it with a box left (its data loaded now, one load
-    latency instead of one step per removed word). Removed words are never
-    kept, so skipping them changes nothing; keep stays 0 there.
-    """
-    if not jump:
-      return w + 1, removed_next, tuple(upcoming)
-
-    def leap(_):
-      live = (lanes > w + 1) & (lanes < end_word) & (removed != -1)
-      target = jnp.min(jnp.where(live, lanes, end_word))
-      return (target, word_of(removed, target)) + tuple(load(target))
-
-    def step(_):
-      return (w + 1, removed_next) + tuple(upcoming)
-
-    out = jax.lax.cond((alive == 0) & (removed_next == -1), leap, step, 0)
-    return out[0], out[1], out[2:]
 
   lanes32 = jnp.arange(WORD, dtype=jnp.int32)
   lane_bits = jnp.left_shift(jnp.int32(1), lanes32)
@@ -662,8 +465,7 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
     return jnp.sum(jnp.where(pred, lane_bits, 0))
 
   def band_of(w):
-    w = jnp.maximum(jnp.minimum(w, end_word - 1), first_word)
-    local = w - first_word
+    local = clamp(w) - first_word
     return (band_ref[local, pl.ds(0, WORD)],
             band_ref[local, pl.ds(WORD, WORD)])
 
@@ -688,42 +490,8 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
     removed = removed | pending  # rows kept one step ago have landed
     removed_next = word_of(removed, w + 1) | ballot((next_t & alive) != 0)
     pending, keep, base, count = record(w, alive, keep, base, count)
-    nxt, removed_next, upcoming = advance(w, alive, removed, removed_next,
-                                          upcoming, band_of)
-    return (nxt, count, removed, keep, base, pending,
+    return (w + 1, count, removed, keep, base, pending,
             removed_next) + tuple(upcoming)
-
-  def step_deep(state):
-    (w, count, removed, keep, base, pend1, pend2, removed_w,
-     alive_prev) = state[:9]
-    c2_prev = state[9:9 + WORD]
-    diag = state[9 + WORD:9 + 2 * WORD]
-    next_col = state[9 + 2 * WORD:]
-    upcoming = ahead(w + 1)  # independent of this step: overlaps it
-    after_next = column(w, w + 2)  # used by the next step
-    # Off the chain's path: word w + 1 from rows kept up to two steps ago.
-    removed = removed | pend2  # rows kept two steps ago have landed
-    partial_next = (word_of(removed, w + 1)
-                    | or_selected(alive_prev, c2_prev))
-    alive = resolve(~removed_w, diag)
-    removed_next = partial_next | or_selected(alive, next_col)
-    pend_new, keep, base, count = record(w, alive, keep, base, count)
-    return ((w + 1, count, removed, keep, base, pend_new, pend1, removed_next,
-             alive) + tuple(after_next) + tuple(upcoming))
-
-  def step_plain(state):
-    w, count, removed, keep, base = state
-    row0 = (w - first_word) * WORD
-    if interpret:
-      def chain(r, alive):
-        return jnp.where(bit_set(alive, r), alive & ~mask_ref[row0 + r, w],
-                         alive)
-      alive = jax.lax.fori_loop(0, WORD, chain, ~word_of(removed, w))
-    else:
-      alive = resolve(~word_of(removed, w),
-                      [mask_ref[row0 + r, w] for r in range(WORD)])
-    acc, keep, base, count = record(w, alive, keep, base, count)
-    return w + 1, count, removed | acc, keep, base
 
   def more(state):
     w, count = state[:2]
@@ -735,27 +503,14 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
     init = (jnp.int32(0), jnp.int32(0), removed, zeros, zeros)
   else:
     init = (first_word, state_ref[0], removed, keep_ref[...], base_ref[...])
-  if resolve_form == "band":
-    init = init + (jnp.zeros((padded_words,), jnp.int32),
-                   word_of(removed, first_word)) + band_of(first_word)
-    final = jax.lax.while_loop(more, step_band, init)
-    removed = final[2] | final[5]
-  elif depth == 2:
-    init = init + (zeros, zeros, word_of(removed, first_word), jnp.int32(0))
-    init = init + (jnp.int32(0),) * WORD + ahead(first_word)
-    final = jax.lax.while_loop(more, step_deep, init)
-    removed = final[2] | final[5] | final[6]
-  elif depth == 1:
-    init = init + (jnp.zeros((padded_words,), jnp.int32),
-                   word_of(removed, first_word)) + ahead(first_word)
-    final = jax.lax.while_loop(more, step_pipelined, init)
-    removed = final[2] | final[5]
+  init = init + (zeros, word_of(removed, first_word))
+  if band_ref is not None:
+    final = jax.lax.while_loop(more, step_band, init + band_of(first_word))
   else:
-    final = jax.lax.while_loop(more, step_plain, init)
-    removed = final[2]
+    final = jax.lax.while_loop(more, step_scalar, init + ahead(first_word))
   count, keep, base = final[1], final[3], final[4]
   if removed_out is not None:
-    removed_out[...] = removed
+    removed_out[...] = final[2] | final[5]
   keep_out[...] = keep
   base_out[...] = base
   slots = jnp.arange(state_out.shape[0], dtype=jnp.int32)
@@ -766,8 +521,9 @@ def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
 def _overlap_kernel(state_ref, removed_ref, keep_ref, base_ref, mask_ref,
                     x1, y1, x2, y2, area, cls, next_mask_ref, removed_out,
                     keep_out, base_out, state_out, *, scan_kernel,
-                    mask_kernel, chunk, tiles_j, num_tiles, programs):
-  """Program 0: scan this chunk; the others: the next chunk's mask.
+                    mask_kernel, chunk, tiles_j):
+  """Program 0: scan this chunk; program 1 + t: tile t of the next chunk's
+  mask.
 
   Nothing flows between the two parts inside the launch (the mask reads the
   removed words and count from before this scan: a subset of the final
@@ -781,22 +537,12 @@ def _overlap_kernel(state_ref, removed_ref, keep_ref, base_ref, mask_ref,
     scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref, None,
                 removed_out, keep_out, base_out, state_out)
 
-  def tile(t):
+  @pl.when(p > 0)
+  def _():
+    t = p - 1
     mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls,
                 next_mask_ref, tile=(t // tiles_j, t % tiles_j),
                 chunk_start=next_start)
-
-  if not programs:
-    pl.when(p > 0)(lambda: tile(p - 1))
-    return
-
-  @pl.when(p > 0)
-  def _():
-    def body(k, carry):
-      tile(p - 1 + k * programs)
-      return carry
-    # tiles p - 1, p - 1 + programs, ... below num_tiles
-    jax.lax.fori_loop(0, (num_tiles - p + programs) // programs, body, 0)
 
 
 def _next_pow2(x):
@@ -830,9 +576,7 @@ def chunk_rows_for(max_output_size, chunk_rows):
 def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
                        rows=64, words=4, mask_warps=4, scan_warps=None,
                        chunk_rows=4096, max_bytes=256 << 20, use_classes=True,
-                       scan_depth=None, resolve_form=None, jump=None,
-                       few_rows=None, overlap=None, overlap_programs=None,
-                       overlap_from=None, interpret=False):
+                       band=None, interpret=None):
   """Kept boxes over sorted positions via the chunked bitmask design.
 
   ``planes`` [B, 5, N] (x1, y1, x2, y2, area), ``cls``/``flags`` [B, N].
@@ -840,8 +584,11 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
   kept; base [B, W]: kept count before word w; count [B], which may pass
   max_output_size within the last word).
 
-  Chunks run in a while loop that ends once every image has
-  max_output_size boxes (one chunk: no loop). Mask words that the mask
+  ``band``: the scan's form (see ``_scan_kernel``); None: the band form
+  below ``block_sizes.SMALL_BOXES`` boxes. Chunks are unrolled when
+  ``static_chunks`` says so (the scalar form then overlaps scans and masks),
+  else they run in a while loop that ends once every image has
+  max_output_size boxes; one chunk needs no chunk state. Mask words that the mask
   kernel skips are left unwritten; the scan reads them only where the
   result cannot change: words below the diagonal (already decided),
   padding words (never scanned), words of boxes already removed (ORing
@@ -880,23 +627,13 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
       _mask_kernel, iou_threshold=float(iou_threshold), rows=rows,
       words=words, num_boxes=n, max_output_size=int(max_output_size),
       exact_ptx=not interpret, use_classes=use_classes)
-  small = n < block_sizes.SMALL_BOXES
-  if scan_depth is None:  # interpret mode: the plain form is the fastest
-    scan_depth = 0 if interpret else SCAN_DEPTH if small else SCAN_DEPTH_LARGE
-  if resolve_form is None:
-    resolve_form = ("where" if interpret else RESOLVE if small
-                    else RESOLVE_LARGE)
+  use_band = n < block_sizes.SMALL_BOXES if band is None else band
   scan_kernel = functools.partial(
       _scan_kernel, chunk=chunk, num_words=num_words,
-      max_output_size=int(max_output_size), depth=int(scan_depth),
-      resolve_form=resolve_form, interpret=interpret,
-      jump=bool(JUMP if jump is None else jump) and scan_depth == 1,
-      few_rows=int((0 if interpret else FEW_ROWS) if few_rows is None
-                   else few_rows))
+      max_output_size=int(max_output_size), interpret=interpret)
   words_shape = jax.ShapeDtypeStruct((batch, padded_words), jnp.int32)
 
   mask_grid = (batch, chunk // rows, padded_words // words)
-  use_band = resolve_form == "band"
   mask_out_spec = pl.BlockSpec((None, rows, words), lambda b, i, j: (b, i, j))
   mask_out_shape = jax.ShapeDtypeStruct((batch, chunk, padded_words),
                                         jnp.int32)
@@ -971,16 +708,12 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
   zeros = jnp.zeros((batch, padded_words), jnp.int32)
   carry = (removed, zeros, zeros, jnp.zeros((batch, 16), jnp.int32))
   static = static_chunks(num_chunks, n, max_output_size)
-  if overlap is None:  # compiled only: the interpreter gains nothing
-    overlap = OVERLAP and not interpret
-  if overlap and static and not use_band:
+  if static and not use_band:
     return _overlapped_chunks(
         carry, mask_kernel, scan_chunk, mask_params, scan_params, box_planes,
-        box_cls, chunk=chunk, num_chunks=num_chunks, rows=rows, words=words,
+        box_cls, chunk=chunk, num_chunks=num_chunks, words=words,
         num_words=num_words, padded_words=padded_words, padded=padded,
-        programs=(OVERLAP_PROGRAMS if overlap_programs is None
-                  else overlap_programs), scan_kernel=scan_kernel,
-        first=OVERLAP_FROM if overlap_from is None else overlap_from)
+        scan_kernel=scan_kernel)
   if static:
     # No loop: an XLA while loop copies its predicate to the host every
     # iteration (a sync); chunks past max_output_size exit at once instead.
@@ -998,10 +731,9 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
 
 def _overlapped_chunks(carry, mask_kernel, scan_chunk, mask_params,
                        scan_params, box_planes, box_cls, *, chunk, num_chunks,
-                       rows, words, num_words, padded_words, padded, programs,
-                       scan_kernel, first):
-  """Unrolled chunks; from chunk ``first`` on, chunk c's scan and chunk
-  c + 1's mask in one launch (before it, mask and scan launches in turn)."""
+                       words, num_words, padded_words, padded, scan_kernel):
+  """Unrolled chunks; from chunk 1 on, chunk c's scan and chunk c + 1's mask
+  in one launch (chunk 0: mask and scan launches in turn)."""
   removed, keep, base, state = carry
   batch = removed.shape[0]
   words_spec = pl.BlockSpec((None, padded_words), lambda b, p: (b, 0))
@@ -1023,9 +755,9 @@ def _overlapped_chunks(carry, mask_kernel, scan_chunk, mask_params,
 
   mask = mask_call(state, removed)
   tiles_j = -(-num_words // words)
-  num_tiles = chunk // rows * tiles_j
+  num_tiles = mask_params["grid"][1] * tiles_j
   for c in range(num_chunks):
-    if c + 1 == num_chunks or c < first:
+    if c == 0 or c + 1 == num_chunks:
       removed, keep, base, state = pl.pallas_call(
           scan_chunk,
           in_specs=[pl.BlockSpec((None, padded_words), lambda b: (b, 0))] * 3
@@ -1040,9 +772,9 @@ def _overlapped_chunks(carry, mask_kernel, scan_chunk, mask_params,
       continue
     kernel = functools.partial(
         _overlap_kernel, scan_kernel=scan_kernel, mask_kernel=mask_kernel,
-        chunk=chunk, tiles_j=tiles_j, num_tiles=num_tiles, programs=programs)
+        chunk=chunk, tiles_j=tiles_j)
     mask, removed, keep, base, state = pl.pallas_call(
-        kernel, grid=(batch, 1 + (programs or num_tiles)),
+        kernel, grid=(batch, 1 + num_tiles),
         in_specs=[state_spec] + [words_spec] * 3 + [mask_spec]
         + [plane_spec] * 6,
         out_specs=[mask_spec] + [words_spec] * 3 + [state_spec],
@@ -1094,8 +826,7 @@ def words_to_indices(keep, base, count, order, max_output_size):
 # Score order by ranks: below RANK_SORT_MAX boxes one parallel kernel counts,
 # for every box, the boxes that precede it (higher score, or equal score and
 # lower index); order[rank] = box is then one scatter. N^2 comparisons, but
-# spread over the whole chip it beats XLA's multi-pass sort at small N
-# (measured H100: XLA's sort took 11 / 48 us at 1k / 5k boxes).
+# spread over the whole chip faster than XLA's multi-pass sort at small N.
 
 RANK_SORT_MAX = 8192
 RANK_ROWS = 8      # boxes ranked per program (small: more programs)
@@ -1122,14 +853,11 @@ def _rank_kernel(key_ref, rank_ref, *, cols, padded):
                                     jnp.zeros((rows,), jnp.int32))
 
 
-# Above RANK_SORT_MAX: XLA rewrites a sort into CUB's radix sort only for a
-# plain comparator on integer keys (not jnp.argsort's float total order)
-# and, for one 32-bit row on an H100, above ~22000 elements
-# (xla/service/gpu/transforms/sort_rewriter.cc): so uint32 keys, padded up
-# to RADIX_SORT_MIN. XLA's own sort took 62 us at 20k boxes. False: argsort.
-RADIX_SORT = True
+# From RANK_SORT_MAX to RADIX_SORT_MAX boxes: uint32 keys, which XLA hands to
+# CUB's radix sort (it does so only for integer keys with a plain comparator
+# and, for one row, from ~22000 elements: xla/service/gpu/transforms/
+# sort_rewriter.cc; hence the padding to RADIX_SORT_MIN). Above: XLA's sort.
 RADIX_SORT_MIN = 22528
-# Above this, XLA's sort as before (the radix sort was measured at 20k only).
 RADIX_SORT_MAX = 32768
 
 
@@ -1164,7 +892,7 @@ def radix_order(scores, score_threshold=None):
   return order, jnp.take_along_axis(valid, order, axis=1)
 
 
-def rank_order(scores, score_threshold=None, *, interpret=False):
+def rank_order(scores, score_threshold=None, *, interpret=None):
   """(order [B, N], valid in that order [B, N]) as ``reference.sort_by_score``.
 
   Keys: -score (+0.0 for -0.0), +inf for unkeepable boxes; ties and the
