@@ -282,6 +282,16 @@ def choose(op: str, backend: str | None, kernels: Sequence[Kernel],
   return kernel, value
 
 
+def only_reference(backend: str | None, kernels: Sequence[Kernel]) -> bool:
+  """Whether the call runs the reference on every platform: ``backend`` is
+  "reference", or None while no kernel row supports the call. Such a call
+  is plain JAX, so callers may let JAX differentiate it (both modes)."""
+  if backend == "reference":
+    return True
+  return backend is None and all(
+      k.supports() is not None for k in kernels if k.name != "reference")
+
+
 def dispatch(op: str, backend: str | None, kernels: Sequence[Kernel], *args,
              rule: Any = None) -> Any:
   """Runs ``op`` on ``args`` (arrays only) with the kernel ``backend`` picks.
@@ -293,10 +303,10 @@ def dispatch(op: str, backend: str | None, kernels: Sequence[Kernel], *args,
   it).
   """
   check_backend(op, backend)
-  if isinstance(kernels, dict):
-    kernels = _legacy_kernels(kernels)
+  table = _table(op, kernels)
+  if only_reference(backend, kernels):
+    return table["reference"].call(args)
   if backend is None and forced_interpret_flavour() is None:
-    table = _table(op, kernels)
 
     def by_platform(*a):
       branches = {}
@@ -314,25 +324,6 @@ def dispatch(op: str, backend: str | None, kernels: Sequence[Kernel], *args,
   # live inside custom_partitioning: under Auto axes they run unpartitioned.
   effects = interpret not in (None, True)
   return _sharded(rule, _bound(kernel, interpret), args, auto=not effects)
-
-
-def _legacy_kernels(mapping):
-  """TEMPORARY while families move to Kernel rows: the old dict form."""
-  rows = []
-  tpu, interp = mapping.get("mosaic_tpu"), mapping.get("interpret")
-  if tpu is not None:
-    def run_tpu(*a, interpret=None):
-      if interpret is not None and interp is not None and not isinstance(interp, str):
-        return interp(*a)
-      return tpu(*a, interpret=interpret or False)
-    rows.append(Kernel("mosaic_tpu", run_tpu if not isinstance(tpu, str) else None,
-                       supports=(lambda: tpu) if isinstance(tpu, str) else (lambda: None)))
-  gpu = mapping.get("gpu")
-  if gpu is not None:
-    rows.append(Kernel("triton", (lambda *a, interpret=None: gpu(*a)) if not isinstance(gpu, str) else None,
-                       supports=(lambda: gpu) if isinstance(gpu, str) else (lambda: None)))
-  rows.append(Kernel("reference", mapping["reference"]))
-  return rows
 
 
 def _bound(kernel: Kernel, interpret):

@@ -305,6 +305,29 @@ def test_float64_runs_the_reference():
     assert pk.pairwise_giou(a, a).dtype == jnp.float64  # chosen: reference
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_reference_has_forward_mode_gradients(kind, rng):
+  """backend='reference' (and float64, which only the reference runs) is
+  plain JAX: jvp and jacfwd work and agree with reverse mode."""
+  pred, target = random_boxes(rng, (9,), 0.1), random_boxes(rng, (9,))
+  tangent = rng.standard_normal(pred.shape).astype(np.float32)
+  for fn in (lambda p: LOSSES[kind](p, target, reduction="sum",
+                                    backend="reference"),
+             lambda p: PAIRWISE[kind](p[:4], target, backend="reference")):
+    _, forward = jax.jvp(fn, (jnp.asarray(pred),), (jnp.asarray(tangent),))
+    _, pullback = jax.vjp(fn, jnp.asarray(pred))
+    cot = np.ones(np.shape(forward), np.float32)
+    (reverse,) = pullback(jnp.asarray(cot))
+    np.testing.assert_allclose(float(jnp.sum(forward)),
+                               float(jnp.vdot(reverse, tangent)), rtol=1e-4,
+                               atol=1e-5)
+  with _x64():
+    p64 = jnp.asarray(pred, jnp.float64)
+    jac = jax.jacfwd(lambda p: LOSSES[kind](p, target, reduction="sum"))(p64)
+    want = jax.grad(lambda p: LOSSES[kind](p, target, reduction="sum"))(p64)
+    np.testing.assert_allclose(jac, want, rtol=1e-12, atol=1e-14)
+
+
 def test_gpu_alias_is_the_triton_kernel(rng):
   b1, b2 = random_boxes(rng, (40,)), random_boxes(rng, (40,))
   with force_interpret("generic"):

@@ -281,7 +281,10 @@ def _elementwise(op, kind, formula, eps, box_format, as_loss, reduction,
   dtype = _kernel_dtype(out_dtype)
   b1 = jnp.broadcast_to(jnp.asarray(boxes1).astype(dtype), shape).reshape(-1, 4)
   b2 = jnp.broadcast_to(jnp.asarray(boxes2).astype(dtype), shape).reshape(-1, 4)
-  out = _elementwise_kernel_op(cfg, b1, b2)
+  if _backend.only_reference(backend, _forward_kernels(cfg)):
+    out = _elementwise_forward(cfg, b1, b2)  # JAX differentiates it
+  else:
+    out = _elementwise_kernel_op(cfg, b1, b2)
   return out if reduction != "none" else out.reshape(shape[:-1])
 
 
@@ -465,7 +468,11 @@ def _pairwise(op, kind, boxes1, boxes2, eps, box_format, backend):
       boxes = jnp.stack(planes, axis=-1)
     return jnp.broadcast_to(boxes, batch + (count, 4)).reshape(-1, count, 4)
 
-  out = _pairwise_kernel_op(cfg, prepare(boxes1, n), prepare(boxes2, m))
+  a, b = prepare(boxes1, n), prepare(boxes2, m)
+  if _backend.only_reference(backend, _pairwise_kernels(cfg)):
+    out = _pairwise_forward(cfg, a, b)  # JAX differentiates it
+  else:
+    out = _pairwise_kernel_op(cfg, a, b)
   return out.reshape(batch + (n, m))
 
 
