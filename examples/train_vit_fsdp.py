@@ -105,6 +105,7 @@ def build_vit(args, *, use_kernel: bool, int8: bool, batch_axis,
               head_axis=None):
   import torch.nn as nn
   from torch_bridge import modules
+  from vit import ViTBlock
 
   class ViT(nn.Module):
     def __init__(self):
@@ -118,9 +119,9 @@ def build_vit(args, *, use_kernel: bool, int8: bool, batch_axis,
       else:
         linear = nn.Linear
       self.blocks = nn.Sequential(*[
-          modules.ViTBlock(args.dim, args.heads, linear=linear,
-                           use_kernel=use_kernel, batch_axis=batch_axis,
-                           head_axis=head_axis)
+          ViTBlock(args.dim, args.heads, linear=linear,
+                   use_kernel=use_kernel, batch_axis=batch_axis,
+                   head_axis=head_axis)
           for _ in range(args.depth)])
       self.norm = nn.LayerNorm(args.dim)
       self.head = nn.Linear(args.dim, 10)

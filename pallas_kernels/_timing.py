@@ -1,4 +1,4 @@
-"""Wall-clock timing shared by the main job and the benchmarks."""
+"""Wall-clock timing of the main job's kernel-vs-reference table."""
 from __future__ import annotations
 
 import statistics

@@ -80,7 +80,6 @@ _EXPORTS = {
     "Attention": "torch_bridge.modules",
     "Int8Linear": "torch_bridge.modules",
     "GIoULoss": "torch_bridge.modules",
-    "ViTBlock": "torch_bridge.modules",
 }
 
 __all__ = sorted(_EXPORTS) + ["ops", "modules"]

@@ -4,9 +4,6 @@
                   (MHA or GQA, optional causal mask); with ``num_kv_heads ==
                   num_heads`` it keeps the write-up's single ``qkv`` Linear,
                   so its state dict matches ``TPUAttentionBlock``'s attention.
-``ViTBlock``      the write-up's ``TPUAttentionBlock`` (pre-norm attention and
-                  MLP with residuals) on ``Attention``; ``linear`` picks the
-                  Linear class (``nn.Linear`` or ``Int8Linear``).
 ``Int8Linear``    drop-in ``nn.Linear``: int8 forward, straight-through
                   backward (``ops.int8_dense``).
 ``GIoULoss``      ``1 - GIoU`` with a reduction.
@@ -159,32 +156,6 @@ class Attention(nn.Module):
     return self.proj(out.transpose(1, 2).reshape(b, n, c))
 
 
-class Mlp(nn.Module):
-  def __init__(self, dim, hidden, linear=nn.Linear):
-    super().__init__()
-    self.fc1 = linear(dim, hidden)
-    self.fc2 = linear(hidden, dim)
-
-  def forward(self, x):
-    return self.fc2(F.gelu(self.fc1(x)))
-
-
-class ViTBlock(nn.Module):
-  """The write-up's TPUAttentionBlock: x + attn(norm1(x)), + mlp(norm2(.))."""
-
-  def __init__(self, dim: int, num_heads: int, *, mlp_ratio=4.0,
-               linear=nn.Linear, **attention_kwargs):
-    super().__init__()
-    self.norm1 = nn.LayerNorm(dim)
-    self.norm2 = nn.LayerNorm(dim)
-    self.attn = Attention(dim, num_heads, linear=linear, **attention_kwargs)
-    self.mlp = Mlp(dim, int(dim * mlp_ratio), linear=linear)
-
-  def forward(self, x):
-    x = x + self.attn(self.norm1(x))
-    return x + self.mlp(self.norm2(x))
-
-
 class GIoULoss(nn.Module):
   """``1 - GIoU(pred, target)`` for boxes ``[..., 4]`` (``box_format``
   "xyxy": x1, y1, x2, y2; "cxcywh": centre, width, height), reduced by
@@ -222,4 +193,4 @@ class GIoULoss(nn.Module):
                          partition_spec=spec, mesh=self.mesh)
 
 
-__all__ = ["Attention", "Int8Linear", "ViTBlock", "GIoULoss", "Mlp"]
+__all__ = ["Attention", "Int8Linear", "GIoULoss"]

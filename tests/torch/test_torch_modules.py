@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import pathlib
+import sys
 
 import pytest
 
@@ -13,6 +15,9 @@ import torch.nn as nn  # noqa: E402
 
 import torch_bridge as tb  # noqa: E402
 from torch_bridge import modules  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "examples"))
+from vit import ViTBlock  # noqa: E402  (the demo's block, built on modules)
 
 
 def _pair(module_factory, seed):
@@ -53,7 +58,7 @@ def test_attention_gqa_cpu(rng):
 
 def test_vit_block_causal_xla(rng, xla_device):
   kernel, plain = _pair(
-      lambda **kw: modules.ViTBlock(32, 2, causal=True, **kw),
+      lambda **kw: ViTBlock(32, 2, causal=True, **kw),
       int(rng.integers(1000)))
   # the write-up's TPUAttentionBlock parameter names
   assert {"norm1.weight", "attn.qkv.weight", "attn.proj.bias",
@@ -99,7 +104,7 @@ def test_torch_compile_openxla_model(xla_device):
 
 
 def test_meta_model():
-  block = modules.ViTBlock(64, 4, linear=tb.Int8Linear,
+  block = ViTBlock(64, 4, linear=tb.Int8Linear,
                            num_kv_heads=2).to("meta")
   out = block(torch.empty(3, 17, 64, device="meta"))
   assert out.shape == (3, 17, 64) and out.device.type == "meta"
