@@ -1,4 +1,5 @@
-"""The README's PyTorch/XLA SPMD example runs (4 CPU devices, own process)."""
+"""The guide's PyTorch examples run: docs/torch.md in this process, the
+PyTorch/XLA SPMD example of docs/sharding.md on 4 CPU devices in its own."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_readme_examples import sharding_blocks  # noqa: E402
+from test_docs import page_blocks, sharding_blocks  # noqa: E402
 
 
 def test_torch_spmd_example_runs():
@@ -28,3 +29,13 @@ def test_torch_spmd_example_runs():
   assert proc.stdout.strip().splitlines()[-1] == (
       "torch.Size([7, 4, 128, 64]) torch.Size([7, 512]) 0.0 "
       "[1, 1, 1, 1, 1, 1, 1]")
+
+
+def test_torch_page_runs(capsys):
+  blocks = page_blocks("torch.md")
+  assert blocks, "docs/torch.md lost its example"
+  namespace: dict = {}
+  for block in blocks:
+    exec(compile(block, "docs/torch.md", "exec"), namespace)  # noqa: S102
+  assert namespace["q"].grad.shape == (2, 4, 128, 64)
+  assert int(namespace["count"]) == 2

@@ -1,0 +1,213 @@
+"""Writes the guide's backend-support tables from the kernels' own rules.
+
+    python docs/support_table.py          # rewrite docs/backends.md's tables
+    python docs/support_table.py --check  # exit 1 if the page is stale
+
+Each cell asks the op itself: the call is traced (``jax.eval_shape``, no
+compilation) with ``backend=`` naming one kernel, for a Hopper GPU target
+and the default TPU generation, so the answer is the kernel row's
+``supports`` and ``hardware`` rules. A refusal shows the kernel's reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import pallas_kernels as pk  # noqa: E402
+from pallas_kernels import _backend  # noqa: E402
+
+PAGE = pathlib.Path(__file__).with_name("backends.md")
+BEGIN, END = "<!-- support-table:begin -->", "<!-- support-table:end -->"
+COLUMNS = ("mosaic_tpu", "triton", "mosaic_gpu", "reference")
+
+
+def _x64(enabled):
+  """float64 inside the block (jax < 0.8: jax.experimental.enable_x64)."""
+  if not enabled:
+    return contextlib.nullcontext()
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(True)
+  from jax.experimental import enable_x64
+  return enable_x64()
+
+
+def _spec(shape, dtype=jnp.bfloat16):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _attention_cases():
+  def call(d=128, dtype=jnp.bfloat16, kv_heads=4, grad=False, **kw):
+    q = _spec((2, 4, 256, d), dtype)
+    kv = _spec((2, kv_heads, 256, d), dtype)
+
+    def run(backend):
+      def f(q, k, v, *extra):
+        options = dict(kw)
+        if "segment_ids" in options:
+          options["segment_ids"] = (extra[0], extra[0])
+        if "bias" in options:
+          options["bias"] = extra[-1]
+        return pk.flash_attention(q, k, v, backend=backend, **options)
+      extra = []
+      if "segment_ids" in kw:
+        extra.append(_spec((2, 256), jnp.int32))
+      if "bias" in kw:
+        extra.append(_spec((2, 4, 256, 256), jnp.float32))
+      if grad:
+        loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))  # noqa: E731
+        return jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv,
+                              *extra)
+      return jax.eval_shape(f, q, kv, kv, *extra)
+    return run
+
+  return [
+      ("bf16, head_dim 128", call()),
+      ("head_dim 64", call(d=64)),
+      ("head_dim 96", call(d=96)),
+      ("head_dim 256", call(d=256)),
+      ("float32", call(dtype=jnp.float32)),
+      ("causal", call(causal=True)),
+      ("sliding_window", call(sliding_window=(64, 0))),
+      ("segment_ids", call(segment_ids=True)),
+      ("bias", call(bias=True)),
+      ("logit_soft_cap", call(logit_soft_cap=30.0)),
+      ("GQA (4 q heads, 2 kv heads)", call(kv_heads=2)),
+      ("backward, head_dim 128", call(grad=True)),
+      ("backward, head_dim 256", call(d=256, grad=True)),
+      ("backward, causal", call(causal=True, grad=True)),
+  ]
+
+
+def _int8_cases():
+  def call(m=256, k=512, n=384, weight_only=False, layout="kn",
+           scales=True):
+    x = _spec((m, k), jnp.bfloat16 if weight_only else jnp.int8)
+    w = _spec((k, n) if layout == "kn" else (n, k), jnp.int8)
+    operands = [x, w]
+    if scales:
+      operands.append(_spec((n,), jnp.float32))
+      if not weight_only:
+        operands.append(_spec((m, 1), jnp.float32))
+
+    def run(backend):
+      def f(x, w, *scale):
+        return pk.int8_matmul(x, w, w_scale=scale[0] if scale else None,
+                              x_scale=scale[1] if len(scale) > 1 else None,
+                              weight_only=weight_only, weight_layout=layout,
+                              backend=backend)
+      return jax.eval_shape(f, *operands)
+    return run
+
+  return [
+      ("int8 x int8, fused dequant", call()),
+      ("int8 x int8, int32 out (no scales)", call(scales=False)),
+      ("weight-only, M = 16, w [N, K]", call(m=16, weight_only=True,
+                                             layout="nk")),
+      ("weight-only, M = 128, w [N, K]", call(m=128, weight_only=True,
+                                              layout="nk")),
+      ("weight-only, M = 128, w [K, N]", call(m=128, weight_only=True)),
+      ("weight-only, M = 512", call(m=512, weight_only=True, layout="nk")),
+  ]
+
+
+def _box_cases():
+  def loss(dtype=jnp.float32, reduction="mean"):
+    def run(backend):
+      with _x64(dtype == jnp.float64):
+        b = _spec((1000, 4), dtype)
+        return jax.eval_shape(
+            lambda p, t: pk.giou_loss(p, t, reduction=reduction,
+                                      backend=backend), b, b)
+    return run
+
+  def pairwise(backend):
+    return jax.eval_shape(lambda a, b: pk.pairwise_giou(a, b, backend=backend),
+                          _spec((300, 4), jnp.float32),
+                          _spec((200, 4), jnp.float32))
+
+  def nms(n, batched=False):
+    def run(backend):
+      shape = (3, n) if batched else (n,)
+      op = pk.batched_nms if batched else pk.nms
+      return jax.eval_shape(
+          lambda b, s: op(b, s, iou_threshold=0.5, max_output_size=100,
+                          backend=backend),
+          _spec(shape + (4,), jnp.float32), _spec(shape, jnp.float32))
+    return run
+
+  def soft_nms(backend):
+    return jax.eval_shape(
+        lambda b, s: pk.soft_nms(b, s, max_output_size=50, backend=backend),
+        _spec((500, 4), jnp.float32), _spec((500,), jnp.float32))
+
+  return [
+      ("IoU-family losses, float32 (iou/giou/diou/ciou)", loss()),
+      ("losses, bfloat16", loss(dtype=jnp.bfloat16)),
+      ("losses, float64", loss(dtype=jnp.float64)),
+      ("pairwise (iou/giou/diou/ciou)", pairwise),
+      ("nms, N = 5000", nms(5000)),
+      ("batched_nms, 3 x 5000", nms(5000, batched=True)),
+      ("soft_nms", soft_nms),
+  ]
+
+
+FAMILIES = (("flash_attention", _attention_cases),
+            ("int8_matmul", _int8_cases),
+            ("IoU family and NMS", _box_cases))
+
+
+def _cell(run, backend):
+  try:
+    run(backend)
+  except ValueError as error:
+    message = " ".join(str(error).split())
+    if "kernel exists for this op" in message:
+      return "–"
+    if "cannot run this call: " in message:
+      message = message.split("cannot run this call: ", 1)[1]
+    elif "has no GPU kernel for this call (" in message:
+      message = message.split("for this call (", 1)[1][:-1]
+    return "no: " + message.replace("|", "/")
+  return "yes"
+
+
+def tables() -> str:
+  out = []
+  with _backend.target_override(gpu_capability="9.0"):
+    for title, cases in FAMILIES:
+      out.append(f"### {title}\n")
+      out.append("| call | " + " | ".join(f"`{c}`" for c in COLUMNS) + " |")
+      out.append("| --- |" + " --- |" * len(COLUMNS))
+      for name, run in cases():
+        cells = [_cell(run, c) for c in COLUMNS]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+      out.append("")
+  return "\n".join(out).rstrip() + "\n"
+
+
+def render(page: str) -> str:
+  start, end = page.index(BEGIN) + len(BEGIN), page.index(END)
+  return page[:start] + "\n" + tables() + page[end:]
+
+
+def main(argv) -> int:
+  page = PAGE.read_text()
+  new = render(page)
+  if "--check" in argv:
+    if new != page:
+      print(f"{PAGE} is stale: run python docs/support_table.py")
+      return 1
+    return 0
+  PAGE.write_text(new)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
