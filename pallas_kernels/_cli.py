@@ -15,8 +15,10 @@ SIZES = ("small", "medium", "large")
 BACKENDS = ("mosaic_tpu", "triton", "mosaic_gpu", "gpu", "interpret")
 # Every op the main job has cases for (tests/test_main_job.py keeps this
 # equal to the families' cases).
-OPS = ("flash_attention", "quantize_int8", "int8_matmul", "giou", "giou_loss",
-       "ciou_loss", "pairwise_giou", "nms", "batched_nms")
+OPS = ("flash_attention", "quantize_int8", "int8_matmul", "int8_dense",
+       "iou", "giou", "diou", "ciou", "iou_loss", "giou_loss", "diou_loss",
+       "ciou_loss", "pairwise_iou", "pairwise_giou", "pairwise_diou",
+       "pairwise_ciou", "box_iou", "nms", "batched_nms", "soft_nms")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -76,6 +76,12 @@ def test_cli_ops_are_the_main_job_cases():
   from pallas_kernels import _cli
   cases = _cases.load_cases("small")
   assert set(_cli.OPS) == {c.op for c in cases}
+  import inspect
+  import pallas_kernels as pk
+  exported = {name for name in dir(pk) if inspect.isfunction(getattr(pk, name))
+              and not name.startswith(("shard_", "force_"))}
+  assert exported | {"int8_dense"} == set(_cli.OPS), \
+      "every exported op is a main-job case"
   assert tuple(_cli.FAMILIES) == tuple(_cases.FAMILIES)
   assert tuple(_cli.SIZES) == tuple(_cases.SIZES)
   from pallas_kernels import _backend

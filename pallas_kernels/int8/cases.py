@@ -18,8 +18,14 @@ def _int8(rng, shape):
 
 
 def _relative_error(out, ref):
-  scale = float(np.max(np.abs(np.asarray(ref, np.float64)))) or 1.0
-  return max_abs_error(out, ref) / scale
+  """Largest |out - ref| relative to ref's largest entry, per array."""
+  import jax
+  errors = [0.0]
+  for o, r in zip(jax.tree_util.tree_leaves(out),
+                  jax.tree_util.tree_leaves(ref)):
+    scale = float(np.max(np.abs(np.asarray(r, np.float64)), initial=0.0))
+    errors.append(max_abs_error(o, r) / (scale or 1.0))
+  return max(errors)
 
 
 def main_job_cases(size):
@@ -50,6 +56,17 @@ def main_job_cases(size):
   def quantize(x, backend=None):
     return api.quantize_int8(x, axis=-1, backend=backend)
 
+  def dense_grad(x, w, b, backend=None):
+    import jax
+    from pallas_kernels import nn
+
+    def loss(x, w, b):
+      return jnp.sum(nn.int8_dense(x, w, b, backend=backend)
+                     .astype(jnp.float32) ** 2)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w, b)
+
+  wf = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
+
   return [
       Case("int8_matmul", f"{shape} raw int32", raw, (x8, w8), 0.0),
       Case("int8_matmul", f"{shape} fused bf16", fused, (x8, w8, xs, ws, bias),
@@ -59,4 +76,6 @@ def main_job_cases(size):
       Case("int8_matmul", f"{shape} w8a16", weight_only, (xb, w8, ws),
            2**-7, _relative_error),
       Case("quantize_int8", f"{m}x{k} rows", quantize, (xb,), 0.0),
+      Case("int8_dense", f"{shape} fwd+bwd", dense_grad,
+           (xb.astype(jnp.float32), wf, bias), 2**-7, _relative_error),
   ]

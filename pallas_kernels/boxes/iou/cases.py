@@ -41,13 +41,24 @@ def main_job_cases(size):
   def pairwise_giou(x, y, backend=None):
     return api.pairwise_giou(x, y, backend=backend)
 
-  shape = f"{b}x{n}"
-  return [
+  def bind(op):  # the op with its backend as a keyword
+    return lambda x, y, backend=None: getattr(api, op)(x, y, backend=backend)
+
+  shape, pairs = f"{b}x{n}", f"{pn}x{pm}"
+  cases = [
       Case("giou", shape, giou, (pred, target), TOLERANCE),
       # Gradients of a mean are O(1/P): compare them at the same scale.
       Case("giou_loss", shape + " mean, fwd+bwd", giou_loss_grad,
            (pred, target), TOLERANCE),
       Case("ciou_loss", shape, ciou_loss, (pred, target), TOLERANCE),
-      Case("pairwise_giou", f"{pn}x{pm}", pairwise_giou, (set1, set2),
-           TOLERANCE),
+      Case("pairwise_giou", pairs, pairwise_giou, (set1, set2), TOLERANCE),
+      Case("box_iou", pairs, bind("box_iou"), (set1, set2), TOLERANCE),
   ]
+  for kind in ("iou", "diou", "ciou"):
+    cases.append(Case(kind, shape, bind(kind), (pred, target), TOLERANCE))
+    cases.append(Case(f"pairwise_{kind}", pairs, bind(f"pairwise_{kind}"),
+                      (set1, set2), TOLERANCE))
+  for kind in ("iou", "diou"):
+    cases.append(Case(f"{kind}_loss", shape, bind(f"{kind}_loss"),
+                      (pred, target), TOLERANCE))
+  return cases

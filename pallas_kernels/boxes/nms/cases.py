@@ -6,7 +6,7 @@ import functools
 import numpy as np
 
 from pallas_kernels._cases import Case
-from .api import batched_nms, nms
+from .api import batched_nms, nms, soft_nms
 
 SIZES = {"small": 300, "medium": 2000, "large": 20000}
 
@@ -42,4 +42,8 @@ def main_job_cases(size: str) -> list[Case]:
                b, s, iou_threshold=0.5, max_output_size=64, class_ids=c,
                backend=backend),
            (bboxes, bscores, classes), tolerance=0.0),
+      # No kernel exists (each step rescores every box): the reference runs.
+      Case("soft_nms", f"N={min(n, 2000)} gaussian M=64",
+           functools.partial(soft_nms, max_output_size=64),
+           (boxes[:2000], scores[:2000]), tolerance=0.0),
   ]
