@@ -548,7 +548,7 @@ def test_quantize_bad_inputs(kwargs, error, match):
 def test_main_job_cases_match_reference():
   from pallas_kernels.int8 import cases
   listed = cases.main_job_cases("small")
-  assert {c.op for c in listed} == {"int8_matmul", "quantize_int8"}
+  assert {c.op for c in listed} == {"int8_matmul", "quantize_int8", "int8_dense"}
   with force_interpret("generic"):
     for case in listed:
       out = jax.jit(functools.partial(case.fn, backend="interpret"))(*case.args)

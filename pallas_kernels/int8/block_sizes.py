@@ -106,19 +106,24 @@ GPU_TABLE = {
 GPU_TABLE_WEIGHT_ONLY = {  # the [K, N] weight layout
     "decode": BlockSizes(16, 64, 128, 4, 6, w_kmajor=False, split_k=0,
                          group_m=1, stream_w=True),
-    "small": BlockSizes(128, 64, 128, 8, 4, w_kmajor=False, split_k=0,
-                        group_m=1, stream_w=True),
-    "medium": BlockSizes(128, 64, 128, 8, 4, w_kmajor=False, split_k=0,
+    # 16 < M <= 64: one row tile covers M, so w streams once.
+    "narrow": BlockSizes(64, 128, 64, 4, 4, w_kmajor=False, split_k=0,
+                         group_m=8),
+    "small": BlockSizes(64, 128, 64, 4, 4, w_kmajor=False, split_k=1,
+                        group_m=8),
+    "medium": BlockSizes(128, 64, 128, 4, 3, w_kmajor=False, split_k=1,
                          group_m=8),
     "large": BlockSizes(128, 64, 128, 8, 3, w_kmajor=False, split_k=1,
                         group_m=8),
 }
 # Weight-only with w stored [N, K] (K-major tiles, no transpose): its own
-# decode and small tiles; medium and large as for [K, N].
+# decode, narrow and small tiles; medium and large as for [K, N].
 GPU_TABLE_WEIGHT_ONLY_NK = dict(
     GPU_TABLE_WEIGHT_ONLY,
     decode=BlockSizes(16, 256, 64, 8, 4, w_kmajor=False, split_k=0, group_m=1,
                       stream_w=True),
+    narrow=BlockSizes(64, 128, 64, 4, 3, w_kmajor=False, split_k=0,
+                      group_m=8),
     small=BlockSizes(128, 128, 64, 4, 3, w_kmajor=False, split_k=0, group_m=1,
                      swap_ab=True, stream_w=True))
 # Weight-only decode is bound by streaming w: the automatic split aims at
@@ -129,8 +134,10 @@ GPU_WEIGHT_ONLY_TARGET_PROGRAMS = {"decode": 192, "small": 112}
 GPU_WEIGHT_ONLY_SMALL_MAX_M = 256
 # Weight-only calls with w [N, K], bf16 x and M in this range (inclusive)
 # run the Mosaic GPU kernel on a Hopper GPU; below it the Triton kernel is
-# faster (docs/design/int8.md).
-GPU_WEIGHT_ONLY_MOSAIC_AUTO_M = (65, 128)
+# as fast or faster (docs/design/int8.md). Weight-only classes: "decode" up
+# to GPU_WEIGHT_ONLY_DECODE_MAX_M, "narrow" up to GPU_DECODE_MAX_M.
+GPU_WEIGHT_ONLY_MOSAIC_AUTO_M = (33, 128)
+GPU_WEIGHT_ONLY_DECODE_MAX_M = 16
 GPU_DECODE_MAX_M = 64
 GPU_MEDIUM_MAX_M = 2048
 GPU_TARGET_PROGRAMS = 264
@@ -271,6 +278,10 @@ def _pow2_at_least(x: int) -> int:
 
 
 def _weight_only_class(m: int) -> str:
+  if m <= GPU_WEIGHT_ONLY_DECODE_MAX_M:
+    return "decode"
+  if m <= GPU_DECODE_MAX_M:
+    return "narrow"
   cls = gpu_shape_class(m)
   return "small" if cls == "medium" and m <= GPU_WEIGHT_ONLY_SMALL_MAX_M else cls
 
