@@ -28,13 +28,14 @@ runs a third op,
 
 the forward under ``jax.vjp``: it returns the outputs followed by the
 residual arrays of the VJP closure (the pullback is a pytree whose leaves
-are the residuals: for flash attention the output and the log-sum-exp;
-inputs the pullback keeps are not returned again but taken from the saved
-inputs). The backward,
+are the residuals: for flash attention the output and the log-sum-exp).
+Leaves that are inputs or outputs are not returned again: the backward
+takes them from the saved inputs and outputs. The backward,
 
   pallas_kernels::<name>_restore(str static, Tensor[] arrays,
                                  Tensor[] residuals, Tensor[] cotangents)
 
+(``residuals`` there: the outputs, then the save op's residuals)
 rebuilds the pullback from the residuals and applies it, so it runs only the
 op's backward (the Pallas backward kernels where the op has them), never the
 forward again. Calls without gradients run the plain forward op. The plain
@@ -263,9 +264,9 @@ class _Plan:
   """How the pullback of one traced ``jax.vjp`` is rebuilt from tensors.
 
   ``tree`` is the pullback's pytree structure; ``sources`` says where each
-  of its leaves comes from: ``("in", i)`` the i-th present input,
-  ``("saved", j)`` the j-th residual output of the save op, ``("const",
-  value)`` a constant of the trace. ``outputs`` are the forward outputs'
+  of its leaves comes from: ``("in", i)`` the i-th present input, ``("out",
+  i)`` the i-th output, ``("saved", j)`` the j-th residual the save op
+  returns after the outputs, ``("const", value)`` a constant of the trace. ``outputs`` are the forward outputs'
   (shape, dtype).
   """
   tree: Any
@@ -307,10 +308,13 @@ def _jax_save(name: str, static_text: str, mask: tuple[bool, ...]
                              *[arrays[i] for i in diff_index])
     leaves, tree = jax.tree_util.tree_flatten(pullback)
     inputs = {id(a): i for i, a in enumerate(arrays)}
+    outputs = {id(o): i for i, o in enumerate(outs)}
     saved, where, sources = [], {}, []
     for leaf in leaves:
       if id(leaf) in inputs:
         sources.append(("in", inputs[id(leaf)]))
+      elif id(leaf) in outputs:
+        sources.append(("out", outputs[id(leaf)]))
       elif isinstance(leaf, jax.core.Tracer):
         if id(leaf) not in where:
           where[id(leaf)] = len(saved)
@@ -340,22 +344,27 @@ def _plan(name, static_text, mask, arrays) -> _Plan:
 @functools.lru_cache(maxsize=None)
 def _jax_restore(name: str, static_text: str, mask: tuple[bool, ...]
                  ) -> Callable:
-  """``(*present arrays, *residuals, *float cotangents) -> grads of the
-  masked arrays``: the pullback rebuilt from the residuals, applied."""
+  """``(*present arrays, *outputs, *residuals, *float cotangents) -> grads
+  of the masked arrays``: the pullback rebuilt from the saved arrays,
+  applied."""
   n_arrays = len(mask)
 
   def restore(*flat):
     arrays = flat[:n_arrays]
     plan = _plan(name, static_text, mask, arrays)
-    saved = flat[n_arrays:n_arrays + len(plan.saved)]
+    n_out = len(plan.outputs)
+    outs = flat[n_arrays:n_arrays + n_out]
+    saved = flat[n_arrays + n_out:n_arrays + n_out + len(plan.saved)]
     if _specs_of(saved) != plan.saved:
       raise RuntimeError(
           f"{name}: the saved residuals {_specs_of(saved)} do not match the "
           f"backward's trace {plan.saved} (was force_interpret or the "
           "target changed between forward and backward?)")
-    cotangents = iter(flat[n_arrays + len(plan.saved):])
-    leaves = [arrays[i] if kind == "in" else saved[i] if kind == "saved"
-              else i for kind, i in plan.sources]
+    cotangents = iter(flat[n_arrays + n_out + len(plan.saved):])
+    where = dict(saved=saved, out=outs)
+    where["in"] = arrays
+    leaves = [value if kind == "const" else where[kind][value]
+              for kind, value in plan.sources]
     pullback = jax.tree_util.tree_unflatten(plan.tree, leaves)
     cts = tuple(next(cotangents).astype(dtype)
                 if jnp.issubdtype(dtype, jnp.inexact)
@@ -540,8 +549,9 @@ def _shard_for(op: JaxOp, static_text: str, arrays, kind="forward",
     forward   (ShardSpec, partial-sum axes per output)
     vjp       the same; inputs are arrays then float cotangents
     save      (ShardSpec of arrays -> outputs, (), stack axes)
-    restore   (ShardSpec, partials, stack axes); the residual inputs' specs
-              are the marker "residual" (``_run_xla_residuals`` fills them)
+    restore   (ShardSpec, partials, stack axes); inputs are arrays,
+              outputs, residuals (spec: the marker "residual", which
+              ``_run_xla_residuals`` fills in) and float cotangents
 
   ``arrays`` are the present inputs; ``float_outputs`` marks the forward
   outputs that have cotangents and ``mask`` the inputs that get gradients.
@@ -574,7 +584,8 @@ def _shard_for(op: JaxOp, static_text: str, arrays, kind="forward",
       grads.append(((axes,) + s) if axes else s)
       partial.append(axes)
   ct_specs = [s for s, f in zip(outs, float_outputs) if f]
-  res_specs = ["residual"] * n_residuals
+  res_specs = [] if kind == "vjp" else (
+      [tuple(s) for s in outs] + ["residual"] * n_residuals)
   spec = _xla.ShardSpec(mesh, tuple(ins) + tuple(res_specs) + tuple(ct_specs),
                         tuple(grads))
   if kind == "vjp":
@@ -725,7 +736,7 @@ def _register_save(op: JaxOp):
     ctx.n_arrays = len(arrays)
     ctx.float_outputs = tuple(o.dtype.is_floating_point for o in outs)
     ctx.output_meta = [(o.shape, o.dtype) for o in outs]
-    ctx.save_for_backward(*arrays, *residuals)
+    ctx.save_for_backward(*arrays, *outs, *residuals)
 
   def backward(ctx, grads):
     # grads of the residual outputs (after the op's outputs) are unused.
@@ -755,7 +766,7 @@ def _register_restore(op: JaxOp):
     if device.type == "xla":
       float_outputs = _float_outputs(op, static, arrays)
       shard = _shard_for(op, static, arrays, "restore", float_outputs, mask,
-                         n_residuals=len(residuals))
+                         n_residuals=len(residuals) - len(float_outputs))
       return _run_xla(op, static, "restore", mask, tensors, shard)
     return _run_eager(op.name, static, "restore", mask, tensors, device)
 
