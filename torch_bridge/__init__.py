@@ -38,9 +38,14 @@ SPMD / FSDP:
     (one replica per device); ``train_vit_fsdp.py --fsdp v1``. Unverified:
     it cannot run on the CPU PJRT client here (see that script).
 
+Drop-in for torch_xla users: ``torch_bridge.custom_kernel.flash_attention``
+has ``torch_xla.experimental.custom_kernel.flash_attention``'s signature and
+semantics (README: "Migrating from torch_xla's flash_attention").
+
+Autograd saves the JAX op's residuals (flash attention: output and
+log-sum-exp), so the backward runs only the backward kernels.
+
 Known limits:
-  * Backward recomputes the forward (only inputs are saved): flash attention
-    fwd+bwd does one extra forward kernel.
   * Per-call overhead on CUDA tensors (H100, torch 2.11, jax 0.11.2,
     ``bench/results/torch_bridge-h100-2026-11-22.json``): 0.2-0.6 ms per
     forward and about 2.2-2.4 ms per forward+backward more than calling the
@@ -48,8 +53,7 @@ Known limits:
     forward 1.29 vs 1.03 ms), small ones do not. cProfile there puts most of
     it in torch.library's custom-op dispatch (``backend_impl``, about 0.5-1.5
     ms of own time per call), not in DLPack (about 0.2 ms for three tensors)
-    or JAX dispatch; the backward adds a second dispatch and the recomputed
-    forward. An eager path that bypasses the custom op for CPU/CUDA tensors
+    or JAX dispatch; the backward adds a second dispatch. An eager path that bypasses the custom op for CPU/CUDA tensors
     would remove most of it (not done).
   * ``int8_matmul`` and ``quantize_int8`` have no gradient; ``nms`` returns
     indices (no gradient).
@@ -82,13 +86,13 @@ _EXPORTS = {
     "GIoULoss": "torch_bridge.modules",
 }
 
-__all__ = sorted(_EXPORTS) + ["ops", "modules"]
+__all__ = sorted(_EXPORTS) + ["ops", "modules", "custom_kernel"]
 
 
 def __getattr__(name):
   if name in _EXPORTS:
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
-  elif name in ("ops", "modules"):
+  elif name in ("ops", "modules", "custom_kernel"):
     value = importlib.import_module(f"torch_bridge.{name}")
   else:
     raise AttributeError(f"module 'torch_bridge' has no attribute {name!r}")

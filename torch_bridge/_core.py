@@ -21,12 +21,33 @@ Where the arrays live decides how ``fn`` runs:
   CPU / CUDA    handed to a jitted ``fn`` via DLPack and back (``_convert``).
   meta / fake   ``jax.eval_shape`` gives the output shapes (``register_fake``).
 
-Autograd: the backward op evaluates ``jax.vjp`` of ``fn`` on the saved inputs,
-so it recomputes the forward (activation-checkpoint style: only the inputs are
-saved, the JAX op's own residuals are rebuilt) and then runs the op's VJP
-(the Pallas backward kernels where the op has them). Gradients flow to the
-floating-point inputs listed in ``differentiable`` (all by default); integer
-outputs take no cotangent.
+Autograd keeps the JAX op's own residuals. When a call needs gradients it
+runs a third op,
+
+  pallas_kernels::<name>_save(str static, Tensor[] arrays) -> Tensor[]
+
+the forward under ``jax.vjp``: it returns the outputs followed by the
+residual arrays of the VJP closure (the pullback is a pytree whose leaves
+are the residuals: for flash attention the output and the log-sum-exp).
+Leaves that are inputs or outputs are not returned again: the backward
+takes them from the saved inputs and outputs. The backward,
+
+  pallas_kernels::<name>_restore(str static, Tensor[] arrays,
+                                 Tensor[] residuals, Tensor[] cotangents)
+
+(``residuals`` there: the outputs, then the save op's residuals)
+rebuilds the pullback from the residuals and applies it, so it runs only the
+op's backward (the Pallas backward kernels where the op has them), never the
+forward again. Calls without gradients run the plain forward op. The plain
+op ``<name>`` called directly keeps a recomputing autograd formula
+(``<name>_vjp``: ``jax.vjp`` of the forward on the saved inputs).
+Gradients flow to the floating-point inputs listed in ``differentiable``
+(all by default); integer outputs take no cotangent.
+
+Under SPMD each device's residuals are per-shard arrays of no global
+meaning: they leave the manual region stacked on a new leading axis split
+over the mesh axes the inputs use, and enter the backward the same way, so
+every device gets its own residuals back.
 """
 from __future__ import annotations
 
@@ -148,6 +169,8 @@ class JaxOp:
     _OPS[self.name] = self
     self.forward_op = _register_forward(self)
     self.vjp_op = _register_vjp(self)
+    self.save_op = _register_save(self)
+    self.restore_op = _register_restore(self)
 
   def jax_forward(self, static_text: str) -> Callable:
     """``(*present arrays) -> tuple of arrays`` for these static params."""
@@ -159,7 +182,10 @@ class JaxOp:
 
   def grad_mask(self, static_text: str, arrays) -> tuple[bool, ...]:
     """Which present arrays get gradients."""
-    positions = [i for i, here in enumerate(_layout(static_text)) if here]
+    return self._mask(_layout(static_text), arrays)
+
+  def _mask(self, layout, arrays) -> tuple[bool, ...]:
+    positions = [i for i, here in enumerate(layout) if here]
     allowed = (positions if self.differentiable is None
                else self.differentiable)
     return tuple(i in allowed and _is_float(a)
@@ -178,7 +204,14 @@ class JaxOp:
       from torch_bridge import _xla
       if _xla.spmd_active():
         _warn_unsharded(self.name)
-    return list(self.forward_op(encode_static(static), present))
+    static_text = encode_static(static)
+    if torch.is_grad_enabled() and any(
+        m and t.requires_grad
+        for m, t in zip(self._mask(static["_layout"], present), present)):
+      n_out = _n_outputs(self.name, static_text, tuple(
+          (tuple(t.shape), t.dtype) for t in present))
+      return list(self.save_op(static_text, present)[:n_out])
+    return list(self.forward_op(static_text, present))
 
 
 def _layout(static_text: str) -> tuple[bool, ...]:
@@ -226,15 +259,143 @@ def _jax_vjp(name: str, static_text: str, mask: tuple[bool, ...]) -> Callable:
   return vjp
 
 
-# ---- execution on each kind of device ---------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """How the pullback of one traced ``jax.vjp`` is rebuilt from tensors.
+
+  ``tree`` is the pullback's pytree structure; ``sources`` says where each
+  of its leaves comes from: ``("in", i)`` the i-th present input, ``("out",
+  i)`` the i-th output, ``("saved", j)`` the j-th residual the save op
+  returns after the outputs, ``("const", value)`` a constant of the trace. ``outputs`` are the forward outputs'
+  (shape, dtype).
+  """
+  tree: Any
+  sources: tuple
+  saved: tuple
+  outputs: tuple
+
+
+_PLANS: dict[Any, _Plan] = {}
+
+
+def _specs_of(arrays) -> tuple:
+  return tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in arrays)
+
+
+def _trace_context() -> tuple:
+  """What, besides the arguments, can change the traced pullback."""
+  from pallas_kernels import _sharding
+  return (_backend.forced_interpret_flavour(),
+          tuple(sorted(_backend._override.get().items())),
+          _sharding._local_only.get())
+
 
 @functools.lru_cache(maxsize=None)
-def _jitted(name: str, static_text: str, flavour: str | None,
+def _jax_save(name: str, static_text: str, mask: tuple[bool, ...]
+              ) -> Callable:
+  """``(*present arrays) -> (*outputs, *residuals)`` of ``jax.vjp``."""
+  forward = _jax_forward(name, static_text)
+  diff_index = [i for i, m in enumerate(mask) if m]
+
+  def save(*arrays):
+    def of_differentiable(*diff):
+      full = list(arrays)
+      for i, a in zip(diff_index, diff):
+        full[i] = a
+      return forward(*full)
+
+    outs, pullback = jax.vjp(of_differentiable,
+                             *[arrays[i] for i in diff_index])
+    leaves, tree = jax.tree_util.tree_flatten(pullback)
+    inputs = {id(a): i for i, a in enumerate(arrays)}
+    outputs = {id(o): i for i, o in enumerate(outs)}
+    saved, where, sources = [], {}, []
+    for leaf in leaves:
+      if id(leaf) in inputs:
+        sources.append(("in", inputs[id(leaf)]))
+      elif id(leaf) in outputs:
+        sources.append(("out", outputs[id(leaf)]))
+      elif isinstance(leaf, jax.core.Tracer):
+        if id(leaf) not in where:
+          where[id(leaf)] = len(saved)
+          saved.append(leaf)
+        sources.append(("saved", where[id(leaf)]))
+      else:
+        sources.append(("const", leaf))
+    _PLANS[(name, static_text, mask, _specs_of(arrays),
+            _trace_context())] = _Plan(
+        tree, tuple(sources), _specs_of(saved),
+        tuple((tuple(o.shape), o.dtype) for o in outs))
+    return tuple(outs) + tuple(saved)
+  return save
+
+
+def _plan(name, static_text, mask, arrays) -> _Plan:
+  """The plan recorded when the save op was traced on arrays like these
+  (traced again, abstractly, if this process has not traced it here)."""
+  specs = _specs_of(arrays)
+  key = (name, static_text, mask, specs, _trace_context())
+  if key not in _PLANS:
+    jax.eval_shape(_jax_save(name, static_text, mask),
+                   *[jax.ShapeDtypeStruct(s, d) for s, d in specs])
+  return _PLANS[key]
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_restore(name: str, static_text: str, mask: tuple[bool, ...]
+                 ) -> Callable:
+  """``(*present arrays, *outputs, *residuals, *float cotangents) -> grads
+  of the masked arrays``: the pullback rebuilt from the saved arrays,
+  applied."""
+  n_arrays = len(mask)
+
+  def restore(*flat):
+    arrays = flat[:n_arrays]
+    plan = _plan(name, static_text, mask, arrays)
+    n_out = len(plan.outputs)
+    outs = flat[n_arrays:n_arrays + n_out]
+    saved = flat[n_arrays + n_out:n_arrays + n_out + len(plan.saved)]
+    if _specs_of(saved) != plan.saved:
+      raise RuntimeError(
+          f"{name}: the saved residuals {_specs_of(saved)} do not match the "
+          f"backward's trace {plan.saved} (was force_interpret or the "
+          "target changed between forward and backward?)")
+    cotangents = iter(flat[n_arrays + n_out + len(plan.saved):])
+    where = dict(saved=saved, out=outs)
+    where["in"] = arrays
+    leaves = [value if kind == "const" else where[kind][value]
+              for kind, value in plan.sources]
+    pullback = jax.tree_util.tree_unflatten(plan.tree, leaves)
+    cts = tuple(next(cotangents).astype(dtype)
+                if jnp.issubdtype(dtype, jnp.inexact)
+                else np.zeros(shape, jax.dtypes.float0)
+                for shape, dtype in plan.outputs)
+    return tuple(pullback(cts))
+  return restore
+
+
+def _jax_fn(name, static_text, kind, mask) -> Callable:
+  if kind == "forward":
+    return _jax_forward(name, static_text)
+  if kind == "vjp":
+    return _jax_vjp(name, static_text, mask)
+  if kind == "save":
+    return _jax_save(name, static_text, mask)
+  return _jax_restore(name, static_text, mask)
+
+
+# ---- execution on each kind of device ---------------------------------------
+#
+# ``kind`` names the JAX function a custom op runs: "forward", "vjp"
+# (recomputing), "save" (forward + residuals), "restore" (backward from
+# residuals). ``mask`` marks the present inputs that get gradients (None for
+# "forward").
+
+@functools.lru_cache(maxsize=None)
+def _jitted(name: str, static_text: str, flavour: str | None, kind: str,
             mask: tuple[bool, ...] | None) -> Callable:
   del flavour  # part of the cache key only: it changes what is traced
-  fn = (_jax_forward(name, static_text) if mask is None
-        else _jax_vjp(name, static_text, mask))
-  return jax.jit(fn)
+  return jax.jit(_jax_fn(name, static_text, kind, mask))
 
 
 def _device_of(tensors) -> torch.device:
@@ -253,9 +414,9 @@ def _check_same_device(name: str, tensors) -> torch.device:
   return device
 
 
-def _run_eager(name, static_text, mask, tensors, device):
+def _run_eager(name, static_text, kind, mask, tensors, device):
   flavour = _backend.forced_interpret_flavour()
-  fn = _jitted(name, static_text, flavour, mask)
+  fn = _jitted(name, static_text, flavour, kind, mask)
   jax_device = _convert.jax_device_for(device)
   arrays = [_convert.to_jax(t, jax_device) for t in tensors]
   outs = fn(*arrays)
@@ -267,18 +428,28 @@ def _run_eager(name, static_text, mask, tensors, device):
           for r in result]
 
 
-def _run_xla(op, static_text, mask, tensors, shard):
+def _run_xla(op, static_text, kind, mask, tensors, shard):
   from torch_bridge import _xla
-  fn = (op.jax_forward(static_text) if mask is None
-        else op.jax_vjp(static_text, mask))
-  key = (op.name, static_text, mask)
+  fn = _jax_fn(op.name, static_text, kind, mask)
+  key = (op.name, static_text, kind, mask)
   if shard is None:
     return _xla.call(key, fn, tensors)
+  if kind in ("save", "restore"):
+    return _run_xla_residuals(op, static_text, kind, mask, tensors, shard)
   shard, partial = shard
   out_shapes = None
   if _xla.needs_padding(tensors, shard):
     specs = tuple(_convert.shape_dtype(t) for t in tensors)
-    out_shapes = _out_shapes(op.name, static_text, mask, specs)
+    out_shapes = _out_shapes(op.name, static_text, kind, mask, specs)
+  return _sharded_with_partials(key, fn, tensors, shard, partial, out_shapes)
+
+
+def _sharded_with_partials(key, fn, tensors, shard, partial, out_shapes,
+                           n_leading=0):
+  """``_xla.call_sharded`` where the outputs from ``n_leading`` on may be
+  per-device partial sums (``partial``: the mesh axes to sum each over)."""
+  from torch_bridge import _xla
+  partial = ((),) * n_leading + tuple(partial)
   if not any(partial):
     return _xla.call_sharded(key, fn, tensors, shard, out_shapes)
   # A gradient of an input replicated over mesh axes that other inputs are
@@ -296,11 +467,69 @@ def _run_xla(op, static_text, mask, tensors, shard):
   return [o.sum(0) if axes else o for o, axes in zip(outs, partial)]
 
 
+def _local_specs(tensors, specs, mesh):
+  """Per-device ShapeDtypeStructs of ``tensors`` split (and padded) as
+  ``specs``."""
+  from torch_bridge import _xla
+  out = []
+  for t, spec in zip(tensors, specs):
+    shape = _xla.padded_shape(t.shape, spec, mesh)
+    local = tuple(n // _xla.entry_size(mesh, e) for n, e in zip(shape, spec))
+    out.append(jax.ShapeDtypeStruct(local, _convert.jax_dtype(t.dtype)))
+  return out
+
+
+def _run_xla_residuals(op, static_text, kind, mask, tensors, shard):
+  """The save/restore ops under SPMD: residuals are stacked per device on a
+  leading axis split over ``stack`` (the mesh axes the inputs use)."""
+  from torch_bridge import _xla
+  shard, partial, stack = shard
+  key = (op.name, static_text, kind, mask)
+  n_arrays = len(mask)
+  arrays = tensors[:n_arrays]
+  fn = _jax_fn(op.name, static_text, kind, mask)
+  if kind == "save":
+    padded = _xla.needs_padding(tensors, shard)
+    n_out = len(shard.outputs)
+    local = _local_specs(arrays, shard.inputs, shard.mesh)
+    res_shapes = [tuple(s.shape) for s in jax.eval_shape(fn, *local)[n_out:]]
+    lead = (_xla.entry_size(shard.mesh, stack),) if stack else ()
+    res_specs = tuple(((stack,) if stack else ()) + (None,) * len(s)
+                      for s in res_shapes)
+    shard = _xla.ShardSpec(shard.mesh, shard.inputs,
+                           shard.outputs + res_specs)
+
+    def stacked(*a):
+      outs = fn(*a)
+      return tuple(outs[:n_out]) + tuple(
+          r[None] if stack else r for r in outs[n_out:])
+    out_shapes = None
+    if padded:
+      specs = tuple(_convert.shape_dtype(t) for t in arrays)
+      out_shapes = (_out_shapes(op.name, static_text, "forward", None, specs)
+                    + [lead + s for s in res_shapes])
+    return _xla.call_sharded(key + (stack,), stacked, tensors, shard,
+                             out_shapes)
+  # restore: inputs are arrays, residuals (specs "residual"), cotangents.
+  is_res = [s == "residual" for s in shard.inputs]
+
+  def unstacked(*flat):
+    return fn(*[a[0] if res and stack else a for a, res in zip(flat, is_res)])
+  lead = (stack,) if stack else ()
+  ins = tuple(lead + (None,) * (t.dim() - len(lead)) if res else s
+              for t, s, res in zip(tensors, shard.inputs, is_res))
+  shard = _xla.ShardSpec(shard.mesh, ins, shard.outputs)
+  out_shapes = None
+  if _xla.needs_padding(tensors, shard):
+    out_shapes = [tuple(t.shape) for t, m in zip(arrays, mask) if m]
+  return _sharded_with_partials(key + (stack,), unstacked, tensors, shard,
+                                partial, out_shapes)
+
+
 @functools.lru_cache(maxsize=None)
-def _out_shapes(name, static_text, mask, specs) -> list[tuple[int, ...]]:
-  """Global output shapes of the forward (mask None) or VJP on ``specs``."""
-  fn = (_jax_forward(name, static_text) if mask is None
-        else _jax_vjp(name, static_text, mask))
+def _out_shapes(name, static_text, kind, mask, specs) -> list[tuple[int, ...]]:
+  """Global output shapes of the ``kind`` function on ``specs``."""
+  fn = _jax_fn(name, static_text, kind, mask)
   return [tuple(o.shape) for o in jax.eval_shape(fn, *specs)]
 
 
@@ -313,13 +542,19 @@ def _axes_of(spec) -> set:
   return axes
 
 
-def _shard_for(op: JaxOp, static_text: str, arrays, float_outputs=None,
-               mask=None):
-  """(ShardSpec, partial-sum axes per output) or None (run unsharded).
+def _shard_for(op: JaxOp, static_text: str, arrays, kind="forward",
+               float_outputs=None, mask=None, n_residuals=0):
+  """None (run unsharded) or, for ``kind``:
 
-  ``arrays`` are the present inputs; for the VJP, ``float_outputs`` marks
-  the forward outputs that have cotangents and ``mask`` the inputs that get
-  gradients.
+    forward   (ShardSpec, partial-sum axes per output)
+    vjp       the same; inputs are arrays then float cotangents
+    save      (ShardSpec of arrays -> outputs, (), stack axes)
+    restore   (ShardSpec, partials, stack axes); inputs are arrays,
+              outputs, residuals (spec: the marker "residual", which
+              ``_run_xla_residuals`` fills in) and float cotangents
+
+  ``arrays`` are the present inputs; ``float_outputs`` marks the forward
+  outputs that have cotangents and ``mask`` the inputs that get gradients.
   """
   static = decode_static(static_text)
   spec = static.get("_partition_spec")
@@ -336,9 +571,12 @@ def _shard_for(op: JaxOp, static_text: str, arrays, float_outputs=None,
   ins = [s for s, here in zip(full_ins, layout) if here]
   ins = [tuple(s) if s is not None else (None,) * a.dim()
          for s, a in zip(ins, arrays)]
-  if mask is None:
-    return _xla.ShardSpec(mesh, tuple(ins), tuple(outs)), ((),) * len(outs)
   used = set().union(*(_axes_of(s) for s in ins))
+  stack = tuple(sorted(used, key=str)) or None
+  if kind == "forward":
+    return _xla.ShardSpec(mesh, tuple(ins), tuple(outs)), ((),) * len(outs)
+  if kind == "save":
+    return _xla.ShardSpec(mesh, tuple(ins), tuple(outs)), (), stack
   grads, partial = [], []
   for s, m in zip(ins, mask):
     if m:
@@ -346,8 +584,13 @@ def _shard_for(op: JaxOp, static_text: str, arrays, float_outputs=None,
       grads.append(((axes,) + s) if axes else s)
       partial.append(axes)
   ct_specs = [s for s, f in zip(outs, float_outputs) if f]
-  return (_xla.ShardSpec(mesh, tuple(ins) + tuple(ct_specs), tuple(grads)),
-          tuple(partial))
+  res_specs = [] if kind == "vjp" else (
+      [tuple(s) for s in outs] + ["residual"] * n_residuals)
+  spec = _xla.ShardSpec(mesh, tuple(ins) + tuple(res_specs) + tuple(ct_specs),
+                        tuple(grads))
+  if kind == "vjp":
+    return spec, tuple(partial)
+  return spec, tuple(partial), stack
 
 
 def _check_axes(name, spec, mesh):
@@ -385,14 +628,25 @@ def _fake_outputs(fn, tensors, device):
                       device=device) for s in shapes]
 
 
+def _cotangents(grads, float_outputs, output_meta, device):
+  """One cotangent per floating-point output (zeros where torch has none)."""
+  cotangents = []
+  for g, is_float, (shape, dtype) in zip(grads, float_outputs, output_meta):
+    if is_float:
+      cotangents.append(g if g is not None else torch.zeros(
+          shape, dtype=dtype, device=device))
+  return cotangents
+
+
 def _register_forward(op: JaxOp):
   qualname = f"{NAMESPACE}::{op.name}"
 
   def impl(static: str, arrays: list[torch.Tensor]):
     device = _check_same_device(op.name, arrays)
     if device.type == "xla":
-      return _run_xla(op, static, None, arrays, _shard_for(op, static, arrays))
-    return _run_eager(op.name, static, None, arrays, device)
+      return _run_xla(op, static, "forward", None, arrays,
+                      _shard_for(op, static, arrays))
+    return _run_eager(op.name, static, "forward", None, arrays, device)
 
   custom = torch.library.custom_op(
       qualname, impl, mutates_args=(),
@@ -414,12 +668,8 @@ def _register_forward(op: JaxOp):
     arrays = ctx.saved_tensors
     if not any(ctx.mask):
       return None, [None] * len(arrays)
-    cotangents = []
-    for g, is_float, (shape, dtype) in zip(grads, ctx.float_outputs,
-                                           ctx.output_meta):
-      if is_float:
-        cotangents.append(g if g is not None else torch.zeros(
-            shape, dtype=dtype, device=arrays[0].device))
+    cotangents = _cotangents(grads, ctx.float_outputs, ctx.output_meta,
+                             arrays[0].device)
     diff = iter(op.vjp_op(ctx.static, list(arrays), cotangents))
     return None, [next(diff) if m else None for m in ctx.mask]
 
@@ -438,9 +688,9 @@ def _register_vjp(op: JaxOp):
     tensors = list(arrays) + list(cotangents)
     if device.type == "xla":
       float_outputs = _float_outputs(op, static, arrays)
-      shard = _shard_for(op, static, arrays, float_outputs, mask)
-      return _run_xla(op, static, mask, tensors, shard)
-    return _run_eager(op.name, static, mask, tensors, device)
+      shard = _shard_for(op, static, arrays, "vjp", float_outputs, mask)
+      return _run_xla(op, static, "vjp", mask, tensors, shard)
+    return _run_eager(op.name, static, "vjp", mask, tensors, device)
 
   custom = torch.library.custom_op(
       qualname, impl, mutates_args=(),
@@ -453,6 +703,93 @@ def _register_vjp(op: JaxOp):
     return _fake_outputs(fn, list(arrays) + list(cotangents),
                          _device_of(arrays))
   return custom
+
+
+def _register_save(op: JaxOp):
+  qualname = f"{NAMESPACE}::{op.name}_save"
+
+  def impl(static: str, arrays: list[torch.Tensor]):
+    device = _check_same_device(op.name, arrays)
+    mask = op.grad_mask(static, arrays)
+    if device.type == "xla":
+      outs = _run_xla(op, static, "save", mask, arrays,
+                      _shard_for(op, static, arrays, "save"))
+    else:
+      outs = _run_eager(op.name, static, "save", mask, arrays, device)
+    return outs
+
+  custom = torch.library.custom_op(
+      qualname, impl, mutates_args=(),
+      schema="(str static, Tensor[] arrays) -> Tensor[]")
+
+  @custom.register_fake
+  def _fake(static, arrays):
+    fn = _jax_save(op.name, static, op.grad_mask(static, arrays))
+    return _fake_outputs(fn, arrays, _device_of(arrays))
+
+  def setup_context(ctx, inputs, output):
+    static, arrays = inputs
+    n_out = len(_float_outputs(op, static, arrays))
+    outs, residuals = output[:n_out], output[n_out:]
+    ctx.static = static
+    ctx.mask = op.grad_mask(static, arrays)
+    ctx.n_arrays = len(arrays)
+    ctx.float_outputs = tuple(o.dtype.is_floating_point for o in outs)
+    ctx.output_meta = [(o.shape, o.dtype) for o in outs]
+    ctx.save_for_backward(*arrays, *outs, *residuals)
+
+  def backward(ctx, grads):
+    # grads of the residual outputs (after the op's outputs) are unused.
+    saved = ctx.saved_tensors
+    arrays, residuals = saved[:ctx.n_arrays], saved[ctx.n_arrays:]
+    if not any(ctx.mask):
+      return None, [None] * len(arrays)
+    cotangents = _cotangents(grads, ctx.float_outputs, ctx.output_meta,
+                             arrays[0].device)
+    diff = iter(op.restore_op(ctx.static, list(arrays), list(residuals),
+                              cotangents))
+    return None, [next(diff) if m else None for m in ctx.mask]
+
+  torch.library.register_autograd(qualname, backward,
+                                  setup_context=setup_context)
+  return custom
+
+
+def _register_restore(op: JaxOp):
+  qualname = f"{NAMESPACE}::{op.name}_restore"
+
+  def impl(static: str, arrays: list[torch.Tensor],
+           residuals: list[torch.Tensor], cotangents: list[torch.Tensor]):
+    device = _check_same_device(op.name, arrays)
+    mask = op.grad_mask(static, arrays)
+    tensors = list(arrays) + list(residuals) + list(cotangents)
+    if device.type == "xla":
+      float_outputs = _float_outputs(op, static, arrays)
+      shard = _shard_for(op, static, arrays, "restore", float_outputs, mask,
+                         n_residuals=len(residuals) - len(float_outputs))
+      return _run_xla(op, static, "restore", mask, tensors, shard)
+    return _run_eager(op.name, static, "restore", mask, tensors, device)
+
+  custom = torch.library.custom_op(
+      qualname, impl, mutates_args=(),
+      schema="(str static, Tensor[] arrays, Tensor[] residuals, "
+             "Tensor[] cotangents) -> Tensor[]")
+
+  @custom.register_fake
+  def _(static, arrays, residuals, cotangents):
+    device = _device_of(arrays)
+    return [torch.empty(tuple(a.shape), dtype=a.dtype, device=device)
+            for a, m in zip(arrays, op.grad_mask(static, arrays)) if m]
+  return custom
+
+
+@torch.compiler.assume_constant_result
+def _n_outputs(name: str, static: str, shapes: tuple) -> int:
+  """How many outputs the forward has (residuals follow them in the save
+  op's list); a constant for torch.compile."""
+  specs = tuple(jax.ShapeDtypeStruct(s, _convert.jax_dtype(d))
+                for s, d in shapes)
+  return len(_float_outputs_cached(name, static, specs))
 
 
 def _float_outputs(op, static, arrays) -> tuple[bool, ...]:
