@@ -12,7 +12,7 @@ operand not mapped is repeated), operands without it are shared by every row
 runs on the whole batch, as if the caller had concatenated it.
 
 Where no such fold exists, the call runs once per mapped index
-(``jax.lax.map``): a result without the factor (a reduced loss, the gradient
+(``jax.lax.map``; unrolled under the TPU-semantics interpreter): a result without the factor (a reduced loss, the gradient
 of a bias broadcast over the batch) or a mapped operand without it (a mapped
 matmul weight).
 
@@ -27,6 +27,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import custom_batching
+
+from pallas_kernels import _backend
 
 
 def fold_factor(rule) -> str | None:
@@ -62,7 +64,7 @@ def vmappable(rule, fn: Callable[..., Any]) -> Callable[..., Any]:
     foldable = factor is not None and all(
         axis is not None for axis, b in zip(operand_axes, batched) if b)
     if not foldable:
-      out = _per_index(call, args, batched)
+      out = _per_index(call, args, batched, axis_size)
     else:
       folded = [a if axis is None else _merge(a, b, axis, axis_size)
                 for a, b, axis in zip(args, batched, operand_axes)]
@@ -102,11 +104,16 @@ def _empty(fn, args, batched):
   return jax.tree.map(lambda s: jnp.zeros((0,) + s.shape, s.dtype), shapes)
 
 
-def _per_index(call, args, batched):
+def _per_index(call, args, batched, size):
   mapped = [a for a, b in zip(args, batched) if b]
 
   def one(slices):
     it = iter(slices)
     return call(*(next(it) if b else a for a, b in zip(args, batched)))
 
+  if _backend.forced_interpret_flavour() in ("tpu", "races"):
+    # The TPU-semantics interpreter's ordered callbacks cannot be lowered
+    # inside a loop by every jax (0.7): one call per index, unrolled.
+    outs = [one([a[i] for a in mapped]) for i in range(size)]
+    return jax.tree.map(lambda *o: jnp.stack(o), *outs)
   return jax.lax.map(one, mapped)
