@@ -299,13 +299,23 @@ def dispatch(op: str, backend: str | None, kernels: Sequence[Kernel], *args,
   ``kernels`` lists the op's rows, best first; static parameters belong in
   the rows' callables (functools.partial), not in ``args``. ``rule`` (a
   ``_sharding.Rule``) makes a kernel call compose with sharding
-  (``pallas_kernels._sharding``); the reference needs none (XLA partitions
-  it).
+  (``pallas_kernels._sharding``) and with ``jax.vmap``
+  (``pallas_kernels._batching``); the reference needs none (XLA partitions
+  and batches it).
   """
   check_backend(op, backend)
   table = _table(op, kernels)
   if only_reference(backend, kernels):
     return table["reference"].call(args)
+  if rule is None:
+    return _dispatch_kernel(op, backend, kernels, table, rule, args)
+  from pallas_kernels import _batching
+  return _batching.vmappable(
+      rule, lambda *a: _dispatch_kernel(op, backend, kernels, table, rule, a)
+  )(*args)
+
+
+def _dispatch_kernel(op, backend, kernels, table, rule, args):
   if backend is None and forced_interpret_flavour() is None:
 
     def by_platform(*a):

@@ -28,6 +28,7 @@ output gradients along the token dimension loses too much.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -83,8 +84,9 @@ def _fwd(x, w, bias, int8_input_grad, backend):
 def _bwd(int8_input_grad, backend, residuals, dy):
   x, w, bias = residuals
   k, n = w.shape
-  dy2 = dy.reshape(-1, n)
-  x2 = x.reshape(-1, k)
+  rows = math.prod(x.shape[:-1])  # not -1: K or N may be 0
+  dy2 = dy.reshape(rows, n)
+  x2 = x.reshape(rows, k)
   if int8_input_grad:
     w_q, w_scale = _quantize(w, 1, backend)  # [K, 1]
     # dy @ w_q.T: w_q [K, N] is that product's weight in the "nk" layout.
@@ -116,6 +118,10 @@ def int8_dense(x, w, bias=None, *, int8_input_grad=False, backend=None):
     [..., N] in x's dtype.
   """
   _check(x, w, bias)
+  if not isinstance(int8_input_grad, bool):
+    raise TypeError(f"int8_dense: int8_input_grad must be a bool (True or "
+                    f"False), got {int8_input_grad!r}")
+  _backend.check_backend("int8_dense", backend)
   if x.shape[-1] > _int8.MAX_INT8_K:
     raise ValueError(f"int8_dense: K={x.shape[-1]} exceeds "
                      f"{_int8.MAX_INT8_K}, the int32 accumulator's safe bound")

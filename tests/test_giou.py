@@ -507,6 +507,11 @@ def test_properties_symmetry_range_identity(pairs):
     (lambda: pk.giou("boxes", np.zeros((3, 4))), TypeError, "boxes1"),
     (lambda: pk.giou(np.zeros((3, 4)), np.zeros((2, 4))), ValueError, "broadcast"),
     (lambda: pk.giou_loss(np.zeros((3, 4)), np.zeros((3, 4)), reduction="avg"), ValueError, "reduction"),
+    *[(functools.partial(loss, np.zeros((3, 4)), np.zeros((3, 4)),
+                         reduction=None), ValueError,
+       r"reduction=None is not one of \('none', 'mean', 'sum'\)")
+      for loss in LOSSES.values()],
+    (lambda: pk.diou(np.zeros((3, 4)), np.zeros((3, 4)), eps=None), TypeError, "diou: eps"),
     (lambda: pk.giou_loss(np.zeros((3, 4)), np.zeros((3, 4)), eps=-1.0), ValueError, "eps"),
     (lambda: pk.giou_loss(np.zeros((3, 4)), np.zeros((3, 4)), eps=float("nan")), ValueError, "eps"),
     (lambda: pk.ciou(np.zeros((3, 4)), np.zeros((3, 4)), eps="1e-7"), TypeError, "eps"),

@@ -503,6 +503,9 @@ W8 = jnp.zeros((8, 6), jnp.int8)
      "out_dtype=int32"),
     (dict(out_dtype=jnp.int8), TypeError, "out_dtype must be"),
     (dict(weight_only=True), ValueError, "weight_only=True needs float x"),
+    (dict(x=jnp.zeros((4, 8), jnp.bfloat16), weight_only="no"), TypeError,
+     "weight_only must be a bool"),
+    (dict(weight_only=None), TypeError, "weight_only must be a bool"),
     (dict(x=jnp.zeros((4, 8), jnp.bfloat16), x_scale=jnp.ones((4, 1))),
      ValueError, "x_scale is only for int8 x"),
     (dict(block_sizes=(32, 0, 128)), ValueError, "block_sizes.bk=0"),
@@ -554,3 +557,60 @@ def test_main_job_cases_match_reference():
       out = jax.jit(functools.partial(case.fn, backend="interpret"))(*case.args)
       ref = jax.jit(functools.partial(case.fn, backend="reference"))(*case.args)
       assert case.error(out, ref) <= case.tolerance, case.shape
+
+
+# ----------------------------------------------------------------------------
+# The dequantizing epilogue's float32 order, bit for bit
+
+EPILOGUE_CASES = [
+    # (x shape, N, extras, block_sizes): split_k makes the Triton kernel sum
+    # partial accumulators before the epilogue.
+    ((37, 300), 70, ("x_scale", "w_scale"), None),
+    ((37, 300), 70, ("x_scale", "w_scale"), dict(bm=16, bk=64, bn=32,
+                                                 split_k=3)),
+    ((5, 3, 130), 33, ("x_scale_1", "w_scale", "bias"), None),
+    ((37, 300), 70, ("x_scale", "w_scale", "bias"), dict(bm=16, bk=64, bn=32,
+                                                         split_k=3)),
+    ((9, 200), 40, ("dynamic", "w_scale", "bias"), dict(bm=16, bk=64, bn=32,
+                                                        split_k=2)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(EPILOGUE_CASES)))
+@pytest.mark.parametrize("backend", backends.params(
+    ["interpret", "interpret_generic", "triton", "reference"]))
+def test_dequant_epilogue_follows_the_documented_order(backend, case, rng):
+  """float32 results equal ``((acc * x_scale) * w_scale) + bias`` rounded at
+  every step, bit for bit; only the last multiply-add may be one FMA (XLA's
+  CPU and GPU backends and Triton contract them). The bias cancels most of
+  the product, so an FMA or another order shows as many ulps."""
+  shape, n, extras, blocks = EPILOGUE_CASES[case]
+  if blocks is not None and backend.name != "triton":
+    pytest.skip("split_k is a Triton option")
+  k = shape[-1]
+  w = int8_values(rng, (k, n))
+  if "dynamic" in extras:
+    x = rng.standard_normal(shape).astype(np.float32)
+  else:
+    x = int8_values(rng, shape)
+  arrays = {}
+  if "x_scale" in extras:
+    arrays["x_scale"] = rng.uniform(1e-3, 2e-2, shape[:-1] + (1,))
+  if "x_scale_1" in extras:
+    arrays["x_scale"] = np.asarray(rng.uniform(1e-3, 2e-2))
+  if "w_scale" in extras:
+    arrays["w_scale"] = rng.uniform(1e-3, 2e-2, n)
+  arrays = {name: v.astype(np.float32) for name, v in arrays.items()}
+  if "bias" in extras:  # minus one row's product, so that sums cancel
+    product = oracle.dequant_float32(x, w, **arrays)
+    arrays["bias"] = -product.reshape(-1, n)[0].astype(np.float32)
+  out = np.asarray(backend.run(
+      pk.int8_matmul, jnp.asarray(x), jnp.asarray(w),
+      **{name: jnp.asarray(v) for name, v in arrays.items()},
+      out_dtype=jnp.float32, block_sizes=blocks))
+  separate = oracle.dequant_float32(x, w, **arrays)
+  fused = oracle.dequant_float32(x, w, **arrays, fused_add=True)
+  exact = (out.view(np.int32) == separate.view(np.int32)) | (
+      out.view(np.int32) == fused.view(np.int32))
+  assert exact.all(), (f"{int((~exact).sum())} of {exact.size} differ; e.g. "
+                       f"{out[~exact][:3]} vs {separate[~exact][:3]}")

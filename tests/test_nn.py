@@ -120,6 +120,16 @@ def test_bad_inputs(args, error, match):
     nn.int8_dense(*args)
 
 
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(int8_input_grad="no"), TypeError, "int8_input_grad must be a bool"),
+    (dict(int8_input_grad=None), TypeError, "int8_input_grad must be a bool"),
+    (dict(backend="cuda"), ValueError, "int8_dense: backend='cuda' is not one"),
+])
+def test_bad_options(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    nn.int8_dense(jnp.zeros((2, 4)), jnp.zeros((4, 3)), **kwargs)
+
+
 @pytest.mark.parametrize("backend", ["triton", "gpu"])
 def test_gpu_backends_match_reference(rng, backend):
   """GPU backends run the int8 matmuls on the GPU kernel and quantize the

@@ -264,7 +264,7 @@ def _validate(q, k, v, causal, sm_scale, segment_ids, sliding_window,
   if head_dim < 1:
     raise ValueError(f"{OP}: head_dim must be >= 1")
   kv_heads = k.shape[1]
-  if kv_heads < 1 or heads % kv_heads:
+  if (kv_heads < 1 and heads > 0) or (kv_heads and heads % kv_heads):
     raise ValueError(f"{OP}: heads ({heads}) must be a multiple of kv_heads "
                      f"({kv_heads})")
   if not isinstance(causal, (bool, jnp.bool_)):

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _compat, _mosaic_gpu
+from pallas_kernels.int8 import quant
 
 pl = _compat.pl
 
@@ -337,7 +338,4 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
     return out if out.shape == (m, n) else out[:m, :n]
   parts = _kernel_call(x2, w, None, None, p, jnp.float32, interpret)
   acc = parts.sum(axis=0)[:n, :m].T
-  out = acc if w_scale is None else acc * w_scale
-  if bias is not None:
-    out = out + bias
-  return out.astype(out_dtype)
+  return quant.epilogue(acc, None, w_scale, bias, out_dtype)

@@ -149,6 +149,9 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, bias=None,
                 weight_layout="kn") -> MatmulCall:
   """``int8_matmul``'s arguments checked (ValueError/TypeError naming the
   argument) and normalized."""
+  if not isinstance(weight_only, (bool, np.bool_)):
+    raise TypeError(f"int8_matmul: weight_only must be a bool (True or "
+                    f"False), got {weight_only!r}")
   batch, k, n = _shapes(x, w, weight_layout)
   m = math.prod(batch)
   x_scale = _scale_or_bias(

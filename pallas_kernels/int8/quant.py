@@ -6,6 +6,10 @@ that the reference and every int8 kernel share, so that they round alike.
   q     = clip(round_half_to_even(x * (1 / scale)), -127, 127) as int8;
           NaN -> 0
   out   = ((float32(acc) * x_scale) * w_scale + bias) -> out_dtype
+
+Every step rounds to float32, except that the last multiply and the bias
+add may be one FMA (a single rounding): XLA's CPU and GPU backends and
+Triton contract them.
 """
 from __future__ import annotations
 

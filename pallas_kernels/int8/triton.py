@@ -14,8 +14,9 @@ or, with ``w_kmajor``, transposed once per call by XLA.
 Plan switches (``block_sizes.GpuPlan``): ``group_m`` > 1 orders programs in
 bands of group_m row tiles so that programs resident together share x rows
 and w columns in L2; ``split_k`` > 1 gives each program 1/split_k of K (for
-small M), writes scaled float32 (raw: int32) partials that one XLA pass
-sums before the bias; ``swap_ab`` computes a weight-only tile as
+small M), writes unscaled partial accumulators (int32; weight-only:
+float32) that one XLA pass sums before the epilogue, so the scales apply
+to the whole sum in the documented order; ``swap_ab`` computes a weight-only tile as
 (w_tile @ x_tile.T).T so the upcast w is the MMA's register operand and bn
 fills its M; ``stream_w`` loads w tiles evict-first (read once) so x stays
 in L2.
@@ -80,9 +81,9 @@ def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
   acc = jax.lax.fori_loop(0, nk, step, jnp.zeros(acc_shape, acc_dtype))
   if swap_ab:
     acc = acc.T
-  if mode == "raw":
+  if mode == "raw" or split:  # split K: the epilogue follows the sum
     o_ref[...] = acc
-  else:  # split K: a float32 partial without the bias (added after the sum)
+  else:
     o_ref[...] = quant.epilogue(
         acc, None if xs_ref is None else xs_ref[...],
         None if ws_ref is None else ws_ref[...],
@@ -148,19 +149,21 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
   else:
     operands.append(_pad_to(w, (kp, np_)))
     in_specs.append(pl.BlockSpec((kp, bn), lambda p, q, s: (0, tile(p, q)[1])))
-  if x_scale is not None:
-    operands.append(_pad_to(x_scale, (mp, 1), 1))
+  # Split K: the programs write partial accumulators, the epilogue follows
+  # their sum.
+  fused = (x_scale, w_scale, bias) if split == 1 else (None, None, None)
+  if fused[0] is not None:
+    operands.append(_pad_to(fused[0], (mp, 1), 1))
     in_specs.append(pl.BlockSpec((bm, 1), lambda p, q, s: (tile(p, q)[0], 0)))
-  fused_bias = bias if split == 1 else None
-  for row_vector in (w_scale, fused_bias):
+  for row_vector in fused[1:]:
     if row_vector is not None:
       operands.append(_pad_to(row_vector, (1, np_)))
       in_specs.append(pl.BlockSpec((1, bn),
                                    lambda p, q, s: (0, tile(p, q)[1])))
   kernel = functools.partial(
       _matmul_kernel, mode=mode, nk=kp // bk // split, bk=bk,
-      has_xs=x_scale is not None, has_ws=w_scale is not None,
-      has_b=fused_bias is not None, w_kmajor=w_kmajor, split=split > 1,
+      has_xs=fused[0] is not None, has_ws=fused[1] is not None,
+      has_b=fused[2] is not None, w_kmajor=w_kmajor, split=split > 1,
       swap_ab=plan.swap_ab, stream_w=plan.stream_w)
   if split == 1:
     out_spec = pl.BlockSpec((bm, bn), lambda p, q, s: tile(p, q))
@@ -168,7 +171,7 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
   else:
     out_spec = pl.BlockSpec((None, bm, bn), lambda p, q, s: (s, *tile(p, q)))
     out_struct = jax.ShapeDtypeStruct(
-        (split, mp, np_), jnp.int32 if mode == "raw" else jnp.float32)
+        (split, mp, np_), jnp.float32 if mode == "weight_only" else jnp.int32)
   out = pl.pallas_call(
       kernel,
       grid=(*grid, split),
@@ -180,11 +183,9 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
       interpret=interpret,
   )(*operands)
   if split > 1:
-    out = out.sum(axis=0)
-    if mode != "raw":
-      if bias is not None:
-        out = out + _pad_to(bias, (1, np_))
-      out = out.astype(out_dtype)
+    out = out.sum(axis=0)  # int32: exact
   if (mp, np_) != (m, n):
     out = out[:m, :n]
+  if split > 1 and mode != "raw":
+    out = quant.epilogue(out, x_scale, w_scale, bias, out_dtype)
   return out

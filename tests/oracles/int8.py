@@ -160,3 +160,39 @@ def assert_int8_matmul(out, x, w, out_dtype, near_ties=True, **kwargs):
   bound = int8_matmul_bound(x, w, out_dtype, near_ties=near_ties, **kwargs)
   excess = np.abs(got.astype(np.float64) - want) - bound
   assert np.all(excess <= 0), f"max excess {excess.max():.3g}"
+
+
+def dequant_float32(x, w, *, x_scale=None, w_scale=None, bias=None,
+                    fused_add=False):
+  """The documented float32 epilogue of an int8 x int8 matmul, exactly:
+  ``((float32(acc) * x_scale) * w_scale) + bias``, each step rounded to
+  float32 (x float: quantized per row first, its scale as x_scale).
+
+  ``fused_add``: the last multiply and the bias add rounded once (an FMA, as
+  compilers may contract them): the float64 product of two float32 values is
+  exact, and the float64 sum is corrected by its exact error (TwoSum) one
+  float64 step towards the exact value, so that its float32 rounding is the
+  exact value's.
+  """
+  x2, w, row_scale = _prepared(x, w, None, False, "kn")
+  if row_scale is not None:  # float x, quantized per row
+    x_scale = row_scale.astype(np.float32)
+  n = w.shape[1]
+  acc = np.asarray(x2, np.int64) @ np.asarray(w, np.int64)
+  out = acc.astype(np.float32)
+  if x_scale is not None:
+    out = out * _f32(x_scale).reshape(-1, 1)
+  if bias is not None and fused_add and w_scale is not None:
+    product = out.astype(np.float64) * _f32(w_scale).reshape(1, n)
+    b = np.broadcast_to(_f32(bias).reshape(1, n).astype(np.float64),
+                        product.shape)
+    total = product + b
+    back = total - product
+    err = (product - (total - back)) + (b - back)
+    total = np.where(err == 0, total, np.nextafter(total, total + err))
+    return total.astype(np.float32).reshape(np.shape(x)[:-1] + (n,))
+  if w_scale is not None:
+    out = out * _f32(w_scale).reshape(1, n)
+  if bias is not None:
+    out = out + _f32(bias).reshape(1, n)
+  return out.reshape(np.shape(x)[:-1] + (n,))

@@ -184,6 +184,54 @@ def test_batched_nms(torch_gen):
     assert idx[b, :int(num[b])].tolist() == want
 
 
+@pytest.mark.parametrize("xla", [False, True], ids=["cpu", "xla"])
+def test_batched_nms_with_classes_is_torchvisions(torch_gen, xla, request):
+  """Per image, class-aware NMS: torchvision.ops.batched_nms (classes
+  never suppress each other) on that image's boxes, int64 class ids."""
+  torchvision = pytest.importorskip("torchvision")
+  device = (request.getfixturevalue("xla_device") if xla
+            else torch.device("cpu"))
+  boxes = _boxes(torch_gen, 3, 25).float()
+  scores = torch.rand(3, 25, generator=torch_gen)
+  classes = torch.randint(0, 3, (3, 25), generator=torch_gen)
+  idx, num = tb.batched_nms(boxes.to(device), scores.to(device),
+                            class_ids=classes.to(device), iou_threshold=0.3,
+                            max_output_size=25, score_threshold=None)
+  idx, num = idx.cpu(), num.cpu()
+  for b in range(3):
+    want = torchvision.ops.batched_nms(boxes[b], scores[b], classes[b], 0.3)
+    assert idx[b, :int(num[b])].tolist() == want.tolist()
+    assert torch.all(idx[b, int(num[b]):] == -1)
+
+
+@pytest.mark.parametrize("images,count", [(0, 5), (2, 0)])
+def test_batched_nms_empty(images, count):
+  idx, num = tb.batched_nms(torch.zeros(images, count, 4),
+                            torch.zeros(images, count), iou_threshold=0.5,
+                            max_output_size=3,
+                            class_ids=torch.zeros(images, count,
+                                                  dtype=torch.int64))
+  assert idx.shape == (images, 3) and num.shape == (images,)
+  assert torch.all(idx == -1) and torch.all(num == 0)
+
+
+@pytest.mark.parametrize("shapes", [((5, 4), (0, 4)), ((0, 4), (3, 4)),
+                                    ((0, 5, 4), (0, 3, 4))], ids=str)
+def test_pairwise_giou_empty(shapes):
+  a = torch.ones(shapes[0], requires_grad=True)
+  b = torch.zeros(shapes[1], requires_grad=True)
+  out = tb.pairwise_giou(a, b)
+  assert out.shape == shapes[0][:-2] + (shapes[0][-2], shapes[1][-2])
+  out.sum().backward()
+  assert a.grad.shape == a.shape and b.grad.shape == b.shape
+  assert not a.grad.any() and not b.grad.any()
+
+
+def test_giou_loss_reduction_none_is_refused():
+  with pytest.raises(ValueError, match="reduction.*'none', 'mean'.*'sum'"):
+    tb.giou_loss(torch.zeros(3, 4), torch.zeros(3, 4), reduction=None)
+
+
 def test_nms_meta_and_errors():
   idx, num = tb.nms(torch.empty(100, 4, device="meta"),
                     torch.empty(100, device="meta"), iou_threshold=0.5,

@@ -65,18 +65,21 @@ def _check_boxes(op, name, boxes, min_ndim=1):
   return boxes
 
 
-def _check_options(op, backend, box_format, eps=None, reduction=None):
+def _check_options(op, backend, box_format, eps):
   _backend.check_backend(op, backend)
   if box_format not in _math.BOX_FORMATS:
     raise ValueError(f"{op}: box_format={box_format!r} is not one of "
                      f"{_math.BOX_FORMATS}")
-  if eps is not None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)):
-      raise TypeError(f"{op}: eps must be a Python float, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps >= 0):
-      raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
-  if reduction is not None and reduction not in REDUCTIONS:
-    raise ValueError(f"{op}: reduction={reduction!r} is not one of {REDUCTIONS}")
+  if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)):
+    raise TypeError(f"{op}: eps must be a Python float, got {eps!r}")
+  if not (math.isfinite(eps) and eps >= 0):
+    raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
+
+
+def _check_reduction(op, reduction):
+  if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+    raise ValueError(f"{op}: reduction={reduction!r} is not one of "
+                     f"{REDUCTIONS}")
 
 
 def _kernel_dtype(dtype):
@@ -300,7 +303,8 @@ def _metric(op, kind, boxes1, boxes2, eps, box_format, backend):
 def _loss(op, kind, pred, target, reduction, eps, box_format, backend):
   pred = _check_boxes(op, "pred", pred)
   target = _check_boxes(op, "target", target)
-  _check_options(op, backend, box_format, eps=eps, reduction=reduction)
+  _check_options(op, backend, box_format, eps=eps)
+  _check_reduction(op, reduction)
   _check_broadcast(op, pred, target, "pred", "target")
   return _elementwise(op, kind, "loss", eps, box_format, True, reduction,
                       backend, pred, target)

@@ -1,0 +1,154 @@
+"""``jax.vmap`` of every public op, on every CPU backend, equals the op
+applied to each mapped slice; a mapped axis folds into the kernel's own
+batch-like axis (one kernel call, no loop) where the op's sharding rule has
+one (``pallas_kernels._batching``).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import backends
+import pallas_kernels as pk
+from pallas_kernels import _batching, _sharding, nn
+
+# The batching rule is the chooser's, the same for every kernel: by default
+# the TPU-semantics interpreter (whose kernels Pallas cannot batch) runs;
+# --runslow runs every backend.
+ALL = [p if p.id == "interpret" else
+       pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow])
+       for p in backends.params()]
+MAPPED = 2
+
+
+def boxes(rng, *shape):
+  xy = rng.uniform(0.0, 10.0, shape + (2,))
+  wh = rng.uniform(0.5, 6.0, shape + (2,))
+  return jnp.asarray(np.concatenate([xy, xy + wh], -1), jnp.float32)
+
+
+def per_slice(fn, args, in_axes):
+  """fn on each mapped slice, results stacked: what vmap must equal."""
+  outs = [fn(*(a if ax is None else jnp.take(a, i, axis=ax)
+               for a, ax in zip(args, in_axes))) for i in range(MAPPED)]
+  return jax.tree.map(lambda *o: jnp.stack(o), *outs)
+
+
+def check(backend, op, args, in_axes=0, rtol=1e-5, **kwargs):
+  in_axes = (in_axes,) * len(args) if isinstance(in_axes, int) else in_axes
+  fn = lambda *a: backend.run(op, *a, **kwargs)
+  got = jax.vmap(fn, in_axes=in_axes)(*args)
+  want = per_slice(fn, args, in_axes)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert (g.shape, g.dtype) == (w.shape, w.dtype)
+    np.testing.assert_allclose(np.asarray(g, np.float64),
+                               np.asarray(w, np.float64), rtol=rtol,
+                               atol=rtol)
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_boxes(backend, rng):
+  a, b = boxes(rng, MAPPED, 5), boxes(rng, MAPPED, 5)
+  check(backend, pk.ciou, (a, b[0]), in_axes=(0, None))
+  loss = functools.partial(pk.diou_loss, reduction="mean")
+  grad = lambda x, y, backend=None: jax.grad(  # noqa: E731
+      lambda x: loss(x, y, backend=backend))(x)
+  check(backend, grad, (a, b))  # no fold: one call per slice
+  check(backend, pk.box_iou, (boxes(rng, MAPPED, 2, 4),
+                              boxes(rng, MAPPED, 1, 3)), iou_kind="diou")
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_attention(backend, rng):
+  if backend.name == "mosaic_gpu":
+    pytest.skip("the Mosaic GPU kernels take bf16 without bias or segments")
+  q = jnp.asarray(rng.standard_normal((MAPPED, 2, 4, 5, 8)), jnp.float32)
+  kv = jnp.asarray(rng.standard_normal((MAPPED, 2, 2, 7, 8)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal((1, 4, 5, 7)), jnp.float32)
+  seg = (jnp.asarray(rng.integers(0, 2, (MAPPED, 2, 5)), jnp.int32),
+         jnp.asarray(rng.integers(0, 2, (MAPPED, 2, 7)), jnp.int32))
+
+  def attention(q, k, v, bias, q_seg, kv_seg, backend=None):
+    return pk.flash_attention(q, k, v, bias=bias, segment_ids=(q_seg, kv_seg),
+                              sliding_window=3, return_lse=True,
+                              backend=backend)
+
+  def grads(q, k, bias, q_seg, kv_seg, backend=None):
+    """The output and the gradients: the forward and the backward kernel."""
+    return jax.value_and_grad(lambda q, k, bias: jnp.sum(attention(
+        q, k, k, bias, q_seg, kv_seg, backend)[0]), argnums=(0, 1, 2))(
+            q, k, bias)
+
+  # the bias, broadcast over the batch, is the same for every mapped slice:
+  # its gradient is a sum over rows of each slice
+  check(backend, grads, (q, kv, bias, *seg), in_axes=(0, 0, None, 0, 0),
+        rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_int8(backend, rng):
+  if backend.name == "mosaic_gpu":
+    pytest.skip("the Mosaic GPU int8 kernel runs weight-only [N, K] only")
+  x8 = jnp.asarray(rng.integers(-127, 128, (MAPPED, 4, 16)), jnp.int8)
+  w8 = jnp.asarray(rng.integers(-127, 128, (MAPPED, 16, 8)), jnp.int8)
+  xf = jnp.asarray(rng.standard_normal((MAPPED, 4, 16)), jnp.float32)
+  check(backend, pk.int8_matmul, (x8, w8[0]), in_axes=(0, None))
+  check(backend, pk.int8_matmul, (x8, w8))   # mapped weights
+  check(backend, functools.partial(pk.int8_matmul, weight_only=True),
+        (xf, w8[0]), in_axes=(0, None))
+  check(backend, pk.int8_matmul, (xf, w8[0]), in_axes=(0, None))
+  dense = lambda x, w, backend=None: nn.int8_dense(  # noqa: E731
+      x, w, backend=backend)
+  check(backend, dense, (xf, xf[0].T), in_axes=(0, None), rtol=1e-4)
+  check(backend, pk.quantize_int8, (xf,))
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_nms(backend, rng):
+  b = boxes(rng, MAPPED, 2, 9)
+  s = jnp.asarray(rng.random((MAPPED, 2, 9)), jnp.float32)
+  c = jnp.asarray(rng.integers(0, 2, (MAPPED, 2, 9)), jnp.int32)
+  with_classes = lambda b, s, c, backend=None: pk.batched_nms(  # noqa: E731
+      b, s, class_ids=c, iou_threshold=0.3, max_output_size=5,
+      backend=backend)
+  check(backend, with_classes, (b, s, c))
+  check(backend, pk.nms, (b[:, 0], s[:, 0]), iou_threshold=0.3,
+        max_output_size=5)
+  check(backend, pk.soft_nms, (b[:, 0], s[:, 0]), max_output_size=5)
+
+
+def test_mapped_axis_folds_into_one_kernel_call(rng):
+  """vmap of a kernel call traces the same kernel calls as one slice does
+  (on the folded batch): no loop over the mapped axis."""
+  def calls(fn, *args):
+    text = str(jax.make_jaxpr(fn)(*args))
+    return text.count("pallas_call["), text.count("scan[")
+
+  def same_as_one_slice(fn, *args):
+    return calls(jax.vmap(fn), *args) == calls(fn, *(a[0] for a in args))
+
+  q = jnp.ones((MAPPED, 2, 4, 5, 8))
+  a = boxes(rng, MAPPED, 5)
+  with pk.force_interpret("tpu"):
+    assert same_as_one_slice(
+        lambda q: pk.flash_attention(q, q, q, backend="interpret"), q)
+    assert same_as_one_slice(
+        lambda a: pk.pairwise_giou(a, a, backend="interpret"), a)
+  # a reduced loss has no batch axis to fold into: one call per slice
+  loss = lambda a: pk.giou_loss(a, a, reduction="sum", backend="interpret")
+  with pk.force_interpret("generic"):
+    (kernels, loops), one = calls(jax.vmap(loss), a), calls(loss, a[0])
+  assert kernels == one[0] and loops == one[1] + 1
+
+
+def test_fold_factor_reads_the_rule():
+  rule = _sharding.make_rule("op", [("x", "m k"), ("w", "k n")], ["m n"],
+                             split="m n")
+  assert _batching.fold_factor(rule) == "m"
+  summed = _sharding.make_rule("op", [("x", "n c")], [""], split="n",
+                               sums=["n"])
+  assert _batching.fold_factor(summed) is None
