@@ -1,0 +1,156 @@
+"""Every backend is the same function: for each op and a random draw of
+every option value, each CPU backend (tests/backends.py) gives the
+reference's result on the same fresh inputs, within rounding.
+
+Tolerances: float32 results 2e-5 relative to their largest entry (float32
+formula chains and accumulation order), bfloat16 1e-2 (8-bit mantissa); the
+int32 product, NMS indices and counts exactly. Attention's options are
+drawn the same way against a float64 oracle in tests/test_attention.py
+(``test_random_shapes_and_masks``).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import backends
+import pallas_kernels as pk
+
+KERNEL_BACKENDS = [p for p in backends.params() if p.id != "reference"]
+REFERENCE = backends.Backend("reference", "reference", None)
+EXAMPLES = [3, pytest.param(30, marks=pytest.mark.slow)]
+
+
+def _run_or_skip(backend, op, *args, **kwargs):
+  """The op on ``backend``, or None where that kernel cannot run the call
+  (the chooser's ValueError: a refusal is allowed, a different answer not)."""
+  with backend.context():
+    try:
+      return op(*args, backend=backend.backend, **kwargs)
+    except ValueError as error:
+      if "cannot" in str(error) or "kernel exists" in str(error):
+        return None
+      raise
+
+
+def _assert_same(got, want, dtype):
+  got = np.asarray(got, np.float64)
+  want = np.asarray(want, np.float64)
+  assert got.shape == want.shape
+  if np.issubdtype(np.asarray(want).dtype, np.integer) or dtype == "int":
+    np.testing.assert_array_equal(got, want)
+    return
+  rtol = 1e-2 if dtype == jnp.bfloat16 else 2e-5
+  scale = np.max(np.abs(want[np.isfinite(want)]), initial=0.0) + 1e-30
+  np.testing.assert_allclose(got, want, atol=rtol * scale, rtol=0)
+
+
+def _boxes(rng, shape):
+  xy = rng.uniform(-10.0, 60.0, shape + (2,))
+  wh = rng.uniform(0.0, 25.0, shape + (2,))
+  return np.concatenate([xy, xy + wh], axis=-1).astype(np.float32)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("examples", EXAMPLES)
+def test_iou_family(backend, examples):
+  @settings(max_examples=examples)
+  @given(kind=st.sampled_from(["iou", "giou", "diou", "ciou"]),
+         form=st.sampled_from(["metric", "loss", "pairwise"]),
+         reduction=st.sampled_from(["none", "mean", "sum"]),
+         box_format=st.sampled_from(["xyxy", "cxcywh"]),
+         eps=st.sampled_from([1e-7, 0.5]),
+         dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+         n=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
+  def run(kind, form, reduction, box_format, eps, dtype, n, seed):
+    rng = np.random.default_rng(seed)
+    a = jnp.asarray(_boxes(rng, (n,)), dtype)
+    b = jnp.asarray(_boxes(rng, (n,)), dtype)
+    options = {"box_format": box_format}
+    if form == "loss":
+      op = getattr(pk, f"{kind}_loss")
+      options.update(reduction=reduction, eps=eps)
+    elif form == "pairwise":
+      op = getattr(pk, f"pairwise_{kind}")
+      b = b[: max(1, n // 3)]
+    else:
+      op = getattr(pk, kind)
+    if kind in ("diou", "ciou") and form != "loss":
+      options["eps"] = eps
+    got = _run_or_skip(backend, op, a, b, **options)
+    if got is not None:
+      _assert_same(got, REFERENCE.run(op, a, b, **options), dtype)
+  run()
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("examples", EXAMPLES)
+def test_int8_matmul(backend, examples):
+  @settings(max_examples=examples)
+  @given(mode=st.sampled_from(["raw", "fused", "dynamic", "weight_only"]),
+         layout=st.sampled_from(["kn", "nk"]), bias=st.booleans(),
+         out_dtype=st.sampled_from([None, jnp.float32]),
+         m=st.integers(1, 70), k=st.integers(1, 300), n=st.integers(1, 200),
+         seed=st.integers(0, 2**31 - 1))
+  def run(mode, layout, bias, out_dtype, m, k, n, seed):
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
+    options = {"weight_layout": layout}
+    if layout == "nk":
+      w = w.T
+    if mode == "raw":
+      x = jnp.asarray(rng.integers(-127, 128, (m, k)), jnp.int8)
+      options["out_dtype"] = jnp.int32
+    else:
+      options["w_scale"] = jnp.asarray(rng.uniform(1e-3, 2e-3, (n,)),
+                                       jnp.float32)
+      if bias:
+        options["bias"] = jnp.asarray(rng.standard_normal(n), jnp.float32)
+      if out_dtype is not None:
+        options["out_dtype"] = out_dtype
+      if mode == "fused":
+        x = jnp.asarray(rng.integers(-127, 128, (m, k)), jnp.int8)
+        options["x_scale"] = jnp.asarray(rng.uniform(1e-3, 2e-3, (m, 1)),
+                                         jnp.float32)
+      else:
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        options["weight_only"] = mode == "weight_only"
+    got = _run_or_skip(backend, pk.int8_matmul, x, w, **options)
+    if got is not None:
+      want = REFERENCE.run(pk.int8_matmul, x, w, **options)
+      assert got.dtype == want.dtype
+      _assert_same(got, want, "int" if mode == "raw" else
+                   (want.dtype if want.dtype == jnp.bfloat16 else None))
+  run()
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("examples", EXAMPLES)
+def test_nms(backend, examples):
+  @settings(max_examples=examples)
+  @given(iou_threshold=st.sampled_from([0.0, 0.1, 0.5, 0.9]),
+         score_threshold=st.sampled_from([None, 0.3]),
+         classes=st.sampled_from([0, 1, 4]), batch=st.integers(0, 2),
+         n=st.integers(1, 400), max_output_size=st.integers(0, 500),
+         seed=st.integers(0, 2**31 - 1))
+  def run(iou_threshold, score_threshold, classes, batch, n, max_output_size,
+          seed):
+    rng = np.random.default_rng(seed)
+    shape = (batch, n) if batch else (n,)
+    boxes = jnp.asarray(_boxes(rng, shape))
+    scores = jnp.asarray(rng.random(shape), jnp.float32)
+    options = dict(iou_threshold=iou_threshold,
+                   max_output_size=max_output_size,
+                   score_threshold=score_threshold)
+    if classes:
+      options["class_ids"] = jnp.asarray(rng.integers(0, classes, shape),
+                                         jnp.int32)
+    op = pk.batched_nms if batch else pk.nms
+    got = _run_or_skip(backend, op, boxes, scores, **options)
+    if got is not None:
+      want = REFERENCE.run(op, boxes, scores, **options)
+      for g, w in zip(got, want):
+        _assert_same(g, w, "int")
+  run()
