@@ -97,6 +97,19 @@ def force_interpret(flavour: str = "tpu"):
     _forced_flavour.reset(token)
 
 
+def find_races(fn: Callable[..., Any], *args, **kwargs):
+  """Runs ``fn(*args, **kwargs)`` with every TPU kernel it launches in the
+  race-detecting TPU interpreter; returns ``(outputs, RaceLog)``.
+
+  The log covers every launch (an attention gradient launches forward, dq
+  and dk/dv kernels), not only the last. ``fn`` is traced inside, so a
+  function jitted before keeps the interpreter it was traced with.
+  """
+  with force_interpret("races"), _compat.record_races() as log:
+    out = jax.block_until_ready(fn(*args, **kwargs))
+  return out, log
+
+
 def interpret_value(flavour: str | None = None) -> Any:
   """The ``interpret=`` value that runs a TPU kernel in the interpreter."""
   flavour = flavour or forced_interpret_flavour() or "tpu"

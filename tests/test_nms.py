@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 import backends
 import pallas_kernels as pk
 from oracles import boxes as oracle
-from pallas_kernels import _compat, force_interpret
+from pallas_kernels import _backend, _compat, force_interpret
 from pallas_kernels.boxes.iou import reference as iou_reference
 from pallas_kernels.boxes.nms import api, block_sizes, reference, triton
 from pallas_kernels.boxes.nms.cases import writeup_boxes
@@ -205,6 +205,18 @@ def test_mosaic_long_suppression_chain(small_tiles):
                         backend="interpret")
   want, want_count, _ = oracle.nms(boxes, scores, 0.1, n)
   assert want_count == n // 2 and int(count) == want_count
+  np.testing.assert_array_equal(idx, want)
+
+
+def test_mosaic_has_no_races(rng, small_tiles):
+  """Two 128-box tiles (cross-tile DMAs) in the race-detecting interpreter."""
+  boxes, scores = writeup_boxes(rng, 200)
+  (idx, count), log = _backend.find_races(
+      lambda b, s: pk.nms(b, s, iou_threshold=0.5, max_output_size=200,
+                          backend="interpret"), boxes, scores)
+  assert log.launches >= 1 and not log.found, log
+  want, want_count, _ = oracle.nms(boxes, scores, 0.5, 200)
+  assert int(count) == want_count
   np.testing.assert_array_equal(idx, want)
 
 
