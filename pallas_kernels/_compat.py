@@ -5,6 +5,7 @@ Everything version-dependent lives here so kernels can be written once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import threading
@@ -44,6 +45,31 @@ def gpu_compiler_params(**kwargs):
   cls = _first_attr(pltriton, "CompilerParams", "TritonCompilerParams")
   accepted = inspect.signature(cls).parameters
   return cls(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+@functools.cache
+def _pallas_call_scopes_its_name() -> bool:
+  from jax._src.pallas import pallas_call as module
+  return "named_scope(name)" in inspect.getsource(module)
+
+
+def pallas_call(kernel, *, name: str, **kwargs):
+  """``pl.pallas_call`` whose launches carry ``name`` in HLO and profiles.
+
+  Newer jax opens a ``named_scope(name)`` around the call itself, which
+  names the custom-call instruction; older jax only records the name inside
+  the kernel's config, so the instruction took its enclosing function's name
+  (``branch_0_fun``). Here the scope is opened where jax does not.
+  """
+  call = pl.pallas_call(kernel, name=name, **kwargs)
+  if _pallas_call_scopes_its_name():
+    return call
+
+  @functools.wraps(call)
+  def scoped(*args):
+    with jax.named_scope(name):
+      return call(*args)
+  return scoped
 
 
 def tpu_interpret_params(detect_races: bool = False):
@@ -316,7 +342,8 @@ def lower_for_cuda(fn, *args, device_kind: str = ABSTRACT_GPU_KIND):
 
 __all__ = [
     "JAX_VERSION", "HAS_TPU_INTERPRETER", "TpuInterpretParams", "pl", "pltpu",
-    "tpu_compiler_params", "gpu_compiler_params", "tpu_interpret_params",
+    "tpu_compiler_params", "gpu_compiler_params", "pallas_call",
+    "tpu_interpret_params",
     "races_found", "RaceLog", "record_races", "shard_map",
     "mosaic_version_for_aot", "varying_axes",
     "make_varying", "vma_checked", "vma_check_disabled", "in_manual_context",

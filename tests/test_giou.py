@@ -390,16 +390,19 @@ def test_triton_kernels_lower_for_cuda(rng):
   """The Triton lowering runs on this CPU host: every GPU kernel lowers."""
   b = jnp.asarray(random_boxes(rng, (3000,)))
   fns = [
-      (lambda x, y: pk.ciou_loss(x, y, backend="triton"), (b, b)),
+      (lambda x, y: pk.ciou_loss(x, y, backend="triton"), (b, b),
+       "ciou_loss_gpu"),
       (jax.grad(lambda x, y: pk.giou_loss(x, y, reduction="mean",
-                                          backend="triton")), (b, b)),
+                                          backend="triton")), (b, b),
+       "giou_loss_value_and_grad_gpu"),
       (jax.grad(lambda x, y: jnp.sum(pk.diou(x, y, backend="triton"))),
-       (b, b)),
+       (b, b), "diou_grad_gpu"),
   ] + [(lambda x, y, k=k: pk.box_iou(x, y, iou_kind=k, backend="triton"),
-        (b[:100], b)) for k in KINDS]
-  for fn, args in fns:
+        (b[:100], b), f"pairwise_{k}_gpu") for k in KINDS]
+  for fn, args, kernel_name in fns:
     text = _compat.lower_for_cuda(fn, *args).as_text()
     assert "triton" in text.lower() or "__gpu" in text
+    assert f'"{kernel_name}"' in text, kernel_name   # the launch's name
 
 
 def _kernel_primitives(fn, *args):

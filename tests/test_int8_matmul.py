@@ -414,6 +414,7 @@ def test_triton_kernel_lowers_for_cuda(m, k, n):
   for name, (fn, args) in calls.items():
     lowered = _compat.lower_for_cuda(fn, *[specs[a] for a in args])
     assert "triton" in lowered.as_text().lower(), name
+    assert '"int8_matmul_' in lowered.as_text(), name   # the launch's name
 
 
 # ----------------------------------------------------------------------------

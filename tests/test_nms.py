@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -314,6 +315,7 @@ def test_triton_kernels_lower_for_cuda(monkeypatch):
                            backend="triton")
     text = _compat.lower_for_cuda(fn, boxes[:n], scores[:n]).as_text()
     assert "triton" in text.lower() or "__gpu" in text
+    assert re.search(r'"nms_\w+_gpu"', text)   # launches carry their names
 
   lowers(1000, 1000)
   monkeypatch.setattr(block_sizes, "SMALL_BOXES", 512)

@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _backend, _compat
+from pallas_kernels import _backend, _compat, _cost
 from pallas_kernels._compat import pl, pltpu
 from pallas_kernels.int8 import block_sizes as bs
 from pallas_kernels.int8 import operands, quant
@@ -131,17 +131,27 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
   kernel = functools.partial(
       _matmul_kernel, mode=mode, nk=nk, has_xs=x_scale is not None,
       has_ws=w_scale is not None, has_b=bias is not None, w_layout=w_layout)
-  return pl.pallas_call(
+  out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+  grid_m, grid_n = grid[0], grid[1]
+  # x is streamed once per column tile, w once per row tile.
+  bytes_accessed = (grid_n * _cost.nbytes(x2, x_scale)
+                    + grid_m * _cost.nbytes(w, w_scale, bias)
+                    + _cost.nbytes(out_shape))
+  epilogue = 0 if mode == "raw" else 4 * m * n
+  return _compat.pallas_call(
       kernel,
       grid=grid,
       in_specs=in_specs,
       out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      out_shape=out_shape,
       scratch_shapes=scratch,
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=("parallel", "parallel", "arbitrary"),
           vmem_limit_bytes=plan.vmem_limit_bytes),
       interpret=interpret,
+      cost_estimate=_cost.estimate(flops=2 * m * n * plan.k_padded + epilogue,
+                                   bytes_accessed=bytes_accessed),
+      name=f"int8_matmul_{mode}",
   )(*operands)
 
 
@@ -169,16 +179,21 @@ def quantize_rows(x2, *, interpret=False):
   bm = quantize_rows_block(m, k, x2.dtype.itemsize)
   if bm is None or m == 0 or k == 0:
     return quant.quantize(x2, axis=-1)
-  return pl.pallas_call(
+  out_shape = [jax.ShapeDtypeStruct((m, k), jnp.int8),
+               jax.ShapeDtypeStruct((m, 1), jnp.float32)]
+  return _compat.pallas_call(
       _quantize_kernel,
       grid=(pl.cdiv(m, bm),),
       in_specs=[pl.BlockSpec((bm, k), lambda i: (i, 0))],
       out_specs=[pl.BlockSpec((bm, k), lambda i: (i, 0)),
                  pl.BlockSpec((bm, 1), lambda i: (i, 0))],
-      out_shape=[jax.ShapeDtypeStruct((m, k), jnp.int8),
-                 jax.ShapeDtypeStruct((m, 1), jnp.float32)],
+      out_shape=out_shape,
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=("parallel",),
           vmem_limit_bytes=2 * QUANTIZE_VMEM_BUDGET),
       interpret=interpret,
+      # |x|, the row max, x / scale, round and clip: about 5 flops per value.
+      cost_estimate=_cost.estimate(
+          flops=5 * m * k, bytes_accessed=_cost.nbytes(x2, *out_shape)),
+      name="quantize_int8_rows",
   )(x2)
