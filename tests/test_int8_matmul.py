@@ -433,6 +433,26 @@ def test_raw_worst_case_at_k_bound_does_not_overflow():
   assert int(pk.int8_matmul(x, w, backend="reference")[0, 0]) == want
 
 
+def test_v4_path_through_bf16_is_exact(rng):
+  """v4 (no int8 MXU operands) multiplies int8 tiles as bf16 with float32
+  sums over K chunks of EXACT_F32_K: still the exact integer result, where
+  one float32 sum over K would round. K = 2048 in one K tile (two chunks)
+  and in two K tiles; row 0 sums 2047 * 127^2 + 127 * 2: odd and above
+  2^24, so not a float32 value."""
+  k = 2048
+  assert bs.EXACT_F32_K < k and not bs.int8_mxu("v4")
+  x = rng.integers(-128, 128, (40, k), dtype=np.int8)
+  w = rng.integers(-128, 128, (k, 130), dtype=np.int8)
+  x[0], w[:, 0], w[-1, 0] = 127, 127, 2
+  want = x.astype(np.int64) @ w.astype(np.int64)
+  assert want[0, 0] > 2**24 and want[0, 0] % 2 == 1
+  for bk in (k, k // 2):
+    with _backend.target_override(tpu_generation="v4"):
+      out = pk.int8_matmul(jnp.asarray(x), jnp.asarray(w), backend="interpret",
+                           block_sizes=bs.BlockSizes(32, bk, 128))
+    np.testing.assert_array_equal(np.asarray(out), want)
+
+
 def test_k_above_bound_raises():
   x = jax.ShapeDtypeStruct((1, MAX_K + 1), jnp.int8)
   w = jax.ShapeDtypeStruct((MAX_K + 1, 1), jnp.int8)
