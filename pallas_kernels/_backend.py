@@ -57,6 +57,9 @@ INTERPRET_FLAVOURS = ("tpu", "races", "generic")
 INTERPRET_ENV_VAR = "PALLAS_KERNELS_INTERPRET"
 TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 DEFAULT_TPU_GENERATION = "v5e"
+# VMEM per TensorCore (jax's tpu_info): what one kernel launch can address.
+TPU_VMEM_BYTES = {"v4": 16 << 20, "v5e": 128 << 20, "v5p": 64 << 20,
+                  "v6e": 128 << 20, "tpu7x": 64 << 20}
 
 _PLATFORM = {"mosaic_tpu": "tpu", "triton": "cuda", "mosaic_gpu": "cuda",
              "reference": None}
