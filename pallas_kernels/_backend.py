@@ -57,6 +57,9 @@ INTERPRET_FLAVOURS = ("tpu", "races", "generic")
 INTERPRET_ENV_VAR = "PALLAS_KERNELS_INTERPRET"
 TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 DEFAULT_TPU_GENERATION = "v5e"
+# VMEM per TensorCore (jax's tpu_info): what one kernel launch can address.
+TPU_VMEM_BYTES = {"v4": 16 << 20, "v5e": 128 << 20, "v5p": 64 << 20,
+                  "v6e": 128 << 20, "tpu7x": 64 << 20}
 
 _PLATFORM = {"mosaic_tpu": "tpu", "triton": "cuda", "mosaic_gpu": "cuda",
              "reference": None}
@@ -95,6 +98,19 @@ def force_interpret(flavour: str = "tpu"):
     yield
   finally:
     _forced_flavour.reset(token)
+
+
+def find_races(fn: Callable[..., Any], *args, **kwargs):
+  """Runs ``fn(*args, **kwargs)`` with every TPU kernel it launches in the
+  race-detecting TPU interpreter; returns ``(outputs, RaceLog)``.
+
+  The log covers every launch (an attention gradient launches forward, dq
+  and dk/dv kernels), not only the last. ``fn`` is traced inside, so a
+  function jitted before keeps the interpreter it was traced with.
+  """
+  with force_interpret("races"), _compat.record_races() as log:
+    out = jax.block_until_ready(fn(*args, **kwargs))
+  return out, log
 
 
 def interpret_value(flavour: str | None = None) -> Any:

@@ -5,8 +5,10 @@ Everything version-dependent lives here so kernels can be written once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
+import threading
 from typing import Any
 
 import jax
@@ -45,6 +47,31 @@ def gpu_compiler_params(**kwargs):
   return cls(**{k: v for k, v in kwargs.items() if k in accepted})
 
 
+@functools.cache
+def _pallas_call_scopes_its_name() -> bool:
+  from jax._src.pallas import pallas_call as module
+  return "named_scope(name)" in inspect.getsource(module)
+
+
+def pallas_call(kernel, *, name: str, **kwargs):
+  """``pl.pallas_call`` whose launches carry ``name`` in HLO and profiles.
+
+  Newer jax opens a ``named_scope(name)`` around the call itself, which
+  names the custom-call instruction; older jax only records the name inside
+  the kernel's config, so the instruction took its enclosing function's name
+  (``branch_0_fun``). Here the scope is opened where jax does not.
+  """
+  call = pl.pallas_call(kernel, name=name, **kwargs)
+  if _pallas_call_scopes_its_name():
+    return call
+
+  @functools.wraps(call)
+  def scoped(*args):
+    with jax.named_scope(name):
+      return call(*args)
+  return scoped
+
+
 def tpu_interpret_params(detect_races: bool = False):
   """Interpret value that simulates TPU semantics (DMAs, semaphores, races)."""
   if not HAS_TPU_INTERPRETER:
@@ -56,18 +83,100 @@ def tpu_interpret_params(detect_races: bool = False):
   return TpuInterpretParams(**kwargs)
 
 
-def races_found() -> bool:
-  """Whether the TPU interpreter saw a data race since its state was reset."""
-  for path in ("jax._src.pallas.mosaic.interpret.interpret_pallas_call",
-               "jax._src.pallas.mosaic.interpret"):
+_TPU_INTERPRETER_MODULES = (
+    "jax._src.pallas.mosaic.interpret.interpret_pallas_call",  # jax >= 0.8
+    "jax._src.pallas.mosaic.interpret")                        # jax 0.7
+
+
+def _tpu_interpreter_module():
+  """The module holding the TPU interpreter's global race-detector state."""
+  for path in _TPU_INTERPRETER_MODULES:
     try:
       module = importlib.import_module(path)
     except ImportError:
       continue
-    races = getattr(module, "races", None)
-    if races is not None:
-      return bool(getattr(races, "races_found", False))
-  return False
+    if hasattr(module, "RaceDetectionState"):
+      return module
+  return None
+
+
+def races_found() -> bool:
+  """Whether the TPU interpreter's *last* kernel launch saw a data race.
+
+  The interpreter makes a fresh race-detector state for every launch, so an
+  op of several kernels needs ``record_races`` to see them all.
+  """
+  module = _tpu_interpreter_module()
+  races = getattr(module, "races", None)
+  return bool(getattr(races, "races_found", False))
+
+
+class RaceLog:
+  """The race-detector states of the TPU interpreter's kernel launches.
+
+  One state per interpreted ``pallas_call`` launch, in launch order (the
+  interpreter makes one when a launch sets up its simulated memory).
+  """
+
+  def __init__(self):
+    self._states: list[Any] = []
+    self._lock = threading.Lock()
+
+  def _add(self, state) -> None:
+    with self._lock:
+      self._states.append(state)
+
+  @property
+  def launches(self) -> int:
+    """How many interpreted kernel launches ran with race detection."""
+    return len(self._states)
+
+  @property
+  def racy_launches(self) -> list[int]:
+    """Indices (launch order) of the launches that saw a data race."""
+    return [i for i, s in enumerate(self._states)
+            if getattr(s, "races_found", False)]
+
+  @property
+  def found(self) -> bool:
+    return bool(self.racy_launches)
+
+  def __repr__(self):
+    return (f"RaceLog(launches={self.launches}, "
+            f"racy_launches={self.racy_launches})")
+
+
+@contextlib.contextmanager
+def record_races():
+  """Collects the race-detector state of every TPU-interpreter launch.
+
+  Yields a ``RaceLog``. It wraps the interpreter's ``RaceDetectionState``
+  constructor, which the interpreter calls at run time once per launch, so
+  it sees launches of functions jitted before the block too. Races are
+  recorded and logged, never raised (jax >= 0.8's ``on_race="raise"``
+  would stop at the first). Kernels still need race detection turned on
+  (``tpu_interpret_params(detect_races=True)``, the "races" flavour).
+  """
+  module = _tpu_interpreter_module()
+  if module is None:
+    raise RuntimeError("record_races: this jax has no TPU interpreter with "
+                       "race detection")
+  log = RaceLog()
+  original = module.RaceDetectionState
+  takes_on_race = "on_race" in inspect.signature(original).parameters
+
+  def recording_state(*args, **kwargs):
+    if takes_on_race:
+      kwargs["on_race"] = "warn"
+    state = original(*args, **kwargs)
+    log._add(state)
+    return state
+
+  module.RaceDetectionState = recording_state
+  try:
+    yield log
+  finally:
+    module.RaceDetectionState = original
 
 
 def shard_map(fn, *, mesh, in_specs, out_specs):
@@ -233,8 +342,10 @@ def lower_for_cuda(fn, *args, device_kind: str = ABSTRACT_GPU_KIND):
 
 __all__ = [
     "JAX_VERSION", "HAS_TPU_INTERPRETER", "TpuInterpretParams", "pl", "pltpu",
-    "tpu_compiler_params", "gpu_compiler_params", "tpu_interpret_params",
-    "races_found", "shard_map", "mosaic_version_for_aot", "varying_axes",
+    "tpu_compiler_params", "gpu_compiler_params", "pallas_call",
+    "tpu_interpret_params",
+    "races_found", "RaceLog", "record_races", "shard_map",
+    "mosaic_version_for_aot", "varying_axes",
     "make_varying", "vma_checked", "vma_check_disabled", "in_manual_context",
     "is_explicit_axis", "reshard", "load_tpu_plugin_for_aot",
     "mosaic_gpu_load", "ABSTRACT_GPU_KIND", "abstract_gpu_target",

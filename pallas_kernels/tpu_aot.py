@@ -32,8 +32,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from pallas_kernels import _backend, _compat, _quiet
 
 # Topologies the test-suite compiles for; each is (generation, chips).
-KNOWN_TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v4:2x2x1", "v5p:2x2x1")
-GENERATIONS = ("v4", "v5e", "v5p", "v6e")
+KNOWN_TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v4:2x2x1", "v5p:2x2x1",
+                    "tpu7x:2x2x1")
+GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
+# One small topology per generation (tpu7x: libtpu of jax >= 0.8 only).
+GENERATION_TOPOLOGY = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1",
+                       "v6e": "v6e:2x2", "tpu7x": "tpu7x:2x2x1"}
 
 
 class TpuCompileError(RuntimeError):
@@ -51,6 +55,21 @@ class CompileResult:
   memory: Any           # CompiledMemoryStats
   cost: dict            # XLA's cost analysis (flops, bytes accessed, ...)
   hlo_text: str
+
+  @property
+  def kernel_vmem_bytes(self) -> dict[str, int]:
+    """Scoped VMEM the compiler reserved for each Mosaic kernel (custom
+    call name -> bytes), from its ``used_scoped_memory_configs``."""
+    out = {}
+    for line in self.hlo_text.splitlines():
+      if 'custom_call_target="tpu_custom_call"' not in line:
+        continue
+      name = re.match(r"\s*(?:ROOT\s+)?%?([^\s=]+)\s*=", line).group(1)
+      config = re.search(r"used_scoped_memory_configs\W+\[(.*?)\]", line)
+      sizes = re.findall(r'memory_space\W+1\W+offset\W+\d+\W+size\W+(\d+)',
+                         config.group(1)) if config else []
+      out[name] = sum(int(s) for s in sizes)
+    return out
 
   @property
   def peak_bytes(self) -> int:

@@ -212,3 +212,45 @@ def test_aot_compile_lowers_for_the_topologys_generation(tpu_topologies):
                             topology=topology)
   assert seen == [tpu_aot.topology_generation(t) for t in tpu_topologies]
   assert seen[0] == tpu_topologies[0].split(":")[0]
+
+
+# ------------------------------------------------------------- race detection
+def _racy_copy_kernel(x_hbm, o_ref, buf, sem):
+  copy = _compat.pltpu.make_async_copy(x_hbm, buf, sem)
+  copy.start()
+  o_ref[...] = buf[...]   # reads the DMA's destination before waiting: a race
+  copy.wait()
+
+
+def _racy_then_clean(x, interpret):
+  any_space = getattr(_compat.pltpu, "ANY", None) or pl.ANY
+  y = pl.pallas_call(
+      _racy_copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      in_specs=[pl.BlockSpec(memory_space=any_space)],
+      scratch_shapes=[_compat.pltpu.VMEM(x.shape, x.dtype),
+                      _compat.pltpu.SemaphoreType.DMA],
+      interpret=interpret)(x)
+  return _double_tpu(y, interpret=interpret)   # a clean kernel launched last
+
+
+@pytest.mark.skipif(not _compat.HAS_TPU_INTERPRETER,
+                    reason="this jax has no TPU interpreter")
+def test_find_races_sees_a_race_in_a_kernel_before_the_last():
+  x = jnp.ones((8, 128), jnp.float32)
+  _, log = _backend.find_races(
+      lambda x: _racy_then_clean(x, _backend.interpret_value()), x)
+  assert log.launches == 2
+  assert log.racy_launches == [0], log
+  # What the interpreter itself keeps describes the clean last launch only.
+  assert not _compat.races_found()
+
+
+@pytest.mark.skipif(not _compat.HAS_TPU_INTERPRETER,
+                    reason="this jax has no TPU interpreter")
+def test_find_races_reports_none_for_clean_kernels():
+  x = jnp.ones((8, 128), jnp.float32)
+  out, log = _backend.find_races(
+      lambda x: _double_tpu(_double_tpu(x, interpret=_backend.interpret_value()),
+                            interpret=_backend.interpret_value()), x)
+  np.testing.assert_array_equal(out, 4 * np.ones((8, 128)))
+  assert log.launches == 2 and not log.found, log

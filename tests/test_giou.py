@@ -20,7 +20,7 @@ from hypothesis import given, strategies as st
 import backends
 import pallas_kernels as pk
 from oracles import boxes as oracle
-from pallas_kernels import _compat, force_interpret
+from pallas_kernels import _backend, _compat, force_interpret
 from pallas_kernels.boxes.iou import _math, api, mosaic_tpu, triton
 
 ALL = backends.params()
@@ -379,12 +379,10 @@ def test_mosaic_partial_last_grid_block_and_multi_step(rng):
 
 def test_mosaic_backward_has_no_races(rng):
   pred, target = random_boxes(rng, (200,)), random_boxes(rng, (200,))
-  with force_interpret("races"):
-    grads = jax.jit(jax.grad(lambda p, t: pk.ciou_loss(
-        p, t, reduction="mean", backend="interpret"), argnums=(0, 1)))(
-            pred, target)
-    jax.block_until_ready(grads)
-  assert not _compat.races_found()
+  _, log = _backend.find_races(jax.jit(jax.grad(lambda p, t: pk.ciou_loss(
+      p, t, reduction="mean", backend="interpret"), argnums=(0, 1))),
+                               pred, target)
+  assert log.launches >= 2 and not log.found, log   # forward and backward
 
 
 # -------------------------------------------------------- Triton kernels
@@ -392,16 +390,19 @@ def test_triton_kernels_lower_for_cuda(rng):
   """The Triton lowering runs on this CPU host: every GPU kernel lowers."""
   b = jnp.asarray(random_boxes(rng, (3000,)))
   fns = [
-      (lambda x, y: pk.ciou_loss(x, y, backend="triton"), (b, b)),
+      (lambda x, y: pk.ciou_loss(x, y, backend="triton"), (b, b),
+       "ciou_loss_gpu"),
       (jax.grad(lambda x, y: pk.giou_loss(x, y, reduction="mean",
-                                          backend="triton")), (b, b)),
+                                          backend="triton")), (b, b),
+       "giou_loss_value_and_grad_gpu"),
       (jax.grad(lambda x, y: jnp.sum(pk.diou(x, y, backend="triton"))),
-       (b, b)),
+       (b, b), "diou_grad_gpu"),
   ] + [(lambda x, y, k=k: pk.box_iou(x, y, iou_kind=k, backend="triton"),
-        (b[:100], b)) for k in KINDS]
-  for fn, args in fns:
+        (b[:100], b), f"pairwise_{k}_gpu") for k in KINDS]
+  for fn, args, kernel_name in fns:
     text = _compat.lower_for_cuda(fn, *args).as_text()
     assert "triton" in text.lower() or "__gpu" in text
+    assert f'"{kernel_name}"' in text, kernel_name   # the launch's name
 
 
 def _kernel_primitives(fn, *args):

@@ -290,12 +290,12 @@ def test_no_data_races_in_tpu_interpreter(rng):
   case = MatmulCase((40, 300), 130, extras=("w_scale",), out_dtype="float32",
                     block_sizes=BLOCKS)
   x, w, extras = case.inputs(rng)
-  with force_interpret("races"):
-    out = pk.int8_matmul(jnp.asarray(x), jnp.asarray(w),
-                         w_scale=jnp.asarray(extras["w_scale"]),
-                         out_dtype=jnp.float32, block_sizes=BLOCKS)
+  out, log = _backend.find_races(
+      lambda x, w, s: pk.int8_matmul(x, w, w_scale=s, out_dtype=jnp.float32,
+                                     block_sizes=BLOCKS),
+      jnp.asarray(x), jnp.asarray(w), jnp.asarray(extras["w_scale"]))
   check_matmul(out, case, x, w, extras)
-  assert not _compat.races_found()
+  assert log.launches >= 1 and not log.found, log
 
 
 @pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e", "tpu7x",
@@ -414,6 +414,7 @@ def test_triton_kernel_lowers_for_cuda(m, k, n):
   for name, (fn, args) in calls.items():
     lowered = _compat.lower_for_cuda(fn, *[specs[a] for a in args])
     assert "triton" in lowered.as_text().lower(), name
+    assert '"int8_matmul_' in lowered.as_text(), name   # the launch's name
 
 
 # ----------------------------------------------------------------------------
@@ -430,6 +431,26 @@ def test_raw_worst_case_at_k_bound_does_not_overflow():
     out = pk.int8_matmul(x, w)
   assert int(out[0, 0]) == want
   assert int(pk.int8_matmul(x, w, backend="reference")[0, 0]) == want
+
+
+def test_v4_path_through_bf16_is_exact(rng):
+  """v4 (no int8 MXU operands) multiplies int8 tiles as bf16 with float32
+  sums over K chunks of EXACT_F32_K: still the exact integer result, where
+  one float32 sum over K would round. K = 2048 in one K tile (two chunks)
+  and in two K tiles; row 0 sums 2047 * 127^2 + 127 * 2: odd and above
+  2^24, so not a float32 value."""
+  k = 2048
+  assert bs.EXACT_F32_K < k and not bs.int8_mxu("v4")
+  x = rng.integers(-128, 128, (40, k), dtype=np.int8)
+  w = rng.integers(-128, 128, (k, 130), dtype=np.int8)
+  x[0], w[:, 0], w[-1, 0] = 127, 127, 2
+  want = x.astype(np.int64) @ w.astype(np.int64)
+  assert want[0, 0] > 2**24 and want[0, 0] % 2 == 1
+  for bk in (k, k // 2):
+    with _backend.target_override(tpu_generation="v4"):
+      out = pk.int8_matmul(jnp.asarray(x), jnp.asarray(w), backend="interpret",
+                           block_sizes=bs.BlockSizes(32, bk, 128))
+    np.testing.assert_array_equal(np.asarray(out), want)
 
 
 def test_k_above_bound_raises():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from hypothesis import given, settings, strategies as st
 import backends
 import pallas_kernels as pk
 from oracles import boxes as oracle
-from pallas_kernels import _compat, force_interpret
+from pallas_kernels import _backend, _compat, force_interpret
 from pallas_kernels.boxes.iou import reference as iou_reference
 from pallas_kernels.boxes.nms import api, block_sizes, reference, triton
 from pallas_kernels.boxes.nms.cases import writeup_boxes
@@ -208,6 +209,18 @@ def test_mosaic_long_suppression_chain(small_tiles):
   np.testing.assert_array_equal(idx, want)
 
 
+def test_mosaic_has_no_races(rng, small_tiles):
+  """Two 128-box tiles (cross-tile DMAs) in the race-detecting interpreter."""
+  boxes, scores = writeup_boxes(rng, 200)
+  (idx, count), log = _backend.find_races(
+      lambda b, s: pk.nms(b, s, iou_threshold=0.5, max_output_size=200,
+                          backend="interpret"), boxes, scores)
+  assert log.launches >= 1 and not log.found, log
+  want, want_count, _ = oracle.nms(boxes, scores, 0.5, 200)
+  assert int(count) == want_count
+  np.testing.assert_array_equal(idx, want)
+
+
 def test_mosaic_default_tiles_1024_boxes(rng):
   """The write-up's case: 1024 boxes in two 512-box tiles."""
   boxes, scores = writeup_boxes(rng, 1024)
@@ -302,6 +315,7 @@ def test_triton_kernels_lower_for_cuda(monkeypatch):
                            backend="triton")
     text = _compat.lower_for_cuda(fn, boxes[:n], scores[:n]).as_text()
     assert "triton" in text.lower() or "__gpu" in text
+    assert re.search(r'"nms_\w+_gpu"', text)   # launches carry their names
 
   lowers(1000, 1000)
   monkeypatch.setattr(block_sizes, "SMALL_BOXES", 512)

@@ -3,14 +3,14 @@
 A block is ``block_q`` query rows by ``block_kv`` key rows, both multiples of
 128 (lane-replicated statistics, ``[128, block_q]`` transposes, the MXU
 width). ``TABLE[generation]`` (generation from ``_backend.target()``, the
-lowering target; the v5e row where the table has none):
+lowering target; the v5e row for a generation it does not list):
 
   generation  head_dim   forward (q, kv)   backward (q, kv)
   v5e / v4    <= 128     (512, 512)        (512, 512)
   v5e / v4    256        (512, 512)        (256, 512)
   v5p         any        (512, 1024)       (512, 512)
-  v6e         <= 128     (1024, 512)       (512, 1024)
-  v6e         256        (1024, 512)       (512, 512)
+  v6e / tpu7x <= 128     (1024, 512)       (512, 1024)
+  v6e / tpu7x 256        (1024, 512)       (512, 512)
 
 A block never exceeds the sequence rounded up to 128, and it is halved (down
 to 128) while rounding the sequence up to it would pad more than 1/8 of it.
@@ -36,6 +36,9 @@ TABLE = {
     "v4": ((128, (512, 512), (512, 512)), (None, (512, 512), (256, 512))),
     "v5p": ((None, (512, 1024), (512, 512)),),
     "v6e": ((128, (1024, 512), (512, 1024)), (None, (1024, 512), (512, 512))),
+    # tpu7x: v6e's 256-wide MXU; its blocks use a few MiB of its 64 MiB VMEM.
+    "tpu7x": ((128, (1024, 512), (512, 1024)),
+              (None, (1024, 512), (512, 512))),
 }
 
 

@@ -425,7 +425,7 @@ def _pallas_call(kernel, seg_ranges, args, *, grid, in_specs, out_specs,
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs,
       out_specs=out_specs, scratch_shapes=scratch_shapes)
-  return pl.pallas_call(
+  return _compat.pallas_call(
       kernel, grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=compiler_params, interpret=interpret,
       cost_estimate=cost_estimate, name=name)(*prefetch, *args)

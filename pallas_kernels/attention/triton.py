@@ -35,9 +35,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _cost
 
 pl = _compat.pl
 
@@ -146,6 +147,25 @@ def _make_mask(lq, lk, causal, window_left, window_right, segments) -> _Mask:
   if causal:
     right = 0 if right is None else min(right, 0)
   return _Mask(lq, lk, window_left, right, segments)
+
+
+def _band_entries(mask: _Mask) -> int:
+  """Score-matrix entries inside the causal/window band (segments ignored)."""
+  rows = np.arange(mask.lq) + mask.offset   # each row's diagonal key
+  first = (np.zeros_like(rows) if mask.left is None
+           else np.maximum(rows - mask.left, 0))
+  last = (np.full_like(rows, mask.lk - 1) if mask.right is None
+          else np.minimum(rows + mask.right, mask.lk - 1))
+  return int(np.maximum(last - first + 1, 0).sum())
+
+
+def _cost_estimate(mask, batch, heads, dim, matmuls, arrays):
+  """``matmuls`` [band x dim] products per head plus one exp per entry;
+  ``arrays`` (inputs and outputs) read or written once."""
+  entries = batch * heads * _band_entries(mask)
+  return _cost.estimate(flops=2 * matmuls * entries * dim,
+                        transcendentals=entries,
+                        bytes_accessed=_cost.nbytes(*arrays))
 
 
 # Scalar index arithmetic inside the kernels. Operands are clamped to >= 0
@@ -494,7 +514,9 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
                     soft_cap=logit_soft_cap, mask=mask, block_q=bq,
                     block_k=bk, order=order)
 
-  out, lse = pl.pallas_call(
+  out_shape = [jax.ShapeDtypeStruct((batch, heads, lq_pad, dp), q.dtype),
+               jax.ShapeDtypeStruct((batch, heads, lq_pad), jnp.float32)]
+  out, lse = _compat.pallas_call(
       kernel,
       grid=order.grid(batch),
       in_specs=in_specs,
@@ -502,11 +524,12 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
           order.spec((None, None, bq, dp), lambda i, b, h: (b, h, i, 0)),
           order.spec((None, None, bq), lambda i, b, h: (b, h, i)),
       ],
-      out_shape=[jax.ShapeDtypeStruct((batch, heads, lq_pad, dp), q.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, lq_pad), jnp.float32)],
+      out_shape=out_shape,
       compiler_params=_compat.gpu_compiler_params(
           num_warps=sizes.num_warps, num_stages=sizes.num_stages),
       interpret=interpret,
+      cost_estimate=_cost_estimate(mask, batch, heads, dim, 2,
+                                   [*args, *out_shape]),
       name="flash_attention_fwd_gpu",
   )(*args)
   return _crop(out, (batch, heads, lq, dim)), _crop(lse, (batch, heads, lq))
@@ -694,14 +717,19 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
                 block_k=bk_kv, group=group, bias_per_head=per_head,
                 order=order)
 
-  dk, dv = pl.pallas_call(
+  dkv_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype),
+               jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  dk, dv = _compat.pallas_call(
       dkv_kernel, grid=order.grid(batch), in_specs=in_specs,
       out_specs=[kv_block, kv_block],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_shape=dkv_shape,
       compiler_params=_compat.gpu_compiler_params(
           num_warps=sizes.num_warps_dkv, num_stages=sizes.num_stages_dkv),
-      interpret=interpret, name="flash_attention_dkv_gpu",
+      interpret=interpret,
+      # Recomputes s and dp, forms dv and dk: four matmuls.
+      cost_estimate=_cost_estimate(mask, batch, heads, dim, 4,
+                                   [*args, *dkv_shape]),
+      name="flash_attention_dkv_gpu",
   )(*args)
 
   dq = _crop(dq, (batch, heads, lq, dim))
@@ -755,11 +783,15 @@ def _dq_call(q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, *, sizes,
                sm_scale=sm_scale, soft_cap=soft_cap, mask=mask, block_q=bq,
                block_k=bk, nk=nk, block_index=order.block_id())
 
-  results = pl.pallas_call(
+  results = _compat.pallas_call(
       kernel, grid=order.grid(batch), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape,
       compiler_params=_compat.gpu_compiler_params(
           num_warps=sizes.num_warps_dq, num_stages=sizes.num_stages_dq),
-      interpret=interpret, name="flash_attention_dq_gpu",
+      interpret=interpret,
+      # Recomputes s and dp, forms dq: three matmuls.
+      cost_estimate=_cost_estimate(mask, batch, heads, q.shape[3], 3,
+                                   [*args, *out_shape]),
+      name="flash_attention_dq_gpu",
   )(*args)
   return results[0], results[1], (results[2] if dbias_wanted else None)

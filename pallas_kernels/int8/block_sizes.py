@@ -11,20 +11,37 @@ VMEM bytes of a config, which must stay inside the generation's budget:
   + bm*bn*4                               the dot's result before accumulation
   + 2 * bm*bn*out_bytes                   double-buffered output tile
   + bk*bn*x_bytes                         weight-only: the upcast w tile
+  + (bm + bn) * min(bk, 1024) * 2         int8 modes on v4: bf16 copies of a
+                                          K chunk of both tiles
   + 2 * (bm*128*4 + 8*bn*4 * 2)           scale/bias tiles (padded to (8,128))
+
+int8 on v4. Its MXU takes no int8 operands (Mosaic rejects an i8 dot), so
+int8 modes on v4 upcast K chunks of both tiles to bf16 in VMEM and multiply
+at the bf16 rate with float32 sums, converted to int32 per chunk. Exact:
+|x|, |w| <= 128 are bf16 integers, each product (|p| <= 2^14) is exact in
+float32, and a chunk of at most ``EXACT_F32_K`` = 1024 products keeps every
+partial sum within 2^24, where float32 holds all integers; the int32 sum
+over chunks and K steps is then the exact result.
 
 Shape classes: "decode" (M <= 128: memory-bound on the weights, so big
 weight tiles to amortize the ~0.35 us per grid step), "medium" (M <= 1024)
 and "large". Arithmetic intensity of a tile is about 2*bm*bn/(bm+bn) int8
-ops per byte; v5e needs ~480 (394 TOP/s over 819 GB/s), v6e ~560 (918 over
-1640), hence 1024-wide tiles for large problems.
+ops per byte; a generation needs its int8 rate over its HBM bandwidth:
+v4 ~230 (275 TOP/s at the bf16 rate, see below, over 1200 GB/s), v5e ~480
+(393 over 819), v5p ~330 (918 over 2765), v6e ~1120 (1836 over 1638);
+tpu7x publishes no int8 rate (bf16 2307 TFLOP/s over 7380 GB/s: ~310).
+Hence 1024-wide tiles for large problems.
 
 | gen       | decode (bm=M)   | medium           | large             | budget / limit |
 |-----------|-----------------|------------------|-------------------|----------------|
 | v5e       | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
 | v6e       | bk 4096 bn 2048 | 512 x 1024 x 2048| 1024 x 1024 x 1024| 40 / 64 MiB    |
 | v5p       | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
-| v4, other | bk 2048 bn 1024 | 256 x 1024 x 1024| 512 x 1024 x 1024 | 12 / 16 MiB    |
+| tpu7x     | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
+| v4, other | bk 1024 bn 1024 | 256 x 1024 x 1024| 512 x 1024 x 1024 | 12 / 16 MiB    |
+
+VMEM per TensorCore (jax's ``tpu_info``): v4 16 MiB, v5e and v6e 128 MiB,
+v5p and tpu7x 64 MiB; the budgets stay well inside it.
 
 A config is clamped to the problem (a dimension smaller than its tile uses
 the whole dimension), K tiles divide K (K is zero-padded to a multiple of
@@ -79,15 +96,24 @@ TPU_TABLE = {
             "large": (1024, 1024, 1024)},
     "v5p": {"decode": (None, 2048, 2048), "medium": (256, 1024, 2048),
             "large": (1024, 512, 1024)},
-    "default": {"decode": (None, 2048, 1024), "medium": (256, 1024, 1024),
+    "tpu7x": {"decode": (None, 2048, 2048), "medium": (256, 1024, 2048),
+              "large": (1024, 512, 1024)},
+    "v4": {"decode": (None, 1024, 1024), "medium": (256, 1024, 1024),
+           "large": (512, 1024, 1024)},
+    "default": {"decode": (None, 1024, 1024), "medium": (256, 1024, 1024),
                 "large": (512, 1024, 1024)},
 }
 TPU_VMEM = {  # (bytes a config may use, vmem_limit_bytes passed to Mosaic)
     "v5e": (28 * MiB, 48 * MiB), "v6e": (40 * MiB, 64 * MiB),
-    "v5p": (28 * MiB, 48 * MiB), "v4": (12 * MiB, 16 * MiB),
-    "default": (12 * MiB, 16 * MiB),
+    "v5p": (28 * MiB, 48 * MiB), "tpu7x": (28 * MiB, 48 * MiB),
+    "v4": (12 * MiB, 16 * MiB), "default": (12 * MiB, 16 * MiB),
 }
-TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e")
+TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
+# Generations whose MXU takes int8 operands; the others run int8 modes
+# through bf16 (module docstring, "int8 on v4").
+INT8_MXU = frozenset({"v5e", "v5p", "v6e", "tpu7x"})
+# Most int8 x int8 products a float32 sum may hold and stay exact.
+EXACT_F32_K = 1024
 
 DECODE_MAX_M = 128
 MEDIUM_MAX_M = 1024
@@ -182,8 +208,15 @@ def _largest_divisor_tile(dim: int, target: int, unit: int) -> int:
   return best * unit
 
 
-def tpu_vmem_bytes(bm, bk, bn, *, x_bytes, out_bytes, accumulator, weight_only):
+def int8_mxu(generation: str | None) -> bool:
+  """Whether ``generation``'s MXU multiplies int8 (unknown: assume so)."""
+  return generation not in TPU_TABLE or generation in INT8_MXU
+
+
+def tpu_vmem_bytes(bm, bk, bn, *, x_bytes, out_bytes, accumulator, weight_only,
+                   int8_via_bf16=False):
   total = 2 * (bm * bk * x_bytes + bk * bn * 1)
+  total += (bm + bn) * min(bk, EXACT_F32_K) * 2 if int8_via_bf16 else 0
   total += bm * bn * 4                      # dot result
   total += bm * bn * 4 if accumulator else 0
   total += 2 * bm * bn * out_bytes
@@ -209,6 +242,7 @@ def plan_tpu(m, k, n, *, x_bytes, out_bytes, mode, generation=None,
   budget, limit = TPU_VMEM.get(generation or "default", TPU_VMEM["default"])
   weight_only = mode == "weight_only"
   accumulating_in_scratch = mode != "raw"
+  int8_via_bf16 = not weight_only and not int8_mxu(generation)
 
   if block_sizes is not None:
     bm, bk, bn = block_sizes.bm, block_sizes.bk, block_sizes.bn
@@ -224,7 +258,7 @@ def plan_tpu(m, k, n, *, x_bytes, out_bytes, mode, generation=None,
   def vmem(bm_, bk_, bn_, nk_):
     return tpu_vmem_bytes(bm_, bk_, bn_, x_bytes=x_bytes, out_bytes=out_bytes,
                           accumulator=accumulating_in_scratch and nk_ > 1,
-                          weight_only=weight_only)
+                          weight_only=weight_only, int8_via_bf16=int8_via_bf16)
 
   while True:
     tm = m if m <= bm else bm

@@ -4,7 +4,10 @@ Matmul. Grid (M/bm, N/bn, K/bk), K innermost and "arbitrary", M and N
 "parallel" (megacore chips split them). Each step multiplies an x tile by a
 w tile on the MXU: int8 x int8 with int32 accumulation, or for weight-only
 mode the int8 w tile upcast in VMEM to x's float dtype (exact: |w| <= 128
-fits bf16's 8-bit significand) with float32 accumulation. The running sum
+fits bf16's 8-bit significand) with float32 accumulation. On a generation
+without int8 MXU operands (v4) int8 x int8 runs as bf16 x bf16 over K
+chunks of at most ``block_sizes.EXACT_F32_K``, each float32 chunk sum
+converted to int32: exact (block_sizes, "int8 on v4"). The running sum
 lives in VMEM; at the last K step the epilogue converts it to float32,
 multiplies by x_scale [bm, 1] and w_scale [1, bn], adds bias [1, bn] and
 stores out_dtype: no int32 matrix reaches HBM. Raw int32 mode accumulates
@@ -30,7 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _backend, _compat
+from pallas_kernels import _backend, _compat, _cost
 from pallas_kernels._compat import pl, pltpu
 from pallas_kernels.int8 import block_sizes as bs
 from pallas_kernels.int8 import operands, quant
@@ -49,13 +52,32 @@ def _dot(x, w, mode, w_layout):
   return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)
 
 
-def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout):
+def _int8_dot_via_bf16(x_ref, w_ref, w_layout):
+  """x_ref @ w_ref (int8 tiles) as int32, through bf16 MXU products: K
+  chunks of at most EXACT_F32_K products sum exactly in float32."""
+  k = x_ref.shape[1]
+  total = None
+  for start in range(0, k, bs.EXACT_F32_K):
+    chunk = pl.ds(start, min(bs.EXACT_F32_K, k - start))
+    x = x_ref[:, chunk].astype(jnp.bfloat16)
+    w = (w_ref[chunk, :] if w_layout == "kn" else w_ref[:, chunk])
+    part = _dot(x, w.astype(jnp.bfloat16), "weight_only", w_layout)
+    part = part.astype(jnp.int32)
+    total = part if total is None else total + part
+  return total
+
+
+def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout,
+                   int8_via_bf16):
   x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs = (
       operands.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
                                  has_b=has_b))
   acc_ref = refs.pop(0) if refs else None
 
-  part = _dot(x_ref[...], w_ref[...], mode, w_layout)
+  if int8_via_bf16 and mode != "weight_only":
+    part = _int8_dot_via_bf16(x_ref, w_ref, w_layout)
+  else:
+    part = _dot(x_ref[...], w_ref[...], mode, w_layout)
 
   def finish(acc):
     if mode == "raw":
@@ -130,18 +152,29 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
 
   kernel = functools.partial(
       _matmul_kernel, mode=mode, nk=nk, has_xs=x_scale is not None,
-      has_ws=w_scale is not None, has_b=bias is not None, w_layout=w_layout)
-  return pl.pallas_call(
+      has_ws=w_scale is not None, has_b=bias is not None, w_layout=w_layout,
+      int8_via_bf16=not bs.int8_mxu(generation))
+  out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+  grid_m, grid_n = grid[0], grid[1]
+  # x is streamed once per column tile, w once per row tile.
+  bytes_accessed = (grid_n * _cost.nbytes(x2, x_scale)
+                    + grid_m * _cost.nbytes(w, w_scale, bias)
+                    + _cost.nbytes(out_shape))
+  epilogue = 0 if mode == "raw" else 4 * m * n
+  return _compat.pallas_call(
       kernel,
       grid=grid,
       in_specs=in_specs,
       out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      out_shape=out_shape,
       scratch_shapes=scratch,
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=("parallel", "parallel", "arbitrary"),
           vmem_limit_bytes=plan.vmem_limit_bytes),
       interpret=interpret,
+      cost_estimate=_cost.estimate(flops=2 * m * n * plan.k_padded + epilogue,
+                                   bytes_accessed=bytes_accessed),
+      name=f"int8_matmul_{mode}",
   )(*operands)
 
 
@@ -169,16 +202,21 @@ def quantize_rows(x2, *, interpret=False):
   bm = quantize_rows_block(m, k, x2.dtype.itemsize)
   if bm is None or m == 0 or k == 0:
     return quant.quantize(x2, axis=-1)
-  return pl.pallas_call(
+  out_shape = [jax.ShapeDtypeStruct((m, k), jnp.int8),
+               jax.ShapeDtypeStruct((m, 1), jnp.float32)]
+  return _compat.pallas_call(
       _quantize_kernel,
       grid=(pl.cdiv(m, bm),),
       in_specs=[pl.BlockSpec((bm, k), lambda i: (i, 0))],
       out_specs=[pl.BlockSpec((bm, k), lambda i: (i, 0)),
                  pl.BlockSpec((bm, 1), lambda i: (i, 0))],
-      out_shape=[jax.ShapeDtypeStruct((m, k), jnp.int8),
-                 jax.ShapeDtypeStruct((m, 1), jnp.float32)],
+      out_shape=out_shape,
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=("parallel",),
           vmem_limit_bytes=2 * QUANTIZE_VMEM_BUDGET),
       interpret=interpret,
+      # |x|, the row max, x / scale, round and clip: about 5 flops per value.
+      cost_estimate=_cost.estimate(
+          flops=5 * m * k, bytes_accessed=_cost.nbytes(x2, *out_shape)),
+      name="quantize_int8_rows",
   )(x2)

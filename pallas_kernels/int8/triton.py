@@ -31,7 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _cost
 from pallas_kernels._compat import pl
 from pallas_kernels.int8 import block_sizes as bs
 from pallas_kernels.int8 import operands, quant
@@ -172,7 +172,12 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
     out_spec = pl.BlockSpec((None, bm, bn), lambda p, q, s: (s, *tile(p, q)))
     out_struct = jax.ShapeDtypeStruct(
         (split, mp, np_), jnp.float32 if mode == "weight_only" else jnp.int32)
-  out = pl.pallas_call(
+  # Each program streams its x rows and w columns over K once.
+  grid_m, grid_n = mp // bm, np_ // bn
+  bytes_accessed = (grid_n * _cost.nbytes(operands[0], fused[0])
+                    + grid_m * _cost.nbytes(operands[1], *fused[1:])
+                    + _cost.nbytes(out_struct))
+  out = _compat.pallas_call(
       kernel,
       grid=(*grid, split),
       in_specs=in_specs,
@@ -181,6 +186,9 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
       compiler_params=_compat.gpu_compiler_params(
           num_warps=plan.num_warps, num_stages=plan.num_stages),
       interpret=interpret,
+      cost_estimate=_cost.estimate(flops=2 * mp * np_ * kp,
+                                   bytes_accessed=bytes_accessed),
+      name=f"int8_matmul_{mode}_gpu",
   )(*operands)
   if split > 1:
     out = out.sum(axis=0)  # int32: exact

@@ -25,10 +25,13 @@ Everything else equals torchvision's value, invalid boxes (x2 < x1) included.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import _cost
 
 KINDS = ("iou", "giou", "diou", "ciou")
 BOX_FORMATS = ("xyxy", "cxcywh")
@@ -170,3 +173,27 @@ def score_vjp(kind, formula, eps, box_format, planes1, planes2, cotangent):
   _, pullback = jax.vjp(fn, tuple(planes1), tuple(planes2))
   grads1, grads2 = pullback(cotangent)
   return grads1, grads2
+
+
+@functools.lru_cache(maxsize=None)
+def ops_per_box(kind, formula, eps, box_format, backward=False):
+  """(flops, transcendentals) per box of the forward score, or of its
+  gradient (``score_vjp``), counted from the formula's jaxpr."""
+  if backward:
+    def fn(*v):
+      return score_vjp(kind, formula, eps, box_format, v[0:4], v[4:8], v[8])
+    return _cost.scalar_ops(fn, 9)
+
+  def fn(*v):
+    return score_from_planes(kind, formula, eps, box_format, v[0:4], v[4:8])
+  return _cost.scalar_ops(fn, 8)
+
+
+@functools.lru_cache(maxsize=None)
+def ops_per_pair(kind, eps):
+  """(flops, transcendentals) per pair of the pairwise kernel's formula."""
+  def fn(*v):
+    if kind in ("iou", "giou"):
+      return pairwise_score_lean(kind, v[0:4], v[4:8])
+    return score(kind, "pairwise", eps, v[0:4], v[4:8])
+  return _cost.scalar_ops(fn, 8)

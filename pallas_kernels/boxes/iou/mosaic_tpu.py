@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _cost
 from pallas_kernels._compat import pl, pltpu
 from . import _math
 
@@ -142,7 +142,9 @@ def elementwise(boxes1, boxes2, *, kind, formula, eps, box_format,
       _forward_kernel, kind=kind, formula=formula, eps=eps,
       box_format=box_format, as_loss=as_loss, num_boxes=num_boxes,
       block_rows=block, reduce=reduce)
-  out = pl.pallas_call(
+  flops, transcendentals = _math.ops_per_box(kind, formula, eps, box_format)
+  boxes = rows * LANES
+  out = _compat.pallas_call(
       kernel,
       grid=(steps,),
       in_specs=[in_spec, in_spec],
@@ -152,6 +154,12 @@ def elementwise(boxes1, boxes2, *, kind, formula, eps, box_format,
                       _widening_scratch(x2.dtype, block)],
       compiler_params=_compiler_params(),
       interpret=interpret,
+      cost_estimate=_cost.estimate(
+          flops=boxes * (flops + (1 if as_loss else 0) + (2 if reduce else 0)),
+          transcendentals=boxes * transcendentals,
+          bytes_accessed=_cost.nbytes(x1, x2, out_shape)),
+      name=f"{kind}_{'loss' if as_loss else 'score'}"
+           f"{'_sum' if reduce else ''}",
   )(x1, x2)
   if reduce:
     return jnp.sum(out)
@@ -218,17 +226,25 @@ def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
       _backward_kernel, kind=kind, formula=formula, eps=eps,
       box_format=box_format, block_rows=block,
       scalar_cotangent=shared_cotangent)
-  d1, d2 = pl.pallas_call(
+  out_shape = [jax.ShapeDtypeStruct(x1.shape, boxes1.dtype),
+               jax.ShapeDtypeStruct(x2.shape, boxes2.dtype)]
+  flops, transcendentals = _math.ops_per_box(kind, formula, eps, box_format,
+                                       backward=True)
+  boxes = rows * LANES
+  d1, d2 = _compat.pallas_call(
       kernel,
       grid=(steps,),
       in_specs=[box_spec, box_spec, g_spec],
       out_specs=[box_spec, box_spec],
-      out_shape=[jax.ShapeDtypeStruct(x1.shape, boxes1.dtype),
-                 jax.ShapeDtypeStruct(x2.shape, boxes2.dtype)],
+      out_shape=out_shape,
       scratch_shapes=[_widening_scratch(x1.dtype, block),
                       _widening_scratch(x2.dtype, block)],
       compiler_params=_compiler_params(),
       interpret=interpret,
+      cost_estimate=_cost.estimate(
+          flops=boxes * flops, transcendentals=boxes * transcendentals,
+          bytes_accessed=_cost.nbytes(x1, x2, g, *out_shape)),
+      name=f"{kind}_grad",
   )(x1, x2, g)
   return from_planes(d1, num_boxes), from_planes(d2, num_boxes)
 
@@ -268,7 +284,10 @@ def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
   b = jnp.repeat(b, GROUP, axis=1)  # [B, 4 * 8, M]: 32 B per box, O(M)
   kernel = functools.partial(_pairwise_kernel, kind=kind, eps=eps,
                              tile_n=tile_n, tile_m=tile_m)
-  out = pl.pallas_call(
+  out_shape = jax.ShapeDtypeStruct((batch, n_out, m_out), out_dtype)
+  flops, transcendentals = _math.ops_per_pair(kind, eps)
+  pairs = batch * grid_n * tile_n * grid_m * tile_m
+  out = _compat.pallas_call(
       kernel,
       grid=(batch, grid_n, grid_m),
       in_specs=[pl.BlockSpec((None, tile_n, COORDS),
@@ -277,10 +296,15 @@ def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
                              lambda b_, i, j: (b_, 0, j))],
       out_specs=pl.BlockSpec((None, tile_n, tile_m),
                              lambda b_, i, j: (b_, i, j)),
-      out_shape=jax.ShapeDtypeStruct((batch, n_out, m_out), out_dtype),
+      out_shape=out_shape,
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=("parallel", "parallel", "parallel")),
       interpret=interpret,
+      # boxes2 blocks are re-read for every row tile of boxes1.
+      cost_estimate=_cost.estimate(
+          flops=pairs * flops, transcendentals=pairs * transcendentals,
+          bytes_accessed=_cost.nbytes(a, out_shape) + grid_n * _cost.nbytes(b)),
+      name=f"pairwise_{kind}",
   )(a, b)
   if (n_out, m_out) != (n, m):
     out = out[:, :n, :m]

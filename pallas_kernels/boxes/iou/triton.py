@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _cost
 from pallas_kernels._compat import pl
 from . import _math
 
@@ -124,10 +124,16 @@ def elementwise(boxes1, boxes2, *, kind, formula, eps, box_format,
       _forward_kernel, kind=kind, formula=formula, eps=eps,
       box_format=box_format, as_loss=as_loss, num_boxes=num_boxes,
       block=block, reduce=reduce)
-  out = pl.pallas_call(
+  flops, transcendentals = _math.ops_per_box(kind, formula, eps, box_format)
+  out = _compat.pallas_call(
       kernel, grid=(steps,), in_specs=[box_spec, box_spec],
       out_specs=out_spec, out_shape=out_shape,
       compiler_params=_params(), interpret=interpret,
+      cost_estimate=_cost.estimate(
+          flops=num_boxes * flops, transcendentals=num_boxes * transcendentals,
+          bytes_accessed=_cost.nbytes(boxes1, boxes2, out_shape)),
+      name=f"{kind}_{'loss' if as_loss else 'score'}"
+           f"{'_sum' if reduce else ''}_gpu",
   )(boxes1, boxes2)
   return jnp.sum(out) if reduce else out
 
@@ -170,14 +176,22 @@ def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
       _backward_kernel, kind=kind, formula=formula, eps=eps,
       box_format=box_format, block=block, shared_cotangent=shared_cotangent,
       num_boxes=num_boxes)
-  return pl.pallas_call(
+  out_shape = [jax.ShapeDtypeStruct(boxes1.shape, boxes1.dtype),
+               jax.ShapeDtypeStruct(boxes2.shape, boxes2.dtype)]
+  g = cotangent.astype(jnp.float32).reshape(-1)
+  flops, transcendentals = _math.ops_per_box(kind, formula, eps, box_format,
+                                             backward=True)
+  return _compat.pallas_call(
       kernel, grid=(pl.cdiv(num_boxes, block),),
       in_specs=[box_spec, box_spec, g_spec],
       out_specs=[box_spec, box_spec],
-      out_shape=[jax.ShapeDtypeStruct(boxes1.shape, boxes1.dtype),
-                 jax.ShapeDtypeStruct(boxes2.shape, boxes2.dtype)],
+      out_shape=out_shape,
       compiler_params=_params(), interpret=interpret,
-  )(boxes1, boxes2, cotangent.astype(jnp.float32).reshape(-1))
+      cost_estimate=_cost.estimate(
+          flops=num_boxes * flops, transcendentals=num_boxes * transcendentals,
+          bytes_accessed=_cost.nbytes(boxes1, boxes2, g, *out_shape)),
+      name=f"{kind}_grad_gpu",
+  )(boxes1, boxes2, g)
 
 
 def _value_and_grad_kernel(b1_ref, b2_ref, sum_ref, d1_ref, d2_ref, *, kind,
@@ -219,13 +233,21 @@ def elementwise_value_and_grad(boxes1, boxes2, *, kind, formula, eps,
       box_format=box_format, as_loss=as_loss, num_boxes=num_boxes,
       block=block, grad_scale=float(grad_scale),
       value_scale=float(value_scale))
-  sums, d1, d2 = pl.pallas_call(
+  out_shape = [jax.ShapeDtypeStruct((steps,), jnp.float32),
+               jax.ShapeDtypeStruct(boxes1.shape, boxes1.dtype),
+               jax.ShapeDtypeStruct(boxes2.shape, boxes2.dtype)]
+  fwd = _math.ops_per_box(kind, formula, eps, box_format)
+  bwd = _math.ops_per_box(kind, formula, eps, box_format, backward=True)
+  sums, d1, d2 = _compat.pallas_call(
       kernel, grid=(steps,), in_specs=[box_spec, box_spec],
       out_specs=[pl.BlockSpec((1,), lambda i: (i,)), box_spec, box_spec],
-      out_shape=[jax.ShapeDtypeStruct((steps,), jnp.float32),
-                 jax.ShapeDtypeStruct(boxes1.shape, boxes1.dtype),
-                 jax.ShapeDtypeStruct(boxes2.shape, boxes2.dtype)],
+      out_shape=out_shape,
       compiler_params=_params(), interpret=interpret,
+      cost_estimate=_cost.estimate(
+          flops=num_boxes * (fwd[0] + bwd[0]),
+          transcendentals=num_boxes * (fwd[1] + bwd[1]),
+          bytes_accessed=_cost.nbytes(boxes1, boxes2, *out_shape)),
+      name=f"{kind}_{'loss' if as_loss else 'score'}_value_and_grad_gpu",
   )(boxes1, boxes2)
   return jnp.sum(sums), d1, d2
 
@@ -281,7 +303,9 @@ def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
   # Grid (batch, column tile, row tile), launched as CUDA (x, y, z) with x
   # varying fastest: consecutive programs of an image take neighbouring
   # column tiles, i.e. write neighbouring memory.
-  return pl.pallas_call(
+  out_shape = jax.ShapeDtypeStruct((batch, n, m), out_dtype)
+  flops, transcendentals = _math.ops_per_pair(kind, eps)
+  return _compat.pallas_call(
       kernel,
       grid=(batch, pl.cdiv(m, tile_m), pl.cdiv(n, tile_n)),
       in_specs=[pl.BlockSpec((None, tile_n, COORDS),
@@ -290,6 +314,12 @@ def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
                              lambda b_, j, i: (b_, j, 0))],
       out_specs=pl.BlockSpec((None, tile_n, tile_m),
                              lambda b_, j, i: (b_, i, j)),
-      out_shape=jax.ShapeDtypeStruct((batch, n, m), out_dtype),
+      out_shape=out_shape,
       compiler_params=_params(PAIRWISE_WARPS), interpret=interpret,
+      # boxes2 tiles are re-read for every row tile of boxes1.
+      cost_estimate=_cost.estimate(
+          flops=batch * n * m * flops, transcendentals=batch * n * m
+          * transcendentals, bytes_accessed=_cost.nbytes(boxes1, out_shape)
+          + pl.cdiv(n, tile_n) * _cost.nbytes(boxes2)),
+      name=f"pairwise_{kind}_gpu",
   )(boxes1, boxes2)

@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _cost
 from pallas_kernels._compat import pl, pltpu
 from .reference import iou_exceeds
 
@@ -38,6 +38,14 @@ CLASS_ROW, FLAG_ROW = 5, 6
 PLANES = 8
 DEFAULT_TILE = 512
 SUB = 8  # boxes per IoU block row group (one sublane group)
+
+
+@functools.lru_cache(maxsize=None)
+def iou_test_flops() -> int:
+  """Arithmetic of one box-pair suppression test (``iou_exceeds``, class and
+  flag masks), counted from its jaxpr."""
+  flops, _ = _cost.scalar_ops(lambda *v: iou_exceeds(v[:5], v[5:], 0.5), 10)
+  return flops + 3
 
 
 def _exceeds_block(col, row, iou_threshold):
@@ -146,15 +154,22 @@ def keep_mask(rows, *, iou_threshold, max_output_size, tile=DEFAULT_TILE,
   num_tiles = padded // tile
   kernel = functools.partial(_nms_kernel, iou_threshold=float(iou_threshold),
                              max_output_size=int(max_output_size), tile=tile)
-  keep, _ = pl.pallas_call(
+  out_shape = [jax.ShapeDtypeStruct((batch, 1, padded), jnp.int32),
+               jax.ShapeDtypeStruct((batch, num_tiles, PLANES, tile),
+                                    jnp.float32)]
+  # Worst case, every tile keeps a box: N T within-tile IoU tests plus
+  # N (N - T) / 2 cross-tile ones (``iou_test_flops`` each), two MXU
+  # matvec rounds per tile; the store written and read back once per tile.
+  tests = padded * tile + padded * (padded - tile) // 2
+  flops = batch * (iou_test_flops() * tests + 4 * tile * padded)
+  store = _cost.nbytes(out_shape[1])
+  keep, _ = _compat.pallas_call(
       kernel,
       grid=(batch, num_tiles),
       in_specs=[pl.BlockSpec((None, PLANES, tile), lambda b, t: (b, 0, t))],
       out_specs=[pl.BlockSpec((None, 1, tile), lambda b, t: (b, 0, t)),
                  pl.BlockSpec(memory_space=pl.ANY)],
-      out_shape=[jax.ShapeDtypeStruct((batch, 1, padded), jnp.int32),
-                 jax.ShapeDtypeStruct((batch, num_tiles, PLANES, tile),
-                                      jnp.float32)],
+      out_shape=out_shape,
       scratch_shapes=[pltpu.SMEM((2,), jnp.int32),
                       pltpu.VMEM((PLANES, tile), jnp.float32),
                       pltpu.VMEM((tile, PLANES), jnp.float32),
@@ -163,5 +178,9 @@ def keep_mask(rows, *, iou_threshold, max_output_size, tile=DEFAULT_TILE,
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
+      cost_estimate=_cost.estimate(
+          flops=flops, bytes_accessed=_cost.nbytes(rows, out_shape[0])
+          + store * (1 + (num_tiles - 1) / 2)),
+      name="nms_keep_mask",
   )(rows)
   return keep[:, 0, :]

@@ -157,8 +157,9 @@ def kept_positions(x1, y1, x2, y2, area, cls, flag, *, iou_threshold,
   buf = pl.BlockSpec((None, capacity), lambda b: (b, 0))
   f32 = lambda: jax.ShapeDtypeStruct((batch, capacity), jnp.float32)
   i32 = lambda: jax.ShapeDtypeStruct((batch, capacity), jnp.int32)
-  outs = pl.pallas_call(
+  outs = _compat.pallas_call(
       kernel,
+      name="nms_kept_positions_gpu",
       grid=(batch,),
       in_specs=[plane] * NUM_PLANES,
       out_specs=[buf] * 7 + [pl.BlockSpec((None, 16), lambda b: (b, 0))],
@@ -647,12 +648,12 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
       grid=mask_grid, out_specs=mask_out_spec, out_shape=mask_out_shape,
       compiler_params=_compat.gpu_compiler_params(num_warps=mask_warps,
                                                   num_stages=1),
-      interpret=interpret)
+      interpret=interpret, name="nms_iou_mask_gpu")
   scan_params = dict(
       grid=(batch,),
       compiler_params=_compat.gpu_compiler_params(num_warps=scan_warps,
                                                   num_stages=1),
-      interpret=interpret)
+      interpret=interpret, name="nms_keep_scan_gpu")
   mask_spec = pl.BlockSpec((None, chunk, padded_words), lambda b: (b, 0, 0))
   band_spec = pl.BlockSpec((None, chunk // WORD, 2 * WORD),
                            lambda b: (b, 0, 0))
@@ -675,10 +676,10 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
       scan_kernel(removed_ref, None, None, None, mask_ref, band_ref, None,
                   keep_out, base_out, state_out)
 
-    (mask, band), specs = split(pl.pallas_call(
+    (mask, band), specs = split(_compat.pallas_call(
         mask_first, in_specs=[removed_spec] + [plane_spec] * 6,
         **mask_params)(removed, *box_planes, box_cls))
-    keep, base, state = pl.pallas_call(
+    keep, base, state = _compat.pallas_call(
         scan_first, in_specs=[words_spec] + specs,
         out_specs=[words_spec, words_spec, state_spec],
         out_shape=[words_shape] * 2 + [state_shape], **scan_params)(
@@ -693,12 +694,12 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
 
   def one_chunk(carry):
     removed, keep, base, state = carry
-    (mask, band), specs = split(pl.pallas_call(
+    (mask, band), specs = split(_compat.pallas_call(
         mask_kernel,
         in_specs=([pl.BlockSpec((None, 16), lambda b, i, j: (b, 0)),
                    removed_spec] + [plane_spec] * 6),
         **mask_params)(state, removed, *box_planes, box_cls))
-    return tuple(pl.pallas_call(
+    return tuple(_compat.pallas_call(
         scan_chunk,
         in_specs=[words_spec] * 3 + [state_spec] + specs,
         out_specs=[words_spec] * 3 + [state_spec],
@@ -745,7 +746,7 @@ def _overlapped_chunks(carry, mask_kernel, scan_chunk, mask_params,
   mask_shape = jax.ShapeDtypeStruct((batch, chunk, padded_words), jnp.int32)
 
   def mask_call(state, removed):
-    return pl.pallas_call(
+    return _compat.pallas_call(
         mask_kernel,
         in_specs=([pl.BlockSpec((None, 16), lambda b, i, j: (b, 0)),
                    pl.BlockSpec((None, padded_words), lambda b, i, j: (b, 0))]
@@ -758,7 +759,7 @@ def _overlapped_chunks(carry, mask_kernel, scan_chunk, mask_params,
   num_tiles = mask_params["grid"][1] * tiles_j
   for c in range(num_chunks):
     if c == 0 or c + 1 == num_chunks:
-      removed, keep, base, state = pl.pallas_call(
+      removed, keep, base, state = _compat.pallas_call(
           scan_chunk,
           in_specs=[pl.BlockSpec((None, padded_words), lambda b: (b, 0))] * 3
           + [pl.BlockSpec((None, 16), lambda b: (b, 0)),
@@ -773,14 +774,14 @@ def _overlapped_chunks(carry, mask_kernel, scan_chunk, mask_params,
     kernel = functools.partial(
         _overlap_kernel, scan_kernel=scan_kernel, mask_kernel=mask_kernel,
         chunk=chunk, tiles_j=tiles_j)
-    mask, removed, keep, base, state = pl.pallas_call(
+    mask, removed, keep, base, state = _compat.pallas_call(
         kernel, grid=(batch, 1 + num_tiles),
         in_specs=[state_spec] + [words_spec] * 3 + [mask_spec]
         + [plane_spec] * 6,
         out_specs=[mask_spec] + [words_spec] * 3 + [state_spec],
         out_shape=[mask_shape] + [words_shape] * 3 + [state_shape],
         compiler_params=scan_params["compiler_params"],
-        interpret=scan_params["interpret"])(
+        interpret=scan_params["interpret"], name="nms_keep_scan_and_mask_gpu")(
             state, removed, keep, base, mask, *box_planes, box_cls)
   return keep, base, state[:, 0]
 
@@ -903,13 +904,13 @@ def rank_order(scores, score_threshold=None, *, interpret=None):
   padded = -(-n // RANK_COLS) * RANK_COLS
   key = jnp.pad(key, ((0, 0), (0, padded - n)), constant_values=jnp.inf)
   kernel = functools.partial(_rank_kernel, cols=RANK_COLS, padded=padded)
-  rank = pl.pallas_call(
+  rank = _compat.pallas_call(
       kernel, grid=(batch, padded // RANK_ROWS),
       in_specs=[pl.BlockSpec((None, padded), lambda b, i: (b, 0))],
       out_specs=pl.BlockSpec((None, RANK_ROWS), lambda b, i: (b, i)),
       out_shape=jax.ShapeDtypeStruct((batch, padded), jnp.int32),
       compiler_params=_compat.gpu_compiler_params(num_warps=4, num_stages=1),
-      interpret=interpret)(key)[:, :n]
+      interpret=interpret, name="nms_rank_gpu")(key)[:, :n]
   # Padding ranks last (inf keys, higher ids): real boxes hold ranks 0..n-1.
   ids = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
   order = jax.vmap(lambda r, i: jnp.zeros((n,), jnp.int32).at[r].set(

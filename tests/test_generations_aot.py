@@ -1,0 +1,91 @@
+"""Every op compiles for every TPU generation the installed libtpu knows,
+with that generation's block tables, inside that generation's VMEM.
+
+Each kernel's scoped VMEM (what the compiler reserved for the Mosaic custom
+call) must fit the generation's VMEM per core. Default: every op at small
+shapes on each generation (about a second per compile); ``--runslow``:
+shapes with full-size blocks.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import _backend, tpu_aot
+
+pytestmark = pytest.mark.tpu_aot
+S = jax.ShapeDtypeStruct
+
+
+def _attention(q, k, v):
+  return jax.value_and_grad(
+      lambda q, k, v: pk.flash_attention(q, k, v, causal=True).astype(
+          jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+
+
+def _giou_loss(a, b):
+  return jax.value_and_grad(
+      lambda a, b: pk.giou_loss(a, b, reduction="mean"), argnums=(0, 1))(a, b)
+
+
+def _ops(length, mkn, boxes, pairs):
+  """op -> (function, argument specs, expected kernel-name prefixes)."""
+  m, k, n = mkn
+  return {
+      "flash_attention": (_attention, [S((1, 2, length, 128), jnp.bfloat16)] * 3,
+                          ("flash_attention_fwd", "flash_attention_dq",
+                           "flash_attention_dkv")),
+      "int8_matmul": (pk.int8_matmul, [S((m, k), jnp.int8),
+                                       S((k, n), jnp.int8)],
+                      ("int8_matmul_raw",)),
+      "int8_matmul_dynamic": (
+          lambda x, w, s: pk.int8_matmul(x, w, w_scale=s),
+          [S((m, k), jnp.bfloat16), S((k, n), jnp.int8), S((n,), jnp.float32)],
+          ("quantize_int8_rows", "int8_matmul_dequant")),
+      "giou_loss": (_giou_loss, [S((boxes, 4), jnp.float32)] * 2,
+                    ("giou_loss_sum", "giou_grad")),
+      "pairwise_iou": (pk.pairwise_iou, [S((pairs, 4), jnp.float32)] * 2,
+                       ("pairwise_iou",)),
+      "nms": (functools.partial(pk.nms, iou_threshold=0.5,
+                                max_output_size=100),
+              [S((pairs, 4), jnp.float32), S((pairs,), jnp.float32)],
+              ("nms_keep_mask",)),
+  }
+
+
+SMALL = _ops(256, (256, 512, 256), 1024, 512)
+FULL = _ops(4096, (2048, 8192, 4096), 1 << 18, 4096)
+
+
+def _check(generation, op, ops, tpu_topologies):
+  topology = tpu_aot.GENERATION_TOPOLOGY[generation]
+  if topology not in tpu_topologies:
+    pytest.skip(f"the installed libtpu lacks {topology}")
+  fn, specs, names = ops[op]
+  result = tpu_aot.compile_for_tpu(fn, *specs, topology=topology)
+  assert tpu_aot.topology_generation(topology) == generation
+  vmem = result.kernel_vmem_bytes
+  for name in names:
+    assert any(call.startswith(name) for call in vmem), (name, vmem)
+  limit = _backend.TPU_VMEM_BYTES[generation]
+  assert max(vmem.values()) <= limit, (generation, vmem)
+  return vmem
+
+
+@pytest.mark.parametrize("op", sorted(SMALL))
+@pytest.mark.parametrize("generation", _backend.TPU_GENERATIONS)
+def test_compiles_for_each_generation(generation, op, tpu_topologies):
+  _check(generation, op, SMALL, tpu_topologies)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", sorted(FULL))
+@pytest.mark.parametrize("generation", _backend.TPU_GENERATIONS)
+def test_full_blocks_fit_each_generations_vmem(generation, op,
+                                               tpu_topologies):
+  vmem = _check(generation, op, FULL, tpu_topologies)
+  assert max(vmem.values()) > 0, vmem   # the compiler reported it

@@ -1,0 +1,90 @@
+"""Every TPU kernel launch carries its name and a cost estimate.
+
+Each op is AOT-compiled for a v5e topology (small shapes, a few seconds
+each). The HLO must show the kernels under their own names, and XLA's cost
+analysis must count the kernels' work: a custom call without a
+``pl.CostEstimate`` counts zero flops, and the glue around the kernels
+(padding, sorting, sums) is far below the bounds checked here.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import tpu_aot
+
+pytestmark = pytest.mark.tpu_aot
+S = jax.ShapeDtypeStruct
+TOPOLOGY = "v5e:2x2"
+
+B, H, L, D = 1, 2, 256, 128
+P = 1024        # boxes of the elementwise losses
+N = 512         # boxes of pairwise IoU and NMS
+MKN = (256, 512, 256)
+
+
+def _attention(q, k, v):
+  return jax.value_and_grad(
+      lambda q, k, v: pk.flash_attention(q, k, v, causal=True).astype(
+          jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+
+
+def _giou_loss(a, b):
+  return jax.value_and_grad(
+      lambda a, b: pk.giou_loss(a, b, reduction="mean"), argnums=(0, 1))(a, b)
+
+
+def _ciou_loss(a, b):
+  return jax.vjp(lambda a, b: pk.ciou_loss(a, b), a, b)[0]
+
+
+# op -> (function, argument specs, kernel names, min flops, min transcendentals)
+OPS = {
+    "flash_attention": (
+        _attention, [S((B, H, L, D), jnp.bfloat16)] * 3,
+        ["flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"],
+        # causal forward alone: two matmuls over half the score matrix
+        2 * B * H * L * L * D, B * H * L * L // 2),
+    "int8_matmul_raw": (
+        pk.int8_matmul, [S(MKN[:2], jnp.int8), S(MKN[1:], jnp.int8)],
+        ["int8_matmul_raw"], 2 * MKN[0] * MKN[1] * MKN[2], 0),
+    "int8_matmul_dynamic": (
+        lambda x, w, s: pk.int8_matmul(x, w, w_scale=s),
+        [S(MKN[:2], jnp.bfloat16), S(MKN[1:], jnp.int8),
+         S(MKN[2:], jnp.float32)],
+        ["quantize_int8_rows", "int8_matmul_dequant"],
+        2 * MKN[0] * MKN[1] * MKN[2], 0),
+    "giou_loss": (
+        _giou_loss, [S((P, 4), jnp.float32)] * 2,
+        ["giou_loss_sum", "giou_grad"], 30 * P, 0),
+    "ciou_loss": (
+        _ciou_loss, [S((P, 4), jnp.float32)] * 2, ["ciou_loss"], 100 * P, 0),
+    "pairwise_iou": (
+        pk.pairwise_iou, [S((N, 4), jnp.float32)] * 2, ["pairwise_iou"],
+        10 * N * N, 0),
+    "nms": (
+        functools.partial(pk.nms, iou_threshold=0.5, max_output_size=64),
+        [S((N, 4), jnp.float32), S((N,), jnp.float32)], ["nms_keep_mask"],
+        8 * N * N, 0),
+}
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_kernels_are_named_and_costed(op, tpu_topologies):
+  if TOPOLOGY not in tpu_topologies:
+    pytest.skip(f"libtpu lacks {TOPOLOGY}")
+  fn, specs, names, min_flops, min_transcendentals = OPS[op]
+  result = tpu_aot.compile_for_tpu(fn, *specs, topology=TOPOLOGY)
+  calls = [line for line in result.hlo_text.splitlines()
+           if 'custom_call_target="tpu_custom_call"' in line]
+  for name in names:
+    assert any(f"%{name}" in line.split("=")[0] for line in calls), (
+        name, [line.split("=")[0] for line in calls])
+  assert result.cost.get("flops", 0) >= min_flops, result.cost.get("flops")
+  assert result.cost.get("transcendentals", 0) >= min_transcendentals, (
+      result.cost.get("transcendentals"))
+  assert result.cost.get("bytes accessed", 0) > 0
