@@ -526,7 +526,7 @@ def test_block_size_table_follows_the_target_and_fits_lengths():
     return chosen.fwd_q, chosen.fwd_kv
   assert forward_blocks() == (512, 512)        # no TPU attached: v5e
   for generation, want in (("v6e", (1024, 512)), ("v5p", (512, 1024)),
-                           ("tpu7x", (512, 512))):   # no tpu7x row yet
+                           ("tpu7x", (1024, 512))):  # v6e's blocks
     with _backend.target_override(tpu_generation=generation):
       assert forward_blocks() == want, generation
   chosen = block_sizes.choose(4096, 4096, 128, generation="v6e")

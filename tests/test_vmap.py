@@ -98,9 +98,10 @@ def test_int8(backend, rng):
   xf = jnp.asarray(rng.standard_normal((MAPPED, 4, 16)), jnp.float32)
   check(backend, pk.int8_matmul, (x8, w8[0]), in_axes=(0, None))
   check(backend, pk.int8_matmul, (x8, w8))   # mapped weights
+  # Float x: the folded call may tile (and so round) differently.
   check(backend, functools.partial(pk.int8_matmul, weight_only=True),
-        (xf, w8[0]), in_axes=(0, None))
-  check(backend, pk.int8_matmul, (xf, w8[0]), in_axes=(0, None))
+        (xf, w8[0]), in_axes=(0, None), rtol=1e-4)
+  check(backend, pk.int8_matmul, (xf, w8[0]), in_axes=(0, None), rtol=1e-4)
   dense = lambda x, w, backend=None: nn.int8_dense(  # noqa: E731
       x, w, backend=backend)
   check(backend, dense, (xf, xf[0].T), in_axes=(0, None), rtol=1e-4)
