@@ -517,100 +517,84 @@ def _box_metric(op, boxes1, boxes2, partition_spec, mesh, pairwise=False,
   return _widened(_BOX_OPS[op]([boxes1, boxes2], **static)[0], wide)
 
 
-def iou(boxes1, boxes2, *, box_format="xyxy", backend=None,
-        partition_spec=None, mesh=None):
-  """IoU of matching boxes ``[..., 4]`` (broadcast) -> ``[...]`` in [0, 1]:
-  the diagonal of torchvision's ``box_iou`` (``pallas_kernels.iou``; 0
-  where the union is 0).
-
-  ``box_format`` "xyxy" (x1, y1, x2, y2) or "cxcywh" (centre, width,
-  height). ``partition_spec``: one entry per dim of the broadcast box shape
-  ``[..., 4]``; any but the last (coordinates) may be split.
-  """
-  return _box_metric("iou", boxes1, boxes2, partition_spec, mesh,
-                     box_format=box_format, backend=backend)
+def _named(fn, name, doc):
+  fn.__name__ = fn.__qualname__ = name
+  fn.__doc__ = doc
+  return fn
 
 
-def giou(boxes1, boxes2, *, box_format="xyxy", backend=None,
-         partition_spec=None, mesh=None):
-  """Generalized IoU of matching boxes ``[..., 4]`` -> ``[...]`` in [-1, 1]
-  (``pallas_kernels.giou``; the diagonal of ``generalized_box_iou``).
-
-  ``box_format`` and ``partition_spec`` as for ``iou``.
-  """
-  return _box_metric("giou", boxes1, boxes2, partition_spec, mesh,
-                     box_format=box_format, backend=backend)
-
-
-def diou(boxes1, boxes2, *, eps=_EPS, box_format="xyxy", backend=None,
-         partition_spec=None, mesh=None):
-  """Distance IoU of matching boxes ``[..., 4]`` -> ``[...]``: IoU minus the
-  squared centre distance over the squared hull diagonal (+ ``eps``)
-  (``pallas_kernels.diou``; the diagonal of ``distance_box_iou``).
-
-  ``box_format`` and ``partition_spec`` as for ``iou``.
-  """
-  return _box_metric("diou", boxes1, boxes2, partition_spec, mesh, eps=eps,
-                     box_format=box_format, backend=backend)
+def _metric_op(name, doc, *, with_eps, pairwise=False):
+  """The public function ``name`` (the JAX op's arguments: ``eps`` only for
+  DIoU and CIoU)."""
+  if with_eps:
+    def metric(boxes1, boxes2, *, eps=_EPS, box_format="xyxy", backend=None,
+               partition_spec=None, mesh=None):
+      return _box_metric(name, boxes1, boxes2, partition_spec, mesh,
+                         pairwise=pairwise, eps=eps, box_format=box_format,
+                         backend=backend)
+  else:
+    def metric(boxes1, boxes2, *, box_format="xyxy", backend=None,
+               partition_spec=None, mesh=None):
+      return _box_metric(name, boxes1, boxes2, partition_spec, mesh,
+                         pairwise=pairwise, box_format=box_format,
+                         backend=backend)
+  return _named(metric, name, doc)
 
 
-def ciou(boxes1, boxes2, *, eps=_EPS, box_format="xyxy", backend=None,
-         partition_spec=None, mesh=None):
-  """Complete IoU of matching boxes ``[..., 4]`` -> ``[...]``: DIoU minus
-  ``alpha * v`` (``v`` the aspect-ratio term) (``pallas_kernels.ciou``; the
-  diagonal of ``complete_box_iou``).
+iou = _metric_op("iou", """\
+IoU of matching boxes ``[..., 4]`` (broadcast) -> ``[...]`` in [0, 1]: the
+diagonal of torchvision's ``box_iou`` (``pallas_kernels.iou``; 0 where the
+union is 0).
 
-  ``box_format`` and ``partition_spec`` as for ``iou``.
-  """
-  return _box_metric("ciou", boxes1, boxes2, partition_spec, mesh, eps=eps,
-                     box_format=box_format, backend=backend)
+``box_format`` "xyxy" (x1, y1, x2, y2) or "cxcywh" (centre, width, height).
+``partition_spec``: one entry per dim of the broadcast box shape ``[...,
+4]``; any but the last (coordinates) may be split.
+""", with_eps=False)
+giou = _metric_op("giou", """\
+Generalized IoU of matching boxes ``[..., 4]`` -> ``[...]`` in [-1, 1]
+(``pallas_kernels.giou``; the diagonal of ``generalized_box_iou``).
 
+``box_format`` and ``partition_spec`` as for ``iou``.
+""", with_eps=False)
+diou = _metric_op("diou", """\
+Distance IoU of matching boxes ``[..., 4]`` -> ``[...]``: IoU minus the
+squared centre distance over the squared hull diagonal (+ ``eps``)
+(``pallas_kernels.diou``; the diagonal of ``distance_box_iou``).
 
-def pairwise_iou(boxes1, boxes2, *, box_format="xyxy", backend=None,
-                 partition_spec=None, mesh=None):
-  """IoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``
-  (torchvision's ``box_iou``; leading dims broadcast).
+``box_format`` and ``partition_spec`` as for ``iou``.
+""", with_eps=True)
+ciou = _metric_op("ciou", """\
+Complete IoU of matching boxes ``[..., 4]`` -> ``[...]``: DIoU minus
+``alpha * v`` (``v`` the aspect-ratio term) (``pallas_kernels.ciou``; the
+diagonal of ``complete_box_iou``).
 
-  ``partition_spec``: one entry per dim of the output ``[..., N, M]``; all
-  may be split (N splits boxes1's boxes, M boxes2's).
-  """
-  return _box_metric("pairwise_iou", boxes1, boxes2, partition_spec, mesh,
-                     pairwise=True, box_format=box_format, backend=backend)
+``box_format`` and ``partition_spec`` as for ``iou``.
+""", with_eps=True)
+pairwise_iou = _metric_op("pairwise_iou", """\
+IoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``
+(torchvision's ``box_iou``; leading dims broadcast).
 
+``partition_spec``: one entry per dim of the output ``[..., N, M]``; all may
+be split (N splits boxes1's boxes, M boxes2's).
+""", with_eps=False, pairwise=True)
+pairwise_giou = _metric_op("pairwise_giou", """\
+GIoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``
+(torchvision's ``generalized_box_iou``).
 
-def pairwise_giou(boxes1, boxes2, *, box_format="xyxy", backend=None,
-                  partition_spec=None, mesh=None):
-  """GIoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``
-  (torchvision's ``generalized_box_iou``).
+``partition_spec`` as for ``pairwise_iou``.
+""", with_eps=False, pairwise=True)
+pairwise_diou = _metric_op("pairwise_diou", """\
+DIoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``
+(torchvision's ``distance_box_iou``).
 
-  ``partition_spec`` as for ``pairwise_iou``.
-  """
-  return _box_metric("pairwise_giou", boxes1, boxes2, partition_spec, mesh,
-                     pairwise=True, box_format=box_format, backend=backend)
+``partition_spec`` as for ``pairwise_iou``.
+""", with_eps=True, pairwise=True)
+pairwise_ciou = _metric_op("pairwise_ciou", """\
+CIoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``
+(torchvision's ``complete_box_iou``).
 
-
-def pairwise_diou(boxes1, boxes2, *, eps=_EPS, box_format="xyxy",
-                  backend=None, partition_spec=None, mesh=None):
-  """DIoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``
-  (torchvision's ``distance_box_iou``).
-
-  ``partition_spec`` as for ``pairwise_iou``.
-  """
-  return _box_metric("pairwise_diou", boxes1, boxes2, partition_spec, mesh,
-                     pairwise=True, eps=eps, box_format=box_format,
-                     backend=backend)
-
-
-def pairwise_ciou(boxes1, boxes2, *, eps=_EPS, box_format="xyxy",
-                  backend=None, partition_spec=None, mesh=None):
-  """CIoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``
-  (torchvision's ``complete_box_iou``).
-
-  ``partition_spec`` as for ``pairwise_iou``.
-  """
-  return _box_metric("pairwise_ciou", boxes1, boxes2, partition_spec, mesh,
-                     pairwise=True, eps=eps, box_format=box_format,
-                     backend=backend)
+``partition_spec`` as for ``pairwise_iou``.
+""", with_eps=True, pairwise=True)
 
 
 def box_iou(boxes1, boxes2, *, iou_kind="iou", eps=_EPS, box_format="xyxy",
@@ -655,51 +639,43 @@ def _box_loss(op, pred, target, reduction, partition_spec, mesh, **static):
   return _widened(total.to(loss.dtype), wide)
 
 
-def iou_loss(pred, target, *, reduction="none", eps=_EPS, box_format="xyxy",
-             backend=None, partition_spec=None, mesh=None):
-  """``1 - inter / (union + eps)`` of matching boxes ``[..., 4]``, reduced
-  by "none" (``[...]``), "mean" or "sum" (a scalar).
+def _loss_op(kind, doc):
+  """The public ``<kind>_loss`` function (the JAX op's arguments)."""
+  name = f"{kind}_loss"
 
-  ``partition_spec``: as for ``iou`` (boxes, not coordinates). With a spec
-  the kernel computes the per-box losses (sharded under SPMD) and torch
-  reduces them, accumulating in float32 (a mean over no boxes is 0).
-  """
-  return _box_loss("iou_loss", pred, target, reduction, partition_spec, mesh,
-                   eps=eps, box_format=box_format, backend=backend)
+  def loss(pred, target, *, reduction="none", eps=_EPS, box_format="xyxy",
+           backend=None, partition_spec=None, mesh=None):
+    return _box_loss(name, pred, target, reduction, partition_spec, mesh,
+                     eps=eps, box_format=box_format, backend=backend)
+  return _named(loss, name, doc)
 
 
-def giou_loss(pred, target, *, reduction="none", eps=_EPS, box_format="xyxy",
-              backend=None, partition_spec=None, mesh=None):
-  """``1 - giou(pred, target)`` (``eps`` added to the union and the hull
-  area), reduced as ``iou_loss``: torchvision's
-  ``generalized_box_iou_loss``.
+iou_loss = _loss_op("iou", """\
+``1 - inter / (union + eps)`` of matching boxes ``[..., 4]`` (broadcast),
+reduced by "none" (``[...]``), "mean" or "sum" (a scalar).
 
-  ``partition_spec`` as for ``iou_loss``.
-  """
-  return _box_loss("giou_loss", pred, target, reduction, partition_spec,
-                   mesh, eps=eps, box_format=box_format, backend=backend)
+``partition_spec``: as for ``iou`` (boxes, not coordinates). With a spec the
+kernel computes the per-box losses (sharded under SPMD) and torch reduces
+them, accumulating in float32 (a mean over no boxes is 0).
+""")
+giou_loss = _loss_op("giou", """\
+``1 - giou(pred, target)`` (``eps`` added to the union and the hull area),
+reduced as ``iou_loss``: torchvision's ``generalized_box_iou_loss``.
 
+``partition_spec`` as for ``iou_loss``.
+""")
+diou_loss = _loss_op("diou", """\
+``1 - diou(pred, target)``, reduced as ``iou_loss``: torchvision's
+``distance_box_iou_loss``.
 
-def diou_loss(pred, target, *, reduction="none", eps=_EPS, box_format="xyxy",
-              backend=None, partition_spec=None, mesh=None):
-  """``1 - diou(pred, target)``, reduced as ``iou_loss``: torchvision's
-  ``distance_box_iou_loss``.
+``partition_spec`` as for ``iou_loss``.
+""")
+ciou_loss = _loss_op("ciou", """\
+``1 - ciou(pred, target)``, reduced as ``iou_loss``: torchvision's
+``complete_box_iou_loss``.
 
-  ``partition_spec`` as for ``iou_loss``.
-  """
-  return _box_loss("diou_loss", pred, target, reduction, partition_spec,
-                   mesh, eps=eps, box_format=box_format, backend=backend)
-
-
-def ciou_loss(pred, target, *, reduction="none", eps=_EPS, box_format="xyxy",
-              backend=None, partition_spec=None, mesh=None):
-  """``1 - ciou(pred, target)``, reduced as ``iou_loss``: torchvision's
-  ``complete_box_iou_loss``.
-
-  ``partition_spec`` as for ``iou_loss``.
-  """
-  return _box_loss("ciou_loss", pred, target, reduction, partition_spec,
-                   mesh, eps=eps, box_format=box_format, backend=backend)
+``partition_spec`` as for ``iou_loss``.
+""")
 
 
 # ------------------------------------------------------------------- NMS --
