@@ -2,10 +2,18 @@
 
     from torch_bridge import flash_attention, Int8Linear, GIoULoss
 
-Ops (``torch_bridge.ops``, also ``torch.ops.pallas_kernels.*``):
-flash_attention, quantize_int8, int8_matmul, int8_dense, giou, pairwise_giou,
-giou_loss, nms, batched_nms. Modules (``torch_bridge.modules``): Attention,
-Int8Linear, GIoULoss.
+Ops (``torch_bridge.ops``, also ``torch.ops.pallas_kernels.*``), each with
+the arguments of the ``pallas_kernels`` op of the same name:
+
+  attention     flash_attention
+  int8          quantize_int8, int8_matmul, int8_dense
+  boxes         iou, giou, diou, ciou (matching boxes); pairwise_iou,
+                pairwise_giou, pairwise_diou, pairwise_ciou, box_iou (every
+                pair); iou_loss, giou_loss, diou_loss, ciou_loss
+  NMS           nms, batched_nms, soft_nms
+
+Modules (``torch_bridge.modules``): Attention, Int8Linear, IoULoss,
+GIoULoss, DIoULoss, CIoULoss.
 
 How it works (``torch_bridge._core``): every op is a JAX function wrapped
 once, generically, as a ``torch.library`` custom op with a fake (meta)
@@ -55,8 +63,9 @@ Known limits:
     ms of own time per call), not in DLPack (about 0.2 ms for three tensors)
     or JAX dispatch; the backward adds a second dispatch. An eager path that bypasses the custom op for CPU/CUDA tensors
     would remove most of it (not done).
-  * ``int8_matmul`` and ``quantize_int8`` have no gradient; ``nms`` returns
-    indices (no gradient).
+  * ``int8_matmul`` and ``quantize_int8`` have no gradient; ``nms``,
+    ``batched_nms`` and ``soft_nms`` return indices (no gradient, also
+    none for soft_nms' decayed scores).
   * Import torch_xla and touch its device (``torch_xla.device()``) before the
     first CPU backward of the process when you will also train on XLA
     devices: torch's autograd engine sizes its device queues once
@@ -70,21 +79,15 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {
-    "flash_attention": "torch_bridge.ops",
-    "quantize_int8": "torch_bridge.ops",
-    "int8_matmul": "torch_bridge.ops",
-    "int8_dense": "torch_bridge.ops",
-    "giou": "torch_bridge.ops",
-    "pairwise_giou": "torch_bridge.ops",
-    "giou_loss": "torch_bridge.ops",
-    "nms": "torch_bridge.ops",
-    "batched_nms": "torch_bridge.ops",
-    "UnshardedWarning": "torch_bridge.ops",
-    "Attention": "torch_bridge.modules",
-    "Int8Linear": "torch_bridge.modules",
-    "GIoULoss": "torch_bridge.modules",
-}
+_OPS = ("flash_attention", "quantize_int8", "int8_matmul", "int8_dense",
+        "iou", "giou", "diou", "ciou", "pairwise_iou", "pairwise_giou",
+        "pairwise_diou", "pairwise_ciou", "box_iou", "iou_loss", "giou_loss",
+        "diou_loss", "ciou_loss", "nms", "batched_nms", "soft_nms",
+        "UnshardedWarning")
+_MODULES = ("Attention", "Int8Linear", "IoULoss", "GIoULoss", "DIoULoss",
+            "CIoULoss")
+_EXPORTS = {**{name: "torch_bridge.ops" for name in _OPS},
+            **{name: "torch_bridge.modules" for name in _MODULES}}
 
 __all__ = sorted(_EXPORTS) + ["ops", "modules", "custom_kernel"]
 

@@ -793,7 +793,11 @@ def _n_outputs(name: str, static: str, shapes: tuple) -> int:
 
 
 def _float_outputs(op, static, arrays) -> tuple[bool, ...]:
-  specs = tuple(_convert.shape_dtype(t) for t in arrays)
+  # int(): symbolic sizes (torch.compile with dynamic shapes) are specialized
+  # to the concrete ones, which the fake implementations need anyway.
+  specs = tuple(jax.ShapeDtypeStruct(tuple(int(n) for n in t.shape),
+                                     _convert.jax_dtype(t.dtype))
+                for t in arrays)
   return _float_outputs_cached(op.name, static, specs)
 
 

@@ -6,13 +6,15 @@
                   so its state dict matches ``TPUAttentionBlock``'s attention.
 ``Int8Linear``    drop-in ``nn.Linear``: int8 forward, straight-through
                   backward (``ops.int8_dense``).
-``GIoULoss``      ``1 - GIoU`` with a reduction.
+``IoULoss``, ``GIoULoss``, ``DIoULoss``, ``CIoULoss``
+                  ``1 - IoU`` (GIoU, DIoU, CIoU) of matching boxes with a
+                  reduction (torchvision's ``*_box_iou_loss``).
 
 SPMD: give ``batch_axis`` (and for attention ``head_axis``) to run the kernels
 per shard over ``mesh`` (default: the global mesh); e.g. ``batch_axis="fsdp"``
 under FSDPv2. ``partition_spec`` instead gives the op's whole spec (see
 ``torch_bridge.ops``; Int8Linear: for x, Attention: for q/k/v ``[B, H, N,
-D]``, GIoULoss: for the boxes). A batch the axis does not divide is padded
+D]``, the box losses: for the boxes). A batch the axis does not divide is padded
 inside the op and the outputs keep their true shapes; without any of these
 under SPMD the kernels run unsharded (with a one-time warning).
 ``use_kernel=False`` computes the same function with plain
@@ -156,28 +158,31 @@ class Attention(nn.Module):
     return self.proj(out.transpose(1, 2).reshape(b, n, c))
 
 
-class GIoULoss(nn.Module):
-  """``1 - GIoU(pred, target)`` for boxes ``[..., 4]`` (``box_format``
+class _BoxLoss(nn.Module):
+  """``1 - <kind>(pred, target)`` for boxes ``[..., 4]`` (``box_format``
   "xyxy": x1, y1, x2, y2; "cxcywh": centre, width, height), reduced by
-  "none", "mean" or "sum" (``ops.giou_loss``).
+  "none" (``[...]``), "mean" or "sum" (a scalar): ``ops.<kind>_loss``.
+  Subclasses set ``kind`` ("iou", "giou", "diou" or "ciou").
 
   ``batch_axis`` splits dim 0 of the boxes over that mesh axis; a whole
   ``partition_spec`` for the (broadcast) boxes may be given instead. Under
   SPMD the per-box losses are computed sharded and reduced in torch, so a
   mean or sum spans every shard and never counts padding.
   """
+  kind: str
 
-  def __init__(self, reduction: str = "mean", eps: float = 1e-7, *,
+  def __init__(self, reduction: str = "mean", eps: float = ops._EPS, *,
                box_format: str = "xyxy", batch_axis=None, partition_spec=None,
                mesh=None, backend=None):
     super().__init__()
-    if reduction not in ("none", "mean", "sum"):
-      raise ValueError(f"GIoULoss: reduction must be 'none', 'mean' or 'sum', "
+    name = type(self).__name__
+    if reduction not in ops._REDUCTIONS:
+      raise ValueError(f"{name}: reduction must be 'none', 'mean' or 'sum', "
                        f"got {reduction!r}")
     if box_format not in ("xyxy", "cxcywh"):
-      raise ValueError(f"GIoULoss: box_format must be 'xyxy' or 'cxcywh', "
+      raise ValueError(f"{name}: box_format must be 'xyxy' or 'cxcywh', "
                        f"got {box_format!r}")
-    _one_of("GIoULoss", batch_axis=batch_axis, partition_spec=partition_spec)
+    _one_of(name, batch_axis=batch_axis, partition_spec=partition_spec)
     self.reduction, self.eps, self.box_format = reduction, eps, box_format
     self.batch_axis, self.partition_spec = batch_axis, partition_spec
     self.mesh, self.backend = mesh, backend
@@ -188,9 +193,41 @@ class GIoULoss(nn.Module):
       spec = (self.batch_axis,) + (None,) * (len(full) - 1)
     else:
       spec = self.partition_spec
-    return ops.giou_loss(pred, target, reduction=self.reduction, eps=self.eps,
-                         box_format=self.box_format, backend=self.backend,
-                         partition_spec=spec, mesh=self.mesh)
+    loss = getattr(ops, f"{self.kind}_loss")
+    return loss(pred, target, reduction=self.reduction, eps=self.eps,
+                box_format=self.box_format, backend=self.backend,
+                partition_spec=spec, mesh=self.mesh)
+
+  def extra_repr(self) -> str:
+    return (f"reduction={self.reduction!r}, eps={self.eps}, "
+            f"box_format={self.box_format!r}")
 
 
-__all__ = ["Attention", "Int8Linear", "GIoULoss"]
+class IoULoss(_BoxLoss):
+  """``1 - inter / (union + eps)`` (``ops.iou_loss``); arguments as
+  ``GIoULoss``."""
+  kind = "iou"
+
+
+class GIoULoss(_BoxLoss):
+  """``1 - GIoU(pred, target)`` (``ops.giou_loss``, torchvision's
+  ``generalized_box_iou_loss``) for boxes ``[..., 4]`` in ``box_format``
+  "xyxy" or "cxcywh", reduced by "none", "mean" (default) or "sum".
+  ``batch_axis`` or ``partition_spec`` shard it (module docstring)."""
+  kind = "giou"
+
+
+class DIoULoss(_BoxLoss):
+  """``1 - DIoU(pred, target)`` (``ops.diou_loss``, torchvision's
+  ``distance_box_iou_loss``); arguments as ``GIoULoss``."""
+  kind = "diou"
+
+
+class CIoULoss(_BoxLoss):
+  """``1 - CIoU(pred, target)`` (``ops.ciou_loss``, torchvision's
+  ``complete_box_iou_loss``); arguments as ``GIoULoss``."""
+  kind = "ciou"
+
+
+__all__ = ["Attention", "Int8Linear", "IoULoss", "GIoULoss", "DIoULoss",
+           "CIoULoss"]

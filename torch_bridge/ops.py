@@ -418,7 +418,14 @@ def int8_dense(x, weight, bias=None, *, int8_input_grad=False, backend=None,
   return _DENSE([x, weight, bias], **static)[0]
 
 
-# ------------------------------------------------------------------ GIoU --
+# ------------------------------------------------------------ IoU family --
+
+# pallas_kernels.boxes.iou's DEFAULT_EPS (not imported: that would load JAX
+# at ``import torch_bridge.ops``); tests/torch/test_torch_boxes.py checks it.
+_EPS = 1e-7
+_KINDS = ("iou", "giou", "diou", "ciou")
+_REDUCTIONS = ("none", "mean", "sum")
+
 
 def _box_jax(b1, b2, *, fn_name, **static):
   import pallas_kernels
@@ -443,7 +450,7 @@ def _elementwise_box_shards(op, names):
       raise ValueError(
           f"{op}: a reduced loss (reduction={static['reduction']!r}) cannot "
           "run per shard: each device would reduce only its own boxes. "
-          "torch_bridge.giou_loss computes the per-box losses sharded and "
+          f"torch_bridge.{op} computes the per-box losses sharded and "
           "reduces them in torch")
     full = _broadcast_shape(op, names, b1, b2) + (4,)
     _spec_length(op, spec, "the boxes", full, "boxes broadcast to [..., 4]")
@@ -454,27 +461,36 @@ def _elementwise_box_shards(op, names):
   return shards
 
 
-def _pairwise_shards(static, spec, arrays, mesh):
-  b1, b2 = arrays
-  op, names = "pairwise_giou", ("boxes1", "boxes2")
-  batch = _broadcast_shape(op, names, b1, b2, keep=2)
-  full = batch + (b1.shape[-2], b2.shape[-2])
-  _spec_length(op, spec, "the output", full, "[..., N, M]")
-  ins = (_broadcast_spec(spec[:-2], b1.shape[:-2], batch) + (spec[-2], None),
-         _broadcast_spec(spec[:-2], b2.shape[:-2], batch) + (spec[-1], None))
-  return ins, (spec,)
+def _pairwise_shards(op):
+  def shards(static, spec, arrays, mesh):
+    b1, b2 = arrays
+    batch = _broadcast_shape(op, ("boxes1", "boxes2"), b1, b2, keep=2)
+    full = batch + (b1.shape[-2], b2.shape[-2])
+    _spec_length(op, spec, "the output", full, "[..., N, M]")
+    ins = (_broadcast_spec(spec[:-2], b1.shape[:-2], batch) + (spec[-2], None),
+           _broadcast_spec(spec[:-2], b2.shape[:-2], batch) + (spec[-1], None))
+    return ins, (spec,)
+  return shards
 
 
-_GIOU = JaxOp("giou", functools.partial(_box_jax, fn_name="giou"),
-              shard_specs=_elementwise_box_shards("giou",
-                                                  ("boxes1", "boxes2")))
-_PAIRWISE_GIOU = JaxOp("pairwise_giou",
-                       functools.partial(_box_jax, fn_name="pairwise_giou"),
-                       shard_specs=_pairwise_shards)
-_GIOU_LOSS = JaxOp("giou_loss",
-                   functools.partial(_box_jax, fn_name="giou_loss"),
-                   shard_specs=_elementwise_box_shards("giou_loss",
-                                                       ("pred", "target")))
+def _box_op(name, shards):
+  return JaxOp(name, functools.partial(_box_jax, fn_name=name),
+               shard_specs=shards)
+
+
+# The registered ops, by name: "iou", "pairwise_iou", "iou_loss", ... for
+# each kind, and "box_iou".
+_BOX_OPS = {}
+for _kind in _KINDS:
+  _BOX_OPS[_kind] = _box_op(
+      _kind, _elementwise_box_shards(_kind, ("boxes1", "boxes2")))
+  _BOX_OPS[f"pairwise_{_kind}"] = _box_op(
+      f"pairwise_{_kind}", _pairwise_shards(f"pairwise_{_kind}"))
+  _BOX_OPS[f"{_kind}_loss"] = _box_op(
+      f"{_kind}_loss", _elementwise_box_shards(f"{_kind}_loss",
+                                               ("pred", "target")))
+_BOX_OPS["box_iou"] = _box_op("box_iou", _pairwise_shards("box_iou"))
+del _kind
 
 
 def _widened(t, wide: bool):
@@ -491,64 +507,175 @@ def _boxes(op, names, b1, b2, pairwise=False):
   _check_devices(op, dict(zip(names, (b1, b2))))
 
 
-def giou(boxes1, boxes2, *, box_format="xyxy", backend=None,
-         partition_spec=None, mesh=None):
-  """Generalized IoU of matching boxes ``[..., 4]`` (``pallas_kernels.giou``).
-
-  ``partition_spec``: one entry per dim of the broadcast box shape ``[...,
-  4]``; any but the last (coordinates) may be split.
-  """
-  op = "giou"
-  _boxes(op, ("boxes1", "boxes2"), boxes1, boxes2)
-  static = _sharding(dict(box_format=box_format, backend=backend),
-                     partition_spec, mesh, op)
+def _box_metric(op, boxes1, boxes2, partition_spec, mesh, pairwise=False,
+                **static):
+  """Checks and runs the box op ``op`` on two box tensors (torchvision's
+  dtype conventions: see ``_as_float_boxes``)."""
+  _boxes(op, ("boxes1", "boxes2"), boxes1, boxes2, pairwise=pairwise)
+  static = _sharding(static, partition_spec, mesh, op)
   (boxes1, boxes2), wide = _as_float_boxes(boxes1, boxes2)
-  return _widened(_GIOU([boxes1, boxes2], **static)[0], wide)
+  return _widened(_BOX_OPS[op]([boxes1, boxes2], **static)[0], wide)
 
 
-def pairwise_giou(boxes1, boxes2, *, box_format="xyxy", backend=None,
-                  partition_spec=None, mesh=None):
-  """GIoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``.
+def _named(fn, name, doc):
+  fn.__name__ = fn.__qualname__ = name
+  fn.__doc__ = doc
+  return fn
 
-  ``partition_spec``: one entry per dim of the output ``[..., N, M]``; all
-  may be split (N splits boxes1's boxes, M boxes2's).
+
+def _metric_op(name, doc, *, with_eps, pairwise=False):
+  """The public function ``name`` (the JAX op's arguments: ``eps`` only for
+  DIoU and CIoU)."""
+  if with_eps:
+    def metric(boxes1, boxes2, *, eps=_EPS, box_format="xyxy", backend=None,
+               partition_spec=None, mesh=None):
+      return _box_metric(name, boxes1, boxes2, partition_spec, mesh,
+                         pairwise=pairwise, eps=eps, box_format=box_format,
+                         backend=backend)
+  else:
+    def metric(boxes1, boxes2, *, box_format="xyxy", backend=None,
+               partition_spec=None, mesh=None):
+      return _box_metric(name, boxes1, boxes2, partition_spec, mesh,
+                         pairwise=pairwise, box_format=box_format,
+                         backend=backend)
+  return _named(metric, name, doc)
+
+
+iou = _metric_op("iou", """\
+IoU of matching boxes ``[..., 4]`` (broadcast) -> ``[...]`` in [0, 1]: the
+diagonal of torchvision's ``box_iou`` (``pallas_kernels.iou``; 0 where the
+union is 0).
+
+``box_format`` "xyxy" (x1, y1, x2, y2) or "cxcywh" (centre, width, height).
+``partition_spec``: one entry per dim of the broadcast box shape ``[...,
+4]``; any but the last (coordinates) may be split.
+""", with_eps=False)
+giou = _metric_op("giou", """\
+Generalized IoU of matching boxes ``[..., 4]`` -> ``[...]`` in [-1, 1]
+(``pallas_kernels.giou``; the diagonal of ``generalized_box_iou``).
+
+``box_format`` and ``partition_spec`` as for ``iou``.
+""", with_eps=False)
+diou = _metric_op("diou", """\
+Distance IoU of matching boxes ``[..., 4]`` -> ``[...]``: IoU minus the
+squared centre distance over the squared hull diagonal (+ ``eps``)
+(``pallas_kernels.diou``; the diagonal of ``distance_box_iou``).
+
+``box_format`` and ``partition_spec`` as for ``iou``.
+""", with_eps=True)
+ciou = _metric_op("ciou", """\
+Complete IoU of matching boxes ``[..., 4]`` -> ``[...]``: DIoU minus
+``alpha * v`` (``v`` the aspect-ratio term) (``pallas_kernels.ciou``; the
+diagonal of ``complete_box_iou``).
+
+``box_format`` and ``partition_spec`` as for ``iou``.
+""", with_eps=True)
+pairwise_iou = _metric_op("pairwise_iou", """\
+IoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``
+(torchvision's ``box_iou``; leading dims broadcast).
+
+``partition_spec``: one entry per dim of the output ``[..., N, M]``; all may
+be split (N splits boxes1's boxes, M boxes2's).
+""", with_eps=False, pairwise=True)
+pairwise_giou = _metric_op("pairwise_giou", """\
+GIoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``
+(torchvision's ``generalized_box_iou``).
+
+``partition_spec`` as for ``pairwise_iou``.
+""", with_eps=False, pairwise=True)
+pairwise_diou = _metric_op("pairwise_diou", """\
+DIoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``
+(torchvision's ``distance_box_iou``).
+
+``partition_spec`` as for ``pairwise_iou``.
+""", with_eps=True, pairwise=True)
+pairwise_ciou = _metric_op("pairwise_ciou", """\
+CIoU of every pair: ``[..., N, 4] x [..., M, 4] -> [..., N, M]``
+(torchvision's ``complete_box_iou``).
+
+``partition_spec`` as for ``pairwise_iou``.
+""", with_eps=True, pairwise=True)
+
+
+def box_iou(boxes1, boxes2, *, iou_kind="iou", eps=_EPS, box_format="xyxy",
+            backend=None, partition_spec=None, mesh=None):
+  """``[..., N, 4] x [..., M, 4] -> [..., N, M]``: the pairwise matrix of
+  ``iou_kind`` ("iou", "giou", "diou" or "ciou"; ``eps`` is used by "diou"
+  and "ciou"). The default is torchvision's ``box_iou``.
+
+  ``partition_spec`` as for ``pairwise_iou``.
   """
-  op = "pairwise_giou"
-  _boxes(op, ("boxes1", "boxes2"), boxes1, boxes2, pairwise=True)
-  static = _sharding(dict(box_format=box_format, backend=backend),
-                     partition_spec, mesh, op)
-  (boxes1, boxes2), wide = _as_float_boxes(boxes1, boxes2)
-  return _widened(_PAIRWISE_GIOU([boxes1, boxes2], **static)[0], wide)
+  if iou_kind not in _KINDS:
+    raise ValueError(f"box_iou: iou_kind must be one of {_KINDS}, got "
+                     f"{iou_kind!r}")
+  return _box_metric("box_iou", boxes1, boxes2, partition_spec, mesh,
+                     pairwise=True, iou_kind=iou_kind, eps=eps,
+                     box_format=box_format, backend=backend)
 
 
-def giou_loss(pred, target, *, reduction="none", eps=1e-7, box_format="xyxy",
-              backend=None, partition_spec=None, mesh=None):
-  """``1 - giou(pred, target)`` reduced by "none", "mean" or "sum".
+def _box_loss(op, pred, target, reduction, partition_spec, mesh, **static):
+  """``op`` (``<kind>_loss``) on ``pred``/``target``, reduced.
 
-  ``partition_spec``: as for ``giou`` (boxes, not coordinates). With a spec
-  the kernel computes the per-box losses (sharded under SPMD) and torch
-  reduces them, accumulating in float32 (a mean over no boxes is 0).
+  Without a spec the JAX op reduces. With one, the kernel computes the
+  per-box losses (sharded under SPMD) and torch reduces them here, outside
+  the sharded op, so the sum spans every shard and never sees the padding
+  of an odd batch: accumulated in float32, a mean over no boxes is 0.
   """
-  op = "giou_loss"
   _boxes(op, ("pred", "target"), pred, target)
-  if reduction not in ("none", "mean", "sum"):
-    raise ValueError(f"giou_loss: reduction must be 'none', 'mean' or 'sum', "
+  if reduction not in _REDUCTIONS:
+    raise ValueError(f"{op}: reduction must be 'none', 'mean' or 'sum', "
                      f"got {reduction!r}")
-  static = dict(eps=eps, box_format=box_format, backend=backend)
   (pred, target), wide = _as_float_boxes(pred, target)
   if partition_spec is None:
     static = _sharding(dict(static, reduction=reduction), None, mesh, op)
-    return _widened(_GIOU_LOSS([pred, target], **static)[0], wide)
-  # Reduced here, outside the sharded op: the sum then spans every shard
-  # and never sees the padding of an odd batch.
+    return _widened(_BOX_OPS[op]([pred, target], **static)[0], wide)
   static = _sharding(dict(static, reduction="none"), partition_spec, mesh, op)
-  loss = _GIOU_LOSS([pred, target], **static)[0]
+  loss = _BOX_OPS[op]([pred, target], **static)[0]
   if reduction == "none":
     return _widened(loss, wide)
   total = loss.float().sum()
   if reduction == "mean":
     total = total / max(loss.numel(), 1)
   return _widened(total.to(loss.dtype), wide)
+
+
+def _loss_op(kind, doc):
+  """The public ``<kind>_loss`` function (the JAX op's arguments)."""
+  name = f"{kind}_loss"
+
+  def loss(pred, target, *, reduction="none", eps=_EPS, box_format="xyxy",
+           backend=None, partition_spec=None, mesh=None):
+    return _box_loss(name, pred, target, reduction, partition_spec, mesh,
+                     eps=eps, box_format=box_format, backend=backend)
+  return _named(loss, name, doc)
+
+
+iou_loss = _loss_op("iou", """\
+``1 - inter / (union + eps)`` of matching boxes ``[..., 4]`` (broadcast),
+reduced by "none" (``[...]``), "mean" or "sum" (a scalar).
+
+``partition_spec``: as for ``iou`` (boxes, not coordinates). With a spec the
+kernel computes the per-box losses (sharded under SPMD) and torch reduces
+them, accumulating in float32 (a mean over no boxes is 0).
+""")
+giou_loss = _loss_op("giou", """\
+``1 - giou(pred, target)`` (``eps`` added to the union and the hull area),
+reduced as ``iou_loss``: torchvision's ``generalized_box_iou_loss``.
+
+``partition_spec`` as for ``iou_loss``.
+""")
+diou_loss = _loss_op("diou", """\
+``1 - diou(pred, target)``, reduced as ``iou_loss``: torchvision's
+``distance_box_iou_loss``.
+
+``partition_spec`` as for ``iou_loss``.
+""")
+ciou_loss = _loss_op("ciou", """\
+``1 - ciou(pred, target)``, reduced as ``iou_loss``: torchvision's
+``complete_box_iou_loss``.
+
+``partition_spec`` as for ``iou_loss``.
+""")
 
 
 # ------------------------------------------------------------------- NMS --
@@ -559,13 +686,18 @@ def _nms_jax(boxes, scores, class_ids, *, fn_name, **static):
                                           **static)
 
 
-def _nms_shards(static, spec, arrays, mesh):
-  boxes = arrays[0]
-  _spec_length("nms", spec, "boxes", boxes.shape)
-  _unsplittable("nms", spec, "boxes", {0: "boxes", 1: "coordinates"},
-                "greedy NMS compares every pair of boxes of the image; "
-                "batched_nms can split images")
-  return ((None, None), (None,), (None,)), ((None,), ())
+def _one_image_shards(op, n_indexed):
+  """Shard rule of an op on one image's ``boxes [N, 4]`` that compares every
+  pair of its boxes: nothing can be split. Outputs: ``n_indexed`` arrays
+  ``[max_output_size]``, then a scalar count."""
+  def shards(static, spec, arrays, mesh):
+    boxes = arrays[0]
+    _spec_length(op, spec, "boxes", boxes.shape)
+    _unsplittable(op, spec, "boxes", {0: "boxes", 1: "coordinates"},
+                  f"{op} compares every pair of boxes of the image; "
+                  "batched_nms can split images")
+    return ((None, None), (None,), (None,)), ((None,),) * n_indexed + ((),)
+  return shards
 
 
 def _batched_nms_shards(static, spec, arrays, mesh):
@@ -578,14 +710,21 @@ def _batched_nms_shards(static, spec, arrays, mesh):
   return (spec, image, image), (image, (spec[0],))
 
 
-_NMS = JaxOp("nms", functools.partial(_nms_jax, fn_name="nms"),
-             differentiable=(), shard_specs=_nms_shards)
-_BATCHED_NMS = JaxOp("batched_nms",
-                     functools.partial(_nms_jax, fn_name="batched_nms"),
-                     differentiable=(), shard_specs=_batched_nms_shards)
+def _nms_op(name, shards):
+  return JaxOp(name, functools.partial(_nms_jax, fn_name=name),
+               differentiable=(), shard_specs=shards)
 
 
-def _nms_checks(op, boxes, scores, class_ids, iou_threshold, max_output_size):
+_NMS = _nms_op("nms", _one_image_shards("nms", 1))
+_BATCHED_NMS = _nms_op("batched_nms", _batched_nms_shards)
+# Its decayed scores are a float output but get no gradient (the JAX op is a
+# while loop, which reverse mode cannot differentiate).
+_SOFT_NMS = _nms_op("soft_nms", _one_image_shards("soft_nms", 2))
+
+
+def _nms_checks(op, boxes, scores, class_ids, **numbers):
+  """Checks boxes ``[..., N, 4]``, scores ``[..., N]``, optional integer
+  class_ids, and that the ``numbers`` (static parameters) are not tensors."""
   _check_tensor(op, "boxes", boxes, dtypes=_BOX_DTYPES, min_ndim=2)
   _check_tensor(op, "scores", scores, dtypes=_BOX_DTYPES, min_ndim=1)
   if boxes.shape[-1] != 4:
@@ -597,10 +736,10 @@ def _nms_checks(op, boxes, scores, class_ids, iou_threshold, max_output_size):
                      f"{tuple(scores.shape)}")
   ints = _INTS
   _check_tensor(op, "class_ids", class_ids, dtypes=ints, optional=True)
-  if isinstance(iou_threshold, torch.Tensor) or isinstance(
-      max_output_size, torch.Tensor):
-    raise TypeError(f"{op}: iou_threshold and max_output_size must be Python "
-                    "numbers (they are static)")
+  for name, value in numbers.items():
+    if isinstance(value, torch.Tensor):
+      raise TypeError(f"{op}: {name} must be a Python number (it is static), "
+                      "got a torch.Tensor")
   _check_devices(op, dict(boxes=boxes, scores=scores, class_ids=class_ids))
 
 
@@ -613,8 +752,9 @@ def nms(boxes, scores, *, iou_threshold, max_output_size, score_threshold=None,
   ``partition_spec``: nothing can be split (all-None replicates the op).
   """
   idx, num_valid = _run_nms(
-      _NMS, "nms", boxes, scores, class_ids, iou_threshold, max_output_size,
-      score_threshold, backend, partition_spec, mesh)
+      _NMS, "nms", boxes, scores, class_ids, partition_spec, mesh,
+      iou_threshold=iou_threshold, max_output_size=max_output_size,
+      score_threshold=score_threshold, backend=backend)
   return idx, num_valid
 
 
@@ -627,20 +767,48 @@ def batched_nms(boxes, scores, *, iou_threshold, max_output_size,
   ``partition_spec``: 3 entries for boxes; only images (dim 0) may be split.
   """
   return tuple(_run_nms(
-      _BATCHED_NMS, "batched_nms", boxes, scores, class_ids, iou_threshold,
-      max_output_size, score_threshold, backend, partition_spec, mesh))
+      _BATCHED_NMS, "batched_nms", boxes, scores, class_ids, partition_spec,
+      mesh, iou_threshold=iou_threshold, max_output_size=max_output_size,
+      score_threshold=score_threshold, backend=backend))
 
 
-def _run_nms(jax_op, op, boxes, scores, class_ids, iou_threshold,
-             max_output_size, score_threshold, backend, partition_spec, mesh):
-  _nms_checks(op, boxes, scores, class_ids, iou_threshold, max_output_size)
-  static = _sharding(dict(iou_threshold=iou_threshold,
-                          max_output_size=max_output_size,
-                          score_threshold=score_threshold, backend=backend),
-                     partition_spec, mesh, op)
+def soft_nms(boxes, scores, *, max_output_size, method="gaussian", sigma=0.5,
+             iou_threshold=0.3, score_threshold=0.001, class_ids=None,
+             backend=None, partition_spec=None, mesh=None):
+  """Soft-NMS of one image (``pallas_kernels.soft_nms``): overlapping scores
+  decay instead of their boxes being dropped.
+
+  Repeatedly picks the remaining box of ``boxes [N, 4]`` (xyxy) with the
+  highest current score (ties: lower index) and multiplies the scores of the
+  other remaining boxes (of its class, with ``class_ids [N]``) by
+  ``exp(-iou**2 / sigma)`` (``method="gaussian"``) or, where ``iou >
+  iou_threshold``, by ``1 - iou`` (``"linear"``); stops after
+  ``max_output_size`` picks or when no remaining score exceeds
+  ``score_threshold``. Returns ``(indices int32 [max_output_size] padded
+  with -1, decayed scores [max_output_size] padded with 0, count int32)``;
+  the scores are float32 (float64 for float64 boxes or scores). No gradient.
+  ``partition_spec``: nothing can be split (all-None replicates the op).
+  """
+  idx, decayed, count = _run_nms(
+      _SOFT_NMS, "soft_nms", boxes, scores, class_ids, partition_spec, mesh,
+      max_output_size=max_output_size, method=method, sigma=sigma,
+      iou_threshold=iou_threshold, score_threshold=score_threshold,
+      backend=backend)
+  wide = torch.float64 in (boxes.dtype, scores.dtype)
+  return idx, _widened(decayed, wide), count
+
+
+def _run_nms(jax_op, op, boxes, scores, class_ids, partition_spec, mesh,
+             **static):
+  _nms_checks(op, boxes, scores, class_ids, **{
+      k: v for k, v in static.items() if k not in ("method", "backend")})
+  static = _sharding(static, partition_spec, mesh, op)
   (boxes, scores), _ = _as_float_boxes(boxes, scores)
   return jax_op([boxes, scores, _ids_int32(class_ids)[0]], **static)
 
 
-__all__ = ["UnshardedWarning", "flash_attention", "quantize_int8", "int8_matmul", "int8_dense",
-           "giou", "pairwise_giou", "giou_loss", "nms", "batched_nms"]
+__all__ = ["UnshardedWarning", "flash_attention", "quantize_int8",
+           "int8_matmul", "int8_dense", "iou", "giou", "diou", "ciou",
+           "pairwise_iou", "pairwise_giou", "pairwise_diou", "pairwise_ciou",
+           "box_iou", "iou_loss", "giou_loss", "diou_loss", "ciou_loss",
+           "nms", "batched_nms", "soft_nms"]

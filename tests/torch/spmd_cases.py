@@ -277,6 +277,50 @@ def test_giou_loss_refuses_reduced_op_per_shard(dev):
     torch.ops.pallas_kernels.giou_loss(static, [boxes, boxes])
 
 
+def test_iou_family(dev):
+  """The other IoU kinds share giou's sharding rules: a broadcast matching
+  op, a pairwise matrix split over both dims, a reduced loss, a module."""
+  gen = _gen(15)
+  b1, b2, b3 = _boxes(gen, ODD, 3), _boxes(gen, 1, 3), _boxes(gen, 5)
+  b1[0] = b2[0]
+  cases = [
+      (lambda a, b: tb.diou(a, b, partition_spec=("fsdp", "model", None),
+                            mesh=MESHES["grid"]),
+       lambda a, b: tvops.distance_box_iou(
+           a.reshape(-1, 4), b.expand_as(a).reshape(-1, 4)).diagonal(
+               ).reshape(a.shape[:-1]), [b1, b2]),
+      (lambda a, b: tb.pairwise_ciou(a, b, partition_spec=("fsdp", "model"),
+                                     mesh=MESHES["grid"]),
+       tvops.complete_box_iou, [b1[:, 0], b3]),
+      (lambda a, b: tb.ciou_loss(a, b, reduction="mean",
+                                 partition_spec=("fsdp", None, None)),
+       lambda a, b: tvops.complete_box_iou_loss(a, b, reduction="mean"),
+       [b1, b2.expand_as(b1)]),
+  ]
+  for ours, theirs, inputs in cases:
+    ct = torch.randn(theirs(*inputs).shape, generator=gen)
+    want = _run(theirs, [t.double() for t in inputs], [ct.double()],
+                torch.device("cpu"))
+    got = _run(ours, inputs, [ct], dev)
+    _assert_same([t.double() for t in got[0]], want[0])
+    _assert_same([t.double() for t in got[1]], want[1], rtol=1e-4,
+                 atol=1e-5)
+  loss = tb.DIoULoss(reduction="sum", batch_axis="fsdp")
+  torch.testing.assert_close(
+      loss(b1.to(dev), b1.flip(0).to(dev)).cpu(),
+      tvops.distance_box_iou_loss(b1, b1.flip(0), reduction="sum"), **TOL)
+  torch.testing.assert_close(
+      tb.box_iou(b3.to(dev), b3.to(dev), partition_spec=(None, "fsdp")).cpu(),
+      tvops.box_iou(b3, b3), **TOL)
+  # soft_nms: one image, nothing to split; an all-None spec replicates it
+  scores = torch.rand(5, generator=gen)
+  got = tb.soft_nms(b3.to(dev), scores.to(dev), max_output_size=4,
+                    partition_spec=(None, None))
+  want = tb.soft_nms(b3, scores, max_output_size=4)
+  for g, w in zip(got, want):
+    torch.testing.assert_close(g.cpu(), w)
+
+
 def test_batched_nms_and_nms(dev):
   gen = _gen(12)
   boxes, scores = _boxes(gen, ODD, 30), torch.rand(ODD, 30, generator=gen)

@@ -1,5 +1,7 @@
-"""GIoU ops vs torchvision's formulas (written here in torch) and NMS vs a
-Python greedy NMS."""
+"""Box ops against torchvision (GIoU: its formulas written here in torch;
+IoU, DIoU, CIoU and the losses: ``torchvision.ops`` itself) and the JAX ops,
+forward and gradients; NMS vs a Python greedy NMS, soft-NMS vs the JAX
+reference."""
 from __future__ import annotations
 
 import pytest
@@ -7,9 +9,12 @@ import pytest
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.torch
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torchvision.ops as tvops  # noqa: E402
 
 import torch_bridge as tb  # noqa: E402
+from torch_bridge import ops  # noqa: E402
 
 
 def _boxes(gen, *shape, dtype=torch.float64):
@@ -246,3 +251,243 @@ def test_nms_meta_and_errors():
   with pytest.raises(ValueError, match="max_output_size"):
     tb.nms(torch.zeros(5, 4), torch.zeros(5), iou_threshold=0.5,
            max_output_size=-1)
+
+
+# ------------------------------------------------- IoU family, soft-NMS --
+
+_TV_PAIRWISE = {"iou": tvops.box_iou, "giou": tvops.generalized_box_iou,
+                "diou": tvops.distance_box_iou,
+                "ciou": tvops.complete_box_iou}
+_TV_LOSS = {"giou": tvops.generalized_box_iou_loss,
+            "diou": tvops.distance_box_iou_loss,
+            "ciou": tvops.complete_box_iou_loss}
+
+
+def _leaves(*tensors):
+  """float32 copies that require grad (ours), float64 ones (torchvision)."""
+  return ([t.float().requires_grad_() for t in tensors],
+          [t.clone().requires_grad_() for t in tensors])
+
+
+def _check_grads(got, want, ours, theirs, gen):
+  """Values, then gradients of a random projection, of ``got`` (our op on
+  ``ours``) against ``want`` (the reference on ``theirs``)."""
+  torch.testing.assert_close(got.detach().double(), want.detach(),
+                             rtol=1e-5, atol=1e-5)
+  g = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+  grads = torch.autograd.grad(got, ours, g.to(got.dtype))
+  want_grads = torch.autograd.grad(want, theirs, g)
+  for a, b in zip(grads, want_grads):
+    torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+def _tv_diagonal(kind, b1, b2):
+  """torchvision's pairwise ``kind`` of matching (broadcast) boxes."""
+  shape = torch.broadcast_shapes(b1.shape, b2.shape)
+  flat1, flat2 = b1.expand(shape).reshape(-1, 4), b2.expand(shape).reshape(
+      -1, 4)
+  return torch.diagonal(_TV_PAIRWISE[kind](flat1, flat2)).reshape(shape[:-1])
+
+
+def _jax_value_and_grads(fn, tensors, g):
+  """``pallas_kernels`` op ``fn`` on float32 copies of ``tensors``: its value
+  and the gradients of ``sum(value * g)``."""
+  import jax
+  import jax.numpy as jnp
+  arrays = [jnp.asarray(t.detach().float().numpy()) for t in tensors]
+  value, pullback = jax.vjp(fn, *arrays)
+  grads = pullback(jnp.asarray(g.float().numpy()))
+  return (torch.from_numpy(np.array(value)),
+          [torch.from_numpy(np.array(x)) for x in grads])
+
+
+def _check_against_jax(op, got, ours, gen, **kwargs):
+  import pallas_kernels
+  g = torch.randn(got.shape, generator=gen)
+  want, want_grads = _jax_value_and_grads(
+      lambda *a: getattr(pallas_kernels, op)(*a, **kwargs), ours, g)
+  torch.testing.assert_close(got.detach(), want, rtol=1e-6, atol=1e-6)
+  for a, b in zip(torch.autograd.grad(got, ours, g), want_grads):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_eps_default_is_the_jax_ops():
+  from pallas_kernels.boxes.iou import api
+  assert ops._EPS == api.DEFAULT_EPS
+
+
+def _slow_but(default, params):
+  """``params`` with all but ``default`` marked slow (each compiles a JAX
+  forward and backward: seconds on CPU)."""
+  return [p if p == default else pytest.param(
+      *(p if isinstance(p, tuple) else (p,)), marks=pytest.mark.slow)
+          for p in params]
+
+
+# The default cases share their shapes and static arguments with
+# test_torch_opcheck.py's default samples (compiled JAX functions are reused
+# when both run in one process).
+@pytest.mark.parametrize("kind", _slow_but("diou", ["iou", "diou", "ciou"]))
+def test_matching_boxes_vs_torchvision_and_jax(torch_gen, kind):
+  b1, b2 = _boxes(torch_gen, 3, 7), _boxes(torch_gen, 1, 7)
+  b1[0, :2] = b2[0, :2]  # identical boxes
+  ours, theirs = _leaves(b1, b2)
+  got = getattr(tb, kind)(*ours)
+  assert got.shape == (3, 7) and got.dtype == torch.float32
+  _check_grads(got, _tv_diagonal(kind, *theirs), ours, theirs, torch_gen)
+  _check_against_jax(kind, getattr(tb, kind)(*ours), ours, torch_gen)
+
+
+@pytest.mark.parametrize("kind", _slow_but("iou", ["iou", "diou", "ciou"]))
+def test_pairwise_vs_torchvision_and_jax(torch_gen, kind):
+  b1, b2 = _boxes(torch_gen, 2, 5), _boxes(torch_gen, 2, 3)
+  b2[:, 0] = b1[:, 1]
+  ours, theirs = _leaves(b1, b2)
+  got = getattr(tb, f"pairwise_{kind}")(*ours)
+  assert got.shape == (2, 5, 3)
+  want = torch.stack([_TV_PAIRWISE[kind](a, b) for a, b in zip(*theirs)])
+  _check_grads(got, want, ours, theirs, torch_gen)
+  _check_against_jax(f"pairwise_{kind}",
+                     getattr(tb, f"pairwise_{kind}")(*ours), ours, torch_gen)
+
+
+@pytest.mark.parametrize("kind", ["iou", "giou", "diou", "ciou"])
+def test_box_iou_kinds_vs_torchvision(torch_gen, kind):
+  b1, b2 = _boxes(torch_gen, 5), _boxes(torch_gen, 3)
+  got = tb.box_iou(b1, b2, iou_kind=kind)  # float64 in, float64 out
+  assert got.dtype == torch.float64
+  torch.testing.assert_close(got, _TV_PAIRWISE[kind](b1, b2), rtol=1e-5,
+                             atol=1e-6)
+
+
+@pytest.mark.parametrize("kind, reduction", _slow_but(("ciou", "sum"), [
+    ("iou", "none"), ("diou", "mean"), ("ciou", "sum")]))
+def test_losses_vs_torchvision_and_jax(torch_gen, kind, reduction):
+  pred, target = _boxes(torch_gen, 4, 9), _boxes(torch_gen, 4, 9)
+  pred[1, :3] = target[1, :3]
+  ours, theirs = _leaves(pred, target)
+  got = getattr(tb, f"{kind}_loss")(*ours, reduction=reduction)
+  if kind == "iou":  # torchvision has no IoU loss: 1 - box_iou's diagonal
+    want = 1 - _tv_diagonal("iou", *theirs)
+    want = {"none": want, "mean": want.mean(), "sum": want.sum()}[reduction]
+  else:
+    want = _TV_LOSS[kind](*theirs, reduction=reduction)
+  _check_grads(got, want, ours, theirs, torch_gen)
+  _check_against_jax(f"{kind}_loss", getattr(tb, f"{kind}_loss")(
+      *ours, reduction=reduction), ours, torch_gen, reduction=reduction)
+
+
+def test_cxcywh_boxes(torch_gen):
+  pred, target = _boxes(torch_gen, 13), _boxes(torch_gen, 13)
+  c_pred, c_target = (tvops.box_convert(b, "xyxy", "cxcywh").float()
+                      for b in (pred, target))
+  torch.testing.assert_close(
+      tb.ciou_loss(c_pred, c_target, box_format="cxcywh", reduction="mean",
+                   eps=1e-6).double(),
+      tvops.complete_box_iou_loss(pred, target, reduction="mean", eps=1e-6),
+      rtol=1e-5, atol=1e-5)
+  torch.testing.assert_close(
+      tb.pairwise_diou(c_pred, c_target, box_format="cxcywh").double(),
+      tvops.distance_box_iou(pred, target), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("module, kind", [
+    (tb.IoULoss, "iou"), (tb.GIoULoss, "giou"), (tb.DIoULoss, "diou"),
+    (tb.CIoULoss, "ciou")])
+def test_loss_modules(torch_gen, module, kind):
+  pred, target = _boxes(torch_gen, 11), _boxes(torch_gen, 11)
+  loss_fn = module(reduction="sum", eps=1e-6)
+  got = loss_fn(pred.float(), target.float())
+  want = getattr(tb, f"{kind}_loss")(pred.float(), target.float(),
+                                     reduction="sum", eps=1e-6)
+  torch.testing.assert_close(got, want)
+  if kind in _TV_LOSS:
+    torch.testing.assert_close(got.double(), _TV_LOSS[kind](
+        pred, target, reduction="sum", eps=1e-6), rtol=1e-5, atol=1e-4)
+  assert "box_format='xyxy'" in repr(loss_fn)
+  with pytest.raises(ValueError, match=f"{module.__name__}: box_format"):
+    module(box_format="xywh")
+
+
+def _soft_nms_case(gen, n=23):
+  boxes = _boxes(gen, n)
+  boxes[5] = boxes[2] + 0.5  # heavy overlaps
+  boxes[9] = boxes[2]
+  scores = torch.rand(n, generator=gen, dtype=torch.float64)
+  return boxes, scores
+
+
+@pytest.mark.parametrize("method, classes", [("gaussian", False),
+                                             ("linear", True)])
+def test_soft_nms_vs_jax_reference(torch_gen, method, classes):
+  from pallas_kernels import reference
+  import jax.numpy as jnp
+  boxes, scores = _soft_nms_case(torch_gen)
+  class_ids = (torch.randint(0, 3, (23,), generator=torch_gen) if classes
+               else None)
+  kwargs = dict(max_output_size=15, method=method, sigma=0.4,
+                iou_threshold=0.2, score_threshold=0.05)
+  idx, decayed, count = tb.soft_nms(boxes.float(), scores.float(),
+                                    class_ids=class_ids, **kwargs)
+  want = reference.soft_nms(
+      jnp.asarray(boxes.float().numpy()), jnp.asarray(scores.float().numpy()),
+      class_ids=None if class_ids is None else jnp.asarray(
+          class_ids.int().numpy()), **kwargs)
+  assert idx.dtype == torch.int32 and idx.shape == (15,)
+  assert decayed.dtype == torch.float32 and count.shape == ()
+  assert idx.tolist() == np.asarray(want[0]).tolist()
+  torch.testing.assert_close(decayed, torch.from_numpy(np.array(want[1])))
+  assert int(count) == int(want[2]) > 0
+  # float64 in (torchvision's convention): float64 decayed scores.
+  idx64, decayed64, _ = tb.soft_nms(boxes, scores, class_ids=class_ids,
+                                    **kwargs)
+  assert decayed64.dtype == torch.float64 and torch.equal(idx64, idx)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: tb.box_iou(torch.zeros(2, 4), torch.zeros(2, 4), iou_kind="x"),
+     ValueError, "iou_kind must be one of"),
+    (lambda: tb.pairwise_ciou(torch.zeros(4), torch.zeros(2, 4)), ValueError,
+     "boxes1 must have at least 2"),
+    (lambda: tb.diou_loss(torch.zeros(3, 4), torch.zeros(3, 4),
+                          reduction="max"), ValueError,
+     "diou_loss: reduction must be"),
+    (lambda: tb.iou(torch.zeros(3, 4), torch.zeros(2, 4)), Exception,
+     "broadcast"),
+    (lambda: tb.soft_nms(torch.zeros(3, 4), torch.zeros(3),
+                         max_output_size=2, sigma=torch.tensor(0.5)),
+     TypeError, "soft_nms: sigma must be a Python number"),
+    (lambda: tb.soft_nms(torch.zeros(3, 4), torch.zeros(3),
+                         max_output_size=2, method="hard"), ValueError,
+     "method must be 'gaussian' or 'linear'"),
+    (lambda: tb.soft_nms(torch.zeros(3, 4), torch.zeros(2),
+                         max_output_size=2), ValueError,
+     "scores must have shape"),
+])
+def test_new_box_ops_bad_input(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_exports_match_the_modules():
+  from torch_bridge import modules
+  assert set(tb._OPS) == set(ops.__all__)
+  assert set(tb._MODULES) == set(modules.__all__)
+  for name in tb._OPS + tb._MODULES:
+    assert getattr(tb, name) is not None
+
+
+@pytest.mark.parametrize("name", [
+    "iou", "giou", "diou", "ciou", "pairwise_iou", "pairwise_giou",
+    "pairwise_diou", "pairwise_ciou", "box_iou", "iou_loss", "giou_loss",
+    "diou_loss", "ciou_loss", "nms", "batched_nms", "soft_nms"])
+def test_signature_is_the_jax_ops(name):
+  """The JAX op's parameters (names, kinds, defaults, order), then
+  partition_spec and mesh."""
+  import inspect
+  import pallas_kernels
+  ours = inspect.signature(getattr(tb, name)).parameters
+  theirs = inspect.signature(getattr(pallas_kernels, name)).parameters
+  assert list(ours)[-2:] == ["partition_spec", "mesh"]
+  assert [(p.name, p.kind, p.default) for p in list(ours.values())[:-2]] == [
+      (p.name, p.kind, p.default) for p in theirs.values()]

@@ -67,6 +67,15 @@ _BOXES = torch.tensor([[0.0, 0.0, 2.0, 2.0]] * 3)
                             max_output_size=2,
                             partition_spec=("fsdp", "model", None)),
      "splits boxes' dim 1 \\(boxes\\) over mesh axis 'model'"),
+    (lambda: tb.soft_nms(_BOXES, torch.ones(3), max_output_size=2,
+                         partition_spec=("fsdp", None)),
+     "soft_nms: .*splits boxes' dim 0 \\(boxes\\)"),
+    (lambda: tb.ciou(_BOXES, _BOXES, partition_spec=(None, "m")),
+     "ciou: .*dim 1 \\(coordinates\\) over mesh axis 'm'"),
+    (lambda: tb.box_iou(_BOXES, _BOXES, partition_spec=("fsdp",)),
+     "box_iou: .*one entry per dimension of the output"),
+    (lambda: tb.diou_loss(_BOXES, _BOXES[:1], partition_spec=("fsdp",)),
+     "diou_loss: .*one entry per dimension of the boxes"),
 ])
 def test_unsplittable_dims_raise(call, match):
   with pytest.raises(ValueError, match=match):
