@@ -16,6 +16,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import tpu_aot
+from test_generations_aot import _attention, _giou_loss  # the same programs
 
 pytestmark = pytest.mark.tpu_aot
 S = jax.ShapeDtypeStruct
@@ -25,17 +26,6 @@ B, H, L, D = 1, 2, 256, 128
 P = 1024        # boxes of the elementwise losses
 N = 512         # boxes of pairwise IoU and NMS
 MKN = (256, 512, 256)
-
-
-def _attention(q, k, v):
-  return jax.value_and_grad(
-      lambda q, k, v: pk.flash_attention(q, k, v, causal=True).astype(
-          jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
-
-
-def _giou_loss(a, b):
-  return jax.value_and_grad(
-      lambda a, b: pk.giou_loss(a, b, reduction="mean"), argnums=(0, 1))(a, b)
 
 
 def _ciou_loss(a, b):

@@ -64,3 +64,12 @@ def epilogue(acc, x_scale, w_scale, bias, out_dtype):
   if bias is not None:
     out = out + bias
   return out.astype(out_dtype)
+
+
+def epilogue_from_refs(acc, x_scale_ref, w_scale_ref, bias_ref, out_dtype):
+  """``epilogue`` inside a kernel: scales and bias read from their refs
+  (None where the call has none)."""
+  def read(ref):
+    return None if ref is None else ref[...]
+  return epilogue(acc, read(x_scale_ref), read(w_scale_ref), read(bias_ref),
+                  out_dtype)

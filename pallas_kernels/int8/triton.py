@@ -84,10 +84,8 @@ def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,
   if mode == "raw" or split:  # split K: the epilogue follows the sum
     o_ref[...] = acc
   else:
-    o_ref[...] = quant.epilogue(
-        acc, None if xs_ref is None else xs_ref[...],
-        None if ws_ref is None else ws_ref[...],
-        None if b_ref is None else b_ref[...], o_ref.dtype)
+    o_ref[...] = quant.epilogue_from_refs(acc, xs_ref, ws_ref, b_ref,
+                                          o_ref.dtype)
 
 
 def _pad_to(a, shape, value=0):
