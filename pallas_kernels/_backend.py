@@ -323,12 +323,31 @@ def dispatch(op: str, backend: str | None, kernels: Sequence[Kernel], *args,
   table = _table(op, kernels)
   if only_reference(backend, kernels):
     return table["reference"].call(args)
-  if rule is None:
+  if rule is None or (_effects_outlive_custom_vmap(op, backend, kernels)
+                      and not _batched(args)):
     return _dispatch_kernel(op, backend, kernels, table, rule, args)
   from pallas_kernels import _batching
   return _batching.vmappable(
       rule, lambda *a: _dispatch_kernel(op, backend, kernels, table, rule, a)
   )(*args)
+
+
+def _effects_outlive_custom_vmap(op, backend, kernels) -> bool:
+  """jax < 0.12 lowers ``custom_vmap`` without threading ordered effects,
+  which the TPU-semantics and Mosaic GPU interpreters' callbacks have: there
+  such a call is wrapped only when ``jax.vmap`` is tracing it (the rule is
+  applied then, and nothing of ``custom_vmap`` is left to lower)."""
+  if _compat.JAX_VERSION >= (0, 12, 0):
+    return False
+  if backend is None and forced_interpret_flavour() is None:
+    return False
+  kernel, interpret = choose(op, backend, kernels)
+  return kernel.name != "reference" and interpret not in (None, True)
+
+
+def _batched(args) -> bool:
+  from jax._src.interpreters import batching
+  return any(isinstance(a, batching.BatchTracer) for a in args)
 
 
 def _dispatch_kernel(op, backend, kernels, table, rule, args):
