@@ -168,19 +168,16 @@ def test_benches_use_only_the_public_api():
     assert "os.environ[" not in text and "environ.setdefault" not in text
 
 
-def _quick(op, tmp_path, own_process=False):
-  """``python -m bench.<op> --quick``'s results; ``own_process``: in a
-  subprocess (torch's autograd engine must not meet CPU backwards before
-  the torch tests' XLA device in this worker)."""
+def _quick(op, tmp_path):
+  """``python -m bench.<op> --quick``'s results, run in a subprocess: its
+  torch peers run CPU backwards, which must not reach torch's autograd
+  engine before the torch tests' XLA device does in this worker."""
   module = importlib.import_module(f"bench.{op}")
-  if own_process:
-    root = pathlib.Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "-m", f"bench.{op}", "--quick", "--out",
-                    str(tmp_path)], cwd=root, check=True, timeout=900,
-                   env=dict(os.environ, PYTHONPATH=str(root)))
-    (path,) = tmp_path.glob(f"{op}-*.json")
-  else:
-    path = module.main(["--quick", "--out", str(tmp_path)])
+  root = pathlib.Path(__file__).resolve().parents[1]
+  subprocess.run([sys.executable, "-m", f"bench.{op}", "--quick", "--out",
+                  str(tmp_path)], cwd=root, check=True, timeout=900,
+                 env=dict(os.environ, PYTHONPATH=str(root)))
+  (path,) = tmp_path.glob(f"{op}-*.json")
   data = json.loads(pathlib.Path(path).read_text())
   assert pathlib.Path(path).name.startswith(f"{op}-cpu-")
   for key in ("benchmark", "date", "device", "jax", "platform", "timing",
@@ -214,7 +211,7 @@ def test_quick_run_nms(tmp_path):
 def test_quick_run_torch_bridge(tmp_path):
   pytest.importorskip("torch")
   pytest.importorskip("torchvision")
-  data = _quick("torch_bridge", tmp_path, own_process=True)
+  data = _quick("torch_bridge", tmp_path)
   ours = [r for r in data["rows"] if r["impl"] == "ours"]
   assert all("vs_jax" in r and "vs_torch" in r for r in ours)
   assert all(r.get("same", True) and r.get("err", 0) < 1e-3 for r in ours)
