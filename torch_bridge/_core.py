@@ -666,16 +666,24 @@ def _register_forward(op: JaxOp):
 
   def backward(ctx, grads):
     arrays = ctx.saved_tensors
-    if not any(ctx.mask):
-      return None, [None] * len(arrays)
-    cotangents = _cotangents(grads, ctx.float_outputs, ctx.output_meta,
-                             arrays[0].device)
-    diff = iter(op.vjp_op(ctx.static, list(arrays), cotangents))
-    return None, [next(diff) if m else None for m in ctx.mask]
+    return _input_grads(ctx, grads, arrays, lambda cotangents: op.vjp_op(
+        ctx.static, list(arrays), cotangents))
 
   torch.library.register_autograd(qualname, backward,
                                   setup_context=setup_context)
   return custom
+
+
+def _input_grads(ctx, grads, arrays, vjp):
+  """An autograd formula's result: (None for ``static``, a grad per array,
+  None where ``ctx.mask`` says the array takes none). ``vjp(cotangents)``
+  returns the grads of the masked arrays in order."""
+  if not any(ctx.mask):
+    return None, [None] * len(arrays)
+  cotangents = _cotangents(grads, ctx.float_outputs, ctx.output_meta,
+                           arrays[0].device)
+  diff = iter(vjp(cotangents))
+  return None, [next(diff) if m else None for m in ctx.mask]
 
 
 def _register_vjp(op: JaxOp):
@@ -742,13 +750,8 @@ def _register_save(op: JaxOp):
     # grads of the residual outputs (after the op's outputs) are unused.
     saved = ctx.saved_tensors
     arrays, residuals = saved[:ctx.n_arrays], saved[ctx.n_arrays:]
-    if not any(ctx.mask):
-      return None, [None] * len(arrays)
-    cotangents = _cotangents(grads, ctx.float_outputs, ctx.output_meta,
-                             arrays[0].device)
-    diff = iter(op.restore_op(ctx.static, list(arrays), list(residuals),
-                              cotangents))
-    return None, [next(diff) if m else None for m in ctx.mask]
+    return _input_grads(ctx, grads, arrays, lambda cotangents: op.restore_op(
+        ctx.static, list(arrays), list(residuals), cotangents))
 
   torch.library.register_autograd(qualname, backward,
                                   setup_context=setup_context)
