@@ -309,7 +309,7 @@ def only_reference(backend: str | None, kernels: Sequence[Kernel]) -> bool:
 
 
 def dispatch(op: str, backend: str | None, kernels: Sequence[Kernel], *args,
-             rule: Any = None) -> Any:
+             rule: Any = None, auto_partition: bool = True) -> Any:
   """Runs ``op`` on ``args`` (arrays only) with the kernel ``backend`` picks.
 
   ``kernels`` lists the op's rows, best first; static parameters belong in
@@ -317,7 +317,9 @@ def dispatch(op: str, backend: str | None, kernels: Sequence[Kernel], *args,
   ``_sharding.Rule``) makes a kernel call compose with sharding
   (``pallas_kernels._sharding``) and with ``jax.vmap``
   (``pallas_kernels._batching``); the reference needs none (XLA partitions
-  and batches it).
+  and batches it). ``auto_partition=False``: under Auto mesh axes XLA places
+  the operands itself (for kernels that embed constant arrays, which
+  custom_partitioning cannot hold).
   """
   check_backend(op, backend)
   table = _table(op, kernels)
@@ -325,11 +327,12 @@ def dispatch(op: str, backend: str | None, kernels: Sequence[Kernel], *args,
     return table["reference"].call(args)
   if rule is None or (_effects_outlive_custom_vmap(op, backend, kernels)
                       and not _batched(args)):
-    return _dispatch_kernel(op, backend, kernels, table, rule, args)
+    return _dispatch_kernel(op, backend, kernels, table, rule, args,
+                            auto_partition)
   from pallas_kernels import _batching
   return _batching.vmappable(
-      rule, lambda *a: _dispatch_kernel(op, backend, kernels, table, rule, a)
-  )(*args)
+      rule, lambda *a: _dispatch_kernel(op, backend, kernels, table, rule, a,
+                                        auto_partition))(*args)
 
 
 def _effects_outlive_custom_vmap(op, backend, kernels) -> bool:
@@ -350,7 +353,8 @@ def _batched(args) -> bool:
   return any(isinstance(a, batching.BatchTracer) for a in args)
 
 
-def _dispatch_kernel(op, backend, kernels, table, rule, args):
+def _dispatch_kernel(op, backend, kernels, table, rule, args,
+                     auto_partition=True):
   if backend is None and forced_interpret_flavour() is None:
 
     def by_platform(*a):
@@ -361,14 +365,15 @@ def _dispatch_kernel(op, backend, kernels, table, rule, args):
         branches[key] = _bound(kernel, interpret)
       return jax.lax.platform_dependent(*a, **branches)
 
-    return _sharded(rule, by_platform, args)
+    return _sharded(rule, by_platform, args, auto=auto_partition)
   kernel, interpret = choose(op, backend, kernels)
   if kernel.name == "reference":
     return kernel.call(args)
   # The TPU-semantics and Mosaic GPU interpreters' ordered callbacks cannot
   # live inside custom_partitioning: under Auto axes they run unpartitioned.
   effects = interpret not in (None, True)
-  return _sharded(rule, _bound(kernel, interpret), args, auto=not effects)
+  return _sharded(rule, _bound(kernel, interpret), args,
+                  auto=auto_partition and not effects)
 
 
 def _bound(kernel: Kernel, interpret):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _backend, _compat
 from pallas_kernels.attention import block_sizes as _bs
+from pallas_kernels.attention import masks as _masks
 from pallas_kernels.attention import reference as _reference
 
 OP = "flash_attention"
@@ -41,12 +42,19 @@ class _Config:
   block_sizes: _bs.BlockSizes | None
   backend: str | None
   return_lse: bool
+  # A static mask (or per-head tuple) beyond the causal/window band; the
+  # band fields are then folded into it.
+  mask: _masks.Mask | tuple[_masks.Mask, ...] | None = None
 
   def kernel_kwargs(self):
-    return dict(sm_scale=self.sm_scale, causal=self.causal,
-                window_left=self.window_left, window_right=self.window_right,
-                logit_soft_cap=self.logit_soft_cap,
-                block_sizes=self.block_sizes)
+    kwargs = dict(sm_scale=self.sm_scale, causal=self.causal,
+                  window_left=self.window_left,
+                  window_right=self.window_right,
+                  logit_soft_cap=self.logit_soft_cap,
+                  block_sizes=self.block_sizes)
+    if self.mask is not None:
+      kwargs["mask"] = self.mask
+    return kwargs
 
 
 # ------------------------------------------------------------- backends --
@@ -63,8 +71,10 @@ def _module(name):
   return importlib.import_module(f"pallas_kernels.attention.{name}")
 
 
-def _mosaic_gpu_supports(module, *arrays):
+def _mosaic_gpu_supports(config, module, *arrays):
   """The Mosaic GPU module's ``supports``, or why it cannot be imported."""
+  if config.mask is not None:
+    return "the Mosaic GPU kernels take no mask objects (the Triton ones do)"
   try:
     supports = _module(module).supports
   except Exception as e:  # a broken optional dependency of this jax
@@ -117,8 +127,8 @@ def _rows(config, function, q, k, v, q_seg, bias):
       _backend.Kernel("mosaic_tpu", _run(config, "mosaic_tpu", function)),
       _backend.Kernel(
           "mosaic_gpu", _run(config, mosaic_gpu, function, block_sizes=False),
-          supports=lambda: _mosaic_gpu_supports(mosaic_gpu, q, k, v, q_seg,
-                                                bias),
+          supports=lambda: _mosaic_gpu_supports(config, mosaic_gpu, q, k, v,
+                                                q_seg, bias),
           hardware=_hopper),
       _backend.Kernel("triton", _run(config, "triton", function)),
       _backend.Kernel("reference", functools.partial(reference, config)),
@@ -158,7 +168,8 @@ def _forward(config, q, k, v, q_seg, kv_seg, bias):
   return _backend.dispatch(
       OP, config.backend, _rows(config, "forward", q, k, v, q_seg, bias),
       q, k, v, q_seg, kv_seg, bias,
-      rule=_sharding_rule(q_seg, kv_seg, bias, True))
+      rule=_sharding_rule(q_seg, kv_seg, bias, True),
+      auto_partition=config.mask is None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -179,7 +190,8 @@ def _attention_bwd(config, residuals, cotangents):
   dq, dk, dv, dbias = _backend.dispatch(
       OP, config.backend, _rows(config, "backward", q, k, v, q_seg, bias),
       q, k, v, q_seg, kv_seg, bias, out, lse, d_out.astype(q.dtype), d_lse,
-      rule=_sharding_rule(q_seg, kv_seg, bias, False, d_lse))
+      rule=_sharding_rule(q_seg, kv_seg, bias, False, d_lse),
+      auto_partition=config.mask is None)
   from pallas_kernels import _sharding
   dq, dk, dv, dbias = _sharding.cotangents_like((q, k, v, bias),
                                                 (dq, dk, dv, dbias))
@@ -242,8 +254,40 @@ def _window(sliding_window, causal):
   return _reference.normalize_window((left, right), causal)
 
 
+def _static_mask(mask, causal, left, right, heads, q_len, kv_len):
+  """(mask for the kernels or None, causal, left, right): a mask that is the
+  plain causal/window band stays on the band fields; anything else absorbs
+  the band and is checked against the lengths."""
+  if mask is None:
+    return None, causal, left, right
+  mask = _masks.per_head(mask, heads)
+  if isinstance(mask, _masks.Causal) and left is None:
+    return None, True, None, 0
+  if isinstance(mask, _masks.Local) and not causal and left is None and (
+      right is None):
+    return None, False, mask.left, mask.right
+  _masks.check(mask, q_len, kv_len)
+  if left is not None or right is not None:
+    band = _masks.Local(left, right)
+    mask = (tuple(m & band for m in mask) if isinstance(mask, tuple)
+            else mask & band)
+  return mask, False, None, None
+
+
+def _check_sinks(sinks, heads):
+  if sinks is None:
+    return None
+  _check_array("sinks", sinks, 1)
+  _check_float("sinks", sinks)
+  if sinks.shape[0] != heads:
+    raise ValueError(f"{OP}: sinks must have shape [heads] = [{heads}], got "
+                     f"{tuple(sinks.shape)}")
+  return sinks
+
+
 def _validate(q, k, v, causal, sm_scale, segment_ids, sliding_window,
-              logit_soft_cap, bias, return_lse, block_sizes, backend):
+              logit_soft_cap, bias, return_lse, block_sizes, backend,
+              mask=None):
   _backend.check_backend(OP, backend)
   for name, x in (("q", q), ("k", k), ("v", v)):
     _check_array(name, x, 4)
@@ -314,16 +358,19 @@ def _validate(q, k, v, causal, sm_scale, segment_ids, sliding_window,
           f"kv_len] = [{batch} or 1, {heads} or 1, {q_len}, {kv_len}], got "
           f"{tuple(bias.shape)}")
   blocks = _bs.as_block_sizes(block_sizes)
+  mask, causal, left, right = _static_mask(mask, bool(causal), left, right,
+                                           heads, q_len, kv_len)
   config = _Config(sm_scale=float(sm_scale), causal=bool(causal),
                    window_left=left, window_right=right,
                    logit_soft_cap=logit_soft_cap, block_sizes=blocks,
-                   backend=backend, return_lse=return_lse)
+                   backend=backend, return_lse=return_lse, mask=mask)
   return config, q_seg, kv_seg
 
 
 def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
                     sliding_window=None, logit_soft_cap=None, bias=None,
-                    return_lse=False, block_sizes=None, backend=None):
+                    sinks=None, mask=None, return_lse=False, block_sizes=None,
+                    backend=None):
   """Softmax attention ``softmax(mask(cap(sm_scale q k^T) + bias)) v``.
 
   Args:
@@ -340,6 +387,17 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
       off + right`` (None in the pair: unbounded on that side).
     logit_soft_cap: ``cap * tanh(logits / cap)`` before bias and mask.
     bias: additive float ``[batch or 1, heads or 1, q_len, kv_len]``.
+    sinks: float ``[heads]``: a learnable logit per head that joins every
+      row's softmax denominator and carries no value (gpt-oss); the output
+      is ``softmax([logits, sink])`` with the sink's column dropped, so a row
+      with no allowed key puts all weight on the sink and outputs 0.
+      Differentiable (``d sinks`` too); lse then includes the sink.
+    mask: a static mask from ``pallas_kernels.attention.masks``
+      (``Causal()``, ``Local(left, right)``, ``ChunkedCausal(size)``,
+      ``PrefixLM(length)``, ``Dense(bool [q_len, kv_len])``, combined with
+      ``&``/``|``), or a list of one per query head. It intersects with
+      ``causal``/``sliding_window`` and segment ids; the kernels skip the
+      blocks it empties in forward and backward.
     return_lse: also return the float32 log-sum-exp ``[batch, heads, q_len]``
       (differentiable).
     block_sizes: the TPU kernels' ``BlockSizes``, ``(block_q, block_kv)`` or
@@ -358,14 +416,19 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
   """
   config, q_seg, kv_seg = _validate(
       q, k, v, causal, sm_scale, segment_ids, sliding_window, logit_soft_cap,
-      bias, return_lse, block_sizes, backend)
+      bias, return_lse, block_sizes, backend, mask)
   batch, heads, q_len, head_dim = q.shape
+  sinks = _check_sinks(sinks, heads)
   if 0 in (batch, heads, q_len, k.shape[2]):
     # Nothing to attend to: zero output, -inf lse, zero gradients.
     out = jnp.zeros(q.shape, q.dtype)
     lse = jnp.full((batch, heads, q_len), -jnp.inf, jnp.float32)
   else:
+    if sinks is not None:   # the sink enters through lse: its cotangent too
+      config = dataclasses.replace(config, return_lse=True)
     out, lse = _attention(config, q, k, v, q_seg, kv_seg, bias)
+  if sinks is not None:
+    out, lse = _reference.with_sinks(out, lse, sinks)
   return (out, lse) if return_lse else out
 
 

@@ -36,6 +36,7 @@ from jax import lax
 from pallas_kernels import _compat
 from pallas_kernels._compat import pl, pltpu
 from pallas_kernels.attention import block_sizes as _bs
+from pallas_kernels.attention import masks as _masks
 
 LANES = _bs.LANES
 _SQ = pl.Squeezed() if hasattr(pl, "Squeezed") else None
@@ -62,6 +63,10 @@ class _Geometry:
   left: int | None        # window reach to the left (None: unbounded)
   right: int | None       # to the right, causal already folded in
   has_segments: bool
+  # A static mask's block tables (then left/right are None): the kv grid
+  # axis walks each query block's listed kv blocks, and vice versa.
+  tables: _masks.BlockTables | None = dataclasses.field(default=None,
+                                                        compare=False)
 
   @property
   def offset(self):
@@ -89,7 +94,72 @@ class _Geometry:
 
   @property
   def may_mask(self):
-    return (self.banded or self.has_segments or self.kv_pad != self.kv_len)
+    return (self.banded or self.has_segments or self.kv_pad != self.kv_len
+            or self.tables is not None)
+
+  # Grid steps along the walked axis: every block, or a table row's entries.
+  @property
+  def kv_steps(self):
+    return self.num_kv if self.tables is None else self.tables.max_kv
+
+  @property
+  def q_steps(self):
+    return self.num_q if self.tables is None else self.tables.max_q
+
+  def table_offsets(self):
+    """Start of each table in the flat SMEM array (see ``flat_tables``)."""
+    offsets, at = {}, 0
+    for name in _TABLE_NAMES:
+      offsets[name] = at
+      at += getattr(self.tables, name).size
+    return offsets
+
+  def flat_tables(self):
+    return jnp.asarray(np.concatenate(
+        [getattr(self.tables, name).ravel() for name in _TABLE_NAMES]))
+
+  def _lookup(self, table_ref, name, h, row, step=None):
+    """``tables.<name>[head, row(, step)]`` read from the SMEM copy."""
+    t = self.tables
+    kv_major = name.startswith("kv")
+    rows = t.kv_total.shape[1] if kv_major else t.q_total.shape[1]
+    at = (h if t.per_head else 0) * rows + row
+    if step is not None:
+      at = at * (t.max_kv if kv_major else t.max_q) + step
+    return table_ref[self.table_offsets()[name] + at]
+
+  def kv_block(self, i, t, h=None, table_ref=None):
+    """The kv block of query block i's step t (clamped into the band, or
+    the table's entry)."""
+    if self.tables is not None:
+      return self._lookup(table_ref, "kv_index", h, i, t)
+    lo, hi = self.kv_range(i)
+    return _clamp(t, lo, hi, self.num_kv)
+
+  def q_block(self, j, t, h=None, table_ref=None):
+    """The query block of kv block j's step t."""
+    if self.tables is not None:
+      return self._lookup(table_ref, "q_index", h, j, t)
+    lo, hi = self.q_range(j)
+    return _clamp(t, lo, hi, self.num_q)
+
+  def kv_step_runs(self, i, t, h=None, table_ref=None):
+    """(whether step t of query block i computes, whether it needs the
+    element mask)."""
+    if self.tables is not None:
+      runs = t < self._lookup(table_ref, "kv_total", h, i)
+      masked = t < self._lookup(table_ref, "kv_partial", h, i)
+      return runs, masked | self.has_segments
+    lo, hi = self.kv_range(i)
+    return (t >= lo) & (t <= hi), self.needs_mask(i, t)
+
+  def q_step_runs(self, j, t, h=None, table_ref=None):
+    if self.tables is not None:
+      runs = t < self._lookup(table_ref, "q_total", h, j)
+      masked = t < self._lookup(table_ref, "q_partial", h, j)
+      return runs, masked | self.has_segments
+    lo, hi = self.q_range(j)
+    return (t >= lo) & (t <= hi), self.needs_mask(t, j)
 
   def _last_row(self, i, xp=jnp):
     return xp.minimum((i + 1) * self.block_q, self.q_len) - 1
@@ -124,8 +194,14 @@ class _Geometry:
     return (_div(first_row, self.block_q),
             _div(last_row + self.block_q, self.block_q) - 1)
 
-  def visited_blocks(self) -> int:
-    """(q block, kv block) pairs the kernels compute (the rest are skipped)."""
+  def visited_blocks(self, heads: int = 1) -> int:
+    """(q block, kv block) pairs the kernels compute over ``heads`` query
+    heads (the rest are skipped)."""
+    if self.tables is not None:
+      return self.tables.visited_blocks(heads)
+    return heads * self._band_blocks()
+
+  def _band_blocks(self) -> int:
     lo, hi = self.kv_range(np.arange(self.num_q), xp=np)
     return int(np.sum(np.maximum(np.broadcast_to(hi - lo + 1, (self.num_q,)),
                                  0)))
@@ -143,11 +219,16 @@ class _Geometry:
                   > i * self.block_q + self.offset + self.right)
     return partial
 
-  def mask(self, i, j, shape, transposed):
-    """Allowed-entry mask of block (i, j); rows are keys when transposed."""
+  def mask(self, i, j, shape, transposed, dense_ref=None):
+    """Allowed-entry mask of block (i, j); rows are keys when transposed.
+    ``dense_ref``: the block's tile of a dense mask (tables without a
+    formula)."""
     q_axis, kv_axis = (1, 0) if transposed else (0, 1)
     rows = i * self.block_q + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     cols = j * self.block_kv + lax.broadcasted_iota(jnp.int32, shape, kv_axis)
+    if self.tables is not None:
+      tile = None if dense_ref is None else dense_ref[...].astype(jnp.int32)
+      return _masks.element_mask(self.tables, rows, cols, tile)
     mask = cols < self.kv_len
     diag = rows + self.offset
     if self.right is not None:
@@ -155,6 +236,10 @@ class _Geometry:
     if self.left is not None:
       mask &= cols >= diag - self.left
     return mask
+
+
+_TABLE_NAMES = ("kv_partial", "kv_total", "kv_index", "kv_dense_index",
+                "q_partial", "q_total", "q_index", "q_dense_index")
 
 
 def _clamp(x, lo, hi, size):
@@ -180,29 +265,27 @@ def _row_to_column(row):
 
 
 def _query_major_logits(q, k, bias_ref, qseg_ref, kvseg_ref, geom, i, j,
-                        masked, sm_scale, cap):
+                        masked, sm_scale, cap, dense_ref=None):
   """[block_q, block_kv] logits (and tanh for the soft cap) of block (i, j),
   with the bias added and, if ``masked``, the band/segment mask as -inf."""
   s, t = _scores(q, k, sm_scale, cap)
   if bias_ref is not None:
     s = s + bias_ref[...].astype(jnp.float32)
   if masked:
-    mask = geom.mask(i, j, s.shape, transposed=False)
+    mask = geom.mask(i, j, s.shape, transposed=False, dense_ref=dense_ref)
     if geom.has_segments:
       mask &= qseg_ref[...][:, :1] == kvseg_ref[...]
     s = jnp.where(mask, s, -jnp.inf)
   return s, t
 
 
-def _run_block(step, in_band, geom, ranges_ref, i, j):
-  """Runs ``step`` on block (i, j) unless masking rules it out entirely;
-  blocks wholly inside the band skip the element mask. Returns whether the
+def _run_block(step, run, needs_mask, geom, ranges_ref, i, j):
+  """Runs ``step`` on block (i, j) if ``run`` and the segment ids meet;
+  with the element mask only where ``needs_mask``. Returns whether the
   block ran."""
-  run = in_band
   if geom.has_segments:
     run &= _segments_meet(ranges_ref, geom, pl.program_id(0), i, j)
   if geom.may_mask:
-    needs_mask = geom.needs_mask(i, j)
     pl.when(run & needs_mask)(lambda: step(True))
     pl.when(run & jnp.logical_not(needs_mask))(lambda: step(False))
   else:
@@ -212,16 +295,20 @@ def _run_block(step, in_band, geom, ranges_ref, i, j):
 def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
   it = iter(refs)
   ranges_ref = next(it) if geom.has_segments else None
+  table_ref = next(it) if geom.tables is not None else None
   q_ref, k_ref, v_ref = next(it), next(it), next(it)
-  qseg_ref = kvseg_ref = bias_ref = None
+  qseg_ref = kvseg_ref = bias_ref = dense_ref = None
   if geom.has_segments:
     qseg_ref, kvseg_ref = next(it), next(it)
   if has_bias:
     bias_ref = next(it)
+  if _has_dense(geom):
+    dense_ref = next(it)
   o_ref, lse_ref, m_ref, l_ref, acc_ref = it
-  i, j = pl.program_id(2), pl.program_id(3)
+  h, i, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  j = geom.kv_block(i, t, h, table_ref)
 
-  @pl.when(j == 0)
+  @pl.when(t == 0)
   def _init():
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -229,7 +316,8 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
 
   def step(masked):
     s, _ = _query_major_logits(q_ref[...], k_ref[...], bias_ref, qseg_ref,
-                               kvseg_ref, geom, i, j, masked, sm_scale, cap)
+                               kvseg_ref, geom, i, j, masked, sm_scale, cap,
+                               dense_ref)
     m_prev, l_prev = m_ref[...][:, :1], l_ref[...][:, :1]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -243,10 +331,10 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
     m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
     l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
 
-  lo, hi = geom.kv_range(i)
-  _run_block(step, (j >= lo) & (j <= hi), geom, ranges_ref, i, j)
+  _run_block(step, *geom.kv_step_runs(i, t, h, table_ref), geom, ranges_ref,
+             i, j)
 
-  @pl.when(j == geom.num_kv - 1)
+  @pl.when(t == geom.kv_steps - 1)
   def _finish():
     l = l_ref[...][:, :1]
     has_keys = l != 0          # NaN inputs stay NaN rather than "empty"
@@ -262,19 +350,23 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
 def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
   it = iter(refs)
   ranges_ref = next(it) if geom.has_segments else None
+  table_ref = next(it) if geom.tables is not None else None
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = (next(it) for _ in range(6))
-  qseg_ref = kvseg_ref = bias_ref = dbias_ref = None
+  qseg_ref = kvseg_ref = bias_ref = dbias_ref = dense_ref = None
   if geom.has_segments:
     qseg_ref, kvseg_ref = next(it), next(it)
   if has_bias:
     bias_ref = next(it)
+  if _has_dense(geom):
+    dense_ref = next(it)
   dq_ref = next(it)
   if has_bias:
     dbias_ref = next(it)
   dq_acc, lse_col, di_col = it
-  i, j = pl.program_id(2), pl.program_id(3)
+  h, i, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  j = geom.kv_block(i, t, h, table_ref)
 
-  @pl.when(j == 0)
+  @pl.when(t == 0)
   def _init():
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
     lse_col[...] = _row_to_column(lse_ref[...])
@@ -282,8 +374,8 @@ def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
 
   def step(masked):
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
-    s, t = _query_major_logits(q, k, bias_ref, qseg_ref, kvseg_ref, geom, i,
-                               j, masked, sm_scale, cap)
+    s, th = _query_major_logits(q, k, bias_ref, qseg_ref, kvseg_ref, geom, i,
+                                j, masked, sm_scale, cap, dense_ref)
     p = jnp.exp(s - lse_col[...][:, :1])
     dp = lax.dot_general(do_ref[...], v, _NT,
                          preferred_element_type=jnp.float32)
@@ -291,18 +383,25 @@ def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
     if has_bias:
       dbias_ref[...] = ds.astype(dbias_ref.dtype)
     if cap is not None:
-      ds = ds * (1.0 - t * t)
+      ds = ds * (1.0 - th * th)
     dq_acc[...] += lax.dot_general((ds * sm_scale).astype(k.dtype), k, _NN,
                                    preferred_element_type=jnp.float32)
 
-  lo, hi = geom.kv_range(i)
-  run = _run_block(step, (j >= lo) & (j <= hi), geom, ranges_ref, i, j)
+  listed, masked = geom.kv_step_runs(i, t, h, table_ref)
+  run = _run_block(step, listed, masked, geom, ranges_ref, i, j)
   if has_bias:
-    @pl.when(jnp.logical_not(run))
+    # Band path: every step owns its dbias block. Table path: steps past
+    # the row's list repeat its last block (already written), and blocks
+    # never listed are zeroed by the caller.
+    skipped = jnp.logical_not(run)
+    if geom.tables is not None:
+      skipped &= listed
+
+    @pl.when(skipped)
     def _zero_dbias():
       dbias_ref[...] = jnp.zeros(dbias_ref.shape, dbias_ref.dtype)
 
-  @pl.when(j == geom.num_kv - 1)
+  @pl.when(t == geom.kv_steps - 1)
   def _finish():
     dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
 
@@ -310,15 +409,20 @@ def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
 def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias, group):
   it = iter(refs)
   ranges_ref = next(it) if geom.has_segments else None
+  table_ref = next(it) if geom.tables is not None else None
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = (next(it) for _ in range(6))
-  qseg_ref = kvseg_ref = bias_ref = None
+  qseg_ref = kvseg_ref = bias_ref = dense_ref = None
   if geom.has_segments:
     qseg_ref, kvseg_ref = next(it), next(it)
   if has_bias:
     bias_ref = next(it)
+  if _has_dense(geom):
+    dense_ref = next(it)
   dk_ref, dv_ref, dk_acc, dv_acc = it
   j, t = pl.program_id(2), pl.program_id(3)
-  i = lax.rem(t, jnp.int32(geom.num_q))
+  u = lax.rem(t, jnp.int32(geom.q_steps))
+  h = pl.program_id(1) * group + _div(t, geom.q_steps)
+  i = geom.q_block(j, u, h, table_ref)
 
   @pl.when(t == 0)
   def _init():
@@ -331,7 +435,7 @@ def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias, group):
     if has_bias:
       s = s + bias_ref[...].astype(jnp.float32).T
     if masked:
-      mask = geom.mask(i, j, s.shape, transposed=True)
+      mask = geom.mask(i, j, s.shape, transposed=True, dense_ref=dense_ref)
       if geom.has_segments:
         mask &= kvseg_ref[...][:, :1] == qseg_ref[...]
       s = jnp.where(mask, s, -jnp.inf)
@@ -345,10 +449,10 @@ def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias, group):
     dk_acc[...] += lax.dot_general((ds * sm_scale).astype(q.dtype), q, _NN,
                                    preferred_element_type=jnp.float32)
 
-  lo, hi = geom.q_range(j)
-  _run_block(step, (i >= lo) & (i <= hi), geom, ranges_ref, i, j)
+  _run_block(step, *geom.q_step_runs(j, u, h, table_ref), geom, ranges_ref,
+             i, j)
 
-  @pl.when(t == group * geom.num_q - 1)
+  @pl.when(t == group * geom.q_steps - 1)
   def _finish():
     dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
@@ -375,13 +479,35 @@ def _pad_head_dim(x, dim):
 
 
 def _geometry(q, k, block_q, block_kv, q_segment_ids, causal, window_left,
-              window_right):
+              window_right, mask=None):
   right = window_right
   if causal:
     right = 0 if right is None else min(right, 0)
+  tables = None
+  if mask is not None:
+    tables = _masks.block_tables(mask, q.shape[2], k.shape[2], block_q,
+                                 block_kv)
   return _Geometry(q_len=q.shape[2], kv_len=k.shape[2], block_q=block_q,
                    block_kv=block_kv, left=window_left, right=right,
-                   has_segments=q_segment_ids is not None)
+                   has_segments=q_segment_ids is not None, tables=tables)
+
+
+def _has_dense(geom):
+  return geom.tables is not None and geom.tables.dense is not None
+
+
+def _prefetch(geom, q_segment_ids, kv_segment_ids):
+  """Scalar-prefetch (SMEM) inputs: segment ranges, then mask tables."""
+  prefetch = []
+  if geom.has_segments:
+    prefetch.append(_segment_ranges(q_segment_ids, kv_segment_ids, geom))
+  if geom.tables is not None:
+    prefetch.append(geom.flat_tables())
+  return prefetch
+
+
+def _table_ref(geom, prefetch_refs):
+  return prefetch_refs[-1] if geom.tables is not None else None
 
 
 def _segment_layouts(segment_ids, length):
@@ -417,11 +543,10 @@ def _segments_meet(ranges_ref, geom, b, i, j):
   return (q_max >= kv_min) & (kv_max >= q_min)
 
 
-def _pallas_call(kernel, seg_ranges, args, *, grid, in_specs, out_specs,
+def _pallas_call(kernel, prefetch, args, *, grid, in_specs, out_specs,
                  out_shape, scratch_shapes, compiler_params, interpret,
                  cost_estimate, name):
-  """pallas_call with the segment ranges as a scalar-prefetch (SMEM) input."""
-  prefetch = [] if seg_ranges is None else [seg_ranges]
+  """pallas_call with ``prefetch`` as scalar-prefetch (SMEM) inputs."""
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs,
       out_specs=out_specs, scratch_shapes=scratch_shapes)
@@ -429,6 +554,30 @@ def _pallas_call(kernel, seg_ranges, args, *, grid, in_specs, out_specs,
       kernel, grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=compiler_params, interpret=interpret,
       cost_estimate=cost_estimate, name=name)(*prefetch, *args)
+
+
+def _dense_input(geom, transposed, group=1):
+  """(BlockSpec, int8 array) of a dense mask's tiles: ``[Ht, q_pad, kv_pad]``
+  indexed (head, q block, kv block), or transposed for the key-major dk/dv
+  grid. The index stays on the row's last partial block, so full blocks
+  load no new tile."""
+  t = geom.tables
+  dense = jnp.asarray(t.dense)
+  bq, bk = geom.block_q, geom.block_kv
+  def table_head(h):
+    return h if t.per_head else 0
+  if not transposed:
+    def index(b, h, i, s, *pre):
+      table = _table_ref(geom, pre)
+      return (table_head(h), i,
+              geom._lookup(table, "kv_dense_index", h, i, s))
+    return pl.BlockSpec((_SQ, bq, bk), index), dense
+  def index_t(b, hk, j, s, *pre):
+    h = hk * group + _div(s, geom.q_steps)
+    table = _table_ref(geom, pre)
+    return (table_head(h), j, geom._lookup(
+        table, "q_dense_index", h, j, lax.rem(s, jnp.int32(geom.q_steps))))
+  return pl.BlockSpec((_SQ, bk, bq), index_t), jnp.swapaxes(dense, 1, 2)
 
 
 def _bias_index(bias, b, h, i, j):
@@ -489,15 +638,15 @@ def cost(batch, heads, q_len, kv_len, head_dim, itemsize, *, kv_heads=None,
 
 def _cost_estimate(batch, heads, geom, dim, itemsize, matmuls, has_bias):
   """pl.CostEstimate so XLA can schedule around the kernel."""
-  visited = geom.visited_blocks()
+  visited = geom.visited_blocks(heads)       # over all heads
   per_block = geom.block_q * geom.block_kv
-  n = batch * heads
   streamed = visited * (2 * geom.block_kv * dim * itemsize
                         + (4 * per_block if has_bias else 0))
   return pl.CostEstimate(
-      flops=int(n * visited * 2 * matmuls * per_block * dim),
-      transcendentals=int(n * visited * per_block),
-      bytes_accessed=int(n * (streamed + 3 * geom.q_pad * dim * itemsize)))
+      flops=int(batch * visited * 2 * matmuls * per_block * dim),
+      transcendentals=int(batch * visited * per_block),
+      bytes_accessed=int(batch * (streamed + 3 * heads * geom.q_pad * dim
+                                  * itemsize)))
 
 
 def _compiler_params(semantics, estimate):
@@ -509,8 +658,10 @@ def _compiler_params(semantics, estimate):
 
 
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
-            window_left, window_right, logit_soft_cap, block_sizes, interpret):
-  """(out [B, H, Lq, D] q.dtype, lse [B, H, Lq] float32)."""
+            window_left, window_right, logit_soft_cap, block_sizes, interpret,
+            mask=None):
+  """(out [B, H, Lq, D] q.dtype, lse [B, H, Lq] float32); ``mask``: a
+  static mask (``masks``) or per-head tuple, walked as block tables."""
   if q.dtype == jnp.float16 or (bias is not None and bias.dtype == jnp.float16):
     # Mosaic has no float16 matmul on v5e/v6e: run float16 as float32.
     out, lse = forward(
@@ -518,59 +669,62 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
         *_f16_to_f32(bias), sm_scale=sm_scale, causal=causal,
         window_left=window_left, window_right=window_right,
         logit_soft_cap=logit_soft_cap, block_sizes=block_sizes,
-        interpret=interpret)
+        interpret=interpret, mask=mask)
     return out.astype(q.dtype), lse
   batch, heads, q_len, head_dim = q.shape
   kv_heads = k.shape[1]
   group = heads // kv_heads
   blocks = _bs.choose(q_len, k.shape[2], head_dim, block_sizes)
   geom = _geometry(q, k, blocks.fwd_q, blocks.fwd_kv, q_segment_ids, causal,
-                   window_left, window_right)
+                   window_left, window_right, mask)
   dim = _bs.padded_head_dim(head_dim)
   bq, bk = geom.block_q, geom.block_kv
   qp = _pad_head_dim(_pad_axis(q, 2, geom.q_pad), dim)
   kp = _pad_head_dim(_pad_axis(k, 2, geom.kv_pad), dim)
   vp = _pad_head_dim(_pad_axis(v, 2, geom.kv_pad), dim)
 
-  def kv_block(i, j):
-    lo, hi = geom.kv_range(i)
-    return _clamp(j, lo, hi, geom.num_kv)
+  def kv_block(h, i, t, pre):
+    return geom.kv_block(i, t, h, _table_ref(geom, pre))
 
   in_specs = [
-      pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, j, *_: (b, h, i, 0)),
-      pl.BlockSpec((_SQ, _SQ, bk, dim),
-                   lambda b, h, i, j, *_: (b, _div(h, group), kv_block(i, j), 0)),
-      pl.BlockSpec((_SQ, _SQ, bk, dim),
-                   lambda b, h, i, j, *_: (b, _div(h, group), kv_block(i, j), 0)),
+      pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, t, *_: (b, h, i, 0)),
+      pl.BlockSpec((_SQ, _SQ, bk, dim), lambda b, h, i, t, *pre: (
+          b, _div(h, group), kv_block(h, i, t, pre), 0)),
+      pl.BlockSpec((_SQ, _SQ, bk, dim), lambda b, h, i, t, *pre: (
+          b, _div(h, group), kv_block(h, i, t, pre), 0)),
   ]
   args = [qp, kp, vp]
-  seg_ranges = None
+  prefetch = _prefetch(geom, q_segment_ids, kv_segment_ids)
   if geom.has_segments:
-    seg_ranges = _segment_ranges(q_segment_ids, kv_segment_ids, geom)
     q_col, _ = _segment_layouts(q_segment_ids, geom.q_pad)
     _, kv_row = _segment_layouts(kv_segment_ids, geom.kv_pad)
     in_specs += [
-        pl.BlockSpec((_SQ, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
-        pl.BlockSpec((_SQ, 1, bk), lambda b, h, i, j, *_: (b, 0, kv_block(i, j))),
+        pl.BlockSpec((_SQ, bq, LANES), lambda b, h, i, t, *_: (b, i, 0)),
+        pl.BlockSpec((_SQ, 1, bk),
+                     lambda b, h, i, t, *pre: (b, 0, kv_block(h, i, t, pre))),
     ]
     args += [q_col, kv_row]
   if bias is not None:
     bias_p = _pad_axis(_pad_axis(bias, 2, geom.q_pad), 3, geom.kv_pad)
     in_specs.append(pl.BlockSpec(
-        (_SQ, _SQ, bq, bk),
-        lambda b, h, i, j, *_: _bias_index(bias, b, h, i, kv_block(i, j))))
+        (_SQ, _SQ, bq, bk), lambda b, h, i, t, *pre: _bias_index(
+            bias, b, h, i, kv_block(h, i, t, pre))))
     args.append(bias_p)
+  if _has_dense(geom):
+    spec, dense = _dense_input(geom, transposed=False)
+    in_specs.append(spec)
+    args.append(dense)
 
   kernel = functools.partial(_forward_kernel, geom=geom, sm_scale=sm_scale,
                              cap=logit_soft_cap, has_bias=bias is not None)
   estimate = vmem_bytes(bq, bk, dim, q.dtype.itemsize, bias is not None)
   out, lse = _pallas_call(
-      kernel, seg_ranges, args,
-      grid=(batch, heads, geom.num_q, geom.num_kv),
+      kernel, prefetch, args,
+      grid=(batch, heads, geom.num_q, geom.kv_steps),
       in_specs=in_specs,
       out_specs=[
-          pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, j, *_: (b, h, i, 0)),
-          pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i)),
+          pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, t, *_: (b, h, i, 0)),
+          pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, t, *_: (b, h, 0, i)),
       ],
       out_shape=[
           jax.ShapeDtypeStruct((batch, heads, geom.q_pad, dim), q.dtype),
@@ -590,7 +744,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
 
 def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
              d_lse, *, sm_scale, causal, window_left, window_right,
-             logit_soft_cap, block_sizes, interpret):
+             logit_soft_cap, block_sizes, interpret, mask=None):
   """(dq, dk, dv, dbias or None); ``d_lse`` is the cotangent of lse."""
   if q.dtype == jnp.float16 or (bias is not None and bias.dtype == jnp.float16):
     q32, k32, v32, bias32, out32, d_out32 = _f16_to_f32(q, k, v, bias, out,
@@ -600,7 +754,7 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
         d_out32, d_lse, sm_scale=sm_scale, causal=causal,
         window_left=window_left, window_right=window_right,
         logit_soft_cap=logit_soft_cap, block_sizes=block_sizes,
-        interpret=interpret)
+        interpret=interpret, mask=mask)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None if dbias is None else dbias.astype(bias.dtype))
   batch, heads, q_len, head_dim = q.shape
@@ -608,7 +762,7 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   group = heads // kv_heads
   blocks = _bs.choose(q_len, kv_len, head_dim, block_sizes)
   geom = _geometry(q, k, blocks.bwd_q, blocks.bwd_kv, q_segment_ids, causal,
-                   window_left, window_right)
+                   window_left, window_right, mask)
   dim = _bs.padded_head_dim(head_dim)
   bq, bk = geom.block_q, geom.block_kv
   nq, nk = geom.num_q, geom.num_kv
@@ -628,47 +782,52 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   bias_p = None
   if has_bias:
     bias_p = _pad_axis(_pad_axis(bias, 2, geom.q_pad), 3, geom.kv_pad)
-  segs = seg_ranges = None
+  segs = None
+  prefetch = _prefetch(geom, q_segment_ids, kv_segment_ids)
   if geom.has_segments:
-    seg_ranges = _segment_ranges(q_segment_ids, kv_segment_ids, geom)
     segs = (_segment_layouts(q_segment_ids, geom.q_pad),
             _segment_layouts(kv_segment_ids, geom.kv_pad))
   estimate = vmem_bytes(bq, bk, dim, q.dtype.itemsize, has_bias)
   statics = dict(geom=geom, sm_scale=sm_scale, cap=logit_soft_cap,
                  has_bias=has_bias)
 
-  # dq (and dbias): grid (B, H, q blocks, kv blocks).
-  def kv_block(i, j):
-    lo, hi = geom.kv_range(i)
-    return _clamp(j, lo, hi, nk)
+  # dq (and dbias): grid (B, H, q blocks, kv steps).
+  def kv_block(h, i, t, pre):
+    return geom.kv_block(i, t, h, _table_ref(geom, pre))
 
-  q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, j, *_: (b, h, i, 0))
-  kv_spec = pl.BlockSpec((_SQ, _SQ, bk, dim),
-                         lambda b, h, i, j, *_: (b, _div(h, group), kv_block(i, j), 0))
-  row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i))
+  q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, t, *_: (b, h, i, 0))
+  kv_spec = pl.BlockSpec((_SQ, _SQ, bk, dim), lambda b, h, i, t, *pre: (
+      b, _div(h, group), kv_block(h, i, t, pre), 0))
+  row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, t, *_: (b, h, 0, i))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   args = [qp, kp, vp, dop, lse_row, di_row]
   if segs is not None:
     (q_col, _), (_, kv_row) = segs
     in_specs += [
-        pl.BlockSpec((_SQ, bq, LANES), lambda b, h, i, j, *_: (b, i, 0)),
-        pl.BlockSpec((_SQ, 1, bk), lambda b, h, i, j, *_: (b, 0, kv_block(i, j))),
+        pl.BlockSpec((_SQ, bq, LANES), lambda b, h, i, t, *_: (b, i, 0)),
+        pl.BlockSpec((_SQ, 1, bk),
+                     lambda b, h, i, t, *pre: (b, 0, kv_block(h, i, t, pre))),
     ]
     args += [q_col, kv_row]
   out_specs = [q_spec]
   out_shape = [jax.ShapeDtypeStruct(qp.shape, q.dtype)]
   if has_bias:
     in_specs.append(pl.BlockSpec(
-        (_SQ, _SQ, bq, bk),
-        lambda b, h, i, j, *_: _bias_index(bias, b, h, i, kv_block(i, j))))
+        (_SQ, _SQ, bq, bk), lambda b, h, i, t, *pre: _bias_index(
+            bias, b, h, i, kv_block(h, i, t, pre))))
     args.append(bias_p)
-    out_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk),
-                                  lambda b, h, i, j, *_: (b, h, i, j)))
+  if _has_dense(geom):
+    spec, dense = _dense_input(geom, transposed=False)
+    in_specs.append(spec)
+    args.append(dense)
+  if has_bias:
+    out_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), lambda b, h, i, t, *pre: (
+        b, h, i, t if geom.tables is None else kv_block(h, i, t, pre))))
     out_shape.append(jax.ShapeDtypeStruct(
         (batch, heads, geom.q_pad, geom.kv_pad), jnp.float32))
   results = _pallas_call(
-      functools.partial(_dq_kernel, **statics), seg_ranges, args,
-      grid=(batch, heads, nq, nk),
+      functools.partial(_dq_kernel, **statics), prefetch, args,
+      grid=(batch, heads, nq, geom.kv_steps),
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((bq, dim), jnp.float32),
                       pltpu.VMEM((bq, LANES), jnp.float32),
@@ -682,44 +841,55 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   dq = results[0][:, :, :q_len, :head_dim]
   dbias = None
   if has_bias:
-    dbias = results[1][:, :, :q_len, :kv_len]
+    dbias = results[1]
+    if geom.tables is not None:   # blocks no step listed were never written
+      listed = np.repeat(np.repeat(geom.tables.classes > 0, bq, axis=1), bk,
+                         axis=2)[None]
+      dbias = jnp.where(listed, dbias, 0.0)
+    dbias = dbias[:, :, :q_len, :kv_len]
     reduce_axes = tuple(a for a in (0, 1) if bias.shape[a] == 1)
     if reduce_axes:
       dbias = jnp.sum(dbias, axis=reduce_axes, keepdims=True)
     dbias = dbias.astype(bias.dtype)
 
-  # dk, dv: grid (B, Hkv, kv blocks, group * q blocks).
-  def q_block(j, t):
-    lo, hi = geom.q_range(j)
-    return _clamp(lax.rem(t, jnp.int32(nq)), lo, hi, nq)
+  # dk, dv: grid (B, Hkv, kv blocks, group * q steps).
+  q_steps = geom.q_steps
 
   def head(hk, t):
-    return hk * group + _div(t, nq)
+    return hk * group + _div(t, q_steps)
 
-  q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim),
-                        lambda b, hk, j, t, *_: (b, head(hk, t), q_block(j, t), 0))
+  def q_block(hk, j, t, pre):
+    return geom.q_block(j, lax.rem(t, jnp.int32(q_steps)), head(hk, t),
+                        _table_ref(geom, pre))
+
+  q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, hk, j, t, *pre: (
+      b, head(hk, t), q_block(hk, j, t, pre), 0))
   kv_spec = pl.BlockSpec((_SQ, _SQ, bk, dim),
                          lambda b, hk, j, t, *_: (b, hk, j, 0))
-  row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq),
-                          lambda b, hk, j, t, *_: (b, head(hk, t), 0, q_block(j, t)))
+  row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, hk, j, t, *pre: (
+      b, head(hk, t), 0, q_block(hk, j, t, pre)))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   args = [qp, kp, vp, dop, lse_row, di_row]
   if segs is not None:
     (_, q_row), (kv_col, _) = segs
     in_specs += [
-        pl.BlockSpec((_SQ, 1, bq), lambda b, hk, j, t, *_: (b, 0, q_block(j, t))),
+        pl.BlockSpec((_SQ, 1, bq),
+                     lambda b, hk, j, t, *pre: (b, 0, q_block(hk, j, t, pre))),
         pl.BlockSpec((_SQ, bk, LANES), lambda b, hk, j, t, *_: (b, j, 0)),
     ]
     args += [q_row, kv_col]
   if has_bias:
     in_specs.append(pl.BlockSpec(
-        (_SQ, _SQ, bq, bk),
-        lambda b, hk, j, t, *_: _bias_index(bias, b, head(hk, t), q_block(j, t),
-                                        j)))
+        (_SQ, _SQ, bq, bk), lambda b, hk, j, t, *pre: _bias_index(
+            bias, b, head(hk, t), q_block(hk, j, t, pre), j)))
     args.append(bias_p)
+  if _has_dense(geom):
+    spec, dense = _dense_input(geom, transposed=True, group=group)
+    in_specs.append(spec)
+    args.append(dense)
   dk, dv = _pallas_call(
-      functools.partial(_dkv_kernel, group=group, **statics), seg_ranges,
-      args, grid=(batch, kv_heads, nk, group * nq),
+      functools.partial(_dkv_kernel, group=group, **statics), prefetch,
+      args, grid=(batch, kv_heads, nk, group * q_steps),
       in_specs=in_specs,
       out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype),

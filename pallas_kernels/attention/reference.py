@@ -10,11 +10,13 @@ query head ``h`` reads kv head ``h // (H // Hkv)``.
           causal:          j <= i + offset
           window (l, r):   i + offset - l <= j <= i + offset + r
           segment ids:     q_seg[b, i] == kv_seg[b, j]
+          mask:            a static mask (``masks``), per head or shared
     out = softmax over unmasked j of s, times v (float32), cast to q.dtype
     lse[b, h, i] = log sum_j exp(s_ij) over unmasked j (float32)
 
 A row with no unmasked key (or whose unmasked logits are all -inf) gives
-``out = 0``, ``lse = -inf`` and zero gradients.
+``out = 0``, ``lse = -inf`` and zero gradients. Sinks (``with_sinks``) add
+one logit per head to every row's softmax denominator.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.attention import masks as _masks
 
 
 def normalize_window(sliding_window, causal: bool):
@@ -39,8 +44,10 @@ def normalize_window(sliding_window, causal: bool):
 
 
 def attention_mask(q_len, kv_len, q_segment_ids=None, kv_segment_ids=None, *,
-                   window_left=None, window_right=None):
-  """Boolean ``[B or 1, 1, Lq, Lk]`` mask, True where attention is allowed."""
+                   window_left=None, window_right=None, mask=None):
+  """Boolean ``[B or 1, H or 1, Lq, Lk]`` mask, True where attention is
+  allowed; ``mask`` is a static mask or a per-head tuple of them."""
+  static_mask = mask
   offset = kv_len - q_len
   rows = jnp.arange(q_len)[:, None] + offset
   cols = jnp.arange(kv_len)[None, :]
@@ -50,6 +57,10 @@ def attention_mask(q_len, kv_len, q_segment_ids=None, kv_segment_ids=None, *,
   if window_left is not None:
     mask &= cols >= rows - window_left
   mask = mask[None, None]
+  if static_mask is not None:
+    heads = static_mask if isinstance(static_mask, tuple) else (static_mask,)
+    mask = mask & jnp.asarray(np.stack(
+        [_masks.dense(m, q_len, kv_len) for m in heads]))[None]
   if q_segment_ids is not None:
     same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     mask = mask & same[:, None]
@@ -58,7 +69,7 @@ def attention_mask(q_len, kv_len, q_segment_ids=None, kv_segment_ids=None, *,
 
 def attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, bias=None, *,
               sm_scale, causal=False, window_left=None, window_right=None,
-              logit_soft_cap=None):
+              logit_soft_cap=None, mask=None):
   """(out, lse) with the internal backend signature (window already split)."""
   if causal:
     window_right = 0 if window_right is None else min(window_right, 0)
@@ -75,7 +86,8 @@ def attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, bias=None, *,
   if bias is not None:
     s = s + bias.astype(jnp.float32)
   mask = attention_mask(q_len, kv_len, q_segment_ids, kv_segment_ids,
-                        window_left=window_left, window_right=window_right)
+                        window_left=window_left, window_right=window_right,
+                        mask=mask)
   mask = jnp.broadcast_to(mask, s.shape)
   # Double `where` keeps masked entries out of both values and gradients.
   s_kept = jnp.where(mask, s, 0.0)
@@ -95,9 +107,21 @@ def attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, bias=None, *,
   return out, lse
 
 
+def with_sinks(out, lse, sinks):
+  """(out, lse) of attention whose softmax also spans one extra logit per
+  head, ``sinks [H]``, with no value: ``lse' = logaddexp(lse, sink)`` and
+  ``out' = out * exp(lse - lse')``. Differentiable in all three."""
+  sink = sinks.astype(jnp.float32)[None, :, None]
+  new_lse = jnp.logaddexp(lse, sink)
+  keep = jnp.isfinite(lse)       # no key: no weight (avoids -inf - -inf)
+  weight = jnp.where(keep, jnp.exp(jnp.where(keep, lse, 0.0) - new_lse), 0.0)
+  out = (out.astype(jnp.float32) * weight[..., None]).astype(out.dtype)
+  return out, new_lse
+
+
 def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
                     sliding_window=None, logit_soft_cap=None, bias=None,
-                    return_lse=False, block_sizes=None):
+                    sinks=None, mask=None, return_lse=False, block_sizes=None):
   """Reference for :func:`pallas_kernels.flash_attention` (same arguments and
   results; no argument checks). ``block_sizes`` is accepted and ignored, so
   calls can switch freely."""
@@ -106,7 +130,11 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
     sm_scale = 1.0 / math.sqrt(q.shape[-1])
   left, right = normalize_window(sliding_window, causal)
   q_seg, kv_seg = (None, None) if segment_ids is None else segment_ids
+  if mask is not None:
+    mask = _masks.per_head(mask, q.shape[1])
   out, lse = attention(q, k, v, q_seg, kv_seg, bias, sm_scale=sm_scale,
                        causal=causal, window_left=left, window_right=right,
-                       logit_soft_cap=logit_soft_cap)
+                       logit_soft_cap=logit_soft_cap, mask=mask)
+  if sinks is not None:
+    out, lse = with_sinks(out, lse, sinks)
   return (out, lse) if return_lse else out

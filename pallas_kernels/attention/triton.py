@@ -13,7 +13,8 @@ and kv head, looping over the GQA group's query heads and their q blocks)
 reads delta back.
 Masks: loop bounds come from the causal/window band, so kv blocks outside it
 are never loaded, and each loop splits into masked edge blocks and unmasked
-interior ones. Segment ids mask every visited block. Under a causal mask each
+interior ones. A static mask (``masks``) comes as block tables instead: each
+program walks its row of listed blocks, partial ones (element mask) first. Segment ids mask every visited block. Under a causal mask each
 head's heaviest blocks launch first, ``band_chunk`` blocks of every head at a
 time (``_LaunchOrder``), so light blocks fill the tail.
 Padding: Triton tiles need power-of-two sizes >= 16: Lq and Lk are padded to
@@ -39,6 +40,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import _compat, _cost
+from pallas_kernels.attention import masks as _masks
 
 pl = _compat.pl
 
@@ -159,10 +161,15 @@ def _band_entries(mask: _Mask) -> int:
   return int(np.maximum(last - first + 1, 0).sum())
 
 
-def _cost_estimate(mask, batch, heads, dim, matmuls, arrays):
-  """``matmuls`` [band x dim] products per head plus one exp per entry;
-  ``arrays`` (inputs and outputs) read or written once."""
-  entries = batch * heads * _band_entries(mask)
+def _cost_estimate(mask, batch, heads, dim, matmuls, arrays, tables=None):
+  """``matmuls`` [band x dim] products per head plus one exp per entry
+  (a static mask: its listed blocks); ``arrays`` (inputs and outputs) read
+  or written once."""
+  if tables is None:
+    entries = batch * heads * _band_entries(mask)
+  else:
+    entries = (batch * tables.visited_blocks(heads) * tables.block_q
+               * tables.block_kv)
   return _cost.estimate(flops=2 * matmuls * entries * dim,
                         transcendentals=entries,
                         bytes_accessed=_cost.nbytes(*arrays))
@@ -180,6 +187,42 @@ def _cdiv(x, d: int):
 
 def _clip(x, lo, hi):
   return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def _mask_tables(mask, lq, lk, bq, bk, lq_pad, lk_pad):
+  """Block tables of a static mask (None without one)."""
+  if mask is None:
+    return None
+  return _masks.block_tables(mask, lq, lk, bq, bk, lq_pad, lk_pad)
+
+
+def _table_rows(tables, kv_major: bool):
+  """int32 [Ht, rows, W]: per block row (partial count, total count, the
+  listed blocks...), W padded to a power of two for Triton."""
+  if kv_major:
+    parts = (tables.q_partial, tables.q_total, tables.q_index)
+  else:
+    parts = (tables.kv_partial, tables.kv_total, tables.kv_index)
+  rows = np.concatenate([parts[0][..., None], parts[1][..., None], parts[2]],
+                        axis=-1)
+  width = _next_pow2(rows.shape[-1])
+  return jnp.asarray(np.pad(rows, ((0, 0), (0, 0), (0, width - rows.shape[-1]))))
+
+
+def _walk_listed(table_row, body, carry):
+  """Runs ``body(block, carry, masked)`` over a table row's listed blocks:
+  ``table_row(n)`` reads entry n (0: partial count, 1: total)."""
+  n_partial, n_total = table_row(0), table_row(1)
+  def listed(masked):
+    return lambda t, carry: body(table_row(2 + t), carry, masked)
+  carry = lax.fori_loop(0, n_partial, listed(True), carry)
+  return lax.fori_loop(n_partial, n_total, listed(False), carry)
+
+
+def _zero_unlisted(dbias, tables, bq, bk):
+  """dS blocks no program listed were never written: zero them."""
+  listed = np.repeat(np.repeat(tables.classes > 0, bq, axis=1), bk, axis=2)
+  return jnp.where(listed[None], dbias, 0.0)
 
 
 def _kv_blocks(row0, rows: int, block_k: int, mask: _Mask):
@@ -283,6 +326,16 @@ def _dot_nn(a, b):
 # Forward
 
 
+def _split_table_refs(refs, tables):
+  """(table row ref | None, dense mask ref | None, remaining refs)."""
+  table_ref = dense_ref = None
+  if tables is not None:
+    table_ref, *refs = refs
+    if tables.dense is not None:
+      dense_ref, *refs = refs
+  return table_ref, dense_ref, refs
+
+
 def _split_refs(refs, segments, has_bias):
   """(q, k, v, q_seg|None, kv_seg|None, bias|None, remaining refs)."""
   q_ref, k_ref, v_ref, *rest = refs
@@ -295,9 +348,11 @@ def _split_refs(refs, segments, has_bias):
 
 
 def _kv_block_logits(q, k, bias_ref, kvseg_ref, qseg, rows, c, kv_slice,
-                     masked, *, mask, sm_scale, soft_cap):
+                     masked, *, mask, sm_scale, soft_cap, tables=None,
+                     dense_ref=None):
   """Logits of a query block against kv block ``c`` (rows of the query block
-  in ``rows``); ``masked`` applies the band and segment masks as -inf."""
+  in ``rows``); ``masked`` applies the band (or the static mask of
+  ``tables``) and segment masks as -inf."""
   block_q, block_k = rows.shape
   bias = None
   if bias_ref is not None:
@@ -305,7 +360,11 @@ def _kv_block_logits(q, k, bias_ref, kvseg_ref, qseg, rows, c, kv_slice,
   s, t = _logits(_dot_nt(q, k), bias, sm_scale=sm_scale, soft_cap=soft_cap)
   if masked:
     cols = c * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-    ok = _band_mask(rows, cols, mask)
+    if tables is None:
+      ok = _band_mask(rows, cols, mask)
+    else:
+      tile = None if dense_ref is None else dense_ref[:, kv_slice]
+      ok = _masks.element_mask(tables, rows, cols, tile)
     if qseg is not None:
       ok = jnp.logical_and(ok, qseg[:, None] == kvseg_ref[kv_slice][None, :])
     s = jnp.where(ok, s, NEG_INF)
@@ -369,8 +428,9 @@ def _launch_order(blocks, batch, heads, mask: _Mask, sizes,
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
-                    o_ref, lse_ref, *, sm_scale, soft_cap, mask: _Mask,
-                    block_q, block_k, order: _LaunchOrder):
+                    table_ref, dense_ref, o_ref, lse_ref, *, sm_scale,
+                    soft_cap, mask: _Mask, tables, block_q, block_k,
+                    order: _LaunchOrder):
   row0 = order.block_id() * block_q
   q = q_ref[...]
   dim = q.shape[-1]
@@ -382,7 +442,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
     kv_slice = pl.ds(c * block_k, block_k)
     s, _ = _kv_block_logits(q, k_ref[kv_slice, :], bias_ref, kvseg_ref, qseg,
                             rows, c, kv_slice, masked, mask=mask,
-                            sm_scale=sm_scale, soft_cap=soft_cap)
+                            sm_scale=sm_scale, soft_cap=soft_cap,
+                            tables=tables, dense_ref=dense_ref)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     m_shift = m_next
     if masked or bias_ref is not None:
@@ -395,14 +456,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
     acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)
     return acc, m_next, l_next
 
-  lo, a, b, hi = _kv_blocks(row0, block_q, block_k, mask)
   carry = (jnp.zeros((block_q, dim), jnp.float32),
            jnp.full((block_q,), NEG_INF, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
-  masked_body = functools.partial(body, masked=True)
-  carry = lax.fori_loop(lo, a, masked_body, carry)
-  carry = lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
-  acc, m, l = lax.fori_loop(b, hi, masked_body, carry)
+  if tables is not None:
+    acc, m, l = _walk_listed(lambda n: table_ref[n], body, carry)
+  else:
+    lo, a, b, hi = _kv_blocks(row0, block_q, block_k, mask)
+    masked_body = functools.partial(body, masked=True)
+    carry = lax.fori_loop(lo, a, masked_body, carry)
+    carry = lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
+    acc, m, l = lax.fori_loop(b, hi, masked_body, carry)
 
   empty = l == 0.0
   o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
@@ -456,6 +520,30 @@ def _geometry(q, k, q_segment_ids, bias, *, causal, window_left,
           _sizes(block_sizes, dp, q.dtype, mask, bias))
 
 
+def _table_inputs(order, tables, *, bq, kv_major, group=1):
+  """(in_specs, args) of a static mask: the program's table row and, for a
+  mask without formula, its dense rows (transposed for the key-major dk/dv
+  kernel, whose programs cover ``group`` query heads)."""
+  if tables is None:
+    return [], []
+  rows = _table_rows(tables, kv_major)
+  width = rows.shape[-1]
+  # Query-major programs read their head's row; key-major ones the rows of
+  # their kv head's query heads.
+  heads = group if tables.per_head and kv_major else None
+  head = (lambda h: h) if tables.per_head else (lambda h: 0)
+  specs = [order.spec((heads, None, width), lambda n, b, h: (head(h), n, 0))]
+  args = [rows]
+  if tables.dense is not None:
+    dense = jnp.asarray(tables.dense)
+    if kv_major:
+      dense = jnp.swapaxes(dense, 1, 2)
+    specs.append(order.spec((heads, bq, dense.shape[2]),
+                            lambda n, b, h: (head(h), n, 0)))
+    args.append(dense)
+  return specs, args
+
+
 def _q_major_inputs(order, q, k, v, qseg, kvseg, bias, *, bq, group):
   """(in_specs, args) of the kernels gridded over q blocks: a q block, the
   whole (padded) k and v of its kv head, segment ids and the bias rows."""
@@ -480,7 +568,7 @@ def _q_major_inputs(order, q, k, v, qseg, kvseg, bias, *, bq, group):
 
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
             causal, window_left, window_right, logit_soft_cap, block_sizes,
-            interpret):
+            interpret, mask=None):
   """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32).
 
   q [B, H, Lq, D]; k, v [B, Hk, Lk, D]; segment ids [B, Lq] / [B, Lk] or
@@ -488,10 +576,12 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   ``window_left``/``window_right`` (None: unbounded); no dimension empty
   (``flash_attention`` answers those itself). ``block_sizes``: a
   ``GpuBlockSizes`` (anything else: the defaults). ``interpret``: run in
-  Pallas' interpreter.
+  Pallas' interpreter. ``mask``: a static mask (``masks``) or per-head
+  tuple, walked as block tables.
   """
   batch, heads, lq, dim = q.shape
   lk = k.shape[2]
+  static_mask = mask
   group, dp, segments, mask, sizes = _geometry(
       q, k, q_segment_ids, bias, causal=causal, window_left=window_left,
       window_right=window_right, block_sizes=block_sizes)
@@ -501,18 +591,23 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       q, k, v, q_segment_ids, kv_segment_ids, bias, bq, bk, dp)
   lq_pad = q.shape[2]
   nq = lq_pad // bq
+  tables = _mask_tables(static_mask, lq, lk, bq, bk, lq_pad, k.shape[2])
   order = _launch_order(nq, batch, heads, mask, sizes, heavy_last=True)
   in_specs, args = _q_major_inputs(order, q, k, v, qseg, kvseg, bias, bq=bq,
                                    group=group)
+  table_specs, table_args = _table_inputs(order, tables, bq=bq,
+                                          kv_major=False)
+  in_specs, args = in_specs + table_specs, args + table_args
 
   def kernel(*refs):
     (q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
      rest) = _split_refs(refs, segments, bias is not None)
+    table_ref, dense_ref, rest = _split_table_refs(rest, tables)
     o_ref, lse_ref = rest
     _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
-                    o_ref, lse_ref, sm_scale=sm_scale,
-                    soft_cap=logit_soft_cap, mask=mask, block_q=bq,
-                    block_k=bk, order=order)
+                    table_ref, dense_ref, o_ref, lse_ref, sm_scale=sm_scale,
+                    soft_cap=logit_soft_cap, mask=mask, tables=tables,
+                    block_q=bq, block_k=bk, order=order)
 
   out_shape = [jax.ShapeDtypeStruct((batch, heads, lq_pad, dp), q.dtype),
                jax.ShapeDtypeStruct((batch, heads, lq_pad), jnp.float32)]
@@ -529,7 +624,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
           num_warps=sizes.num_warps, num_stages=sizes.num_stages),
       interpret=interpret,
       cost_estimate=_cost_estimate(mask, batch, heads, dim, 2,
-                                   [*args, *out_shape]),
+                                   [*args, *out_shape], tables),
       name="flash_attention_fwd_gpu",
   )(*args)
   return _crop(out, (batch, heads, lq, dim)), _crop(lse, (batch, heads, lq))
@@ -540,9 +635,9 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
-               o_ref, lse_ref, dlse_ref, dq_ref, delta_ref, dbias_ref, *,
-               sm_scale, soft_cap, mask: _Mask, block_q, block_k, nk,
-               block_index):
+               o_ref, lse_ref, dlse_ref, table_ref, dense_ref, dq_ref,
+               delta_ref, dbias_ref, *, sm_scale, soft_cap, mask: _Mask,
+               tables, block_q, block_k, nk, block_index):
   row0 = block_index * block_q
   q = q_ref[...]
   do = do_ref[...]
@@ -565,7 +660,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
     v = v_ref[kv_slice, :]
     s, t = _kv_block_logits(q, k, bias_ref, kvseg_ref, qseg,
                             rows, c, kv_slice, masked, mask=mask,
-                            sm_scale=sm_scale, soft_cap=soft_cap)
+                            sm_scale=sm_scale, soft_cap=soft_cap,
+                            tables=tables, dense_ref=dense_ref)
     p = jnp.exp2(s - lse2[:, None])
     ds = p * (_dot_nt(do, v) - delta[:, None])
     if dbias_ref is not None:
@@ -574,6 +670,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
       ds = ds * (1.0 - t * t)
     return dq + _dot_nn(ds.astype(k.dtype), k)
 
+  dq = jnp.zeros(q.shape, jnp.float32)
+  if tables is not None:   # unlisted dS blocks are zeroed by the caller
+    dq = _walk_listed(lambda n: table_ref[n], body, dq)
+    dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
+    return
   lo, a, b, hi = _kv_blocks(row0, block_q, block_k, mask)
   if dbias_ref is not None:
     # Skipped blocks still need their (zero) bias gradient written.
@@ -583,7 +684,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
       return carry
     lax.fori_loop(0, lo, zero, 0)
     lax.fori_loop(hi, nk, zero, 0)
-  dq = jnp.zeros(q.shape, jnp.float32)
   masked_body = functools.partial(body, masked=True)
   dq = lax.fori_loop(lo, a, masked_body, dq)
   dq = lax.fori_loop(a, b, functools.partial(body, masked=False), dq)
@@ -592,9 +692,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
-                lse_ref, delta_ref, dk_ref, dv_ref, *, sm_scale, soft_cap,
-                mask: _Mask, block_q, block_k, group, bias_per_head,
-                order: _LaunchOrder):
+                lse_ref, delta_ref, table_ref, dense_ref, dk_ref, dv_ref, *,
+                sm_scale, soft_cap, mask: _Mask, tables, block_q, block_k,
+                group, bias_per_head, order: _LaunchOrder):
   col0 = order.block_id() * block_k
   k = k_ref[...]
   v = v_ref[...]
@@ -618,7 +718,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
     if masked:
       rows_q = i * block_q + lax.broadcasted_iota(
           jnp.int32, (block_k, block_q), 1)
-      ok = _band_mask(rows_q, cols_k, mask)
+      if tables is None:
+        ok = _band_mask(rows_q, cols_k, mask)
+      else:
+        tile = None
+        if dense_ref is not None:
+          tile = (dense_ref[g, :, q_slice] if tables.per_head
+                  else dense_ref[:, q_slice])
+        ok = _masks.element_mask(tables, rows_q, cols_k, tile)
       if kvseg is not None:
         ok = jnp.logical_and(ok, kvseg[:, None] == qseg_ref[q_slice][None, :])
       s = jnp.where(ok, s, NEG_INF)
@@ -629,6 +736,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
       ds = ds * (1.0 - t * t)
     dk = dk + _dot_nn(ds.astype(q.dtype), q)
     return dk, dv
+
+  if tables is not None:
+    def head(g, carry):
+      def table_row(n):
+        return table_ref[g, n] if tables.per_head else table_ref[n]
+      return _walk_listed(
+          table_row, lambda i, carry, masked: body(i, carry, g, masked), carry)
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    dk_ref[...] = (dk * sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+    return
 
   lo, a, b, hi = _q_blocks(col0, block_k, block_q, mask)
 
@@ -647,7 +766,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
 
 def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
              d_lse, *, sm_scale, causal, window_left, window_right,
-             logit_soft_cap, block_sizes, interpret):
+             logit_soft_cap, block_sizes, interpret, mask=None):
   """Attention backward: (dq, dk, dv, dbias or None) for ``forward``'s output.
 
   ``out``/``lse`` may come from any forward kernel (lse natural-log, -inf for
@@ -658,6 +777,7 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   batch, heads, lq, dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
   dbias_wanted = bias is not None
+  static_mask = mask
   group, dp, segments, mask, sizes = _geometry(
       q, k, q_segment_ids, bias, causal=causal, window_left=window_left,
       window_right=window_right, block_sizes=block_sizes)
@@ -681,10 +801,13 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   if bias is not None:
     per_batch, per_head = bias.shape[0] != 1, bias.shape[1] != 1
 
+  dq_tables = _mask_tables(static_mask, lq, lk, bq_dq, bk_dq, lq_pad, lk_pad)
   dq, delta, dbias = _dq_call(
       q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, sizes=sizes,
-      mask=mask, bq=bq_dq, bk=bk_dq, group=group, dbias_wanted=dbias_wanted,
-      sm_scale=sm_scale, soft_cap=logit_soft_cap, interpret=interpret)
+      mask=mask, tables=dq_tables, bq=bq_dq, bk=bk_dq, group=group,
+      dbias_wanted=dbias_wanted, sm_scale=sm_scale, soft_cap=logit_soft_cap,
+      interpret=interpret)
+  dkv_tables = _mask_tables(static_mask, lq, lk, bq_kv, bk_kv, lq_pad, lk_pad)
   # dk, dv: grid over kv blocks and kv heads; loops over the group's q heads.
   order = _launch_order(lk_pad // bk_kv, batch, kv_heads, mask, sizes,
                         heavy_last=False)
@@ -706,16 +829,21 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
     args.append(bias)
   in_specs += [q_group, rows_group, rows_group]
   args += [d_out, lse, delta]
+  table_specs, table_args = _table_inputs(order, dkv_tables, bq=bk_kv,
+                                          kv_major=True, group=group)
+  in_specs, args = in_specs + table_specs, args + table_args
 
   def dkv_kernel(*refs):
     (q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
      rest) = _split_refs(refs, segments, bias is not None)
-    do_ref, lse_ref, delta_ref, dk_ref, dv_ref = rest
+    do_ref, lse_ref, delta_ref, *rest = rest
+    table_ref, dense_ref, rest = _split_table_refs(rest, dkv_tables)
+    dk_ref, dv_ref = rest
     _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
-                lse_ref, delta_ref, dk_ref, dv_ref, sm_scale=sm_scale,
-                soft_cap=logit_soft_cap, mask=mask, block_q=bq_kv,
-                block_k=bk_kv, group=group, bias_per_head=per_head,
-                order=order)
+                lse_ref, delta_ref, table_ref, dense_ref, dk_ref, dv_ref,
+                sm_scale=sm_scale, soft_cap=logit_soft_cap, mask=mask,
+                tables=dkv_tables, block_q=bq_kv, block_k=bk_kv, group=group,
+                bias_per_head=per_head, order=order)
 
   dkv_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype),
                jax.ShapeDtypeStruct(v.shape, v.dtype)]
@@ -728,7 +856,7 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
       interpret=interpret,
       # Recomputes s and dp, forms dv and dk: four matmuls.
       cost_estimate=_cost_estimate(mask, batch, heads, dim, 4,
-                                   [*args, *dkv_shape]),
+                                   [*args, *dkv_shape], dkv_tables),
       name="flash_attention_dkv_gpu",
   )(*args)
 
@@ -736,6 +864,8 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   dk = _crop(dk, (batch, kv_heads, lk, dim))
   dv = _crop(dv, (batch, kv_heads, lk, dim))
   if dbias is not None:
+    if dq_tables is not None:
+      dbias = _zero_unlisted(dbias, dq_tables, bq_dq, bk_dq)
     dbias = _crop(dbias, (batch, heads, lq, lk))
     axes = tuple(a for a in (0, 1) if bias_shape[a] == 1)
     if axes:
@@ -745,7 +875,7 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
 
 
 def _dq_call(q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, *, sizes,
-             mask, bq, bk, group, dbias_wanted, sm_scale, soft_cap,
+             mask, tables, bq, bk, group, dbias_wanted, sm_scale, soft_cap,
              interpret):
   """The dq kernel: (dq, delta, dS or None), grid over q blocks."""
   batch, heads, lq_pad, dp = q.shape
@@ -762,6 +892,9 @@ def _dq_call(q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, *, sizes,
   if d_lse is not None:
     in_specs.append(row_block)
     args.append(d_lse)
+  table_specs, table_args = _table_inputs(order, tables, bq=bq,
+                                          kv_major=False)
+  in_specs, args = in_specs + table_specs, args + table_args
   out_specs = [q_block, row_block]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((batch, heads, lq_pad), jnp.float32)]
@@ -776,12 +909,14 @@ def _dq_call(q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, *, sizes,
      rest) = _split_refs(refs, segments, bias is not None)
     do_ref, o_ref, lse_ref, *rest = rest
     dlse_ref = rest.pop(0) if d_lse is not None else None
+    table_ref, dense_ref, rest = _split_table_refs(rest, tables)
     dq_ref, delta_ref, *rest = rest
     dbias_ref = rest[0] if dbias_wanted else None
     _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
-               o_ref, lse_ref, dlse_ref, dq_ref, delta_ref, dbias_ref,
-               sm_scale=sm_scale, soft_cap=soft_cap, mask=mask, block_q=bq,
-               block_k=bk, nk=nk, block_index=order.block_id())
+               o_ref, lse_ref, dlse_ref, table_ref, dense_ref, dq_ref,
+               delta_ref, dbias_ref, sm_scale=sm_scale, soft_cap=soft_cap,
+               mask=mask, tables=tables, block_q=bq, block_k=bk, nk=nk,
+               block_index=order.block_id())
 
   results = _compat.pallas_call(
       kernel, grid=order.grid(batch), in_specs=in_specs,
@@ -791,7 +926,7 @@ def _dq_call(q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, *, sizes,
       interpret=interpret,
       # Recomputes s and dp, forms dq: three matmuls.
       cost_estimate=_cost_estimate(mask, batch, heads, q.shape[3], 3,
-                                   [*args, *out_shape]),
+                                   [*args, *out_shape], tables),
       name="flash_attention_dq_gpu",
   )(*args)
   return results[0], results[1], (results[2] if dbias_wanted else None)

@@ -1,0 +1,455 @@
+"""Static attention masks for ``flash_attention(..., mask=...)``.
+
+A mask says which (query ``i``, key ``j``) pairs may attend. Positions are
+aligned at the sequence ends, as for ``causal=True``: query ``i`` sits at
+position ``p = i + kv_len - q_len``.
+
+  Causal()               j <= p
+  Local(left, right)     p - left <= j <= p + right (None: unbounded side)
+  ChunkedCausal(size)    j <= p and j // size == p // size (Llama 4 chunks)
+  PrefixLM(length)       j <= p or j < length (bidirectional prefix)
+  Dense(array)           array[i, j] (a concrete bool ``[q_len, kv_len]``)
+
+Masks combine with ``&`` and ``|``; a list with one mask per query head
+gives each head its own. Masks are static: they are hashable values, known
+at trace time, so the kernels can skip the blocks a mask empties.
+
+Each mask answers two questions. ``allowed(p, j)``: the elementwise rule on
+broadcast position arrays (NumPy or, inside a kernel, jax). ``block_bounds``:
+for rectangles of positions, whether *some* pair is allowed and whether
+*every* pair is. The answers may err only towards "some" and away from
+"every": a block called partial that is really full or empty costs time,
+never correctness. ``Dense`` has no formula: it is evaluated from its array.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+_OP = "flash_attention"
+
+
+class Mask:
+  """Base class: combinators and the interface the kernels use."""
+
+  def __and__(self, other):
+    return And(self, _as_mask(other, "&"))
+
+  def __or__(self, other):
+    return Or(self, _as_mask(other, "|"))
+
+  @property
+  def formula(self) -> bool:
+    """Whether ``allowed`` can be evaluated from positions alone."""
+    return True
+
+  def allowed(self, pos, col):
+    """Elementwise rule: query position ``pos`` may attend key ``col``."""
+    raise NotImplementedError
+
+  def block_bounds(self, pos_lo, pos_hi, col_lo, col_hi):
+    """(some allowed, every allowed) for the rectangles ``pos_lo <= p <=
+    pos_hi``, ``col_lo <= j <= col_hi`` (NumPy integer arrays, broadcast)."""
+    raise NotImplementedError
+
+  def check(self, q_len: int, kv_len: int) -> None:
+    """Raises ValueError if the mask cannot apply to these lengths."""
+
+
+def _as_mask(x, op):
+  if not isinstance(x, Mask):
+    raise TypeError(f"{_OP}: cannot combine a mask with {type(x).__name__} "
+                    f"using {op!r}; both sides must be masks from "
+                    "pallas_kernels.attention.masks")
+  return x
+
+
+def _check_int(name, value, minimum, allow_none=False):
+  if value is None and allow_none:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{_OP}: {name} must be an int, got {value!r}")
+  if value < minimum:
+    raise ValueError(f"{_OP}: {name} must be >= {minimum}, got {value}")
+  return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Causal(Mask):
+  """``j <= p``: a query sees itself and the past."""
+
+  def allowed(self, pos, col):
+    return col <= pos
+
+  def block_bounds(self, pos_lo, pos_hi, col_lo, col_hi):
+    return col_lo <= pos_hi, col_hi <= pos_lo
+
+
+@dataclasses.dataclass(frozen=True)
+class Local(Mask):
+  """``p - left <= j <= p + right``; None leaves that side unbounded."""
+  left: int | None
+  right: int | None = 0
+
+  def __post_init__(self):
+    _check_int("Local.left", self.left, 0, allow_none=True)
+    _check_int("Local.right", self.right, 0, allow_none=True)
+
+  def allowed(self, pos, col):
+    ok = True
+    if self.left is not None:
+      ok = col >= pos - self.left
+    if self.right is not None:
+      ok = (col <= pos + self.right) & ok
+    return ok
+
+  def block_bounds(self, pos_lo, pos_hi, col_lo, col_hi):
+    some = every = True
+    if self.left is not None:
+      some = col_hi >= pos_lo - self.left
+      every = col_lo >= pos_hi - self.left
+    if self.right is not None:
+      some = (col_lo <= pos_hi + self.right) & some
+      every = (col_hi <= pos_lo + self.right) & every
+    return some, every
+
+
+def _floordiv(x, size):
+  """Floor division that also lowers inside kernels (operands clamped >= 0:
+  the negative positions it meets are masked by causality anyway)."""
+  if isinstance(x, np.ndarray) or np.isscalar(x):
+    return np.floor_divide(np.maximum(x, 0), size)
+  import jax.numpy as jnp
+  from jax import lax
+  return lax.div(jnp.maximum(x, 0), jnp.int32(size))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedCausal(Mask):
+  """Causal within chunks of ``chunk_size`` positions (local attention in
+  chunks): ``j <= p`` and both in the same chunk."""
+  chunk_size: int
+
+  def __post_init__(self):
+    _check_int("ChunkedCausal.chunk_size", self.chunk_size, 1)
+
+  def allowed(self, pos, col):
+    return ((col <= pos)
+            & (_floordiv(pos, self.chunk_size) == _floordiv(col,
+                                                            self.chunk_size)))
+
+  def block_bounds(self, pos_lo, pos_hi, col_lo, col_hi):
+    size = self.chunk_size
+    p_first, p_last = np.floor_divide(pos_lo, size), np.floor_divide(pos_hi,
+                                                                     size)
+    c_first, c_last = np.floor_divide(col_lo, size), np.floor_divide(col_hi,
+                                                                     size)
+    some = (col_lo <= pos_hi) & (p_first <= c_last) & (c_first <= p_last)
+    every = ((col_hi <= pos_lo) & (p_first == p_last) & (c_first == c_last)
+             & (p_first == c_first) & (pos_lo >= 0))
+    return some, every
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixLM(Mask):
+  """Keys before ``prefix_length`` are seen by every query; after it,
+  causal: ``j < prefix_length or j <= p``."""
+  prefix_length: int
+
+  def __post_init__(self):
+    _check_int("PrefixLM.prefix_length", self.prefix_length, 0)
+
+  def allowed(self, pos, col):
+    return (col < self.prefix_length) | (col <= pos)
+
+  def block_bounds(self, pos_lo, pos_hi, col_lo, col_hi):
+    some = (col_lo < self.prefix_length) | (col_lo <= pos_hi)
+    every = (col_hi < self.prefix_length) | (col_hi <= pos_lo)
+    return some, every
+
+
+class Dense(Mask):
+  """An explicit bool ``[q_len, kv_len]`` matrix (True = attend), concrete
+  at trace time (NumPy or a non-traced jax array)."""
+
+  def __init__(self, array):
+    try:
+      values = np.asarray(array)
+    except Exception as e:  # a tracer: the mask must be static
+      raise TypeError(
+          f"{_OP}: Dense mask must be a concrete array known at trace time "
+          "(masks are static); for data-dependent masks use segment_ids or "
+          f"bias ({type(e).__name__})") from None
+    if values.ndim != 2:
+      raise ValueError(f"{_OP}: Dense mask must be 2-D [q_len, kv_len], got "
+                       f"shape {values.shape}")
+    if values.dtype != np.bool_:
+      raise TypeError(f"{_OP}: Dense mask must be boolean, got {values.dtype}")
+    self.array = np.ascontiguousarray(values)
+    self.array.flags.writeable = False
+    self._key = (values.shape,
+                 hashlib.sha1(np.packbits(values).tobytes()).hexdigest())
+
+  def __eq__(self, other):
+    return isinstance(other, Dense) and self._key == other._key
+
+  def __hash__(self):
+    return hash(self._key)
+
+  def __repr__(self):
+    return f"Dense(shape={self.array.shape}, allowed={int(self.array.sum())})"
+
+  @property
+  def formula(self):
+    return False
+
+  def check(self, q_len, kv_len):
+    if self.array.shape != (q_len, kv_len):
+      raise ValueError(f"{_OP}: Dense mask has shape {self.array.shape}, the "
+                       f"call needs [q_len, kv_len] = {(q_len, kv_len)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class And(Mask):
+  """Both masks allow the pair."""
+  a: Mask
+  b: Mask
+
+  @property
+  def formula(self):
+    return self.a.formula and self.b.formula
+
+  def allowed(self, pos, col):
+    return self.a.allowed(pos, col) & self.b.allowed(pos, col)
+
+  def block_bounds(self, *bounds):
+    some_a, every_a = self.a.block_bounds(*bounds)
+    some_b, every_b = self.b.block_bounds(*bounds)
+    return some_a & some_b, every_a & every_b
+
+  def check(self, q_len, kv_len):
+    self.a.check(q_len, kv_len)
+    self.b.check(q_len, kv_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Or(Mask):
+  """Either mask allows the pair."""
+  a: Mask
+  b: Mask
+
+  @property
+  def formula(self):
+    return self.a.formula and self.b.formula
+
+  def allowed(self, pos, col):
+    return self.a.allowed(pos, col) | self.b.allowed(pos, col)
+
+  def block_bounds(self, *bounds):
+    some_a, every_a = self.a.block_bounds(*bounds)
+    some_b, every_b = self.b.block_bounds(*bounds)
+    return some_a | some_b, every_a | every_b
+
+  def check(self, q_len, kv_len):
+    self.a.check(q_len, kv_len)
+    self.b.check(q_len, kv_len)
+
+
+# --------------------------------------------------- evaluation on a grid --
+
+def dense(mask: Mask, q_len: int, kv_len: int) -> np.ndarray:
+  """bool ``[q_len, kv_len]``: the mask evaluated on every pair (NumPy)."""
+  if isinstance(mask, Dense):
+    return mask.array
+  if isinstance(mask, (And, Or)) and not mask.formula:
+    a, b = dense(mask.a, q_len, kv_len), dense(mask.b, q_len, kv_len)
+    return (a & b) if isinstance(mask, And) else (a | b)
+  pos = np.arange(q_len)[:, None] + (kv_len - q_len)
+  col = np.arange(kv_len)[None, :]
+  return np.broadcast_to(mask.allowed(pos, col), (q_len, kv_len))
+
+
+def block_classes(mask: Mask, q_len: int, kv_len: int, block_q: int,
+                  block_kv: int) -> np.ndarray:
+  """int8 ``[num_q_blocks, num_kv_blocks]``: 0 empty, 1 partial, 2 full.
+
+  Blocks cover the sequences rounded up to their block sizes; padded keys
+  count as masked (a block holding some is never full), padded queries are
+  ignored (their rows are dropped).
+  """
+  num_q, num_kv = -(-q_len // block_q), -(-kv_len // block_kv)
+  q_lo = np.arange(num_q) * block_q
+  q_hi = np.minimum(q_lo + block_q, q_len) - 1
+  col_lo = np.arange(num_kv) * block_kv
+  col_hi = np.minimum(col_lo + block_kv, kv_len) - 1
+  if mask.formula:
+    offset = kv_len - q_len
+    some, every = mask.block_bounds((q_lo + offset)[:, None],
+                                    (q_hi + offset)[:, None], col_lo[None, :],
+                                    col_hi[None, :])
+    some = np.broadcast_to(some, (num_q, num_kv))
+    every = np.broadcast_to(every, (num_q, num_kv))
+  else:
+    values = np.zeros((num_q * block_q, num_kv * block_kv), bool)
+    values[:q_len, :kv_len] = dense(mask, q_len, kv_len)
+    blocks = values.reshape(num_q, block_q, num_kv, block_kv)
+    some = blocks.any(axis=(1, 3))
+    full_rows = np.zeros((num_q * block_q,), bool)
+    full_rows[q_len:] = True      # padded queries never make a block partial
+    blocks = (values | full_rows[:, None]).reshape(num_q, block_q, num_kv,
+                                                   block_kv)
+    every = blocks.all(axis=(1, 3)) & some
+  every = every & (col_lo + block_kv <= kv_len)[None, :]
+  return np.where(every, 2, np.where(some, 1, 0)).astype(np.int8)
+
+
+def per_head(mask, heads: int) -> tuple[Mask, ...] | Mask:
+  """A mask, or a tuple of one mask per query head (checked)."""
+  if isinstance(mask, Mask):
+    return mask
+  if isinstance(mask, (list, tuple)):
+    if len(mask) != heads:
+      raise ValueError(f"{_OP}: a per-head mask list must have one mask per "
+                       f"query head ({heads}), got {len(mask)}")
+    for m in mask:
+      _as_mask(m, "a per-head list")
+    if all(m == mask[0] for m in mask):
+      return mask[0]
+    return tuple(mask)
+  raise TypeError(f"{_OP}: mask must be a mask from "
+                  "pallas_kernels.attention.masks or a list of them (one per "
+                  f"query head), got {type(mask).__name__}")
+
+
+def check(mask: Mask | Sequence[Mask], q_len: int, kv_len: int) -> None:
+  for m in (mask if isinstance(mask, tuple) else (mask,)):
+    m.check(q_len, kv_len)
+
+
+# ------------------------------------------------------------ block tables --
+
+def _compress(classes: np.ndarray):
+  """Rows of block classes -> (partial count, total count, index table,
+  dense-tile index table), each row's partial blocks first, then its full
+  ones; a row's unused tail repeats its last entry (no new DMA)."""
+  rows = classes.reshape(-1, classes.shape[-1])
+  partial, full = rows == 1, rows == 2
+  n_partial = partial.sum(axis=1)
+  n_total = n_partial + full.sum(axis=1)
+  width = max(1, int(n_total.max(initial=0)))
+  cols = np.arange(rows.shape[1])
+  # Sort keys: partial blocks first, then full, then empty; stable in col.
+  key = np.where(partial, 0, np.where(full, 1, 2)) * rows.shape[1] + cols
+  order = np.argsort(key, axis=1, kind="stable")[:, :width]
+  steps = np.arange(width)[None, :]
+  last = np.maximum(n_total - 1, 0)[:, None]
+  index = np.take_along_axis(order, np.minimum(steps, last), axis=1)
+  last_partial = np.maximum(n_partial - 1, 0)[:, None]
+  dense_index = np.take_along_axis(order, np.minimum(steps, last_partial),
+                                   axis=1)
+  shape = classes.shape[:-1]
+  return (n_partial.reshape(shape).astype(np.int32),
+          n_total.reshape(shape).astype(np.int32),
+          index.reshape(shape + (width,)).astype(np.int32),
+          dense_index.reshape(shape + (width,)).astype(np.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTables:
+  """A mask laid out for block-sparse kernels (NumPy, built at trace time).
+
+  ``classes [heads_in_table, num_q, num_kv]`` (0 empty, 1 partial, 2 full;
+  ``heads_in_table`` is 1 for a mask shared by every head). Query-major
+  tables, for kernels that walk a query block's kv blocks:
+  ``kv_partial/kv_total [Ht, num_q]`` and ``kv_index/kv_dense_index [Ht,
+  num_q, max_kv]``: step ``t < kv_total`` visits kv block ``kv_index[.., t]``
+  and needs the element mask when ``t < kv_partial``; ``kv_dense_index``
+  stays on the last partial block (the dense mask tile to load). The
+  key-major ``q_*`` tables are the same for kernels walking a kv block's
+  query blocks. ``formula``: the mask evaluated from positions in-kernel, or
+  None; then ``dense [Ht, q_pad, kv_pad]`` int8 holds it.
+  """
+  q_len: int
+  kv_len: int
+  block_q: int
+  block_kv: int
+  classes: np.ndarray
+  kv_partial: np.ndarray
+  kv_total: np.ndarray
+  kv_index: np.ndarray
+  kv_dense_index: np.ndarray
+  q_partial: np.ndarray
+  q_total: np.ndarray
+  q_index: np.ndarray
+  q_dense_index: np.ndarray
+  formula: Mask | None
+  dense: np.ndarray | None
+
+  @property
+  def per_head(self) -> bool:
+    return self.classes.shape[0] > 1
+
+  @property
+  def max_kv(self) -> int:
+    return self.kv_index.shape[-1]
+
+  @property
+  def max_q(self) -> int:
+    return self.q_index.shape[-1]
+
+  def visited_blocks(self, heads: int) -> int:
+    """(q block, kv block) pairs computed over ``heads`` query heads."""
+    visited = int(np.sum(self.classes > 0))
+    return visited if self.per_head else visited * heads
+
+
+# A per-head or dense mask is materialised as int8 [heads, q_len, kv_len].
+MAX_DENSE_BYTES = 1 << 30
+
+
+def block_tables(mask, q_len: int, kv_len: int, block_q: int,
+                 block_kv: int, q_pad: int | None = None,
+                 kv_pad: int | None = None) -> BlockTables:
+  """``BlockTables`` of a mask (or per-head tuple) for these blocks, over
+  sequences padded to ``q_pad``/``kv_pad`` (default: to the blocks; extra
+  blocks are empty)."""
+  heads = mask if isinstance(mask, tuple) else (mask,)
+  formula = heads[0] if len(heads) == 1 and heads[0].formula else None
+  classes = np.stack([block_classes(m, q_len, kv_len, block_q, block_kv)
+                      for m in heads])
+  num_q = -(-(q_pad or q_len) // block_q)
+  num_kv = -(-(kv_pad or kv_len) // block_kv)
+  classes = np.pad(classes, ((0, 0), (0, num_q - classes.shape[1]),
+                             (0, num_kv - classes.shape[2])))
+  dense_values = None
+  if formula is None:
+    num_q, num_kv = classes.shape[1:]
+    size = len(heads) * num_q * block_q * num_kv * block_kv
+    if size > MAX_DENSE_BYTES:
+      raise ValueError(
+          f"{_OP}: this mask would be materialised as {size / 2**30:.1f} GiB "
+          f"(int8 [heads, q_len, kv_len]; limit {MAX_DENSE_BYTES >> 30} GiB): "
+          "per-head masks and Dense masks are stored whole; share one "
+          "formula mask (Causal, Local, ChunkedCausal, PrefixLM and their "
+          "combinations) across heads instead")
+    dense_values = np.zeros((len(heads), num_q * block_q, num_kv * block_kv),
+                            np.int8)
+    for h, m in enumerate(heads):
+      dense_values[h, :q_len, :kv_len] = dense(m, q_len, kv_len)
+  q_major = _compress(classes)
+  kv_major = _compress(np.swapaxes(classes, 1, 2))
+  return BlockTables(q_len, kv_len, block_q, block_kv, classes, *q_major,
+                     *kv_major, formula=formula, dense=dense_values)
+
+
+def element_mask(tables: BlockTables, rows, cols, dense_tile=None):
+  """The allowed-pair mask of a kernel tile: ``rows``/``cols`` are query and
+  key indices (jax int32 arrays, broadcast); ``dense_tile`` the tile of
+  ``tables.dense`` when the mask has no formula."""
+  if dense_tile is not None:
+    return dense_tile != 0
+  offset = tables.kv_len - tables.q_len
+  return tables.formula.allowed(rows + offset, cols) & (cols < tables.kv_len)
