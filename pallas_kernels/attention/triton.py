@@ -209,10 +209,13 @@ def _table_rows(tables, kv_major: bool):
   return jnp.asarray(np.pad(rows, ((0, 0), (0, 0), (0, width - rows.shape[-1]))))
 
 
-def _walk_listed(table_row, body, carry):
+def _walk_listed(table_row, body, carry, segments):
   """Runs ``body(block, carry, masked)`` over a table row's listed blocks:
-  ``table_row(n)`` reads entry n (0: partial count, 1: total)."""
+  ``table_row(n)`` reads entry n (0: partial count, 1: total). With segment
+  ids every block is masked."""
   n_partial, n_total = table_row(0), table_row(1)
+  if segments:
+    n_partial = n_total
   def listed(masked):
     return lambda t, carry: body(table_row(2 + t), carry, masked)
   carry = lax.fori_loop(0, n_partial, listed(True), carry)
@@ -460,7 +463,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
            jnp.full((block_q,), NEG_INF, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
   if tables is not None:
-    acc, m, l = _walk_listed(lambda n: table_ref[n], body, carry)
+    acc, m, l = _walk_listed(lambda n: table_ref[n], body, carry,
+                             qseg_ref is not None)
   else:
     lo, a, b, hi = _kv_blocks(row0, block_q, block_k, mask)
     masked_body = functools.partial(body, masked=True)
@@ -672,7 +676,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
 
   dq = jnp.zeros(q.shape, jnp.float32)
   if tables is not None:   # unlisted dS blocks are zeroed by the caller
-    dq = _walk_listed(lambda n: table_ref[n], body, dq)
+    dq = _walk_listed(lambda n: table_ref[n], body, dq, qseg_ref is not None)
     dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
     return
   lo, a, b, hi = _kv_blocks(row0, block_q, block_k, mask)
@@ -742,7 +746,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
       def table_row(n):
         return table_ref[g, n] if tables.per_head else table_ref[n]
       return _walk_listed(
-          table_row, lambda i, carry, masked: body(i, carry, g, masked), carry)
+          table_row, lambda i, carry, masked: body(i, carry, g, masked), carry,
+          kvseg_ref is not None)
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
     dk_ref[...] = (dk * sm_scale).astype(dk_ref.dtype)

@@ -53,9 +53,15 @@ def _f64(x):
 
 def attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
               sliding_window=None, logit_soft_cap=None, bias=None, d_out=None,
-              d_lse=None):
+              d_lse=None, allowed=None, sinks=None):
   """(out, lse) in float64; with ``d_out`` (and optionally ``d_lse``, the
-  cotangent of lse) also the gradients (dq, dk, dv, dbias or None)."""
+  cotangent of lse) also the gradients (dq, dk, dv, dbias or None) and,
+  with ``sinks``, a fifth: dsinks.
+
+  ``allowed``: an extra bool mask ``[H or 1, Lq, Lk]`` intersected with the
+  others. ``sinks [H]``: one more logit per head in every row's softmax
+  denominator, with no value (so lse includes it and a row without keys
+  has out 0, lse = sink)."""
   q, k, v, bias = _f64(q), _f64(k), _f64(v), _f64(bias)
   b, h, lq, d = q.shape
   hk, lk = k.shape[1], k.shape[2]
@@ -67,14 +73,20 @@ def attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
   s = x if tanh is None else logit_soft_cap * tanh
   if bias is not None:
     s = s + bias
+  extra = True if allowed is None else np.asarray(allowed, bool)[None]
   allowed = np.broadcast_to(
       mask(lq, lk, causal=causal, sliding_window=sliding_window,
-           segment_ids=segment_ids), s.shape) & (s != -np.inf)
+           segment_ids=segment_ids) & extra, s.shape) & (s != -np.inf)
   with np.errstate(invalid="ignore"):
     m = np.max(np.where(allowed, s, -np.inf), axis=-1, keepdims=True)
+  sink = None if sinks is None else _f64(sinks)[None, :, None, None]
+  if sink is not None:
+    m = np.maximum(m, sink)
   m = np.where(np.isfinite(m), m, 0.0)
   e = np.where(allowed, np.exp(np.where(allowed, s, 0.0) - m), 0.0)
   total = e.sum(-1, keepdims=True)
+  if sink is not None:
+    total = total + np.exp(sink - m)
   has_keys = total[..., 0] > 0
   p = e / np.where(total > 0, total, 1.0)
   out = np.einsum("bhqk,bhkd->bhqd", p, vr)
@@ -98,4 +110,8 @@ def attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
   dq = np.einsum("bhqk,bhkd->bhqd", ds, kr) * scale
   dk = fold(np.einsum("bhqk,bhqd->bhkd", ds, q)) * scale
   dv = fold(np.einsum("bhqk,bhqd->bhkd", p, do))
-  return out, lse, (dq, dk, dv, dbias)
+  if sink is None:
+    return out, lse, (dq, dk, dv, dbias)
+  p_sink = np.exp(sink[..., 0] - lse)
+  dsinks = -(p_sink * delta).sum(axis=(0, 2))
+  return out, lse, (dq, dk, dv, dbias, dsinks)

@@ -1,0 +1,368 @@
+"""flash_attention's static masks and sinks on every backend, against the
+float64 oracle; the masks' block classification; their errors; and the
+Mosaic kernels with masks through the real TPU compiler.
+
+The oracle gets each mask as a NumPy matrix built here from the documented
+rules (positions aligned at the ends: p = i + kv_len - q_len), never from
+``pallas_kernels.attention.masks``. Tolerances as in test_attention.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import backends
+import pallas_kernels as pk
+from oracles import attention as oracle
+from pallas_kernels.attention import BlockSizes, masks, mosaic_tpu, triton
+
+TOLERANCES = {"float32": (2e-5, 2e-5, 1e-4), "bfloat16": (2e-2, 1e-3, 5e-2)}
+BLOCKS = {
+    "interpret": BlockSizes(128, 128),
+    "interpret_generic": BlockSizes(128, 128),
+    "triton": triton.GpuBlockSizes(block_q=32, block_k=32, block_q_dq=32,
+                                   block_k_dq=64, block_q_dkv=64,
+                                   block_k_dkv=32),
+}
+ALL = backends.params()
+
+
+# ----------------------------------------------- independent mask rules --
+
+def _positions(lq, lk):
+  return np.arange(lq)[:, None] + (lk - lq), np.arange(lk)[None, :]
+
+
+def causal_np(lq, lk):
+  p, j = _positions(lq, lk)
+  return j <= p
+
+
+def local_np(lq, lk, left, right):
+  p, j = _positions(lq, lk)
+  ok = np.ones((lq, lk), bool)
+  if left is not None:
+    ok &= j >= p - left
+  if right is not None:
+    ok &= j <= p + right
+  return ok
+
+
+def chunked_np(lq, lk, size):
+  p, j = _positions(lq, lk)
+  return (j <= p) & (np.floor_divide(p, size) == j // size)
+
+
+def prefix_np(lq, lk, length):
+  p, j = _positions(lq, lk)
+  return (j < length) | (j <= p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """``mask(lq, lk, rng)`` -> (mask argument, allowed [H or 1, lq, lk])."""
+  mask: object
+  b: int = 1
+  h: int = 4
+  hk: int = 2
+  lq: int = 300
+  lk: int = 300
+  d: int = 32
+  dtype: str = "float32"
+  sinks: bool = False
+  bias: bool = False
+  segments: bool = False
+  kw: tuple = ()
+
+
+def _dense_random(lq, lk, rng):
+  allowed = rng.random((lq, lk)) < 0.2
+  allowed[7] = False                      # a row with no key
+  allowed[:, 40:200] = False              # whole empty blocks
+  return masks.Dense(allowed), allowed[None]
+
+
+def _per_head(lq, lk, rng):
+  del rng
+  heads = [masks.Causal(), masks.Local(40, 3), masks.ChunkedCausal(64),
+           masks.PrefixLM(100)]
+  allowed = [causal_np(lq, lk), local_np(lq, lk, 40, 3),
+             chunked_np(lq, lk, 64), prefix_np(lq, lk, 100)]
+  return heads, np.stack(allowed)
+
+
+CASES = {
+    "chunked_causal": Case(
+        lambda lq, lk, rng: (masks.ChunkedCausal(100),
+                             chunked_np(lq, lk, 100)[None])),
+    "chunked_causal_long_kv": Case(
+        lambda lq, lk, rng: (masks.ChunkedCausal(70),
+                             chunked_np(lq, lk, 70)[None]), lq=130, lk=290),
+    "prefix_lm": Case(
+        lambda lq, lk, rng: (masks.PrefixLM(130),
+                             prefix_np(lq, lk, 130)[None]), hk=4),
+    "dense_with_empty_rows": Case(_dense_random, lq=260, lk=330),
+    "per_head": Case(_per_head),
+    "or_and_window_segments": Case(
+        lambda lq, lk, rng: (masks.ChunkedCausal(64) | masks.Local(20, None),
+                             (chunked_np(lq, lk, 64)
+                              | local_np(lq, lk, 20, None))[None]),
+        segments=True, kw=(("sliding_window", (200, 10)),)),
+    "and_dense_formula": Case(
+        lambda lq, lk, rng: (
+            masks.Dense(rng.random((lq, lk)) < 0.5) & masks.Causal(),
+            None), lq=200, lk=200),
+    "chunked_sinks_bias_cap": Case(
+        lambda lq, lk, rng: (masks.ChunkedCausal(129),
+                             chunked_np(lq, lk, 129)[None]),
+        sinks=True, bias=True, kw=(("logit_soft_cap", 3.0),)),
+    "sinks_only_causal": Case(None, sinks=True, hk=1,
+                              kw=(("causal", True),)),
+    "sinks_empty_rows": Case(_dense_random, sinks=True, lq=140, lk=270),
+    "bf16_chunked": Case(
+        lambda lq, lk, rng: (masks.ChunkedCausal(128),
+                             chunked_np(lq, lk, 128)[None]),
+        dtype="bfloat16", d=64),
+}
+
+
+def _inputs(case, rng):
+  dtype = jnp.dtype(case.dtype)
+  make = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+  q = make(case.b, case.h, case.lq, case.d)
+  k = make(case.b, case.hk, case.lk, case.d)
+  v = make(case.b, case.hk, case.lk, case.d)
+  d_out = make(case.b, case.h, case.lq, case.d)
+  d_lse = jnp.asarray(rng.standard_normal((case.b, case.h, case.lq)),
+                      jnp.float32)
+  mask = allowed = None
+  if case.mask is not None:
+    mask, allowed = case.mask(case.lq, case.lk, rng)
+    if allowed is None:          # "and_dense_formula": the Dense part & causal
+      allowed = (mask.a.array & causal_np(case.lq, case.lk))[None]
+  sinks = (jnp.asarray(2 * rng.standard_normal(case.h), jnp.float32)
+           if case.sinks else None)
+  bias = (jnp.asarray(rng.standard_normal((1, case.h, case.lq, case.lk)),
+                      jnp.float32) if case.bias else None)
+  kw = dict(case.kw)
+  if case.segments:
+    q_seg = np.sort(rng.integers(0, 3, (case.b, case.lq)), axis=1)
+    kv_seg = np.sort(rng.integers(0, 3, (case.b, case.lk)), axis=1)
+    kw["segment_ids"] = (jnp.asarray(q_seg), jnp.asarray(kv_seg))
+  return q, k, v, d_out, d_lse, mask, allowed, sinks, bias, kw
+
+
+def _run(q, k, v, sinks, bias, d_out, d_lse, *, backend, blocks, mask, **kw):
+  def loss(q, k, v, sinks, bias):
+    out, lse = pk.flash_attention(q, k, v, mask=mask, sinks=sinks, bias=bias,
+                                  return_lse=True, block_sizes=blocks,
+                                  backend=backend, **kw)
+    total = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+    total += jnp.sum(jnp.where(jnp.isinf(lse), 0.0, lse) * d_lse)
+    return total, (out, lse)
+  argnums = tuple(i for i, x in enumerate((q, k, v, sinks, bias))
+                  if x is not None)
+  grads, (out, lse) = jax.jit(jax.grad(loss, argnums, has_aux=True))(
+      q, k, v, sinks, bias)
+  return out, lse, grads
+
+
+def _assert_close(actual, expected, tol, what):
+  actual = np.asarray(actual).astype(np.float64)
+  expected = np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+  inf = np.isinf(expected)
+  np.testing.assert_array_equal(actual[inf], expected[inf], err_msg=what)
+  err = np.max(np.abs(actual[~inf] - expected[~inf]), initial=0)
+  scale = max(1.0, float(np.max(np.abs(expected[~inf]), initial=0)))
+  assert err <= tol * scale, f"{what}: max abs error {err} > {tol * scale}"
+
+
+# The TPU-semantics interpreter is the slowest backend: by default it runs
+# the cases that combine the most features; --runslow runs every case.
+_FAST_ON_INTERPRET = {"chunked_sinks_bias_cap", "per_head",
+                      "dense_with_empty_rows", "or_and_window_segments"}
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("name", [
+    name for name in sorted(CASES)])
+def test_masks_and_sinks_match_float64(backend, name, rng, request):
+  if (backend.name == "interpret" and name not in _FAST_ON_INTERPRET
+      and not request.config.getoption("--runslow")):
+    pytest.skip("slow in the TPU interpreter (--runslow runs it)")
+  case = CASES[name]
+  q, k, v, d_out, d_lse, mask, allowed, sinks, bias, kw = _inputs(case, rng)
+  if backend.name == "mosaic_gpu" and (mask is not None or bias is not None
+                                       or case.dtype == "float32"):
+    with pytest.raises(ValueError, match="cannot run this call"):
+      backend.run(pk.flash_attention, q, k, v, mask=mask, sinks=sinks,
+                  bias=bias, **kw)
+    return
+  out, lse, grads = backend.run(_run, q, k, v, sinks, bias, d_out, d_lse,
+                                blocks=BLOCKS.get(backend.name), mask=mask,
+                                **kw)
+  ref_out, ref_lse, ref_grads = oracle.attention(
+      q, k, v, bias=bias, d_out=d_out, d_lse=d_lse, allowed=allowed,
+      sinks=sinks, **kw)
+  out_tol, lse_tol, grad_tol = TOLERANCES[case.dtype]
+  _assert_close(out, ref_out, out_tol, "out")
+  _assert_close(lse, ref_lse, lse_tol, "lse")
+  names = ("dq", "dk", "dv", "dbias", "dsinks")
+  wanted = dict(zip(names, ref_grads[:4] + (ref_grads[4:] or (None,))))
+  got = dict(zip([n for n, x in zip(("dq", "dk", "dv", "dsinks", "dbias"),
+                                    (q, k, v, sinks, bias)) if x is not None],
+                 grads))
+  for name, value in got.items():
+    _assert_close(value, wanted[name], grad_tol, name)
+  if allowed is not None and sinks is None:
+    empty_rows = ~np.broadcast_to(allowed, (case.h, case.lq, case.lk)).any(-1)
+    assert np.all(np.asarray(out)[:, empty_rows] == 0)
+
+
+# ------------------------------------------------------ classification --
+
+_MASK_MAKERS = [
+    lambda rng: masks.Causal(),
+    lambda rng: masks.Local(int(rng.integers(0, 40)),
+                            int(rng.integers(0, 40))),
+    lambda rng: masks.Local(None, int(rng.integers(0, 9))),
+    lambda rng: masks.ChunkedCausal(int(rng.integers(1, 50))),
+    lambda rng: masks.PrefixLM(int(rng.integers(0, 60))),
+    lambda rng: masks.ChunkedCausal(int(rng.integers(1, 30)))
+    | masks.PrefixLM(int(rng.integers(0, 30))),
+    lambda rng: masks.Local(10, 10) & masks.PrefixLM(20),
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, len(_MASK_MAKERS) - 1), st.integers(1, 90),
+       st.integers(1, 90), st.sampled_from([1, 4, 8, 16]),
+       st.sampled_from([1, 8, 16]), st.integers(0, 2**31 - 1))
+def test_block_classes_never_call_a_partial_block_full_or_empty(
+    which, lq, lk, bq, bk, seed):
+  mask = _MASK_MAKERS[which](np.random.default_rng(seed))
+  classes = masks.block_classes(mask, lq, lk, bq, bk)
+  values = np.zeros((classes.shape[0] * bq, classes.shape[1] * bk), bool)
+  values[:lq, :lk] = masks.dense(mask, lq, lk)
+  blocks = values.reshape(classes.shape[0], bq, classes.shape[1], bk)
+  some = blocks.any(axis=(1, 3))
+  real_rows = np.zeros(values.shape[0], bool)
+  real_rows[:lq] = True
+  every = (values | ~real_rows[:, None]).reshape(blocks.shape).all(axis=(1, 3))
+  assert not np.any((classes == 0) & some)
+  assert not np.any((classes == 2) & ~every)
+  # Formula masks without chunks or unions are classified exactly.
+  if which in (0, 1, 2, 4):
+    np.testing.assert_array_equal(classes == 0, ~some)
+    np.testing.assert_array_equal(classes == 2, every)
+
+
+def test_mask_elementwise_rules_match_the_documented_ones():
+  for lq, lk in ((37, 37), (20, 45), (45, 20)):
+    np.testing.assert_array_equal(masks.dense(masks.Causal(), lq, lk),
+                                  causal_np(lq, lk))
+    np.testing.assert_array_equal(masks.dense(masks.ChunkedCausal(6), lq, lk),
+                                  chunked_np(lq, lk, 6))
+    np.testing.assert_array_equal(masks.dense(masks.PrefixLM(9), lq, lk),
+                                  prefix_np(lq, lk, 9))
+    np.testing.assert_array_equal(masks.dense(masks.Local(3, None), lq, lk),
+                                  local_np(lq, lk, 3, None))
+
+
+def test_kernels_visit_blocks_in_proportion_to_the_mask():
+  q = jax.ShapeDtypeStruct((1, 1, 4096, 128), jnp.bfloat16)
+  def visited(mask):
+    geom = mosaic_tpu._geometry(q, q, 512, 512, None, False, None, None, mask)
+    return geom.visited_blocks()
+  assert visited(masks.ChunkedCausal(512)) == 8             # the diagonal
+  assert visited(masks.ChunkedCausal(1024)) == 8 + 4        # + one per chunk
+  assert visited(masks.PrefixLM(1024)) == 36 + 1    # causal + block (0, 1)
+  assert visited(masks.Dense(np.eye(4096, dtype=bool))) == 8
+  # Per-head tables count each head's blocks.
+  per_head = (masks.ChunkedCausal(512), masks.Causal())
+  geom = mosaic_tpu._geometry(jax.ShapeDtypeStruct((1, 2, 4096, 128),
+                                                   jnp.bfloat16), q, 512, 512,
+                              None, False, None, None, per_head)
+  assert geom.visited_blocks(2) == 8 + 36
+
+
+# --------------------------------------------------------------- errors --
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(mask=masks.Dense(np.ones((5, 5), bool))), ValueError,
+     r"Dense mask has shape \(5, 5\).*\(12, 16\)"),
+    (dict(mask=[masks.Causal()] * 3), ValueError, "one mask per query head"),
+    (dict(mask="causal"), TypeError, "mask must be a mask"),
+    (dict(sinks=jnp.zeros((3,))), ValueError, r"sinks must have shape \[heads\]"),
+    (dict(sinks=jnp.zeros((2,), jnp.int32)), TypeError, "sinks must be"),
+    (dict(sinks=jnp.zeros((2, 1))), ValueError, "sinks must have 1 dim"),
+])
+def test_bad_masks_and_sinks_raise(kwargs, error, match):
+  q = jnp.zeros((1, 2, 12, 8))
+  k = jnp.zeros((1, 2, 16, 8))
+  with pytest.raises(error, match=match):
+    pk.flash_attention(q, k, k, **kwargs)
+
+
+def test_mask_constructors_check_their_arguments():
+  with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+    masks.ChunkedCausal(0)
+  with pytest.raises(TypeError, match="Local.left must be an int"):
+    masks.Local(1.5)
+  with pytest.raises(TypeError, match="must be boolean"):
+    masks.Dense(np.zeros((3, 3)))
+  with pytest.raises(TypeError, match="cannot combine a mask"):
+    masks.Causal() & True
+  with pytest.raises(TypeError, match="concrete array"):
+    jax.jit(lambda m: masks.Dense(m))(jnp.ones((3, 3), bool))
+
+
+def test_plain_causal_and_local_masks_use_the_band_kernels(rng):
+  q = jnp.asarray(rng.standard_normal((1, 2, 70, 16)), jnp.float32)
+  for mask, kw in ((masks.Causal(), dict(causal=True)),
+                   (masks.Local(9, 4), dict(sliding_window=(9, 4)))):
+    a = pk.flash_attention(q, q, q, mask=mask, backend="reference")
+    b = pk.flash_attention(q, q, q, backend="reference", **kw)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_masks_are_hashable_values():
+  assert masks.ChunkedCausal(4) == masks.ChunkedCausal(4)
+  assert hash(masks.Dense(np.eye(3, dtype=bool))) == hash(
+      masks.Dense(np.eye(3, dtype=bool)))
+  assert masks.Dense(np.eye(3, dtype=bool)) != masks.Dense(
+      np.ones((3, 3), bool))
+
+
+# ------------------------------------------------------------ TPU AOT --
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+@pytest.mark.parametrize("mask", [
+    masks.ChunkedCausal(1024),
+    masks.Dense(np.tril(np.ones((2048, 2048), bool), k=-300)),
+    (masks.ChunkedCausal(512), masks.PrefixLM(700)),
+], ids=["chunked", "dense", "per_head"])
+def test_masked_kernels_compile_for_tpu(topology, mask, tpu_topologies):
+  if topology not in tpu_topologies:
+    pytest.skip(f"libtpu lacks {topology}")
+  from pallas_kernels import tpu_aot
+  spec = jax.ShapeDtypeStruct((1, 2, 2048, 128), jnp.bfloat16)
+  sinks = jax.ShapeDtypeStruct((2,), jnp.float32)
+
+  def fn(q, k, v, sinks):
+    def loss(q, k, v, sinks):
+      out = pk.flash_attention(q, k, v, mask=mask, sinks=sinks,
+                               backend="mosaic_tpu")
+      return jnp.sum(out.astype(jnp.float32))
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  result = tpu_aot.compile_for_tpu(fn, spec, spec, spec, sinks,
+                                   topology=topology)
+  assert result.hlo_text.count('custom_call_target="tpu_custom_call"') >= 3
