@@ -366,3 +366,19 @@ def test_masked_kernels_compile_for_tpu(topology, mask, tpu_topologies):
   result = tpu_aot.compile_for_tpu(fn, spec, spec, spec, sinks,
                                    topology=topology)
   assert result.hlo_text.count('custom_call_target="tpu_custom_call"') >= 3
+
+
+def test_shard_helper_splits_sinks_with_heads_and_keeps_masks(rng):
+  from jax.sharding import Mesh
+  devices = np.array(jax.devices()[:4]).reshape(2, 2)
+  mesh = Mesh(devices, ("data", "model"))
+  q = jnp.asarray(rng.standard_normal((2, 4, 96, 16)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((2, 2, 96, 16)), jnp.float32)
+  sinks = jnp.asarray(rng.standard_normal(4), jnp.float32)
+  kw = dict(mask=masks.ChunkedCausal(40), sinks=sinks, backend="reference")
+  sharded = pk.shard_flash_attention(mesh, q, k, k, **kw)
+  np.testing.assert_allclose(sharded, pk.flash_attention(q, k, k, **kw),
+                             atol=1e-6)
+  with pytest.raises(ValueError, match="per-head mask list cannot be split"):
+    pk.shard_flash_attention(mesh, q, k, k,
+                             mask=[masks.Causal()] * 4)

@@ -157,7 +157,7 @@ def test_plot_draws_ratios_and_rooflines(tmp_path):
 
 def test_benches_use_only_the_public_api():
   # The same scripts time the package before and after a refactor.
-  allowed = {"pallas_kernels.attention.mosaic_tpu",
+  allowed = {"pallas_kernels.attention", "pallas_kernels.attention.mosaic_tpu",
              "pallas_kernels.attention.block_sizes"}
   for path in BENCH.glob("*.py"):
     text = path.read_text()
@@ -215,3 +215,10 @@ def test_quick_run_torch_bridge(tmp_path):
   ours = [r for r in data["rows"] if r["impl"] == "ours"]
   assert all("vs_jax" in r and "vs_torch" in r for r in ours)
   assert all(r.get("same", True) and r.get("err", 0) < 1e-3 for r in ours)
+
+
+def test_quick_run_attention_masks(tmp_path):
+  data = _quick("attention_masks", tmp_path)
+  ours = [r for r in data["rows"] if r["impl"] == "ours"]
+  assert all(("vs_dense" in r) or ("vs_no_sinks" in r) for r in ours), ours
+  assert all(0 < r["kept"] <= 1 for r in ours)

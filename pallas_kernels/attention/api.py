@@ -443,7 +443,9 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
   device runs the kernel on its shard with no communication; GQA groups stay
   intact because both head counts are split evenly. ``segment_ids`` follow
   the batch; a bias with a size-1 batch or head dimension is replicated
-  along it. Other keyword arguments are passed to ``flash_attention``.
+  along it; ``sinks`` follow the heads. A per-head mask list needs the heads
+  unsplit (``head_axis=None``). Other keyword arguments are passed to
+  ``flash_attention``.
 
   Example::
 
@@ -468,6 +470,11 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
     raise ValueError(f"shard_flash_attention: heads ({q.shape[1]}) and "
                      f"kv_heads ({k.shape[1]}) must be divisible by mesh axis "
                      f"{head_axis!r} ({n_head})")
+  if (isinstance(kwargs.get("mask"), (list, tuple)) and n_head > 1):
+    raise ValueError("shard_flash_attention: a per-head mask list cannot be "
+                     f"split over mesh axis {head_axis!r}; pass head_axis=None "
+                     "or one mask shared by every head")
+  sinks = kwargs.pop("sinks", None)
   return_lse = kwargs.get("return_lse", False)
   qkv_spec = P(batch_axis, head_axis, None, None)
   in_specs = [qkv_spec, qkv_spec, qkv_spec]
@@ -483,13 +490,18 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
     in_specs.append(P(batch_axis if bias.shape[0] > 1 else None,
                       head_axis if bias.shape[1] > 1 else None, None, None))
     args.append(bias)
+  if sinks is not None:
+    _check_array("sinks", sinks, 1)
+    in_specs.append(P(head_axis))
+    args.append(sinks)
 
   def local(*arrays):
     q, k, v, *rest = arrays
     segs = (rest.pop(0), rest.pop(0)) if has_segments else None
-    local_bias = rest.pop(0) if rest else None
+    local_bias = rest.pop(0) if bias is not None else None
+    local_sinks = rest.pop(0) if sinks is not None else None
     return flash_attention(q, k, v, segment_ids=segs, bias=local_bias,
-                           **kwargs)
+                           sinks=local_sinks, **kwargs)
 
   out_spec = P(batch_axis, head_axis, None, None)
   out_specs = (out_spec, P(batch_axis, head_axis, None)) if return_lse else out_spec
