@@ -4,9 +4,9 @@ reference's result on the same fresh inputs, within rounding.
 
 Tolerances: float32 results 2e-5 relative to their largest entry (float32
 formula chains and accumulation order), bfloat16 1e-2 (8-bit mantissa); the
-int32 product, NMS indices and counts exactly. Attention's options are
-drawn the same way against a float64 oracle in tests/test_attention.py
-(``test_random_shapes_and_masks``).
+int32 product, NMS indices and counts exactly; attention gradients 1e-4
+(chains of float32 matmuls). Attention's options are also drawn against a
+float64 oracle in tests/test_attention.py (``test_random_shapes_and_masks``).
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def _assert_same(got, want, dtype):
   if np.issubdtype(np.asarray(want).dtype, np.integer) or dtype == "int":
     np.testing.assert_array_equal(got, want)
     return
-  rtol = 1e-2 if dtype == jnp.bfloat16 else 2e-5
+  # Gradients chain several float32 matmuls: 1e-4.
+  rtol = {jnp.bfloat16: 1e-2, "grad": 1e-4}.get(dtype, 2e-5)
   scale = np.max(np.abs(want[np.isfinite(want)]), initial=0.0) + 1e-30
   np.testing.assert_allclose(got, want, atol=rtol * scale, rtol=0)
 
@@ -153,4 +154,87 @@ def test_nms(backend, examples):
       want = REFERENCE.run(op, boxes, scores, **options)
       for g, w in zip(got, want):
         _assert_same(g, w, "int")
+  run()
+
+
+def _attention_mask(kind, lq, lk, heads, rng):
+  from pallas_kernels.attention import masks
+  if kind == "chunked":
+    return masks.ChunkedCausal(int(rng.integers(1, 80)))
+  if kind == "prefix":
+    return masks.PrefixLM(int(rng.integers(0, lk + 1)))
+  if kind == "dense":
+    return masks.Dense(rng.random((lq, lk)) < 0.3)
+  if kind == "per_head":
+    return [masks.ChunkedCausal(int(rng.integers(1, 80))) | masks.Local(5, 5)
+            for _ in range(heads)]
+  return None
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("examples", EXAMPLES)
+def test_flash_attention(backend, examples):
+  """Output, lse and the gradients of q, k, v and sinks (through a random
+  linear function of out and lse) agree with the reference's."""
+  import jax
+
+  @settings(max_examples=examples, deadline=None)
+  @given(causal=st.booleans(),
+         window=st.sampled_from([None, 17, (40, 3), (None, 0)]),
+         cap=st.sampled_from([None, 5.0]),
+         segments=st.booleans(), bias=st.booleans(), sinks=st.booleans(),
+         mask=st.sampled_from([None, "chunked", "prefix", "dense",
+                               "per_head"]),
+         group=st.sampled_from([1, 2]),
+         dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+         lq=st.integers(1, 200), lk=st.integers(1, 200),
+         seed=st.integers(0, 2**31 - 1))
+  def run(causal, window, cap, segments, bias, sinks, mask, group, dtype, lq,
+          lk, seed):
+    rng = np.random.default_rng(seed)
+    heads, d = 2, 32
+    make = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+    q, k, v = make(1, heads, lq, d), make(1, heads // group, lk, d), make(
+        1, heads // group, lk, d)
+    weights = jnp.asarray(rng.standard_normal((1, heads, lq, d)), jnp.float32)
+    kw = dict(causal=causal, sliding_window=window, logit_soft_cap=cap,
+              mask=_attention_mask(mask, lq, lk, heads, rng))
+    if segments:
+      ids = lambda n: jnp.asarray(np.sort(rng.integers(0, 3, (1, n))))  # noqa: E731
+      kw["segment_ids"] = (ids(lq), ids(lk))
+    if bias:
+      kw["bias"] = jnp.asarray(rng.standard_normal((1, 1, lq, lk)),
+                               jnp.float32)
+    sink = (jnp.asarray(rng.standard_normal(heads), jnp.float32)
+            if sinks else None)
+
+    def call(backend_name, q, k, v, sink):
+      out, lse = pk.flash_attention(q, k, v, sinks=sink, return_lse=True,
+                                    backend=backend_name, **kw)
+      score = jnp.sum(out.astype(jnp.float32) * weights) + jnp.sum(
+          jnp.where(jnp.isfinite(lse), lse, 0.0))
+      return score, (out, lse)
+
+    def run_on(name):
+      argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)
+      return jax.grad(lambda *a: call(name, *a), argnums, has_aux=True)(
+          q, k, v, sink)
+
+    with backend.context():
+      try:
+        grads, (out, lse) = run_on(backend.backend)
+      except ValueError as error:
+        if "cannot" in str(error):
+          return
+        raise
+    want_grads, (want_out, want_lse) = run_on("reference")
+    _assert_same(out, want_out, dtype)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(want_lse))
+    finite = np.isfinite(np.asarray(want_lse))
+    _assert_same(np.asarray(lse)[finite], np.asarray(want_lse)[finite],
+                 jnp.float32 if dtype == jnp.float32 else dtype)
+    for got, want in zip(grads, want_grads):
+      _assert_same(got, want, jnp.bfloat16 if dtype == jnp.bfloat16
+                   else "grad")
+
   run()
