@@ -5,6 +5,7 @@ Everything version-dependent lives here so kernels can be written once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -61,6 +62,10 @@ def pallas_call(kernel, *, name: str, **kwargs):
   the kernel's config, so the instruction took its enclosing function's name
   (``branch_0_fun``). Here the scope is opened where jax does not.
   """
+  if (JAX_VERSION < (0, 12, 0) and HAS_TPU_INTERPRETER
+      and isinstance(kwargs.get("interpret"), TpuInterpretParams)):
+    kwargs["compiler_params"] = _without_grid_semantics(
+        kwargs.get("compiler_params"))
   call = pl.pallas_call(kernel, name=name, **kwargs)
   if _pallas_call_scopes_its_name():
     return call
@@ -70,6 +75,17 @@ def pallas_call(kernel, *, name: str, **kwargs):
     with jax.named_scope(name):
       return call(*args)
   return scoped
+
+
+def _without_grid_semantics(params):
+  """jax < 0.12's TPU interpreter zips the grid with dimension_semantics,
+  and its pallas_call batching rule adds a grid axis without a semantics
+  entry, so ``vmap`` of a traced call failed (``safe_zip``): there the
+  interpreter runs every axis in order (it needs no semantics to be
+  correct; only its randomised parallel order is lost)."""
+  if params is None or getattr(params, "dimension_semantics", None) is None:
+    return params
+  return dataclasses.replace(params, dimension_semantics=None)
 
 
 def tpu_interpret_params(detect_races: bool = False):

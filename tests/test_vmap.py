@@ -153,3 +153,16 @@ def test_fold_factor_reads_the_rule():
   summed = _sharding.make_rule("op", [("x", "n c")], [""], split="n",
                                sums=["n"])
   assert _batching.fold_factor(summed) is None
+
+
+def test_vmap_of_a_jitted_call_in_the_tpu_interpreter():
+  """jax < 0.12 batched a traced TPU-interpreted pallas_call into a grid
+  longer than its dimension semantics (safe_zip error)."""
+  q = jnp.asarray(np.random.default_rng(0).standard_normal((3, 1, 2, 128, 32)),
+                  jnp.float32)
+  f = jax.jit(lambda q: pk.flash_attention(q, q, q, causal=True))
+  with pk.force_interpret("tpu"):
+    got = jax.vmap(f)(q)
+  want = jax.vmap(lambda q: pk.flash_attention(q, q, q, causal=True,
+                                               backend="reference"))(q)
+  np.testing.assert_allclose(got, want, atol=2e-5)
