@@ -20,8 +20,9 @@ other's matmuls; ``default_schedule`` picks how:
 Block skipping: the memory warpgroup loads the union of the two warpgroups'
 bands; a warpgroup passes over slots outside its own band and masks only
 the band's edge blocks. Lq is padded to 128 and Lk to ``BLOCK_K`` (masked).
-Not handled (``supports``): bias, segment ids, float32, head_dim outside
-64/128/256. In the Mosaic GPU interpreter (jax >= 0.10) the wgmmas are
+Not handled (``supports``): bias, segment ids, float32, head_dim below 64
+or above 256; head dims between the kernel widths 64/128/256 run
+zero-padded to the next. In the Mosaic GPU interpreter (jax >= 0.10) the wgmmas are
 float32-accumulated dots of the same SMEM tiles and layout casts are
 dropped; the rest is the code the GPU runs.
 """
@@ -63,6 +64,28 @@ def api_missing() -> str | None:
 interpret_params = _mosaic_gpu.interpret_params
 
 
+def kernel_head_dim(head_dim: int, head_dims) -> int | None:
+  """The kernel width a head_dim runs at: the smallest of ``head_dims`` that
+  holds it (features zero-padded: logits and outputs are unchanged), None
+  when none does or head_dim is below the narrowest (the Triton kernel runs
+  those without padding work)."""
+  if head_dim < min(head_dims):
+    return None
+  return next((d for d in sorted(head_dims) if d >= head_dim), None)
+
+
+def with_padded_head_dim(run, arrays, head_dims, crop):
+  """``run(*arrays)`` at the kernel's head_dim: pads the last axis of every
+  array with zeros and crops ``crop(result, head_dim)`` back."""
+  head_dim = arrays[0].shape[-1]
+  width = kernel_head_dim(head_dim, head_dims)
+  if width == head_dim:
+    return run(*arrays)
+  padded = [None if x is None else _pad_axis(x, x.ndim - 1, width)
+            for x in arrays]
+  return crop(run(*padded), head_dim)
+
+
 def call_refusal(kernel: str, q, k, v, q_segment_ids, bias, head_dims):
   """Why the Mosaic GPU ``kernel`` cannot take this call, from its inputs
   alone (None: it can, as far as they tell)."""
@@ -78,9 +101,9 @@ def call_refusal(kernel: str, q, k, v, q_segment_ids, bias, head_dims):
                                               jnp.dtype(jnp.float16)):
     return f"the Mosaic GPU {kernel} kernel needs q, k, v all bf16 or all fp16"
   head_dim = q.shape[-1]
-  if head_dim not in head_dims:
-    return (f"the Mosaic GPU {kernel} kernel needs head_dim in "
-            f"{'/'.join(map(str, head_dims))}, got {head_dim}")
+  if kernel_head_dim(head_dim, head_dims) is None:
+    return (f"the Mosaic GPU {kernel} kernel needs {min(head_dims)} <= "
+            f"head_dim <= {max(head_dims)}, got {head_dim}")
   if min(q.shape) == 0 or min(k.shape) == 0:
     return f"the Mosaic GPU {kernel} kernel needs non-empty inputs"
   return None
@@ -738,6 +761,14 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   reason = supports(q, k, v, q_segment_ids, bias)
   if reason:
     raise ValueError(f"mosaic_gpu.forward: unsupported call: {reason}")
+  if q.shape[-1] not in BLOCK_K:
+    kwargs = dict(sm_scale=sm_scale, causal=causal, window_left=window_left,
+                  window_right=window_right, logit_soft_cap=logit_soft_cap,
+                  interpret=interpret)
+    return with_padded_head_dim(
+        lambda q, k, v: forward(q, k, v, None, None, None, **kwargs),
+        (q, k, v), tuple(BLOCK_K),
+        lambda result, d: (result[0][..., :d], result[1]))
   if interpret is True:
     interpret = interpret_params()
   batch, heads, lq, head_dim = q.shape

@@ -84,6 +84,10 @@ def _probs_and_dlogits(s, dp, t, lse2, delta, row_axis):
   return p, ds
 
 
+# Kernel widths; other head dims up to 128 run zero-padded to the next.
+HEAD_DIMS = (64, 128)
+
+
 def block_size(head_dim: int) -> int:
   """Rows per ring slot (dk/dv: queries, dq: keys): 128 at head_dim 64; 64
   above, where 128 would need more registers than the compute warpgroups
@@ -93,7 +97,7 @@ def block_size(head_dim: int) -> int:
 
 def supports(q, k, v, q_segment_ids=None, bias=None) -> str | None:
   """None when ``backward`` handles this call, else why not."""
-  return fwd.call_refusal("backward", q, k, v, q_segment_ids, bias, (64, 128))
+  return fwd.call_refusal("backward", q, k, v, q_segment_ids, bias, HEAD_DIMS)
 
 
 def _q_ranges(col0, cols: int, block_q: int, band):
@@ -264,6 +268,9 @@ def _prepared(kernel, arrays, q_multiple, k_multiple, causal, window_left,
   of ``k_multiple``."""
   q, k, v, d_out, lse, delta = arrays
   reason = supports(q, k, v)
+  if reason is None and q.shape[-1] not in HEAD_DIMS:
+    reason = (f"the kernels run head_dim {HEAD_DIMS}, got {q.shape[-1]} "
+              "(backward pads the others)")
   if reason:
     raise ValueError(f"mosaic_gpu_bwd.{kernel}: unsupported call: {reason}")
   if interpret is True:
@@ -518,5 +525,11 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
                 window_right=window_right, logit_soft_cap=logit_soft_cap,
                 interpret=interpret)
   delta = delta_of(out, d_out, d_lse)
-  dk, dv = dkv(q, k, v, d_out, lse, delta, **kwargs)
-  return dq(q, k, v, d_out, lse, delta, **kwargs), dk, dv, None
+
+  def run(q, k, v, d_out):
+    dk, dv = dkv(q, k, v, d_out, lse, delta, **kwargs)
+    return dq(q, k, v, d_out, lse, delta, **kwargs), dk, dv
+  dq_, dk, dv = fwd.with_padded_head_dim(
+      run, (q, k, v, d_out), HEAD_DIMS,
+      lambda grads, d: tuple(g[..., :d] for g in grads))
+  return dq_, dk, dv, None
