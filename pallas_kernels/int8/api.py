@@ -105,20 +105,21 @@ def quantize_int8(x, *, axis=-1, backend=None):
 # int8_matmul
 
 
-def _as_block_sizes(block_sizes):
-  """None | BlockSizes | (bm, bk, bn[, warps, stages]) | dict | TPU gen name."""
+def as_block_sizes(block_sizes, op="int8_matmul"):
+  """(BlockSizes | None, TPU generation | None) from None | BlockSizes |
+  (bm, bk, bn[, warps, stages]) | dict | a TPU generation name."""
   if block_sizes is None or isinstance(block_sizes, bs.BlockSizes):
     return block_sizes, None
   if isinstance(block_sizes, str):
     if block_sizes not in bs.TPU_GENERATIONS:
-      raise ValueError(f"int8_matmul: block_sizes={block_sizes!r} names no TPU "
+      raise ValueError(f"{op}: block_sizes={block_sizes!r} names no TPU "
                        f"generation of {bs.TPU_GENERATIONS}")
     return None, block_sizes
   if isinstance(block_sizes, dict):
     return bs.BlockSizes(**block_sizes), None
   if isinstance(block_sizes, (tuple, list)) and 3 <= len(block_sizes) <= 5:
     return bs.BlockSizes(*block_sizes), None
-  raise TypeError(f"int8_matmul: block_sizes={block_sizes!r} must be None, a "
+  raise TypeError(f"{op}: block_sizes={block_sizes!r} must be None, a "
                   "BlockSizes, a (bm, bk, bn) tuple, a dict or a TPU "
                   "generation name")
 
@@ -151,7 +152,7 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
                               bias=bias, out_dtype=out_dtype,
                               weight_only=weight_only,
                               weight_layout=weight_layout)
-  user_blocks, generation = _as_block_sizes(block_sizes)
+  user_blocks, generation = as_block_sizes(block_sizes)
   if call.empty:
     return call.result(reference.matmul_2d(*call.operands, **call.static))
   x2, w, x_scale, w_scale, bias = call.operands
