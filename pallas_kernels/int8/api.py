@@ -46,7 +46,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _backend, _sharding
+from pallas_kernels import _backend, _frozen, _sharding
 from pallas_kernels.int8 import block_sizes as bs
 from pallas_kernels.int8 import (mosaic_gpu, mosaic_tpu, operands, quant,
                                  reference, triton)
@@ -156,11 +156,41 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
   if call.empty:
     return call.result(reference.matmul_2d(*call.operands, **call.static))
   x2, w, x_scale, w_scale, bias = call.operands
-  out = _backend.dispatch(
-      "int8_matmul", backend,
-      _matmul_kernels(x2, w, x_scale, call.static, user_blocks, generation),
-      *call.operands, rule=_matmul_rule(weight_layout, x_scale, w_scale, bias))
+  kernels = _matmul_kernels(x2, w, x_scale, call.static, user_blocks,
+                            generation)
+  rule = _matmul_rule(weight_layout, x_scale, w_scale, bias)
+  out = _frozen.frozen(
+      "int8_matmul", lambda *a: _backend.dispatch("int8_matmul", backend,
+                                                  kernels, *a, rule=rule),
+      ("x", "w", "x_scale", "w_scale", "bias"), call.operands,
+      _matmul_linear(call), _MATMUL_REASONS)
   return call.result(out)
+
+
+_FROZEN = "int8 weights are frozen (not differentiable)"
+_MATMUL_REASONS = {
+    "x": ("float x is quantized per row on the fly (dynamic mode), which has "
+          "no gradient: pass weight_only=True, or train through "
+          "pallas_kernels.nn.int8_dense"),
+    "x_scale": "x_scale belongs to the int8 x: not differentiable",
+    "w_scale": (f"w_scale belongs to the int8 weight w: {_FROZEN}; train "
+                "through pallas_kernels.nn.int8_dense or quantized_dense"),
+}
+
+
+def _matmul_linear(call):
+  """Tangents in x (weight-only) and bias, in plain JAX (see _frozen)."""
+  m, n = call.operands[0].shape[0], call.n
+
+  def bias(t, *_):
+    return jnp.broadcast_to(t.astype(jnp.float32), (m, n))
+
+  def x(t, x2, w, xs, ws, b):
+    return reference.matmul_2d(t, w, None, ws, None, mode="weight_only",
+                               out_dtype=jnp.float32,
+                               w_layout=call.w_layout)
+  return ({"x": x, "bias": bias} if call.mode == "weight_only"
+          else {"bias": bias})
 
 
 def _matmul_kernels(x2, w, x_scale, static, user_blocks, generation):

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import functools
 
-from pallas_kernels import _backend, _sharding
+import jax.numpy as jnp
+
+from pallas_kernels import _backend, _frozen, _sharding
 from pallas_kernels.int8 import api as int8_api
 from pallas_kernels.int8 import mosaic_tpu as int8_mosaic_tpu
 from pallas_kernels.int8 import triton as int8_triton
@@ -136,10 +138,51 @@ def quantized_matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
   user_blocks, generation = int8_api.as_block_sizes(block_sizes, OP)
   if call.empty:
     return call.result(reference.matmul_2d(*call.operands, **call.static))
-  out = _backend.dispatch(
-      OP, backend, _kernels(call, user_blocks, generation), *call.operands,
-      rule=_rule(call))
+  kernels = _kernels(call, user_blocks, generation)
+  out = _frozen.frozen(
+      OP, lambda *a: _backend.dispatch(OP, backend, kernels, *a,
+                                       rule=_rule(call)),
+      NAMES, call.operands, _linear(call), _reasons(call))
   return call.result(out)
+
+
+NAMES = ("x", "w", "x_scale", "w_scale", "w_zero", "bias")
+
+
+def _linear(call):
+  """The operands the result is differentiable in, and its tangent in each
+  (plain JAX, so reverse mode transposes it)."""
+  m, n = call.operands[0].shape[0], call.n
+
+  def bias(t, *_):
+    return jnp.broadcast_to(t.astype(jnp.float32), (m, n))
+
+  if call.mode != "weight_only":
+    return {"bias": bias}
+
+  def x(t, x2, w, xs, ws, wz, b):
+    return reference.matmul_2d(t, w, None, ws, wz, None, mode="weight_only",
+                               out_dtype=jnp.float32, w_layout=call.w_layout,
+                               group_size=call.group_size)
+  return {"x": x, "bias": bias}
+
+
+def _reasons(call):
+  w = call.operands[1]
+  frozen = "quantized weights are frozen (not differentiable)"
+  x_reason = (
+      f"x is quantized ({call.operands[0].dtype.name}); {frozen}"
+      if call.mode == "dequant" else
+      "float x is quantized per row on the fly (dynamic mode), which has no "
+      "gradient: pass weight_only=True to differentiate in x")
+  return {
+      "x": x_reason,
+      "w": (f"w is a quantized weight ({w.dtype.name}): {frozen}; train "
+            "through pallas_kernels.nn.quantized_dense (a LoRA adapter)"),
+      "x_scale": "x_scale belongs to the quantized x: not differentiable",
+      "w_scale": f"w_scale belongs to the quantized weight: {frozen}",
+      "w_zero": f"w_zero belongs to the quantized weight: {frozen}",
+  }
 
 
 def _kernels(call, user_blocks, generation):
