@@ -43,9 +43,10 @@ def _grouped(x, axis, group_size):
   if axis is None:
     return x.reshape(1, -1), 1
   axis %= x.ndim
-  g = group_size or x.shape[axis]
-  shape = x.shape[:axis] + (x.shape[axis] // g if g else 0, g) + \
-      x.shape[axis + 1:]
+  if group_size is None:
+    return x, axis
+  g = group_size
+  shape = x.shape[:axis] + (x.shape[axis] // g, g) + x.shape[axis + 1:]
   return x.reshape(shape), axis + 1
 
 
@@ -83,8 +84,8 @@ def quantize(x, fmt, axis=-1, group_size=None, symmetric=True):
     kept = ()
   else:
     axis %= x.ndim
-    kept = x.shape[:axis] + (scale.shape[red - 1] if group_size else 1,) + \
-        x.shape[axis + 1:]
+    groups = x.shape[axis] // group_size if group_size else 1
+    kept = x.shape[:axis] + (groups,) + x.shape[axis + 1:]
   out = [q.reshape(x.shape), scale.reshape(kept)]
   if zero is not None:
     out.append(zero.reshape(kept))
