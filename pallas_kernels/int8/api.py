@@ -23,8 +23,10 @@ Scales: x_scale is a scalar (any size-1 array) or x.shape[:-1] + (1,) (as
 ``quantize_int8(w, axis=0)`` returns); bias [N] or [1, N]. All are used in
 float32. Float outputs default to bfloat16 for int8 x and to x's dtype for
 float x. Any M, N, K; leading batch dimensions of x are kept. Empty inputs
-give empty (or, for K == 0, bias-only) outputs. These ops are not
-differentiable; train through ``pallas_kernels.nn.int8_dense``.
+give empty (or, for K == 0, bias-only) outputs. ``int8_matmul`` is
+differentiable in float x of weight-only calls and in bias; a gradient of
+anything else (w_scale, dynamically quantized x) raises a TypeError naming
+it (``pallas_kernels._frozen``). Train through ``pallas_kernels.nn.int8_dense``.
 
 Weight layout: ``weight_layout="nk"`` takes w as [N, K] (``torch.nn.Linear``
 stores weights so; quantize it per output channel with

@@ -7,10 +7,11 @@ config:
   2 * (bm*bk*x_bytes + bk*bn*w_bits/8)      double-buffered x and w tiles
   + bm*bn*4 (+ bm*bn*4 accumulator)         dot result, running sum
   + 2 * bm*bn*out_bytes                     double-buffered output tile
-  + bk*bn*c                                 the w tile in the compute dtype
-  + (bm*bk*2 when x is upcast: fp8 x off tpu7x)
-  + grouped: bk*bn*4*3 (float32 w, expanded scale and zero) and the
-    [bk/g, bn] scale/zero tiles, double-buffered
+  + bk*bn*(4 + c)                           the w tile converted through
+                                            float32 to the compute dtype
+  + (bm*bk*(4 + 2) when x is upcast: fp8 x off tpu7x)
+  + grouped: bk*bn*4 per expanded scale / zero tile, and the [bk/g, bn]
+    scale/zero tiles, double-buffered
   + scale and bias tiles
 
 Group scales ([K/g, N]) are read in [bk/g, bn] tiles, and Mosaic wants
@@ -57,10 +58,11 @@ def tpu_vmem_bytes(bm, bk, bn, *, x_bytes, w_bits, out_bytes, compute_bytes,
   total = 2 * (bm * bk * x_bytes + bk * bn * w_bits // 8)
   total += bm * bn * 4 + (bm * bn * 4 if accumulator else 0)
   total += 2 * bm * bn * out_bytes
-  total += bk * bn * compute_bytes
-  total += bm * bk * 2 if x_upcast else 0
+  if compute_bytes:  # the tile goes through float32 on its way
+    total += bk * bn * (4 + compute_bytes)
+  total += bm * bk * (4 + 2) if x_upcast else 0
   if group_size:
-    total += bk * bn * 4 * (3 if has_zero else 2)
+    total += bk * bn * 4 * (2 if has_zero else 1)
     rows = max(8, bk // group_size)
     total += 2 * rows * max(bn, 128) * 4 * (2 if has_zero else 1)
   total += 2 * (max(bm, 8) * 128 * 4 + 2 * 8 * max(bn, 128) * 4)
