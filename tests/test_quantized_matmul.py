@@ -483,6 +483,7 @@ def test_gradient_of_the_quantized_weight_names_it(op):
       jax.grad(lambda w_: fn(x, w_, weight_only=True).sum())(w8)
 
 
+@pytest.mark.slow
 def test_main_job_cases_match_reference():
   from pallas_kernels.quant import cases
   listed = cases.main_job_cases("small")
