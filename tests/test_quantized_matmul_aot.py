@@ -112,3 +112,11 @@ def test_fp8_products_use_the_fp8_mxu_on_tpu7x_only(monkeypatch):
       jax.eval_shape(functools.partial(api.quantized_matmul,
                                        backend="mosaic_tpu"), x, w)
   assert seen == {"v5e": True, "v6e": True, "v5p": True, "tpu7x": False}
+
+
+@pytest.mark.parametrize("mkn", [(1, 96, 1), (16, 511, 383), (40, 5000, 300)])
+@pytest.mark.parametrize("name", ["int4_per_channel", "e4m3_per_channel_nk",
+                                  "e4m3_x_e4m3"])
+def test_odd_shapes_compile(tpu_topologies, name, mkn):
+  """M = 1, N = 1, odd K and N (int4 packed two per byte), K padded."""
+  _compile("v5e", tpu_topologies, name, *mkn)
