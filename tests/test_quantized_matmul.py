@@ -407,6 +407,8 @@ W4 = jnp.zeros((64, 6), jnp.int4)
     (dict(weight_layout="kn_t"), ValueError, "weight_layout must be"),
     (dict(weight_only="yes"), TypeError, "weight_only must be a bool"),
     (dict(out_dtype=jnp.int32), ValueError, "out_dtype=int32 is only"),
+    (dict(out_dtype=jnp.int8), TypeError, "quantized_matmul: out_dtype must "
+     "be int32 or a float"),
     (dict(block_sizes="v9"), ValueError, "quantized_matmul: block_sizes='v9'"),
     (dict(backend="tpu"), ValueError, "backend='tpu' is not one of"),
 ])

@@ -88,8 +88,9 @@ def quantize(x, dtype, *, axis=-1, group_size=None, symmetric=True,
     return None
 
   def tpu(x_, interpret=None):
-    return int8_api.quantize_int8(
-        x_, axis=-1, backend="interpret" if interpret else "mosaic_tpu")
+    q, scale = int8_mosaic_tpu.quantize_rows(
+        x_.reshape(-1, x_.shape[-1]), interpret=interpret or False)
+    return q.reshape(x_.shape), scale.reshape(x_.shape[:-1] + (1,))
 
   return _backend.dispatch(
       "quantize", backend,

@@ -149,6 +149,19 @@ def _zero_array(value, allowed, described):
   return value.astype(jnp.float32)
 
 
+def _out_dtype(out_dtype):
+  if out_dtype is None:
+    return None
+  try:
+    out_dtype = jnp.dtype(out_dtype)
+  except TypeError as e:
+    raise TypeError(f"{OP}: out_dtype={out_dtype!r} is no dtype") from e
+  if out_dtype != jnp.int32 and not is_float(out_dtype):
+    raise TypeError(f"{OP}: out_dtype must be int32 or a float dtype, got "
+                    f"{out_dtype.name}")
+  return out_dtype
+
+
 def _shapes(x, w, weight_layout):
   check_array(OP, "x", x)
   check_array(OP, "w", w)
@@ -245,8 +258,7 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
       w_scale = w_scale.T
       w_zero = None if w_zero is None else w_zero.T
   bias = _float_array("bias", bias, {(n,), (1, n)}, f"({n},) or (1, {n})")
-  out_dtype = int8_operands._out_dtype(out_dtype) if out_dtype is not None \
-      else None
+  out_dtype = _out_dtype(out_dtype)
   mode = _mode(x, x_fmt, fmt, weight_only, group_size, out_dtype,
                any(v is not None for v in (x_scale, w_scale, bias)))
   if out_dtype == jnp.int32 and mode != "raw":
