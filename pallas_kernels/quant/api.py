@@ -92,10 +92,17 @@ def quantize(x, dtype, *, axis=-1, group_size=None, symmetric=True,
         x_.reshape(-1, x_.shape[-1]), interpret=interpret or False)
     return q.reshape(x_.shape), scale.reshape(x_.shape[:-1] + (1,))
 
+  rule = None
+  if supports() is None:  # rows split freely; the quantized axis never
+    lead = " ".join(f"a{i}" for i in range(x.ndim - 1))
+    rule = _sharding.make_rule(
+        "quantize", [("x", lead + " r")], [lead + " r", lead + " one"],
+        split=lead, helper="jax.shard_map",
+        names={"r": "quantized (last)"})
   return _backend.dispatch(
       "quantize", backend,
       [_backend.Kernel("mosaic_tpu", tpu, supports=supports),
-       _backend.Kernel("reference", xla)], x)
+       _backend.Kernel("reference", xla)], x, rule=rule)
 
 
 def _int8_kernel(w, static) -> bool:
