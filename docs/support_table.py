@@ -117,6 +117,45 @@ def _int8_cases():
   ]
 
 
+def _quantized_cases():
+  def call(w_dtype=jnp.int4, x_dtype=jnp.bfloat16, m=16, k=512, n=384,
+           group_size=None, layout="kn", zero=False):
+    weight_only = x_dtype in (jnp.bfloat16, jnp.float32)
+    w = _spec((k, n) if layout == "kn" else (n, k), w_dtype)
+    if group_size:
+      table = (k // group_size, n) if layout == "kn" else (n, k // group_size)
+    else:
+      table = (n,)
+    operands = [_spec((m, k), x_dtype), w, _spec(table, jnp.float32)]
+    if zero:
+      operands.append(_spec(table, w_dtype))
+
+    def run(backend):
+      def f(x, w, scale, *zero_):
+        return pk.quantized_matmul(
+            x, w, w_scale=scale, w_zero=zero_[0] if zero_ else None,
+            group_size=group_size, weight_only=weight_only,
+            weight_layout=layout, backend=backend)
+      return jax.eval_shape(f, *operands)
+    return run
+
+  return [
+      ("int4 weight-only, per channel", call()),
+      ("int4 weight-only, group 128 + zero, w [K, N]",
+       call(group_size=128, zero=True)),
+      ("int4 weight-only, group 128, w [N, K]",
+       call(group_size=128, layout="nk")),
+      ("int4 weight-only, w [N, K], odd K", call(k=511, layout="nk")),
+      ("fp8 e4m3 weight-only, per channel", call(w_dtype=jnp.float8_e4m3fn)),
+      ("fp8 e5m2 weight-only, group 64", call(w_dtype=jnp.float8_e5m2,
+                                              group_size=64)),
+      ("fp8 x fp8 (e4m3)", call(w_dtype=jnp.float8_e4m3fn,
+                                x_dtype=jnp.float8_e4m3fn, m=256)),
+      ("int8 weight-only, group 128", call(w_dtype=jnp.int8,
+                                           group_size=128)),
+  ]
+
+
 def _box_cases():
   def loss(dtype=jnp.float32, reduction="mean"):
     def run(backend):
@@ -160,6 +199,7 @@ def _box_cases():
 
 FAMILIES = (("flash_attention", _attention_cases),
             ("int8_matmul", _int8_cases),
+            ("quantized_matmul", _quantized_cases),
             ("IoU family and NMS", _box_cases))
 
 

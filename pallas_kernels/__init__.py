@@ -5,6 +5,7 @@ Public ops (each takes ``backend=None | "mosaic_tpu" | "gpu" | "interpret" |
 
   attention:   flash_attention, shard_flash_attention
   int8 matmul: quantize_int8, int8_matmul, shard_int8_matmul, nn.int8_dense
+  quantized:   quantize, quantized_matmul (int8, int4, fp8), nn.quantized_dense
   boxes:       giou, pairwise_giou, giou_loss, box_iou, ... ; nms, batched_nms,
                shard_batched_nms
 
@@ -36,6 +37,8 @@ _EXPORTS = {
     "quantize_int8": "pallas_kernels.int8",
     "int8_matmul": "pallas_kernels.int8",
     "shard_int8_matmul": "pallas_kernels.int8",
+    "quantize": "pallas_kernels.quant",
+    "quantized_matmul": "pallas_kernels.quant",
     "giou": "pallas_kernels.boxes.iou",
     "pairwise_giou": "pallas_kernels.boxes.iou",
     "giou_loss": "pallas_kernels.boxes.iou",
@@ -54,7 +57,8 @@ _EXPORTS = {
     "shard_batched_nms": "pallas_kernels.boxes.nms",
     "soft_nms": "pallas_kernels.boxes.nms",
 }
-_SUBMODULES = ("reference", "nn", "tpu_aot", "attention", "int8", "boxes")
+_SUBMODULES = ("reference", "nn", "tpu_aot", "attention", "int8", "quant",
+               "boxes")
 
 __all__ = sorted(_EXPORTS) + ["BACKENDS", "force_interpret"] + list(_SUBMODULES)
 

@@ -264,8 +264,11 @@ def choose(op: str, backend: str | None, kernels: Sequence[Kernel],
   table = _table(op, kernels)
   flavour = forced_interpret_flavour()
   if backend is None and flavour is not None:
-    # An op without a TPU kernel (soft_nms) has nothing to interpret.
-    backend = "interpret" if "mosaic_tpu" in table else "reference"
+    # An op without a TPU kernel (soft_nms), or whose TPU kernel refuses
+    # the call, has nothing to interpret: the reference runs.
+    tpu = table.get("mosaic_tpu")
+    usable = tpu is not None and tpu.reason(None, interpreted=True) is None
+    backend = "interpret" if usable else "reference"
   if backend is None:
     if platform is None:
       raise TypeError("choose: backend=None needs the platform")

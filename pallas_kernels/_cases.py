@@ -16,6 +16,7 @@ import numpy as np
 FAMILIES = {
     "attention": "pallas_kernels.attention",
     "int8": "pallas_kernels.int8",
+    "quant": "pallas_kernels.quant",
     "iou": "pallas_kernels.boxes.iou",
     "nms": "pallas_kernels.boxes.nms",
 }

@@ -11,6 +11,8 @@ _EXPORTS = {
     "flash_attention": "pallas_kernels.attention.reference",
     "quantize_int8": "pallas_kernels.int8.reference",
     "int8_matmul": "pallas_kernels.int8.reference",
+    "quantize": "pallas_kernels.quant.reference",
+    "quantized_matmul": "pallas_kernels.quant.reference",
     "iou": "pallas_kernels.boxes.iou.reference",
     "giou": "pallas_kernels.boxes.iou.reference",
     "diou": "pallas_kernels.boxes.iou.reference",

@@ -192,7 +192,8 @@ def _quick(op, tmp_path):
   return data
 
 
-@pytest.mark.parametrize("op", ["attention", "int8_matmul", "giou"])
+@pytest.mark.parametrize("op", ["attention", "int8_matmul", "quantized_matmul",
+                                "giou"])
 def test_quick_run_times_ours_against_a_jax_peer(op, tmp_path):
   data = _quick(op, tmp_path)
   ours = [r for r in data["rows"] if r["impl"].startswith("ours")]

@@ -22,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 # The pages whose blocks run here, and what each must define afterwards.
 PAGES = {"attention.md": ("out", "dq"), "int8.md": ("y", "grads"),
+         "quantized.md": ("y4", "y8", "grads"),
          "boxes.md": ("loss", "keep", "per_image")}
 
 

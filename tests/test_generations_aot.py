@@ -46,6 +46,17 @@ def _ops(length, mkn, boxes, pairs):
           lambda x, w, s: pk.int8_matmul(x, w, w_scale=s),
           [S((m, k), jnp.bfloat16), S((k, n), jnp.int8), S((n,), jnp.float32)],
           ("quantize_int8_rows", "int8_matmul_dequant")),
+      "quantized_matmul_int4": (
+          lambda x, w, s: pk.quantized_matmul(x, w, w_scale=s, group_size=128,
+                                              weight_only=True),
+          [S((m, k), jnp.bfloat16), S((k, n), jnp.int4),
+           S((k // 128, n), jnp.float32)],
+          ("quantized_matmul_weight_only_int4_grouped",)),
+      "quantized_matmul_fp8": (
+          lambda x, w, a, b: pk.quantized_matmul(x, w, x_scale=a, w_scale=b),
+          [S((m, k), jnp.float8_e4m3fn), S((k, n), jnp.float8_e4m3fn),
+           S((m,), jnp.float32), S((n,), jnp.float32)],
+          ("quantized_matmul_dequant_float8_e4m3fn",)),
       "giou_loss": (_giou_loss, [S((boxes, 4), jnp.float32)] * 2,
                     ("giou_loss_sum", "giou_grad")),
       "pairwise_iou": (pk.pairwise_iou, [S((pairs, 4), jnp.float32)] * 2,

@@ -109,6 +109,21 @@ def test_int8(backend, rng):
 
 
 @pytest.mark.parametrize("backend", ALL)
+def test_quantized_matmul(backend, rng):
+  xf = jnp.asarray(rng.standard_normal((MAPPED, 4, 64)), jnp.float32)
+  w4 = jnp.asarray(rng.integers(-8, 8, (MAPPED, 64, 8)), jnp.int4)
+  scale = jnp.asarray(rng.uniform(0.5, 2, (MAPPED, 2, 8)), jnp.float32)
+  grouped = functools.partial(pk.quantized_matmul, group_size=32,
+                              weight_only=True)
+  check(backend, lambda x, w, s, backend=None: grouped(
+      x, w, w_scale=s, backend=backend), (xf, w4[0], scale[0]),
+        in_axes=(0, None, None), rtol=1e-4)
+  check(backend, lambda x, w, s, backend=None: grouped(  # mapped weights
+      x, w, w_scale=s, backend=backend), (xf, w4, scale), rtol=1e-4)
+  check(backend, pk.quantize, (xf,), dtype=jnp.int8)  # the kernel's call
+
+
+@pytest.mark.parametrize("backend", ALL)
 def test_nms(backend, rng):
   b = boxes(rng, MAPPED, 2, 9)
   s = jnp.asarray(rng.random((MAPPED, 2, 9)), jnp.float32)

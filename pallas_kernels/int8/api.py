@@ -23,8 +23,10 @@ Scales: x_scale is a scalar (any size-1 array) or x.shape[:-1] + (1,) (as
 ``quantize_int8(w, axis=0)`` returns); bias [N] or [1, N]. All are used in
 float32. Float outputs default to bfloat16 for int8 x and to x's dtype for
 float x. Any M, N, K; leading batch dimensions of x are kept. Empty inputs
-give empty (or, for K == 0, bias-only) outputs. These ops are not
-differentiable; train through ``pallas_kernels.nn.int8_dense``.
+give empty (or, for K == 0, bias-only) outputs. ``int8_matmul`` is
+differentiable in float x of weight-only calls and in bias; a gradient of
+anything else (w_scale, dynamically quantized x) raises a TypeError naming
+it (``pallas_kernels._frozen``). Train through ``pallas_kernels.nn.int8_dense``.
 
 Weight layout: ``weight_layout="nk"`` takes w as [N, K] (``torch.nn.Linear``
 stores weights so; quantize it per output channel with
@@ -46,7 +48,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _backend, _sharding
+from pallas_kernels import _backend, _frozen, _sharding
 from pallas_kernels.int8 import block_sizes as bs
 from pallas_kernels.int8 import (mosaic_gpu, mosaic_tpu, operands, quant,
                                  reference, triton)
@@ -113,20 +115,21 @@ def quantize_int8(x, *, axis=-1, backend=None):
 # int8_matmul
 
 
-def _as_block_sizes(block_sizes):
-  """None | BlockSizes | (bm, bk, bn[, warps, stages]) | dict | TPU gen name."""
+def as_block_sizes(block_sizes, op="int8_matmul"):
+  """(BlockSizes | None, TPU generation | None) from None | BlockSizes |
+  (bm, bk, bn[, warps, stages]) | dict | a TPU generation name."""
   if block_sizes is None or isinstance(block_sizes, bs.BlockSizes):
     return block_sizes, None
   if isinstance(block_sizes, str):
     if block_sizes not in bs.TPU_GENERATIONS:
-      raise ValueError(f"int8_matmul: block_sizes={block_sizes!r} names no TPU "
+      raise ValueError(f"{op}: block_sizes={block_sizes!r} names no TPU "
                        f"generation of {bs.TPU_GENERATIONS}")
     return None, block_sizes
   if isinstance(block_sizes, dict):
     return bs.BlockSizes(**block_sizes), None
   if isinstance(block_sizes, (tuple, list)) and 3 <= len(block_sizes) <= 5:
     return bs.BlockSizes(*block_sizes), None
-  raise TypeError(f"int8_matmul: block_sizes={block_sizes!r} must be None, a "
+  raise TypeError(f"{op}: block_sizes={block_sizes!r} must be None, a "
                   "BlockSizes, a (bm, bk, bn) tuple, a dict or a TPU "
                   "generation name")
 
@@ -159,15 +162,45 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
                               bias=bias, out_dtype=out_dtype,
                               weight_only=weight_only,
                               weight_layout=weight_layout)
-  user_blocks, generation = _as_block_sizes(block_sizes)
+  user_blocks, generation = as_block_sizes(block_sizes)
   if call.empty:
     return call.result(reference.matmul_2d(*call.operands, **call.static))
   x2, w, x_scale, w_scale, bias = call.operands
-  out = _backend.dispatch(
-      "int8_matmul", backend,
-      _matmul_kernels(x2, w, x_scale, call.static, user_blocks, generation),
-      *call.operands, rule=_matmul_rule(weight_layout, x_scale, w_scale, bias))
+  kernels = _matmul_kernels(x2, w, x_scale, call.static, user_blocks,
+                            generation)
+  rule = _matmul_rule(weight_layout, x_scale, w_scale, bias)
+  out = _frozen.frozen(
+      "int8_matmul", lambda *a: _backend.dispatch("int8_matmul", backend,
+                                                  kernels, *a, rule=rule),
+      ("x", "w", "x_scale", "w_scale", "bias"), call.operands,
+      _matmul_linear(call), _MATMUL_REASONS)
   return call.result(out)
+
+
+_FROZEN = "int8 weights are frozen (not differentiable)"
+_MATMUL_REASONS = {
+    "x": ("float x is quantized per row on the fly (dynamic mode), which has "
+          "no gradient: pass weight_only=True, or train through "
+          "pallas_kernels.nn.int8_dense"),
+    "x_scale": "x_scale belongs to the int8 x: not differentiable",
+    "w_scale": (f"w_scale belongs to the int8 weight w: {_FROZEN}; train "
+                "through pallas_kernels.nn.int8_dense or quantized_dense"),
+}
+
+
+def _matmul_linear(call):
+  """Tangents in x (weight-only) and bias, in plain JAX (see _frozen)."""
+  m, n = call.operands[0].shape[0], call.n
+
+  def bias(t, *_):
+    return jnp.broadcast_to(t.astype(jnp.float32), (m, n))
+
+  def x(t, x2, w, xs, ws, b):
+    return reference.matmul_2d(t, w, None, ws, None, mode="weight_only",
+                               out_dtype=jnp.float32,
+                               w_layout=call.w_layout)
+  return ({"x": x, "bias": bias} if call.mode == "weight_only"
+          else {"bias": bias})
 
 
 def _matmul_kernels(x2, w, x_scale, static, user_blocks, generation):

@@ -1,0 +1,182 @@
+"""Quantized matmul (int8, fp8, int4 group 128) against bf16 and torch.
+
+    python -m bench.quantized_matmul [--quick] [--cases TEXT] [--tag T] [--out DIR]
+
+Cases (M x K x N):
+  weight_only  x bf16 [M, K], w [K, N] as int8 / float8_e4m3fn (per-channel
+               w_scale [N]) and int4 (groups of 128 along K, w_scale and
+               w_zero [K/128, N]) -> bf16 (``pk.quantized_matmul(...,
+               weight_only=True)``), M = 1..256 over the (K, N) of Llama-3
+               8B and 70B layers. Memory-bound rows report ``hbm_tbs``: the
+               HBM bytes the call must move (w, its scales, x, out) per
+               second.
+  fp8          x, w float8_e4m3fn 8192^3 with x_scale [M] and w_scale [N]
+               -> bf16 (ours_fp8) vs ``torch._scaled_mm`` (w fed K-major).
+Peers in the same run: xla_bf16 (``jnp.dot`` of bf16 x and w in the same
+program), torch_bf16 (``torch.matmul``). Each call takes the next of
+``copies`` copies of its inputs, so no call finds w in L2. ``err``: ours
+against float64 numpy of the dequantized weight, first 16 rows. TPU rows:
+the roofline of each case's minimum HBM traffic.
+"""
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from bench import harness, roofline
+
+SHAPES = [(4096, 14336), (14336, 4096), (8192, 8192), (8192, 28672)]
+MS = (1, 8, 16, 32, 64, 128, 256)
+FORMATS = ("int8", "float8_e4m3fn", "int4")
+GROUP = 128
+CASES = ([dict(m=m, k=k, n=n, mode="weight_only", copies=8)
+          for k, n in SHAPES for m in MS]
+         + [dict(m=8192, k=8192, n=8192, mode="fp8", copies=2)])
+QUICK = [dict(m=8, k=256, n=128, mode="weight_only", copies=1),
+         dict(m=32, k=128, n=64, mode="fp8", copies=1)]
+CHECK_ROWS = 16
+DTYPES = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn,
+          "int4": jnp.int4}
+W_BITS = {"int8": 8, "float8_e4m3fn": 8, "int4": 4}
+
+
+def label(case):
+  return f"{case['m']}x{case['k']}x{case['n']} {case['mode']}"
+
+
+def weights(k, n):
+  """fmt -> (w_q, w_scale, w_zero | None, dequantized float64 w)."""
+  w = jax.random.normal(jax.random.key(1), (k, n), jnp.float32) / np.sqrt(k)
+  out = {}
+  for fmt in FORMATS:
+    if fmt == "int4":
+      q, s, z = pk.quantize(w, jnp.int4, axis=0, group_size=GROUP,
+                            symmetric=False)
+      deq = ((np.asarray(q, np.float64) - np.repeat(np.asarray(
+          z, np.float64), GROUP, 0)) * np.repeat(np.asarray(s, np.float64),
+                                                 GROUP, 0))
+    else:
+      q, s = pk.quantize(w, DTYPES[fmt], axis=0)
+      s = s.reshape(-1)
+      z = None
+      deq = np.asarray(q, np.float64) * np.asarray(s, np.float64)
+    out[fmt] = (q, s, z, deq)
+  return w, out
+
+
+def weight_only_op(fmt):
+  if fmt == "int4":
+    return lambda x, w, s, z: pk.quantized_matmul(
+        x, w, w_scale=s, w_zero=z, group_size=GROUP, weight_only=True)
+  return lambda x, w, s: pk.quantized_matmul(x, w, w_scale=s,
+                                             weight_only=True)
+
+
+def hbm_bytes(m, k, n, fmt):
+  scale_rows = k // GROUP * 2 if fmt == "int4" else 1
+  return (k * n * W_BITS[fmt] // 8 + scale_rows * n * 4 + m * k * 2
+          + m * n * 2)
+
+
+def torch_peers(case, copies):
+  """name -> thunk; {} without torch."""
+  torch = harness.torch_module()
+  if torch is None:
+    return {}
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  m, k, n = case["m"], case["k"], case["n"]
+
+  def rotating(op, a, b):
+    turn = itertools.cycle([b] + [b.clone() for _ in range(copies - 1)])
+    return lambda: op(a, next(turn))
+
+  peers = {"torch_bf16": rotating(
+      torch.matmul, torch.randn(m, k, device=device, dtype=torch.bfloat16),
+      torch.randn(k, n, device=device, dtype=torch.bfloat16))}
+  if case["mode"] == "fp8" and device == "cuda":
+    a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    peers["torch_scaled_mm"] = rotating(
+        lambda a_, b_: torch._scaled_mm(a_, b_, scale_a=one, scale_b=one,
+                                        out_dtype=torch.bfloat16), a, b)
+  return peers
+
+
+def run(case, timer):
+  m, k, n, copies = case["m"], case["k"], case["n"], case["copies"]
+  name, rows = label(case), []
+  flops = 2.0 * m * k * n
+  x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+  w, quantized = weights(k, n)
+  x64 = np.asarray(x, np.float64)[:CHECK_ROWS]
+  if case["mode"] == "weight_only":
+    for fmt in FORMATS:
+      q, s, z, deq = quantized[fmt]
+      args = (x, q, s) if z is None else (x, q, s, z)
+      out = {}
+
+      def timed(fmt=fmt, args=args, out=out):
+        seconds, result = timer.jax(weight_only_op(fmt), *args,
+                                    copies=copies)
+        out["err"] = harness.rel_error(result[:CHECK_ROWS], x64 @ deq)
+        return seconds
+      row = harness.measure(rows, name, f"ours_{fmt}", timed, flops=flops)
+      row["err"] = out.get("err")
+      if row["ms"]:
+        row["hbm_tbs"] = hbm_bytes(m, k, n, fmt) / row["ms"] / 1e9
+  else:
+    xq, xs = pk.quantize(x.astype(jnp.float32), jnp.float8_e4m3fn)
+    q, s, _, deq = quantized["float8_e4m3fn"]
+    xs = xs.reshape(-1)
+    out = {}
+
+    def timed():
+      seconds, result = timer.jax(
+          lambda a, b, c, d: pk.quantized_matmul(a, b, x_scale=c, w_scale=d),
+          xq, q, xs, s, copies=copies)
+      want = (np.asarray(xq, np.float64)[:CHECK_ROWS]
+              * np.asarray(xs, np.float64)[:CHECK_ROWS, None]) @ deq
+      out["err"] = harness.rel_error(result[:CHECK_ROWS], want)
+      return seconds
+    row = harness.measure(rows, name, "ours_fp8", timed, flops=flops)
+    row["err"] = out.get("err")
+  wb = w.astype(jnp.bfloat16)
+  harness.measure(rows, name, "xla_bf16", lambda: timer.jax(
+      jnp.dot, x, wb, copies=copies)[0], flops=flops)
+  for impl, thunk in torch_peers(case, copies).items():
+    harness.measure(rows, name, impl,
+                    lambda t=thunk: timer.torch(t, reps=copies), flops=flops)
+  return rows
+
+
+def tpu_rows(cases):
+  rows = []
+  for case in cases:
+    m, k, n = case["m"], case["k"], case["n"]
+    if case["mode"] == "fp8":
+      rows += roofline.rows(label(case), 2.0 * m * k * n,
+                            m * k + k * n + 2 * m * n, "fp8",
+                            chips=("tpu7x",))
+      rows += roofline.rows(label(case) + " (bf16 MXU)", 2.0 * m * k * n,
+                            m * k + k * n + 2 * m * n, "bf16")
+    else:
+      rows += roofline.rows(label(case) + " int4", 2.0 * m * k * n,
+                            hbm_bytes(m, k, n, "int4"), "bf16")
+  return rows
+
+
+def main(argv=None):
+  return harness.main(
+      "quantized_matmul", CASES, QUICK, run, label=label, tpu_rows=tpu_rows,
+      argv=argv, doc=__doc__,
+      columns=["case", "impl", "ms", "tflops", "hbm_tbs", "err",
+               "vs_xla_bf16", "vs_torch_bf16", "vs_torch_scaled_mm", "error"])
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,212 @@
+"""Tiles for the quantized matmul kernels (int4, fp8, grouped int8).
+
+TPU (Mosaic). Grid (M/bm, N/bn, K/bk) as for int8 (``int8.block_sizes``);
+the generation's VMEM budget and limit are int8's (``TPU_VMEM``). VMEM of a
+config:
+
+  2 * (bm*bk*x_bytes + bk*bn*w_bits/8)      double-buffered x and w tiles
+  + bm*bn*4 (+ bm*bn*4 accumulator)         dot result, running sum
+  + 2 * bm*bn*out_bytes                     double-buffered output tile
+  + bk*bn*(4 + c)                           the w tile converted through
+                                            float32 to the compute dtype
+  + (bm*bk*(4 + 2) when x is upcast: fp8 x off tpu7x)
+  + grouped: bk*bn*4 per expanded scale / zero tile, and the [bk/g, bn]
+    scale/zero tiles, double-buffered
+  + scale and bias tiles
+
+Group scales ([K/g, N]) are read in [bk/g, bn] tiles, and Mosaic wants
+their row count a multiple of 8 or all of K/g: bk is a multiple of
+lcm(128, 8g) unless one tile spans K. A config over budget halves its
+largest tile dimension (bk keeping that unit). The rows start from int8's
+table: the weight tiles hold 2x (int4) the values per byte, but the float32
+dequantization temporaries dominate, so the same tiles fit.
+
+GPU (Triton): powers of two; weight-only decode streams w with a K split
+(``split_k``) when the column tiles alone cannot fill the GPU; bk <= the
+group size (one scale row per K step).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from pallas_kernels.int8 import block_sizes as int8_bs
+
+MiB = 1 << 20
+TPU_TABLE = int8_bs.TPU_TABLE
+TPU_VMEM = int8_bs.TPU_VMEM
+BlockSizes = int8_bs.BlockSizes
+round_up = int8_bs.round_up
+# Generations whose MXU multiplies fp8 operands (others upcast to bf16).
+FP8_MXU = frozenset({"tpu7x"})
+
+
+def fp8_mxu(generation: str | None) -> bool:
+  return generation in FP8_MXU
+
+
+def k_unit(group_size: int | None) -> int:
+  """K tiles are multiples of this (module docstring)."""
+  if group_size is None:
+    return 128
+  return math.lcm(128, 8 * group_size)
+
+
+def tpu_vmem_bytes(bm, bk, bn, *, x_bytes, w_bits, out_bytes, compute_bytes,
+                   accumulator, group_size=None, has_zero=False,
+                   x_upcast=False):
+  total = 2 * (bm * bk * x_bytes + bk * bn * w_bits // 8)
+  total += bm * bn * 4 + (bm * bn * 4 if accumulator else 0)
+  total += 2 * bm * bn * out_bytes
+  if compute_bytes:  # the tile goes through float32 on its way
+    total += bk * bn * (4 + compute_bytes)
+  total += bm * bk * (4 + 2) if x_upcast else 0
+  if group_size:
+    total += bk * bn * 4 * (2 if has_zero else 1)
+    rows = max(8, bk // group_size)
+    total += 2 * rows * max(bn, 128) * 4 * (2 if has_zero else 1)
+  total += 2 * (max(bm, 8) * 128 * 4 + 2 * 8 * max(bn, 128) * 4)
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuPlan:
+  bm: int
+  bk: int
+  bn: int
+  k_padded: int
+  vmem_bytes: int
+  vmem_limit_bytes: int
+
+
+def plan_tpu(m, k, n, *, x_bytes, w_bits, out_bytes, compute_bytes,
+             generation=None, group_size=None, has_zero=False,
+             x_upcast=False, block_sizes: BlockSizes | None = None) -> TpuPlan:
+  """Tiles for an [m, k] x [k, n] problem (module docstring)."""
+  gen = generation if generation in TPU_TABLE else "default"
+  budget, limit = TPU_VMEM.get(generation or "default", TPU_VMEM["default"])
+  unit = k_unit(group_size)
+  if block_sizes is not None:
+    bm, bk, bn = block_sizes.bm, block_sizes.bk, block_sizes.bn
+    for name, value, dim, need in (("bm", bm, m, 32), ("bk", bk, k, unit),
+                                   ("bn", bn, n, 128)):
+      if value < dim and value % need:
+        raise ValueError(f"block_sizes.{name}={value} must be a multiple of "
+                         f"{need} on TPU"
+                         + (f" (group_size={group_size})"
+                            if name == "bk" and group_size else ""))
+  else:
+    bm, bk, bn = TPU_TABLE[gen][int8_bs.shape_class(m)]
+    bm = bm or m
+    bk = max(unit, bk // unit * unit)
+
+  def vmem(tm, tk, tn, nk):
+    return tpu_vmem_bytes(tm, tk, tn, x_bytes=x_bytes, w_bits=w_bits,
+                          out_bytes=out_bytes, compute_bytes=compute_bytes,
+                          accumulator=nk > 1, group_size=group_size,
+                          has_zero=has_zero, x_upcast=x_upcast)
+
+  while True:
+    tm = m if m <= bm else bm
+    tn = n if n <= bn else _prefer_divisor(n, bn)
+    if k <= bk:
+      tk, k_padded = k, k
+    else:
+      k_padded = round_up(k, unit)
+      tk = int8_bs._largest_divisor_tile(k_padded, bk, unit)
+      if tk * 4 < bk:  # a poor divisor: pad K to a multiple of the tile
+        tk, k_padded = bk, round_up(k, bk)
+    used = vmem(tm, tk, tn, k_padded // tk)
+    if used <= budget or block_sizes is not None:
+      break
+    options = [(bk if bk > unit else 0, "k"), (bn if bn > 128 else 0, "n"),
+               (bm if bm > 32 and m > 32 else 0, "m")]
+    size, which = max(options)
+    if size == 0:
+      break
+    if which == "k":
+      bk = max(unit, bk // 2 // unit * unit)
+    elif which == "n":
+      bn //= 2
+    else:
+      bm = max(32, round_up(min(bm, m) // 2, 32))
+  limit = max(limit, round_up(int(used * 1.25), MiB))
+  return TpuPlan(tm, tk, tn, k_padded, used, limit)
+
+
+def _prefer_divisor(dim: int, target: int) -> int:
+  if dim % 128 == 0:
+    tile = int8_bs._largest_divisor_tile(dim, target, 128)
+    if tile * 2 >= target:
+      return tile
+  return target
+
+
+# ------------------------------------------------------------------- GPU
+
+@dataclasses.dataclass(frozen=True)
+class GpuPlan:
+  bm: int
+  bk: int
+  bn: int
+  num_warps: int
+  num_stages: int
+  split_k: int
+
+
+# bm, bk, bn, warps, stages per class of M (weight-only: w dominates).
+GPU_TABLE = {
+    "decode": (16, 128, 64, 4, 4),     # M <= 16
+    "narrow": (64, 64, 64, 4, 4),      # M <= 64
+    "small": (64, 64, 128, 4, 3),      # M <= 256
+    "large": (128, 64, 128, 8, 3),
+}
+GPU_TABLE_FP8 = (128, 128, 128, 8, 3)  # fp8 x fp8 (dequant)
+GPU_TARGET_PROGRAMS = 192
+
+
+def _pow2_at_least(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+def gpu_class(m: int) -> str:
+  if m <= 16:
+    return "decode"
+  if m <= 64:
+    return "narrow"
+  return "small" if m <= 256 else "large"
+
+
+def plan_gpu(m, k, n, *, mode, group_size=None,
+             block_sizes: BlockSizes | None = None) -> GpuPlan:
+  """The Triton plan: powers of two >= 16; bk divides group_size."""
+  if block_sizes is not None:
+    for name in ("bm", "bk", "bn"):
+      value = getattr(block_sizes, name)
+      if value < 16 or value & (value - 1):
+        raise ValueError(f"block_sizes.{name}={value} must be a power of two "
+                         ">= 16 on GPU (a Triton requirement)")
+    bm, bk, bn = block_sizes.bm, block_sizes.bk, block_sizes.bn
+    warps = block_sizes.num_warps or 4
+    stages = block_sizes.num_stages or 3
+    split = block_sizes.split_k or 1
+    if group_size is not None and group_size % bk:
+      raise ValueError(f"block_sizes.bk={bk} must divide group_size="
+                       f"{group_size} on GPU (one scale row per K step)")
+    return GpuPlan(bm, bk, bn, warps, stages, split)
+  cls = gpu_class(m)
+  bm, bk, bn, warps, stages = (GPU_TABLE_FP8 if mode == "dequant"
+                               else GPU_TABLE[cls])
+  bm = min(bm, max(16, _pow2_at_least(m)))
+  bn = min(bn, max(16, _pow2_at_least(n)))
+  bk = min(bk, max(32, _pow2_at_least(k)))
+  if group_size is not None:
+    while group_size % bk:
+      bk //= 2
+  split = 1
+  if mode == "weight_only" and cls == "decode":
+    programs = -(-m // bm) * -(-n // bn)
+    while programs * split < GPU_TARGET_PROGRAMS and split < 8:
+      split *= 2
+    split = max(1, min(split, -(-k // bk)))
+  return GpuPlan(bm, bk, bn, warps, stages, split)

@@ -1,0 +1,298 @@
+"""``quantized_matmul``'s and ``quantize``'s arguments: checked, and
+normalized into the 2-D operands the reference and every kernel take.
+
+Operands: ``(x2 [M, K], w, x_scale [M, 1] | None, w_scale, w_zero, bias
+[1, N] | None)``, all scales float32. w keeps its dtype and layout ([K, N],
+or [N, K] for "nk"). w_scale is [1, N] (per channel; a scalar broadcast) or,
+with ``group_size`` g, [K // g, N] in either layout; w_zero (grouped integer
+weights only) the same [K // g, N] or None. Static: ``mode`` (raw, dequant,
+dynamic, weight_only), ``out_dtype``, ``w_layout``, ``group_size``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.int8 import operands as int8_operands
+from pallas_kernels.quant import formats
+
+FLOAT_DTYPES = int8_operands.FLOAT_DTYPES
+MAX_INT8_K = int8_operands.MAX_INT8_K
+is_float = int8_operands.is_float
+check_array = int8_operands.check_array
+OP = "quantized_matmul"
+
+
+def _name(dtype) -> str:
+  return jnp.dtype(dtype).name
+
+
+def weight_format(w, op=OP) -> formats.Format:
+  fmt = formats.format_of(w.dtype)
+  if fmt is None:
+    raise TypeError(f"{op}: w must be int8, int4, float8_e4m3fn or "
+                    f"float8_e5m2, got {_name(w.dtype)}")
+  return fmt
+
+
+def check_bool(op, name, value):
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{op}: {name} must be a bool (True or False), got "
+                    f"{value!r}")
+
+
+def check_group_size(op, group_size):
+  if group_size is None:
+    return None
+  if (isinstance(group_size, bool)
+      or not isinstance(group_size, (int, np.integer)) or group_size <= 0):
+    raise ValueError(f"{op}: group_size must be a positive int or None, got "
+                     f"{group_size!r}")
+  return int(group_size)
+
+
+# ---------------------------------------------------------------- quantize
+
+def quantize_args(x, dtype, axis, group_size, symmetric):
+  """(format, axis | None, group_size | None) after checking."""
+  op = "quantize"
+  check_array(op, "x", x)
+  if not is_float(x.dtype):
+    raise TypeError(f"{op}: x must be bfloat16, float16 or float32, got "
+                    f"{_name(x.dtype)}")
+  try:
+    fmt = formats.format_of(jnp.dtype(dtype))
+  except TypeError:
+    fmt = None
+  if fmt is None:
+    raise TypeError(f"{op}: dtype must be one of {', '.join(formats.NAMES)} "
+                    f"(jnp.int8, jnp.int4, jnp.float8_e4m3fn, "
+                    f"jnp.float8_e5m2), got {dtype!r}")
+  check_bool(op, "symmetric", symmetric)
+  if not symmetric and not fmt.integer:
+    raise ValueError(f"{op}: symmetric=False (a zero point) is for int8 and "
+                     f"int4; {fmt.name} is symmetric only")
+  group_size = check_group_size(op, group_size)
+  if axis is None:
+    if group_size is not None:
+      raise ValueError(f"{op}: group_size needs an axis (groups run along "
+                       "it), got axis=None")
+    return fmt, None, None
+  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+    raise TypeError(f"{op}: axis must be an int or None, got {axis!r}")
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"{op}: axis={axis} is out of range for x of rank "
+                     f"{x.ndim}")
+  axis = int(axis) % x.ndim
+  if group_size is not None and x.shape[axis] % group_size:
+    raise ValueError(f"{op}: x's axis {axis} has length {x.shape[axis]}, "
+                     f"not a multiple of group_size={group_size}")
+  return fmt, axis, group_size
+
+
+# ---------------------------------------------------------- quantized_matmul
+
+@dataclasses.dataclass(frozen=True)
+class MatmulCall:
+  """One ``quantized_matmul`` call, normalized."""
+  operands: tuple   # (x2, w, x_scale, w_scale, w_zero, bias)
+  mode: str
+  out_dtype: jnp.dtype
+  w_layout: str
+  group_size: int | None
+  batch: tuple
+  k: int
+  n: int
+
+  @property
+  def static(self) -> dict:
+    return dict(mode=self.mode, out_dtype=self.out_dtype,
+                w_layout=self.w_layout, group_size=self.group_size)
+
+  @property
+  def empty(self) -> bool:
+    return 0 in (math.prod(self.batch), self.k, self.n)
+
+  def result(self, out2):
+    return out2.reshape(self.batch + (self.n,))
+
+
+def _float_array(name, value, allowed, described):
+  if value is None:
+    return None
+  check_array(OP, name, value)
+  value = jnp.asarray(value)
+  if not is_float(value.dtype):
+    raise TypeError(f"{OP}: {name} must be a float array, got "
+                    f"{_name(value.dtype)}")
+  if value.shape not in allowed:
+    raise ValueError(f"{OP}: {name} has shape {value.shape}; expected "
+                     f"{described}")
+  return value.astype(jnp.float32)
+
+
+def _zero_array(value, allowed, described):
+  if value is None:
+    return None
+  check_array(OP, "w_zero", value)
+  value = jnp.asarray(value)
+  dtype = jnp.dtype(value.dtype)
+  if not (is_float(dtype) or jnp.issubdtype(dtype, jnp.integer)):
+    raise TypeError(f"{OP}: w_zero must be an integer or float array, got "
+                    f"{dtype.name}")
+  if value.shape not in allowed:
+    raise ValueError(f"{OP}: w_zero has shape {value.shape}; expected "
+                     f"{described}")
+  return value.astype(jnp.float32)
+
+
+def _out_dtype(out_dtype):
+  if out_dtype is None:
+    return None
+  try:
+    out_dtype = jnp.dtype(out_dtype)
+  except TypeError as e:
+    raise TypeError(f"{OP}: out_dtype={out_dtype!r} is no dtype") from e
+  if out_dtype != jnp.int32 and not is_float(out_dtype):
+    raise TypeError(f"{OP}: out_dtype must be int32 or a float dtype, got "
+                    f"{out_dtype.name}")
+  return out_dtype
+
+
+def _shapes(x, w, weight_layout):
+  check_array(OP, "x", x)
+  check_array(OP, "w", w)
+  fmt = weight_format(w)
+  x_fmt = formats.format_of(x.dtype)
+  if not is_float(x.dtype) and (x_fmt is None or x_fmt.name == "int4"):
+    raise TypeError(f"{OP}: x must be bfloat16, float16, float32, int8 or "
+                    f"an fp8 dtype, got {_name(x.dtype)}")
+  if x.ndim < 1:
+    raise ValueError(f"{OP}: x must have at least one dimension [..., K]")
+  if weight_layout not in int8_operands.WEIGHT_LAYOUTS:
+    raise ValueError(f"{OP}: weight_layout must be 'kn' (w [K, N]) or 'nk' "
+                     f"(w [N, K]), got {weight_layout!r}")
+  if w.ndim != 2:
+    dims = "[K, N]" if weight_layout == "kn" else "[N, K]"
+    raise ValueError(f"{OP}: w must be 2-D {dims}, got shape {w.shape}")
+  k_axis = 0 if weight_layout == "kn" else 1
+  if x.shape[-1] != w.shape[k_axis]:
+    raise ValueError(f"{OP}: x's last dimension ({x.shape[-1]}) must equal "
+                     f"K, w's {'first' if k_axis == 0 else 'second'} "
+                     f"dimension for weight_layout={weight_layout!r} "
+                     f"(w.shape = {w.shape})")
+  return fmt, x_fmt, x.shape[:-1], w.shape[k_axis], w.shape[1 - k_axis]
+
+
+def _mode(x, x_fmt, fmt, weight_only, group_size, out_dtype, has_scales):
+  if is_float(x.dtype):
+    if weight_only:
+      return "weight_only"
+    if group_size is not None or fmt.name == "int4":
+      what = (f"group_size={group_size}" if group_size is not None
+              else "int4 w")
+      raise ValueError(f"{OP}: {what} with float x needs weight_only=True "
+                       "(x is not quantized to int4 or per group)")
+    return "dynamic"
+  if weight_only:
+    raise ValueError(f"{OP}: weight_only=True needs float x (bfloat16, "
+                     f"float16 or float32), got {_name(x.dtype)}")
+  if x_fmt.integer != fmt.integer or (fmt.integer and fmt.name != "int8"):
+    raise TypeError(f"{OP}: {x_fmt.name} x needs "
+                    f"{'int8' if x_fmt.integer else 'fp8'} w, got {fmt.name} "
+                    "(quantized x multiplies a w of its own kind)")
+  if group_size is not None:
+    raise ValueError(f"{OP}: group_size (sub-channel scales) is for "
+                     "weight-only calls (float x, weight_only=True)")
+  float_out = out_dtype is not None and out_dtype != jnp.int32
+  if fmt.integer and not has_scales and not float_out:
+    return "raw"
+  return "dequant"
+
+
+def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
+                group_size=None, bias=None, out_dtype=None,
+                weight_only=False, weight_layout="kn") -> MatmulCall:
+  """``quantized_matmul``'s arguments checked (TypeError/ValueError naming
+  the argument) and normalized."""
+  check_bool(OP, "weight_only", weight_only)
+  group_size = check_group_size(OP, group_size)
+  fmt, x_fmt, batch, k, n = _shapes(x, w, weight_layout)
+  m = math.prod(batch)
+  if x_scale is not None and is_float(x.dtype):
+    raise ValueError(f"{OP}: x_scale is only for quantized x (int8 or fp8); "
+                     "float x is quantized per row on the fly, or "
+                     "weight_only=True")
+  x_scale = _float_array(
+      "x_scale", x_scale,
+      {(), (1,), batch, batch + (1,), (1,) * x.ndim},
+      f"a scalar, x.shape[:-1] = {batch} or {batch + (1,)}")
+  if group_size is None:
+    w_scale = _float_array("w_scale", w_scale,
+                           {(), (1,), (1, 1), (n,), (1, n)},
+                           f"a scalar, ({n},) or (1, {n}) (or pass "
+                           "group_size for sub-channel scales)")
+    if w_zero is not None:
+      raise ValueError(f"{OP}: w_zero needs group_size (zero points come "
+                       "per group, as AWQ/GPTQ checkpoints store them)")
+  else:
+    if k % group_size:
+      raise ValueError(f"{OP}: K={k} is not a multiple of "
+                       f"group_size={group_size}")
+    groups = k // group_size
+    shape = (groups, n) if weight_layout == "kn" else (n, groups)
+    described = (f"{shape} = [K // group_size, N]" if weight_layout == "kn"
+                 else f"{shape} = [N, K // group_size] for weight_layout='nk'")
+    if w_scale is None:
+      raise ValueError(f"{OP}: group_size={group_size} needs w_scale of "
+                       f"shape {shape}")
+    w_scale = _float_array("w_scale", w_scale, {shape}, described)
+    if w_zero is not None and not fmt.integer:
+      raise ValueError(f"{OP}: w_zero is for int8 and int4 w; {fmt.name} "
+                       "is symmetric")
+    w_zero = _zero_array(w_zero, {shape}, described)
+    if weight_layout == "nk":
+      w_scale = w_scale.T
+      w_zero = None if w_zero is None else w_zero.T
+  bias = _float_array("bias", bias, {(n,), (1, n)}, f"({n},) or (1, {n})")
+  out_dtype = _out_dtype(out_dtype)
+  mode = _mode(x, x_fmt, fmt, weight_only, group_size, out_dtype,
+               any(v is not None for v in (x_scale, w_scale, bias)))
+  if out_dtype == jnp.int32 and mode != "raw":
+    raise ValueError(f"{OP}: out_dtype=int32 is only for int8 x and int8 w "
+                     "without x_scale, w_scale or bias")
+  int8_product = fmt.name == "int8" and mode != "weight_only"
+  if int8_product and k > MAX_INT8_K:
+    raise ValueError(
+        f"{OP}: K={k} exceeds {MAX_INT8_K}, beyond which the int32 "
+        "accumulator could overflow; split K or use weight_only=True")
+  if out_dtype is None:
+    out_dtype = jnp.dtype(jnp.int32 if mode == "raw" else
+                          jnp.bfloat16 if mode == "dequant" else x.dtype)
+
+  x2 = x.reshape(m, k)
+  if mode == "weight_only" and x2.dtype == jnp.float16:
+    x2 = x2.astype(jnp.float32)
+  if x_scale is not None:
+    x_scale = (jnp.broadcast_to(x_scale.reshape(1, 1), (m, 1))
+               if x_scale.size == 1 else x_scale.reshape(m, 1))
+  if w_scale is not None and group_size is None:
+    w_scale = jnp.broadcast_to(w_scale.reshape(1, -1), (1, n))
+  if bias is not None:
+    bias = bias.reshape(1, n)
+  return MatmulCall((x2, w, x_scale, w_scale, w_zero, bias), mode, out_dtype,
+                    weight_layout, group_size, batch, k, n)
+
+
+def split_kernel_refs(refs, *, has_xs, has_ws, has_zero, has_b):
+  """(x, w, x_scale, w_scale, w_zero, bias, out, [scratch...]) from a Pallas
+  kernel's positional refs (absent operands are None)."""
+  refs = list(refs)
+  x_ref, w_ref = refs.pop(0), refs.pop(0)
+  picked = [refs.pop(0) if present else None
+            for present in (has_xs, has_ws, has_zero, has_b)]
+  o_ref = refs.pop(0)
+  return (x_ref, w_ref, *picked, o_ref, refs)

@@ -1,0 +1,102 @@
+"""Plain-JAX ``quantize`` and ``quantized_matmul``: the semantics every
+kernel matches (the arithmetic itself is ``formats``').
+
+quantize(x, dtype, axis, group_size, symmetric)
+  Groups of ``group_size`` consecutive values along ``axis`` (all of it
+  without a group size; every value for ``axis=None``) share a scale (and a
+  zero point); formulas in ``formats``. scale (and zero) have x's shape
+  with ``axis`` of length (its length // group_size), or 1 (0-d for None).
+
+quantized_matmul, after ``operands.matmul_call``:
+  raw          int8 x @ int8 w, exact int32.
+  dequant      acc = x @ w, int8: exact int32; fp8: exact products summed
+               in float32; out = ((acc * x_scale) * w_scale + bias).
+  dynamic      float x quantized per row to w's format (``quantize(x,
+               w.dtype)``), then dequant.
+  weight_only  per channel: acc = x @ w (w converted exactly to x's dtype,
+               float32 sums), out = acc * w_scale + bias. With group_size:
+               w_deq = (w - w_zero) * w_scale in float32 (per group),
+               rounded to x's dtype, out = x @ w_deq (float32 sums) + bias.
+  float16 x computes as float32; the result is cast to out_dtype.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.int8 import quant as int8_quant
+from pallas_kernels.int8 import reference as int8_reference
+from pallas_kernels.quant import formats, operands
+
+
+def quantize_groups(x, fmt, axis, group_size, symmetric):
+  """``quantize``'s normalized call in plain JAX."""
+  x = jnp.asarray(x).astype(jnp.float32)
+  quantize_ = formats.symmetric if symmetric else formats.asymmetric
+  if axis is None or group_size is None:
+    return quantize_(x, fmt, axis)
+  groups = x.shape[axis] // group_size
+  xg = x.reshape(x.shape[:axis] + (groups, group_size) + x.shape[axis + 1:])
+  q, *rest = quantize_(xg, fmt, axis + 1)
+  kept = x.shape[:axis] + (groups,) + x.shape[axis + 1:]
+  return (q.reshape(x.shape), *(r.reshape(kept) for r in rest))
+
+
+def quantize(x, dtype, *, axis=-1, group_size=None, symmetric=True):
+  """Same as ``pallas_kernels.quantize`` (plain JAX)."""
+  fmt, axis, group_size = operands.quantize_args(x, dtype, axis, group_size,
+                                                 symmetric)
+  return quantize_groups(x, fmt, axis, group_size, symmetric)
+
+
+def expand_groups(a, group_size):
+  """[G, N] -> [G * group_size, N], each row repeated group_size times."""
+  return jnp.repeat(a, group_size, axis=0)
+
+
+def dequantize_weight(w, w_scale, w_zero, group_size, dtype):
+  """w [K, N] with per-group [G, N] scale (and zero) -> ``dtype``, computed
+  as ((w - zero) * scale) in float32."""
+  wf = w.astype(jnp.float32)
+  if w_zero is not None:
+    wf = wf - expand_groups(w_zero, group_size)
+  return (wf * expand_groups(w_scale, group_size)).astype(dtype)
+
+
+def _dot(x, w, precision=jax.lax.Precision.HIGHEST):
+  return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())),
+                             precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def matmul_2d(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
+              w_layout="kn", group_size=None):
+  """The normalized 2-D problem (``operands.MatmulCall``)."""
+  if w_layout == "nk":
+    w = w.T
+  fmt = formats.format_of(w.dtype)
+  if fmt.name == "int8" and mode != "weight_only" and group_size is None:
+    return int8_reference.matmul_2d(x2, w, x_scale, w_scale, bias, mode=mode,
+                                    out_dtype=out_dtype)
+  if mode == "dynamic":
+    x2, x_scale = quantize_groups(x2, fmt, 1, None, True)
+    mode = "dequant"
+  if mode == "dequant":  # fp8 x fp8: exact products, float32 sums
+    acc = _dot(x2.astype(jnp.float32), w.astype(jnp.float32))
+    return int8_quant.epilogue(acc, x_scale, w_scale, bias, out_dtype)
+  if group_size is None:
+    acc = _dot(x2, w.astype(jnp.float32).astype(x2.dtype))
+    return int8_quant.epilogue(acc, None, w_scale, bias, out_dtype)
+  w_deq = dequantize_weight(w, w_scale, w_zero, group_size, x2.dtype)
+  return int8_quant.epilogue(_dot(x2, w_deq), None, None, bias, out_dtype)
+
+
+def quantized_matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
+                     group_size=None, bias=None, out_dtype=None,
+                     weight_only=False, weight_layout="kn"):
+  """Same as ``pallas_kernels.quantized_matmul(..., backend="reference")``."""
+  call = operands.matmul_call(
+      x, w, x_scale=x_scale, w_scale=w_scale, w_zero=w_zero,
+      group_size=group_size, bias=bias, out_dtype=out_dtype,
+      weight_only=weight_only, weight_layout=weight_layout)
+  return call.result(matmul_2d(*call.operands, **call.static))

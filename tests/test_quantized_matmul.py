@@ -1,0 +1,498 @@
+"""quantized_matmul (int8, int4, fp8 weights; fp8 x fp8): one suite on every
+backend, then what is particular to each kernel and to the public API.
+
+Results are compared with ``oracles.quant`` (numpy + ml_dtypes, independent
+of the package). Tolerances: integer results exact; float results within
+(K + 6) float32 roundings of |x| @ |w_deq| * |scales| + |bias| (the float32
+sums and the epilogue; the grouped weight's own rounding to x's dtype is
+reproduced exactly by the oracle), plus the output dtype's unit roundoff
+(2**-8 bfloat16, 2**-11 float16, 2**-24 float32).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import backends
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from oracles import quant as oracle
+
+import pallas_kernels as pk
+from pallas_kernels import _backend, _compat, force_interpret
+from pallas_kernels.int8 import block_sizes as int8_bs
+from pallas_kernels.quant import block_sizes as bs
+
+NP_DTYPES = {"int8": np.int8, "int4": ml_dtypes.int4,
+             "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+             "float8_e5m2": ml_dtypes.float8_e5m2}
+JNP_DTYPES = {"int8": jnp.int8, "int4": jnp.int4,
+              "float8_e4m3fn": jnp.float8_e4m3fn,
+              "float8_e5m2": jnp.float8_e5m2}
+
+
+def weight_values(rng, fmt, shape):
+  """Random codes of ``fmt`` covering its range (both extremes for
+  integers; fp8 over many binades, +-max included)."""
+  if fmt in ("int8", "int4"):
+    lo, hi = (-128, 127) if fmt == "int8" else (-8, 7)
+    a = rng.integers(lo, hi + 1, shape)
+    if a.size:
+      flat = a.reshape(-1)
+      flat[rng.integers(0, flat.size, max(1, flat.size // 10))] = lo
+      flat[rng.integers(0, flat.size, max(1, flat.size // 10))] = hi
+    return a.astype(NP_DTYPES[fmt])
+  top = 448.0 if fmt == "float8_e4m3fn" else 57344.0
+  a = rng.standard_normal(shape) * 2.0 ** rng.integers(-8, 8, shape)
+  a = np.clip(a, -top, top)
+  if a.size:
+    a.reshape(-1)[0] = top
+  return a.astype(NP_DTYPES[fmt])
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One quantized_matmul call. ``kind``: weight_only, dequant (quantized
+  x), dynamic (float x quantized per row) or raw. ``refused``: the kernels
+  whose ``supports`` turns the call down (asserted, not skipped)."""
+  fmt: str
+  x_shape: tuple
+  n: int
+  kind: str = "weight_only"
+  x_dtype: str = "bfloat16"
+  layout: str = "kn"
+  group_size: int | None = None
+  zero: bool = False
+  extras: tuple = ("w_scale",)
+  out_dtype: str | None = None
+  refused: tuple = ()
+
+  def __str__(self):
+    parts = [self.kind, self.fmt, "x".join(map(str, self.x_shape)),
+             f"n{self.n}", self.x_dtype, self.layout,
+             f"g{self.group_size}" if self.group_size else "",
+             "zero" if self.zero else "", *self.extras, self.out_dtype or ""]
+    return "-".join(p for p in parts if p)
+
+  def inputs(self, rng):
+    k = self.x_shape[-1]
+    m_shape = self.x_shape[:-1]
+    if self.kind in ("dequant", "raw"):
+      x = weight_values(rng, self.x_dtype, self.x_shape)
+    else:
+      x = (rng.standard_normal(self.x_shape)
+           * rng.uniform(0.1, 10, m_shape + (1,)))
+      x = np.asarray(jnp.asarray(x, self.x_dtype))
+    w_shape = (k, self.n) if self.layout == "kn" else (self.n, k)
+    w = weight_values(rng, self.fmt, w_shape)
+    kw = {}
+    if self.group_size:
+      groups = k // self.group_size
+      table = (groups, self.n) if self.layout == "kn" else (self.n, groups)
+      kw["w_scale"] = rng.uniform(1e-3, 2e-2, table).astype(np.float32)
+      if self.zero:
+        lo, hi = (-8, 7) if self.fmt == "int4" else (-128, 127)
+        kw["w_zero"] = rng.integers(lo, hi + 1, table).astype(
+            NP_DTYPES[self.fmt])
+    make = {
+        "x_scale": lambda: rng.uniform(0.5, 2, m_shape),
+        "x_scale_1": lambda: np.asarray(rng.uniform(0.5, 2)),
+        "w_scale": lambda: rng.uniform(1e-3, 2e-2, (self.n,)),
+        "w_scale_1": lambda: np.asarray(rng.uniform(1e-3, 2e-2)),
+        "bias": lambda: rng.standard_normal(self.n),
+    }
+    for name in self.extras:
+      if self.group_size and name == "w_scale":
+        continue
+      kw[name.removesuffix("_1")] = make[name]().astype(np.float32)
+    return x, w, kw
+
+  def options(self):
+    return dict(group_size=self.group_size, out_dtype=self.out_dtype,
+                weight_only=self.kind == "weight_only",
+                weight_layout=self.layout)
+
+  def expected_dtype(self):
+    if self.out_dtype:
+      return self.out_dtype
+    if self.kind == "raw":
+      return "int32"
+    return "bfloat16" if self.kind == "dequant" else self.x_dtype
+
+
+def run_case(backend, case, x, w, kw):
+  arrays = {name: jnp.asarray(v) for name, v in kw.items()}
+  call = functools.partial(backend.run, pk.quantized_matmul, jnp.asarray(x),
+                           jnp.asarray(w), **arrays, **case.options())
+  if backend.backend in case.refused:
+    with pytest.raises(ValueError, match="cannot run this call"):
+      call()
+    return None
+  return call()
+
+
+def check(out, case, x, w, kw):
+  assert jnp.dtype(out.dtype) == case.expected_dtype()
+  oracle.assert_matmul(out, x, w, case.expected_dtype(),
+                       group_size=case.group_size,
+                       weight_only=case.kind == "weight_only",
+                       layout=case.layout, **kw)
+
+
+CASES = [
+    Case("int4", (1, 64), 1, refused=("triton",)),   # odd N: no int4 pairs
+    Case("int4", (3, 5, 256), 130, group_size=64, zero=True,
+         extras=("bias",)),
+    Case("int4", (17, 128), 96, x_dtype="float32", layout="nk",
+         group_size=32, refused=("interpret",)),     # TPU: grouped w [K, N]
+    Case("int4", (6, 130), 40, layout="nk", extras=("w_scale_1", "bias"),
+         out_dtype="float32"),
+    Case("float8_e4m3fn", (13, 200), 150, layout="nk", extras=("w_scale",
+                                                               "bias")),
+    Case("float8_e5m2", (8, 96), 64, x_dtype="float16", group_size=32),
+    Case("float8_e4m3fn", (33, 70), 50, kind="dequant",
+         x_dtype="float8_e4m3fn", extras=("x_scale", "w_scale", "bias"),
+         out_dtype="float32"),
+    Case("float8_e5m2", (1, 40), 30, kind="dequant", x_dtype="float8_e4m3fn",
+         layout="nk", extras=("x_scale_1", "w_scale_1")),
+    Case("float8_e5m2", (9, 100), 40, kind="dynamic", x_dtype="float32",
+         extras=("w_scale", "bias"), out_dtype="float32"),
+    Case("int8", (5, 256), 200, group_size=128, zero=True),
+    Case("int8", (7, 64), 33, kind="dequant", x_dtype="int8",
+         extras=("x_scale", "w_scale")),
+    Case("int8", (4, 50), 20, kind="raw", x_dtype="int8", extras=()),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("backend", backends.params())
+def test_quantized_matmul_matches_oracle(backend, case, rng):
+  x, w, kw = case.inputs(rng)
+  out = run_case(backend, case, x, w, kw)
+  if out is not None:
+    check(out, case, x, w, kw)
+
+
+@pytest.mark.parametrize("backend", backends.params(
+    ["interpret_generic", "triton", "reference"]))
+@settings(max_examples=5)
+@given(m=st.integers(1, 40), groups=st.integers(1, 4), n=st.integers(1, 70),
+       fmt=st.sampled_from(["int4", "int8", "float8_e4m3fn", "float8_e5m2"]),
+       layout=st.sampled_from(["kn", "nk"]), zero=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_grouped_weight_only_random_shapes(backend, m, groups, n, fmt,
+                                           layout, zero, seed):
+  integer = fmt in ("int4", "int8")
+  case = Case(fmt, (m, 32 * groups), n + (n % 2 if fmt == "int4" else 0),
+              layout=layout, group_size=32, zero=zero and integer)
+  refused = ("interpret",) if layout == "nk" else ()
+  case = dataclasses.replace(case, refused=refused)
+  x, w, kw = case.inputs(np.random.default_rng(seed))
+  out = run_case(backend, case, x, w, kw)
+  if out is not None:
+    check(out, case, x, w, kw)
+
+
+# ----------------------------------------------------------------------------
+# Choosing a kernel
+
+
+def test_chooser_falls_back_to_the_reference_where_kernels_refuse(rng):
+  """A grouped w [N, K] has no TPU kernel: backend=None runs the reference
+  on the CPU (whose TPU kernel is interpreted) and says so when named."""
+  case = CASES[2]
+  x, w, kw = case.inputs(rng)
+  arrays = [jnp.asarray(a) for a in (x, w)]
+  scales = {k: jnp.asarray(v) for k, v in kw.items()}
+  with pytest.raises(ValueError, match="weight_layout='nk'"):
+    pk.quantized_matmul(*arrays, **scales, **case.options(),
+                        backend="mosaic_tpu")
+  auto = jax.jit(lambda *a: pk.quantized_matmul(*a, **scales,
+                                                **case.options()))(*arrays)
+  ref = pk.quantized_matmul(*arrays, **scales, **case.options(),
+                            backend="reference")
+  np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
+  from pallas_kernels.quant import api
+  from pallas_kernels.quant import operands
+  call = operands.matmul_call(*arrays, **scales, **case.options())
+  kernels = api._kernels(call, None, None)
+  assert _backend.resolve_for_platform("tpu", kernels) == "reference"
+  assert _backend.resolve_for_platform("cuda", kernels) == "triton"
+
+
+def test_int8_calls_run_the_int8_kernels(monkeypatch, rng):
+  from pallas_kernels.int8 import mosaic_tpu as int8_tpu
+  seen = []
+  original = int8_tpu.matmul
+  monkeypatch.setattr(int8_tpu, "matmul", lambda *a, **kw: (
+      seen.append(kw["mode"]), original(*a, **kw))[1])
+  x = jnp.asarray(rng.integers(-127, 128, (4, 64)), jnp.int8)
+  w = jnp.asarray(rng.integers(-127, 128, (64, 8)), jnp.int8)
+  out = pk.quantized_matmul(x, w, backend="interpret")
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(
+      pk.int8_matmul(x, w, backend="reference")))
+  assert seen == ["raw"]
+
+
+# ----------------------------------------------------------------------------
+# TPU kernel
+
+
+@pytest.mark.parametrize("fmt", ["int4", "float8_e4m3fn"])
+def test_tpu_grouped_multi_k_tiles_and_padding(fmt, rng):
+  """K = 800 with groups of 32 and bk = 512 (unit lcm(128, 8 * 32) = 256):
+  K is padded to 1024, scales by 7 zero rows, two K steps."""
+  case = Case(fmt, (40, 800), 140, group_size=32, zero=fmt == "int4",
+              extras=("bias",))
+  x, w, kw = case.inputs(rng)
+  out = pk.quantized_matmul(jnp.asarray(x), jnp.asarray(w),
+                            **{k: jnp.asarray(v) for k, v in kw.items()},
+                            **case.options(), block_sizes=(32, 512, 128),
+                            backend="interpret")
+  check(out, case, x, w, kw)
+
+
+def test_no_data_races_in_tpu_interpreter(rng):
+  case = Case("int4", (40, 512), 256, group_size=64, zero=True)
+  x, w, kw = case.inputs(rng)
+  args = [jnp.asarray(a) for a in (x, w, kw["w_scale"], kw["w_zero"])]
+  out, log = _backend.find_races(
+      lambda x, w, s, z: pk.quantized_matmul(
+          x, w, w_scale=s, w_zero=z, group_size=64, weight_only=True,
+          block_sizes=(32, 512, 128)), *args)
+  check(out, case, x, w, kw)
+  assert log.launches >= 1 and not log.found, log
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e", "tpu7x",
+                                        None])
+@pytest.mark.parametrize("group_size", [None, 32, 128])
+@pytest.mark.parametrize("mkn", [(16, 4096, 14336), (128, 14336, 4096),
+                                 (2048, 4096, 14336), (8192, 8192, 8192),
+                                 (1000, 1024, 17)])
+def test_tpu_plans_fit_vmem_and_tile(generation, group_size, mkn):
+  m, k, n = mkn
+  plan = bs.plan_tpu(m, k, n, x_bytes=2, w_bits=4, out_bytes=2,
+                     compute_bytes=2, generation=generation,
+                     group_size=group_size, has_zero=True)
+  budget, _ = int8_bs.TPU_VMEM.get(generation, int8_bs.TPU_VMEM["default"])
+  assert plan.vmem_bytes <= budget <= plan.vmem_limit_bytes
+  assert plan.k_padded % plan.bk == 0 and plan.k_padded >= k
+  unit = bs.k_unit(group_size)
+  assert plan.bk == plan.k_padded or plan.bk % unit == 0
+  assert plan.bm == m or plan.bm % 32 == 0
+  assert plan.bn == n or plan.bn % 128 == 0
+
+
+# ----------------------------------------------------------------------------
+# Triton kernel
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("fmt", ["int4", "float8_e5m2"])
+def test_triton_split_k_and_padding(fmt, layout, rng):
+  """bk 32 inside groups of 64, split K over 3 programs, every dimension
+  padded; int4 w [K, N] writes even and odd columns separately."""
+  case = Case(fmt, (20, 192), 70, layout=layout, group_size=64,
+              zero=fmt == "int4", extras=("bias",), out_dtype="float32")
+  x, w, kw = case.inputs(rng)
+  triton = backends.Backend("triton", "triton", "generic")
+  out = triton.run(pk.quantized_matmul, jnp.asarray(x), jnp.asarray(w),
+                   **{k: jnp.asarray(v) for k, v in kw.items()},
+                   **case.options(),
+                   block_sizes=int8_bs.BlockSizes(16, 32, 32, split_k=3))
+  check(out, case, x, w, kw)
+
+
+def test_triton_block_k_must_divide_the_group():
+  x = jnp.zeros((4, 128), jnp.bfloat16)
+  w = jnp.zeros((128, 32), jnp.int4)
+  with force_interpret("generic"), pytest.raises(ValueError,
+                                                 match="must divide"):
+    pk.quantized_matmul(x, w, w_scale=jnp.ones((4, 32)), group_size=32,
+                        weight_only=True, block_sizes=(16, 64, 32),
+                        backend="triton")
+
+
+@pytest.mark.parametrize("call", ["int4_grouped_kn", "int4_nk", "fp8_fp8",
+                                  "fp8_grouped"])
+def test_triton_kernel_lowers_for_cuda(call):
+  if not hasattr(jax.jit(lambda: 0), "trace"):
+    pytest.skip("this jax cannot lower for another platform")
+  S = jax.ShapeDtypeStruct
+  m, k, n = 16, 4096, 1024
+  calls = {
+      "int4_grouped_kn": (functools.partial(
+          pk.quantized_matmul, group_size=128, weight_only=True),
+          [S((m, k), jnp.bfloat16), S((k, n), jnp.int4)],
+          dict(w_scale=S((k // 128, n), jnp.float32),
+               w_zero=S((k // 128, n), jnp.int4))),
+      "int4_nk": (functools.partial(pk.quantized_matmul, weight_only=True,
+                                    weight_layout="nk"),
+                  [S((m, k), jnp.bfloat16), S((n, k), jnp.int4)],
+                  dict(w_scale=S((n,), jnp.float32))),
+      "fp8_fp8": (pk.quantized_matmul,
+                  [S((256, k), jnp.float8_e4m3fn),
+                   S((k, n), jnp.float8_e4m3fn)],
+                  dict(x_scale=S((256,), jnp.float32),
+                       w_scale=S((n,), jnp.float32))),
+      "fp8_grouped": (functools.partial(
+          pk.quantized_matmul, group_size=128, weight_only=True),
+          [S((m, k), jnp.bfloat16), S((k, n), jnp.float8_e4m3fn)],
+          dict(w_scale=S((k // 128, n), jnp.float32))),
+  }
+  fn, args, kw = calls[call]
+  names = list(kw)
+  lowered = _compat.lower_for_cuda(
+      lambda *a: fn(*a[:2], **dict(zip(names, a[2:]))), *args, *kw.values())
+  text = lowered.as_text()
+  assert "triton" in text.lower() and '"quantized_matmul_' in text
+
+
+# ----------------------------------------------------------------------------
+# Public API: errors, empties, gradients
+
+
+def test_empty_dimensions():
+  for m, k, n in [(0, 64, 8), (4, 64, 0), (4, 0, 8)]:
+    x = jnp.zeros((m, k), jnp.bfloat16)
+    w = jnp.zeros((k, n), jnp.int4)
+    bias = jnp.arange(n, dtype=jnp.float32)
+    out = pk.quantized_matmul(x, w, bias=bias, weight_only=True,
+                              out_dtype=jnp.float32, backend="interpret")
+    assert out.shape == (m, n)
+    np.testing.assert_array_equal(np.asarray(out),
+                                  np.broadcast_to(bias, (m, n)))
+
+
+XB = jnp.zeros((4, 64), jnp.bfloat16)
+W4 = jnp.zeros((64, 6), jnp.int4)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(w=jnp.zeros((64, 6), jnp.bfloat16)), TypeError,
+     "w must be int8, int4, float8_e4m3fn or float8_e5m2"),
+    (dict(x=jnp.zeros((4, 64), jnp.int4)), TypeError, "x must be bfloat16"),
+    (dict(weight_only=False), ValueError, "int4 w with float x needs "
+     "weight_only=True"),
+    (dict(group_size=48), ValueError, "K=64 is not a multiple of "
+     "group_size=48"),
+    (dict(group_size=0), ValueError, "group_size must be a positive int"),
+    (dict(group_size=32), ValueError, r"group_size=32 needs w_scale of shape "
+     r"\(2, 6\)"),
+    (dict(group_size=32, w_scale=jnp.ones((6, 2))), ValueError,
+     r"w_scale has shape \(6, 2\); expected \(2, 6\)"),
+    (dict(w_zero=jnp.zeros((2, 6))), ValueError, "w_zero needs group_size"),
+    (dict(group_size=32, w_scale=jnp.ones((2, 6)),
+          w_zero=jnp.zeros((2, 6), jnp.bool_)), TypeError,
+     "w_zero must be an integer or float"),
+    (dict(w=jnp.zeros((64, 6), jnp.float8_e4m3fn), group_size=32,
+          w_scale=jnp.ones((2, 6)), w_zero=jnp.zeros((2, 6))), ValueError,
+     "w_zero is for int8 and int4"),
+    (dict(x=jnp.zeros((4, 64), jnp.int8), weight_only=False), TypeError,
+     "int8 x needs int8 w"),
+    (dict(x=jnp.zeros((4, 64), jnp.float8_e4m3fn), weight_only=False),
+     TypeError, "float8_e4m3fn x needs fp8 w"),
+    (dict(x=jnp.zeros((4, 64), jnp.int8)), ValueError,
+     "weight_only=True needs float x"),
+    (dict(x_scale=jnp.ones((4,))), ValueError, "x_scale is only for "
+     "quantized x"),
+    (dict(w_scale=jnp.ones((5,))), ValueError, "w_scale has shape"),
+    (dict(w=jnp.zeros((63, 6), jnp.int4)), ValueError,
+     r"x's last dimension \(64\)"),
+    (dict(weight_layout="kn_t"), ValueError, "weight_layout must be"),
+    (dict(weight_only="yes"), TypeError, "weight_only must be a bool"),
+    (dict(out_dtype=jnp.int32), ValueError, "out_dtype=int32 is only"),
+    (dict(out_dtype=jnp.int8), TypeError, "quantized_matmul: out_dtype must "
+     "be int32 or a float"),
+    (dict(block_sizes="v9"), ValueError, "quantized_matmul: block_sizes='v9'"),
+    (dict(backend="tpu"), ValueError, "backend='tpu' is not one of"),
+])
+def test_bad_inputs_raise_naming_the_argument(kwargs, error, match):
+  kwargs = dict(kwargs)
+  x = kwargs.pop("x", XB)
+  w = kwargs.pop("w", W4)
+  kwargs.setdefault("weight_only", True)
+  with pytest.raises(error, match=match):
+    pk.quantized_matmul(x, w, **kwargs)
+
+
+def test_fp8_x_int8_k_bound():
+  x = jax.ShapeDtypeStruct((1, 131072), jnp.int8)
+  w = jax.ShapeDtypeStruct((131072, 1), jnp.int8)
+  with pytest.raises(ValueError, match="K=131072 exceeds 131071"):
+    jax.eval_shape(pk.quantized_matmul, x, w)
+  xf = jax.ShapeDtypeStruct((1, 131072), jnp.float8_e4m3fn)
+  wf = jax.ShapeDtypeStruct((131072, 1), jnp.float8_e4m3fn)
+  assert jax.eval_shape(pk.quantized_matmul, xf, wf).shape == (1, 1)
+
+
+@pytest.mark.parametrize("backend", backends.params(
+    ["interpret", "triton", "reference"]))
+def test_differentiable_in_x_and_bias_through_the_kernels(backend, rng):
+  """Weight-only calls differentiate in x and bias (the tangent is plain
+  JAX): dx = dy @ w_deq.T, dbias = sum of dy, against float64 numpy."""
+  case = Case("int4", (6, 64), 48, x_dtype="float32", group_size=32,
+              zero=True, extras=("bias",), out_dtype="float32")
+  x, w, kw = case.inputs(rng)
+  dy = rng.standard_normal((6, 48))
+
+  def loss(x_, b_):
+    out = backend.run(pk.quantized_matmul, x_, jnp.asarray(w),
+                      w_scale=jnp.asarray(kw["w_scale"]),
+                      w_zero=jnp.asarray(kw["w_zero"]), bias=b_,
+                      **case.options())
+    return jnp.sum(out * jnp.asarray(dy, jnp.float32))
+
+  dx, db = jax.grad(loss, argnums=(0, 1))(jnp.asarray(x),
+                                          jnp.asarray(kw["bias"]))
+  w_deq = oracle.dequantized_weight(w, kw["w_scale"], kw["w_zero"], 32,
+                                    "float32")
+  np.testing.assert_allclose(np.asarray(dx), dy @ w_deq.T, rtol=1e-5,
+                             atol=1e-5 * np.abs(dy).sum(1).max())
+  # dy is rounded to float32 and summed in float32: 1e-6 of sum |dy|.
+  np.testing.assert_allclose(np.asarray(db), dy.sum(0), rtol=0,
+                             atol=1e-6 * np.abs(dy).sum(0).max())
+
+
+@pytest.mark.parametrize("op", ["quantized_matmul", "int8_matmul"])
+def test_gradient_of_the_quantized_weight_names_it(op):
+  """What used to fail inside the kernel ("Linearization failed") is a
+  TypeError naming the operand: scales from quantizing a float weight in the
+  loss, an fp8 w, a dynamically quantized x."""
+  fn = getattr(pk, op)
+  x = jnp.ones((2, 64), jnp.float32)
+  wf = jnp.linspace(-1, 1, 64 * 4).reshape(64, 4)
+  quantize = (lambda w: pk.quantize(w, jnp.int8, axis=0)) if op == \
+      "quantized_matmul" else (lambda w: pk.quantize_int8(w, axis=0))
+
+  def through_scales(w):
+    q, s = quantize(w)
+    return fn(x, q, w_scale=s.reshape(-1), weight_only=True).sum()
+  with pytest.raises(TypeError, match="with respect to w_scale"):
+    jax.grad(through_scales)(wf)
+  with pytest.raises(TypeError, match="with respect to x: float x is "
+                     "quantized per row"):
+    jax.grad(lambda x_: fn(x_, quantize(wf)[0]).astype(jnp.float32).sum())(x)
+  if op == "quantized_matmul":
+    w8 = jnp.ones((64, 4), jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="with respect to w: w is a "
+                       "quantized weight"):
+      jax.grad(lambda w_: fn(x, w_, weight_only=True).sum())(w8)
+
+
+@pytest.mark.slow
+def test_main_job_cases_match_reference():
+  from pallas_kernels.quant import cases
+  listed = cases.main_job_cases("small")
+  assert {c.op for c in listed} == {"quantized_matmul", "quantize",
+                                    "quantized_dense"}
+  with force_interpret("generic"):
+    for case in listed:
+      out = jax.jit(functools.partial(case.fn, backend="interpret"))(*case.args)
+      ref = jax.jit(functools.partial(case.fn, backend="reference"))(*case.args)
+      assert case.error(out, ref) <= case.tolerance, case.shape
