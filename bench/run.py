@@ -12,8 +12,7 @@ import subprocess
 import sys
 
 OPS = ("attention", "attention_masks", "int8_matmul", "quantized_matmul",
-       "giou", "nms",
-       "torch_bridge")
+       "giou", "nms", "torch_bridge")
 
 
 def main(argv=None) -> int:
