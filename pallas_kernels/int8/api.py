@@ -72,10 +72,9 @@ def quantize_int8(x, *, axis=-1, backend=None):
   Args:
     x: bfloat16, float16 or float32 array.
     axis: the axis reduced (an int), or None for one scale over all of x.
-    backend: None, "mosaic_tpu", "interpret" or "reference". The kernel
-      quantizes along the last axis: None runs the reference for other axes,
-      a named kernel raises ValueError. "gpu" runs the reference, which XLA
-      fuses into one pass: there is no GPU kernel.
+    backend: None, "mosaic_tpu", "interpret" or "reference" (the kernel
+      quantizes along the last axis; other axes run XLA). "gpu" runs the
+      reference, which XLA fuses into one pass: there is no GPU kernel.
   Returns:
     q: int8, x's shape.
     scale: float32, x's shape with ``axis`` kept as size 1 (0-d for
@@ -84,16 +83,10 @@ def quantize_int8(x, *, axis=-1, backend=None):
   axis = operands.quantize_axis(x, axis)
   _backend.check_backend("quantize_int8", backend)
   xla = functools.partial(quant.quantize, axis=axis)
-  if x.size == 0:
+  if axis is None or axis != x.ndim - 1 or x.size == 0:
     return xla(x)
   if backend == "gpu":
     backend = "reference"
-
-  def tpu_supports():
-    if axis is None or axis != x.ndim - 1:
-      return (f"the kernel quantizes along the last axis, not axis={axis} "
-              "(the reference, which XLA fuses, does any axis)")
-    return None
 
   def tpu(x_, interpret=None):
     q, s = mosaic_tpu.quantize_rows(x_.reshape(-1, x_.shape[-1]),
@@ -106,9 +99,8 @@ def quantize_int8(x, *, axis=-1, backend=None):
       split=lead, helper="jax.shard_map", names={"r": "quantized (last)"})
   return _backend.dispatch(
       "quantize_int8", backend,
-      [_backend.Kernel("mosaic_tpu", tpu, supports=tpu_supports),
-       _backend.Kernel("reference", xla)],
-      x, rule=rule if axis == x.ndim - 1 else None)
+      [_backend.Kernel("mosaic_tpu", tpu), _backend.Kernel("reference", xla)],
+      x, rule=rule)
 
 
 # ----------------------------------------------------------------------------
