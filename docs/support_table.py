@@ -42,6 +42,11 @@ def _spec(shape, dtype=jnp.bfloat16):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def _masks():
+  from pallas_kernels.attention import masks
+  return masks
+
+
 def _attention_cases():
   def call(d=128, dtype=jnp.bfloat16, kv_heads=4, grad=False, **kw):
     q = _spec((2, 4, 256, d), dtype)
@@ -54,12 +59,16 @@ def _attention_cases():
           options["segment_ids"] = (extra[0], extra[0])
         if "bias" in options:
           options["bias"] = extra[-1]
+        if "sinks" in options:
+          options["sinks"] = extra[-1]
         return pk.flash_attention(q, k, v, backend=backend, **options)
       extra = []
       if "segment_ids" in kw:
         extra.append(_spec((2, 256), jnp.int32))
       if "bias" in kw:
         extra.append(_spec((2, 4, 256, 256), jnp.float32))
+      if "sinks" in kw:
+        extra.append(_spec((4,), jnp.float32))
       if grad:
         loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))  # noqa: E731
         return jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv,
@@ -78,6 +87,8 @@ def _attention_cases():
       ("segment_ids", call(segment_ids=True)),
       ("bias", call(bias=True)),
       ("logit_soft_cap", call(logit_soft_cap=30.0)),
+      ("mask=ChunkedCausal(64)", call(mask=_masks().ChunkedCausal(64))),
+      ("sinks", call(sinks=True)),
       ("GQA (4 q heads, 2 kv heads)", call(kv_heads=2)),
       ("backward, head_dim 128", call(grad=True)),
       ("backward, head_dim 256", call(d=256, grad=True)),
