@@ -24,7 +24,7 @@ import pallas_kernels as pk
 from bench import harness, roofline
 
 CASES = [dict(batch=4, heads=16, seq=4096, head_dim=d, causal=c,
-              dtype="bfloat16") for d in (128, 64, 256) for c in (False, True)]
+              dtype="bfloat16") for d in (128, 64, 256, 96, 80) for c in (False, True)]
 QUICK = [dict(batch=1, heads=2, seq=128, head_dim=64, causal=c,
               dtype="float32") for c in (False, True)]
 MODES = ("fwd", "fwd+bwd")

@@ -20,16 +20,9 @@ from hypothesis import given, settings
 import backends
 import pallas_kernels as pk
 from oracles import attention as oracle
-from pallas_kernels.attention import BlockSizes, masks, mosaic_tpu, triton
+from pallas_kernels.attention import masks, mosaic_tpu
+from test_attention import BLOCKS, TOLERANCES
 
-TOLERANCES = {"float32": (2e-5, 2e-5, 1e-4), "bfloat16": (2e-2, 1e-3, 5e-2)}
-BLOCKS = {
-    "interpret": BlockSizes(128, 128),
-    "interpret_generic": BlockSizes(128, 128),
-    "triton": triton.GpuBlockSizes(block_q=32, block_k=32, block_q_dq=32,
-                                   block_k_dq=64, block_q_dkv=64,
-                                   block_k_dkv=32),
-}
 ALL = backends.params()
 
 

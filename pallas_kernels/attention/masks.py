@@ -213,49 +213,48 @@ class Dense(Mask):
 
 
 @dataclasses.dataclass(frozen=True)
-class And(Mask):
+class _Combined(Mask):
+  """Two masks joined elementwise by ``join`` (``&`` or ``|``)."""
+  a: Mask
+  b: Mask
+
+  @staticmethod
+  def join(x, y):
+    raise NotImplementedError
+
+  @property
+  def formula(self):
+    return self.a.formula and self.b.formula
+
+  def allowed(self, pos, col):
+    return self.join(self.a.allowed(pos, col), self.b.allowed(pos, col))
+
+  def block_bounds(self, *bounds):
+    # Exact for "every" under &, and for "some" under |; the other answer
+    # errs the allowed way ("some" too often, "every" too rarely).
+    some_a, every_a = self.a.block_bounds(*bounds)
+    some_b, every_b = self.b.block_bounds(*bounds)
+    return self.join(some_a, some_b), self.join(every_a, every_b)
+
+  def check(self, q_len, kv_len):
+    self.a.check(q_len, kv_len)
+    self.b.check(q_len, kv_len)
+
+
+class And(_Combined):
   """Both masks allow the pair."""
-  a: Mask
-  b: Mask
 
-  @property
-  def formula(self):
-    return self.a.formula and self.b.formula
-
-  def allowed(self, pos, col):
-    return self.a.allowed(pos, col) & self.b.allowed(pos, col)
-
-  def block_bounds(self, *bounds):
-    some_a, every_a = self.a.block_bounds(*bounds)
-    some_b, every_b = self.b.block_bounds(*bounds)
-    return some_a & some_b, every_a & every_b
-
-  def check(self, q_len, kv_len):
-    self.a.check(q_len, kv_len)
-    self.b.check(q_len, kv_len)
+  @staticmethod
+  def join(x, y):
+    return x & y
 
 
-@dataclasses.dataclass(frozen=True)
-class Or(Mask):
+class Or(_Combined):
   """Either mask allows the pair."""
-  a: Mask
-  b: Mask
 
-  @property
-  def formula(self):
-    return self.a.formula and self.b.formula
-
-  def allowed(self, pos, col):
-    return self.a.allowed(pos, col) | self.b.allowed(pos, col)
-
-  def block_bounds(self, *bounds):
-    some_a, every_a = self.a.block_bounds(*bounds)
-    some_b, every_b = self.b.block_bounds(*bounds)
-    return some_a | some_b, every_a | every_b
-
-  def check(self, q_len, kv_len):
-    self.a.check(q_len, kv_len)
-    self.b.check(q_len, kv_len)
+  @staticmethod
+  def join(x, y):
+    return x | y
 
 
 # --------------------------------------------------- evaluation on a grid --

@@ -143,21 +143,24 @@ class _Geometry:
     lo, hi = self.q_range(j)
     return _clamp(t, lo, hi, self.num_q)
 
+  def _listed_step(self, major, h, row, t, table_ref):
+    """(step t of a table row is listed, it needs the element mask)."""
+    runs = t < self._lookup(table_ref, f"{major}_total", h, row)
+    masked = t < self._lookup(table_ref, f"{major}_partial", h, row)
+    return runs, masked | self.has_segments
+
   def kv_step_runs(self, i, t, h=None, table_ref=None):
     """(whether step t of query block i computes, whether it needs the
     element mask)."""
     if self.tables is not None:
-      runs = t < self._lookup(table_ref, "kv_total", h, i)
-      masked = t < self._lookup(table_ref, "kv_partial", h, i)
-      return runs, masked | self.has_segments
+      return self._listed_step("kv", h, i, t, table_ref)
     lo, hi = self.kv_range(i)
     return (t >= lo) & (t <= hi), self.needs_mask(i, t)
 
   def q_step_runs(self, j, t, h=None, table_ref=None):
+    """The same for step t of kv block j (the dk/dv kernel)."""
     if self.tables is not None:
-      runs = t < self._lookup(table_ref, "q_total", h, j)
-      masked = t < self._lookup(table_ref, "q_partial", h, j)
-      return runs, masked | self.has_segments
+      return self._listed_step("q", h, j, t, table_ref)
     lo, hi = self.q_range(j)
     return (t >= lo) & (t <= hi), self.needs_mask(t, j)
 
