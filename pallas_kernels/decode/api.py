@@ -3,7 +3,7 @@
 ``decode_attention`` attends the T newest tokens of each sequence to its KV
 cache (semantics: :mod:`pallas_kernels.decode.reference`). The forward picks
 its kernel (``_backend.dispatch``) from the rows, best first: ``mosaic_tpu``
-(TPU), ``triton`` (NVIDIA GPUs; head_dim and page size powers of two >= 16,
+(TPU; bfloat16/float32, page tables up to 64k pages per sequence), ``triton`` (NVIDIA GPUs; head_dim and page size powers of two >= 16,
 since the cache is read in place), ``reference``. Both kernels are split-KV
 (flash decoding, ``decode.splits``). The gradient (decode is inference, but
 ``jax.grad`` works) is the VJP of the reference, recomputed in XLA.
@@ -61,7 +61,10 @@ def _reference_run(config, *arrays):
 
 def _rows(config, q, k_cache, page_table):
   return [
-      _backend.Kernel("mosaic_tpu", _kernel_run(config, "mosaic_tpu")),
+      _backend.Kernel(
+          "mosaic_tpu", _kernel_run(config, "mosaic_tpu"),
+          supports=lambda: _module("mosaic_tpu").supports(q, k_cache,
+                                                          page_table)),
       _backend.Kernel(
           "triton", _kernel_run(config, "triton"),
           supports=lambda: _module("triton").supports(q, k_cache, page_table)),

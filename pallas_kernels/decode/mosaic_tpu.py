@@ -17,8 +17,10 @@ so steps past it repeat the previous block index (no DMA) and run nothing
 mask logits by position and zero value rows at or past the length, so
 garbage there (NaN included) never reaches the output. The cache is read in
 place (no padding): a partial last block reads rows past the array that are
-masked the same way. float16 is computed in float32 (no float16 matmul on
-v5e/v6e).
+masked the same way. The page table lives in SMEM (1 MiB on v5e), so a
+paged call whose table exceeds ``PAGE_TABLE_BYTES`` runs as several launches
+over slices of the batch. float16 caches are refused: Mosaic cannot load
+float16 vectors on v5e/v6e.
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ BLOCK_BYTES = 1 << 20
 # Bytes of one step's float32 logits (rows x block).
 SCORE_BYTES = 1 << 20
 MAX_PAGES_PER_BLOCK = 32
+# SMEM bytes of the prefetched page table per launch.
+PAGE_TABLE_BYTES = 256 << 10
 # Parallel grid items (B * Hkv * splits) wanted: megacore chips share the
 # parallel axes between two TensorCores.
 PARALLEL_ITEMS = 8
@@ -59,6 +63,18 @@ class Plan:
   num_splits: int
   steps: int         # blocks per split
   paged: bool
+
+
+def supports(q, k_cache, page_table) -> str | None:
+  """Why the kernel cannot run the call, else None."""
+  if k_cache.dtype == jnp.float16:
+    return ("Mosaic cannot load float16 vectors on TPU v5e/v6e: use "
+            "bfloat16 or float32")
+  if page_table is not None and page_table.shape[1] * 4 > PAGE_TABLE_BYTES:
+    return (f"one sequence's page table ({page_table.shape[1]} pages) "
+            f"exceeds the {PAGE_TABLE_BYTES >> 10} KiB of SMEM it may use")
+  del q
+  return None
 
 
 def _sublanes(itemsize: int) -> int:
@@ -151,8 +167,6 @@ def _kernel(*refs, plan: Plan, queries, group, window, sm_scale, cap):
     def step(masked, k_ref=k_ref, v_ref=v_ref, key0=key0):
       q = q_ref[...]
       k, v = k_ref[...], v_ref[...]
-      if k.dtype == jnp.float16:
-        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
       s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
       s = s * sm_scale
       if cap is not None:
@@ -207,11 +221,24 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
            num_splits=None):
   """``[B, H, T, D]`` in q's dtype (arguments as checked by the API;
   ``block_kv``/``num_splits`` override the plan)."""
+  kwargs = dict(sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
+                sliding_window=sliding_window, interpret=interpret,
+                block_kv=block_kv, num_splits=num_splits)
+  if page_table is None:
+    return _decode(q, k_cache, v_cache, kv_lengths, sinks, None, **kwargs)
+  per_launch = max(1, PAGE_TABLE_BYTES // (4 * page_table.shape[1]))
+  parts = [_decode(q[b:b + per_launch], k_cache, v_cache,
+                   kv_lengths[b:b + per_launch], sinks,
+                   page_table[b:b + per_launch], **kwargs)
+           for b in range(0, q.shape[0], per_launch)]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+
+def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
+            logit_soft_cap, sliding_window, interpret, block_kv, num_splits):
   batch, heads, queries, head_dim = q.shape
   kv_heads = k_cache.shape[1]
   group = heads // kv_heads
-  compute_dtype = (jnp.float32 if k_cache.dtype == jnp.float16
-                   else k_cache.dtype)
   itemsize = jnp.dtype(k_cache.dtype).itemsize
   paged = page_table is not None
   if paged:
@@ -221,10 +248,10 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
     page_size = pages_per_seq = None
     capacity = k_cache.shape[2]
   plan = make_plan(batch, kv_heads, queries * group, capacity, head_dim,
-                   jnp.dtype(compute_dtype).itemsize, page_size=page_size,
+                   itemsize, page_size=page_size,
                    pages_per_seq=pages_per_seq, block_kv=block_kv,
                    num_splits=num_splits)
-  rows = _splits.pack_queries(q.astype(compute_dtype), kv_heads, plan.rows)
+  rows = _splits.pack_queries(q, kv_heads, plan.rows)
   window = sliding_window
   visible = functools.partial(_visible_block, plan=plan, queries=queries,
                               window=window)
