@@ -42,10 +42,10 @@ def decode_attention_reference(q, k_cache, v_cache, kv_lengths, sinks=None,
   batch, heads, queries, _ = q.shape
   kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
   group = heads // kv_heads
-  qg = q.reshape(batch, kv_heads, group, queries, -1)
-  s = jnp.einsum("bkgtd,bkjd->bkgtj", qg, k_cache,
-                 preferred_element_type=jnp.float32,
-                 precision=jax.lax.Precision.HIGHEST).astype(jnp.float32)
+  # float32 operands: products of bf16/f16 values are exact in float32.
+  qg = q.astype(jnp.float32).reshape(batch, kv_heads, group, queries, -1)
+  s = jnp.einsum("bkgtd,bkjd->bkgtj", qg, k_cache.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
   s = s * sm_scale
   if logit_soft_cap is not None:
     s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
