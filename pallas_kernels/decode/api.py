@@ -72,19 +72,31 @@ def _rows(config, q, k_cache, page_table):
   ]
 
 
-def _sharding_rule(sinks, page_table):
+_FACTOR_NAMES = {"b": "batch", "h": "heads", "g": "kv_heads", "t": "queries",
+                 "s": "cache positions", "d": "head_dim", "p": "pages",
+                 "n": "pages per sequence"}
+
+
+def _sharding_rule(sinks, page_table, backward=False):
   """Batch and heads split (query and kv heads together); a paged cache's
-  pages are shared by the batch, so they stay whole."""
+  pages are shared by the batch, so they stay whole (and their gradient is
+  a sum over batch shards, as is the sinks')."""
   from pallas_kernels import _sharding
   cache = "b g s d" if page_table is None else "p g s d"
+  operands = [("q", "b h t d"), ("k_cache", cache), ("v_cache", cache),
+              ("kv_lengths", "b"), ("sinks", None if sinks is None else "h"),
+              ("page_table", None if page_table is None else "b n")]
+  results, sums = ["b h t d"], None
+  if backward:
+    operands.append(("d_out", "b h t d"))
+    cache_sum = "" if page_table is None else "b"
+    results, sums = ["b h t d", cache, cache], ["", cache_sum, cache_sum]
+    if sinks is not None:
+      results.append("h")
+      sums.append("b")
   return _sharding.make_rule(
-      OP, [("q", "b h t d"), ("k_cache", cache), ("v_cache", cache),
-           ("kv_lengths", "b"), ("sinks", None if sinks is None else "h"),
-           ("page_table", None if page_table is None else "b n")],
-      ["b h t d"], split="b h g", tied=["h g"], helper="jax.shard_map",
-      names={"b": "batch", "h": "heads", "g": "kv_heads", "t": "queries",
-             "s": "cache positions", "d": "head_dim", "p": "pages",
-             "n": "pages per sequence"})
+      OP, operands, results, split="b h g", sums=sums, tied=["h g"],
+      helper="jax.shard_map", names=_FACTOR_NAMES)
 
 
 def _forward(config, q, k_cache, v_cache, kv_lengths, sinks, page_table):
@@ -104,15 +116,26 @@ def _decode_fwd(config, q, k_cache, v_cache, kv_lengths, sinks, page_table):
   return out, (q, k_cache, v_cache, kv_lengths, sinks, page_table)
 
 
-def _decode_bwd(config, residuals, d_out):
-  q, k_cache, v_cache, kv_lengths, sinks, page_table = residuals
-
+def _reference_vjp(config, q, k_cache, v_cache, kv_lengths, sinks,
+                   page_table, d_out):
   def fn(q, k_cache, v_cache, sinks):
     return _reference_run(config, q, k_cache, v_cache, kv_lengths, sinks,
                           page_table)
   _, vjp = jax.vjp(fn, q, k_cache, v_cache, sinks)
-  dq, dk, dv, dsinks = vjp(d_out.astype(q.dtype))
+  grads = vjp(d_out)
+  return grads if sinks is not None else grads[:3]
+
+
+def _decode_bwd(config, residuals, d_out):
+  q, k_cache, v_cache, kv_lengths, sinks, page_table = residuals
   from pallas_kernels import _sharding
+  # Sharded like the forward: XLA alone cannot place the paged gather
+  # under Explicit axes.
+  grads = _sharding.run(
+      _sharding_rule(sinks, page_table, backward=True),
+      functools.partial(_reference_vjp, config), q, k_cache, v_cache,
+      kv_lengths, sinks, page_table, d_out.astype(q.dtype), auto=False)
+  dq, dk, dv, dsinks = tuple(grads) + (None,) * (4 - len(grads))
   dq, dk, dv, dsinks = _sharding.cotangents_like(
       (q, k_cache, v_cache, sinks), (dq, dk, dv, dsinks))
   return (dq, dk, dv, _integer_cotangent(kv_lengths), dsinks,
