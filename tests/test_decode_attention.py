@@ -21,6 +21,7 @@ import pytest
 import backends
 import pallas_kernels as pk
 from oracles import decode as oracle
+from pallas_kernels import _compat
 from pallas_kernels.decode import mosaic_tpu, triton
 
 TOLERANCES = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-2}
@@ -233,11 +234,11 @@ def test_tpu_plan_fits_and_splits():
 
 
 def test_tpu_page_table_beyond_smem_runs_as_several_launches(rng):
-  case = Case(5, 2, 1, 1, 6, 32, page_size=16)
+  case = Case(3, 2, 1, 1, 4, 32, page_size=16)
   q, k, v, lengths, kw = case.inputs(rng)
   budget = mosaic_tpu.PAGE_TABLE_BYTES
   try:
-    mosaic_tpu.PAGE_TABLE_BYTES = 2 * 4 * case.s  # two sequences per launch
+    mosaic_tpu.PAGE_TABLE_BYTES = 4 * case.s  # one sequence per launch
     out = mosaic_tpu.decode(q, k, v, lengths, None, kw["page_table"],
                             sm_scale=0.2, logit_soft_cap=None,
                             sliding_window=None, interpret=True)
@@ -335,11 +336,9 @@ def test_no_visible_key_gives_zero_with_sinks():
 
 def test_traced_lengths_are_clipped(rng):
   q, k, v, _, _ = Case(2, 2, 1, 1, 40, 16, lengths=(40, 40)).inputs(rng)
-  fn = jax.jit(lambda lengths: pk.decode_attention(q, k, v, lengths,
-                                                   backend="interpret"))
+  fn = jax.jit(lambda lengths: pk.decode_attention(q, k, v, lengths))
   got = fn(jnp.asarray([99, -5], jnp.int32))
-  want = pk.decode_attention(q, k, v, jnp.asarray([40, 0], jnp.int32),
-                             backend="interpret")
+  want = pk.decode_attention(q, k, v, jnp.asarray([40, 0], jnp.int32))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -355,7 +354,7 @@ def test_gradient_matches_flash_attention(rng):
     return jax.grad(fn, argnums=(0, 1, 2))(q, k, v)
 
   got = loss(lambda q, k, v: pk.decode_attention(
-      q, k, v, lengths, logit_soft_cap=3.0, backend="interpret"))
+      q, k, v, lengths, logit_soft_cap=3.0))
   want = loss(lambda q, k, v: pk.flash_attention(
       q, k, v, causal=True, logit_soft_cap=3.0, backend="reference"))
   for g, w in zip(got, want):
@@ -365,10 +364,30 @@ def test_gradient_matches_flash_attention(rng):
 def test_vmap_over_a_leading_axis(rng):
   q, k, v, lengths, _ = Case(2, 2, 1, 1, 40, 16).inputs(rng)
   stack = lambda x: jnp.stack([x, x[::-1]])  # noqa: E731
-  got = jax.vmap(lambda q, k, v, n: pk.decode_attention(
-      q, k, v, n, backend="interpret"))(stack(q), stack(k), stack(v),
-                                        stack(lengths))
+  got = jax.vmap(lambda q, k, v, n: pk.decode_attention(q, k, v, n))(
+      stack(q), stack(k), stack(v), stack(lengths))
   for i in range(2):
     want = oracle.decode_attention(stack(q)[i], stack(k)[i], stack(v)[i],
                                    stack(lengths)[i])
     _assert_close(got[i], want, 2e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_lowering_runs_the_triton_kernel(paged):
+  """backend=None lowered for CUDA on this host: the Triton kernel (not the
+  reference), with an odd batch and page-table width."""
+  spec = jax.ShapeDtypeStruct
+  q = spec((3, 32, 1, 128), jnp.bfloat16)
+  lengths = spec((3,), jnp.int32)
+  if paged:
+    cache = spec((70, 8, 64, 128), jnp.bfloat16)
+    args = (q, cache, cache, lengths, spec((3, 21), jnp.int32))
+    fn = lambda q, k, v, n, t: pk.decode_attention(  # noqa: E731
+        q, k, v, n, page_table=t, sliding_window=100)
+  else:
+    cache = spec((3, 8, 1000, 128), jnp.bfloat16)
+    args = (q, cache, cache, lengths)
+    fn = lambda q, k, v, n: pk.decode_attention(  # noqa: E731
+        q, k, v, n, logit_soft_cap=30.0)
+  text = _compat.lower_for_cuda(fn, *args).as_text()
+  assert text.count('"decode_attention_gpu"') == 1

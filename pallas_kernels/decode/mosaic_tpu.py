@@ -114,7 +114,7 @@ def vmem_bytes(plan: Plan, head_dim: int, itemsize: int) -> int:
   the step's float32 temporaries (logits, probabilities, mask)."""
   lanes = _splits.round_up(head_dim, LANES)
   kv = 2 * 2 * plan.block * lanes * itemsize
-  q = 2 * plan.rows * lanes * max(itemsize, 2)
+  q = 2 * plan.rows * lanes * itemsize
   outs = 2 * plan.rows * (lanes + LANES) * 4
   scratch = plan.rows * (2 * LANES + lanes) * 4
   temps = 4 * plan.rows * _splits.round_up(plan.page_size, LANES) * 4
