@@ -2,17 +2,18 @@
 
     python -m bench.run [OP ...] [-- ARGS]
 
-OP: attention, attention_masks, int8_matmul, quantized_matmul, giou, nms,
-torch_bridge (default: all). ARGS go to every bench, e.g. ``-- --quick`` or
-``-- --tag before``. The exit status is 1 if any bench failed to finish.
+OP: attention, attention_masks, decode_attention, int8_matmul,
+quantized_matmul, giou, nms, torch_bridge (default: all). ARGS go to every
+bench, e.g. ``-- --quick`` or ``-- --tag before``. The exit status is 1 if
+any bench failed to finish.
 """
 from __future__ import annotations
 
 import subprocess
 import sys
 
-OPS = ("attention", "attention_masks", "int8_matmul", "quantized_matmul",
-       "giou", "nms", "torch_bridge")
+OPS = ("attention", "attention_masks", "decode_attention", "int8_matmul",
+       "quantized_matmul", "giou", "nms", "torch_bridge")
 
 
 def main(argv=None) -> int:

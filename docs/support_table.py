@@ -96,6 +96,48 @@ def _attention_cases():
   ]
 
 
+def _decode_cases():
+  def call(d=128, dtype=jnp.bfloat16, t=1, page_size=None, **kw):
+    q = _spec((2, 8, t, d), dtype)
+    lengths = _spec((2,), jnp.int32)
+    if page_size is None:
+      cache = _spec((2, 2, 1024, d), dtype)
+      extra = []
+    else:
+      cache = _spec((64, 2, page_size, d), dtype)
+      extra = [_spec((2, 1024 // page_size), jnp.int32)]
+    if "sinks" in kw:
+      extra.append(_spec((8,), jnp.float32))
+
+    def run(backend):
+      def f(q, k, v, n, *rest):
+        options = dict(kw)
+        rest = list(rest)
+        if page_size is not None:
+          options["page_table"] = rest.pop(0)
+        if "sinks" in options:
+          options["sinks"] = rest.pop(0)
+        return pk.decode_attention(q, k, v, n, backend=backend, **options)
+      return jax.eval_shape(f, q, cache, cache, lengths, *extra)
+    return run
+
+  return [
+      ("bf16, head_dim 128, GQA 8/2", call()),
+      ("head_dim 64", call(d=64)),
+      ("head_dim 96", call(d=96)),
+      ("head_dim 256", call(d=256)),
+      ("float32", call(dtype=jnp.float32)),
+      ("float16", call(dtype=jnp.float16)),
+      ("16 new tokens", call(t=16)),
+      ("sliding_window", call(sliding_window=256)),
+      ("logit_soft_cap", call(logit_soft_cap=30.0)),
+      ("sinks", call(sinks=True)),
+      ("paged, page_size 16", call(page_size=16)),
+      ("paged, page_size 128", call(page_size=128)),
+      ("paged, page_size 24", call(page_size=24)),
+  ]
+
+
 def _int8_cases():
   def call(m=256, k=512, n=384, weight_only=False, layout="kn",
            scales=True):
@@ -209,6 +251,7 @@ def _box_cases():
 
 
 FAMILIES = (("flash_attention", _attention_cases),
+            ("decode_attention", _decode_cases),
             ("int8_matmul", _int8_cases),
             ("quantized_matmul", _quantized_cases),
             ("IoU family and NMS", _box_cases))

@@ -3,7 +3,7 @@
 Public ops (each takes ``backend=None | "mosaic_tpu" | "gpu" | "interpret" |
 "reference"``; see ``pallas_kernels._backend`` for how None is resolved):
 
-  attention:   flash_attention, shard_flash_attention
+  attention:   flash_attention, shard_flash_attention; decode_attention
   int8 matmul: quantize_int8, int8_matmul, shard_int8_matmul, nn.int8_dense
   quantized:   quantize, quantized_matmul (int8, int4, fp8), nn.quantized_dense
   boxes:       giou, pairwise_giou, giou_loss, box_iou, ... ; nms, batched_nms,
@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "flash_attention": "pallas_kernels.attention",
     "shard_flash_attention": "pallas_kernels.attention",
+    "decode_attention": "pallas_kernels.decode",
     "quantize_int8": "pallas_kernels.int8",
     "int8_matmul": "pallas_kernels.int8",
     "shard_int8_matmul": "pallas_kernels.int8",
@@ -57,7 +58,8 @@ _EXPORTS = {
     "shard_batched_nms": "pallas_kernels.boxes.nms",
     "soft_nms": "pallas_kernels.boxes.nms",
 }
-_SUBMODULES = ("reference", "nn", "tpu_aot", "attention", "int8", "quant",
+_SUBMODULES = ("reference", "nn", "tpu_aot", "attention", "decode", "int8",
+               "quant",
                "boxes")
 
 __all__ = sorted(_EXPORTS) + ["BACKENDS", "force_interpret"] + list(_SUBMODULES)

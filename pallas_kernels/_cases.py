@@ -15,6 +15,7 @@ import numpy as np
 # Family name (as given to --families) -> its package.
 FAMILIES = {
     "attention": "pallas_kernels.attention",
+    "decode": "pallas_kernels.decode",
     "int8": "pallas_kernels.int8",
     "quant": "pallas_kernels.quant",
     "iou": "pallas_kernels.boxes.iou",

@@ -9,6 +9,7 @@ import importlib
 
 _EXPORTS = {
     "flash_attention": "pallas_kernels.attention.reference",
+    "decode_attention": "pallas_kernels.decode.reference",
     "quantize_int8": "pallas_kernels.int8.reference",
     "int8_matmul": "pallas_kernels.int8.reference",
     "quantize": "pallas_kernels.quant.reference",

@@ -53,6 +53,25 @@ def _attention(backend):
   return fn
 
 
+def _decode_inputs(rng, paged=False):
+  b, h, g, t, length, d, page = 4, 8, 4, 2, 48, 32, 16
+  f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  lengths = jnp.asarray(rng.integers(t, length + 1, b), jnp.int32)
+  if not paged:
+    return f(b, h, t, d), f(b, g, length, d), f(b, g, length, d), lengths
+  pool = b * length // page + 2
+  table = rng.permutation(pool)[:b * length // page].reshape(b, -1)
+  return (f(b, h, t, d), f(pool, g, page, d), f(pool, g, page, d), lengths,
+          jnp.asarray(table, jnp.int32))
+
+
+def _decode(backend):
+  def fn(q, k, v, lengths, table=None):
+    return (pk.decode_attention(q, k, v, lengths, page_table=table,
+                                sliding_window=20, backend=backend),)
+  return fn
+
+
 def _int8_inputs(rng):
   x = jnp.asarray(rng.integers(-127, 128, (16, 64)), jnp.int8)
   w = jnp.asarray(rng.integers(-127, 128, (64, 48)), jnp.int8)
@@ -105,6 +124,15 @@ CASES = [
          specs=(P("data", "model"), P("data", "model"), P("data", "model"),
                 P(None, "model"), P("data")),
          out_specs=(P("data", "model"),), grad=(0, 1, 2, 3), atol=2e-5),
+    Case("decode_attention", _decode_inputs, _decode,
+         specs=(P("data", "model"), P("data", "model"), P("data", "model"),
+                P("data")),
+         out_specs=(P("data", "model"),), grad=(0, 1, 2), atol=2e-5),
+    Case("decode_attention_paged",
+         lambda rng: _decode_inputs(rng, paged=True), _decode,
+         specs=(P("data", "model"), P(None, "model"), P(None, "model"),
+                P("data"), P("data")),
+         out_specs=(P("data", "model"),), grad=(0, 1, 2), atol=2e-5),
     Case("int8_matmul", _int8_inputs, _int8,
          specs=(P("data"), P(None, "model"), P("data"), P("model"),
                 P("model")),

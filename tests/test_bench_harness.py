@@ -158,7 +158,8 @@ def test_plot_draws_ratios_and_rooflines(tmp_path):
 def test_benches_use_only_the_public_api():
   # The same scripts time the package before and after a refactor.
   allowed = {"pallas_kernels.attention", "pallas_kernels.attention.mosaic_tpu",
-             "pallas_kernels.attention.block_sizes"}
+             "pallas_kernels.attention.block_sizes",
+             "pallas_kernels.decode"}
   for path in BENCH.glob("*.py"):
     text = path.read_text()
     modules = set(re.findall(r"from (pallas_kernels[\w.]*) import", text))
@@ -192,8 +193,8 @@ def _quick(op, tmp_path):
   return data
 
 
-@pytest.mark.parametrize("op", ["attention", "int8_matmul", "quantized_matmul",
-                                "giou"])
+@pytest.mark.parametrize("op", ["attention", "decode_attention",
+                                "int8_matmul", "quantized_matmul", "giou"])
 def test_quick_run_times_ours_against_a_jax_peer(op, tmp_path):
   data = _quick(op, tmp_path)
   ours = [r for r in data["rows"] if r["impl"].startswith("ours")]

@@ -66,6 +66,11 @@ def test_inside_user_shard_map(name, check_vma, rng):
     pytest.xfail("jax's generic Pallas interpreter (the CPU path) types the "
                  "int8 kernel's loop carry as unvarying; the Mosaic kernel "
                  "and backend='interpret' work (test below)")
+  if check_vma and name.startswith("decode_attention"):
+    pytest.xfail("jax's generic Pallas interpreter (the CPU path) indexes "
+                 "the scalar-prefetched lengths with unvarying grid indices "
+                 "in the index maps; the Mosaic kernel and "
+                 "backend='interpret' work (test below)")
   case = sc.case(name)
   args = case.make(rng)
   want, want_grads = _expected(case, args)
@@ -206,6 +211,17 @@ def test_vmap_of_auto_partitioned_call(rng):
 
 def test_int8_in_checked_shard_map_with_tpu_interpreter(rng):
   case = sc.case("int8_matmul")
+  args = case.make(rng)
+  want, _ = _expected(case, args)
+  mapped = jax.shard_map(case.fn("interpret"), mesh=_mesh(AxisType.Auto),
+                         in_specs=case.specs, out_specs=case.out_specs)
+  _close(case, jax.jit(mapped)(*args), want)
+
+
+@pytest.mark.parametrize("name", ["decode_attention",
+                                  "decode_attention_paged"])
+def test_decode_in_checked_shard_map_with_tpu_interpreter(name, rng):
+  case = sc.case(name)
   args = case.make(rng)
   want, _ = _expected(case, args)
   mapped = jax.shard_map(case.fn("interpret"), mesh=_mesh(AxisType.Auto),

@@ -18,7 +18,8 @@ from pallas_kernels import _compat, tpu_aot
 pytestmark = pytest.mark.tpu_aot
 
 TOPOLOGIES = {"v5e:2x4": (2, 4), "v6e:2x2": (2, 2)}
-NAMES = ["flash_attention", "int8_matmul", "giou_loss_sum", "batched_nms",
+NAMES = ["flash_attention", "decode_attention", "decode_attention_paged",
+         "int8_matmul", "giou_loss_sum", "batched_nms",
          "pairwise_giou"]
 
 

@@ -1,0 +1,174 @@
+"""Decode attention (one new token per sequence) against JAX's and torch's
+attention and the package's flash_attention on the padded cache.
+
+    python -m bench.decode_attention [--quick] [--cases B1] [--tag T] [--out DIR]
+
+ours: ``pallas_kernels.decode_attention`` on the contiguous cache, and
+``ours_paged`` on the same tokens in shuffled pages (backend=None: the GPU
+kernel on a GPU). Peers in the same run, each on the cache in its own
+layout: ``jax.nn.dot_product_attention(key_value_seq_lengths=...)`` with the
+XLA and (on a GPU) cuDNN implementations; ``flash``:
+``pk.flash_attention`` over the whole padded cache (no lengths); torch
+SDPA (``enable_gqa``) over the padded cache where torch is installed.
+Cases: H=32, Hkv=8, D=128, bf16, batch 1 and 64, caches 8k..128k (batch 16
+at 128k: two copies of a batch-64 cache do not fit in 80 GB), all
+sequences full, plus a ragged batch (lengths uniform in [1, S]).
+``hbm`` is the fraction of peak HBM bandwidth (``bench/roofline.py``) the
+call reaches on the K/V bytes a decode must read (2 · sum(lengths) · Hkv ·
+D · itemsize), the same figure for every impl; ``err`` is ours against
+the XLA peer. TPU rows: the Mosaic kernel's work at full length on each
+chip's roofline (``mosaic_tpu.cost``); no TPU is measured.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from bench import harness, roofline
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 64
+CASES = ([dict(batch=1, seq=s, ragged=False) for s in (8192, 32768, 131072)]
+         + [dict(batch=64, seq=s, ragged=r) for s in (8192, 32768)
+            for r in (False, True)]
+         + [dict(batch=16, seq=131072, ragged=False)])
+CASES = [dict(c, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+              dtype="bfloat16", page=PAGE) for c in CASES]
+QUICK = [dict(batch=b, seq=256, ragged=r, heads=4, kv_heads=2, head_dim=64,
+              dtype="float32", page=32) for b, r in ((1, False), (3, True))]
+
+
+def label(case):
+  return (f"B{case['batch']} S{case['seq']} H{case['heads']}/"
+          f"{case['kv_heads']} D{case['head_dim']}"
+          + (" ragged" if case["ragged"] else ""))
+
+
+def _inputs(case):
+  b, s, hk, d = case["batch"], case["seq"], case["kv_heads"], case["head_dim"]
+  dtype = jnp.dtype(case["dtype"])
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (b, case["heads"], 1, d), dtype)
+  k = jax.random.normal(keys[1], (b, hk, s, d), dtype)
+  v = jax.random.normal(keys[2], (b, hk, s, d), dtype)
+  rng = np.random.default_rng(0)
+  lengths = (rng.integers(1, s + 1, b) if case["ragged"]
+             else np.full(b, s)).astype(np.int32)
+  return q, k, v, jnp.asarray(lengths)
+
+
+def _paged(case, k, v):
+  b, s, hk, d, page = (case["batch"], case["seq"], case["kv_heads"],
+                       case["head_dim"], case["page"])
+  pages = s // page
+  table = np.random.default_rng(1).permutation(b * pages).reshape(b, pages)
+
+  def to_pages(x):
+    out = jnp.zeros((b * pages, hk, page, d), x.dtype)
+    return out.at[table].set(
+        x.reshape(b, hk, pages, page, d).transpose(0, 2, 1, 3, 4))
+  return to_pages(k), to_pages(v), jnp.asarray(table, jnp.int32)
+
+
+def _peak_bandwidth():
+  device = jax.devices()[0]
+  spec = roofline.SPECS.get(harness.device_slug(device.device_kind))
+  return spec["hbm"] if spec else None
+
+
+def run(case, timer):
+  q, k, v, lengths = _inputs(case)
+  itemsize = jnp.dtype(case["dtype"]).itemsize
+  kv_bytes = (2 * int(np.sum(np.asarray(lengths))) * case["kv_heads"]
+              * case["head_dim"] * itemsize)
+  peak = _peak_bandwidth()
+  # Layouts: ours and flash [B, H, T, D] / [B, Hkv, S, D]; jax.nn [B, T, H, D].
+  qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+  k_pages, v_pages, table = _paged(case, k, v)
+  quick = timer.quick
+  impls = {
+      "ours": (pk.decode_attention, (q, k, v, lengths), False),
+      "ours_paged": (lambda q, k, v, n, t: pk.decode_attention(
+          q, k, v, n, page_table=t), (q, k_pages, v_pages, lengths, table),
+          False),
+  }
+  for peer in ("xla",) if quick else ("xla", "cudnn"):
+    dpa = functools.partial(jax.nn.dot_product_attention, implementation=peer)
+    impls[peer] = (lambda q, k, v, n, dpa=dpa: dpa(
+        q, k, v, key_value_seq_lengths=n), (qt, kt, vt, lengths), True)
+  impls["flash"] = (functools.partial(pk.flash_attention, causal=True),
+                    (q, k, v), False)
+  rows, outs = [], {}
+  for impl, (fn, args, transposed) in impls.items():
+    def timed(fn=fn, args=args, impl=impl, transposed=transposed):
+      seconds, out = timer.jax(fn, *args)
+      outs[impl] = jnp.swapaxes(out, 1, 2) if transposed else out
+      return seconds
+    row = harness.measure(rows, label(case), impl, timed)
+    if row["ms"] and peak:
+      row["hbm"] = kv_bytes / (row["ms"] / 1e3) / peak
+  torch_peer = _torch_sdpa(q, k, v, quick)
+  if torch_peer is not None:
+    row = harness.measure(rows, label(case), "torch_sdpa",
+                          lambda: timer.torch(torch_peer))
+    if row["ms"] and peak:
+      row["hbm"] = kv_bytes / (row["ms"] / 1e3) / peak
+  for row in rows:
+    if row["impl"].startswith("ours") and row["impl"] in outs and "xla" in outs:
+      row["err"] = harness.rel_error(outs[row["impl"]], outs["xla"])
+  return rows
+
+
+def _torch_sdpa(q, k, v, quick):
+  """A thunk of torch SDPA over the padded cache, or None without torch."""
+  torch = harness.torch_module()
+  if torch is None:
+    return None
+  device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
+  dtype = torch.bfloat16 if q.dtype == jnp.bfloat16 else torch.float32
+  qt, kt, vt = (torch.from_numpy(np.array(x, np.float32)).to(device, dtype)
+                for x in (q, k, v))
+
+  def thunk():
+    with torch.no_grad():
+      return torch.nn.functional.scaled_dot_product_attention(
+          qt, kt, vt, enable_gqa=True)
+  return thunk
+
+
+def tpu_rows(cases):
+  """The Mosaic TPU kernel's work at full length per chip, on the roofline."""
+  try:
+    from pallas_kernels.decode import mosaic_tpu
+  except ImportError:
+    return []
+  rows = []
+  for case in cases:
+    b, s, hk, d = (case["batch"], case["seq"], case["kv_heads"],
+                   case["head_dim"])
+    itemsize = jnp.dtype(case["dtype"]).itemsize
+    group = case["heads"] // hk
+    plan = mosaic_tpu.make_plan(b, hk, group, s, d, itemsize)
+    work = mosaic_tpu.cost(b, hk, plan, d, itemsize, s)
+    for row in roofline.rows(label(case), work["flops"],
+                             work["bytes_accessed"],
+                             useful_flops=4 * b * case["heads"] * s * d):
+      vmem = mosaic_tpu.vmem_bytes(plan, d, itemsize)
+      rows.append(dict(row, vmem_mib=vmem / 2**20,
+                       fits_vmem=vmem <= roofline.SPECS[row["chip"]]["vmem"]))
+  return rows
+
+
+def main(argv=None):
+  return harness.main("decode_attention", CASES, QUICK, run, label=label,
+                      tpu_rows=tpu_rows, argv=argv, doc=__doc__,
+                      columns=["case", "impl", "ms", "hbm", "err", "vs_xla",
+                               "vs_cudnn", "vs_flash", "vs_torch_sdpa",
+                               "error"])
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,323 @@
+"""Public decode-attention API: validation, gradient rule, kernel choice.
+
+``decode_attention`` attends the T newest tokens of each sequence to its KV
+cache (semantics: :mod:`pallas_kernels.decode.reference`). The forward picks
+its kernel (``_backend.dispatch``) from the rows, best first: ``mosaic_tpu``
+(TPU; bfloat16/float32, page tables up to 64k pages per sequence), ``triton`` (NVIDIA GPUs; head_dim and page size powers of two >= 16,
+since the cache is read in place), ``reference``. Both kernels are split-KV
+(flash decoding, ``decode.splits``). The gradient (decode is inference, but
+``jax.grad`` works) is the VJP of the reference, recomputed in XLA.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import _backend
+from pallas_kernels.decode import reference as _reference
+
+OP = "decode_attention"
+MAX_QUERIES = 16
+_FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Static parameters (hashable: they key the custom VJP's traces)."""
+  sm_scale: float
+  logit_soft_cap: float | None
+  sliding_window: int | None
+  backend: str | None
+
+  def kwargs(self):
+    return dict(sm_scale=self.sm_scale, logit_soft_cap=self.logit_soft_cap,
+                sliding_window=self.sliding_window)
+
+
+# ------------------------------------------------------------- backends --
+
+def _module(name):
+  return importlib.import_module(f"pallas_kernels.decode.{name}")
+
+
+def _kernel_run(config, name):
+  def run(*arrays, interpret=None):
+    return _module(name).decode(
+        *arrays, interpret=False if interpret is None else interpret,
+        **config.kwargs())
+  return run
+
+
+def _reference_run(config, *arrays):
+  return _reference.decode_attention_reference(*arrays, **config.kwargs())
+
+
+def _rows(config, q, k_cache, page_table):
+  return [
+      _backend.Kernel(
+          "mosaic_tpu", _kernel_run(config, "mosaic_tpu"),
+          supports=lambda: _module("mosaic_tpu").supports(q, k_cache,
+                                                          page_table)),
+      _backend.Kernel(
+          "triton", _kernel_run(config, "triton"),
+          supports=lambda: _module("triton").supports(q, k_cache, page_table)),
+      _backend.Kernel("reference", functools.partial(_reference_run, config)),
+  ]
+
+
+_FACTOR_NAMES = {"b": "batch", "h": "heads", "g": "kv_heads", "t": "queries",
+                 "s": "cache positions", "d": "head_dim", "p": "pages",
+                 "n": "pages per sequence"}
+
+
+def _sharding_rule(sinks, page_table, backward=False):
+  """Batch and heads split (query and kv heads together); a paged cache's
+  pages are shared by the batch, so they stay whole (and their gradient is
+  a sum over batch shards, as is the sinks')."""
+  from pallas_kernels import _sharding
+  cache = "b g s d" if page_table is None else "p g s d"
+  operands = [("q", "b h t d"), ("k_cache", cache), ("v_cache", cache),
+              ("kv_lengths", "b"), ("sinks", None if sinks is None else "h"),
+              ("page_table", None if page_table is None else "b n")]
+  results, sums = ["b h t d"], None
+  if backward:
+    operands.append(("d_out", "b h t d"))
+    cache_sum = "" if page_table is None else "b"
+    results, sums = ["b h t d", cache, cache], ["", cache_sum, cache_sum]
+    if sinks is not None:
+      results.append("h")
+      sums.append("b")
+  return _sharding.make_rule(
+      OP, operands, results, split="b h g", sums=sums, tied=["h g"],
+      helper="jax.shard_map", names=_FACTOR_NAMES)
+
+
+def _forward(config, q, k_cache, v_cache, kv_lengths, sinks, page_table):
+  return _backend.dispatch(
+      OP, config.backend, _rows(config, q, k_cache, page_table),
+      q, k_cache, v_cache, kv_lengths, sinks, page_table,
+      rule=_sharding_rule(sinks, page_table))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _decode(config, q, k_cache, v_cache, kv_lengths, sinks, page_table):
+  return _forward(config, q, k_cache, v_cache, kv_lengths, sinks, page_table)
+
+
+def _decode_fwd(config, q, k_cache, v_cache, kv_lengths, sinks, page_table):
+  out = _forward(config, q, k_cache, v_cache, kv_lengths, sinks, page_table)
+  return out, (q, k_cache, v_cache, kv_lengths, sinks, page_table)
+
+
+def _reference_vjp(config, q, k_cache, v_cache, kv_lengths, sinks,
+                   page_table, d_out):
+  def fn(q, k_cache, v_cache, sinks):
+    return _reference_run(config, q, k_cache, v_cache, kv_lengths, sinks,
+                          page_table)
+  _, vjp = jax.vjp(fn, q, k_cache, v_cache, sinks)
+  grads = vjp(d_out)
+  return grads if sinks is not None else grads[:3]
+
+
+def _decode_bwd(config, residuals, d_out):
+  q, k_cache, v_cache, kv_lengths, sinks, page_table = residuals
+  from pallas_kernels import _sharding
+  # Sharded like the forward: XLA alone cannot place the paged gather
+  # under Explicit axes.
+  grads = _sharding.run(
+      _sharding_rule(sinks, page_table, backward=True),
+      functools.partial(_reference_vjp, config), q, k_cache, v_cache,
+      kv_lengths, sinks, page_table, d_out.astype(q.dtype), auto=False)
+  dq, dk, dv, dsinks = tuple(grads) + (None,) * (4 - len(grads))
+  dq, dk, dv, dsinks = _sharding.cotangents_like(
+      (q, k_cache, v_cache, sinks), (dq, dk, dv, dsinks))
+  return (dq, dk, dv, _integer_cotangent(kv_lengths), dsinks,
+          _integer_cotangent(page_table))
+
+
+def _integer_cotangent(x):
+  return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+
+
+_decode.defvjp(_decode_fwd, _decode_bwd)
+
+
+# ----------------------------------------------------------- validation --
+
+def _is_static_number(x):
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_array(name, x, ndim):
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{OP}: {name} must be an array, got {type(x).__name__}")
+  if x.ndim != ndim:
+    raise ValueError(f"{OP}: {name} must have {ndim} dimension(s), got shape "
+                     f"{tuple(x.shape)}")
+
+
+def _check_integer(name, x):
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{OP}: {name} must hold integers, got {x.dtype}")
+
+
+def _concrete(x):
+  """x as a numpy array, or None when it is traced."""
+  if isinstance(x, jax.core.Tracer):
+    return None
+  return np.asarray(x)
+
+
+def _validate(q, k_cache, v_cache, kv_lengths, sm_scale, logit_soft_cap,
+              sliding_window, sinks, page_table, backend):
+  _backend.check_backend(OP, backend)
+  for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    _check_array(name, x, 4)
+  if q.dtype not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
+    raise TypeError(f"{OP}: q must be bfloat16, float16 or float32, got "
+                    f"{q.dtype}")
+  if not q.dtype == k_cache.dtype == v_cache.dtype:
+    raise TypeError(f"{OP}: q, k_cache and v_cache must share a dtype, got "
+                    f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+  if k_cache.shape != v_cache.shape:
+    raise ValueError(f"{OP}: k_cache and v_cache must have the same shape, "
+                     f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+  batch, heads, queries, head_dim = q.shape
+  kv_heads = k_cache.shape[1]
+  if queries > MAX_QUERIES:
+    raise ValueError(
+        f"{OP}: q holds {queries} new tokens per sequence (q.shape[2]); at "
+        f"most {MAX_QUERIES} are supported: use flash_attention for prefill")
+  if k_cache.shape[3] != head_dim:
+    raise ValueError(f"{OP}: head_dim of k_cache/v_cache ({k_cache.shape[3]})"
+                     f" != head_dim of q ({head_dim})")
+  if (kv_heads == 0 and heads > 0) or (kv_heads and heads % kv_heads):
+    raise ValueError(f"{OP}: heads of q ({heads}) must be a multiple of the "
+                     f"caches' kv_heads ({kv_heads})")
+  _check_array("kv_lengths", kv_lengths, 1)
+  _check_integer("kv_lengths", kv_lengths)
+  if kv_lengths.shape[0] != batch:
+    raise ValueError(f"{OP}: kv_lengths must have shape ({batch},) (the batch "
+                     f"of q), got {tuple(kv_lengths.shape)}")
+  if page_table is None:
+    if k_cache.shape[0] != batch:
+      raise ValueError(f"{OP}: batch of k_cache/v_cache ({k_cache.shape[0]}) "
+                       f"!= batch of q ({batch}); a paged cache needs "
+                       "page_table=")
+    capacity = k_cache.shape[2]
+  else:
+    _check_array("page_table", page_table, 2)
+    _check_integer("page_table", page_table)
+    if page_table.shape[0] != batch:
+      raise ValueError(f"{OP}: page_table must have shape ({batch}, "
+                       f"pages_per_seq), got {tuple(page_table.shape)}")
+    capacity = page_table.shape[1] * k_cache.shape[2]
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+  elif not _is_static_number(sm_scale):
+    raise TypeError(f"{OP}: sm_scale must be a Python number (it is static), "
+                    f"got {type(sm_scale).__name__}")
+  if not math.isfinite(sm_scale):
+    raise ValueError(f"{OP}: sm_scale must be finite, got {sm_scale}")
+  if logit_soft_cap is not None:
+    if not _is_static_number(logit_soft_cap):
+      raise TypeError(f"{OP}: logit_soft_cap must be a Python number, got "
+                      f"{type(logit_soft_cap).__name__}")
+    if not (logit_soft_cap > 0 and math.isfinite(logit_soft_cap)):
+      raise ValueError(f"{OP}: logit_soft_cap must be > 0 and finite, got "
+                       f"{logit_soft_cap}")
+    logit_soft_cap = float(logit_soft_cap)
+  if sliding_window is not None:
+    if (isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, numbers.Integral)):
+      raise TypeError(f"{OP}: sliding_window must be an int or None, got "
+                      f"{sliding_window!r}")
+    if sliding_window < 0:
+      raise ValueError(f"{OP}: sliding_window must be >= 0, got "
+                       f"{sliding_window}")
+    sliding_window = int(sliding_window)
+  if sinks is not None:
+    _check_array("sinks", sinks, 1)
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+      raise TypeError(f"{OP}: sinks must be floats, got {sinks.dtype}")
+    if sinks.shape[0] != heads:
+      raise ValueError(f"{OP}: sinks must have shape ({heads},) (one per "
+                       f"query head), got {tuple(sinks.shape)}")
+  _check_values(kv_lengths, page_table, capacity, k_cache.shape[0],
+                k_cache.shape[2])
+  config = _Config(sm_scale=float(sm_scale), logit_soft_cap=logit_soft_cap,
+                   sliding_window=sliding_window, backend=backend)
+  return config, capacity
+
+
+def _check_values(kv_lengths, page_table, capacity, num_pages, page_size):
+  """Range checks of concrete lengths and page-table entries (traced ones
+  are clipped into range instead)."""
+  lengths = _concrete(kv_lengths)
+  if lengths is None:
+    return
+  bad = (lengths < 0) | (lengths > capacity)
+  if bad.any():
+    b = int(np.argmax(bad))
+    raise ValueError(f"{OP}: kv_lengths[{b}] = {int(lengths[b])} is outside "
+                     f"[0, {capacity}] (the cache's capacity)")
+  table = None if page_table is None else _concrete(page_table)
+  if table is None or page_size == 0:
+    return
+  used = np.arange(table.shape[1])[None, :] * page_size < lengths[:, None]
+  bad = used & ((table < 0) | (table >= num_pages))
+  if bad.any():
+    b, p = (int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"{OP}: page_table[{b}, {p}] = {int(table[b, p])} is not "
+                     f"a page of the cache (0 <= page < {num_pages})")
+
+
+def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
+                     logit_soft_cap=None, sliding_window=None, sinks=None,
+                     page_table=None, backend=None):
+  """Attention of the T newest tokens of each sequence to its KV cache.
+
+  Args:
+    q: ``[B, H, T, D]`` bfloat16/float16/float32, ``1 <= T <= 16``. Query
+      ``t`` of sequence ``b`` sits at position ``kv_lengths[b] - T + t`` and
+      sees cache positions ``j <= kv_lengths[b] - T + t`` (causal among the
+      new tokens, which are already in the cache).
+    k_cache, v_cache: contiguous ``[B, Hkv, S, D]``, or paged ``[num_pages,
+      Hkv, page_size, D]`` with ``page_table``; q's dtype, ``H % Hkv == 0``
+      (query head ``h`` reads kv head ``h // (H // Hkv)``).
+    kv_lengths: ``[B]`` integers, ``0 <= kv_lengths[b] <= S`` (paged:
+      ``pages_per_seq * page_size``). Cache rows at or past the length are
+      never used. Traced lengths out of range are clipped.
+    sm_scale: logit scale, default ``1 / sqrt(D)``.
+    logit_soft_cap: ``cap * tanh(logits / cap)``.
+    sliding_window: ``w``: a query at position p sees keys ``p - w <= j <=
+      p``.
+    sinks: ``[H]`` floats, a per-head logit that joins the softmax
+      denominator only (its column is dropped).
+    page_table: ``[B, pages_per_seq]`` integers: position ``j`` of sequence
+      b is row ``j % page_size`` of page ``page_table[b, j // page_size]``.
+      Entries past a sequence's last page are never read.
+    backend: None (the best kernel for the platform lowered for),
+      "mosaic_tpu", "triton", "gpu", "interpret" or "reference".
+
+  Returns:
+    ``[B, H, T, D]`` in q's dtype; a query with no visible key gets 0.
+    Differentiable in q, the caches and sinks (through the reference).
+  """
+  config, capacity = _validate(q, k_cache, v_cache, kv_lengths, sm_scale,
+                               logit_soft_cap, sliding_window, sinks,
+                               page_table, backend)
+  if 0 in q.shape or 0 in k_cache.shape or capacity == 0:
+    return jnp.zeros(q.shape, q.dtype)
+  kv_lengths = jnp.clip(jnp.asarray(kv_lengths).astype(jnp.int32), 0,
+                        capacity)
+  if page_table is not None:
+    page_table = jnp.asarray(page_table).astype(jnp.int32)
+  return _decode(config, q, k_cache, v_cache, kv_lengths, sinks, page_table)

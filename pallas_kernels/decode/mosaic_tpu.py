@@ -1,0 +1,315 @@
+"""Mosaic TPU decode attention: split-KV flash decoding over a KV cache.
+
+Grid ``(B, Hkv, splits, steps)``, the last axis sequential. One step reads
+one block of keys and values of kv head ``hk`` of sequence ``b`` (contiguous
+cache: ``block`` rows; paged cache: ``chunks`` pages, one BlockSpec each,
+pipelined together) and multiplies it with all ``T * G`` query rows of that
+kv head at once (``splits.pack_queries``), keeping the online-softmax state
+(running max and sum, lane-replicated ``[rows, 128]``, float32 accumulator)
+in VMEM. Split ``s`` walks its run of the sequence's visible blocks
+(``splits.split_range``) and writes its normalized ``(out, lse)``; XLA merges
+the splits and the sinks (``splits.finish``).
+
+``kv_lengths`` (and the flattened page table) are scalar-prefetched into
+SMEM. The K/V index maps clamp the block index into the split's visible run,
+so steps past it repeat the previous block index (no DMA) and run nothing
+(``pl.when``). Blocks that every query sees whole skip the mask; the others
+mask logits by position and zero value rows at or past the length, so
+garbage there (NaN included) never reaches the output. The cache is read in
+place (no padding): a partial last block reads rows past the array that are
+masked the same way. The page table lives in SMEM (1 MiB on v5e), so a
+paged call whose table exceeds ``PAGE_TABLE_BYTES`` runs as several launches
+over slices of the batch. float16 caches are refused: Mosaic cannot load
+float16 vectors on v5e/v6e.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _compat, _cost
+from pallas_kernels._compat import pl, pltpu
+from pallas_kernels.decode import splits as _splits
+
+LANES = 128
+_SQ = pl.Squeezed() if hasattr(pl, "Squeezed") else None
+_NT = (((1,), (1,)), ((), ()))   # a @ b^T
+_NN = (((1,), (0,)), ((), ()))   # a @ b
+# Bytes of one K block in VMEM (V the same): large enough that a step's DMA
+# outlasts the fixed cost of a grid step on every generation.
+BLOCK_BYTES = 1 << 20
+# Bytes of one step's float32 logits (rows x block).
+SCORE_BYTES = 1 << 20
+MAX_PAGES_PER_BLOCK = 32
+# SMEM bytes of the prefetched page table per launch.
+PAGE_TABLE_BYTES = 256 << 10
+# Parallel grid items (B * Hkv * splits) wanted: megacore chips share the
+# parallel axes between two TensorCores.
+PARALLEL_ITEMS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Static tiling of one call."""
+  rows: int          # packed query rows, padded to the sublane tile
+  block: int         # keys per step
+  page_size: int     # rows per chunk (contiguous: the block)
+  chunks: int        # pages per step (contiguous: 1)
+  num_blocks: int    # blocks covering the capacity
+  num_splits: int
+  steps: int         # blocks per split
+  paged: bool
+
+
+def supports(q, k_cache, page_table) -> str | None:
+  """Why the kernel cannot run the call, else None."""
+  if k_cache.dtype == jnp.float16:
+    return ("Mosaic cannot load float16 vectors on TPU v5e/v6e: use "
+            "bfloat16 or float32")
+  if page_table is not None and page_table.shape[1] * 4 > PAGE_TABLE_BYTES:
+    return (f"one sequence's page table ({page_table.shape[1]} pages) "
+            f"exceeds the {PAGE_TABLE_BYTES >> 10} KiB of SMEM it may use")
+  del q
+  return None
+
+
+def _sublanes(itemsize: int) -> int:
+  return 8 * max(1, 4 // itemsize)
+
+
+def make_plan(batch, kv_heads, row_count, capacity, head_dim, itemsize, *,
+              page_size=None, pages_per_seq=None, block_kv=None,
+              num_splits=None) -> Plan:
+  """Rows, block and splits of a call (``block_kv``/``num_splits``: override
+  the defaults; a paged block is a whole number of pages)."""
+  rows = _splits.round_up(row_count, _sublanes(itemsize))
+  lanes = _splits.round_up(head_dim, LANES)
+  by_bytes = min(BLOCK_BYTES // (lanes * itemsize), SCORE_BYTES // (rows * 4))
+  target = max(LANES, by_bytes // LANES * LANES)
+  if block_kv is not None:
+    target = block_kv
+  if page_size is None:
+    block = capacity if capacity <= target else target
+    page, chunks = block, 1
+  else:
+    chunks = max(1, min(target // page_size, MAX_PAGES_PER_BLOCK,
+                        pages_per_seq))
+    page, block = page_size, chunks * page_size
+  num_blocks = -(-capacity // block)
+  if num_splits is None:
+    num_splits = -(-PARALLEL_ITEMS // max(1, batch * kv_heads))
+  num_splits = max(1, min(num_splits, num_blocks))
+  return Plan(rows=rows, block=block, page_size=page, chunks=chunks,
+              num_blocks=num_blocks, num_splits=num_splits,
+              steps=-(-num_blocks // num_splits),
+              paged=page_size is not None)
+
+
+def vmem_bytes(plan: Plan, head_dim: int, itemsize: int) -> int:
+  """VMEM of one launch: double-buffered q, K/V and outputs, the scratch and
+  the step's float32 temporaries (logits, probabilities, mask)."""
+  lanes = _splits.round_up(head_dim, LANES)
+  kv = 2 * 2 * plan.block * lanes * itemsize
+  q = 2 * plan.rows * lanes * itemsize
+  outs = 2 * plan.rows * (lanes + LANES) * 4
+  scratch = plan.rows * (2 * LANES + lanes) * 4
+  temps = 4 * plan.rows * _splits.round_up(plan.page_size, LANES) * 4
+  return kv + q + outs + scratch + temps
+
+
+def cost(batch, kv_heads, plan: Plan, head_dim, itemsize, capacity=None):
+  """Work at full length (every key of ``capacity`` visible): flops,
+  transcendentals and HBM bytes (K and V once, q, the partial outputs)."""
+  capacity = plan.num_blocks * plan.block if capacity is None else capacity
+  pairs = batch * kv_heads * plan.rows * capacity
+  kv_bytes = 2 * batch * kv_heads * capacity * head_dim * itemsize
+  q_bytes = batch * kv_heads * plan.rows * head_dim * itemsize
+  out_bytes = (batch * kv_heads * plan.num_splits * plan.rows
+               * (head_dim + LANES) * 4)
+  return dict(flops=4 * pairs * head_dim, transcendentals=pairs,
+              bytes_accessed=kv_bytes + q_bytes + out_bytes)
+
+
+# ----------------------------------------------------------------- kernel --
+
+def _kernel(*refs, plan: Plan, queries, group, window, sm_scale, cap):
+  lengths_ref = refs[0]
+  it = iter(refs[2:] if plan.paged else refs[1:])
+  q_ref = next(it)
+  kv_refs = [(next(it), next(it)) for _ in range(plan.chunks)]
+  o_ref, lse_ref, m_ref, l_ref, acc_ref = it
+  b, split, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  length = lengths_ref[b]
+  start, per, hi = _splits.split_range(length, split, queries, window,
+                                       plan.block, plan.num_splits)
+  block = start + j
+  base = length - queries          # position of the first query
+
+  @pl.when(j == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  first_key = block * plan.block
+  whole = first_key + plan.block - 1 <= base
+  if window is not None:
+    whole &= first_key >= length - 1 - window
+  run = (j < per) & (block <= hi)
+
+  for chunk, (k_ref, v_ref) in enumerate(kv_refs):
+    key0 = first_key + chunk * plan.page_size
+
+    def step(masked, k_ref=k_ref, v_ref=v_ref, key0=key0):
+      q = q_ref[...]
+      k, v = k_ref[...], v_ref[...]
+      s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+      s = s * sm_scale
+      if cap is not None:
+        s = cap * jnp.tanh(s / cap)
+      if masked:
+        cols = key0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        rows = lax.broadcasted_iota(jnp.int32, s.shape, 0)
+        visible = (rows >= (cols - base) * group) & (cols < length)
+        if window is not None:
+          visible &= rows < (cols + window - base + 1) * group
+        s = jnp.where(visible, s, -jnp.inf)
+        written = key0 + lax.broadcasted_iota(jnp.int32, v.shape, 0) < length
+        v = jnp.where(written, v, jnp.zeros_like(v))
+      m_prev, l_prev = m_ref[...][:, :1], l_ref[...][:, :1]
+      m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp(s - m_safe)
+      alpha = jnp.exp(m_prev - m_safe)
+      l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+      pv = lax.dot_general(p.astype(v.dtype), v, _NN,
+                           preferred_element_type=jnp.float32)
+      acc_ref[...] = alpha * acc_ref[...] + pv
+      m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
+      l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+
+    chunk_run = run & (key0 < length) if chunk else run
+    pl.when(chunk_run & whole)(lambda step=step: step(False))
+    pl.when(chunk_run & jnp.logical_not(whole))(lambda step=step: step(True))
+
+  @pl.when(j == plan.steps - 1)
+  def _finish():
+    l_rep = l_ref[...]
+    has_keys = l_rep != 0
+    safe = jnp.where(has_keys, l_rep, 1.0)
+    o_ref[...] = jnp.where(has_keys[:, :1], acc_ref[...] / safe[:, :1], 0.0)
+    lse_ref[...] = jnp.where(has_keys, m_ref[...] + jnp.log(safe), -jnp.inf)
+
+
+# -------------------------------------------------------------- host side --
+
+def _visible_block(lengths_ref, b, split, j, plan, queries, window):
+  """The block step j of split ``split`` reads: clamped into the split's
+  run, so steps past it repeat the last index (no DMA)."""
+  start, per, hi = _splits.split_range(lengths_ref[b], split, queries,
+                                       window, plan.block, plan.num_splits)
+  block = jnp.minimum(jnp.minimum(start + j, start + per - 1), hi)
+  return jnp.clip(block, 0, plan.num_blocks - 1)
+
+
+def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
+           logit_soft_cap, sliding_window, interpret, block_kv=None,
+           num_splits=None):
+  """``[B, H, T, D]`` in q's dtype (arguments as checked by the API;
+  ``block_kv``/``num_splits`` override the plan)."""
+  kwargs = dict(sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
+                sliding_window=sliding_window, interpret=interpret,
+                block_kv=block_kv, num_splits=num_splits)
+  if page_table is None:
+    return _decode(q, k_cache, v_cache, kv_lengths, sinks, None, **kwargs)
+  per_launch = max(1, PAGE_TABLE_BYTES // (4 * page_table.shape[1]))
+  parts = [_decode(q[b:b + per_launch], k_cache, v_cache,
+                   kv_lengths[b:b + per_launch], sinks,
+                   page_table[b:b + per_launch], **kwargs)
+           for b in range(0, q.shape[0], per_launch)]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+
+def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
+            logit_soft_cap, sliding_window, interpret, block_kv, num_splits):
+  batch, heads, queries, head_dim = q.shape
+  kv_heads = k_cache.shape[1]
+  group = heads // kv_heads
+  itemsize = jnp.dtype(k_cache.dtype).itemsize
+  paged = page_table is not None
+  if paged:
+    page_size, pages_per_seq = k_cache.shape[2], page_table.shape[1]
+    capacity = page_size * pages_per_seq
+  else:
+    page_size = pages_per_seq = None
+    capacity = k_cache.shape[2]
+  plan = make_plan(batch, kv_heads, queries * group, capacity, head_dim,
+                   itemsize, page_size=page_size,
+                   pages_per_seq=pages_per_seq, block_kv=block_kv,
+                   num_splits=num_splits)
+  rows = _splits.pack_queries(q, kv_heads, plan.rows)
+  window = sliding_window
+  visible = functools.partial(_visible_block, plan=plan, queries=queries,
+                              window=window)
+
+  if paged:
+    num_pages = k_cache.shape[0]
+
+    def chunk_spec(chunk):
+      def index(b, h, split, j, lengths_ref, pages_ref):
+        page = visible(lengths_ref, b, split, j) * plan.chunks + chunk
+        last = lax.div(jnp.maximum(lengths_ref[b] - 1, 0),
+                       jnp.int32(plan.page_size))
+        page = jnp.clip(page, 0, jnp.minimum(last, pages_per_seq - 1))
+        page_id = pages_ref[b * pages_per_seq + page]
+        return jnp.clip(page_id, 0, num_pages - 1), h, 0, 0
+      return pl.BlockSpec((_SQ, _SQ, plan.page_size, head_dim), index)
+
+    kv_specs = [spec for c in range(plan.chunks)
+                for spec in (chunk_spec(c), chunk_spec(c))]
+    kv_args = [x for _ in range(plan.chunks) for x in (k_cache, v_cache)]
+    prefetch = [kv_lengths, page_table.reshape(-1)]
+  else:
+    def index(b, h, split, j, lengths_ref):
+      return b, h, visible(lengths_ref, b, split, j), 0
+    spec = pl.BlockSpec((_SQ, _SQ, plan.block, head_dim), index)
+    kv_specs, kv_args = [spec, spec], [k_cache, v_cache]
+    prefetch = [kv_lengths]
+
+  q_spec = pl.BlockSpec((_SQ, _SQ, plan.rows, head_dim),
+                        lambda b, h, split, j, *_: (b, h, 0, 0))
+  out_shape = [
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, plan.rows,
+                            head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, plan.rows,
+                            LANES), jnp.float32)]
+  out_specs = [
+      pl.BlockSpec((_SQ, _SQ, _SQ, plan.rows, head_dim),
+                   lambda b, h, split, j, *_: (b, h, split, 0, 0)),
+      pl.BlockSpec((_SQ, _SQ, _SQ, plan.rows, LANES),
+                   lambda b, h, split, j, *_: (b, h, split, 0, 0))]
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=len(prefetch),
+      grid=(batch, kv_heads, plan.num_splits, plan.steps),
+      in_specs=[q_spec] + kv_specs, out_specs=out_specs,
+      scratch_shapes=[pltpu.VMEM((plan.rows, LANES), jnp.float32),
+                      pltpu.VMEM((plan.rows, LANES), jnp.float32),
+                      pltpu.VMEM((plan.rows, head_dim), jnp.float32)])
+  kernel = functools.partial(_kernel, plan=plan, queries=queries, group=group,
+                             window=window, sm_scale=sm_scale,
+                             cap=logit_soft_cap)
+  work = cost(batch, kv_heads, plan, head_dim, itemsize, capacity)
+  out, lse = _compat.pallas_call(
+      kernel, grid_spec=grid_spec, out_shape=out_shape,
+      compiler_params=_compat.tpu_compiler_params(
+          dimension_semantics=("parallel", "parallel", "parallel",
+                               "arbitrary")),
+      interpret=interpret, cost_estimate=_cost.estimate(**work),
+      name="decode_attention_paged" if paged else "decode_attention",
+  )(*prefetch, rows, *kv_args)
+  return _splits.finish(out, lse[..., 0], sinks, heads=heads,
+                        queries=queries, dtype=q.dtype)

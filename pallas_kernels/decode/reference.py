@@ -1,0 +1,87 @@
+"""Plain-JAX decode attention with exactly the semantics of the kernels.
+
+Shapes: q ``[B, H, T, D]``; a contiguous cache ``[B, Hkv, S, D]``, or a
+paged one ``[num_pages, Hkv, page_size, D]`` read through ``page_table
+[B, pages_per_seq]`` (position ``j`` of sequence ``b`` is row ``j %
+page_size`` of page ``page_table[b, j // page_size]``); ``kv_lengths [B]``.
+Query head ``h`` reads kv head ``h // (H // Hkv)``.
+
+    pos[b, t]  = kv_lengths[b] - T + t          (the last query is the
+                                                 newest cached token)
+    visible    = j <= pos  and  j >= pos - window   (window: optional)
+    s[j]       = sm_scale * q . k_j  (float32), then cap * tanh(s / cap)
+    out        = sum_j p_j v_j,  p = exp(s) / (sum_visible exp(s) + exp(sink))
+                 (no sinks: the plain softmax over the visible keys)
+
+A row with no visible key gives 0. Cache rows at or past ``kv_lengths[b]``
+are never used (they may hold anything, NaN included).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def contiguous_cache(cache, page_table):
+  """``[B, Hkv, pages_per_seq * page_size, D]``: each sequence's pages in
+  order (a gather; the kernels read the pages in place)."""
+  pages = cache[page_table]                  # [B, n, Hkv, ps, D]
+  b, n, hkv, ps, d = pages.shape
+  return pages.transpose(0, 2, 1, 3, 4).reshape(b, hkv, n * ps, d)
+
+
+def decode_attention_reference(q, k_cache, v_cache, kv_lengths, sinks=None,
+                               page_table=None, *, sm_scale, logit_soft_cap,
+                               sliding_window):
+  """``[B, H, T, D]`` in q's dtype; arguments as checked by the API."""
+  if page_table is not None:
+    k_cache = contiguous_cache(k_cache, page_table)
+    v_cache = contiguous_cache(v_cache, page_table)
+  batch, heads, queries, _ = q.shape
+  kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+  group = heads // kv_heads
+  # float32 operands: products of bf16/f16 values are exact in float32.
+  qg = q.astype(jnp.float32).reshape(batch, kv_heads, group, queries, -1)
+  s = jnp.einsum("bkgtd,bkjd->bkgtj", qg, k_cache.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
+  s = s * sm_scale
+  if logit_soft_cap is not None:
+    s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
+  lengths = kv_lengths.astype(jnp.int32)
+  pos = lengths[:, None] - queries + jnp.arange(queries)[None, :]   # [B, T]
+  cols = jnp.arange(capacity)
+  visible = cols[None, None, :] <= pos[:, :, None]                   # [B,T,S]
+  if sliding_window is not None:
+    visible &= cols[None, None, :] >= pos[:, :, None] - sliding_window
+  visible = visible[:, None, None]                                   # b k g t j
+  row_max = jnp.max(jnp.where(visible, s, -jnp.inf), axis=-1, keepdims=True)
+  if sinks is not None:
+    sink = sinks.astype(jnp.float32).reshape(1, kv_heads, group, 1, 1)
+    row_max = jnp.maximum(row_max, sink)
+  row_max = jax.lax.stop_gradient(
+      jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  e = jnp.where(visible, jnp.exp(jnp.where(visible, s, 0.0) - row_max), 0.0)
+  total = jnp.sum(e, axis=-1, keepdims=True)
+  if sinks is not None:
+    total = total + jnp.exp(sink - row_max)
+  p = e / jnp.where(total != 0, total, 1.0)
+  # Rows past the length may hold garbage: 0 * NaN would leak it.
+  written = (cols[None, :] < lengths[:, None])[:, None, :, None]
+  v = jnp.where(written, v_cache.astype(jnp.float32), 0.0)
+  out = jnp.einsum("bkgtj,bkjd->bkgtd", p, v,
+                   precision=jax.lax.Precision.HIGHEST)
+  return out.reshape(batch, heads, queries, -1).astype(q.dtype)
+
+
+def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
+                     logit_soft_cap=None, sliding_window=None, sinks=None,
+                     page_table=None):
+  """Reference for :func:`pallas_kernels.decode_attention` (same arguments
+  and result; no argument checks)."""
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(q.shape[-1])
+  return decode_attention_reference(
+      q, k_cache, v_cache, kv_lengths, sinks, page_table, sm_scale=sm_scale,
+      logit_soft_cap=logit_soft_cap, sliding_window=sliding_window)

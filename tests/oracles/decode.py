@@ -1,0 +1,64 @@
+"""float64 NumPy oracle for decode attention (independent of pallas_kernels).
+
+Semantics of ``pallas_kernels.decode_attention``, written from its
+docstring: query t of sequence b sits at position ``L_b - T + t`` (``L_b =
+kv_lengths[b]``) and sees cache positions ``p - window <= j <= p``; logits
+``sm_scale * q . k``, then ``cap * tanh(s / cap)``; the softmax denominator
+also holds ``exp(sink_h)``; a query with no visible key gives 0. A paged
+cache is first laid out per sequence: position j is row ``j % page_size``
+of page ``page_table[b, j // page_size]``. Each query is computed on its
+own, by loops over sequences, heads and queries.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def gather_pages(cache, page_table):
+  """``[B, Hkv, pages_per_seq * page_size, D]`` from a paged cache."""
+  cache = np.asarray(cache)
+  table = np.asarray(page_table)
+  b, n = table.shape
+  _, hkv, ps, d = cache.shape
+  out = np.zeros((b, hkv, n * ps, d), cache.dtype)
+  for i in range(b):
+    for p in range(n):
+      out[i, :, p * ps:(p + 1) * ps] = cache[table[i, p]]
+  return out
+
+
+def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
+                     logit_soft_cap=None, sliding_window=None, sinks=None,
+                     page_table=None):
+  """``[B, H, T, D]`` float64."""
+  if page_table is not None:
+    k_cache = gather_pages(k_cache, page_table)
+    v_cache = gather_pages(v_cache, page_table)
+  q = np.asarray(q).astype(np.float64)
+  k = np.asarray(k_cache).astype(np.float64)
+  v = np.asarray(v_cache).astype(np.float64)
+  lengths = np.asarray(kv_lengths)
+  b_n, h_n, t_n, d = q.shape
+  group = h_n // k.shape[1]
+  scale = 1 / math.sqrt(d) if sm_scale is None else sm_scale
+  out = np.zeros(q.shape)
+  for b in range(b_n):
+    for h in range(h_n):
+      kh, vh = k[b, h // group], v[b, h // group]
+      for t in range(t_n):
+        pos = int(lengths[b]) - t_n + t
+        lo = 0 if sliding_window is None else max(0, pos - sliding_window)
+        keys = np.arange(lo, pos + 1)
+        if keys.size == 0:
+          continue
+        s = kh[keys] @ q[b, h, t] * scale
+        if logit_soft_cap is not None:
+          s = logit_soft_cap * np.tanh(s / logit_soft_cap)
+        terms = s if sinks is None else np.append(s, float(sinks[h]))
+        top = terms.max()
+        weights = np.exp(terms - top)
+        p = weights[:keys.size] / weights.sum()
+        out[b, h, t] = p @ vh[keys]
+  return out

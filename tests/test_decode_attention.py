@@ -1,0 +1,393 @@
+"""decode_attention: one suite for every backend (``tests/backends.py``)
+against the float64 oracle (``tests/oracles/decode.py``); the kernels' own
+split-KV paths (several blocks, several splits); agreement with
+flash_attention on the prefix; the API (errors, empty inputs, gradients).
+
+Tolerances, max abs error against float64 on N(0, 1) inputs, scaled by
+max(1, max |expected|): float32 2e-5; bfloat16/float16 2e-2 (the kernels
+round probabilities to the cache dtype before the P V matmul; the oracle
+sees the rounded inputs). Cache rows past each length hold NaN, which must
+not reach the output.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import backends
+import pallas_kernels as pk
+from oracles import decode as oracle
+from pallas_kernels import _compat
+from pallas_kernels.decode import mosaic_tpu, triton
+
+TOLERANCES = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-2}
+ALL = backends.params()
+
+
+def _assert_close(actual, expected, tol, what=""):
+  actual = np.asarray(actual).astype(np.float64)
+  expected = np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+  assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
+  scale = max(1.0, float(np.max(np.abs(expected), initial=0)))
+  err = float(np.max(np.abs(actual - expected), initial=0))
+  assert err <= tol * scale, f"{what}: max abs error {err} > {tol * scale}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One call. ``page_size`` set: a paged cache of ``pages`` pages per
+  sequence, shuffled over a pool with spare (NaN) pages; ``lengths``: the
+  kv lengths, None for random ones with 0 and the capacity among them."""
+  b: int
+  h: int
+  hk: int
+  t: int
+  s: int               # contiguous capacity, or pages per sequence
+  d: int
+  dtype: str = "float32"
+  window: int | None = None
+  cap: float | None = None
+  sm_scale: float | None = None
+  sinks: bool = False
+  page_size: int | None = None
+  lengths: tuple | None = None
+
+  @property
+  def capacity(self):
+    return self.s * (self.page_size or 1)
+
+  def inputs(self, rng):
+    """(q, k_cache, v_cache, kv_lengths, kwargs)."""
+    dtype = jnp.dtype(self.dtype)
+    normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+    if self.lengths is not None:
+      lengths = np.array(self.lengths)
+    else:
+      lengths = rng.integers(0, self.capacity + 1, self.b)
+      lengths[0] = self.capacity
+      if self.b > 1:
+        lengths[1] = 0
+    kw = dict(sliding_window=self.window, logit_soft_cap=self.cap,
+              sm_scale=self.sm_scale)
+    if self.sinks:
+      kw["sinks"] = jnp.asarray(2 * normal(self.h), jnp.float32)
+    if self.page_size is None:
+      k, v = (normal(self.b, self.hk, self.s, self.d) for _ in range(2))
+      past = np.arange(self.s)[None, :] >= lengths[:, None]
+      k[past[:, None, :, None].repeat(self.hk, 1).repeat(self.d, 3)] = np.nan
+      v[past[:, None, :, None].repeat(self.hk, 1).repeat(self.d, 3)] = np.nan
+    else:
+      pool = self.b * self.s + 3
+      k, v = (np.full((pool, self.hk, self.page_size, self.d), np.nan)
+              for _ in range(2))
+      table = rng.permutation(pool)[:self.b * self.s].reshape(self.b, self.s)
+      for b in range(self.b):
+        for p in range(self.s):
+          rows = np.clip(lengths[b] - p * self.page_size, 0, self.page_size)
+          for x in (k, v):
+            x[table[b, p], :, :rows] = normal(self.hk, rows, self.d)
+      kw["page_table"] = jnp.asarray(table, jnp.int32)
+    return (jnp.asarray(normal(self.b, self.h, self.t, self.d), dtype),
+            jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(lengths, jnp.int32), kw)
+
+
+CASES = {
+    "mha_one_token": Case(3, 2, 2, 1, 77, 32),
+    "gqa_window_short_sequences": Case(2, 8, 2, 4, 300, 64, window=37,
+                                       lengths=(300, 3)),
+    "cap_sinks_scale": Case(3, 4, 1, 3, 200, 64, cap=2.5, sm_scale=0.3,
+                            sinks=True),
+    "bf16_head_dim_96": Case(2, 4, 2, 2, 129, 96, "bfloat16", window=64),
+    "bf16_sixteen_tokens": Case(2, 4, 2, 16, 150, 64, "bfloat16",
+                                sinks=True),
+    "f16": Case(2, 2, 1, 2, 100, 64, "float16"),
+    "paged_shuffled": Case(3, 4, 2, 2, 9, 64, window=70, sinks=True,
+                           page_size=16),
+    "paged_odd_page_size": Case(2, 2, 1, 3, 5, 32, cap=3.0, page_size=24),
+}
+
+
+def _refusal(backend, case) -> bool:
+  """Whether ``backend`` must refuse ``case``: Mosaic TPU takes no float16;
+  Triton needs power-of-two head_dim and page size."""
+  if backend.name in ("interpret", "interpret_generic"):
+    return case.dtype == "float16"
+  if backend.name == "triton":
+    return (case.d & (case.d - 1) != 0
+            or (case.page_size or 16) & ((case.page_size or 16) - 1) != 0)
+  return False
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_oracle(backend, name, rng):
+  case = CASES[name]
+  q, k, v, lengths, kw = case.inputs(rng)
+  if _refusal(backend, case):
+    with pytest.raises(ValueError, match="cannot run this call"):
+      backend.run(pk.decode_attention, q, k, v, lengths, **kw)
+    return
+  out = backend.run(jax.jit(pk.decode_attention,
+                            static_argnames=("sm_scale", "logit_soft_cap",
+                                             "sliding_window", "backend")),
+                    q, k, v, lengths, **kw)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  want = oracle.decode_attention(q, k, v, lengths, **kw)
+  _assert_close(out, want, TOLERANCES[case.dtype], name)
+  # Queries before the first cached token (position < 0) see nothing.
+  early = np.arange(case.t)[None, :] < case.t - np.asarray(lengths)[:, None]
+  assert np.all(np.asarray(out, np.float64)[early.nonzero()[0], :,
+                                            early.nonzero()[1]] == 0)
+
+
+@pytest.mark.parametrize("backend", backends.params(["interpret_generic",
+                                                     "triton"]))
+def test_paged_equals_contiguous(backend, rng):
+  case = CASES["paged_shuffled"]
+  q, k, v, lengths, kw = case.inputs(rng)
+  table = kw.pop("page_table")
+  paged = backend.run(pk.decode_attention, q, k, v, lengths,
+                      page_table=table, **kw)
+  contiguous = jnp.asarray(oracle.gather_pages(k, table)), jnp.asarray(
+      oracle.gather_pages(v, table))
+  flat = backend.run(pk.decode_attention, q, *contiguous, lengths, **kw)
+  np.testing.assert_allclose(np.asarray(paged), np.asarray(flat), atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_equals_flash_attention_on_the_prefix(backend, rng):
+  """T queries at the end of a prefix of length L: flash_attention(q,
+  k[:, :, :L], v[:, :, :L], causal=True), one sequence at a time."""
+  q, k, v, _, _ = Case(2, 4, 2, 5, 90, 32, lengths=(90, 90)).inputs(rng)
+  lengths = jnp.asarray([61, 90], jnp.int32)
+  out = backend.run(pk.decode_attention, q, k, v, lengths,
+                    sliding_window=20, logit_soft_cap=5.0)
+  for b, length in enumerate(np.asarray(lengths)):
+    want = pk.flash_attention(q[b:b + 1], k[b:b + 1, :, :length],
+                              v[b:b + 1, :, :length], causal=True,
+                              sliding_window=20, logit_soft_cap=5.0,
+                              backend="reference")
+    np.testing.assert_allclose(np.asarray(out[b:b + 1]), np.asarray(want),
+                               atol=2e-5)
+
+
+# ------------------------------------------ the kernels' split-KV paths --
+
+KERNEL_CASES = {
+    "contiguous": Case(3, 4, 2, 3, 700, 64, window=300, sinks=True),
+    # The first query (position length - 3) and the window start at, one
+    # before and one past a 128-key block boundary (384), where the
+    # unmasked fast path begins.
+    "causal_boundaries": Case(4, 2, 1, 3, 520, 32,
+                              lengths=(384, 385, 386, 2)),
+    "window_boundaries": Case(3, 2, 1, 3, 520, 32, window=128,
+                              lengths=(385, 386, 387)),
+    "contiguous_all_visible": Case(2, 2, 1, 2, 517, 32, cap=4.0),
+    "paged": Case(3, 4, 1, 2, 11, 32, window=90, page_size=16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_CASES))
+@pytest.mark.parametrize("kernel,block,num_splits", [
+    (mosaic_tpu, 128, 3), (mosaic_tpu, 256, 1), (triton, 32, 4)])
+def test_kernel_blocks_and_splits(kernel, block, num_splits, name, rng):
+  """Many blocks per split, several splits, ragged lengths: each kernel in
+  Pallas' generic interpreter. A paged TPU block holds several pages."""
+  case = KERNEL_CASES[name]
+  q, k, v, lengths, kw = case.inputs(rng)
+  page_table = kw.pop("page_table", None)
+  sinks = kw.pop("sinks", None)
+  if kernel is triton and page_table is not None:
+    block = None  # a Triton block is one page
+  out = kernel.decode(
+      q, k, v, lengths, sinks, page_table,
+      sm_scale=kw["sm_scale"] or 1 / np.sqrt(case.d),
+      logit_soft_cap=kw["logit_soft_cap"],
+      sliding_window=kw["sliding_window"], interpret=True, block_kv=block,
+      num_splits=num_splits)
+  want = oracle.decode_attention(q, k, v, lengths, sinks=sinks,
+                                 page_table=page_table, **kw)
+  _assert_close(out, want, TOLERANCES[case.dtype], name)
+
+
+def test_tpu_plan_fits_and_splits():
+  plan = mosaic_tpu.make_plan(1, 8, 4, 131072, 128, 2)
+  assert plan.block % 128 == 0 and plan.num_splits == 1
+  assert plan.num_blocks * plan.block >= 131072
+  assert plan.steps * plan.num_splits >= plan.num_blocks
+  one_head = mosaic_tpu.make_plan(1, 1, 4, 131072, 128, 2)
+  assert one_head.num_splits == mosaic_tpu.PARALLEL_ITEMS
+  paged = mosaic_tpu.make_plan(2, 8, 8, 4096, 128, 2, page_size=16,
+                               pages_per_seq=256)
+  assert paged.chunks == mosaic_tpu.MAX_PAGES_PER_BLOCK
+  assert paged.block == 16 * paged.chunks
+  for d in (64, 128, 256):
+    for rows in (1, 64, 256):
+      plan = mosaic_tpu.make_plan(1, 1, rows, 131072, d, 2)
+      assert mosaic_tpu.vmem_bytes(plan, d, 2) <= 12 << 20, (d, rows)
+
+
+def test_tpu_page_table_beyond_smem_runs_as_several_launches(rng):
+  case = Case(3, 2, 1, 1, 4, 32, page_size=16)
+  q, k, v, lengths, kw = case.inputs(rng)
+  budget = mosaic_tpu.PAGE_TABLE_BYTES
+  try:
+    mosaic_tpu.PAGE_TABLE_BYTES = 4 * case.s  # one sequence per launch
+    out = mosaic_tpu.decode(q, k, v, lengths, None, kw["page_table"],
+                            sm_scale=0.2, logit_soft_cap=None,
+                            sliding_window=None, interpret=True)
+    jaxpr = jax.make_jaxpr(lambda *a: mosaic_tpu.decode(
+        *a, None, kw["page_table"], sm_scale=0.2, logit_soft_cap=None,
+        sliding_window=None, interpret=True))(q, k, v, lengths)
+  finally:
+    mosaic_tpu.PAGE_TABLE_BYTES = budget
+  launches = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+  assert len(launches) == 3
+  want = oracle.decode_attention(q, k, v, lengths, sm_scale=0.2,
+                                 page_table=kw["page_table"])
+  _assert_close(out, want, 2e-5)
+
+
+# ---------------------------------------------------------------- the API --
+
+def _args(b=2, h=4, hk=2, t=2, s=32, d=16, dtype=jnp.float32):
+  q = jnp.zeros((b, h, t, d), dtype)
+  kv = jnp.zeros((b, hk, s, d), dtype)
+  return q, kv, kv, jnp.full((b,), s, jnp.int32)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(q=jnp.zeros((2, 4, 16))), ValueError, "q must have 4"),
+    (dict(q=jnp.zeros((2, 4, 2, 16), jnp.int32)), TypeError, "q must be"),
+    (dict(k_cache=jnp.zeros((2, 2, 32, 16), jnp.bfloat16)), TypeError,
+     "share a dtype"),
+    (dict(v_cache=jnp.zeros((2, 2, 31, 16))), ValueError, "same shape"),
+    (dict(q=jnp.zeros((2, 4, 17, 16))), ValueError, "at most 16"),
+    (dict(q=jnp.zeros((2, 3, 2, 16))), ValueError, "multiple of"),
+    (dict(q=jnp.zeros((2, 4, 2, 8))), ValueError, "head_dim"),
+    (dict(q=jnp.zeros((3, 4, 2, 16))), ValueError, "kv_lengths must have"),
+    (dict(kv_lengths=jnp.zeros((2,), jnp.float32)), TypeError, "integers"),
+    (dict(kv_lengths=jnp.asarray([3, 33])), ValueError,
+     r"kv_lengths\[1\] = 33 is outside \[0, 32\]"),
+    (dict(kv_lengths=jnp.asarray([-1, 3])), ValueError, "outside"),
+    (dict(sm_scale=jnp.float32(1.0)), TypeError, "sm_scale"),
+    (dict(sm_scale=float("inf")), ValueError, "sm_scale"),
+    (dict(logit_soft_cap=0.0), ValueError, "logit_soft_cap"),
+    (dict(sliding_window=-1), ValueError, "sliding_window"),
+    (dict(sliding_window=2.5), TypeError, "sliding_window"),
+    (dict(sinks=jnp.zeros((3,))), ValueError, "sinks must have shape"),
+    (dict(sinks=jnp.zeros((4,), jnp.int32)), TypeError, "sinks"),
+    (dict(backend="tpu"), ValueError, "backend"),
+])
+def test_bad_input_raises(change, error, match):
+  q, k, v, lengths = _args()
+  kw = {"q": q, "k_cache": k, "v_cache": v, "kv_lengths": lengths}
+  kw.update(change)
+  args = [kw.pop(n) for n in ("q", "k_cache", "v_cache", "kv_lengths")]
+  with pytest.raises(error, match=match):
+    pk.decode_attention(*args, **kw)
+
+
+def test_bad_page_table_raises():
+  q = jnp.zeros((2, 4, 1, 16))
+  cache = jnp.zeros((5, 2, 8, 16))
+  lengths = jnp.asarray([9, 0], jnp.int32)
+  table = jnp.asarray([[0, 7, 1], [9, 9, 9]], jnp.int32)   # b=1 reads none
+  with pytest.raises(ValueError, match=r"page_table\[0, 1\] = 7"):
+    pk.decode_attention(q, cache, cache, lengths, page_table=table)
+  with pytest.raises(ValueError, match="page_table must have shape"):
+    pk.decode_attention(q, cache, cache, lengths, page_table=table[:1])
+  with pytest.raises(ValueError, match="needs page_table"):
+    pk.decode_attention(q, cache, cache, lengths)
+  with pytest.raises(ValueError, match="outside"):
+    pk.decode_attention(q, cache, cache, jnp.asarray([25, 0]),
+                        page_table=table)
+
+
+def test_triton_refuses_what_it_cannot_tile():
+  q, k, v, lengths = _args(d=24)
+  with pytest.raises(ValueError, match="power of two"):
+    pk.decode_attention(q, k, v, lengths, backend="triton")
+
+
+@pytest.mark.parametrize("shapes", [
+    dict(b=0), dict(h=0, hk=0), dict(t=0), dict(s=0), dict(d=0)])
+def test_empty_inputs(shapes):
+  q, k, v, lengths = _args(**shapes)
+  lengths = jnp.zeros_like(lengths)
+  out = pk.decode_attention(q, k, v, lengths, backend="interpret")
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert not np.any(np.asarray(out))
+
+
+def test_no_visible_key_gives_zero_with_sinks():
+  q, k, v, _ = _args()
+  k, v = k + 1.0, v + 1.0
+  out = pk.decode_attention(q, k, v, jnp.zeros((2,), jnp.int32),
+                            sinks=jnp.ones((4,)), backend="interpret")
+  assert not np.any(np.asarray(out))
+
+
+def test_traced_lengths_are_clipped(rng):
+  q, k, v, _, _ = Case(2, 2, 1, 1, 40, 16, lengths=(40, 40)).inputs(rng)
+  fn = jax.jit(lambda lengths: pk.decode_attention(q, k, v, lengths))
+  got = fn(jnp.asarray([99, -5], jnp.int32))
+  want = pk.decode_attention(q, k, v, jnp.asarray([40, 0], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_gradient_matches_flash_attention(rng):
+  """grad runs the reference's VJP; on a full cache it is flash attention's
+  (an independent implementation)."""
+  q, k, v, lengths, _ = Case(1, 4, 2, 3, 40, 16, lengths=(40,)).inputs(rng)
+
+  def loss(op):
+    def fn(q, k, v):
+      out = op(q, k, v)
+      return jnp.sum(jnp.sin(out))
+    return jax.grad(fn, argnums=(0, 1, 2))(q, k, v)
+
+  got = loss(lambda q, k, v: pk.decode_attention(
+      q, k, v, lengths, logit_soft_cap=3.0))
+  want = loss(lambda q, k, v: pk.flash_attention(
+      q, k, v, causal=True, logit_soft_cap=3.0, backend="reference"))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
+
+
+def test_vmap_over_a_leading_axis(rng):
+  q, k, v, lengths, _ = Case(2, 2, 1, 1, 40, 16).inputs(rng)
+  stack = lambda x: jnp.stack([x, x[::-1]])  # noqa: E731
+  got = jax.vmap(lambda q, k, v, n: pk.decode_attention(q, k, v, n))(
+      stack(q), stack(k), stack(v), stack(lengths))
+  for i in range(2):
+    want = oracle.decode_attention(stack(q)[i], stack(k)[i], stack(v)[i],
+                                   stack(lengths)[i])
+    _assert_close(got[i], want, 2e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_lowering_runs_the_triton_kernel(paged):
+  """backend=None lowered for CUDA on this host: the Triton kernel (not the
+  reference), with an odd batch and page-table width."""
+  spec = jax.ShapeDtypeStruct
+  q = spec((3, 32, 1, 128), jnp.bfloat16)
+  lengths = spec((3,), jnp.int32)
+  if paged:
+    cache = spec((70, 8, 64, 128), jnp.bfloat16)
+    args = (q, cache, cache, lengths, spec((3, 21), jnp.int32))
+    fn = lambda q, k, v, n, t: pk.decode_attention(  # noqa: E731
+        q, k, v, n, page_table=t, sliding_window=100)
+  else:
+    cache = spec((3, 8, 1000, 128), jnp.bfloat16)
+    args = (q, cache, cache, lengths)
+    fn = lambda q, k, v, n: pk.decode_attention(  # noqa: E731
+        q, k, v, n, logit_soft_cap=30.0)
+  text = _compat.lower_for_cuda(fn, *args).as_text()
+  assert text.count('"decode_attention_gpu"') == 1
