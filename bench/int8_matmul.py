@@ -87,19 +87,38 @@ def torch_peers(case, data):
     return {}
   device = "cuda" if torch.cuda.is_available() else "cpu"
   m, k, n, copies = case["m"], case["k"], case["n"], case["copies"]
-
-  def rotating(op, a, b):
-    turn = itertools.cycle([b] + [b.clone() for _ in range(copies - 1)])
-    return lambda: op(a, next(turn))
-
-  peers = {"torch_bf16": rotating(
-      torch.mm, torch.randn(m, k, device=device, dtype=torch.bfloat16),
-      torch.randn(k, n, device=device, dtype=torch.bfloat16))}
+  peers = {"torch_bf16": torch_bf16_peer(torch, torch.mm, m, k, n, device,
+                                         copies)}
   if case["mode"] == "fused" and m > 16:
     peers["torch_int_mm"] = rotating(
         torch._int_mm, torch.from_numpy(np.array(data["x8"])).to(device),
-        torch.from_numpy(np.array(data["w8"])).to(device))
+        torch.from_numpy(np.array(data["w8"])).to(device), copies)
   return peers
+
+
+def rotating(op, a, b, copies):
+  """A thunk of op(a, b) whose calls take the next of ``copies`` copies of
+  the torch tensor b in turn, so that no call finds b in L2."""
+  turn = itertools.cycle([b] + [b.clone() for _ in range(copies - 1)])
+  return lambda: op(a, next(turn))
+
+
+def torch_bf16_peer(torch, matmul, m, k, n, device, copies):
+  """``rotating`` ``matmul`` of random bf16 torch tensors [m, k] and [k, n]."""
+  return rotating(
+      matmul, torch.randn(m, k, device=device, dtype=torch.bfloat16),
+      torch.randn(k, n, device=device, dtype=torch.bfloat16), copies)
+
+
+def measure_peers(rows, name, timer, x, w, make_torch_peers, *, copies,
+                  flops):
+  """Appends the peers' rows: xla_bf16 (``jnp.dot`` of bf16 x and w), then
+  each torch thunk of ``make_torch_peers()`` (name -> thunk)."""
+  harness.measure(rows, name, "xla_bf16", lambda: timer.jax(
+      jnp.dot, x, w, copies=copies)[0], flops=flops)
+  for impl, thunk in make_torch_peers().items():
+    harness.measure(rows, name, impl,
+                    lambda t=thunk: timer.torch(t, reps=copies), flops=flops)
 
 
 def run(case, timer):
@@ -117,11 +136,8 @@ def run(case, timer):
     row["err"] = errors.get(impl)
     if row["ms"] and mode == "weight_only":
       row["w_tbs"] = k * n / row["ms"] / 1e9
-  harness.measure(rows, name, "xla_bf16", lambda: timer.jax(
-      jnp.dot, data["xb"], data["wb"], copies=copies)[0], flops=flops)
-  for impl, thunk in torch_peers(case, data).items():
-    harness.measure(rows, name, impl,
-                    lambda t=thunk: timer.torch(t, reps=copies), flops=flops)
+  measure_peers(rows, name, timer, data["xb"], data["wb"],
+                lambda: torch_peers(case, data), copies=copies, flops=flops)
   return rows
 
 

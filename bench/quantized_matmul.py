@@ -20,14 +20,12 @@ the roofline of each case's minimum HBM traffic.
 """
 from __future__ import annotations
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from bench import harness, roofline
+from bench import harness, int8_matmul, roofline
 
 SHAPES = [(4096, 14336), (14336, 4096), (8192, 8192), (8192, 28672)]
 MS = (1, 8, 16, 32, 64, 128, 256)
@@ -89,21 +87,16 @@ def torch_peers(case, copies):
     return {}
   device = "cuda" if torch.cuda.is_available() else "cpu"
   m, k, n = case["m"], case["k"], case["n"]
-
-  def rotating(op, a, b):
-    turn = itertools.cycle([b] + [b.clone() for _ in range(copies - 1)])
-    return lambda: op(a, next(turn))
-
-  peers = {"torch_bf16": rotating(
-      torch.matmul, torch.randn(m, k, device=device, dtype=torch.bfloat16),
-      torch.randn(k, n, device=device, dtype=torch.bfloat16))}
+  peers = {"torch_bf16": int8_matmul.torch_bf16_peer(
+      torch, torch.matmul, m, k, n, device, copies)}
   if case["mode"] == "fp8" and device == "cuda":
     a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
     b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
     one = torch.ones((), device=device)
-    peers["torch_scaled_mm"] = rotating(
+    peers["torch_scaled_mm"] = int8_matmul.rotating(
         lambda a_, b_: torch._scaled_mm(a_, b_, scale_a=one, scale_b=one,
-                                        out_dtype=torch.bfloat16), a, b)
+                                        out_dtype=torch.bfloat16), a, b,
+        copies)
   return peers
 
 
@@ -145,12 +138,9 @@ def run(case, timer):
       return seconds
     row = harness.measure(rows, name, "ours_fp8", timed, flops=flops)
     row["err"] = out.get("err")
-  wb = w.astype(jnp.bfloat16)
-  harness.measure(rows, name, "xla_bf16", lambda: timer.jax(
-      jnp.dot, x, wb, copies=copies)[0], flops=flops)
-  for impl, thunk in torch_peers(case, copies).items():
-    harness.measure(rows, name, impl,
-                    lambda t=thunk: timer.torch(t, reps=copies), flops=flops)
+  int8_matmul.measure_peers(rows, name, timer, x, w.astype(jnp.bfloat16),
+                            lambda: torch_peers(case, copies),
+                            copies=copies, flops=flops)
   return rows
 
 

@@ -198,7 +198,7 @@ def round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def _largest_divisor_tile(dim: int, target: int, unit: int) -> int:
+def largest_divisor_tile(dim: int, target: int, unit: int) -> int:
   """Largest multiple of ``unit`` <= target dividing ``dim`` (a unit multiple)."""
   units = dim // unit
   best = 1
@@ -213,6 +213,12 @@ def int8_mxu(generation: str | None) -> bool:
   return generation not in TPU_TABLE or generation in INT8_MXU
 
 
+def scale_bias_tile_bytes(bm: int, bn: int) -> int:
+  """VMEM of the double-buffered x_scale, w_scale and bias tiles (padded to
+  (8, 128))."""
+  return 2 * (max(bm, 8) * 128 * 4 + 2 * 8 * max(bn, 128) * 4)
+
+
 def tpu_vmem_bytes(bm, bk, bn, *, x_bytes, out_bytes, accumulator, weight_only,
                    int8_via_bf16=False):
   total = 2 * (bm * bk * x_bytes + bk * bn * 1)
@@ -221,7 +227,7 @@ def tpu_vmem_bytes(bm, bk, bn, *, x_bytes, out_bytes, accumulator, weight_only,
   total += bm * bn * 4 if accumulator else 0
   total += 2 * bm * bn * out_bytes
   total += bk * bn * x_bytes if weight_only else 0
-  total += 2 * (max(bm, 8) * 128 * 4 + 2 * 8 * max(bn, 128) * 4)
+  total += scale_bias_tile_bytes(bm, bn)
   return total
 
 
@@ -235,63 +241,105 @@ class TpuPlan:
   vmem_limit_bytes: int
 
 
+def check_tpu_block_sizes(block_sizes: BlockSizes, m, k, n, *, k_unit=128,
+                          k_unit_reason="") -> tuple[int, int, int]:
+  """(bm, bk, bn) of user ``block_sizes``: each a multiple of its TPU unit
+  (bm 32, bk ``k_unit``, bn 128) unless it covers its whole dimension;
+  ``k_unit_reason`` ends bk's error message."""
+  bm, bk, bn = block_sizes.bm, block_sizes.bk, block_sizes.bn
+  for name, value, dim, unit in (("bm", bm, m, 32), ("bk", bk, k, k_unit),
+                                 ("bn", bn, n, 128)):
+    if value < dim and value % unit:
+      raise ValueError(f"block_sizes.{name}={value} must be a multiple of "
+                       f"{unit} on TPU" + (k_unit_reason if name == "bk"
+                                           else ""))
+  return bm, bk, bn
+
+
+def table_tiles(m: int, generation: str | None) -> tuple[int, int, int]:
+  """(bm, bk, bn) of ``TPU_TABLE`` for ``generation`` and m's shape class."""
+  gen = generation if generation in TPU_TABLE else "default"
+  bm, bk, bn = TPU_TABLE[gen][shape_class(m)]
+  return bm or m, bk, bn
+
+
+def k_tiling(k: int, bk: int, unit: int) -> tuple[int, int]:
+  """(K tile, padded K). All of K when it fits ``bk``; else the largest
+  multiple of ``unit`` <= bk that divides K rounded up to ``unit``, or bk
+  with K padded to a multiple of it when that divisor is under bk / 4."""
+  if k <= bk:
+    return k, k
+  k_padded = round_up(k, unit)
+  tk = largest_divisor_tile(k_padded, bk, unit)
+  if tk * 4 < bk:  # a poor divisor: pad K to a multiple of the tile
+    return bk, round_up(k, bk)
+  return tk, k_padded
+
+
+def halve_bm(bm: int, m: int) -> int:
+  return max(32, round_up(min(bm, m) // 2, 32))
+
+
+def fit_tpu_plan(m, k, n, tiles, *, k_unit, generation, vmem_bytes,
+                 shrink=None) -> TpuPlan:
+  """The plan of (bm, bk, bn) ``tiles`` on an [m, k] x [k, n] problem: tiles
+  clamped to the problem (N tiles dividing N where one is at least half
+  the tile), K tiled by ``k_tiling``. While ``vmem_bytes(tm, tk, tn,
+  k_steps)`` exceeds the generation's budget, ``shrink(bm, bk, bn)`` gives
+  smaller tiles (None, or no ``shrink``: keep these). The VMEM limit covers
+  the plan's bytes with 25% to spare."""
+  budget, limit = TPU_VMEM.get(generation or "default", TPU_VMEM["default"])
+  bm, bk, bn = tiles
+  while True:
+    tm = m if m <= bm else bm
+    tn = n if n <= bn else prefer_divisor(n, bn)
+    tk, k_padded = k_tiling(k, bk, k_unit)
+    used = vmem_bytes(tm, tk, tn, k_padded // tk)
+    if used <= budget or shrink is None:
+      break
+    smaller = shrink(bm, bk, bn)
+    if smaller is None:
+      break
+    bm, bk, bn = smaller
+  limit = max(limit, round_up(int(used * 1.25), MiB))
+  return TpuPlan(tm, tk, tn, k_padded, used, limit)
+
+
 def plan_tpu(m, k, n, *, x_bytes, out_bytes, mode, generation=None,
              block_sizes: BlockSizes | None = None) -> TpuPlan:
   """Tiles for an [m, k] x [k, n] problem (see the module docstring)."""
-  gen = generation if generation in TPU_TABLE else "default"
-  budget, limit = TPU_VMEM.get(generation or "default", TPU_VMEM["default"])
   weight_only = mode == "weight_only"
   accumulating_in_scratch = mode != "raw"
   int8_via_bf16 = not weight_only and not int8_mxu(generation)
-
-  if block_sizes is not None:
-    bm, bk, bn = block_sizes.bm, block_sizes.bk, block_sizes.bn
-    for name, value, dim, unit in (("bm", bm, m, 32), ("bk", bk, k, 128),
-                                   ("bn", bn, n, 128)):
-      if value < dim and value % unit:
-        raise ValueError(
-            f"block_sizes.{name}={value} must be a multiple of {unit} on TPU")
-  else:
-    bm, bk, bn = TPU_TABLE[gen][shape_class(m)]
-    bm = bm or m
 
   def vmem(bm_, bk_, bn_, nk_):
     return tpu_vmem_bytes(bm_, bk_, bn_, x_bytes=x_bytes, out_bytes=out_bytes,
                           accumulator=accumulating_in_scratch and nk_ > 1,
                           weight_only=weight_only, int8_via_bf16=int8_via_bf16)
 
-  while True:
-    tm = m if m <= bm else bm
-    tn = n if n <= bn else _prefer_divisor(n, bn)
-    if k <= bk:
-      tk, k_padded = k, k
-    else:
-      k_padded = round_up(k, 128)
-      tk = _largest_divisor_tile(k_padded, bk, 128)
-      if tk * 4 < bk:  # a poor divisor: pad K to a multiple of the tile
-        tk, k_padded = bk, round_up(k, bk)
-    used = vmem(tm, tk, tn, k_padded // tk)
-    if used <= budget or block_sizes is not None:
-      break
-    # Halve the largest tile dimension that can still shrink.
-    options = [(bk, "k"), (bn, "n"), (bm if m > 32 else 0, "m")]
-    size, which = max(options)
+  def halve_largest(bm, bk, bn):
+    """The largest tile dimension that can still shrink, halved."""
+    size, which = max([(bk, "k"), (bn, "n"), (bm if m > 32 else 0, "m")])
     if size <= 128 and which != "m" or size == 0:
-      break
+      return None
     if which == "k":
-      bk //= 2
-    elif which == "n":
-      bn //= 2
-    else:
-      bm = max(32, round_up(min(bm, m) // 2, 32))
-  limit = max(limit, round_up(int(used * 1.25), MiB))
-  return TpuPlan(tm, tk, tn, k_padded, used, limit)
+      return bm, bk // 2, bn
+    if which == "n":
+      return bm, bk, bn // 2
+    return halve_bm(bm, m), bk, bn
+
+  if block_sizes is not None:
+    return fit_tpu_plan(m, k, n, check_tpu_block_sizes(block_sizes, m, k, n),
+                        k_unit=128, generation=generation, vmem_bytes=vmem)
+  return fit_tpu_plan(m, k, n, table_tiles(m, generation), k_unit=128,
+                      generation=generation, vmem_bytes=vmem,
+                      shrink=halve_largest)
 
 
-def _prefer_divisor(dim: int, target: int) -> int:
+def prefer_divisor(dim: int, target: int) -> int:
   """A tile <= target dividing dim if one is at least half the target."""
   if dim % 128 == 0:
-    tile = _largest_divisor_tile(dim, target, 128)
+    tile = largest_divisor_tile(dim, target, 128)
     if tile * 2 >= target:
       return tile
   return target
@@ -304,11 +352,42 @@ def _pow2_at_most(x: int) -> int:
   return p
 
 
-def _pow2_at_least(x: int) -> int:
+def pow2_at_least(x: int) -> int:
   p = 1
   while p < x:
     p *= 2
   return p
+
+
+def check_gpu_block_sizes(block_sizes: BlockSizes) -> None:
+  for name in ("bm", "bk", "bn"):
+    value = getattr(block_sizes, name)
+    if value < 16 or value & (value - 1):
+      raise ValueError(f"block_sizes.{name}={value} must be a power of two "
+                       ">= 16 on GPU (a Triton requirement)")
+
+
+def gpu_tiles_for_problem(bm, bk, bn, m, k, n) -> tuple[int, int, int]:
+  """Table tiles shrunk towards a small problem: powers of two, bm and bn
+  at least 16 and bk at least 32 (Triton dots need 16)."""
+  return (min(bm, max(16, pow2_at_least(m))),
+          min(bk, max(32, pow2_at_least(k))),
+          min(bn, max(16, pow2_at_least(n))))
+
+
+def clamp_split_k(split: int, k: int, bk: int) -> int:
+  """Never split K finer than one tile per program."""
+  return max(1, min(split, -(-k // bk)))
+
+
+def split_k_to_fill(m, k, n, bm, bk, bn, target: int) -> int:
+  """The K split (a power of two up to 8) that brings the programs of an
+  [m, n] output in bm x bn tiles to ``target``, clamped to K's tiles."""
+  programs = -(-m // bm) * -(-n // bn)
+  split = 1
+  while programs * split < target and split < 8:
+    split *= 2
+  return clamp_split_k(split, k, bk)
 
 
 def _weight_only_class(m: int) -> str:
@@ -325,11 +404,7 @@ def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None,
   """The Triton plan for an [m, k] x [k, n] problem (tiles powers of two)."""
   target = GPU_TARGET_PROGRAMS
   if block_sizes is not None:
-    for name in ("bm", "bk", "bn"):
-      value = getattr(block_sizes, name)
-      if value < 16 or value & (value - 1):
-        raise ValueError(f"block_sizes.{name}={value} must be a power of two "
-                         ">= 16 on GPU (a Triton requirement)")
+    check_gpu_block_sizes(block_sizes)
     cfg = block_sizes
     bm, bk, bn = cfg.bm, cfg.bk, cfg.bn
   else:
@@ -341,10 +416,7 @@ def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None,
       target = GPU_WEIGHT_ONLY_TARGET_PROGRAMS.get(cls, target)
     else:
       cfg = GPU_TABLE[gpu_shape_class(m)]
-    # Small problems: shrink tiles towards the problem (Triton dots need 16).
-    bm = min(cfg.bm, max(16, _pow2_at_least(m)))
-    bn = min(cfg.bn, max(16, _pow2_at_least(n)))
-    bk = min(cfg.bk, max(32, _pow2_at_least(k)))
+    bm, bk, bn = gpu_tiles_for_problem(cfg.bm, cfg.bk, cfg.bn, m, k, n)
     if (mode == "weight_only" and w_layout == "nk" and cls == "decode"
         and not cfg.swap_ab):
       while bn > 32 and -(-n // bn) < target:
@@ -357,12 +429,8 @@ def plan_gpu(m, k, n, *, mode, block_sizes: BlockSizes | None = None,
   split = 1 if cfg.split_k is None else cfg.split_k
   group_m = max(1, cfg.group_m or 1)
   if split == 0:  # auto: enough programs to fill ~132 SMs
-    programs = -(-m // bm) * -(-n // bn)
-    split = 1
-    while programs * split < target and split < 8:
-      split *= 2
-  # Never split K finer than one tile per program.
-  split = max(1, min(split, -(-k // bk)))
+    split = split_k_to_fill(m, k, n, bm, bk, bn, target)
+  split = clamp_split_k(split, k, bk)
   return GpuPlan(bm, bk, bn, warps, stages, kmajor, split, group_m,
                  bool(cfg.swap_ab) and mode == "weight_only",
                  bool(cfg.stream_w))

@@ -42,14 +42,25 @@ MiB = 1 << 20
 QUANTIZE_VMEM_BUDGET = 8 * MiB
 
 
+def _contraction(w_layout):
+  return (((1,), (0 if w_layout == "kn" else 1,)), ((), ()))
+
+
+def float_dot(x, w, w_layout):
+  """x [bm, bk] times a w tile of x's dtype ([bk, bn], or [bn, bk] for
+  "nk") with float32 sums; full precision for float32."""
+  precision = (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
+               else jax.lax.Precision.DEFAULT)
+  return jax.lax.dot_general(x, w, _contraction(w_layout),
+                             precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
 def _dot(x, w, mode, w_layout):
-  dims = (((1,), (0 if w_layout == "kn" else 1,)), ((), ()))
   if mode == "weight_only":
-    precision = (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
-                 else jax.lax.Precision.DEFAULT)
-    return jax.lax.dot_general(x, w.astype(x.dtype), dims, precision=precision,
-                               preferred_element_type=jnp.float32)
-  return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)
+    return float_dot(x, w.astype(x.dtype), w_layout)
+  return jax.lax.dot_general(x, w, _contraction(w_layout),
+                             preferred_element_type=jnp.int32)
 
 
 def _int8_dot_via_bf16(x_ref, w_ref, w_layout):
@@ -86,24 +97,30 @@ def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout,
       o_ref[...] = quant.epilogue_from_refs(acc, xs_ref, ws_ref, b_ref,
                                             o_ref.dtype)
 
+  # Raw mode sums in the resident int32 output tile itself.
+  accumulate_over_k(part, o_ref if mode == "raw" else acc_ref, nk, finish)
+
+
+def accumulate_over_k(part, acc_ref, nk, finish):
+  """Sums this K step's ``part`` into ``acc_ref`` over the grid's K axis
+  (axis 2, ``nk`` steps) and calls ``finish(total)`` at the last step; a
+  single step finishes ``part`` with no accumulator."""
   if nk == 1:
     finish(part)
     return
-  # Raw mode sums in the resident int32 output tile itself.
-  acc = o_ref if mode == "raw" else acc_ref
   k = pl.program_id(2)
 
   @pl.when(k == 0)
   def _():
-    acc[...] = part
+    acc_ref[...] = part
 
   @pl.when(jnp.logical_and(k > 0, k < nk - 1))
   def _():
-    acc[...] += part
+    acc_ref[...] += part
 
   @pl.when(k == nk - 1)
   def _():
-    finish(acc[...] + part)
+    finish(acc_ref[...] + part)
 
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
@@ -125,24 +142,19 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
                      out_bytes=out_dtype.itemsize, mode=mode,
                      generation=generation, block_sizes=block_sizes)
   if plan.k_padded != k:
-    x2 = jnp.pad(x2, ((0, 0), (0, plan.k_padded - k)))
-    k_pad = (0, plan.k_padded - k)
-    w = jnp.pad(w, (k_pad, (0, 0)) if kn else ((0, 0), k_pad))
-  bm, bk, bn = plan.bm, plan.bk, plan.bn
-  nk = plan.k_padded // bk
-  grid = (pl.cdiv(m, bm), pl.cdiv(n, bn), nk)
+    x2, w = pad_k(x2, w, plan.k_padded, w_layout)
+  bm, bn = plan.bm, plan.bn
+  nk = plan.k_padded // plan.bk
 
   operands = [x2, w]
-  w_spec = (pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)) if kn else
-            pl.BlockSpec((bn, bk), lambda i, j, kk: (j, kk)))
-  in_specs = [pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)), w_spec]
+  in_specs = x_and_w_specs(plan, w_layout)
   if x_scale is not None:
     operands.append(x_scale)
-    in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, kk: (i, 0)))
+    in_specs.append(per_row_spec(bm))
   for row_vector in (w_scale, bias):
     if row_vector is not None:
       operands.append(row_vector)
-      in_specs.append(pl.BlockSpec((1, bn), lambda i, j, kk: (0, j)))
+      in_specs.append(per_column_spec(bn))
   scratch = []
   if mode != "raw" and nk > 1:
     acc_dtype = jnp.float32 if mode == "weight_only" else jnp.int32
@@ -152,13 +164,56 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
       _matmul_kernel, mode=mode, nk=nk, has_xs=x_scale is not None,
       has_ws=w_scale is not None, has_b=bias is not None, w_layout=w_layout,
       int8_via_bf16=not bs.int8_mxu(generation))
+  return tiled_matmul_call(
+      kernel, operands, in_specs, plan=plan, m=m, n=n, out_dtype=out_dtype,
+      scratch=scratch, x_side_bytes=_cost.nbytes(x2, x_scale),
+      w_side_bytes=_cost.nbytes(w, w_scale, bias),
+      extra_flops=0 if mode == "raw" else 4 * m * n,
+      name=f"int8_matmul_{mode}", interpret=interpret)
+
+
+def pad_k(x2, w, k_padded, w_layout):
+  """x2 [M, K] and w ([K, N], or [N, K] for "nk") zero-padded to K =
+  ``k_padded``."""
+  pad = (0, k_padded - x2.shape[1])
+  x2 = jnp.pad(x2, ((0, 0), pad))
+  w = jnp.pad(w, (pad, (0, 0)) if w_layout == "kn" else ((0, 0), pad))
+  return x2, w
+
+
+def x_and_w_specs(plan, w_layout):
+  """[BlockSpec of the x tile, of the w tile] over the (i, j, kk) grid."""
+  bm, bk, bn = plan.bm, plan.bk, plan.bn
+  w_spec = (pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))
+            if w_layout == "kn" else
+            pl.BlockSpec((bn, bk), lambda i, j, kk: (j, kk)))
+  return [pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)), w_spec]
+
+
+def per_row_spec(bm):
+  """BlockSpec of an [M, 1] operand (x_scale) over the (i, j, kk) grid."""
+  return pl.BlockSpec((bm, 1), lambda i, j, kk: (i, 0))
+
+
+def per_column_spec(bn):
+  """BlockSpec of a [1, N] operand (w_scale, bias) over the (i, j, kk) grid."""
+  return pl.BlockSpec((1, bn), lambda i, j, kk: (0, j))
+
+
+def tiled_matmul_call(kernel, operands, in_specs, *, plan, m, n, out_dtype,
+                      scratch, x_side_bytes, w_side_bytes, extra_flops, name,
+                      interpret):
+  """``kernel`` over the (M/bm, N/bn, K/bk) grid of ``plan`` (K last and
+  "arbitrary"), writing [M, N] ``out_dtype`` in [bm, bn] tiles. The cost
+  estimate counts ``x_side_bytes`` once per column tile, ``w_side_bytes``
+  once per row tile and ``extra_flops`` beyond the dot's."""
+  bm, bn = plan.bm, plan.bn
+  grid = (pl.cdiv(m, bm), pl.cdiv(n, bn), plan.k_padded // plan.bk)
   out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
   grid_m, grid_n = grid[0], grid[1]
   # x is streamed once per column tile, w once per row tile.
-  bytes_accessed = (grid_n * _cost.nbytes(x2, x_scale)
-                    + grid_m * _cost.nbytes(w, w_scale, bias)
+  bytes_accessed = (grid_n * x_side_bytes + grid_m * w_side_bytes
                     + _cost.nbytes(out_shape))
-  epilogue = 0 if mode == "raw" else 4 * m * n
   return _compat.pallas_call(
       kernel,
       grid=grid,
@@ -170,9 +225,10 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
           dimension_semantics=("parallel", "parallel", "arbitrary"),
           vmem_limit_bytes=plan.vmem_limit_bytes),
       interpret=interpret,
-      cost_estimate=_cost.estimate(flops=2 * m * n * plan.k_padded + epilogue,
-                                   bytes_accessed=bytes_accessed),
-      name=f"int8_matmul_{mode}",
+      cost_estimate=_cost.estimate(
+          flops=2 * m * n * plan.k_padded + extra_flops,
+          bytes_accessed=bytes_accessed),
+      name=name,
   )(*operands)
 
 

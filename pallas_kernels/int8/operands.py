@@ -24,7 +24,7 @@ def is_float(dtype) -> bool:
   return any(jnp.dtype(dtype) == jnp.dtype(d) for d in FLOAT_DTYPES)
 
 
-def _name(dtype) -> str:
+def dtype_name(dtype) -> str:
   return jnp.dtype(dtype).name
 
 
@@ -34,21 +34,35 @@ def check_array(op, name, value):
                     f"{type(value).__name__}")
 
 
+def check_bool(op, name, value):
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{op}: {name} must be a bool (True or False), got "
+                    f"{value!r}")
+
+
+def check_float_x(op, x):
+  """TypeError unless x is a bfloat16, float16 or float32 array."""
+  check_array(op, "x", x)
+  if not is_float(x.dtype):
+    raise TypeError(f"{op}: x must be bfloat16, float16 or float32, got "
+                    f"{dtype_name(x.dtype)}")
+
+
+def normalize_axis(op, x, axis):
+  """``axis`` (an int in [-x.ndim, x.ndim)) as a non-negative int."""
+  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+    raise TypeError(f"{op}: axis must be an int or None, got {axis!r}")
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"{op}: axis={axis} is out of range for x of rank "
+                     f"{x.ndim}")
+  return int(axis) % x.ndim
+
+
 def quantize_axis(x, axis):
   """``quantize_int8``'s x checked and ``axis`` as a non-negative int or
   None."""
-  check_array("quantize_int8", "x", x)
-  if not is_float(x.dtype):
-    raise TypeError(f"quantize_int8: x must be bfloat16, float16 or float32, "
-                    f"got {_name(x.dtype)}")
-  if axis is None:
-    return None
-  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-    raise TypeError(f"quantize_int8: axis must be an int or None, got {axis!r}")
-  if not -x.ndim <= axis < x.ndim:
-    raise ValueError(f"quantize_int8: axis={axis} is out of range for x of "
-                     f"rank {x.ndim}")
-  return int(axis) % x.ndim
+  check_float_x("quantize_int8", x)
+  return None if axis is None else normalize_axis("quantize_int8", x, axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,16 +90,19 @@ class MatmulCall:
     return out2.reshape(self.batch + (self.n,))
 
 
-def _scale_or_bias(name, value, allowed_shapes, described):
+def float32_operand(op, name, value, allowed_shapes, described, *,
+                    dtype_ok=is_float, kind="a float array"):
+  """``value`` (None passes through) checked as an array of ``kind`` (dtypes
+  that ``dtype_ok`` accepts) with a shape in ``allowed_shapes``, as float32."""
   if value is None:
     return None
-  check_array("int8_matmul", name, value)
+  check_array(op, name, value)
   value = jnp.asarray(value)
-  if not is_float(value.dtype):
-    raise TypeError(f"int8_matmul: {name} must be a float array, got "
-                    f"{_name(value.dtype)}")
+  if not dtype_ok(value.dtype):
+    raise TypeError(f"{op}: {name} must be {kind}, got "
+                    f"{dtype_name(value.dtype)}")
   if value.shape not in allowed_shapes:
-    raise ValueError(f"int8_matmul: {name} has shape {value.shape}; expected "
+    raise ValueError(f"{op}: {name} has shape {value.shape}; expected "
                      f"{described}")
   return value.astype(jnp.float32)
 
@@ -98,24 +115,45 @@ def _mode(x, weight_only, x_scale, w_scale, bias, out_dtype):
     return "weight_only" if weight_only else "dynamic"
   if weight_only:
     raise ValueError("int8_matmul: weight_only=True needs float x (bfloat16, "
-                     f"float16 or float32), got {_name(x.dtype)}")
+                     f"float16 or float32), got {dtype_name(x.dtype)}")
   float_out = out_dtype is not None and out_dtype != jnp.int32
   if x_scale is None and w_scale is None and bias is None and not float_out:
     return "raw"
   return "dequant"
 
 
-def _out_dtype(out_dtype):
+def check_out_dtype(op, out_dtype):
+  """``out_dtype`` (None, int32 or a float dtype) as a jnp.dtype or None."""
   if out_dtype is None:
     return None
   try:
     out_dtype = jnp.dtype(out_dtype)
   except TypeError as e:
-    raise TypeError(f"int8_matmul: out_dtype={out_dtype!r} is no dtype") from e
+    raise TypeError(f"{op}: out_dtype={out_dtype!r} is no dtype") from e
   if out_dtype != jnp.int32 and not is_float(out_dtype):
-    raise TypeError(f"int8_matmul: out_dtype must be int32 or a float dtype, "
-                    f"got {out_dtype.name}")
+    raise TypeError(f"{op}: out_dtype must be int32 or a float dtype, got "
+                    f"{out_dtype.name}")
   return out_dtype
+
+
+def matmul_dims(op, x, w, weight_layout):
+  """(batch, K, N) of x [..., K] times w [K, N] ("kn") or [N, K] ("nk"),
+  after checking their ranks, the layout and that the K dimensions agree."""
+  if x.ndim < 1:
+    raise ValueError(f"{op}: x must have at least one dimension [..., K]")
+  if weight_layout not in WEIGHT_LAYOUTS:
+    raise ValueError(f"{op}: weight_layout must be 'kn' (w [K, N]) or 'nk' "
+                     f"(w [N, K]), got {weight_layout!r}")
+  if w.ndim != 2:
+    dims = "[K, N]" if weight_layout == "kn" else "[N, K]"
+    raise ValueError(f"{op}: w must be 2-D {dims}, got shape {w.shape}")
+  k_axis = 0 if weight_layout == "kn" else 1
+  if x.shape[-1] != w.shape[k_axis]:
+    raise ValueError(f"{op}: x's last dimension ({x.shape[-1]}) must equal "
+                     f"K, w's {'first' if k_axis == 0 else 'second'} "
+                     f"dimension for weight_layout={weight_layout!r} "
+                     f"(w.shape = {w.shape})")
+  return x.shape[:-1], w.shape[k_axis], w.shape[1 - k_axis]
 
 
 def _shapes(x, w, weight_layout):
@@ -124,24 +162,38 @@ def _shapes(x, w, weight_layout):
   check_array("int8_matmul", "w", w)
   if jnp.dtype(x.dtype) != jnp.int8 and not is_float(x.dtype):
     raise TypeError(f"int8_matmul: x must be int8, bfloat16, float16 or "
-                    f"float32, got {_name(x.dtype)}")
+                    f"float32, got {dtype_name(x.dtype)}")
   if jnp.dtype(w.dtype) != jnp.int8:
-    raise TypeError(f"int8_matmul: w must be int8, got {_name(w.dtype)}")
-  if x.ndim < 1:
-    raise ValueError("int8_matmul: x must have at least one dimension [..., K]")
-  if weight_layout not in WEIGHT_LAYOUTS:
-    raise ValueError(f"int8_matmul: weight_layout must be 'kn' (w [K, N]) or "
-                     f"'nk' (w [N, K]), got {weight_layout!r}")
-  if w.ndim != 2:
-    dims = "[K, N]" if weight_layout == "kn" else "[N, K]"
-    raise ValueError(f"int8_matmul: w must be 2-D {dims}, got shape {w.shape}")
-  k_axis = 0 if weight_layout == "kn" else 1
-  if x.shape[-1] != w.shape[k_axis]:
-    raise ValueError(f"int8_matmul: x's last dimension ({x.shape[-1]}) must "
-                     f"equal K, w's {'first' if k_axis == 0 else 'second'} "
-                     f"dimension for weight_layout={weight_layout!r} "
-                     f"(w.shape = {w.shape})")
-  return x.shape[:-1], w.shape[k_axis], w.shape[1 - k_axis]
+    raise TypeError(f"int8_matmul: w must be int8, got {dtype_name(w.dtype)}")
+  return matmul_dims("int8_matmul", x, w, weight_layout)
+
+
+def default_out_dtype(mode, x_dtype):
+  """int32 for raw, bfloat16 for dequant, else x's dtype."""
+  return jnp.dtype(jnp.int32 if mode == "raw" else
+                   jnp.bfloat16 if mode == "dequant" else x_dtype)
+
+
+def flatten_operands(x, x_scale, bias, *, mode, m, k, n):
+  """(x2 [M, K], x_scale [M, 1] | None, bias [1, N] | None) from x
+  [..., K], a scalar or per-row x_scale and a [N] or [1, N] bias; float16
+  x of a weight-only call becomes float32."""
+  x2 = x.reshape(m, k)
+  if mode == "weight_only" and x2.dtype == jnp.float16:
+    x2 = x2.astype(jnp.float32)
+  if x_scale is not None:
+    x_scale = (jnp.broadcast_to(x_scale.reshape(1, 1), (m, 1))
+               if x_scale.size == 1 else x_scale.reshape(m, 1))
+  if bias is not None:
+    bias = bias.reshape(1, n)
+  return x2, x_scale, bias
+
+
+def channel_scale(w_scale, n):
+  """A scalar, [N] or [1, N] w_scale as [1, N] (None passes through)."""
+  if w_scale is None:
+    return None
+  return jnp.broadcast_to(w_scale.reshape(1, -1), (1, n))
 
 
 def matmul_call(x, w, *, x_scale=None, w_scale=None, bias=None,
@@ -149,18 +201,19 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, bias=None,
                 weight_layout="kn") -> MatmulCall:
   """``int8_matmul``'s arguments checked (ValueError/TypeError naming the
   argument) and normalized."""
-  if not isinstance(weight_only, (bool, np.bool_)):
-    raise TypeError(f"int8_matmul: weight_only must be a bool (True or "
-                    f"False), got {weight_only!r}")
+  op = "int8_matmul"
+  check_bool(op, "weight_only", weight_only)
   batch, k, n = _shapes(x, w, weight_layout)
   m = math.prod(batch)
-  x_scale = _scale_or_bias(
-      "x_scale", x_scale, {(), (1,), batch + (1,)} | {(1,) * x.ndim},
+  x_scale = float32_operand(
+      op, "x_scale", x_scale, {(), (1,), batch + (1,)} | {(1,) * x.ndim},
       f"a scalar or x.shape[:-1] + (1,) = {batch + (1,)}")
-  w_scale = _scale_or_bias("w_scale", w_scale, {(), (1,), (1, 1), (n,), (1, n)},
-                           f"a scalar, ({n},) or (1, {n})")
-  bias = _scale_or_bias("bias", bias, {(n,), (1, n)}, f"({n},) or (1, {n})")
-  out_dtype = _out_dtype(out_dtype)
+  w_scale = float32_operand(op, "w_scale", w_scale,
+                            {(), (1,), (1, 1), (n,), (1, n)},
+                            f"a scalar, ({n},) or (1, {n})")
+  bias = float32_operand(op, "bias", bias, {(n,), (1, n)},
+                         f"({n},) or (1, {n})")
+  out_dtype = check_out_dtype(op, out_dtype)
   mode = _mode(x, weight_only, x_scale, w_scale, bias, out_dtype)
   if out_dtype == jnp.int32 and mode != "raw":
     raise ValueError("int8_matmul: out_dtype=int32 is only for the raw mode "
@@ -171,30 +224,25 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, bias=None,
         "accumulator could overflow ((2**31 - 1) // 128**2); split K and add "
         "the (scaled) partial results, or use weight_only=True")
   if out_dtype is None:
-    out_dtype = jnp.dtype(jnp.int32 if mode == "raw" else
-                          jnp.bfloat16 if mode == "dequant" else x.dtype)
+    out_dtype = default_out_dtype(mode, x.dtype)
+  x2, x_scale, bias = flatten_operands(x, x_scale, bias, mode=mode, m=m, k=k,
+                                       n=n)
+  return MatmulCall((x2, w, x_scale, channel_scale(w_scale, n), bias), mode,
+                    out_dtype, weight_layout, batch, k, n)
 
-  x2 = x.reshape(m, k)
-  if mode == "weight_only" and x2.dtype == jnp.float16:
-    x2 = x2.astype(jnp.float32)
-  if x_scale is not None:
-    x_scale = (jnp.broadcast_to(x_scale.reshape(1, 1), (m, 1))
-               if x_scale.size == 1 else x_scale.reshape(m, 1))
-  if w_scale is not None:
-    w_scale = jnp.broadcast_to(w_scale.reshape(1, -1), (1, n))
-  if bias is not None:
-    bias = bias.reshape(1, n)
-  return MatmulCall((x2, w, x_scale, w_scale, bias), mode, out_dtype,
-                    weight_layout, batch, k, n)
+
+def split_refs(refs, present):
+  """(x, w, *optional, out, [scratch...]) from a Pallas kernel's positional
+  refs: x and w, then one ref per true flag of ``present`` (None for a false
+  one), the output, and whatever follows."""
+  refs = list(refs)
+  x_ref, w_ref = refs.pop(0), refs.pop(0)
+  optional = [refs.pop(0) if has else None for has in present]
+  o_ref = refs.pop(0)
+  return (x_ref, w_ref, *optional, o_ref, refs)
 
 
 def split_kernel_refs(refs, *, has_xs, has_ws, has_b):
   """(x, w, x_scale|None, w_scale|None, bias|None, out, [scratch...]) from a
   Pallas kernel's positional refs (the operands minus the absent ones)."""
-  refs = list(refs)
-  x_ref, w_ref = refs.pop(0), refs.pop(0)
-  xs_ref = refs.pop(0) if has_xs else None
-  ws_ref = refs.pop(0) if has_ws else None
-  b_ref = refs.pop(0) if has_b else None
-  o_ref = refs.pop(0)
-  return x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs
+  return split_refs(refs, (has_xs, has_ws, has_b))

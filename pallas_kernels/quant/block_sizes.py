@@ -32,11 +32,10 @@ import math
 
 from pallas_kernels.int8 import block_sizes as int8_bs
 
-MiB = 1 << 20
-TPU_TABLE = int8_bs.TPU_TABLE
-TPU_VMEM = int8_bs.TPU_VMEM
 BlockSizes = int8_bs.BlockSizes
+TpuPlan = int8_bs.TpuPlan
 round_up = int8_bs.round_up
+pow2_at_least = int8_bs.pow2_at_least
 # Generations whose MXU multiplies fp8 operands (others upcast to bf16).
 FP8_MXU = frozenset({"tpu7x"})
 
@@ -65,40 +64,15 @@ def tpu_vmem_bytes(bm, bk, bn, *, x_bytes, w_bits, out_bytes, compute_bytes,
     total += bk * bn * 4 * (2 if has_zero else 1)
     rows = max(8, bk // group_size)
     total += 2 * rows * max(bn, 128) * 4 * (2 if has_zero else 1)
-  total += 2 * (max(bm, 8) * 128 * 4 + 2 * 8 * max(bn, 128) * 4)
+  total += int8_bs.scale_bias_tile_bytes(bm, bn)
   return total
-
-
-@dataclasses.dataclass(frozen=True)
-class TpuPlan:
-  bm: int
-  bk: int
-  bn: int
-  k_padded: int
-  vmem_bytes: int
-  vmem_limit_bytes: int
 
 
 def plan_tpu(m, k, n, *, x_bytes, w_bits, out_bytes, compute_bytes,
              generation=None, group_size=None, has_zero=False,
              x_upcast=False, block_sizes: BlockSizes | None = None) -> TpuPlan:
   """Tiles for an [m, k] x [k, n] problem (module docstring)."""
-  gen = generation if generation in TPU_TABLE else "default"
-  budget, limit = TPU_VMEM.get(generation or "default", TPU_VMEM["default"])
   unit = k_unit(group_size)
-  if block_sizes is not None:
-    bm, bk, bn = block_sizes.bm, block_sizes.bk, block_sizes.bn
-    for name, value, dim, need in (("bm", bm, m, 32), ("bk", bk, k, unit),
-                                   ("bn", bn, n, 128)):
-      if value < dim and value % need:
-        raise ValueError(f"block_sizes.{name}={value} must be a multiple of "
-                         f"{need} on TPU"
-                         + (f" (group_size={group_size})"
-                            if name == "bk" and group_size else ""))
-  else:
-    bm, bk, bn = TPU_TABLE[gen][int8_bs.shape_class(m)]
-    bm = bm or m
-    bk = max(unit, bk // unit * unit)
 
   def vmem(tm, tk, tn, nk):
     return tpu_vmem_bytes(tm, tk, tn, x_bytes=x_bytes, w_bits=w_bits,
@@ -106,40 +80,30 @@ def plan_tpu(m, k, n, *, x_bytes, w_bits, out_bytes, compute_bytes,
                           accumulator=nk > 1, group_size=group_size,
                           has_zero=has_zero, x_upcast=x_upcast)
 
-  while True:
-    tm = m if m <= bm else bm
-    tn = n if n <= bn else _prefer_divisor(n, bn)
-    if k <= bk:
-      tk, k_padded = k, k
-    else:
-      k_padded = round_up(k, unit)
-      tk = int8_bs._largest_divisor_tile(k_padded, bk, unit)
-      if tk * 4 < bk:  # a poor divisor: pad K to a multiple of the tile
-        tk, k_padded = bk, round_up(k, bk)
-    used = vmem(tm, tk, tn, k_padded // tk)
-    if used <= budget or block_sizes is not None:
-      break
-    options = [(bk if bk > unit else 0, "k"), (bn if bn > 128 else 0, "n"),
-               (bm if bm > 32 and m > 32 else 0, "m")]
-    size, which = max(options)
+  def halve_largest(bm, bk, bn):
+    """The largest tile dimension above its unit, halved (bk keeping the
+    unit)."""
+    size, which = max([(bk if bk > unit else 0, "k"),
+                       (bn if bn > 128 else 0, "n"),
+                       (bm if bm > 32 and m > 32 else 0, "m")])
     if size == 0:
-      break
+      return None
     if which == "k":
-      bk = max(unit, bk // 2 // unit * unit)
-    elif which == "n":
-      bn //= 2
-    else:
-      bm = max(32, round_up(min(bm, m) // 2, 32))
-  limit = max(limit, round_up(int(used * 1.25), MiB))
-  return TpuPlan(tm, tk, tn, k_padded, used, limit)
+      return bm, max(unit, bk // 2 // unit * unit), bn
+    if which == "n":
+      return bm, bk, bn // 2
+    return int8_bs.halve_bm(bm, m), bk, bn
 
-
-def _prefer_divisor(dim: int, target: int) -> int:
-  if dim % 128 == 0:
-    tile = int8_bs._largest_divisor_tile(dim, target, 128)
-    if tile * 2 >= target:
-      return tile
-  return target
+  if block_sizes is not None:
+    tiles = int8_bs.check_tpu_block_sizes(
+        block_sizes, m, k, n, k_unit=unit,
+        k_unit_reason=f" (group_size={group_size})" if group_size else "")
+    return int8_bs.fit_tpu_plan(m, k, n, tiles, k_unit=unit,
+                                generation=generation, vmem_bytes=vmem)
+  bm, bk, bn = int8_bs.table_tiles(m, generation)
+  return int8_bs.fit_tpu_plan(m, k, n, (bm, max(unit, bk // unit * unit), bn),
+                              k_unit=unit, generation=generation,
+                              vmem_bytes=vmem, shrink=halve_largest)
 
 
 # ------------------------------------------------------------------- GPU
@@ -165,10 +129,6 @@ GPU_TABLE_FP8 = (128, 128, 128, 8, 3)  # fp8 x fp8 (dequant)
 GPU_TARGET_PROGRAMS = 192
 
 
-def _pow2_at_least(x: int) -> int:
-  return 1 << max(0, (x - 1).bit_length())
-
-
 def gpu_class(m: int) -> str:
   if m <= 16:
     return "decode"
@@ -181,11 +141,7 @@ def plan_gpu(m, k, n, *, mode, group_size=None,
              block_sizes: BlockSizes | None = None) -> GpuPlan:
   """The Triton plan: powers of two >= 16; bk divides group_size."""
   if block_sizes is not None:
-    for name in ("bm", "bk", "bn"):
-      value = getattr(block_sizes, name)
-      if value < 16 or value & (value - 1):
-        raise ValueError(f"block_sizes.{name}={value} must be a power of two "
-                         ">= 16 on GPU (a Triton requirement)")
+    int8_bs.check_gpu_block_sizes(block_sizes)
     bm, bk, bn = block_sizes.bm, block_sizes.bk, block_sizes.bn
     warps = block_sizes.num_warps or 4
     stages = block_sizes.num_stages or 3
@@ -197,16 +153,11 @@ def plan_gpu(m, k, n, *, mode, group_size=None,
   cls = gpu_class(m)
   bm, bk, bn, warps, stages = (GPU_TABLE_FP8 if mode == "dequant"
                                else GPU_TABLE[cls])
-  bm = min(bm, max(16, _pow2_at_least(m)))
-  bn = min(bn, max(16, _pow2_at_least(n)))
-  bk = min(bk, max(32, _pow2_at_least(k)))
+  bm, bk, bn = int8_bs.gpu_tiles_for_problem(bm, bk, bn, m, k, n)
   if group_size is not None:
     while group_size % bk:
       bk //= 2
   split = 1
   if mode == "weight_only" and cls == "decode":
-    programs = -(-m // bm) * -(-n // bn)
-    while programs * split < GPU_TARGET_PROGRAMS and split < 8:
-      split *= 2
-    split = max(1, min(split, -(-k // bk)))
+    split = int8_bs.split_k_to_fill(m, k, n, bm, bk, bn, GPU_TARGET_PROGRAMS)
   return GpuPlan(bm, bk, bn, warps, stages, split)

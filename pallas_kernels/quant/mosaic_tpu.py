@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _backend, _compat, _cost
+from pallas_kernels import _backend, _cost
 from pallas_kernels._compat import pl, pltpu
+from pallas_kernels.int8 import mosaic_tpu as int8_tpu
 from pallas_kernels.int8 import quant as int8_quant
 from pallas_kernels.quant import block_sizes as bs
 from pallas_kernels.quant import formats, operands, reference
@@ -58,32 +58,13 @@ def _kernel(*refs, nk, has_xs, has_ws, has_zero, has_b, w_layout, grouped,
     w = (wf * _expand_rows(ws_ref[...], rows, cols)).astype(compute_dtype)
   elif compute_dtype is not None:
     w = w.astype(jnp.float32).astype(compute_dtype)
-  dims = (((1,), (0 if w_layout == "kn" else 1,)), ((), ()))
-  precision = (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
-               else jax.lax.Precision.DEFAULT)
-  part = jax.lax.dot_general(x, w, dims, precision=precision,
-                             preferred_element_type=jnp.float32)
+  part = int8_tpu.float_dot(x, w, w_layout)
 
   def finish(acc):
     o_ref[...] = int8_quant.epilogue_from_refs(
         acc, xs_ref, None if grouped else ws_ref, b_ref, o_ref.dtype)
 
-  if nk == 1:
-    finish(part)
-    return
-  k = pl.program_id(2)
-
-  @pl.when(k == 0)
-  def _():
-    acc_ref[...] = part
-
-  @pl.when(jnp.logical_and(k > 0, k < nk - 1))
-  def _():
-    acc_ref[...] += part
-
-  @pl.when(k == nk - 1)
-  def _():
-    finish(acc_ref[...] + part)
+  int8_tpu.accumulate_over_k(part, acc_ref, nk, finish)
 
 
 def supports(w, group_size, w_layout) -> str | None:
@@ -127,24 +108,19 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
       generation=generation, group_size=group_size,
       has_zero=w_zero is not None, x_upcast=x_upcast, block_sizes=block_sizes)
   if plan.k_padded != k:
-    pad = plan.k_padded - k
-    x2 = jnp.pad(x2, ((0, 0), (0, pad)))
-    w = jnp.pad(w, ((0, pad), (0, 0)) if kn else ((0, 0), (0, pad)))
+    x2, w = int8_tpu.pad_k(x2, w, plan.k_padded, w_layout)
     if grouped:
-      rows = ((0, pad // group_size), (0, 0))
+      rows = ((0, (plan.k_padded - k) // group_size), (0, 0))
       w_scale = jnp.pad(w_scale, rows)
       w_zero = None if w_zero is None else jnp.pad(w_zero, rows)
   bm, bk, bn = plan.bm, plan.bk, plan.bn
   nk = plan.k_padded // bk
-  grid = (pl.cdiv(m, bm), pl.cdiv(n, bn), nk)
 
   arrays = [x2, w]
-  in_specs = [pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-              pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)) if kn else
-              pl.BlockSpec((bn, bk), lambda i, j, kk: (j, kk))]
+  in_specs = int8_tpu.x_and_w_specs(plan, w_layout)
   if x_scale is not None:
     arrays.append(x_scale)
-    in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, kk: (i, 0)))
+    in_specs.append(int8_tpu.per_row_spec(bm))
   if grouped:
     group_rows = bk // group_size
     for table in (w_scale, w_zero):
@@ -154,39 +130,24 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
                                      lambda i, j, kk: (kk, j)))
   elif w_scale is not None:
     arrays.append(w_scale)
-    in_specs.append(pl.BlockSpec((1, bn), lambda i, j, kk: (0, j)))
+    in_specs.append(int8_tpu.per_column_spec(bn))
   if bias is not None:
     arrays.append(bias)
-    in_specs.append(pl.BlockSpec((1, bn), lambda i, j, kk: (0, j)))
+    in_specs.append(int8_tpu.per_column_spec(bn))
 
   kernel = functools.partial(
       _kernel, nk=nk, has_xs=x_scale is not None, has_ws=w_scale is not None,
       has_zero=w_zero is not None, has_b=bias is not None, w_layout=w_layout,
       grouped=grouped, compute_dtype=compute_dtype, x_upcast=x_upcast)
-  out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
-  grid_m, grid_n = grid[0], grid[1]
-  w_bytes = w.size * w_bits // 8
-  bytes_accessed = (grid_n * _cost.nbytes(x2, x_scale)
-                    + grid_m * (w_bytes + _cost.nbytes(w_scale, w_zero, bias))
-                    + _cost.nbytes(out_shape))
+  grid_m = pl.cdiv(m, bm)
   # Dequantizing a w tile: convert, (subtract,) multiply per value and row
   # tile.
   dequant = grid_m * w.size * (3 if grouped else 1)
   name = f"quantized_matmul_{mode}_{fmt.name}" + ("_grouped" if grouped
                                                    else "")
-  return _compat.pallas_call(
-      kernel,
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-      out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)] if nk > 1 else [],
-      compiler_params=_compat.tpu_compiler_params(
-          dimension_semantics=("parallel", "parallel", "arbitrary"),
-          vmem_limit_bytes=plan.vmem_limit_bytes),
-      interpret=interpret,
-      cost_estimate=_cost.estimate(
-          flops=2 * m * n * plan.k_padded + dequant + 4 * m * n,
-          bytes_accessed=bytes_accessed),
-      name=name,
-  )(*arrays)
+  return int8_tpu.tiled_matmul_call(
+      kernel, arrays, in_specs, plan=plan, m=m, n=n, out_dtype=out_dtype,
+      scratch=[pltpu.VMEM((bm, bn), jnp.float32)] if nk > 1 else [],
+      x_side_bytes=_cost.nbytes(x2, x_scale),
+      w_side_bytes=w.size * w_bits // 8 + _cost.nbytes(w_scale, w_zero, bias),
+      extra_flops=dequant + 4 * m * n, name=name, interpret=interpret)

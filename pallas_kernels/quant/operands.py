@@ -17,31 +17,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.int8 import operands as int8_operands
+from pallas_kernels.int8.operands import (MAX_INT8_K, check_array, check_bool,
+                                          dtype_name, is_float)
 from pallas_kernels.quant import formats
 
-FLOAT_DTYPES = int8_operands.FLOAT_DTYPES
-MAX_INT8_K = int8_operands.MAX_INT8_K
-is_float = int8_operands.is_float
-check_array = int8_operands.check_array
 OP = "quantized_matmul"
-
-
-def _name(dtype) -> str:
-  return jnp.dtype(dtype).name
 
 
 def weight_format(w, op=OP) -> formats.Format:
   fmt = formats.format_of(w.dtype)
   if fmt is None:
     raise TypeError(f"{op}: w must be int8, int4, float8_e4m3fn or "
-                    f"float8_e5m2, got {_name(w.dtype)}")
+                    f"float8_e5m2, got {dtype_name(w.dtype)}")
   return fmt
-
-
-def check_bool(op, name, value):
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{op}: {name} must be a bool (True or False), got "
-                    f"{value!r}")
 
 
 def check_group_size(op, group_size):
@@ -59,10 +47,7 @@ def check_group_size(op, group_size):
 def quantize_args(x, dtype, axis, group_size, symmetric):
   """(format, axis | None, group_size | None) after checking."""
   op = "quantize"
-  check_array(op, "x", x)
-  if not is_float(x.dtype):
-    raise TypeError(f"{op}: x must be bfloat16, float16 or float32, got "
-                    f"{_name(x.dtype)}")
+  int8_operands.check_float_x(op, x)
   try:
     fmt = formats.format_of(jnp.dtype(dtype))
   except TypeError:
@@ -81,12 +66,7 @@ def quantize_args(x, dtype, axis, group_size, symmetric):
       raise ValueError(f"{op}: group_size needs an axis (groups run along "
                        "it), got axis=None")
     return fmt, None, None
-  if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-    raise TypeError(f"{op}: axis must be an int or None, got {axis!r}")
-  if not -x.ndim <= axis < x.ndim:
-    raise ValueError(f"{op}: axis={axis} is out of range for x of rank "
-                     f"{x.ndim}")
-  axis = int(axis) % x.ndim
+  axis = int8_operands.normalize_axis(op, x, axis)
   if group_size is not None and x.shape[axis] % group_size:
     raise ValueError(f"{op}: x's axis {axis} has length {x.shape[axis]}, "
                      f"not a multiple of group_size={group_size}")
@@ -121,45 +101,17 @@ class MatmulCall:
 
 
 def _float_array(name, value, allowed, described):
-  if value is None:
-    return None
-  check_array(OP, name, value)
-  value = jnp.asarray(value)
-  if not is_float(value.dtype):
-    raise TypeError(f"{OP}: {name} must be a float array, got "
-                    f"{_name(value.dtype)}")
-  if value.shape not in allowed:
-    raise ValueError(f"{OP}: {name} has shape {value.shape}; expected "
-                     f"{described}")
-  return value.astype(jnp.float32)
+  return int8_operands.float32_operand(OP, name, value, allowed, described)
+
+
+def _integer_or_float(dtype) -> bool:
+  return is_float(dtype) or jnp.issubdtype(jnp.dtype(dtype), jnp.integer)
 
 
 def _zero_array(value, allowed, described):
-  if value is None:
-    return None
-  check_array(OP, "w_zero", value)
-  value = jnp.asarray(value)
-  dtype = jnp.dtype(value.dtype)
-  if not (is_float(dtype) or jnp.issubdtype(dtype, jnp.integer)):
-    raise TypeError(f"{OP}: w_zero must be an integer or float array, got "
-                    f"{dtype.name}")
-  if value.shape not in allowed:
-    raise ValueError(f"{OP}: w_zero has shape {value.shape}; expected "
-                     f"{described}")
-  return value.astype(jnp.float32)
-
-
-def _out_dtype(out_dtype):
-  if out_dtype is None:
-    return None
-  try:
-    out_dtype = jnp.dtype(out_dtype)
-  except TypeError as e:
-    raise TypeError(f"{OP}: out_dtype={out_dtype!r} is no dtype") from e
-  if out_dtype != jnp.int32 and not is_float(out_dtype):
-    raise TypeError(f"{OP}: out_dtype must be int32 or a float dtype, got "
-                    f"{out_dtype.name}")
-  return out_dtype
+  return int8_operands.float32_operand(
+      OP, "w_zero", value, allowed, described, dtype_ok=_integer_or_float,
+      kind="an integer or float array")
 
 
 def _shapes(x, w, weight_layout):
@@ -169,22 +121,8 @@ def _shapes(x, w, weight_layout):
   x_fmt = formats.format_of(x.dtype)
   if not is_float(x.dtype) and (x_fmt is None or x_fmt.name == "int4"):
     raise TypeError(f"{OP}: x must be bfloat16, float16, float32, int8 or "
-                    f"an fp8 dtype, got {_name(x.dtype)}")
-  if x.ndim < 1:
-    raise ValueError(f"{OP}: x must have at least one dimension [..., K]")
-  if weight_layout not in int8_operands.WEIGHT_LAYOUTS:
-    raise ValueError(f"{OP}: weight_layout must be 'kn' (w [K, N]) or 'nk' "
-                     f"(w [N, K]), got {weight_layout!r}")
-  if w.ndim != 2:
-    dims = "[K, N]" if weight_layout == "kn" else "[N, K]"
-    raise ValueError(f"{OP}: w must be 2-D {dims}, got shape {w.shape}")
-  k_axis = 0 if weight_layout == "kn" else 1
-  if x.shape[-1] != w.shape[k_axis]:
-    raise ValueError(f"{OP}: x's last dimension ({x.shape[-1]}) must equal "
-                     f"K, w's {'first' if k_axis == 0 else 'second'} "
-                     f"dimension for weight_layout={weight_layout!r} "
-                     f"(w.shape = {w.shape})")
-  return fmt, x_fmt, x.shape[:-1], w.shape[k_axis], w.shape[1 - k_axis]
+                    f"an fp8 dtype, got {dtype_name(x.dtype)}")
+  return (fmt, x_fmt) + int8_operands.matmul_dims(OP, x, w, weight_layout)
 
 
 def _mode(x, x_fmt, fmt, weight_only, group_size, out_dtype, has_scales):
@@ -199,7 +137,7 @@ def _mode(x, x_fmt, fmt, weight_only, group_size, out_dtype, has_scales):
     return "dynamic"
   if weight_only:
     raise ValueError(f"{OP}: weight_only=True needs float x (bfloat16, "
-                     f"float16 or float32), got {_name(x.dtype)}")
+                     f"float16 or float32), got {dtype_name(x.dtype)}")
   if x_fmt.integer != fmt.integer or (fmt.integer and fmt.name != "int8"):
     raise TypeError(f"{OP}: {x_fmt.name} x needs "
                     f"{'int8' if x_fmt.integer else 'fp8'} w, got {fmt.name} "
@@ -258,7 +196,7 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
       w_scale = w_scale.T
       w_zero = None if w_zero is None else w_zero.T
   bias = _float_array("bias", bias, {(n,), (1, n)}, f"({n},) or (1, {n})")
-  out_dtype = _out_dtype(out_dtype)
+  out_dtype = int8_operands.check_out_dtype(OP, out_dtype)
   mode = _mode(x, x_fmt, fmt, weight_only, group_size, out_dtype,
                any(v is not None for v in (x_scale, w_scale, bias)))
   if out_dtype == jnp.int32 and mode != "raw":
@@ -270,19 +208,11 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
         f"{OP}: K={k} exceeds {MAX_INT8_K}, beyond which the int32 "
         "accumulator could overflow; split K or use weight_only=True")
   if out_dtype is None:
-    out_dtype = jnp.dtype(jnp.int32 if mode == "raw" else
-                          jnp.bfloat16 if mode == "dequant" else x.dtype)
-
-  x2 = x.reshape(m, k)
-  if mode == "weight_only" and x2.dtype == jnp.float16:
-    x2 = x2.astype(jnp.float32)
-  if x_scale is not None:
-    x_scale = (jnp.broadcast_to(x_scale.reshape(1, 1), (m, 1))
-               if x_scale.size == 1 else x_scale.reshape(m, 1))
-  if w_scale is not None and group_size is None:
-    w_scale = jnp.broadcast_to(w_scale.reshape(1, -1), (1, n))
-  if bias is not None:
-    bias = bias.reshape(1, n)
+    out_dtype = int8_operands.default_out_dtype(mode, x.dtype)
+  x2, x_scale, bias = int8_operands.flatten_operands(
+      x, x_scale, bias, mode=mode, m=m, k=k, n=n)
+  if group_size is None:
+    w_scale = int8_operands.channel_scale(w_scale, n)
   return MatmulCall((x2, w, x_scale, w_scale, w_zero, bias), mode, out_dtype,
                     weight_layout, group_size, batch, k, n)
 
@@ -290,9 +220,4 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
 def split_kernel_refs(refs, *, has_xs, has_ws, has_zero, has_b):
   """(x, w, x_scale, w_scale, w_zero, bias, out, [scratch...]) from a Pallas
   kernel's positional refs (absent operands are None)."""
-  refs = list(refs)
-  x_ref, w_ref = refs.pop(0), refs.pop(0)
-  picked = [refs.pop(0) if present else None
-            for present in (has_xs, has_ws, has_zero, has_b)]
-  o_ref = refs.pop(0)
-  return (x_ref, w_ref, *picked, o_ref, refs)
+  return int8_operands.split_refs(refs, (has_xs, has_ws, has_zero, has_b))

@@ -179,12 +179,12 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
     if grouped:
       table = _pad_to(table, (groups_p, table.shape[1]))
       if not kn:  # [N, G]: each K step reads a column
-        table = _pad_to(table.T, (np_, bs._pow2_at_least(groups_p)))
+        table = _pad_to(table.T, (np_, bs.pow2_at_least(groups_p)))
         arrays.append(table)
         in_specs.append(pl.BlockSpec((bn, table.shape[1]),
                                      lambda i, j, s: (j, 0)))
         continue
-      table = _pad_to(table, (bs._pow2_at_least(groups_p), table.shape[1]))
+      table = _pad_to(table, (bs.pow2_at_least(groups_p), table.shape[1]))
     for part in columns(table):
       arrays.append(part)
       in_specs.append(pl.BlockSpec((part.shape[0], bnw),
