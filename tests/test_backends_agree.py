@@ -238,3 +238,79 @@ def test_flash_attention(backend, examples):
                    else "grad")
 
   run()
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("examples", EXAMPLES)
+def test_decode_attention(backend, examples):
+  @settings(max_examples=examples, deadline=None)
+  @given(t=st.integers(1, 16), s=st.integers(1, 700), group=st.sampled_from(
+      [1, 4]), window=st.sampled_from([None, 50]),
+         cap=st.sampled_from([None, 20.0]), sinks=st.booleans(),
+         paged=st.booleans(), dtype=st.sampled_from([jnp.float32,
+                                                     jnp.bfloat16]),
+         seed=st.integers(0, 2**31 - 1))
+  def run(t, s, group, window, cap, sinks, paged, dtype, seed):
+    rng = np.random.default_rng(seed)
+    batch, kv_heads, d = 2, 2, 64
+    make = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+    q = make(batch, kv_heads * group, t, d)
+    lengths = jnp.asarray(rng.integers(0, s + 1, batch), jnp.int32)
+    kw = dict(sliding_window=window, logit_soft_cap=cap)
+    if sinks:
+      kw["sinks"] = jnp.asarray(rng.standard_normal(kv_heads * group),
+                                jnp.float32)
+    if paged:
+      page = 16
+      pages = -(-s // page)
+      k, v = (make(batch * pages, kv_heads, page, d) for _ in range(2))
+      kw["page_table"] = jnp.asarray(
+          rng.permutation(batch * pages).reshape(batch, pages), jnp.int32)
+    else:
+      k, v = make(batch, kv_heads, s, d), make(batch, kv_heads, s, d)
+    got = _run_or_skip(backend, pk.decode_attention, q, k, v, lengths, **kw)
+    if got is None:
+      return
+    want = pk.decode_attention(q, k, v, lengths, backend="reference", **kw)
+    _assert_same(got, want, dtype)
+
+  run()
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("examples", EXAMPLES)
+def test_quantized_matmul(backend, examples):
+  @settings(max_examples=examples, deadline=None)
+  @given(fmt=st.sampled_from(["int8", "int4", "float8_e4m3fn",
+                              "float8_e5m2"]),
+         group=st.sampled_from([None, 32, 64]), asymmetric=st.booleans(),
+         layout=st.sampled_from(["kn", "nk"]), m=st.integers(1, 40),
+         k_groups=st.integers(1, 6), n=st.integers(1, 150),
+         seed=st.integers(0, 2**31 - 1))
+  def run(fmt, group, asymmetric, layout, m, k_groups, n, seed):
+    rng = np.random.default_rng(seed)
+    k = k_groups * (group or 32)
+    dtype = jnp.int4 if fmt == "int4" else jnp.dtype(fmt)
+    symmetric = not (asymmetric and fmt in ("int8", "int4") and group)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    quantized = pk.quantize(w, dtype, axis=0, group_size=group,
+                            symmetric=symmetric)
+    wq, scale = quantized[0], quantized[1]
+    zero = quantized[2] if len(quantized) > 2 else None
+    shape = (-1, n) if group else (n,)
+    scale = scale.reshape(shape)
+    zero = None if zero is None else zero.reshape(shape)
+    if layout == "nk":
+      wq = wq.T
+      scale = scale.T if group else scale
+      zero = None if zero is None else zero.T
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    kw = dict(w_scale=scale, w_zero=zero, group_size=group, weight_only=True,
+              weight_layout=layout)
+    got = _run_or_skip(backend, pk.quantized_matmul, x, wq, **kw)
+    if got is None:
+      return
+    want = pk.quantized_matmul(x, wq, backend="reference", **kw)
+    _assert_same(got, want, jnp.bfloat16)
+
+  run()
