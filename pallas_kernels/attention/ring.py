@@ -40,10 +40,12 @@ import inspect
 from typing import Any
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from pallas_kernels import _compat
+from pallas_kernels import _backend, _compat
 from pallas_kernels.attention import api as _api
 
 SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
@@ -59,6 +61,9 @@ class _Ring:
   config: Any   # api._Config of the whole (unsharded) call
   axis: str     # the mesh axis that splits the sequence
   size: int     # devices on it
+  # Kernels run in the TPU-semantics interpreter, which waits for every
+  # device at each kernel launch.
+  launches_wait_for_all: bool = False
 
   @property
   def unmasked(self):
@@ -69,8 +74,24 @@ class _Ring:
   def shift(self, tree):
     """Every array of ``tree`` sent to the next device of the ring."""
     perm = [(i, (i + 1) % self.size) for i in range(self.size)]
-    return jax.tree_util.tree_map(lambda x: lax.ppermute(x, self.axis, perm),
-                                  tree)
+    return self.fence(jax.tree_util.tree_map(
+        lambda x: lax.ppermute(x, self.axis, perm), self.fence(tree)))
+
+  def fence(self, tree):
+    """``tree``, ordered against the kernels' interpreter callbacks under
+    ``launches_wait_for_all``: a device must not wait in a send that another
+    device, waiting for it inside a kernel launch, has not joined. The fence
+    is an ordered host callback (after every callback traced before it)
+    reading ``tree`` (after what computes it), and ``tree`` is returned
+    through it (before what uses it). Otherwise nothing is ordered: XLA
+    overlaps the sends with the compute."""
+    if not self.launches_wait_for_all:
+      return tree
+    leaves = [jnp.ravel(x)[:1] for x in jax.tree_util.tree_leaves(tree)]
+    token = jax.experimental.io_callback(
+        lambda *_: np.zeros((), np.int32),
+        jax.ShapeDtypeStruct((), jnp.int32), *leaves, ordered=True)
+    return lax.optimization_barrier((token, tree))[1]
 
   def is_earlier(self, step):
     """Whether the slice visiting at ``step`` (>= 1) comes from a device
@@ -86,7 +107,6 @@ def zigzag_order(length: int, num_shards: int):
   gives device ``r`` the chunks ``r`` and ``2N-1-r`` of ``2N``. Pass such
   tensors with ``sequence_layout="zigzag"`` to skip the reorder inside the
   op; ``argsort`` of the indices undoes it."""
-  import numpy as np
   if length % (2 * num_shards):
     raise ValueError(f"zigzag_order: length {length} is not divisible by "
                      f"2 * num_shards = {2 * num_shards}")
@@ -249,6 +269,7 @@ def _around_the_ring(ring, visiting, carry, visit):
 
 
 def _ring_forward(ring, q, k, v, q_seg, kv_seg):
+  q, k, v, q_seg, kv_seg = ring.fence((q, k, v, q_seg, kv_seg))
   local = (k, v, kv_seg)
   visiting = ring.shift(local) if ring.size > 1 else None
   # Step 0: the local slice; causal attention of the local slices is the
@@ -259,10 +280,12 @@ def _ring_forward(ring, q, k, v, q_seg, kv_seg):
     return _merge(acc, _visit_forward(ring, step, q, q_seg, current))
 
   out, lse = _around_the_ring(ring, visiting, acc, visit)
-  return out.astype(q.dtype), lse
+  return ring.fence((out.astype(q.dtype), lse))
 
 
 def _ring_backward(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
+  q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse = ring.fence(
+      (q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse))
   local = (k, v, kv_seg)
   visiting = ring.shift(local) if ring.size > 1 else None
   dq, dk, dv = _block_backward(ring.config, q, k, v, q_seg, kv_seg, out, lse,
@@ -279,7 +302,8 @@ def _ring_backward(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
   dq, (dk, dv) = _around_the_ring(ring, visiting, (dq, (dk, dv)), visit)
   if ring.size > 1:   # after step N-1 they belong to the next device
     dk, dv = ring.shift((dk, dv))
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return ring.fence((dq.astype(q.dtype), dk.astype(k.dtype),
+                     dv.astype(v.dtype)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -316,7 +340,10 @@ def ring_attention(config, axis_name, num_shards, q, k, v, q_seg=None,
   ``api._validate`` of the unsharded call. Returns (out, lse) of the local
   queries, in the layout of the inputs.
   """
-  ring = _Ring(config, axis_name, num_shards)
+  rows = _api._rows(config, "forward", q, k, v, q_seg, None)
+  ring = _Ring(config, axis_name, num_shards,
+               launches_wait_for_all=_backend.runs_with_callbacks(
+                   _api.OP, config.backend, rows))
   reorder = config.causal and not zigzag_inputs and num_shards > 1
   if reorder:
     q, k, v = (to_zigzag(x, axis_name, num_shards, 2) for x in (q, k, v))
