@@ -171,14 +171,25 @@ def _check(case, backend, rng):
     _assert_close(got, want, tol, f"d{name} vs unsharded")
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+def _reference_params():
+  old_cpu_bf16 = pytest.mark.xfail(
+      _compat.JAX_VERSION < (0, 8, 0) and jax.default_backend() == "cpu",
+      raises=Exception, strict=True,
+      reason="jax 0.7's XLA CPU cannot run a bfloat16 x bfloat16 -> float32 "
+      "dot inside a loop or cond (the plain-JAX reference there; kernels "
+      "are fine)")
+  return [pytest.param(n, marks=[old_cpu_bf16] if "bf16" in n else [])
+          for n in sorted(CASES)]
+
+
+@pytest.mark.parametrize("name", _reference_params())
 def test_ring_matches_oracle_reference(name, rng):
   _check(CASES[name], "reference", rng)
 
 
-@pytest.mark.parametrize("name", [
-    "full_softcap_8", "causal_batch_x_seq",
-    pytest.param("causal_gqa_segments_4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["causal_gqa_segments_4"] + [
+    pytest.param(n, marks=pytest.mark.slow)
+    for n in ("causal_batch_x_seq", "causal_bf16_4", "full_softcap_8")])
 def test_ring_matches_oracle_generic_interpreter(name, rng):
   """backend=None on a CPU: the TPU kernel in Pallas' generic interpreter."""
   _check(CASES[name], None, rng)

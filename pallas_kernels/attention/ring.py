@@ -406,8 +406,12 @@ def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
         + (f"2 x the {n} devices of sequence_axis {sequence_axis!r} (causal "
            f"ring attention cuts it into {chunks} chunks)" if config.causal
            else f"the {n} devices of sequence_axis {sequence_axis!r}"))
+  if 0 in (q.shape[0], q.shape[1], length):
+    # Nothing to attend to (flash_attention's zeros and -inf).
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+    return (out, lse) if config.return_lse else out
   zigzag_inputs = sequence_layout == "zigzag"
-  empty = 0 in (q.shape[0], q.shape[1], length)
 
   qkv_spec = P(batch_axis, head_axis, sequence_axis, None)
   seg_spec = P(batch_axis, sequence_axis)
@@ -417,9 +421,6 @@ def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
 
   def local(q, k, v, *segments):
     q_seg, kv_seg = segments if has_segments else (None, None)
-    if empty:   # nothing to attend to: no communication needed
-      return (jnp.zeros(q.shape, q.dtype),
-              jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
     return ring_attention(config, sequence_axis, n, q, k, v, q_seg, kv_seg,
                           zigzag_inputs=zigzag_inputs)
 
