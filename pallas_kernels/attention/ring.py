@@ -1,7 +1,7 @@
-"""Context parallelism: ring attention over a mesh axis that splits the sequence.
+"""Context parallelism: ring attention over the mesh axis of the sequence.
 
-``shard_flash_attention(..., sequence_axis=axis)`` runs :func:`ring_attention`
-inside ``shard_map``. Each of the ``N`` devices on ``axis`` holds a slice of
+``shard_flash_attention(..., sequence_axis=axis)`` runs the ring inside
+``shard_map``. Each of the ``N`` devices on ``axis`` holds a slice of
 the queries and of the keys/values along the sequence. The K/V slice (with
 its kv segment ids) travels around the ring with ``ppermute``: at step ``s``
 device ``r`` holds the slice of device ``(r - s) mod N``. The send of the
@@ -63,7 +63,7 @@ class _Ring:
   size: int     # devices on it
   # Kernels run in the TPU-semantics interpreter, which waits for every
   # device at each kernel launch.
-  launches_wait_for_all: bool = False
+  launches_wait_for_all: bool
 
   @property
   def unmasked(self):
@@ -330,7 +330,7 @@ def _ring_attention_bwd(ring, residuals, cotangents):
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
-def ring_attention(config, axis_name, num_shards, q, k, v, q_seg=None,
+def _local_ring_attention(config, axis_name, num_shards, q, k, v, q_seg=None,
                    kv_seg=None, *, zigzag_inputs=False):
   """Per-device ring attention, called inside ``shard_map``.
 
@@ -421,8 +421,8 @@ def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
 
   def local(q, k, v, *segments):
     q_seg, kv_seg = segments if has_segments else (None, None)
-    return ring_attention(config, sequence_axis, n, q, k, v, q_seg, kv_seg,
-                          zigzag_inputs=zigzag_inputs)
+    return _local_ring_attention(config, sequence_axis, n, q, k, v, q_seg,
+                                 kv_seg, zigzag_inputs=zigzag_inputs)
 
   out, lse = _compat.shard_map(
       local, mesh=mesh, in_specs=tuple(in_specs),
