@@ -100,8 +100,8 @@ def test_sharding_examples_run():
   assert namespace["y"].shape == (16, 512)
   assert namespace["count"].tolist() == [1] * 8
   assert float(namespace["loss"]) == pytest.approx(0.0, abs=1e-6)
-  assert namespace["ring_out"].shape == (2, 8, 256, 64)
-  assert namespace["ring_grad"].shape == (2, 8, 256, 64)
+  assert namespace["ring_out"].shape == (2, 4, 128, 64)
+  assert namespace["ring_grad"].shape == (2, 4, 128, 64)
 
 
 @pytest.mark.skipif(
