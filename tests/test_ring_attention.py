@@ -261,6 +261,7 @@ def _shard(q, k=None, v=None, **kwargs):
     (dict(sequence_layout="striped"), ValueError, "sequence_layout must be"),
     (dict(causal=1), TypeError, "causal must be a bool"),
     (dict(dropout=0.1), TypeError, "unexpected keyword argument 'dropout'"),
+    (dict(sinks=jnp.zeros(4)), ValueError, "sinks is not supported"),
 ])
 def test_ring_rejects(kwargs, error, match):
   with pytest.raises(error, match=match):
