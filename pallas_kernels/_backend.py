@@ -345,6 +345,15 @@ def _effects_outlive_custom_vmap(op, backend, kernels) -> bool:
   applied then, and nothing of ``custom_vmap`` is left to lower)."""
   if _compat.JAX_VERSION >= (0, 12, 0):
     return False
+  return runs_with_callbacks(op, backend, kernels)
+
+
+def runs_with_callbacks(op: str, backend: str | None,
+                        kernels: Sequence[Kernel]) -> bool:
+  """Whether the call runs in an interpreter that works through ordered host
+  callbacks (the TPU-semantics and Mosaic GPU ones). The TPU-semantics one
+  also waits for every device of the enclosing ``shard_map`` at each kernel
+  launch."""
   if backend is None and forced_interpret_flavour() is None:
     return False
   kernel, interpret = choose(op, backend, kernels)

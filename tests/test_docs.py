@@ -83,12 +83,14 @@ def test_tpu_page_compiles():
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_sharding_examples_run():
   jax_blocks, torch_blocks = sharding_blocks()
-  assert len(jax_blocks) == 3 and len(torch_blocks) == 1, \
+  assert len(jax_blocks) == 4 and len(torch_blocks) == 1, \
       "docs/sharding.md lost an example"
   source = "\n".join(jax_blocks)
   if not hasattr(jax, "set_mesh"):  # jax < 0.8
     source = source.replace("jax.set_mesh(", "jax.sharding.use_mesh(")
-  for block in jax_blocks:
+  *forms, context_parallel = jax_blocks
+  assert "sequence_axis" in context_parallel
+  for block in forms:
     # Every family in every form.
     for op in ("attention", "int8_matmul", "nms"):
       assert op in block, (op, block[:200])
@@ -98,6 +100,8 @@ def test_sharding_examples_run():
   assert namespace["y"].shape == (16, 512)
   assert namespace["count"].tolist() == [1] * 8
   assert float(namespace["loss"]) == pytest.approx(0.0, abs=1e-6)
+  assert namespace["ring_out"].shape == (2, 4, 128, 64)
+  assert namespace["ring_grad"].shape == (2, 4, 128, 64)
 
 
 @pytest.mark.skipif(

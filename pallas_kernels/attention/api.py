@@ -104,13 +104,21 @@ def _reference_forward(config, q, k, v, q_seg, kv_seg, bias):
 
 def _reference_backward(config, q, k, v, q_seg, kv_seg, bias, out, lse, d_out,
                         d_lse):
-  del out, lse
+  """The gradient at the given (out, lse), as every backward kernel takes
+  them: autodiff of the reference gives the gradient of the softmax
+  normalized by its own lse_b; the cotangents ``w d_out`` and ``w (d_out .
+  (out_b - out) + d_lse)`` with ``w = exp(lse_b - lse)`` make it the
+  gradient under normalization by ``lse`` (ring attention's blocks; w = 1
+  when lse is the block's own)."""
   def fn(q, k, v, bias):
     return _reference_forward(config, q, k, v, q_seg, kv_seg, bias)
-  _, vjp = jax.vjp(fn, q, k, v, bias)
-  if d_lse is None:
-    d_lse = jnp.zeros(q.shape[:3], jnp.float32)
-  return vjp((d_out, d_lse))
+  (out_b, lse_b), vjp = jax.vjp(fn, q, k, v, bias)
+  w = jnp.where(lse_b == -jnp.inf, 0.0, jnp.exp(lse_b - lse))
+  d_out = d_out.astype(jnp.float32)
+  drift = jnp.sum(d_out * (out_b.astype(jnp.float32)
+                           - out.astype(jnp.float32)), axis=-1)
+  d_lse_b = w * (drift if d_lse is None else drift + d_lse)
+  return vjp(((w[..., None] * d_out).astype(out_b.dtype), d_lse_b))
 
 
 def _rows(config, function, q, k, v, q_seg, bias):
@@ -182,16 +190,23 @@ def _attention_fwd(config, q, k, v, q_seg, kv_seg, bias):
   return (out, lse), (q, k, v, q_seg, kv_seg, bias, out, lse)
 
 
+def _backward(config, q, k, v, q_seg, kv_seg, bias, out, lse, d_out, d_lse):
+  """(dq, dk, dv, dbias or None) at the residuals (out, lse); ``d_lse`` may
+  be None."""
+  return _backend.dispatch(
+      OP, config.backend, _rows(config, "backward", q, k, v, q_seg, bias),
+      q, k, v, q_seg, kv_seg, bias, out, lse, d_out, d_lse,
+      rule=_sharding_rule(q_seg, kv_seg, bias, False, d_lse),
+      auto_partition=config.mask is None)
+
+
 def _attention_bwd(config, residuals, cotangents):
   q, k, v, q_seg, kv_seg, bias, out, lse = residuals
   d_out, d_lse = cotangents
   if not config.return_lse:
     d_lse = None
-  dq, dk, dv, dbias = _backend.dispatch(
-      OP, config.backend, _rows(config, "backward", q, k, v, q_seg, bias),
-      q, k, v, q_seg, kv_seg, bias, out, lse, d_out.astype(q.dtype), d_lse,
-      rule=_sharding_rule(q_seg, kv_seg, bias, False, d_lse),
-      auto_partition=config.mask is None)
+  dq, dk, dv, dbias = _backward(config, q, k, v, q_seg, kv_seg, bias, out, lse,
+                                d_out.astype(q.dtype), d_lse)
   from pallas_kernels import _sharding
   dq, dk, dv, dbias = _sharding.cotangents_like((q, k, v, bias),
                                                 (dq, dk, dv, dbias))
@@ -433,9 +448,10 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
 
 
 def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
-                          head_axis="model", segment_ids=None, bias=None,
-                          **kwargs):
-  """``flash_attention`` with batch and heads sharded over ``mesh``.
+                          head_axis="model", sequence_axis=None,
+                          sequence_layout="contiguous", segment_ids=None,
+                          bias=None, **kwargs):
+  """``flash_attention`` with batch, heads and sequence sharded over ``mesh``.
 
   Mosaic kernels cannot be partitioned by XLA, so this wraps the op in
   ``shard_map``: batch is split over mesh axis ``batch_axis`` and the query
@@ -446,6 +462,16 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
   along it; ``sinks`` follow the heads. A per-head mask list needs the heads
   unsplit (``head_axis=None``). Other keyword arguments are passed to
   ``flash_attention``.
+
+  ``sequence_axis`` (context parallelism) also splits q/k/v and the segment
+  ids along the sequence over that mesh axis and runs ring attention
+  (``pallas_kernels.attention.ring``): K/V slices travel around the axis'
+  devices, forward and backward. It needs ``q_len == kv_len`` divisible by
+  the axis size (causal: twice the axis size) and takes no bias, sliding
+  window, sinks or mask. ``sequence_layout="contiguous"`` (default) takes plain sequence
+  slices; causal attention then moves them to the load-balanced zig-zag
+  order and back inside the op. ``"zigzag"`` takes tensors already in that
+  order (``ring.zigzag_order``), saving those moves.
 
   Example::
 
@@ -470,6 +496,16 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
     raise ValueError(f"shard_flash_attention: heads ({q.shape[1]}) and "
                      f"kv_heads ({k.shape[1]}) must be divisible by mesh axis "
                      f"{head_axis!r} ({n_head})")
+  if sequence_axis is None and sequence_layout != "contiguous":
+    raise ValueError("shard_flash_attention: sequence_layout needs "
+                     "sequence_axis")
+  if sequence_axis is not None:
+    axis_size(sequence_axis)
+    from pallas_kernels.attention import ring
+    return ring.shard_ring_attention(
+        mesh, q, k, v, batch_axis=batch_axis, head_axis=head_axis,
+        sequence_axis=sequence_axis, sequence_layout=sequence_layout,
+        segment_ids=segment_ids, bias=bias, **kwargs)
   if (isinstance(kwargs.get("mask"), (list, tuple)) and n_head > 1):
     raise ValueError("shard_flash_attention: a per-head mask list cannot be "
                      f"split over mesh axis {head_axis!r}; pass head_axis=None "

@@ -1,0 +1,430 @@
+"""Context parallelism: ring attention over the mesh axis of the sequence.
+
+``shard_flash_attention(..., sequence_axis=axis)`` runs the ring inside
+``shard_map``. Each of the ``N`` devices on ``axis`` holds a slice of
+the queries and of the keys/values along the sequence. The K/V slice (with
+its kv segment ids) travels around the ring with ``ppermute``: at step ``s``
+device ``r`` holds the slice of device ``(r - s) mod N``. The send of the
+next slice is issued before the compute on the current one (they are
+independent, so XLA overlaps them). Each step runs the flash-attention
+forward kernel of the local queries against the visiting slice and merges
+the partial results by log-sum-exp::
+
+    lse = logaddexp(lse_a, lse_b)
+    out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
+
+Causal attention is balanced in zig-zag order: the sequence is cut into
+``2N`` chunks and device ``r`` holds chunks ``r`` and ``2N-1-r``. Against the
+slice of device ``src``: ``src == r`` is causal attention of the local
+slices; ``src < r``: all local queries see the first visiting chunk,
+unmasked; ``src > r``: the second local chunk of queries sees both visiting
+chunks, unmasked; the other chunk pairs lie in the future and are skipped.
+Every device does the same work at every step. Contiguous inputs (device
+``r`` holds chunks ``2r, 2r+1``) are moved to zig-zag order and back inside
+the op (:func:`to_zigzag`, :func:`from_zigzag`). Non-causal attention needs
+no order: every step is one unmasked block.
+
+The backward is a ring too (custom VJP; its residuals are q, the local k, v,
+segment ids and the final out and lse, never the visiting slices). The K/V
+slice travels again, followed by float32 dK/dV accumulators; each step runs
+the flash backward kernel with the *final* (out, lse), so its
+``P = exp(s - lse)`` is the global softmax restricted to the block and its
+``dS = P (dP - D)`` terms add up to the full gradient. After ``N`` steps the
+accumulators are back on the device that owns the slice.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any
+
+import jax
+import jax.experimental
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels import _backend, _compat
+from pallas_kernels.attention import api as _api
+
+SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
+# flash_attention keywords the ring supports; the others raise.
+_RING_KEYWORDS = ("causal", "sm_scale", "sliding_window", "logit_soft_cap",
+                  "return_lse", "block_sizes", "backend")
+_HELPER = "shard_flash_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """Static parameters of one ring call (hashable: the custom VJP's key)."""
+  config: Any   # api._Config of the whole (unsharded) call
+  axis: str     # the mesh axis that splits the sequence
+  size: int     # devices on it
+  # Kernels run in the TPU-semantics interpreter, which waits for every
+  # device at each kernel launch.
+  launches_wait_for_all: bool
+
+  @property
+  def unmasked(self):
+    """The config of a block that needs no mask."""
+    return dataclasses.replace(self.config, causal=False, window_left=None,
+                               window_right=None)
+
+  def shift(self, tree):
+    """Every array of ``tree`` sent to the next device of the ring."""
+    perm = [(i, (i + 1) % self.size) for i in range(self.size)]
+    return self.fence(jax.tree_util.tree_map(
+        lambda x: lax.ppermute(x, self.axis, perm), self.fence(tree)))
+
+  def fence(self, tree):
+    """``tree``, ordered against the kernels' interpreter callbacks under
+    ``launches_wait_for_all``: a device must not wait in a send that another
+    device, waiting for it inside a kernel launch, has not joined. The fence
+    is an ordered host callback (after every callback traced before it)
+    reading ``tree`` (after what computes it), and ``tree`` is returned
+    through it (before what uses it). Otherwise nothing is ordered: XLA
+    overlaps the sends with the compute."""
+    if not self.launches_wait_for_all:
+      return tree
+    leaves = [jnp.ravel(x)[:1] for x in jax.tree_util.tree_leaves(tree)]
+    token = jax.experimental.io_callback(
+        lambda *_: np.zeros((), np.int32),
+        jax.ShapeDtypeStruct((), jnp.int32), *leaves, ordered=True)
+    return lax.optimization_barrier((token, tree))[1]
+
+  def is_earlier(self, step):
+    """Whether the slice visiting at ``step`` (>= 1) comes from a device
+    before this one: ``(r - step) mod N < r`` exactly when ``step <= r``."""
+    return step <= lax.axis_index(self.axis)
+
+
+# ---------------------------------------------------------- zig-zag order --
+
+def zigzag_order(length: int, num_shards: int):
+  """Indices that put a sequence of ``length`` in zig-zag order for
+  ``num_shards`` devices: ``x[..., zigzag_order(L, N), :]`` split evenly
+  gives device ``r`` the chunks ``r`` and ``2N-1-r`` of ``2N``. Pass such
+  tensors with ``sequence_layout="zigzag"`` to skip the reorder inside the
+  op; ``argsort`` of the indices undoes it."""
+  if length % (2 * num_shards):
+    raise ValueError(f"zigzag_order: length {length} is not divisible by "
+                     f"2 * num_shards = {2 * num_shards}")
+  chunks = np.arange(length).reshape(2 * num_shards, -1)
+  order = [c for r in range(num_shards)
+           for c in (r, 2 * num_shards - 1 - r)]
+  return chunks[order].reshape(-1)
+
+
+def _zigzag_home(chunk, n):
+  """The device that holds ``chunk`` (of ``2n``) in zig-zag order."""
+  return chunk if chunk < n else 2 * n - 1 - chunk
+
+
+def _halves(x, axis):
+  half = x.shape[axis] // 2
+  return (lax.slice_in_dim(x, 0, half, axis=axis),
+          lax.slice_in_dim(x, half, None, axis=axis))
+
+
+def to_zigzag(x, axis_name, n, axis):
+  """The local slice of contiguous order (chunks ``2r, 2r+1``) -> zig-zag
+  order (chunks ``r, 2n-1-r``), along dimension ``axis``.
+
+  Even chunks travel by one ``ppermute`` and odd ones by another; device
+  ``r`` receives one chunk from each, the even one first when ``r`` is even.
+  """
+  if n == 1:
+    return x
+  even, odd = _halves(x, axis)
+  even = lax.ppermute(even, axis_name,
+                      [(d, _zigzag_home(2 * d, n)) for d in range(n)])
+  odd = lax.ppermute(odd, axis_name,
+                     [(d, _zigzag_home(2 * d + 1, n)) for d in range(n)])
+  even_first = lax.axis_index(axis_name) % 2 == 0
+  return jnp.where(even_first, jnp.concatenate([even, odd], axis),
+                   jnp.concatenate([odd, even], axis))
+
+
+def from_zigzag(x, axis_name, n, axis):
+  """The inverse of :func:`to_zigzag`."""
+  if n == 1:
+    return x
+  first, second = _halves(x, axis)
+  even_first = lax.axis_index(axis_name) % 2 == 0
+  even = jnp.where(even_first, first, second)
+  odd = jnp.where(even_first, second, first)
+  even = lax.ppermute(even, axis_name,
+                      [(_zigzag_home(2 * d, n), d) for d in range(n)])
+  odd = lax.ppermute(odd, axis_name,
+                     [(_zigzag_home(2 * d + 1, n), d) for d in range(n)])
+  return jnp.concatenate([even, odd], axis)
+
+
+# ----------------------------------------------------------------- blocks --
+
+def _rows_from(x, start, stop=None):
+  """``x[:, :, start:stop]`` (q/k/v/out/lse) or ``x[:, start:stop]``
+  (segment ids), None for None."""
+  if x is None:
+    return None
+  axis = 1 if x.ndim == 2 else 2
+  return lax.slice_in_dim(x, start, stop, axis=axis)
+
+
+def _pad_rows(x, rows, value, before):
+  """``x`` with ``rows`` rows of ``value`` along its sequence axis, before or
+  after its own."""
+  axis = 2
+  shape = list(x.shape)
+  shape[axis] = rows
+  fill = jnp.full(shape, value, x.dtype)
+  return jnp.concatenate([fill, x] if before else [x, fill], axis)
+
+
+def _block_forward(config, q, k, v, q_seg, kv_seg):
+  out, lse = _api._forward(config, q, k, v, q_seg, kv_seg, None)
+  return out.astype(jnp.float32), lse
+
+
+def _visit_forward(ring, step, q, q_seg, visiting):
+  """(out float32, lse) of the local queries against the visiting slice."""
+  k, v, kv_seg = visiting
+  if not ring.config.causal:
+    return _block_forward(ring.unmasked, q, k, v, q_seg, kv_seg)
+  half = q.shape[2] // 2
+
+  def earlier():   # every query, the first visiting chunk
+    return _block_forward(ring.unmasked, q, _rows_from(k, 0, half),
+                          _rows_from(v, 0, half), q_seg,
+                          _rows_from(kv_seg, 0, half))
+
+  def later():     # the second query chunk, both visiting chunks
+    out, lse = _block_forward(ring.unmasked, _rows_from(q, half), k, v,
+                              _rows_from(q_seg, half), kv_seg)
+    return (_pad_rows(out, half, 0, before=True),
+            _pad_rows(lse, half, -jnp.inf, before=True))
+
+  return lax.cond(ring.is_earlier(step), earlier, later)
+
+
+def _merge(acc, part):
+  """Log-sum-exp merge of two partial (out float32, lse) results."""
+  out_a, lse_a = acc
+  out_b, lse_b = part
+  lse = jnp.logaddexp(lse_a, lse_b)
+
+  def weight(x):   # rows without keys so far stay 0 (not NaN)
+    return jnp.where(lse == -jnp.inf, 0.0, jnp.exp(x - lse))[..., None]
+
+  return out_a * weight(lse_a) + out_b * weight(lse_b), lse
+
+
+def _block_backward(config, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
+  dq, dk, dv, _ = _api._backward(config, q, k, v, q_seg, kv_seg, None, out,
+                                 lse, d_out, d_lse)
+  return tuple(g.astype(jnp.float32) for g in (dq, dk, dv))
+
+
+def _visit_backward(ring, step, q, q_seg, out, lse, d_out, d_lse, visiting):
+  """float32 (dq, dk, dv) of the visiting block at the final (out, lse)."""
+  k, v, kv_seg = visiting
+  if not ring.config.causal:
+    return _block_backward(ring.unmasked, q, k, v, q_seg, kv_seg, out, lse,
+                           d_out, d_lse)
+  half = q.shape[2] // 2
+
+  def earlier():
+    dq, dk, dv = _block_backward(
+        ring.unmasked, q, _rows_from(k, 0, half), _rows_from(v, 0, half),
+        q_seg, _rows_from(kv_seg, 0, half), out, lse, d_out, d_lse)
+    return (dq, _pad_rows(dk, half, 0, before=False),
+            _pad_rows(dv, half, 0, before=False))
+
+  def later():
+    rows = lambda x: _rows_from(x, half)  # noqa: E731
+    dq, dk, dv = _block_backward(ring.unmasked, rows(q), k, v, rows(q_seg),
+                                 kv_seg, rows(out), rows(lse), rows(d_out),
+                                 rows(d_lse))
+    return _pad_rows(dq, half, 0, before=True), dk, dv
+
+  return lax.cond(ring.is_earlier(step), earlier, later)
+
+
+# ------------------------------------------------------------------- ring --
+
+def _around_the_ring(ring, visiting, carry, visit):
+  """Runs ``carry = visit(step, visiting_slice, carry)`` for steps ``1 ..
+  N-1``, each slice sent on before it is used; ``visiting`` is the slice of
+  step 1, already sent."""
+  def body(step, state):
+    current, carry = state
+    return ring.shift(current), visit(step, current, carry)
+
+  if ring.size > 2:
+    visiting, carry = lax.fori_loop(1, ring.size - 1, body, (visiting, carry))
+  if ring.size > 1:   # the last slice goes nowhere
+    carry = visit(ring.size - 1, visiting, carry)
+  return carry
+
+
+def _ring_forward(ring, q, k, v, q_seg, kv_seg):
+  q, k, v, q_seg, kv_seg = ring.fence((q, k, v, q_seg, kv_seg))
+  local = (k, v, kv_seg)
+  visiting = ring.shift(local) if ring.size > 1 else None
+  # Step 0: the local slice; causal attention of the local slices is the
+  # mask of chunks (r, 2N-1-r) against themselves.
+  acc = _block_forward(ring.config, q, k, v, q_seg, kv_seg)
+
+  def visit(step, current, acc):
+    return _merge(acc, _visit_forward(ring, step, q, q_seg, current))
+
+  out, lse = _around_the_ring(ring, visiting, acc, visit)
+  return ring.fence((out.astype(q.dtype), lse))
+
+
+def _ring_backward(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
+  q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse = ring.fence(
+      (q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse))
+  local = (k, v, kv_seg)
+  visiting = ring.shift(local) if ring.size > 1 else None
+  dq, dk, dv = _block_backward(ring.config, q, k, v, q_seg, kv_seg, out, lse,
+                               d_out, d_lse)
+
+  def visit(step, current, carry):
+    dq, travelling = carry
+    # The visiting slice's accumulators come from the device it just left.
+    arriving = ring.shift(travelling)
+    dq_s, dk_s, dv_s = _visit_backward(ring, step, q, q_seg, out, lse, d_out,
+                                       d_lse, current)
+    return dq + dq_s, (arriving[0] + dk_s, arriving[1] + dv_s)
+
+  dq, (dk, dv) = _around_the_ring(ring, visiting, (dq, (dk, dv)), visit)
+  if ring.size > 1:   # after step N-1 they belong to the next device
+    dk, dv = ring.shift((dk, dv))
+  return ring.fence((dq.astype(q.dtype), dk.astype(k.dtype),
+                     dv.astype(v.dtype)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_attention(ring, q, k, v, q_seg, kv_seg):
+  return _ring_forward(ring, q, k, v, q_seg, kv_seg)
+
+
+def _ring_attention_fwd(ring, q, k, v, q_seg, kv_seg):
+  out, lse = _ring_forward(ring, q, k, v, q_seg, kv_seg)
+  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _ring_attention_bwd(ring, residuals, cotangents):
+  q, k, v, q_seg, kv_seg, out, lse = residuals
+  d_out, d_lse = cotangents
+  if not ring.config.return_lse:
+    d_lse = None
+  dq, dk, dv = _ring_backward(ring, q, k, v, q_seg, kv_seg, out, lse,
+                              d_out.astype(q.dtype), d_lse)
+  return (dq, dk, dv, _api._integer_cotangent(q_seg),
+          _api._integer_cotangent(kv_seg))
+
+
+_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+
+
+def _local_ring_attention(config, axis_name, num_shards, q, k, v, q_seg=None,
+                   kv_seg=None, *, zigzag_inputs=False):
+  """Per-device ring attention, called inside ``shard_map``.
+
+  q/k/v ``[b, h, L/N, d]`` and segment ids ``[b, L/N]`` are this device's
+  slices along mesh axis ``axis_name`` (``num_shards`` devices), contiguous
+  unless ``zigzag_inputs`` (causal only). ``config`` comes from
+  ``api._validate`` of the unsharded call. Returns (out, lse) of the local
+  queries, in the layout of the inputs.
+  """
+  rows = _api._rows(config, "forward", q, k, v, q_seg, None)
+  ring = _Ring(config, axis_name, num_shards,
+               launches_wait_for_all=_backend.runs_with_callbacks(
+                   _api.OP, config.backend, rows))
+  reorder = config.causal and not zigzag_inputs and num_shards > 1
+  if reorder:
+    q, k, v = (to_zigzag(x, axis_name, num_shards, 2) for x in (q, k, v))
+    q_seg, kv_seg = (None if s is None else
+                     to_zigzag(s, axis_name, num_shards, 1)
+                     for s in (q_seg, kv_seg))
+  out, lse = _ring_attention(ring, q, k, v, q_seg, kv_seg)
+  if reorder:
+    out = from_zigzag(out, axis_name, num_shards, 2)
+    lse = from_zigzag(lse, axis_name, num_shards, 2)
+  return out, lse
+
+
+# ------------------------------------------------------------ the helper --
+
+def _check_keywords(kwargs):
+  taken = inspect.signature(_api.flash_attention).parameters
+  for name in kwargs:
+    if name not in taken:
+      raise TypeError(f"{_HELPER}: unexpected keyword argument {name!r}")
+    if name not in _RING_KEYWORDS:
+      raise ValueError(f"{_HELPER}: {name} is not supported with "
+                       "sequence_axis (ring attention)")
+
+
+def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
+                         sequence_axis, sequence_layout, segment_ids, bias,
+                         **kwargs):
+  """``shard_flash_attention`` with ``sequence_axis`` set (see there)."""
+  from jax.sharding import PartitionSpec as P
+  _check_keywords(kwargs)
+  if bias is not None:
+    raise ValueError(f"{_HELPER}: bias is not supported with sequence_axis "
+                     "(ring attention); fold it into segment ids or shard "
+                     "batch/heads only")
+  if kwargs.get("sliding_window") is not None:
+    raise ValueError(f"{_HELPER}: sliding_window is not supported with "
+                     "sequence_axis (ring attention)")
+  if sequence_axis in (batch_axis, head_axis):
+    raise ValueError(f"{_HELPER}: sequence_axis {sequence_axis!r} must differ "
+                     f"from batch_axis and head_axis")
+  if sequence_layout not in SEQUENCE_LAYOUTS:
+    raise ValueError(f"{_HELPER}: sequence_layout must be one of "
+                     f"{SEQUENCE_LAYOUTS}, got {sequence_layout!r}")
+  config, q_seg, kv_seg = _api._validate(
+      q, k, v, causal=kwargs.get("causal", False),
+      sm_scale=kwargs.get("sm_scale"), segment_ids=segment_ids,
+      sliding_window=None, logit_soft_cap=kwargs.get("logit_soft_cap"),
+      bias=None, return_lse=kwargs.get("return_lse", False),
+      block_sizes=kwargs.get("block_sizes"), backend=kwargs.get("backend"))
+  n = mesh.shape[sequence_axis]
+  length = q.shape[2]
+  if k.shape[2] != length:
+    raise ValueError(f"{_HELPER}: with sequence_axis, q_len ({length}) must "
+                     f"equal kv_len ({k.shape[2]})")
+  chunks = 2 * n if config.causal else n
+  if length % chunks:
+    raise ValueError(
+        f"{_HELPER}: q_len {length} must be divisible by "
+        + (f"2 x the {n} devices of sequence_axis {sequence_axis!r} (causal "
+           f"ring attention cuts it into {chunks} chunks)" if config.causal
+           else f"the {n} devices of sequence_axis {sequence_axis!r}"))
+  if 0 in (q.shape[0], q.shape[1], length):
+    # Nothing to attend to (flash_attention's zeros and -inf).
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+    return (out, lse) if config.return_lse else out
+  zigzag_inputs = sequence_layout == "zigzag"
+
+  qkv_spec = P(batch_axis, head_axis, sequence_axis, None)
+  seg_spec = P(batch_axis, sequence_axis)
+  has_segments = q_seg is not None
+  args = [q, k, v] + ([q_seg, kv_seg] if has_segments else [])
+  in_specs = [qkv_spec] * 3 + [seg_spec] * (2 * has_segments)
+
+  def local(q, k, v, *segments):
+    q_seg, kv_seg = segments if has_segments else (None, None)
+    return _local_ring_attention(config, sequence_axis, n, q, k, v, q_seg,
+                                 kv_seg, zigzag_inputs=zigzag_inputs)
+
+  out, lse = _compat.shard_map(
+      local, mesh=mesh, in_specs=tuple(in_specs),
+      out_specs=(qkv_spec, P(batch_axis, head_axis, sequence_axis)))(*args)
+  return (out, lse) if config.return_lse else out

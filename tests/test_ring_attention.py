@@ -1,0 +1,286 @@
+"""Ring attention (``shard_flash_attention(..., sequence_axis=...)``) on 4 and
+8 CPU devices against the float64 oracle (``tests/oracles/attention.py``) and
+the unsharded ``flash_attention``: forward, lse and the gradients of q, k, v
+(with cotangents for both out and lse), causal and not, GQA, segment ids,
+soft cap, with the sequence axis alone and beside batch/head axes.
+
+Tolerances, max abs error against float64 on N(0, 1) inputs (lse and
+gradients scaled by max(1, max |expected|)), as in tests/test_attention.py:
+  float32:  out 2e-5, lse 2e-5, gradients 1e-4;
+  bfloat16: out 2e-2, lse 1e-3, gradients 5e-2 (the per-step partial
+  results are rounded to bfloat16 before the float32 merge, as every
+  kernel's output is).
+Against the unsharded kernel the same tolerances hold.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+import pallas_kernels as pk
+from oracles import attention as oracle
+from pallas_kernels import _compat
+from pallas_kernels.attention import ring
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py sets "
+    "--xla_force_host_platform_device_count=8 before jax starts)")
+
+TOLERANCES = {"float32": (2e-5, 2e-5, 1e-4), "bfloat16": (2e-2, 1e-3, 5e-2)}
+
+
+def _mesh(shape, names=("data", "seq")):
+  devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+  return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  mesh: tuple            # mesh shape over ("data", "seq") or MESH_NAMES
+  causal: bool
+  length: int
+  heads: int = 4
+  kv_heads: int = 2
+  segments: bool = False
+  soft_cap: float | None = None
+  batch_axis: str | None = None
+  head_axis: str | None = None
+  names: tuple = ("data", "seq")
+  layout: str = "contiguous"
+  dtype: str = "float32"
+
+
+CASES = {
+    # 4 devices on the sequence; 2N = 8 chunks of 5.
+    "causal_gqa_segments_4": Case((1, 4), True, 40, segments=True),
+    # 8 devices on the sequence, non-causal, soft cap.
+    "full_softcap_8": Case((1, 8), False, 40, soft_cap=3.0, kv_heads=4),
+    # The sequence beside a batch axis and beside a head axis.
+    "causal_batch_x_seq": Case((2, 4), True, 48, segments=True,
+                               batch_axis="data"),
+    "full_heads_x_seq": Case((2, 4), False, 24, head_axis="model",
+                             names=("model", "seq"), segments=True),
+    "causal_mqa_heads_x_seq": Case((2, 4), True, 24, heads=2, kv_heads=2,
+                                   head_axis="model", names=("model", "seq")),
+    # Inputs already in zig-zag order.
+    "causal_zigzag_8": Case((1, 8), True, 32, layout="zigzag"),
+    "causal_bf16_4": Case((1, 4), True, 40, dtype="bfloat16"),
+}
+
+
+def _inputs(case, rng):
+  dtype = jnp.dtype(case.dtype)
+  b, length, d = 2, case.length, 16
+  f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+  q = f(b, case.heads, length, d)
+  k, v = f(b, case.kv_heads, length, d), f(b, case.kv_heads, length, d)
+  segs = None
+  if case.segments:
+    q_seg = np.sort(rng.integers(0, 3, (b, length)), axis=1)
+    q_seg[:, 5:9] = 7  # rows that no key matches: out 0, lse -inf
+    kv_seg = np.sort(rng.integers(0, 3, (b, length)), axis=1)
+    segs = (jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32))
+  d_out = rng.standard_normal(q.shape)
+  d_lse = rng.standard_normal(q.shape[:3])
+  return q, k, v, segs, d_out, d_lse
+
+
+def _kwargs(case, backend):
+  return dict(causal=case.causal, logit_soft_cap=case.soft_cap,
+              return_lse=True, backend=backend)
+
+
+def _loss(attention, d_out, d_lse):
+  """<out, d_out> + <lse, d_lse> over rows with keys, and (out, lse)."""
+  def loss(q, k, v):
+    out, lse = attention(q, k, v)
+    finite = jnp.isfinite(lse)
+    total = (jnp.sum(out.astype(jnp.float32) * d_out)
+             + jnp.sum(jnp.where(finite, lse, 0.0) * d_lse))
+    return total, (out, lse)
+  return loss
+
+
+def _ring_fn(case, backend, segs):
+  mesh = _mesh(case.mesh, case.names)
+  return lambda q, k, v: pk.shard_flash_attention(
+      mesh, q, k, v, batch_axis=case.batch_axis, head_axis=case.head_axis,
+      sequence_axis="seq", sequence_layout=case.layout, segment_ids=segs,
+      **_kwargs(case, backend))
+
+
+def _run(fn, q, k, v, d_out, d_lse):
+  grad = jax.jit(jax.grad(_loss(fn, jnp.asarray(d_out, jnp.float32),
+                                jnp.asarray(d_lse, jnp.float32)),
+                          argnums=(0, 1, 2), has_aux=True))
+  return jax.block_until_ready(grad(q, k, v))
+
+
+def _assert_close(actual, expected, tol, what):
+  actual = np.asarray(actual).astype(np.float64)
+  expected = np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+  inf = np.isinf(expected)
+  np.testing.assert_array_equal(actual[inf], expected[inf], err_msg=what)
+  err = np.max(np.abs(actual[~inf] - expected[~inf]), initial=0)
+  assert err <= tol, f"{what}: max abs error {err} > {tol}"
+
+
+def _scale(x):
+  x = np.asarray(x, np.float64)
+  return max(1.0, float(np.max(np.abs(x[np.isfinite(x)]), initial=0)))
+
+
+def _check(case, backend, rng):
+  q, k, v, segs, d_out, d_lse = _inputs(case, rng)
+  n = case.mesh[case.names.index("seq")]
+  if case.layout == "zigzag":  # the user's tokens, permuted once
+    order = ring.zigzag_order(case.length, n)
+    q, k, v = (x[:, :, order] for x in (q, k, v))
+    d_out, d_lse = d_out[:, :, order], d_lse[:, :, order]
+    # Causal in the original order: the oracle sees the original order.
+    undo = np.argsort(order)
+  (dq, dk, dv), (out, lse) = _run(_ring_fn(case, backend, segs), q, k, v,
+                                  d_out, d_lse)
+  unsharded = lambda q, k, v: pk.flash_attention(  # noqa: E731
+      q, k, v, segment_ids=segs, **_kwargs(case, backend))
+  if case.layout == "zigzag":
+    q, k, v, out, lse, dq, dk, dv, d_out, d_lse = (
+        x[:, :, undo] for x in (q, k, v, out, lse, dq, dk, dv, d_out, d_lse))
+  (udq, udk, udv), (u_out, u_lse) = _run(unsharded, q, k, v, d_out, d_lse)
+  ref_out, ref_lse, ref_grads = oracle.attention(
+      q, k, v, causal=case.causal, segment_ids=segs,
+      logit_soft_cap=case.soft_cap, d_out=d_out, d_lse=d_lse)
+  out_tol, lse_tol, grad_tol = TOLERANCES[case.dtype]
+  assert out.dtype == q.dtype and lse.dtype == jnp.float32
+  for got, name in ((out, "out"), (u_out, "unsharded out")):
+    _assert_close(got, ref_out, out_tol, name)
+  _assert_close(out, u_out, out_tol, "out vs unsharded")
+  for got in (lse, u_lse):
+    _assert_close(got, ref_lse, lse_tol * _scale(ref_lse), "lse")
+  for name, got, want, ref in zip("qkv", (dq, dk, dv), (udq, udk, udv),
+                                  ref_grads):
+    assert got.dtype == q.dtype
+    tol = grad_tol * _scale(ref)
+    _assert_close(got, ref, tol, f"d{name}")
+    _assert_close(got, want, tol, f"d{name} vs unsharded")
+
+
+def _reference_params():
+  old_cpu_bf16 = pytest.mark.xfail(
+      _compat.JAX_VERSION < (0, 8, 0) and jax.default_backend() == "cpu",
+      raises=Exception, strict=True,
+      reason="jax 0.7's XLA CPU cannot run a bfloat16 x bfloat16 -> float32 "
+      "dot inside a loop or cond (the plain-JAX reference there; kernels "
+      "are fine)")
+  return [pytest.param(n, marks=[old_cpu_bf16] if "bf16" in n else [])
+          for n in sorted(CASES)]
+
+
+@pytest.mark.parametrize("name", _reference_params())
+def test_ring_matches_oracle_reference(name, rng):
+  _check(CASES[name], "reference", rng)
+
+
+@pytest.mark.parametrize("name", ["causal_gqa_segments_4"] + [
+    pytest.param(n, marks=pytest.mark.slow)
+    for n in ("causal_batch_x_seq", "causal_bf16_4", "full_softcap_8")])
+def test_ring_matches_oracle_generic_interpreter(name, rng):
+  """backend=None on a CPU: the TPU kernel in Pallas' generic interpreter."""
+  _check(CASES[name], None, rng)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["causal_gqa_segments_4", "full_heads_x_seq"])
+def test_ring_matches_oracle_tpu_interpreter(name, rng):
+  """backend="interpret": the TPU-semantics interpreter, whose kernel
+  launches wait for every device (4 devices: jax 0.7's interpreter hangs
+  with 8 on a 2-core host, ring or not)."""
+  case = dataclasses.replace(CASES[name], mesh=(1, 4)) if name.startswith(
+      "causal") else dataclasses.replace(CASES[name], mesh=(2, 2))
+  _check(case, "interpret", rng)
+
+
+def test_backward_saves_no_visiting_blocks(rng):
+  """The custom VJP keeps the local slices, not the N visiting K/V blocks."""
+  from jax._src.ad_checkpoint import saved_residuals
+  case = CASES["full_softcap_8"]
+  q, k, v, *_ = _inputs(case, rng)
+  fn = _ring_fn(case, "reference", None)
+  saved = saved_residuals(lambda q, k, v: fn(q, k, v)[0].sum(), q, k, v)
+  total = sum(np.prod(aval.shape) * aval.dtype.itemsize for aval, _ in saved)
+  # q, k, v, out (float32) and lse: the whole inputs once, globally.
+  bound = 2 * q.nbytes + k.nbytes + v.nbytes + 4 * np.prod(q.shape[:3])
+  assert total <= bound, (total, bound, [a for a, _ in saved])
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_zigzag_moves_match_zigzag_order(n):
+  length = 4 * n
+  mesh = _mesh((n,), ("seq",))
+  x = jnp.arange(2 * 3 * length, dtype=jnp.float32).reshape(2, 3, length)
+
+  def moves(x):
+    zig = ring.to_zigzag(x, "seq", n, 2)
+    return zig, ring.from_zigzag(zig, "seq", n, 2)
+
+  spec = P(None, None, "seq")
+  zig, back = jax.jit(_compat.shard_map(moves, mesh=mesh, in_specs=spec,
+                                        out_specs=(spec, spec)))(x)
+  np.testing.assert_array_equal(zig, np.asarray(x)[:, :, ring.zigzag_order(
+      length, n)])
+  np.testing.assert_array_equal(back, x)
+
+
+def test_zigzag_order():
+  order = ring.zigzag_order(8, 2)
+  np.testing.assert_array_equal(order, [0, 1, 6, 7, 2, 3, 4, 5])
+  with pytest.raises(ValueError, match="not divisible by 2 \\* num_shards"):
+    ring.zigzag_order(6, 2)
+
+
+def _shard(q, k=None, v=None, **kwargs):
+  """shard_flash_attention on a ("data", "seq") mesh of 2 x 4."""
+  args = dict(sequence_axis="seq", batch_axis=None, head_axis=None)
+  args.update(kwargs)
+  k = q if k is None else k
+  return pk.shard_flash_attention(_mesh((2, 4)), q, k, k if v is None else v,
+                                  **args)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(bias=jnp.zeros((1, 1, 16, 16))), ValueError, "bias is not supported"),
+    (dict(sliding_window=4), ValueError, "sliding_window is not supported"),
+    (dict(batch_axis="seq"), ValueError, "must differ from batch_axis"),
+    (dict(sequence_axis="rows"), ValueError, "no axis 'rows'"),
+    (dict(sequence_layout="striped"), ValueError, "sequence_layout must be"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(dropout=0.1), TypeError, "unexpected keyword argument 'dropout'"),
+    (dict(sinks=jnp.zeros(4)), ValueError, "sinks is not supported"),
+])
+def test_ring_rejects(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    _shard(jnp.zeros((4, 4, 16, 8)), **kwargs)
+
+
+def test_ring_rejects_lengths():
+  q = jnp.zeros((2, 4, 16, 8))
+  with pytest.raises(ValueError, match=r"q_len \(16\) must equal kv_len \(8\)"):
+    _shard(q, jnp.zeros((2, 4, 8, 8)))
+  with pytest.raises(ValueError, match="divisible by 2 x the 4 devices"):
+    _shard(jnp.zeros((2, 4, 12, 8)), causal=True)
+  with pytest.raises(ValueError, match="divisible by the 4 devices"):
+    _shard(jnp.zeros((2, 4, 10, 8)))
+  with pytest.raises(ValueError, match="sequence_layout needs sequence_axis"):
+    _shard(q, sequence_axis=None, sequence_layout="zigzag")
+
+
+def test_ring_of_empty_batch():
+  q = jnp.zeros((0, 2, 16, 8))
+  out, lse = _shard(q, causal=True, return_lse=True)
+  assert out.shape == q.shape and lse.shape == (0, 2, 16)

@@ -1,0 +1,115 @@
+"""Ring attention compiled by the real TPU compiler for an 8-chip v5e:2x4
+topology (no TPU): forward and backward over a ("data", "seq") mesh of 2 x 4
+run the Mosaic kernels and move K/V with collective-permutes, never an
+all-gather of K/V; each chip's arguments are its shard only.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_kernels import _backend, _compat, shard_flash_attention, tpu_aot
+
+pytestmark = pytest.mark.tpu_aot
+
+TOPOLOGY = "v5e:2x4"
+
+
+def _compile(causal, layout):
+  if TOPOLOGY not in tpu_aot.available_topologies([TOPOLOGY]):
+    pytest.skip(f"libtpu lacks {TOPOLOGY}")
+  mesh = tpu_aot.topology_mesh(TOPOLOGY, ("data", "seq"), (2, 4))
+  b, h, hk, length, d = 2, 8, 2, 2048, 128
+  qkv = NamedSharding(mesh, P("data", None, "seq", None))
+  seg = NamedSharding(mesh, P("data", "seq"))
+  specs = [jax.ShapeDtypeStruct((b, h, length, d), jnp.bfloat16, sharding=qkv),
+           jax.ShapeDtypeStruct((b, hk, length, d), jnp.bfloat16, sharding=qkv),
+           jax.ShapeDtypeStruct((b, hk, length, d), jnp.bfloat16, sharding=qkv),
+           jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=seg)]
+
+  def fn(q, k, v, ids):
+    def loss(q, k, v):
+      out = shard_flash_attention(
+          mesh, q, k, v, batch_axis="data", head_axis=None,
+          sequence_axis="seq", sequence_layout=layout, causal=causal,
+          segment_ids=(ids, ids))
+      return jnp.sum(out.astype(jnp.float32))
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  with tpu_aot._captured_stderr(), _compat.mosaic_version_for_aot(), \
+      _backend.target_override(tpu_generation="v5e"):
+    compiled = jax.jit(fn).lower(*specs).compile()
+  # Each chip holds an eighth of q, k, v (bfloat16) and the int32 ids.
+  local = ((b * h * length * d + 2 * b * hk * length * d) * 2
+           + b * length * 4) // 8
+  assert compiled.memory_analysis().argument_size_in_bytes == local, (
+      compiled.memory_analysis().argument_size_in_bytes, local)
+  return compiled.as_text()
+
+
+@pytest.mark.parametrize("causal, layout", [(True, "contiguous"),
+                                            (True, "zigzag"),
+                                            (False, "contiguous")])
+def test_ring_compiles_with_permutes_not_gathers(causal, layout,
+                                                 tpu_topologies):
+  hlo = _compile(causal, layout)
+  assert 'custom_call_target="tpu_custom_call"' in hlo
+  assert "all-gather" not in hlo and "all-to-all" not in hlo
+  permutes = re.findall(r"collective-permute(?:-start)?\(", hlo)
+  assert permutes, "K/V never moved"
+  # Forward ring, backward ring (K/V and dK/dV), and for contiguous causal
+  # inputs the moves to zig-zag order and back.
+  assert len(permutes) >= (4 if layout == "zigzag" or not causal else 8)
+  assert _kernel_runs_during_a_permute(hlo), \
+      "no kernel runs while a collective-permute is in flight"
+
+
+def _computations(hlo):
+  """{name: instruction lines} of an HLO module's text."""
+  out, name = {}, None
+  for line in hlo.splitlines():
+    header = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+    if header:
+      name = header.group(1)
+      out[name] = []
+    elif name is not None and line.strip() != "}":
+      out[name].append(line)
+  return out
+
+
+def _called(line):
+  """The computations an HLO instruction line calls."""
+  targets = re.findall(
+      r"(?:calls|to_apply|body|branch_computations)=(\{[^}]*\}|%[\w.\-]+)",
+      line)
+  return {name for t in targets for name in re.findall(r"%([\w.\-]+)", t)}
+
+
+def _kernel_runs_during_a_permute(hlo):
+  """Whether some collective-permute-start is followed, before its done, by
+  a Mosaic kernel or an instruction calling a computation that runs one
+  (the next slice's send overlapping the current block's kernel)."""
+  computations = _computations(hlo)
+  runs = {n for n, lines in computations.items()
+          if any("tpu_custom_call" in l for l in lines)}
+  grew = True
+  while grew:
+    more = {n for n, lines in computations.items()
+            if any(_called(l) & runs for l in lines)} - runs
+    runs |= more
+    grew = bool(more)
+  for lines in computations.values():
+    for i, line in enumerate(lines):
+      start = re.match(r"\s*%(\S+) = .* collective-permute-start\(", line)
+      if not start:
+        continue
+      for later in lines[i + 1:]:
+        if f"collective-permute-done(%{start.group(1)})" in later:
+          break
+        if "tpu_custom_call" in later or _called(later) & runs:
+          return True
+  return False
