@@ -15,6 +15,7 @@ Against the unsharded kernel the same tolerances hold.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -261,7 +262,7 @@ def _shard(q, k=None, v=None, **kwargs):
     (dict(sequence_layout="striped"), ValueError, "sequence_layout must be"),
     (dict(causal=1), TypeError, "causal must be a bool"),
     (dict(dropout=0.1), TypeError, "unexpected keyword argument 'dropout'"),
-    (dict(sinks=jnp.zeros(4)), ValueError, "sinks is not supported"),
+    (dict(sinks=jnp.zeros(3)), ValueError, r"sinks must have shape \[heads\]"),
 ])
 def test_ring_rejects(kwargs, error, match):
   with pytest.raises(error, match=match):
@@ -284,3 +285,26 @@ def test_ring_of_empty_batch():
   q = jnp.zeros((0, 2, 16, 8))
   out, lse = _shard(q, causal=True, return_lse=True)
   assert out.shape == q.shape and lse.shape == (0, 2, 16)
+
+
+def test_ring_with_sinks_matches_the_unsharded_op(rng):
+  """Sinks join the ring's merged (out, lse) once: out, lse and the
+  gradients of q, k, v and sinks equal the unsharded op's."""
+  mesh = _mesh((2, 2))
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 4, 32, 16)), jnp.float32)
+             for _ in range(3))
+  sinks = jnp.asarray(rng.standard_normal(4), jnp.float32)
+
+  def loss(attention, q, k, v, sinks):
+    out, lse = attention(q, k, v, sinks=sinks, causal=True, return_lse=True,
+                         backend="reference")
+    return jnp.sum(out ** 2) + jnp.sum(lse), (out, lse)
+
+  ring = lambda *a, **kw: pk.shard_flash_attention(  # noqa: E731
+      mesh, *a, batch_axis="data", head_axis=None, sequence_axis="seq", **kw)
+  got = jax.grad(functools.partial(loss, ring), (0, 1, 2, 3),
+                 has_aux=True)(q, k, v, sinks)
+  want = jax.grad(functools.partial(loss, pk.flash_attention), (0, 1, 2, 3),
+                  has_aux=True)(q, k, v, sinks)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)

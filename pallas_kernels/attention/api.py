@@ -468,8 +468,8 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
   (``pallas_kernels.attention.ring``): K/V slices travel around the axis'
   devices, forward and backward. It needs ``q_len == kv_len`` divisible by
   the axis size (causal: twice the axis size) and takes no bias, sliding
-  window, sinks or mask. ``sequence_layout="contiguous"`` (default) takes plain sequence
-  slices; causal attention then moves them to the load-balanced zig-zag
+  window or mask (sinks join the merged result).
+  ``sequence_layout="contiguous"`` (default) takes plain sequence slices; causal attention then moves them to the load-balanced zig-zag
   order and back inside the op. ``"zigzag"`` takes tensors already in that
   order (``ring.zigzag_order``), saving those moves.
 
@@ -502,10 +502,20 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
   if sequence_axis is not None:
     axis_size(sequence_axis)
     from pallas_kernels.attention import ring
-    return ring.shard_ring_attention(
+    sinks = kwargs.pop("sinks", None)
+    return_lse = kwargs.pop("return_lse", False)
+    if sinks is not None:
+      sinks = _check_sinks(sinks, q.shape[1])
+    result = ring.shard_ring_attention(
         mesh, q, k, v, batch_axis=batch_axis, head_axis=head_axis,
         sequence_axis=sequence_axis, sequence_layout=sequence_layout,
-        segment_ids=segment_ids, bias=bias, **kwargs)
+        segment_ids=segment_ids, bias=bias,
+        return_lse=return_lse or sinks is not None, **kwargs)
+    if sinks is None:
+      return result
+    # The sink joins the merged softmax once, on the ring's (out, lse).
+    out, lse = _reference.with_sinks(*result, sinks)
+    return (out, lse) if return_lse else out
   if (isinstance(kwargs.get("mask"), (list, tuple)) and n_head > 1):
     raise ValueError("shard_flash_attention: a per-head mask list cannot be "
                      f"split over mesh axis {head_axis!r}; pass head_axis=None "
