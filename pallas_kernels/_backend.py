@@ -321,8 +321,8 @@ def dispatch(op: str, backend: str | None, kernels: Sequence[Kernel], *args,
   (``pallas_kernels._sharding``) and with ``jax.vmap``
   (``pallas_kernels._batching``); the reference needs none (XLA partitions
   and batches it). ``auto_partition=False``: under Auto mesh axes XLA places
-  the operands itself (for kernels that embed constant arrays, which
-  custom_partitioning cannot hold).
+  the operands itself (for calls whose static parameters are per-split
+  values, such as one attention mask per head).
   """
   check_backend(op, backend)
   table = _table(op, kernels)

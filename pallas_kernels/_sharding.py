@@ -326,6 +326,22 @@ def _auto(rule: Rule, fn, args):
   def body(*arrays):
     return fn(*full(arrays))
 
+  # custom_partitioning's body takes no closed-over constants (a kernel's
+  # block tables): they become trailing operands, replicated on every shard.
+  arrays = [args[i] for i in present]
+  closed, out_shape = jax.make_jaxpr(body, return_shape=True)(*arrays)
+  consts = list(closed.consts)
+  out_tree = jax.tree_util.tree_structure(out_shape)
+
+  def body_with_consts(*operands):
+    flat = jax.core.eval_jaxpr(closed.jaxpr, operands[len(present):],
+                               *operands[:len(present)])
+    return jax.tree_util.tree_unflatten(out_tree, flat)
+
+  const_rule = dataclasses.replace(rule, operands=rule.operands + tuple(
+      (f"constant {n}", tuple(f"const{n}_{d}" for d in range(c.ndim)))
+      for n, c in enumerate(consts)))
+
   def assignment(mesh, arg_shapes):
     specs = [None] * len(args)
     for i, shape in zip(present, arg_shapes):
@@ -336,14 +352,17 @@ def _auto(rule: Rule, fn, args):
 
   def shardings(mesh, axes):
     ins, outs = _specs_for(rule, axes)
-    in_sh = tuple(NamedSharding(mesh, ins[i]) for i in present)
+    in_sh = tuple(NamedSharding(mesh, ins[i]) for i in present) + tuple(
+        NamedSharding(mesh, P()) for _ in consts)
     out_sh = [NamedSharding(mesh, s) for s in outs]
     return in_sh, out_sh
 
   def partition(mesh, arg_shapes, result_shape):
     axes = assignment(mesh, arg_shapes)
     in_sh, out_sh = shardings(mesh, axes)
-    local = _local_with_sums(rule, body, axes)
+    # Each shard traces the kernel afresh at its own shapes (and constants).
+    local = _local_with_sums(
+        rule, lambda *operands: body(*operands[:len(present)]), axes)
     tree = jax.tree_util.tree_structure(result_shape)
     return mesh, local, jax.tree_util.tree_unflatten(tree, out_sh), in_sh
 
@@ -352,16 +371,17 @@ def _auto(rule: Rule, fn, args):
     tree = jax.tree_util.tree_structure(result_shape)
     return jax.tree_util.tree_unflatten(tree, out_sh)
 
-  partitioned = custom_partitioning(body)
+  partitioned = custom_partitioning(body_with_consts)
   partitioned.def_partition(partition=partition,
                             infer_sharding_from_operands=infer,
-                            sharding_rule=rule.sdy_rule())
+                            sharding_rule=const_rule.sdy_rule())
 
   @jax.custom_batching.custom_vmap
   def call(*arrays):
     # custom_partitioning does not compile for TPU (jax-ml/jax#38196): there
     # XLA places the kernel's operands itself.
-    return jax.lax.platform_dependent(*arrays, tpu=body, default=partitioned)
+    return jax.lax.platform_dependent(
+        *arrays, tpu=body, default=lambda *a: partitioned(*a, *consts))
 
   @call.def_vmap
   def _batched(axis_size, in_batched, *arrays):

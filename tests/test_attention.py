@@ -473,12 +473,11 @@ def test_tpu_block_sizes(blocks, lq, rng):
        right=st.one_of(st.none(), st.integers(0, 2500)))
 def test_block_skipping_is_conservative_and_tight(lq, lk, bq, bk, causal, left,
                                                   right):
-  """Skipped blocks hold no allowed entry, visited ones at least one, and
-  blocks run without the element mask are fully allowed."""
+  """The band's block tables list exactly the blocks holding an allowed
+  entry (both walks), and blocks listed as full are fully allowed."""
   if causal:
     right = 0 if right is None else min(right, 0)
-  geom = mosaic_tpu._Geometry(q_len=lq, kv_len=lk, block_q=bq, block_kv=bk,
-                              left=left, right=right, has_segments=False)
+  geom = mosaic_tpu._geometry(lq, lk, bq, bk, False, False, left, right)
   allowed = oracle.mask(lq, lk, sliding_window=(left, right))[0, 0]
   padded = np.zeros((geom.q_pad, geom.kv_pad), bool)
   padded[:lq, :lk] = allowed
@@ -486,16 +485,23 @@ def test_block_skipping_is_conservative_and_tight(lq, lk, bq, bk, causal, left,
   any_allowed = blocks.any(axis=(2, 3))
   real_rows = (np.arange(geom.q_pad) < lq).reshape(geom.num_q, 1, bq, 1)
   full = (blocks | ~real_rows).all(axis=(2, 3))
-  qi, kj = np.arange(geom.num_q), np.arange(geom.num_kv)
-  lo, hi = (np.broadcast_to(x, qi.shape) for x in geom.kv_range(jnp.asarray(qi)))
-  visited = (kj[None, :] >= lo[:, None]) & (kj[None, :] <= hi[:, None])
-  np.testing.assert_array_equal(visited, any_allowed)
-  lo, hi = (np.broadcast_to(x, kj.shape) for x in geom.q_range(jnp.asarray(kj)))
-  visited = (qi[:, None] >= lo[None, :]) & (qi[:, None] <= hi[None, :])
-  np.testing.assert_array_equal(visited, any_allowed)
-  unmasked = ~np.broadcast_to(np.asarray(geom.needs_mask(
-      jnp.asarray(qi)[:, None], jnp.asarray(kj)[None, :])), full.shape)
+  if left is None and right is None:
+    assert geom.tables is None          # no band: the plain grid
+    return
+  t = geom.tables
+  listed = np.zeros_like(any_allowed)
+  unmasked = np.zeros_like(any_allowed)
+  for i in range(geom.num_q):
+    listed[i, t.kv_index[0, i, :t.kv_total[0, i]]] = True
+    unmasked[i, t.kv_index[0, i, t.kv_partial[0, i]:t.kv_total[0, i]]] = True
+  np.testing.assert_array_equal(listed, any_allowed)
   assert not np.any(unmasked & ~full)
+  listed_t = np.zeros_like(any_allowed)
+  for j in range(geom.num_kv):
+    listed_t[t.q_index[0, j, :t.q_total[0, j]], j] = True
+  np.testing.assert_array_equal(listed_t, any_allowed)
+  # The compressed walk has as many steps as the longest row lists.
+  assert geom.kv_steps == max(1, int(any_allowed.sum(axis=1).max()))
 
 
 def test_cost_model_counts_skipped_blocks():
@@ -510,6 +516,11 @@ def test_cost_model_counts_skipped_blocks():
   window = mosaic_tpu.cost(1, 1, 32768, 32768, 128, 2, causal=True,
                            window_left=1024)
   assert window["visited_blocks"] <= 3 * 64
+  # The compressed grid: a 1024 window at L = 131072 walks 3 kv steps per
+  # query block, not 256.
+  geom = mosaic_tpu._geometry(131072, 131072, 512, 512, False, True, 1024,
+                              None)
+  assert geom.kv_steps == 3 and geom.num_q * geom.kv_steps == 768
   backward = mosaic_tpu.cost(4, 16, 4096, 4096, 128, 2, backward=True)
   assert backward["flops"] == 3.5 * full["flops"]
   # The table's blocks keep every step inside the default scoped VMEM.

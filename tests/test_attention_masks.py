@@ -270,20 +270,25 @@ def test_mask_elementwise_rules_match_the_documented_ones():
 
 
 def test_kernels_visit_blocks_in_proportion_to_the_mask():
-  q = jax.ShapeDtypeStruct((1, 1, 4096, 128), jnp.bfloat16)
+  def geometry(mask):
+    return mosaic_tpu._geometry(4096, 4096, 512, 512, False, False, None,
+                                None, mask)
   def visited(mask):
-    geom = mosaic_tpu._geometry(q, q, 512, 512, None, False, None, None, mask)
-    return geom.visited_blocks()
+    return geometry(mask).visited_blocks()
   assert visited(masks.ChunkedCausal(512)) == 8             # the diagonal
   assert visited(masks.ChunkedCausal(1024)) == 8 + 4        # + one per chunk
   assert visited(masks.PrefixLM(1024)) == 36 + 1    # causal + block (0, 1)
   assert visited(masks.Dense(np.eye(4096, dtype=bool))) == 8
+  # The compressed grid walks the longest row: 2 steps, not 8.
+  assert geometry(masks.ChunkedCausal(1024)).kv_steps == 2
   # Per-head tables count each head's blocks.
   per_head = (masks.ChunkedCausal(512), masks.Causal())
-  geom = mosaic_tpu._geometry(jax.ShapeDtypeStruct((1, 2, 4096, 128),
-                                                   jnp.bfloat16), q, 512, 512,
-                              None, False, None, None, per_head)
-  assert geom.visited_blocks(2) == 8 + 36
+  assert geometry(per_head).visited_blocks(2) == 8 + 36
+
+
+def test_tables_beyond_smem_raise_a_clear_error():
+  with pytest.raises(ValueError, match="pass larger block_sizes"):
+    mosaic_tpu._geometry(131072, 131072, 128, 128, False, True, None, None)
 
 
 # --------------------------------------------------------------- errors --

@@ -177,7 +177,7 @@ def _forward(config, q, k, v, q_seg, kv_seg, bias):
       OP, config.backend, _rows(config, "forward", q, k, v, q_seg, bias),
       q, k, v, q_seg, kv_seg, bias,
       rule=_sharding_rule(q_seg, kv_seg, bias, True),
-      auto_partition=config.mask is None)
+      auto_partition=not isinstance(config.mask, tuple))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -197,7 +197,7 @@ def _backward(config, q, k, v, q_seg, kv_seg, bias, out, lse, d_out, d_lse):
       OP, config.backend, _rows(config, "backward", q, k, v, q_seg, bias),
       q, k, v, q_seg, kv_seg, bias, out, lse, d_out, d_lse,
       rule=_sharding_rule(q_seg, kv_seg, bias, False, d_lse),
-      auto_partition=config.mask is None)
+      auto_partition=not isinstance(config.mask, tuple))
 
 
 def _attention_bwd(config, residuals, cotangents):

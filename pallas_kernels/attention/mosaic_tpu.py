@@ -12,11 +12,12 @@ bias. dk/dv: grid ``(B, Hkv, kv blocks, group * q blocks)``, the inner axis
 walking the q blocks of every query head sharing the kv head (GQA gradients
 sum in VMEM), on transposed logits so lse/di rows broadcast without
 transposes: ``dv += p^T dO``, ``dk += ds^T Q``.
-Skipping: causal/window bands give each query block a contiguous kv block
-range (and each kv block a q block range); blocks outside run nothing and
-the index maps clamp into the range, so they issue no DMA. Blocks inside the
-band without padding skip the element mask. With segment ids each block's
-min/max id (scalar prefetch) skips blocks whose id ranges are disjoint.
+Skipping: a causal/window band or static mask (``masks``) becomes block
+tables, and the walked grid axis (kv for forward/dq, q for dk/dv) steps only
+through each row's listed blocks, partial ones (element mask) before full
+ones (no mask); a row's unused tail steps repeat its last block (no DMA, no
+compute). With segment ids each block's min/max id (scalar prefetch) skips
+blocks whose id ranges are disjoint.
 Layout: GQA reads kv head ``h // group`` (no repeat in HBM); sequences are
 padded to block multiples and head_dim to a multiple of 128 (64 kept);
 padded queries get lse = +inf in the backward. float16 runs as float32 (no
@@ -55,22 +56,21 @@ def _div(a, b):
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-  """Static problem geometry plus the block-level skip/mask predicates."""
+  """Static problem geometry and, for masked calls, the block tables.
+
+  Without a mask every (q block, kv block) pair is a grid step. With one
+  (causal, window or a static mask) the walked grid axis is compressed: the
+  kv axis of forward/dq steps through each query block's listed kv blocks
+  and the q axis of dk/dv through each kv block's listed query blocks
+  (``masks.BlockTables``, scalar-prefetched into SMEM).
+  """
   q_len: int
   kv_len: int
   block_q: int
   block_kv: int
-  left: int | None        # window reach to the left (None: unbounded)
-  right: int | None       # to the right, causal already folded in
   has_segments: bool
-  # A static mask's block tables (then left/right are None): the kv grid
-  # axis walks each query block's listed kv blocks, and vice versa.
   tables: _masks.BlockTables | None = dataclasses.field(default=None,
                                                         compare=False)
-
-  @property
-  def offset(self):
-    return self.kv_len - self.q_len
 
   @property
   def q_pad(self):
@@ -89,12 +89,8 @@ class _Geometry:
     return self.kv_pad // self.block_kv
 
   @property
-  def banded(self):
-    return self.left is not None or self.right is not None
-
-  @property
   def may_mask(self):
-    return (self.banded or self.has_segments or self.kv_pad != self.kv_len
+    return (self.has_segments or self.kv_pad != self.kv_len
             or self.tables is not None)
 
   # Grid steps along the walked axis: every block, or a table row's entries.
@@ -106,42 +102,42 @@ class _Geometry:
   def q_steps(self):
     return self.num_q if self.tables is None else self.tables.max_q
 
-  def table_offsets(self):
-    """Start of each table in the flat SMEM array (see ``flat_tables``)."""
+  def table_offsets(self, major):
+    """Start of each of the ``major`` ("kv" or "q") tables in the flat SMEM
+    array of that walk (``flat_tables``)."""
     offsets, at = {}, 0
-    for name in _TABLE_NAMES:
+    for name in _table_names(self.tables, major):
       offsets[name] = at
       at += getattr(self.tables, name).size
     return offsets
 
-  def flat_tables(self):
+  def flat_tables(self, major):
+    """The tables one walk reads, flattened for SMEM."""
     return jnp.asarray(np.concatenate(
-        [getattr(self.tables, name).ravel() for name in _TABLE_NAMES]))
+        [getattr(self.tables, name).ravel()
+         for name in _table_names(self.tables, major)]))
 
   def _lookup(self, table_ref, name, h, row, step=None):
     """``tables.<name>[head, row(, step)]`` read from the SMEM copy."""
     t = self.tables
-    kv_major = name.startswith("kv")
-    rows = t.kv_total.shape[1] if kv_major else t.q_total.shape[1]
+    major = "kv" if name.startswith("kv") else "q"
+    rows = t.kv_total.shape[1] if major == "kv" else t.q_total.shape[1]
     at = (h if t.per_head else 0) * rows + row
     if step is not None:
-      at = at * (t.max_kv if kv_major else t.max_q) + step
-    return table_ref[self.table_offsets()[name] + at]
+      at = at * (t.max_kv if major == "kv" else t.max_q) + step
+    return table_ref[self.table_offsets(major)[name] + at]
 
   def kv_block(self, i, t, h=None, table_ref=None):
-    """The kv block of query block i's step t (clamped into the band, or
-    the table's entry)."""
+    """The kv block of query block i's step t."""
     if self.tables is not None:
       return self._lookup(table_ref, "kv_index", h, i, t)
-    lo, hi = self.kv_range(i)
-    return _clamp(t, lo, hi, self.num_kv)
+    return t
 
   def q_block(self, j, t, h=None, table_ref=None):
     """The query block of kv block j's step t."""
     if self.tables is not None:
       return self._lookup(table_ref, "q_index", h, j, t)
-    lo, hi = self.q_range(j)
-    return _clamp(t, lo, hi, self.num_q)
+    return t
 
   def _listed_step(self, major, h, row, t, table_ref):
     """(step t of a table row is listed, it needs the element mask)."""
@@ -149,78 +145,29 @@ class _Geometry:
     masked = t < self._lookup(table_ref, f"{major}_partial", h, row)
     return runs, masked | self.has_segments
 
+  def _padded_keys(self, j):
+    """Whether kv block j holds padded keys (they need the element mask)."""
+    return jnp.bool_(self.kv_pad != self.kv_len) & (j == self.num_kv - 1)
+
   def kv_step_runs(self, i, t, h=None, table_ref=None):
     """(whether step t of query block i computes, whether it needs the
     element mask)."""
     if self.tables is not None:
       return self._listed_step("kv", h, i, t, table_ref)
-    lo, hi = self.kv_range(i)
-    return (t >= lo) & (t <= hi), self.needs_mask(i, t)
+    return jnp.bool_(True), self._padded_keys(t) | self.has_segments
 
   def q_step_runs(self, j, t, h=None, table_ref=None):
     """The same for step t of kv block j (the dk/dv kernel)."""
     if self.tables is not None:
       return self._listed_step("q", h, j, t, table_ref)
-    lo, hi = self.q_range(j)
-    return (t >= lo) & (t <= hi), self.needs_mask(t, j)
-
-  def _last_row(self, i, xp=jnp):
-    return xp.minimum((i + 1) * self.block_q, self.q_len) - 1
-
-  def kv_range(self, i, xp=jnp):
-    """First and last kv block with an allowed key for query block i.
-
-    ``xp=numpy`` evaluates it on host integers (cost model)."""
-    div = _div if xp is jnp else np.floor_divide
-    if not self.banded:
-      return xp.int32(0), xp.int32(self.num_kv - 1)
-    first_col = (i * self.block_q + self.offset - self.left
-                 if self.left is not None else xp.int32(0))
-    last_col = (self._last_row(i, xp) + self.offset + self.right
-                if self.right is not None else xp.int32(self.kv_len - 1))
-    first_col = xp.clip(first_col, 0, self.kv_len)
-    last_col = xp.clip(last_col, -1, self.kv_len - 1)
-    return (div(first_col, self.block_kv),
-            div(last_col + self.block_kv, self.block_kv) - 1)
-
-  def q_range(self, j):
-    """First and last query block with an allowed key in kv block j."""
-    if not self.banded:
-      return jnp.int32(0), jnp.int32(self.num_q - 1)
-    last_col = jnp.minimum((j + 1) * self.block_kv, self.kv_len) - 1
-    first_row = (j * self.block_kv - self.right - self.offset
-                 if self.right is not None else jnp.int32(0))
-    last_row = (last_col + self.left - self.offset
-                if self.left is not None else jnp.int32(self.q_len - 1))
-    first_row = jnp.clip(first_row, 0, self.q_len)
-    last_row = jnp.clip(last_row, -1, self.q_len - 1)
-    return (_div(first_row, self.block_q),
-            _div(last_row + self.block_q, self.block_q) - 1)
+    return jnp.bool_(True), self._padded_keys(j) | self.has_segments
 
   def visited_blocks(self, heads: int = 1) -> int:
     """(q block, kv block) pairs the kernels compute over ``heads`` query
     heads (the rest are skipped)."""
     if self.tables is not None:
       return self.tables.visited_blocks(heads)
-    return heads * self._band_blocks()
-
-  def _band_blocks(self) -> int:
-    lo, hi = self.kv_range(np.arange(self.num_q), xp=np)
-    return int(np.sum(np.maximum(np.broadcast_to(hi - lo + 1, (self.num_q,)),
-                                 0)))
-
-  def needs_mask(self, i, j):
-    """Whether block (i, j) has a masked entry in a real query row."""
-    if self.has_segments:
-      return jnp.bool_(True)
-    partial = jnp.bool_(self.kv_pad != self.kv_len) & (j == self.num_kv - 1)
-    if self.left is not None:
-      partial |= (j * self.block_kv
-                  < self._last_row(i) + self.offset - self.left)
-    if self.right is not None:
-      partial |= ((j + 1) * self.block_kv - 1
-                  > i * self.block_q + self.offset + self.right)
-    return partial
+    return heads * self.num_q * self.num_kv
 
   def mask(self, i, j, shape, transposed, dense_ref=None):
     """Allowed-entry mask of block (i, j); rows are keys when transposed.
@@ -229,24 +176,17 @@ class _Geometry:
     q_axis, kv_axis = (1, 0) if transposed else (0, 1)
     rows = i * self.block_q + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     cols = j * self.block_kv + lax.broadcasted_iota(jnp.int32, shape, kv_axis)
-    if self.tables is not None:
-      tile = None if dense_ref is None else dense_ref[...].astype(jnp.int32)
-      return _masks.element_mask(self.tables, rows, cols, tile)
-    mask = cols < self.kv_len
-    diag = rows + self.offset
-    if self.right is not None:
-      mask &= cols <= diag + self.right
-    if self.left is not None:
-      mask &= cols >= diag - self.left
-    return mask
+    if self.tables is None:
+      return cols < self.kv_len
+    tile = None if dense_ref is None else dense_ref[...].astype(jnp.int32)
+    return _masks.element_mask(self.tables, rows, cols, tile)
 
 
-_TABLE_NAMES = ("kv_partial", "kv_total", "kv_index", "kv_dense_index",
-                "q_partial", "q_total", "q_index", "q_dense_index")
-
-
-def _clamp(x, lo, hi, size):
-  return jnp.clip(jnp.clip(x, lo, hi), 0, size - 1)
+def _table_names(tables, major):
+  names = [f"{major}_partial", f"{major}_total", f"{major}_index"]
+  if tables.dense is not None:
+    names.append(f"{major}_dense_index")
+  return names
 
 
 def _scores(a, b, sm_scale, cap):
@@ -481,31 +421,48 @@ def _pad_head_dim(x, dim):
   return _pad_axis(x, 3, dim)
 
 
-def _geometry(q, k, block_q, block_kv, q_segment_ids, causal, window_left,
-              window_right, mask=None):
+# Entries of one walk's tables the kernels may hold in SMEM (1 MiB on v5e).
+MAX_TABLE_ENTRIES = 1 << 17
+
+
+def _geometry(q_len, kv_len, block_q, block_kv, has_segments, causal,
+              window_left, window_right, mask=None):
+  """The call's geometry: the causal/window band joins ``mask``, and any
+  mask becomes block tables (a compressed grid)."""
   right = window_right
   if causal:
     right = 0 if right is None else min(right, 0)
+  if window_left is not None or right is not None:
+    band = _masks.Local(window_left, right)
+    mask = band if mask is None else (
+        tuple(m & band for m in mask) if isinstance(mask, tuple)
+        else mask & band)
   tables = None
   if mask is not None:
-    tables = _masks.block_tables(mask, q.shape[2], k.shape[2], block_q,
-                                 block_kv)
-  return _Geometry(q_len=q.shape[2], kv_len=k.shape[2], block_q=block_q,
-                   block_kv=block_kv, left=window_left, right=right,
-                   has_segments=q_segment_ids is not None, tables=tables)
+    tables = _masks.block_tables(mask, q_len, kv_len, block_q, block_kv)
+    entries = max(tables.kv_index.size, tables.q_index.size)
+    if entries > MAX_TABLE_ENTRIES:
+      raise ValueError(
+          f"flash_attention: the mask's block tables need {entries} SMEM "
+          f"entries at blocks ({block_q}, {block_kv}) (limit "
+          f"{MAX_TABLE_ENTRIES}); pass larger block_sizes")
+  return _Geometry(q_len=q_len, kv_len=kv_len, block_q=block_q,
+                   block_kv=block_kv, has_segments=has_segments,
+                   tables=tables)
 
 
 def _has_dense(geom):
   return geom.tables is not None and geom.tables.dense is not None
 
 
-def _prefetch(geom, q_segment_ids, kv_segment_ids):
-  """Scalar-prefetch (SMEM) inputs: segment ranges, then mask tables."""
+def _prefetch(geom, q_segment_ids, kv_segment_ids, major):
+  """Scalar-prefetch (SMEM) inputs: segment ranges, then the tables of the
+  ``major`` walk ("kv": forward and dq, "q": dk/dv)."""
   prefetch = []
   if geom.has_segments:
     prefetch.append(_segment_ranges(q_segment_ids, kv_segment_ids, geom))
   if geom.tables is not None:
-    prefetch.append(geom.flat_tables())
+    prefetch.append(geom.flat_tables(major))
   return prefetch
 
 
@@ -608,12 +565,8 @@ def cost(batch, heads, q_len, kv_len, head_dim, itemsize, *, kv_heads=None,
   pass over the other operands and the outputs.
   """
   kv_heads = kv_heads or heads
-  right = window_right
-  if causal:
-    right = 0 if right is None else min(right, 0)
-  geom = _Geometry(q_len=q_len, kv_len=kv_len, block_q=block_q,
-                   block_kv=block_kv, left=window_left, right=right,
-                   has_segments=False)
+  geom = _geometry(q_len, kv_len, block_q, block_kv, False, causal,
+                   window_left, window_right)
   dim = _bs.padded_head_dim(head_dim)
   visited = geom.visited_blocks()
   per_block = block_q * block_kv
@@ -678,8 +631,9 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
   kv_heads = k.shape[1]
   group = heads // kv_heads
   blocks = _bs.choose(q_len, k.shape[2], head_dim, block_sizes)
-  geom = _geometry(q, k, blocks.fwd_q, blocks.fwd_kv, q_segment_ids, causal,
-                   window_left, window_right, mask)
+  geom = _geometry(q_len, k.shape[2], blocks.fwd_q, blocks.fwd_kv,
+                   q_segment_ids is not None, causal, window_left,
+                   window_right, mask)
   dim = _bs.padded_head_dim(head_dim)
   bq, bk = geom.block_q, geom.block_kv
   qp = _pad_head_dim(_pad_axis(q, 2, geom.q_pad), dim)
@@ -697,7 +651,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
           b, _div(h, group), kv_block(h, i, t, pre), 0)),
   ]
   args = [qp, kp, vp]
-  prefetch = _prefetch(geom, q_segment_ids, kv_segment_ids)
+  prefetch = _prefetch(geom, q_segment_ids, kv_segment_ids, "kv")
   if geom.has_segments:
     q_col, _ = _segment_layouts(q_segment_ids, geom.q_pad)
     _, kv_row = _segment_layouts(kv_segment_ids, geom.kv_pad)
@@ -764,8 +718,9 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   kv_heads, kv_len = k.shape[1], k.shape[2]
   group = heads // kv_heads
   blocks = _bs.choose(q_len, kv_len, head_dim, block_sizes)
-  geom = _geometry(q, k, blocks.bwd_q, blocks.bwd_kv, q_segment_ids, causal,
-                   window_left, window_right, mask)
+  geom = _geometry(q_len, kv_len, blocks.bwd_q, blocks.bwd_kv,
+                   q_segment_ids is not None, causal, window_left,
+                   window_right, mask)
   dim = _bs.padded_head_dim(head_dim)
   bq, bk = geom.block_q, geom.block_kv
   nq, nk = geom.num_q, geom.num_kv
@@ -786,7 +741,6 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   if has_bias:
     bias_p = _pad_axis(_pad_axis(bias, 2, geom.q_pad), 3, geom.kv_pad)
   segs = None
-  prefetch = _prefetch(geom, q_segment_ids, kv_segment_ids)
   if geom.has_segments:
     segs = (_segment_layouts(q_segment_ids, geom.q_pad),
             _segment_layouts(kv_segment_ids, geom.kv_pad))
@@ -829,7 +783,8 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
     out_shape.append(jax.ShapeDtypeStruct(
         (batch, heads, geom.q_pad, geom.kv_pad), jnp.float32))
   results = _pallas_call(
-      functools.partial(_dq_kernel, **statics), prefetch, args,
+      functools.partial(_dq_kernel, **statics),
+      _prefetch(geom, q_segment_ids, kv_segment_ids, "kv"), args,
       grid=(batch, heads, nq, geom.kv_steps),
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((bq, dim), jnp.float32),
@@ -891,8 +846,8 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
     in_specs.append(spec)
     args.append(dense)
   dk, dv = _pallas_call(
-      functools.partial(_dkv_kernel, group=group, **statics), prefetch,
-      args, grid=(batch, kv_heads, nk, group * q_steps),
+      functools.partial(_dkv_kernel, group=group, **statics),
+      _prefetch(geom, q_segment_ids, kv_segment_ids, "q"), args, grid=(batch, kv_heads, nk, group * q_steps),
       in_specs=in_specs,
       out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype),
