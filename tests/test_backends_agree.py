@@ -5,8 +5,9 @@ reference's result on the same fresh inputs, within rounding.
 Tolerances: float32 results 2e-5 relative to their largest entry (float32
 formula chains and accumulation order), bfloat16 1e-2 (8-bit mantissa); the
 int32 product, NMS indices and counts exactly; attention gradients 1e-4
-(chains of float32 matmuls). Attention's options are also drawn against a
-float64 oracle in tests/test_attention.py (``test_random_shapes_and_masks``).
+(chains of float32 matmuls), 5e-2 from bfloat16 inputs. Attention's options
+are also drawn against a float64 oracle in tests/test_attention.py
+(``test_random_shapes_and_masks``).
 """
 from __future__ import annotations
 
@@ -42,8 +43,11 @@ def _assert_same(got, want, dtype):
   if np.issubdtype(np.asarray(want).dtype, np.integer) or dtype == "int":
     np.testing.assert_array_equal(got, want)
     return
-  # Gradients chain several float32 matmuls: 1e-4.
-  rtol = {jnp.bfloat16: 1e-2, "grad": 1e-4}.get(dtype, 2e-5)
+  # Gradients chain several float32 matmuls: 1e-4; from bfloat16 inputs the
+  # kernels round probabilities to bfloat16 before the dS matmuls: 5e-2 (as
+  # test_attention.py's bfloat16 gradient tolerance).
+  rtol = {jnp.bfloat16: 1e-2, "grad": 1e-4, "bf16 grad": 5e-2}.get(dtype,
+                                                                   2e-5)
   scale = np.max(np.abs(want[np.isfinite(want)]), initial=0.0) + 1e-30
   np.testing.assert_allclose(got, want, atol=rtol * scale, rtol=0)
 
@@ -234,7 +238,7 @@ def test_flash_attention(backend, examples):
     _assert_same(np.asarray(lse)[finite], np.asarray(want_lse)[finite],
                  jnp.float32 if dtype == jnp.float32 else dtype)
     for got, want in zip(grads, want_grads):
-      _assert_same(got, want, jnp.bfloat16 if dtype == jnp.bfloat16
+      _assert_same(got, want, "bf16 grad" if dtype == jnp.bfloat16
                    else "grad")
 
   run()
