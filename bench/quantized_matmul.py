@@ -7,7 +7,8 @@ Cases (M x K x N):
                w_scale [N]) and int4 (groups of 128 along K, w_scale and
                w_zero [K/128, N]) -> bf16 (``pk.quantized_matmul(...,
                weight_only=True)``), M = 1..256 over the (K, N) of Llama-3
-               8B and 70B layers. Memory-bound rows report ``hbm_tbs``: the
+               8B and 70B layers; ``ours_<fmt>_nk``: the 8-bit formats with
+               w stored [N, K] (``weight_layout="nk"``, torch's layout). Memory-bound rows report ``hbm_tbs``: the
                HBM bytes the call must move (w, its scales, x, out) per
                second.
   fp8          x, w float8_e4m3fn 8192^3 with x_scale [M] and w_scale [N]
@@ -66,12 +67,12 @@ def weights(k, n):
   return w, out
 
 
-def weight_only_op(fmt):
+def weight_only_op(fmt, layout="kn"):
   if fmt == "int4":
     return lambda x, w, s, z: pk.quantized_matmul(
         x, w, w_scale=s, w_zero=z, group_size=GROUP, weight_only=True)
-  return lambda x, w, s: pk.quantized_matmul(x, w, w_scale=s,
-                                             weight_only=True)
+  return lambda x, w, s: pk.quantized_matmul(
+      x, w, w_scale=s, weight_only=True, weight_layout=layout)
 
 
 def hbm_bytes(m, k, n, fmt):
@@ -108,17 +109,22 @@ def run(case, timer):
   w, quantized = weights(k, n)
   x64 = np.asarray(x, np.float64)[:CHECK_ROWS]
   if case["mode"] == "weight_only":
-    for fmt in FORMATS:
+    variants = [(fmt, "kn") for fmt in FORMATS] + [
+        (fmt, "nk") for fmt in FORMATS if W_BITS[fmt] == 8]
+    for fmt, layout in variants:
       q, s, z, deq = quantized[fmt]
+      if layout == "nk":
+        q = q.T
       args = (x, q, s) if z is None else (x, q, s, z)
       out = {}
 
-      def timed(fmt=fmt, args=args, out=out):
-        seconds, result = timer.jax(weight_only_op(fmt), *args,
+      def timed(fmt=fmt, layout=layout, args=args, out=out):
+        seconds, result = timer.jax(weight_only_op(fmt, layout), *args,
                                     copies=copies)
         out["err"] = harness.rel_error(result[:CHECK_ROWS], x64 @ deq)
         return seconds
-      row = harness.measure(rows, name, f"ours_{fmt}", timed, flops=flops)
+      impl = f"ours_{fmt}" + ("_nk" if layout == "nk" else "")
+      row = harness.measure(rows, name, impl, timed, flops=flops)
       row["err"] = out.get("err")
       if row["ms"]:
         row["hbm_tbs"] = hbm_bytes(m, k, n, fmt) / row["ms"] / 1e9

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from oracles import int8 as oracle
+from oracles import quant as quant_oracle
 
 from pallas_kernels import _backend, _compat
 from pallas_kernels.int8 import api, mosaic_gpu
@@ -76,7 +77,15 @@ def test_supports_declines_what_it_does_not_implement():
            dict(x_scale=_sds((16, 1), jnp.float32))]
   for kwargs in cases:
     assert isinstance(_supports(16, 256, 128, **kwargs), str), kwargs
-  assert "M <= 128" in _supports(129, 256, 128)
+  assert _supports(256, 256, 128) is None
+  assert "M <= 256" in _supports(257, 256, 128)
+  for w_dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+    assert mosaic_gpu.supports(_sds((16, 256), jnp.bfloat16),
+                               _sds((128, 256), w_dtype), mode="weight_only",
+                               w_layout="nk") is None
+  assert "float16" in mosaic_gpu.supports(
+      _sds((16, 256), jnp.bfloat16), _sds((128, 256), jnp.float16),
+      mode="weight_only", w_layout="nk")
   assert isinstance(_supports(0, 256, 128), str)
   assert isinstance(_supports(16, 0, 128), str)
   too_big = mosaic_gpu.MgpuBlockSizes(tile_k=1024, stages=4)
@@ -107,10 +116,10 @@ def test_plan_split_fills_one_wave_and_fuses_unsplit():
   assert mosaic_gpu.plan(
       16, 1 << 16, 128, mosaic_gpu.MgpuBlockSizes(max_split=2)).split == 2
   for m, mp in ((1, 16), (16, 16), (17, 32), (40, 64), (65, 128),
-                (128, 128)):
+                (128, 128), (129, 192), (192, 192), (193, 256), (256, 256)):
     assert mosaic_gpu.padded_m(m) == mp
     assert mosaic_gpu.plan(m, 512, 200).mp == mp
-  for m in (16, 32, 64, 128):  # the table fits the H100's shared memory
+  for m in (16, 32, 64, 128, 192, 256):  # tables fit the H100's SMEM
     assert mosaic_gpu.smem_bytes(mosaic_gpu.plan(m, 4096, 4096)) <= (
         mosaic_gpu.SMEM_BYTES)
 
@@ -224,3 +233,23 @@ def test_table_tiles_m128_no_scale_nan_row(rng):
   assert np.isnan(out[7]).all()
   rest = np.delete(np.arange(m), 7)
   _check(out[rest], np.asarray(x)[rest], w, None, None, jnp.float32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("w_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("m, k, n, sizes", [
+    # M padded to 192: three 64-column epilogue stores, fused
+    (150, 128, 130, dict(tile_k=64, stages=2, max_split=1)),
+    # M padded to 256, split K: four 64-column partial stores per piece
+    (256, 256, 64, dict(tile_k=64, stages=2)),
+])
+def test_float8_weights_and_wide_m_match_float64(rng, w_dtype, m, k, n,
+                                                  sizes):
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((n, k)) * 8, w_dtype)
+  w_scale = jnp.asarray(rng.uniform(1e-3, 2e-3, (n,)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal((n,)), jnp.float32)
+  out = _run(x, w, w_scale, bias, jnp.bfloat16,
+             mosaic_gpu.MgpuBlockSizes(**sizes))
+  quant_oracle.assert_matmul(out, x, w, "bfloat16", w_scale=w_scale,
+                             bias=bias, weight_only=True, layout="nk")

@@ -195,6 +195,21 @@ def _matmul_linear(call):
           else {"bias": bias})
 
 
+def mosaic_gpu_refusal(x2, w, x_scale, mode, w_layout, user_blocks):
+  """Why the Mosaic GPU weight-only kernel does not take this call, or None:
+  the kernel's own limits, then the M range where it beats the Triton
+  kernel (``block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M``)."""
+  why = mosaic_gpu.supports(x2, w, x_scale, mode=mode, w_layout=w_layout)
+  low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+  m = x2.shape[0]
+  if why is None and not low <= m <= high:
+    why = (f"M={m} is outside [{low}, {high}], where the Triton kernel is "
+           "faster")
+  if why is None and user_blocks is not None:
+    why = "block_sizes are for the Triton and TPU kernels"
+  return why
+
+
 def _matmul_kernels(x2, w, x_scale, static, user_blocks, generation):
   """int8_matmul's implementations for one normalized call, best first."""
   def tpu(*arrays, interpret=None):
@@ -209,21 +224,12 @@ def _matmul_kernels(x2, w, x_scale, static, user_blocks, generation):
     return triton.matmul(*arrays, **static, block_sizes=user_blocks,
                          interpret=interpret or False)
 
-  def mgpu_supports():
-    why = mosaic_gpu.supports(x2, w, x_scale, mode=static["mode"],
-                              w_layout=static["w_layout"])
-    low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
-    m = x2.shape[0]
-    if why is None and not low <= m <= high:
-      why = (f"M={m} is outside [{low}, {high}], where the Triton kernel is "
-             "faster")
-    if why is None and user_blocks is not None:
-      why = "block_sizes are for the Triton and TPU kernels"
-    return why
-
   return [
       _backend.Kernel("mosaic_tpu", tpu),
-      _backend.Kernel("mosaic_gpu", mgpu, supports=mgpu_supports,
+      _backend.Kernel("mosaic_gpu", mgpu,
+                      supports=functools.partial(
+                          mosaic_gpu_refusal, x2, w, x_scale, static["mode"],
+                          static["w_layout"], user_blocks),
                       hardware=mosaic_gpu.hardware),
       _backend.Kernel("triton", triton_),
       _backend.Kernel("reference", functools.partial(reference.matmul_2d,

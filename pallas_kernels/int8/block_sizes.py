@@ -162,7 +162,7 @@ GPU_WEIGHT_ONLY_SMALL_MAX_M = 256
 # run the Mosaic GPU kernel on a Hopper GPU; below it the Triton kernel is
 # as fast or faster (docs/design/int8.md). Weight-only classes: "decode" up
 # to GPU_WEIGHT_ONLY_DECODE_MAX_M, "narrow" up to GPU_DECODE_MAX_M.
-GPU_WEIGHT_ONLY_MOSAIC_AUTO_M = (33, 128)
+GPU_WEIGHT_ONLY_MOSAIC_AUTO_M = (17, 256)
 GPU_WEIGHT_ONLY_DECODE_MAX_M = 16
 GPU_DECODE_MAX_M = 64
 GPU_MEDIUM_MAX_M = 2048

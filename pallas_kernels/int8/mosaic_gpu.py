@@ -1,13 +1,14 @@
-"""Weight-only int8 matmul for Hopper GPUs at decode shapes: Mosaic GPU.
+"""Weight-only matmul of 8-bit weights for Hopper GPUs: Mosaic GPU.
 
-out [M, N] = x [M, K] (bf16) @ dequant(w), w int8 stored [N, K], per-channel
-``w_scale``, optional bias, M <= 128: the time is that of streaming w once.
+out [M, N] = x [M, K] (bf16) @ dequant(w), w int8, float8_e4m3fn or
+float8_e5m2 stored [N, K], per-channel ``w_scale``, optional bias,
+M <= 256: up to M = 128 the time is that of streaming w once.
 
 The product is formed transposed, out^T [N, M] = w [N, K] . x^T, so that w's
 rows fill the wgmma's M side (64 rows per compute warpgroup, two per CTA)
 and x's rows, padded to Mp in {16, 32, 64, 128}, its N side. Each step a
-compute warpgroup converts its int8 w tile from shared memory to bf16 in
-registers (exact) and issues a wgmma with it as the register operand A and
+compute warpgroup converts its 8-bit w tile from shared memory to bf16 in
+registers (exact for all three formats) and issues a wgmma with it as the register operand A and
 the x tile (a transposed shared-memory view) as B, accumulating in float32.
 
 One CTA per (column tile of 128 output channels, K piece). A memory
@@ -44,7 +45,9 @@ plgpu = _mosaic_gpu.plgpu
 ROWS_PER_WG = 64  # one wgmma M tile of w rows per compute warpgroup
 COMPUTE_WGS = 2
 ROWS = ROWS_PER_WG * COMPUTE_WGS  # w rows (output channels) per CTA
-MAX_M = 128
+MAX_M = 256
+WEIGHT_DTYPES = tuple(jnp.dtype(d) for d in (
+    jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2))
 PAIR_MIN_MP = 128  # x tiles multicast to CTA pairs from this padded M on
 SMEM_BYTES = 227 * 1024
 _NEEDED_API = ("kernel", "wgmma", "wgmma_wait", "SMEM", "ACC",
@@ -90,15 +93,17 @@ class MgpuBlockSizes:
 
 # Padded M -> (tile_k, stages): the ring (stages x tile_k x (128 w rows +
 # 2 Mp x bytes)) and the epilogue tile fit the H100's 227 KiB of SMEM.
-DEFAULT_TILES = {16: (256, 4), 32: (256, 4), 64: (256, 2), 128: (128, 3)}
+DEFAULT_TILES = {16: (256, 4), 32: (256, 4), 64: (256, 2), 128: (128, 4),
+                 192: (64, 4), 256: (64, 4)}
 
 
 def padded_m(m: int) -> int:
-  """x rows as the wgmma N side: a power of two in [16, 128]."""
+  """x rows as the wgmma N side: a power of two in [16, 128], then a
+  multiple of 64 up to MAX_M."""
   mp = 16
-  while mp < m:
+  while mp < min(m, 128):
     mp *= 2
-  return mp
+  return mp if m <= 128 else -(-m // 64) * 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +138,15 @@ def plan(m, k, n, sizes: MgpuBlockSizes | None = None) -> Plan:
               cluster)
 
 
+def epilogue_cols(mp: int) -> int:
+  """x rows (accumulator columns) per epilogue store: the staging tile is
+  [64, cols], so that M = 256 leaves shared memory to the ring."""
+  return min(mp, 64)
+
+
 def smem_bytes(p: Plan) -> int:
   ring = p.sizes.stages * p.sizes.tile_k * (ROWS + 2 * p.mp)
-  out = COMPUTE_WGS * ROWS_PER_WG * p.mp * 4  # epilogue tiles
+  out = COMPUTE_WGS * ROWS_PER_WG * epilogue_cols(p.mp) * 4  # epilogue tiles
   return ring + out + 2048  # barriers/alignment
 
 
@@ -171,6 +182,9 @@ def supports(x2, w, x_scale=None, *, mode, w_layout, block_sizes=None):
     return "the Mosaic GPU int8 kernel needs w stored [N, K]"
   if x_scale is not None:
     return "the Mosaic GPU int8 kernel takes no x_scale"
+  if jnp.dtype(w.dtype) not in WEIGHT_DTYPES:
+    return (f"the Mosaic GPU weight-only kernel takes int8 or float8 w, got "
+            f"{jnp.dtype(w.dtype).name}")
   if jnp.dtype(x2.dtype) != jnp.dtype(jnp.bfloat16):
     return "the Mosaic GPU int8 kernel needs bf16 x"
   m, k = x2.shape
@@ -185,6 +199,14 @@ def supports(x2, w, x_scale=None, *, mode, w_layout, block_sizes=None):
   if smem_bytes(p) > SMEM_BYTES:
     return "tile_k x stages do not fit in shared memory"
   return None
+
+
+def to_bf16(w_tile, interpreting: bool):
+  """The 8-bit w tile as bf16 values (exact for all three formats). Hopper
+  converts float8 only to f16 in hardware: float8 goes through float32."""
+  if interpreting or jnp.dtype(w_tile.dtype) == jnp.dtype(jnp.int8):
+    return w_tile.astype(jnp.bfloat16)
+  return w_tile.astype(jnp.float32).astype(jnp.bfloat16)
 
 
 def _pad_to(a, shape):
@@ -210,15 +232,16 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret):
                            collective_axes=("n_sub",) if cluster > 1 else ())
   w_spec = plgpu.BlockSpec((ROWS, tk), lambda s: (0, s),
                            transforms=_transforms(tk, 1))
+  cols = epilogue_cols(p.mp)  # accumulator columns per epilogue store
   vectors, is_scale = [], []  # fused: w_scale and/or bias, [Np] float32
   if p.fused:
     for v, scale in ((w_scale, True), (bias, False)):
       if v is not None:
         vectors.append(_pad_to(v.reshape(-1).astype(jnp.float32), (p.np_,)))
         is_scale.append(scale)
-    staging = plgpu.SMEM((COMPUTE_WGS, p.mp, ROWS_PER_WG), out_dtype)
+    staging = plgpu.SMEM((COMPUTE_WGS, cols, ROWS_PER_WG), out_dtype)
   else:
-    staging = plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, p.mp), jnp.float32)
+    staging = plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, cols), jnp.float32)
 
   def kernel(w_gmem, x_gmem, *refs):
     *vector_refs, out_gmem = refs
@@ -236,8 +259,8 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret):
     row0 = tile * ROWS + wg * ROWS_PER_WG
 
     def body(_, w_smem, x_smem, acc):
-      w_tile = w_smem[pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)].astype(
-          jnp.bfloat16)  # exact for int8
+      w_tile = to_bf16(w_smem[pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)],
+                       interpreting)
       if interpreting:  # no transposed views there: transpose the value
         return acc + jnp.dot(w_tile, x_smem[...].T,
                              preferred_element_type=jnp.float32)
@@ -247,7 +270,7 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret):
 
     def epilogue(acc):
       """acc [64, Mp]: * w_scale + bias per row, cast, stored as out
-      [Mp, 64] at column row0."""
+      [Mp, 64] at column row0, ``cols`` x rows at a time."""
       for ref, scale in zip(vector_refs, is_scale):
         if interpreting:
           v = ref[pl.ds(row0, ROWS_PER_WG)]
@@ -258,22 +281,28 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret):
         v = lax.broadcast_in_dim(v, (ROWS_PER_WG, p.mp), (0,))
         acc = acc * v if scale else acc + v
       val = acc.astype(out_dtype)
-      if interpreting:
-        out_smem.at[wg][...] = val.T
-      else:  # a register shuffle to the transposed layout, then the store
-        val = plgpu.layout_cast(val, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.transpose_ref(out_smem.at[wg], (1, 0))[...] = val
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                              out_gmem.at[:, pl.ds(row0, ROWS_PER_WG)])
-      plgpu.wait_smem_to_gmem(0)
+      for c in range(p.mp // cols):
+        piece = val[:, c * cols:(c + 1) * cols]
+        if interpreting:
+          out_smem.at[wg][...] = piece.T
+        else:  # a register shuffle to the transposed layout, then the store
+          piece = plgpu.layout_cast(piece, plgpu.Layout.WGMMA_TRANSPOSED)
+          plgpu.transpose_ref(out_smem.at[wg], (1, 0))[...] = piece
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            out_smem.at[wg],
+            out_gmem.at[pl.ds(c * cols, cols), pl.ds(row0, ROWS_PER_WG)])
+        plgpu.wait_smem_to_gmem(0)
 
     def store_partial(acc):
-      out_smem.at[wg][...] = acc
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(
-          out_smem.at[wg], out_gmem.at[part, pl.ds(row0, ROWS_PER_WG)])
-      plgpu.wait_smem_to_gmem(0)
+      for c in range(p.mp // cols):
+        out_smem.at[wg][...] = acc[:, c * cols:(c + 1) * cols]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            out_smem.at[wg],
+            out_gmem.at[part, pl.ds(row0, ROWS_PER_WG),
+                        pl.ds(c * cols, cols)])
+        plgpu.wait_smem_to_gmem(0)
 
     def compute_context(run_pipeline):
       if interpreting:
@@ -317,7 +346,7 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret):
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
            block_sizes=None, interpret=False):
-  """Weight-only x2 [M, K] bf16 @ w [N, K] int8 -> [M, N] out_dtype.
+  """Weight-only x2 [M, K] bf16 @ w [N, K] (8-bit) -> [M, N] out_dtype.
 
   Same contract as ``triton.matmul``; call only where ``supports`` is None.
   ``interpret``: False on a GPU, an ``InterpretGPUParams`` (or True) to run

@@ -24,7 +24,8 @@ K must be a multiple of group_size (ValueError otherwise). Empty inputs give
 empty (or bias-only) outputs. Not differentiable in w; train through
 ``pallas_kernels.nn.quantized_dense``.
 
-Kernels (``backend=``): "mosaic_tpu", "triton" (NVIDIA GPUs), "reference";
+Kernels (``backend=``): "mosaic_tpu", "mosaic_gpu" (Hopper; weight-only,
+per-channel int8/fp8 w stored [N, K]), "triton" (NVIDIA GPUs), "reference";
 int8 x int8 modes and per-channel int8 weight-only calls run the int8
 family's kernels (``int8_matmul``). ``backend=None`` takes the first that
 supports the call on the platform it is lowered for.
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _backend, _frozen, _sharding
 from pallas_kernels.int8 import api as int8_api
+from pallas_kernels.int8 import mosaic_gpu as int8_mosaic_gpu
 from pallas_kernels.int8 import mosaic_tpu as int8_mosaic_tpu
 from pallas_kernels.int8 import triton as int8_triton
 from pallas_kernels.quant import (formats, mosaic_tpu, operands, reference,
@@ -219,12 +221,24 @@ def _kernels(call, user_blocks, generation):
     return triton.matmul(x2, w_, xs, ws, wz, b, **static,
                          block_sizes=user_blocks, interpret=interpret)
 
+  def mgpu(x2, w_, xs, ws, wz, b, interpret=None):
+    return int8_mosaic_gpu.matmul(x2, w_, xs, ws, b, **int8_static,
+                                  interpret=interpret or False)
+
+  def mgpu_supports():
+    if call.group_size is not None or call.operands[4] is not None:
+      return "the Mosaic GPU weight-only kernel takes per-channel scales only"
+    return int8_api.mosaic_gpu_refusal(call.operands[0], w, call.operands[2],
+                                       call.mode, call.w_layout, user_blocks)
+
   def supports(kernel):
     return lambda: (None if int8_path else
                     kernel.supports(w, call.group_size, call.w_layout))
 
   return [
       _backend.Kernel("mosaic_tpu", tpu, supports=supports(mosaic_tpu)),
+      _backend.Kernel("mosaic_gpu", mgpu, supports=mgpu_supports,
+                      hardware=int8_mosaic_gpu.hardware),
       _backend.Kernel("triton", triton_, supports=supports(triton)),
       _backend.Kernel("reference", functools.partial(reference.matmul_2d,
                                                      **static)),
