@@ -210,7 +210,9 @@ class JaxOp:
         m and t.requires_grad for m, t in zip(mask, present))
     device = _eager.plain_device(present)
     if device is not None:
-      if wants_grad:
+      # As the custom ops: an input that requires grad gives outputs that do
+      # (with None gradients where the op has none).
+      if torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return list(_eager.Residuals.apply(self.name, static_text, mask,
                                            device, *present))
       return _eager.forward(self.name, static_text, present, device)

@@ -75,24 +75,33 @@ def _n_outputs(name: str, static_text: str, signature: tuple) -> int:
   return _core._n_outputs(name, static_text, signature)
 
 
+def _save(ctx, tensors) -> list:
+  """The outputs of the jitted save function; its arrays, the inputs' JAX
+  views and (for autograd's in-place checks) the tensors go on ``ctx``."""
+  name, static_text, mask, device = ctx.call
+  arrays = _convert.to_jax(tensors, device)
+  flat = _jitted(name, static_text, "save", mask)(*arrays)
+  n_out = _n_outputs(name, static_text,
+                     tuple((tuple(t.shape), t.dtype) for t in tensors))
+  outs = _convert.to_torch(flat[:n_out], device, tensors)
+  ctx.save_for_backward(*tensors, *outs)
+  ctx.arrays, ctx.saved = arrays, flat
+  ctx.float_outputs = [o.dtype.is_floating_point for o in outs]
+  return outs
+
+
 class Residuals(torch.autograd.Function):
   """``apply(name, static_text, mask, device, *tensors)``: the op's outputs,
   with a backward from the saved residuals (``mask``: which tensors get
-  gradients)."""
+  gradients; none: the plain forward, and None gradients)."""
 
   @staticmethod
   def forward(ctx, name, static_text, mask, device, *tensors):
-    arrays = _convert.to_jax(tensors, device)
-    flat = _jitted(name, static_text, "save", mask)(*arrays)
-    n_out = _n_outputs(name, static_text,
-                       tuple((tuple(t.shape), t.dtype) for t in tensors))
-    outs = _convert.to_torch(flat[:n_out], device, tensors)
     ctx.call = (name, static_text, mask, device)
-    # The tensors are saved for autograd's in-place checks; the backward
-    # reads their JAX views and the save function's arrays.
-    ctx.save_for_backward(*tensors, *outs)
-    ctx.arrays, ctx.saved = arrays, flat
-    ctx.float_outputs = [o.dtype.is_floating_point for o in outs]
+    if any(mask):
+      outs = _save(ctx, tensors)
+    else:  # no input takes a gradient: nothing to save
+      outs = forward(name, static_text, tensors, device)
     ctx.mark_non_differentiable(
         *[o for o in outs if not o.dtype.is_floating_point])
     return tuple(outs)
@@ -100,6 +109,8 @@ class Residuals(torch.autograd.Function):
   @staticmethod
   def backward(ctx, *grads):
     name, static_text, mask, device = ctx.call
+    if not any(mask):
+      return (None,) * (4 + len(mask))
     saved = ctx.saved_tensors  # raises if one was modified in place
     cotangents = _convert.to_jax(
         [g for g, f in zip(grads, ctx.float_outputs) if f], device)
