@@ -25,7 +25,10 @@ implementation and an autograd formula that runs the JAX VJP.
                 the generic Pallas interpreter. Under SPMD pass
                 ``partition_spec``/``mesh`` (batch, heads) to run the kernel
                 per shard (``_xla.py``).
-  CPU / CUDA    DLPack to a jitted JAX call and back (``_convert.py``).
+  CPU / CUDA    DLPack to a jitted JAX call and back (``_convert.py``);
+                plain tensors outside torch.compile and tracing skip the
+                custom-op dispatch (``_eager.py``: same jitted functions,
+                same results).
   meta / fake   shapes from ``jax.eval_shape``.
 
 SPMD / FSDP:
@@ -54,15 +57,9 @@ Autograd saves the JAX op's residuals (flash attention: output and
 log-sum-exp), so the backward runs only the backward kernels.
 
 Known limits:
-  * Per-call overhead on CUDA tensors (H100, torch 2.11, jax 0.11.2,
-    ``bench/results/torch_bridge-h100-2026-11-22.json``): 0.2-0.6 ms per
-    forward and about 2.2-2.4 ms per forward+backward more than calling the
-    jitted JAX op directly; large shapes hide it (attention 4x16x4096x128
-    forward 1.29 vs 1.03 ms), small ones do not. cProfile there puts most of
-    it in torch.library's custom-op dispatch (``backend_impl``, about 0.5-1.5
-    ms of own time per call), not in DLPack (about 0.2 ms for three tensors)
-    or JAX dispatch; the backward adds a second dispatch. An eager path that bypasses the custom op for CPU/CUDA tensors
-    would remove most of it (not done).
+  * Per-call overhead on CPU/CUDA tensors: ``python -m bench.torch_bridge``
+    reports it against the jitted JAX op called directly, for the eager
+    fast path and for the custom ops (``bench/results/torch_bridge-*``).
   * ``int8_matmul`` and ``quantize_int8`` have no gradient; ``nms``,
     ``batched_nms`` and ``soft_nms`` return indices (no gradient, also
     none for soft_nms' decayed scores).

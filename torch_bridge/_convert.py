@@ -7,6 +7,7 @@ here: they are embedded into the torch_xla graph (``_xla.py``).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -57,7 +58,22 @@ def _numpy_copy(t: torch.Tensor) -> np.ndarray:
 # dtypes JAX keeps as they are without x64 (others it would canonicalize).
 _FAST_DTYPES = {torch.float32, torch.bfloat16, torch.float16, torch.int8,
                 torch.uint8, torch.int16, torch.int32, torch.bool}
-_fast_import_arity: list[int | None] = []  # [] unknown, [None] unavailable
+
+
+def _jaxlib_entry(name: str):
+  """jaxlib's DLPack entry point ``name``, or None. Called directly they
+  skip the public wrappers' checks and re-wraps (``jax.dlpack.from_dlpack``
+  re-wraps through ``jnp.asarray``, ~60 us a tensor)."""
+  try:
+    from jax._src.lib import _jax as jaxlib_ext
+  except ImportError:
+    from jax._src.lib import xla_client
+    jaxlib_ext = xla_client._xla
+  return getattr(jaxlib_ext, name, None)
+
+
+_TO_BUFFER = _jaxlib_entry("dlpack_managed_tensor_to_buffer")
+_TO_CAPSULE = _jaxlib_entry("buffer_to_dlpack_managed_tensor")
 
 
 def _ready_stream(device):
@@ -67,69 +83,102 @@ def _ready_stream(device):
     return None
 
 
-_STREAMS: dict[Any, Any] = {}
+def _public_import(t: torch.Tensor, device):
+  del device  # DLPack names it
+  return jax.dlpack.from_dlpack(t)
 
 
-def _fast_import(t: torch.Tensor, device):
-  """DLPack import without ``jax.dlpack.from_dlpack``'s ``jnp.asarray``
-  re-wrap (which costs ~60 us a tensor); None where this jaxlib's private
-  entry point has another shape, and the public path is used instead."""
-  if _fast_import_arity == [None] or t.dtype not in _FAST_DTYPES:
-    return None
-  try:
-    from jax._src.lib import _jax as jaxlib_ext
-  except ImportError:
-    from jax._src.lib import xla_client
-    jaxlib_ext = xla_client._xla
-  to_buffer = getattr(jaxlib_ext, "dlpack_managed_tensor_to_buffer", None)
-  if to_buffer is None:
-    _fast_import_arity[:] = [None]
-    return None
-  if device not in _STREAMS:
-    _STREAMS[device] = _ready_stream(device)
-  stream = _STREAMS[device]
-  capsule = t.__dlpack__(stream=stream)
-  arities = _fast_import_arity or [3, 4, 5]
-  for arity in arities:
-    extra = (None, 1 if device.platform == "cpu" else 2)[:arity - 3]
-    try:
-      out = to_buffer(capsule, device, stream, *extra)
-    except TypeError:  # another signature: the capsule is still unused
-      continue
-    _fast_import_arity[:] = [arity]
-    return out
-  _fast_import_arity[:] = [None]
-  return None
+class _Importer:
+  """``importer(t) -> jax.Array`` on one JAX device: ``_TO_BUFFER`` with
+  the argument count this jaxlib takes (found on the first tensor), else
+  the public ``jax.dlpack.from_dlpack``."""
+
+  def __init__(self, device):
+    self.device = device
+    self.stream = _ready_stream(device)
+    self.extra = None if _TO_BUFFER else _public_import
+    self.cpu = device.platform == "cpu"
+
+  def __call__(self, t: torch.Tensor):
+    if self.extra is _public_import or t.dtype not in _FAST_DTYPES:
+      return _public_import(t, self.device)
+    capsule = torch.utils.dlpack.to_dlpack(t)  # streams ordered by to_jax
+    if self.extra is not None:
+      return _TO_BUFFER(capsule, self.device, self.stream, *self.extra)
+    for extra in ((), (None,), (None, 1 if self.cpu else 2)):
+      try:
+        out = _TO_BUFFER(capsule, self.device, self.stream, *extra)
+      except TypeError:  # another signature: the capsule is still unused
+        continue
+      self.extra = extra
+      return out
+    self.extra = _public_import
+    return _public_import(t, self.device)
 
 
-def to_jax(t: torch.Tensor | None, device=None):
-  """A JAX array sharing ``t``'s buffer (CPU or CUDA); None stays None."""
-  if t is None:
-    return None
+_IMPORTERS: dict[Any, _Importer] = {}
+
+
+def _import(t: torch.Tensor, importer: _Importer):
+  """A JAX array sharing ``t``'s buffer (a copy where DLPack cannot carry
+  it). On CUDA the caller has ordered JAX's external-ready stream after
+  torch's current one (``to_jax``)."""
   t = t.detach()
   if not t.is_contiguous():
     t = t.contiguous()
   if t.numel() > 0:
-    if device is not None:
-      try:
-        fast = _fast_import(t, device)
-      except Exception:  # e.g. a misaligned CPU buffer: the public path
-        fast = None
-      if fast is not None:
-        return fast
     try:
-      return jax.dlpack.from_dlpack(t)
+      return importer(t)
     except Exception:  # alignment / dtype DLPack refuses: copy instead
       if t.device.type != "cpu":
         raise
-  return jax.device_put(_numpy_copy(t), device)
+  return jax.device_put(_numpy_copy(t), importer.device)
 
 
-def to_torch(a, device: torch.device) -> torch.Tensor:
-  """A torch tensor on ``device`` sharing ``a``'s buffer where DLPack can."""
+def _after_torch_work(torch_device: torch.device, importer) -> None:
+  """Makes JAX's stream for external buffers wait for the work torch has
+  queued on its current stream (what ``Tensor.__dlpack__(stream=...)`` does
+  per tensor; here once per call)."""
+  stream, event = _stream_and_event(importer.stream, torch_device)
+  # One event serves every call: a wait takes the event's latest record.
+  event.record(torch.cuda.current_stream(torch_device))
+  stream.wait_event(event)
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_and_event(pointer: int, torch_device: torch.device):
+  return (torch.cuda.ExternalStream(pointer, device=torch_device),
+          torch.cuda.Event())
+
+
+def to_jax(tensors, torch_device: torch.device) -> list:
+  """JAX arrays sharing the buffers of CPU/CUDA ``tensors`` (None stays
+  None), ready once torch's work queued so far is done."""
+  device = jax_device_for(torch_device)
+  importer = _IMPORTERS.get(device)
+  if importer is None:
+    importer = _IMPORTERS[device] = _Importer(device)
+  if torch_device.type == "cuda":
+    _after_torch_work(torch_device, importer)
+  return [None if t is None else _import(t, importer) for t in tensors]
+
+
+_fast_export: list[bool] = [_TO_CAPSULE is not None]
+
+
+def _capsule(a, stream):
+  if _fast_export[0]:
+    try:
+      return _TO_CAPSULE(a, stream=stream)
+    except TypeError:  # another signature: the public path from now on
+      _fast_export[0] = False
+  return a.__dlpack__(stream=stream)
+
+
+def _export(a, device: torch.device, stream) -> torch.Tensor:
   if a.size > 0:
     try:
-      out = torch.from_dlpack(a)
+      out = torch.utils.dlpack.from_dlpack(_capsule(a, stream))
       if out.device != device:
         out = out.to(device)
       return out
@@ -143,6 +192,23 @@ def to_torch(a, device: torch.device) -> torch.Tensor:
   return torch.from_numpy(np.array(host)).to(device)
 
 
+def to_torch(arrays, device: torch.device, inputs=()) -> list[torch.Tensor]:
+  """Torch tensors on ``device`` sharing the JAX ``arrays``' buffers where
+  DLPack can, ordered on torch's current stream after JAX's work. An array
+  that is one of the ``inputs``' buffers handed back (jit may alias) is
+  copied, so no output aliases an input."""
+  stream = None
+  if device.type == "cuda":  # torch's DLPack convention: 1 = legacy default
+    stream = torch.cuda.current_stream(device).cuda_stream or 1
+  out = [_export(a, device, stream) for a in arrays]
+  in_ptrs = {t.data_ptr() for t in inputs if t is not None and t.numel()}
+  if in_ptrs:
+    out = [o.clone() if o.numel() and o.data_ptr() in in_ptrs else o
+           for o in out]
+  return out
+
+
+@functools.lru_cache(maxsize=None)
 def jax_device_for(device: torch.device):
   """The JAX device matching a CPU/CUDA torch device."""
   if device.type == "cpu":

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from pallas_kernels import _backend
-from torch_bridge import _convert
+from torch_bridge import _convert, _eager
 
 NAMESPACE = "pallas_kernels"
 _OPS: dict[str, "JaxOp"] = {}
@@ -205,9 +205,18 @@ class JaxOp:
       if _xla.spmd_active():
         _warn_unsharded(self.name)
     static_text = encode_static(static)
-    if torch.is_grad_enabled() and any(
-        m and t.requires_grad
-        for m, t in zip(self._mask(static["_layout"], present), present)):
+    mask = self._mask(static["_layout"], present)
+    wants_grad = torch.is_grad_enabled() and any(
+        m and t.requires_grad for m, t in zip(mask, present))
+    device = _eager.plain_device(present)
+    if device is not None:
+      # As the custom ops: an input that requires grad gives outputs that do
+      # (with None gradients where the op has none).
+      if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return list(_eager.Residuals.apply(self.name, static_text, mask,
+                                           device, *present))
+      return _eager.forward(self.name, static_text, present, device)
+    if wants_grad:
       n_out = _n_outputs(self.name, static_text, tuple(
           (tuple(t.shape), t.dtype) for t in present))
       return list(self.save_op(static_text, present)[:n_out])
@@ -415,17 +424,12 @@ def _check_same_device(name: str, tensors) -> torch.device:
 
 
 def _run_eager(name, static_text, kind, mask, tensors, device):
-  flavour = _backend.forced_interpret_flavour()
-  fn = _jitted(name, static_text, flavour, kind, mask)
-  jax_device = _convert.jax_device_for(device)
-  arrays = [_convert.to_jax(t, jax_device) for t in tensors]
-  outs = fn(*arrays)
-  result = [_convert.to_torch(o, device) for o in outs]
+  fn = _jitted(name, static_text, _backend.forced_interpret_flavour(), kind,
+               mask)
   # A custom op's outputs may not alias its inputs (jit can hand an input
-  # buffer straight back): copy those.
-  in_ptrs = {t.data_ptr() for t in tensors if t.numel()}
-  return [r.clone() if r.numel() and r.data_ptr() in in_ptrs else r
-          for r in result]
+  # buffer straight back): to_torch copies those.
+  return _convert.to_torch(fn(*_convert.to_jax(tensors, device)), device,
+                           tensors)
 
 
 def _run_xla(op, static_text, kind, mask, tensors, shard):

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.torch
 import torch  # noqa: E402
 
 import torch_bridge as tb  # noqa: E402
-from torch_bridge import _core, ops  # noqa: E402
+from torch_bridge import _core, _eager, ops  # noqa: E402
 
 FAST = ("test_schema", "test_autograd_registration", "test_faketensor")
 AOT = ("test_aot_dispatch_static", "test_aot_dispatch_dynamic")
@@ -115,8 +115,10 @@ def test_every_registered_op_has_a_sample():
 
 def _recorded(monkeypatch, name, gen):
   """``(which, static, arrays)`` of the custom op that the public function
-  calls (``which``: "forward_op" or "save_op")."""
+  calls with the eager fast path off, as under torch.compile (``which``:
+  "forward_op" or "save_op")."""
   op, seen = _core.registered_ops()[name], []
+  monkeypatch.setattr(_eager, "plain_device", lambda tensors: None)
   for which in ("forward_op", "save_op"):
     def record(static, arrays, _which=which, _real=getattr(op, which)):
       seen.append((_which, static, list(arrays)))

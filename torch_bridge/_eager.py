@@ -1,0 +1,143 @@
+"""The eager fast path: plain CPU/CUDA tensors straight to the jitted JAX op.
+
+``JaxOp.__call__`` sends a call here when ``plain_device`` finds nothing
+that needs the registered custom ops: no torch.compile or torch.jit trace,
+no functorch transform (vmap, grad), torch dispatch mode (fake tensors,
+make_fx, FlopCounterMode) or forward-mode AD level, and every tensor a plain
+``torch.Tensor`` or ``nn.Parameter`` on one CPU or CUDA device. Everything
+else (XLA, meta and fake tensors, subclasses, compile) goes through
+``torch.ops.pallas_kernels.*``, whose dispatch costs far more than a small
+op's launch.
+
+  no gradient   ``forward``: DLPack in, the cached jitted forward, DLPack
+                out.
+  gradient      ``Residuals``, a ``torch.autograd.Function``: its forward
+                runs the jitted save function (outputs and the VJP's
+                residuals, which stay JAX arrays on the autograd context),
+                its backward the jitted restore function, so the backward
+                runs only the op's backward, never the forward again.
+
+Both run the jitted functions the custom ops run on CPU/CUDA tensors
+(``_core._jitted``), so the two paths give the same bits.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.autograd import forward_ad
+
+from pallas_kernels import _backend
+from torch_bridge import _convert
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _transformed() -> bool:
+  """Whether something records or reinterprets torch calls right now."""
+  return (torch.compiler.is_compiling()
+          or torch._C._are_functorch_transforms_active()
+          or torch._C._len_torch_dispatch_stack() > 0
+          or torch._C._get_tracing_state() is not None
+          or getattr(forward_ad, "_current_level", -1) >= 0)
+
+
+def plain_device(tensors) -> torch.device | None:
+  """The one CPU/CUDA device of ``tensors`` when the fast path may run
+  them, else None (the custom ops take the call)."""
+  if not tensors or _transformed():
+    return None
+  device = tensors[0].device
+  if device.type not in ("cpu", "cuda"):
+    return None
+  for t in tensors:
+    if type(t) not in _PLAIN_TYPES or t.device != device:
+      return None
+  return device
+
+
+def _jitted(name, static_text, kind, mask):
+  from torch_bridge import _core
+  return _core._jitted(name, static_text,
+                       _backend.forced_interpret_flavour(), kind, mask)
+
+
+def forward(name: str, static_text: str, tensors, device) -> list:
+  """The op's outputs, no autograd."""
+  fn = _jitted(name, static_text, "forward", None)
+  return _convert.to_torch(fn(*_convert.to_jax(tensors, device)), device,
+                           tensors)
+
+
+@functools.lru_cache(maxsize=None)
+def _n_outputs(name: str, static_text: str, signature: tuple) -> int:
+  from torch_bridge import _core
+  return _core._n_outputs(name, static_text, signature)
+
+
+def _save(ctx, tensors) -> list:
+  """The outputs of the jitted save function; its arrays, the inputs' JAX
+  views and (for autograd's in-place checks) the tensors go on ``ctx``."""
+  name, static_text, mask, device = ctx.call
+  arrays = _convert.to_jax(tensors, device)
+  flat = _jitted(name, static_text, "save", mask)(*arrays)
+  n_out = _n_outputs(name, static_text,
+                     tuple((tuple(t.shape), t.dtype) for t in tensors))
+  outs = _convert.to_torch(flat[:n_out], device, tensors)
+  ctx.save_for_backward(*tensors, *outs)
+  ctx.arrays, ctx.saved = arrays, flat
+  ctx.float_outputs = [o.dtype.is_floating_point for o in outs]
+  return outs
+
+
+class Residuals(torch.autograd.Function):
+  """``apply(name, static_text, mask, device, *tensors)``: the op's outputs,
+  with a backward from the saved residuals (``mask``: which tensors get
+  gradients; none: the plain forward, and None gradients)."""
+
+  @staticmethod
+  def forward(ctx, name, static_text, mask, device, *tensors):
+    ctx.call = (name, static_text, mask, device)
+    if any(mask):
+      outs = _save(ctx, tensors)
+    else:  # no input takes a gradient: nothing to save
+      outs = forward(name, static_text, tensors, device)
+    ctx.mark_non_differentiable(
+        *[o for o in outs if not o.dtype.is_floating_point])
+    return tuple(outs)
+
+  @staticmethod
+  def backward(ctx, *grads):
+    name, static_text, mask, device = ctx.call
+    if not any(mask):
+      return (None,) * (4 + len(mask))
+    saved = ctx.saved_tensors  # raises if one was modified in place
+    cotangents = _convert.to_jax(
+        [g for g, f in zip(grads, ctx.float_outputs) if f], device)
+    fn = _jitted(name, static_text, "restore", mask)
+    diff = _convert.to_torch(fn(*ctx.arrays, *ctx.saved, *cotangents),
+                             device)
+    if torch.is_grad_enabled():  # create_graph=True
+      watched = [t for t in saved + grads if t.requires_grad]
+      if watched:
+        diff = FirstOrderOnly.apply(name, len(diff), *diff, *watched)
+    diff = iter(diff)
+    return (None,) * 4 + tuple(next(diff) if m else None for m in mask)
+
+
+class FirstOrderOnly(torch.autograd.Function):
+  """``apply(name, n, *grads, *watched)``: the ``n`` grads, whose own
+  backward raises (the bridge has no second derivatives; without this node
+  a second backward would silently treat them as constants)."""
+
+  @staticmethod
+  def forward(ctx, name, n, *tensors):
+    ctx.name = name
+    return tuple(t.view_as(t) for t in tensors[:n])
+
+  @staticmethod
+  def backward(ctx, *grads):
+    raise RuntimeError(
+        f"{ctx.name}: torch_bridge ops have no second derivative; "
+        "differentiating their gradients (create_graph=True) is not "
+        "supported")
