@@ -166,10 +166,11 @@ def _picked(m, backend=None, block_sizes=None, mode="weight_only",
 
 
 def test_chooser_takes_mosaic_only_on_hopper_in_its_m_range():
-  assert _picked(128) == "triton"  # no Hopper GPU here
-  reason = mosaic_gpu.api_missing() or "needs a Hopper GPU"
-  with pytest.raises(ValueError, match=re.escape(reason)):
-    _picked(128, backend="mosaic_gpu")
+  with _backend.target_override(gpu_capability="8.0"):
+    assert _picked(128) == "triton"  # an Ampere target
+    reason = mosaic_gpu.api_missing() or "needs a Hopper GPU"
+    with pytest.raises(ValueError, match=re.escape(reason)):
+      _picked(128, backend="mosaic_gpu")
   with _backend.target_override(gpu_capability="9.0"):
     if mosaic_gpu.api_missing() is not None:
       assert _picked(128) == "triton"
@@ -198,7 +199,8 @@ def test_public_call_lowers_to_mosaic_gpu_for_a_hopper_target():
   with _backend.target_override(gpu_capability="9.0"):
     assert "mosaic_gpu" in lowered(128)
     assert "triton" in lowered(16) and "mosaic_gpu" not in lowered(16)
-  assert "mosaic_gpu" not in lowered(128)  # no Hopper: Triton
+  with _backend.target_override(gpu_capability="8.0"):
+    assert "mosaic_gpu" not in lowered(128)  # no Hopper: Triton
 
 
 # ------------------------------------------------- interpreter semantics --
