@@ -151,14 +151,16 @@ def tpu_rows(cases):
                    case["head_dim"])
     itemsize = jnp.dtype(case["dtype"]).itemsize
     group = case["heads"] // hk
-    plan = mosaic_tpu.make_plan(b, hk, group, s, d, itemsize)
-    work = mosaic_tpu.cost(b, hk, plan, d, itemsize, s)
-    for row in roofline.rows(label(case), work["flops"],
-                             work["bytes_accessed"],
-                             useful_flops=4 * b * case["heads"] * s * d):
+    for chip in roofline.TPUS:
+      plan = mosaic_tpu.make_plan(b, hk, group, s, d, itemsize,
+                                  generation=chip)
+      work = mosaic_tpu.cost(b, hk, plan, d, itemsize, s)
       vmem = mosaic_tpu.vmem_bytes(plan, d, itemsize)
-      rows.append(dict(row, vmem_mib=vmem / 2**20,
-                       fits_vmem=vmem <= roofline.SPECS[row["chip"]]["vmem"]))
+      for row in roofline.rows(label(case), work["flops"],
+                               work["bytes_accessed"], chips=(chip,),
+                               useful_flops=4 * b * case["heads"] * s * d):
+        rows.append(dict(row, vmem_mib=vmem / 2**20,
+                         fits_vmem=vmem <= roofline.SPECS[chip]["vmem"]))
   return rows
 
 

@@ -57,9 +57,86 @@ INTERPRET_FLAVOURS = ("tpu", "races", "generic")
 INTERPRET_ENV_VAR = "PALLAS_KERNELS_INTERPRET"
 TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 DEFAULT_TPU_GENERATION = "v5e"
-# VMEM per TensorCore (jax's tpu_info): what one kernel launch can address.
-TPU_VMEM_BYTES = {"v4": 16 << 20, "v5e": 128 << 20, "v5p": 64 << 20,
-                  "v6e": 128 << 20, "tpu7x": 64 << 20}
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSpec:
+  """Peak rates of one JAX device of a TPU generation (dense, no sparsity).
+
+  A device is what one kernel launch runs on: the whole chip where two
+  TensorCores act as one megacore (v4, v5p: "parallel" grid axes are shared
+  between them), one TensorCore elsewhere (tpu7x shows each of its two as a
+  device). ``int8``/``fp8`` None: no published rate. Vector rates are per
+  f32 element: ``cores * valu_slots * 8 * 128 * clock_hz`` VPU operations
+  and ``cores * 8 * 128 * clock_hz`` transcendentals (EUP) per second.
+  Sources and assumptions: ``TPU_SPEC_SOURCES``.
+  """
+  bf16: float            # MXU FLOP/s
+  int8: float | None     # MXU OP/s
+  fp8: float | None      # MXU FLOP/s where fp8 has its own rate
+  hbm: float             # bytes/s
+  vmem: int              # bytes per TensorCore
+  cores: int             # TensorCores per device
+  mxu_width: int         # systolic array side; narrower operands pad to it
+  clock_hz: float
+  valu_slots: int        # f32 (8, 128) vector ALU operations per cycle
+
+  @property
+  def vpu(self) -> float:
+    return self.cores * self.valu_slots * 8 * 128 * self.clock_hz
+
+  @property
+  def eup(self) -> float:
+    return self.cores * 8 * 128 * self.clock_hz
+
+TPU_SPECS = {
+    "v4": TpuSpec(bf16=275e12, int8=275e12, fp8=None, hbm=1200e9,
+                  vmem=16 << 20, cores=2, mxu_width=128, clock_hz=1.05e9,
+                  valu_slots=2),
+    "v5e": TpuSpec(bf16=197e12, int8=393e12, fp8=None, hbm=819e9,
+                   vmem=128 << 20, cores=1, mxu_width=128, clock_hz=1.5e9,
+                   valu_slots=4),
+    "v5p": TpuSpec(bf16=459e12, int8=918e12, fp8=None, hbm=2765e9,
+                   vmem=64 << 20, cores=2, mxu_width=128, clock_hz=1.75e9,
+                   valu_slots=4),
+    "v6e": TpuSpec(bf16=918e12, int8=1836e12, fp8=None, hbm=1638e9,
+                   vmem=128 << 20, cores=1, mxu_width=256, clock_hz=1.75e9,
+                   valu_slots=4),
+    # Per TensorCore: half of the chip's 2307 TFLOP/s bf16, 4614 fp8, 7380 GB/s.
+    "tpu7x": TpuSpec(bf16=2307e12 / 2, int8=None, fp8=4614e12 / 2,
+                     hbm=7380e9 / 2, vmem=64 << 20, cores=1, mxu_width=256,
+                     clock_hz=1.75e9, valu_slots=4),
+}
+TPU_SPEC_SOURCES = """\
+Peaks per chip, from Google Cloud's TPU pages ("System architecture"):
+  v4   https://cloud.google.com/tpu/docs/v4    275 TFLOP/s "bf16 or int8",
+       32 GiB HBM2 at 1200 GBps, 2 TensorCores of 4 MXUs
+  v5e  https://cloud.google.com/tpu/docs/v5e   197 TFLOP/s bf16, 393 TOP/s
+       int8, 16 GB HBM2 at 819 GBps, 1 TensorCore of 4 MXUs
+  v5p  https://cloud.google.com/tpu/docs/v5p   459 TFLOP/s bf16, 95 GB HBM2e
+       at 2765 GBps (95 GB is HBM; VMEM is 64 MiB per core); int8 918 TOP/s
+       from jax's tpu_info (the Cloud page lists bf16 only)
+  v6e  https://cloud.google.com/tpu/docs/v6e   918 TFLOP/s bf16, 1836 TOP/s
+       int8, 32 GB at 1638 GBps; one TensorCore of two 256x256 MXUs
+  tpu7x https://cloud.google.com/tpu/docs/tpu7x 2307 TFLOP/s bf16, 4614
+       TFLOP/s fp8, 192 GiB at 7380 GBps, 2 TensorCores (separate devices);
+       no int8 rate published
+VMEM per TensorCore: jax/_src/tpu_info.py (also the Pallas "TPU Hardware
+Reference", docs.jax.dev/en/latest/pallas/tpu/hardware.html): v4 16 MiB,
+v5e 128, v5p 64, v6e 128, tpu7x 64.
+Clocks: v5e 1.5 GHz (jax-ml/scaling-book, "How to Think About TPUs": 5e13
+FLOP/s per 128x128 MXU at 1.5 GHz); v4 1.05 GHz and v5p 1.75 GHz follow from
+their peaks at that rate per MXU (cores x 4 MXUs). Assumed: v6e and tpu7x
+1.75 GHz (unpublished).
+VPU: (8, 128) lanes; 2 ALU slots per lane on v4, 4 on v5 (scaling-book,
+Appendix C); assumed 4 on v6e and tpu7x. Kernels keep vector math in f32.
+Assumed: the EUP issues one (8, 128) f32 vreg of transcendentals per cycle.
+Assumed: ~0.35 us of fixed cost per grid step (pipeline bookkeeping, DMA
+issue and wait), split between the cores of a megacore.
+"""
+TPU_STEP_OVERHEAD_S = 0.35e-6
+# VMEM per TensorCore: what one kernel launch can address.
+TPU_VMEM_BYTES = {g: s.vmem for g, s in TPU_SPECS.items()}
 
 _PLATFORM = {"mosaic_tpu": "tpu", "triton": "cuda", "mosaic_gpu": "cuda",
              "reference": None}

@@ -130,9 +130,81 @@ def test_roofline_bound_rates_and_vmem():
   with pytest.raises(ValueError, match="tpu7x.*int8"):
     roofline.roofline("tpu7x", 1e9, 1e6, "int8")
   chips = [r["chip"] for r in roofline.rows("mm", 1e12, 1e9, "int8")]
-  assert chips == ["v5e", "v5p", "v6e"]  # TPU7x publishes no int8 rate
+  assert chips == ["v4", "v5e", "v5p", "v6e"]  # TPU7x: no int8 rate
   [row] = roofline.rows("mm", 1e12, 1e9, chips=("v6e",), useful_flops=5e11)
   assert row["tflops"] == pytest.approx(5e11 / (1e12 / 918e12) / 1e12)
+  # One tpu7x device is one TensorCore: half the chip's rates.
+  assert roofline.SPECS["tpu7x"]["bf16"] == pytest.approx(2307e12 / 2)
+
+
+def test_roofline_terms_arithmetic():
+  """Each term is its work over its rate; the time is the largest of the
+  overlapped terms plus the per-step cost; ``bound`` names the largest."""
+  work = roofline.Work("w", mxu_flops=197e6, vpu_ops=6.144e6,
+                       transcendentals=3.072e6, hbm_bytes=819e3,
+                       grid_steps=10)
+  t = roofline.terms("v5e", work)
+  assert t["mxu"] == pytest.approx(1e-6)        # 197 TFLOP/s
+  assert t["vpu"] == pytest.approx(1e-6)        # 4 x 8 x 128 x 1.5 GHz
+  assert t["eup"] == pytest.approx(2e-6)        # 8 x 128 x 1.5 GHz
+  assert t["hbm"] == pytest.approx(1e-6)        # 819 GB/s
+  assert t["steps"] == pytest.approx(3.5e-6)
+  assert t["time_s"] == pytest.approx(5.5e-6) and t["bound"] == "steps"
+  # Megacore (v5p): two TensorCores share the steps.
+  assert roofline.terms("v5p", work)["steps"] == pytest.approx(1.75e-6)
+  with pytest.raises(ValueError, match="tpu7x.*int8"):
+    roofline.terms("tpu7x", roofline.Work("w", mxu_flops=1, mxu_dtype="int8"))
+
+
+def test_roofline_exp_term_can_bound_on_v5e():
+  """An f32 softmax over VMEM-resident scores on v5e (one exp and 3 VPU
+  operations per element, a small matmul): the EUP term bounds it, above
+  the MXU and VPU; without the transcendentals the roofline would call it
+  VPU-bound, faster. (Attention at head_dim >= 64 stays MXU-bound:
+  the MXU pads the contraction to 128, see the next test.)"""
+  rows, cols = 4096, 8192
+  work = roofline.Work("softmax", mxu_flops=2 * rows * cols * 8,
+                       vpu_ops=3 * rows * cols, transcendentals=rows * cols,
+                       hbm_bytes=2 * (rows + cols) * 8 * 2, grid_steps=32)
+  t = roofline.terms("v5e", work)
+  assert t["bound"] == "eup" and t["eup"] > 1.3 * max(t["mxu"], t["vpu"])
+  assert t["eup"] == pytest.approx(rows * cols / (1024 * 1.5e9))
+  no_exp = roofline.terms("v5e", roofline.Work(
+      "softmax", mxu_flops=work.mxu_flops, vpu_ops=work.vpu_ops,
+      hbm_bytes=work.hbm_bytes, grid_steps=32))
+  assert no_exp["bound"] == "vpu" and no_exp["vpu"] < 0.8 * t["eup"]
+  assert no_exp["time_s"] < t["time_s"]
+
+
+def test_roofline_attention_terms_and_blocks():
+  """Attention forward on v5e at head_dim 128: MXU-bound with the exp at
+  a quarter of it; larger blocks cut the per-step term; v6e's 256-wide MXU
+  pads head_dim 128 (twice the MXU flops of v5e's count)."""
+  shape = dict(batch=1, heads=8, length=8192, head_dim=128)
+  small = roofline.total("v5e", roofline.attention("v5e", blocks=(512, 512),
+                                                   **shape))
+  large = roofline.total("v5e", roofline.attention("v5e", blocks=(1024, 1024),
+                                                   **shape))
+  assert small["bound"] == large["bound"] == "mxu"
+  assert small["mxu"] == pytest.approx(4 * 8 * 8192**2 * 128 / 197e12)
+  assert small["eup"] == pytest.approx(8 * 8192**2 / (1024 * 1.5e9))
+  assert large["steps"] == pytest.approx(small["steps"] / 4)
+  assert large["time_s"] < small["time_s"]
+  [v6e] = roofline.attention("v6e", blocks=(512, 512), **shape)
+  assert v6e.mxu_flops == pytest.approx(2 * 4 * 8 * 8192**2 * 128)
+  bwd = roofline.attention("v5e", blocks=(512, 512), backward=True, **shape)
+  assert [w.name for w in bwd] == ["dq", "dkv"]
+  assert sum(w.mxu_flops for w in bwd) == pytest.approx(
+      14 * 8 * 8192**2 * 128)
+
+
+def test_roofline_main_prints_every_term(capsys):
+  assert roofline.main(["--generation", "v5e"]) == 0
+  out = capsys.readouterr().out
+  header = next(l for l in out.splitlines() if l.startswith("op |"))
+  for term in roofline.TERMS + ("bound",):
+    assert term in header
+  assert "flash_attention fwd | v5e" in out and "cloud.google.com" in out
 
 
 def test_run_rejects_unknown_and_reports_failures(monkeypatch, capsys):

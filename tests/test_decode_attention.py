@@ -21,7 +21,7 @@ import pytest
 import backends
 import pallas_kernels as pk
 from oracles import decode as oracle
-from pallas_kernels import _compat
+from pallas_kernels import _backend, _compat
 from pallas_kernels.decode import mosaic_tpu, triton
 
 TOLERANCES = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-2}
@@ -228,10 +228,26 @@ def test_tpu_plan_fits_and_splits():
                                pages_per_seq=256)
   assert paged.chunks == mosaic_tpu.MAX_PAGES_PER_BLOCK
   assert paged.block == 16 * paged.chunks
+
+
+@pytest.mark.parametrize("generation", _backend.TPU_GENERATIONS)
+def test_tpu_plan_fits_each_generations_vmem(generation):
+  """Every generation's blocks use at most 3/4 of its VMEM per core
+  (double-buffered K/V included), and the scoped limit a launch asks for
+  covers that and stays inside the VMEM."""
+  vmem = _backend.TPU_VMEM_BYTES[generation]
+  blocks = set()
   for d in (64, 128, 256):
     for rows in (1, 64, 256):
-      plan = mosaic_tpu.make_plan(1, 1, rows, 131072, d, 2)
-      assert mosaic_tpu.vmem_bytes(plan, d, 2) <= 12 << 20, (d, rows)
+      for itemsize in (2, 4):
+        plan = mosaic_tpu.make_plan(1, 1, rows, 131072, d, itemsize,
+                                    generation=generation)
+        limit = mosaic_tpu.vmem_limit_bytes(plan, d, itemsize)
+        used = mosaic_tpu.vmem_bytes(plan, d, itemsize)
+        assert used <= vmem * 3 // 4 and used < limit <= vmem, (
+            generation, d, rows, used, limit)
+        blocks.add(plan.block)
+  assert max(blocks) * 128 * 2 == mosaic_tpu.BLOCK_BYTES[generation]
 
 
 def test_tpu_page_table_beyond_smem_runs_as_several_launches(rng):

@@ -78,6 +78,7 @@ def test_tpu_page_compiles():
   pytest.importorskip("libtpu")
   namespace = _run("tpu.md", page_blocks("tpu.md"))
   assert namespace["r"].memory is not None
+  assert namespace["t"]["bound"] == "mxu"
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")

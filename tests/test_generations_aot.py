@@ -9,13 +9,15 @@ shapes with full-size blocks.
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import _backend, tpu_aot
+from pallas_kernels import _backend, _compat, tpu_aot
+from pallas_kernels.attention import block_sizes
 
 pytestmark = pytest.mark.tpu_aot
 S = jax.ShapeDtypeStruct
@@ -91,6 +93,34 @@ def _check(generation, op, ops, tpu_topologies):
 @pytest.mark.parametrize("generation", _backend.TPU_GENERATIONS)
 def test_compiles_for_each_generation(generation, op, tpu_topologies):
   _check(generation, op, SMALL, tpu_topologies)
+
+
+@pytest.mark.parametrize("generation", _backend.TPU_GENERATIONS)
+def test_attention_table_row_compiles(generation, tpu_topologies):
+  """The forward kernel at the generation's own table row (a sequence as
+  long as the row's blocks, so no block shrinks) compiles within the
+  generation's VMEM."""
+  topology = tpu_aot.GENERATION_TOPOLOGY[generation]
+  if topology not in tpu_topologies:
+    pytest.skip(f"the installed libtpu lacks {topology}")
+  row = block_sizes.table_block_sizes(generation, 128)
+  length = max(row.block_q, row.block_kv)
+  spec = S((1, 1, length, 128), jnp.bfloat16)
+  calls = []
+  original = _compat.pl.pallas_call
+
+  def recording(kernel, *args, **kwargs):
+    calls.append([s.block_shape[-2] for s in kwargs["grid_spec"].in_specs
+                  [:2]] if "grid_spec" in kwargs else None)
+    return original(kernel, *args, **kwargs)
+
+  with mock.patch.object(_compat.pl, "pallas_call", recording):
+    result = tpu_aot.compile_for_tpu(
+        lambda q, k, v: pk.flash_attention(q, k, v, backend="mosaic_tpu"),
+        spec, spec, spec, topology=topology)
+  assert [row.block_q, row.block_kv] in calls, calls
+  vmem = result.kernel_vmem_bytes
+  assert 0 < max(vmem.values()) <= _backend.TPU_VMEM_BYTES[generation]
 
 
 @pytest.mark.slow

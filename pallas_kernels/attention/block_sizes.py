@@ -5,12 +5,19 @@ A block is ``block_q`` query rows by ``block_kv`` key rows, both multiples of
 width). ``TABLE[generation]`` (generation from ``_backend.target()``, the
 lowering target; the v5e row for a generation it does not list):
 
-  generation  head_dim   forward (q, kv)   backward (q, kv)
-  v5e / v4    <= 128     (512, 512)        (512, 512)
-  v5e / v4    256        (512, 512)        (256, 512)
-  v5p         any        (512, 1024)       (512, 512)
-  v6e / tpu7x <= 128     (1024, 512)       (512, 1024)
-  v6e / tpu7x 256        (1024, 512)       (512, 512)
+  generation   head_dim   forward (q, kv)   backward (q, kv)
+  v4           <= 128     (512, 512)        (512, 512)
+  v4           256        (512, 512)        (256, 512)
+  v5e, v6e     any        (1024, 1024)      (1024, 1024)
+  v5p, tpu7x   any        (1024, 512)       (512, 1024)
+
+Why: a grid step costs ~0.35 us besides its work, and a 512 x 512 block's
+MXU work is ~0.7 us on v5e and ~0.6 us on v6e (whose 256-wide MXU pads a
+128 head_dim), so larger blocks save 15-25% (``python -m bench.roofline``).
+The VMEM they need (``mosaic_tpu.vmem_bytes``, double buffers included)
+stays within the generation's VMEM per core for bf16 and float32 inputs:
+v5e/v6e have 128 MiB, v5p and tpu7x 64 MiB (a 1024 x 1024 block with a bias
+would ask for more), v4 16 MiB. docs/design/attention.md has the numbers.
 
 A block never exceeds the sequence rounded up to 128, and it is halved (down
 to 128) while rounding the sequence up to it would pad more than 1/8 of it.
@@ -32,13 +39,11 @@ DEFAULT_GENERATION = _backend.DEFAULT_TPU_GENERATION
 
 # generation -> ((max head_dim, (fwd_q, fwd_kv), (bwd_q, bwd_kv)), ...)
 TABLE = {
-    "v5e": ((128, (512, 512), (512, 512)), (None, (512, 512), (256, 512))),
     "v4": ((128, (512, 512), (512, 512)), (None, (512, 512), (256, 512))),
-    "v5p": ((None, (512, 1024), (512, 512)),),
-    "v6e": ((128, (1024, 512), (512, 1024)), (None, (1024, 512), (512, 512))),
-    # tpu7x: v6e's 256-wide MXU; its blocks use a few MiB of its 64 MiB VMEM.
-    "tpu7x": ((128, (1024, 512), (512, 1024)),
-              (None, (1024, 512), (512, 512))),
+    "v5e": ((None, (1024, 1024), (1024, 1024)),),
+    "v6e": ((None, (1024, 1024), (1024, 1024)),),
+    "v5p": ((None, (1024, 512), (512, 1024)),),
+    "tpu7x": ((None, (1024, 512), (512, 1024)),),
 }
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _compat, _cost
+from pallas_kernels import _backend, _compat, _cost
 from pallas_kernels._compat import pl, pltpu
 from pallas_kernels.decode import splits as _splits
 
@@ -39,9 +39,12 @@ LANES = 128
 _SQ = pl.Squeezed() if hasattr(pl, "Squeezed") else None
 _NT = (((1,), (1,)), ((), ()))   # a @ b^T
 _NN = (((1,), (0,)), ((), ()))   # a @ b
-# Bytes of one K block in VMEM (V the same): large enough that a step's DMA
-# outlasts the fixed cost of a grid step on every generation.
-BLOCK_BYTES = 1 << 20
+# Bytes of one K block in VMEM (V the same) per generation: a step's K and V
+# DMA takes ~5 us at the generation's HBM rate per TensorCore (tpu7x ~2.3),
+# so the ~0.35 us fixed cost of a grid step stays under ~15%; v4 keeps 1 MiB
+# of its 16 MiB VMEM (bench/roofline.py, docs/design/decode.md).
+BLOCK_BYTES = {"v4": 1 << 20, "v5e": 2 << 20, "v5p": 2 << 20,
+               "v6e": 4 << 20, "tpu7x": 4 << 20}
 # Bytes of one step's float32 logits (rows x block).
 SCORE_BYTES = 1 << 20
 MAX_PAGES_PER_BLOCK = 32
@@ -83,12 +86,15 @@ def _sublanes(itemsize: int) -> int:
 
 def make_plan(batch, kv_heads, row_count, capacity, head_dim, itemsize, *,
               page_size=None, pages_per_seq=None, block_kv=None,
-              num_splits=None) -> Plan:
+              num_splits=None, generation=None) -> Plan:
   """Rows, block and splits of a call (``block_kv``/``num_splits``: override
-  the defaults; a paged block is a whole number of pages)."""
+  the defaults; a paged block is a whole number of pages). ``generation``:
+  whose ``BLOCK_BYTES`` (default: the lowering target's)."""
+  generation = generation or _backend.target().tpu_generation
+  block_bytes = BLOCK_BYTES.get(generation, BLOCK_BYTES["v5e"])
   rows = _splits.round_up(row_count, _sublanes(itemsize))
   lanes = _splits.round_up(head_dim, LANES)
-  by_bytes = min(BLOCK_BYTES // (lanes * itemsize), SCORE_BYTES // (rows * 4))
+  by_bytes = min(block_bytes // (lanes * itemsize), SCORE_BYTES // (rows * 4))
   target = max(LANES, by_bytes // LANES * LANES)
   if block_kv is not None:
     target = block_kv
@@ -119,6 +125,13 @@ def vmem_bytes(plan: Plan, head_dim: int, itemsize: int) -> int:
   scratch = plan.rows * (2 * LANES + lanes) * 4
   temps = 4 * plan.rows * _splits.round_up(plan.page_size, LANES) * 4
   return kv + q + outs + scratch + temps
+
+
+def vmem_limit_bytes(plan: Plan, head_dim: int, itemsize: int) -> int:
+  """The scoped VMEM a launch asks for: its ``vmem_bytes`` with a quarter to
+  spare, at least 16 MiB (the smallest default scoped limit)."""
+  need = vmem_bytes(plan, head_dim, itemsize) * 5 // 4
+  return max(16 << 20, _splits.round_up(need, 1 << 20))
 
 
 def cost(batch, kv_heads, plan: Plan, head_dim, itemsize, capacity=None):
@@ -307,7 +320,8 @@ def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
       kernel, grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=("parallel", "parallel", "parallel",
-                               "arbitrary")),
+                               "arbitrary"),
+          vmem_limit_bytes=vmem_limit_bytes(plan, head_dim, itemsize)),
       interpret=interpret, cost_estimate=_cost.estimate(**work),
       name="decode_attention_paged" if paged else "decode_attention",
   )(*prefetch, rows, *kv_args)

@@ -25,23 +25,29 @@ over chunks and K steps is then the exact result.
 
 Shape classes: "decode" (M <= 128: memory-bound on the weights, so big
 weight tiles to amortize the ~0.35 us per grid step), "medium" (M <= 1024)
-and "large". Arithmetic intensity of a tile is about 2*bm*bn/(bm+bn) int8
-ops per byte; a generation needs its int8 rate over its HBM bandwidth:
-v4 ~230 (275 TOP/s at the bf16 rate, see below, over 1200 GB/s), v5e ~480
-(393 over 819), v5p ~330 (918 over 2765), v6e ~1120 (1836 over 1638);
-tpu7x publishes no int8 rate (bf16 2307 TFLOP/s over 7380 GB/s: ~310).
-Hence 1024-wide tiles for large problems.
+and "large". A tile's arithmetic intensity is about 2*bm*bn/(bm+bn) int8
+ops per HBM byte; a generation needs its int8 rate over its HBM rate (per
+JAX device, ``_backend.TPU_SPECS``): v4 ~230 (bf16 rate, see below: 275
+TOP/s over 1200 GB/s), v5e ~480 (393 over 819), v5p ~330 (918 over 2765),
+v6e ~1120 (1836 over 1638); tpu7x publishes no int8 rate (its bf16 rate,
+1153 TFLOP/s per TensorCore over 3690 GB/s, gives ~310). Hence 1024-wide
+tiles for large problems, and 2048 x 1024 on v6e (1365 ops/byte).
 
 | gen       | decode (bm=M)   | medium           | large             | budget / limit |
 |-----------|-----------------|------------------|-------------------|----------------|
-| v5e       | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
-| v6e       | bk 4096 bn 2048 | 512 x 1024 x 2048| 1024 x 1024 x 1024| 40 / 64 MiB    |
+| v5e       | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 1024 x 1024| 28 / 48 MiB    |
+| v6e       | bk 4096 bn 2048 | 512 x 1024 x 2048| 2048 x 1024 x 1024| 40 / 64 MiB    |
 | v5p       | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
-| tpu7x     | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
+| tpu7x     | bk 4096 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
 | v4, other | bk 1024 bn 1024 | 256 x 1024 x 1024| 512 x 1024 x 1024 | 12 / 16 MiB    |
 
-VMEM per TensorCore (jax's ``tpu_info``): v4 16 MiB, v5e and v6e 128 MiB,
-v5p and tpu7x 64 MiB; the budgets stay well inside it.
+A grid step's MXU work should outlast its ~0.35 us fixed cost several
+times: 1024 x 1024 x 1024 is ~5.5 us on v5e (1024 x 512 x 1024 was 2.7); a
+tpu7x TensorCore streams a 4096 x 2048 weight tile in ~2.3 us (2048 x 2048:
+~1.1). ``python -m bench.roofline`` gives each term per generation.
+
+VMEM per TensorCore (``_backend.TPU_VMEM_BYTES``): v4 16 MiB, v5e and v6e
+128 MiB, v5p and tpu7x 64 MiB; the budgets stay well inside it.
 
 A config is clamped to the problem (a dimension smaller than its tile uses
 the whole dimension), K tiles divide K (K is zero-padded to a multiple of
@@ -91,12 +97,12 @@ class BlockSizes:
 # (bm, bk, bn) per generation and shape class; bm None means "all of M".
 TPU_TABLE = {
     "v5e": {"decode": (None, 2048, 2048), "medium": (256, 1024, 2048),
-            "large": (1024, 512, 1024)},
-    "v6e": {"decode": (None, 4096, 2048), "medium": (512, 1024, 2048),
             "large": (1024, 1024, 1024)},
+    "v6e": {"decode": (None, 4096, 2048), "medium": (512, 1024, 2048),
+            "large": (2048, 1024, 1024)},
     "v5p": {"decode": (None, 2048, 2048), "medium": (256, 1024, 2048),
             "large": (1024, 512, 1024)},
-    "tpu7x": {"decode": (None, 2048, 2048), "medium": (256, 1024, 2048),
+    "tpu7x": {"decode": (None, 4096, 2048), "medium": (256, 1024, 2048),
               "large": (1024, 512, 1024)},
     "v4": {"decode": (None, 1024, 1024), "medium": (256, 1024, 1024),
            "large": (512, 1024, 1024)},
