@@ -377,6 +377,21 @@ def test_mosaic_partial_last_grid_block_and_multi_step(rng):
                      GRAD_RTOL["float32"])
 
 
+def test_mosaic_pairwise_partial_edge_tiles_without_races(rng):
+  # 2 x 3 tiles of 128 x 128, the last row and column of tiles partial.
+  b1 = random_boxes(rng, (2, 200), 0.1)
+  b2 = random_boxes(rng, (2, 259), 0.1)
+  out, log = _backend.find_races(
+      lambda a, b: mosaic_tpu.pairwise(
+          a, b, kind="giou", eps=0.0, out_dtype=jnp.float32, tile=(128, 128),
+          interpret=_backend.interpret_value()),
+      b1, b2)
+  assert log.launches == 1 and not log.found, log
+  for i in range(2):
+    assert_close(out[i], oracle.pairwise("giou", b1[i], b2[i]),
+                 ATOL["float32"])
+
+
 def test_mosaic_backward_has_no_races(rng):
   pred, target = random_boxes(rng, (200,)), random_boxes(rng, (200,))
   _, log = _backend.find_races(jax.jit(jax.grad(lambda p, t: pk.ciou_loss(

@@ -42,6 +42,47 @@ def test_giou_loss_forward_backward_has_no_layout_copies(topologies):
     assert not relayouts, relayouts
 
 
+# Ops that would copy boxes or results around the kernels in HBM (an async
+# copy-start into VMEM is XLA prefetching, not a relayout).
+_RELAYOUT = re.compile(r"= \S+ (?:copy|transpose|pad|slice|concatenate)\(|"
+                       r"%\S*(?:pad|slice|transpose|concatenate)\S* = ")
+
+
+def _relayouts(hlo_text):
+  return _RELAYOUT.findall(hlo_text[hlo_text.find("\nENTRY"):])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_odd_box_count_is_read_and_written_in_place(topologies, dtype):
+  # 1000 boxes: not a multiple of 128. The kernels read [N, 4] as [4, N]
+  # planes (a bitcast) and write exact outputs: no pad, slice or copy.
+  spec = jax.ShapeDtypeStruct((1000, 4), dtype)
+
+  def values_and_grads(p, t):
+    out, pullback = jax.vjp(lambda x, y: pk.giou_loss(x, y), p, t)
+    return (out,) + pullback(out) + _loss_and_grads(p, t)
+
+  result = tpu_aot.compile_for_tpu(values_and_grads, spec, spec,
+                                   topology=topologies[0])
+  assert result.hlo_text.count("tpu_custom_call") >= 4
+  relayouts = _relayouts(result.hlo_text)
+  # The [N] cotangent of the unreduced loss is padded to whole 128-box rows
+  # (4 bytes per box); the boxes never are.
+  assert len(relayouts) <= 1, relayouts
+
+
+def test_pairwise_odd_sizes_write_the_exact_output(topologies):
+  n, m = 1000, 1001
+  result = tpu_aot.compile_for_tpu(
+      pk.pairwise_giou, jax.ShapeDtypeStruct((n, 4), jnp.float32),
+      jax.ShapeDtypeStruct((m, 4), jnp.float32), topology=topologies[0])
+  assert not _relayouts(result.hlo_text), _relayouts(result.hlo_text)
+  # [N, M] f32 tiled (8, 128): the output itself, once.
+  exact = -(-n // 8) * 8 * (-(-m // 128) * 128) * 4
+  assert result.memory.output_size_in_bytes == exact, result.memory
+  assert result.memory.temp_size_in_bytes < exact // 8, result.memory
+
+
 @pytest.mark.parametrize("loss", ["ciou_loss", "diou_loss", "iou_loss"])
 def test_other_losses_bf16_cxcywh_odd_size(topologies, loss):
   spec = jax.ShapeDtypeStruct((1000, 4), jnp.bfloat16)

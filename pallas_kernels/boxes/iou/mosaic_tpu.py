@@ -2,24 +2,26 @@
 
 Elementwise ops and losses: XLA stores a float ``[P, 4]`` array on TPU with
 layout ``{0,1:T(4,128)}``, per group of 128 boxes the 4 coordinates each as
-128 contiguous values, so the view ``boxes.reshape(P/128, 128, 4)
-.swapaxes(1, 2).reshape(4 P/128, 128)`` is a bitcast (for P not a multiple
-of 128 it costs one relayout copy; P is padded to at least 1024 boxes). The
-kernels read coordinate plane c of that ``[4 R, 128]`` view (row 4 s + c =
-coordinate c of boxes 128 s .. 128 s + 127) with sublane-strided loads,
-eight rows (1024 boxes) at a time, so all arithmetic runs on full vregs and
-the result ``[R, 128]`` is row-major ``[P]``; reduced losses write one
-``[8, 128]`` partial sum per grid step. The backward kernel evaluates
-``_math.score_vjp`` on the planes and writes the gradient planes through
-strided stores. Strided access needs 32-bit data: bf16/f16 blocks are first
-widened into an f32 VMEM scratch. Pallas masks a partial last block; padded
-boxes are excluded from sums by index.
+128 contiguous values, so ``boxes.T`` (``[4, P]``, tiles (4, 128)) is a
+bitcast for any P. Blocks of ``(4, B)`` boxes (B a multiple of 1024; the
+last block may be partial: Pallas drops its out-of-bounds stores, and
+reduced losses exclude its boxes by index) are read eight 128-box tiles at a
+time with sublane-strided loads, one full ``[8, 128]`` vreg per coordinate,
+so all arithmetic runs on full vregs; the result ``[ceil(P / 128), 128]`` is
+row-major ``[P]`` (and slicing it to P boxes a bitcast, XLA pads ``[P]`` to
+1024); reduced losses write one ``[8, 128]`` partial sum per grid step. The
+backward kernel evaluates ``_math.score_vjp`` on the planes and writes
+``[4, P]`` gradient planes through strided stores (``.T`` is again a
+bitcast). Strided access needs 32-bit data: bf16/f16 blocks are first
+widened into an f32 VMEM scratch.
 
-Pairwise: boxes1 arrives as ``[TN, 4]`` blocks, each coordinate broadcast
-across lanes; boxes2 transposed with each coordinate row repeated on 8
-sublanes, ``[32, M]`` (an O(M) copy), so its planes are plain ``[8, 128]``
-loads. The ``[TN, TM]`` output tile (N on sublanes, M on lanes) is computed
-8 x 128 at a time and written once; IoU and GIoU use
+Pairwise: boxes1 arrive as ``[4, TN]`` planes (a bitcast of ``[N, 4]``),
+transposed once per grid step in VMEM so that each box's coordinates can be
+broadcast across lanes; boxes2 transposed with each coordinate row repeated
+on 8 sublanes, ``[32, M]`` (an O(M) copy), so its planes are plain
+``[8, 128]`` loads. The ``[TN, TM]`` output tile (N on sublanes, M on lanes)
+is computed 8 x 128 at a time and written once, straight into the exact
+``[N, M]`` (edge tiles are partial blocks); IoU and GIoU use
 ``_math.pairwise_score_lean``. Block sizes below fit VMEM with double
 buffering (forward 2 x 2 x 2 MiB, backward 4 x 2 x 1 MiB of f32).
 """
@@ -47,27 +49,15 @@ def _round_up(x, m):
   return -(-x // m) * m
 
 
-def _rows_layout(num_boxes, block_rows):
-  """(rows, block): rows of 128 boxes (>= 8), block a multiple of 8."""
-  rows = max(_round_up(num_boxes, LANES) // LANES, GROUP)
-  block = min(block_rows, rows // GROUP * GROUP)
-  return rows, block
+def _block_boxes(num_boxes, block_rows):
+  """Boxes per grid step: ``block_rows`` rows of 128, fewer for few boxes
+  (a whole number of 1024-box groups either way)."""
+  return min(block_rows * LANES, _round_up(num_boxes, GROUP * LANES))
 
 
-def as_planes(boxes, rows):
-  """[P, 4] -> [4 rows, 128] coordinate planes (a bitcast on TPU)."""
-  pad = rows * LANES - boxes.shape[0]
-  if pad:
-    boxes = jnp.pad(boxes, ((0, pad), (0, 0)))
-  return boxes.reshape(rows, LANES, COORDS).swapaxes(1, 2).reshape(
-      rows * COORDS, LANES)
-
-
-def from_planes(planes, num_boxes):
-  rows = planes.shape[0] // COORDS
-  boxes = planes.reshape(rows, COORDS, LANES).swapaxes(1, 2).reshape(
-      rows * LANES, COORDS)
-  return boxes if rows * LANES == num_boxes else boxes[:num_boxes]
+def as_planes(boxes):
+  """[P, 4] -> [4, P]: coordinate planes, a bitcast of XLA's TPU layout."""
+  return boxes.T
 
 
 def _widened(ref, scratch):
@@ -79,19 +69,26 @@ def _widened(ref, scratch):
 
 
 def _planes(ref, group):
-  """Coordinate planes [8, 128] of plane rows 8*group .. 8*group+7."""
-  start = group * (GROUP * COORDS)
-  return tuple(ref[pl.ds(start + c, GROUP, stride=COORDS), :]
+  """Coordinate planes [8, 128] of boxes 1024 group .. 1024 group + 1023
+  (sublane-strided loads of the (4, 128) tiles)."""
+  start = pl.multiple_of(group * (GROUP * LANES), GROUP * LANES)
+  return tuple(ref[c, pl.ds(start, GROUP * LANES)].reshape(GROUP, LANES)
                for c in range(COORDS))
 
 
+def _store_planes(ref, group, planes):
+  start = pl.multiple_of(group * (GROUP * LANES), GROUP * LANES)
+  for c in range(COORDS):
+    ref[c, pl.ds(start, GROUP * LANES)] = planes[c].reshape(GROUP * LANES)
+
+
 def _widening_scratch(dtype, block):
-  shape = (block * COORDS, LANES) if dtype != jnp.float32 else (8, LANES)
+  shape = (COORDS, block) if dtype != jnp.float32 else (8, LANES)
   return pltpu.VMEM(shape, jnp.float32)
 
 
 def _forward_kernel(b1_ref, b2_ref, out_ref, w1_ref, w2_ref, *, kind, formula,
-                    eps, box_format, as_loss, num_boxes, block_rows, reduce):
+                    eps, box_format, as_loss, num_boxes, block, reduce):
   step = pl.program_id(0)
   b1 = _widened(b1_ref, w1_ref)
   b2 = _widened(b2_ref, w2_ref)
@@ -104,12 +101,12 @@ def _forward_kernel(b1_ref, b2_ref, out_ref, w1_ref, w2_ref, *, kind, formula,
     if reduce:
       sub = jax.lax.broadcasted_iota(jnp.int32, (GROUP, LANES), 0)
       lane = jax.lax.broadcasted_iota(jnp.int32, (GROUP, LANES), 1)
-      row = step * block_rows + group * GROUP + sub
-      return acc + jnp.where(row * LANES + lane < num_boxes, value, 0.0)
+      box = step * block + (group * GROUP + sub) * LANES + lane
+      return acc + jnp.where(box < num_boxes, value, 0.0)
     out_ref[pl.ds(group * GROUP, GROUP), :] = value.astype(out_ref.dtype)
     return acc
 
-  acc = jax.lax.fori_loop(0, block_rows // GROUP, group_body,
+  acc = jax.lax.fori_loop(0, block // (GROUP * LANES), group_body,
                           jnp.zeros((GROUP, LANES), jnp.float32))
   if reduce:
     out_ref[0] = acc
@@ -128,22 +125,24 @@ def elementwise(boxes1, boxes2, *, kind, formula, eps, box_format,
   With ``reduce`` the result is the float32 sum over the P boxes instead.
   """
   num_boxes = boxes1.shape[0]
-  rows, block = _rows_layout(num_boxes, block_rows)
-  x1, x2 = as_planes(boxes1, rows), as_planes(boxes2, rows)
-  steps = pl.cdiv(rows, block)
-  in_spec = pl.BlockSpec((block * COORDS, LANES), lambda i: (i, 0))
+  block = _block_boxes(num_boxes, block_rows)
+  x1, x2 = as_planes(boxes1), as_planes(boxes2)
+  steps = pl.cdiv(num_boxes, block)
+  in_spec = pl.BlockSpec((COORDS, block), lambda i: (0, i))
   if reduce:
     out_shape = jax.ShapeDtypeStruct((steps, GROUP, LANES), jnp.float32)
     out_spec = pl.BlockSpec((1, GROUP, LANES), lambda i: (i, 0, 0))
   else:
-    out_shape = jax.ShapeDtypeStruct((rows, LANES), out_dtype)
-    out_spec = pl.BlockSpec((block, LANES), lambda i: (i, 0))
+    # [rows, 128] row-major is [P] padded to whole rows; XLA's TPU layout
+    # pads [P] to 1024 anyway, so dropping the padding is a bitcast.
+    out_shape = jax.ShapeDtypeStruct((pl.cdiv(num_boxes, LANES), LANES),
+                                     out_dtype)
+    out_spec = pl.BlockSpec((block // LANES, LANES), lambda i: (i, 0))
   kernel = functools.partial(
       _forward_kernel, kind=kind, formula=formula, eps=eps,
       box_format=box_format, as_loss=as_loss, num_boxes=num_boxes,
-      block_rows=block, reduce=reduce)
+      block=block, reduce=reduce)
   flops, transcendentals = _math.ops_per_box(kind, formula, eps, box_format)
-  boxes = rows * LANES
   out = _compat.pallas_call(
       kernel,
       grid=(steps,),
@@ -155,25 +154,25 @@ def elementwise(boxes1, boxes2, *, kind, formula, eps, box_format,
       compiler_params=_compiler_params(),
       interpret=interpret,
       cost_estimate=_cost.estimate(
-          flops=boxes * (flops + (1 if as_loss else 0) + (2 if reduce else 0)),
-          transcendentals=boxes * transcendentals,
+          flops=num_boxes * (flops + (1 if as_loss else 0)
+                             + (2 if reduce else 0)),
+          transcendentals=num_boxes * transcendentals,
           bytes_accessed=_cost.nbytes(x1, x2, out_shape)),
       name=f"{kind}_{'loss' if as_loss else 'score'}"
            f"{'_sum' if reduce else ''}",
   )(x1, x2)
   if reduce:
     return jnp.sum(out)
-  out = out.reshape(-1)
-  return out if out.shape[0] == num_boxes else out[:num_boxes]
+  return out.reshape(-1)[:num_boxes]
 
 
 def _backward_kernel(b1_ref, b2_ref, g_ref, d1_ref, d2_ref, w1_ref, w2_ref,
-                     *, kind, formula, eps, box_format, block_rows,
+                     *, kind, formula, eps, box_format, block,
                      scalar_cotangent):
   b1 = _widened(b1_ref, w1_ref)
   b2 = _widened(b2_ref, w2_ref)
   # Gradients go straight to f32 outputs, else to the widening scratch
-  # (each group overwrites only the rows it has just read).
+  # (each group overwrites only the boxes it has just read).
   o1 = d1_ref if d1_ref.dtype == jnp.float32 else b1
   o2 = d2_ref if d2_ref.dtype == jnp.float32 else b2
   scale = g_ref[0] if scalar_cotangent else None
@@ -187,13 +186,11 @@ def _backward_kernel(b1_ref, b2_ref, g_ref, d1_ref, d2_ref, w1_ref, w2_ref,
       cot = g_ref[pl.ds(group * GROUP, GROUP), :]
     grads1, grads2 = _math.score_vjp(kind, formula, eps, box_format,
                                      planes1, planes2, cot)
-    start = group * (GROUP * COORDS)
-    for c in range(COORDS):
-      o1[pl.ds(start + c, GROUP, stride=COORDS), :] = grads1[c]
-      o2[pl.ds(start + c, GROUP, stride=COORDS), :] = grads2[c]
+    _store_planes(o1, group, grads1)
+    _store_planes(o2, group, grads2)
     return carry
 
-  jax.lax.fori_loop(0, block_rows // GROUP, group_body, 0)
+  jax.lax.fori_loop(0, block // (GROUP * LANES), group_body, 0)
   if o1 is not d1_ref:
     d1_ref[...] = o1[...].astype(d1_ref.dtype)
   if o2 is not d2_ref:
@@ -209,28 +206,27 @@ def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
   value for all boxes (reduced losses: no cotangent traffic at all).
   """
   num_boxes = boxes1.shape[0]
-  rows, block = _rows_layout(num_boxes, block_rows)
-  x1, x2 = as_planes(boxes1, rows), as_planes(boxes2, rows)
-  steps = pl.cdiv(rows, block)
-  box_spec = pl.BlockSpec((block * COORDS, LANES), lambda i: (i, 0))
+  block = _block_boxes(num_boxes, block_rows)
+  x1, x2 = as_planes(boxes1), as_planes(boxes2)
+  steps = pl.cdiv(num_boxes, block)
+  box_spec = pl.BlockSpec((COORDS, block), lambda i: (0, i))
   if shared_cotangent:
     g = cotangent.astype(jnp.float32).reshape(1)
     g_spec = pl.BlockSpec(memory_space=pltpu.SMEM)
   else:
+    rows = pl.cdiv(num_boxes, LANES)
     g = cotangent.astype(jnp.float32).reshape(-1)
-    if rows * LANES != num_boxes:
+    if rows * LANES != num_boxes:  # 4 bytes per box; the boxes are not copied
       g = jnp.pad(g, (0, rows * LANES - num_boxes))
     g = g.reshape(rows, LANES)
-    g_spec = pl.BlockSpec((block, LANES), lambda i: (i, 0))
+    g_spec = pl.BlockSpec((block // LANES, LANES), lambda i: (i, 0))
   kernel = functools.partial(
       _backward_kernel, kind=kind, formula=formula, eps=eps,
-      box_format=box_format, block_rows=block,
-      scalar_cotangent=shared_cotangent)
+      box_format=box_format, block=block, scalar_cotangent=shared_cotangent)
   out_shape = [jax.ShapeDtypeStruct(x1.shape, boxes1.dtype),
                jax.ShapeDtypeStruct(x2.shape, boxes2.dtype)]
   flops, transcendentals = _math.ops_per_box(kind, formula, eps, box_format,
-                                       backward=True)
-  boxes = rows * LANES
+                                             backward=True)
   d1, d2 = _compat.pallas_call(
       kernel,
       grid=(steps,),
@@ -242,17 +238,22 @@ def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
       compiler_params=_compiler_params(),
       interpret=interpret,
       cost_estimate=_cost.estimate(
-          flops=boxes * flops, transcendentals=boxes * transcendentals,
+          flops=num_boxes * flops, transcendentals=num_boxes * transcendentals,
           bytes_accessed=_cost.nbytes(x1, x2, g, *out_shape)),
       name=f"{kind}_grad",
   )(x1, x2, g)
-  return from_planes(d1, num_boxes), from_planes(d2, num_boxes)
+  return d1.T, d2.T
 
 
-def _pairwise_kernel(a_ref, b_ref, o_ref, *, kind, eps, tile_n, tile_m):
+def _pairwise_kernel(a_ref, b_ref, o_ref, a_cols_ref, *, kind, eps, tile_n,
+                     tile_m):
+  # boxes1 arrive as coordinate planes (4, TN); one transpose per step gives
+  # each box's coordinates along a row, ready to broadcast across lanes.
+  a_cols_ref[...] = a_ref[...].T
+
   def group_body(group, carry):
-    rows = pl.ds(group * GROUP, GROUP)
-    a = a_ref[rows, :]
+    rows = pl.ds(pl.multiple_of(group * GROUP, GROUP), GROUP)
+    a = a_cols_ref[rows, :]
     a_cols = tuple(jnp.broadcast_to(a[:, c:c + 1], (GROUP, LANES))
                    for c in range(COORDS))
     for j in range(tile_m // LANES):
@@ -271,32 +272,34 @@ def _pairwise_kernel(a_ref, b_ref, o_ref, *, kind, eps, tile_n, tile_m):
 
 def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
              tile=PAIRWISE_TILE):
-  """[B, N, 4] x [B, M, 4] (xyxy, float32) -> [B, N, M] in ``out_dtype``."""
+  """[B, N, 4] x [B, M, 4] (xyxy, float32) -> [B, N, M] in ``out_dtype``.
+
+  The exact [B, N, M] is written: edge tiles are partial blocks (Pallas
+  drops their out-of-bounds rows and lanes), nothing is padded or sliced.
+  """
   batch, n, _ = boxes1.shape
   m = boxes2.shape[1]
-  n_out, m_out = max(n, GROUP), max(m, LANES)
-  tile_n = min(tile[0], n_out // GROUP * GROUP)
-  tile_m = min(tile[1], m_out // LANES * LANES)
-  grid_n, grid_m = pl.cdiv(n_out, tile_n), pl.cdiv(m_out, tile_m)
-  a = jnp.pad(boxes1, ((0, 0), (0, grid_n * tile_n - n), (0, 0)))
-  b = jnp.pad(jnp.swapaxes(boxes2, 1, 2),
-              ((0, 0), (0, 0), (0, grid_m * tile_m - m)))
-  b = jnp.repeat(b, GROUP, axis=1)  # [B, 4 * 8, M]: 32 B per box, O(M)
+  tile_n = min(tile[0], _round_up(n, LANES))
+  tile_m = min(tile[1], _round_up(m, LANES))
+  grid_n, grid_m = pl.cdiv(n, tile_n), pl.cdiv(m, tile_m)
+  a = jnp.swapaxes(boxes1, 1, 2)  # [B, 4, N]: a bitcast on TPU
+  b = jnp.repeat(jnp.swapaxes(boxes2, 1, 2), GROUP, axis=1)  # [B, 32, M]
   kernel = functools.partial(_pairwise_kernel, kind=kind, eps=eps,
                              tile_n=tile_n, tile_m=tile_m)
-  out_shape = jax.ShapeDtypeStruct((batch, n_out, m_out), out_dtype)
+  out_shape = jax.ShapeDtypeStruct((batch, n, m), out_dtype)
   flops, transcendentals = _math.ops_per_pair(kind, eps)
   pairs = batch * grid_n * tile_n * grid_m * tile_m
-  out = _compat.pallas_call(
+  return _compat.pallas_call(
       kernel,
       grid=(batch, grid_n, grid_m),
-      in_specs=[pl.BlockSpec((None, tile_n, COORDS),
-                             lambda b_, i, j: (b_, i, 0)),
+      in_specs=[pl.BlockSpec((None, COORDS, tile_n),
+                             lambda b_, i, j: (b_, 0, i)),
                 pl.BlockSpec((None, COORDS * GROUP, tile_m),
                              lambda b_, i, j: (b_, 0, j))],
       out_specs=pl.BlockSpec((None, tile_n, tile_m),
                              lambda b_, i, j: (b_, i, j)),
       out_shape=out_shape,
+      scratch_shapes=[pltpu.VMEM((tile_n, COORDS), jnp.float32)],
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=("parallel", "parallel", "parallel")),
       interpret=interpret,
@@ -306,6 +309,3 @@ def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
           bytes_accessed=_cost.nbytes(a, out_shape) + grid_n * _cost.nbytes(b)),
       name=f"pairwise_{kind}",
   )(a, b)
-  if (n_out, m_out) != (n, m):
-    out = out[:, :n, :m]
-  return out
