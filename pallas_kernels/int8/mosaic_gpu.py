@@ -168,7 +168,7 @@ def hardware(target) -> str | None:
   if target.hopper:
     return None
   found = target.gpu_capability or "no GPU"
-  return f"the Mosaic GPU int8 kernel needs a Hopper GPU (sm_90), found {found}"
+  return f"the Mosaic GPU weight-only kernel needs a Hopper GPU (sm_90), found {found}"
 
 
 def supports(x2, w, x_scale=None, *, mode, w_layout, block_sizes=None):
@@ -177,21 +177,21 @@ def supports(x2, w, x_scale=None, *, mode, w_layout, block_sizes=None):
   if reason:
     return reason
   if mode != "weight_only":
-    return "the Mosaic GPU int8 kernel is weight-only"
+    return "the Mosaic GPU weight-only kernel is weight-only"
   if w_layout != "nk":
-    return "the Mosaic GPU int8 kernel needs w stored [N, K]"
+    return "the Mosaic GPU weight-only kernel needs w stored [N, K]"
   if x_scale is not None:
-    return "the Mosaic GPU int8 kernel takes no x_scale"
+    return "the Mosaic GPU weight-only kernel takes no x_scale"
   if jnp.dtype(w.dtype) not in WEIGHT_DTYPES:
     return (f"the Mosaic GPU weight-only kernel takes int8 or float8 w, got "
             f"{jnp.dtype(w.dtype).name}")
   if jnp.dtype(x2.dtype) != jnp.dtype(jnp.bfloat16):
-    return "the Mosaic GPU int8 kernel needs bf16 x"
+    return "the Mosaic GPU weight-only kernel needs bf16 x"
   m, k = x2.shape
   if not 0 < m <= MAX_M:
-    return f"the Mosaic GPU int8 kernel needs 0 < M <= {MAX_M}, got {m}"
+    return f"the Mosaic GPU weight-only kernel needs 0 < M <= {MAX_M}, got {m}"
   if min(k, w.shape[0]) == 0:
-    return "the Mosaic GPU int8 kernel needs K, N > 0"
+    return "the Mosaic GPU weight-only kernel needs K, N > 0"
   try:
     p = plan(m, k, w.shape[0], block_sizes)
   except ValueError as e:
@@ -355,7 +355,7 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
   why = supports(x2, w, x_scale, mode=mode, w_layout=w_layout,
                  block_sizes=block_sizes)
   if why is not None:
-    raise ValueError(f"int8 mosaic_gpu.matmul: unsupported call: {why}")
+    raise ValueError(f"mosaic_gpu.matmul (weight-only): unsupported call: {why}")
   if interpret is True:
     interpret = interpret_params()
   m, k = x2.shape
