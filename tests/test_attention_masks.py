@@ -78,6 +78,10 @@ def _dense_random(lq, lk, rng):
   allowed = rng.random((lq, lk)) < 0.2
   allowed[7] = False                      # a row with no key
   allowed[:, 40:200] = False              # whole empty blocks
+  # A query block and a kv block (at the interpreters' 128) with no pair:
+  # their rows of the walk only write zeros.
+  allowed[128:256] = False
+  allowed[:, 256:] = False
   return masks.Dense(allowed), allowed[None]
 
 
