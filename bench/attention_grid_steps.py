@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 
-import numpy as np
-
 from pallas_kernels.attention import block_sizes, masks, mosaic_tpu
 
 STEP_US = 0.35          # fixed cost of one grid step (docs/design/attention.md)

@@ -135,9 +135,6 @@ class _Geometry:
     return jnp.asarray(np.concatenate(
         [a.ravel() for a in self.walks[major].arrays()]))
 
-  def table_entries(self, major):
-    return sum(a.size for a in self.walks[major].arrays())
-
   def step(self, major, h, ids, table_ref=None) -> _Step:
     """The step at grid position (h, *ids) of a ``major`` walk; ``h`` is
     the query head ("kv") or the kv head ("q")."""
