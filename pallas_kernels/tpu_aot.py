@@ -72,6 +72,28 @@ class CompileResult:
     return out
 
   @property
+  def kernel_grids(self) -> dict[str, tuple[int, ...]]:
+    """The grid each Mosaic kernel was compiled with (custom call name ->
+    the ``iteration_bounds`` of its serialized Mosaic module)."""
+    import base64
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    out = {}
+    for line in self.hlo_text.splitlines():
+      if 'custom_call_target="tpu_custom_call"' not in line:
+        continue
+      name = re.match(r"\s*(?:ROOT\s+)?%?([^\s=]+)\s*=", line).group(1)
+      body = base64.b64decode(re.search(r'"body":"([^"]+)"', line).group(1))
+      context = mlir.make_ir_context()
+      context.allow_unregistered_dialects = True
+      with context:
+        module = ir.Module.parse(body)
+        for op in module.body.operations:
+          if "iteration_bounds" in op.attributes:
+            out[name] = tuple(op.attributes["iteration_bounds"])
+    return out
+
+  @property
   def peak_bytes(self) -> int:
     m = self.memory
     return int(m.argument_size_in_bytes + m.output_size_in_bytes

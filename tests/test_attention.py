@@ -30,7 +30,8 @@ import backends
 import pallas_kernels as pk
 from oracles import attention as oracle
 from pallas_kernels import _backend, force_interpret
-from pallas_kernels.attention import BlockSizes, block_sizes, mosaic_tpu
+from pallas_kernels.attention import BlockSizes, block_sizes, masks
+from pallas_kernels.attention import mosaic_tpu
 from pallas_kernels.attention import triton
 
 TOLERANCES = {  # dtype: (out, lse, gradients)
@@ -500,8 +501,14 @@ def test_block_skipping_is_conservative_and_tight(lq, lk, bq, bk, causal, left,
   for j in range(geom.num_kv):
     listed_t[t.q_index[0, j, :t.q_total[0, j]], j] = True
   np.testing.assert_array_equal(listed_t, any_allowed)
-  # The compressed walk has as many steps as the longest row lists.
-  assert geom.kv_steps == max(1, int(any_allowed.sum(axis=1).max()))
+  # The walks step once per live block (an empty row once), and list each
+  # live block exactly once.
+  for major, live in (("kv", any_allowed), ("q", any_allowed.T)):
+    walk = geom.walks[major]
+    runs = (walk.flags[0] & masks.RUNS) != 0
+    pairs = sorted(zip(walk.row[0][runs], walk.col[0][runs]))
+    assert pairs == sorted(zip(*np.nonzero(live)))
+    assert geom.grid(major, 1, 1)[-1] == np.maximum(live.sum(axis=1), 1).sum()
 
 
 def test_cost_model_counts_skipped_blocks():
@@ -516,11 +523,11 @@ def test_cost_model_counts_skipped_blocks():
   window = mosaic_tpu.cost(1, 1, 32768, 32768, 128, 2, causal=True,
                            window_left=1024)
   assert window["visited_blocks"] <= 3 * 64
-  # The compressed grid: a 1024 window at L = 131072 walks 3 kv steps per
-  # query block, not 256.
+  # The walk: a 1024 window at L = 131072 steps through its 765 live
+  # blocks, not 256 x 256.
   geom = mosaic_tpu._geometry(131072, 131072, 512, 512, False, True, 1024,
                               None)
-  assert geom.kv_steps == 3 and geom.num_q * geom.kv_steps == 768
+  assert geom.grid("kv", 1, 1) == (1, 1, 765)
   backward = mosaic_tpu.cost(4, 16, 4096, 4096, 128, 2, backward=True)
   assert backward["flops"] == 3.5 * full["flops"]
   # The table's VMEM per generation: tests/test_tile_tables.py.

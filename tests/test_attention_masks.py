@@ -78,6 +78,10 @@ def _dense_random(lq, lk, rng):
   allowed = rng.random((lq, lk)) < 0.2
   allowed[7] = False                      # a row with no key
   allowed[:, 40:200] = False              # whole empty blocks
+  # A query block and a kv block (at the interpreters' 128) with no pair:
+  # their rows of the walk only write zeros.
+  allowed[128:256] = False
+  allowed[:, 256:] = False
   return masks.Dense(allowed), allowed[None]
 
 
@@ -279,8 +283,8 @@ def test_kernels_visit_blocks_in_proportion_to_the_mask():
   assert visited(masks.ChunkedCausal(1024)) == 8 + 4        # + one per chunk
   assert visited(masks.PrefixLM(1024)) == 36 + 1    # causal + block (0, 1)
   assert visited(masks.Dense(np.eye(4096, dtype=bool))) == 8
-  # The compressed grid walks the longest row: 2 steps, not 8.
-  assert geometry(masks.ChunkedCausal(1024)).kv_steps == 2
+  # The walk steps once per live block: 12 steps, not 8 x 8.
+  assert geometry(masks.ChunkedCausal(1024)).grid("kv", 1, 1) == (1, 1, 12)
   # Per-head tables count each head's blocks.
   per_head = (masks.ChunkedCausal(512), masks.Causal())
   assert geometry(per_head).visited_blocks(2) == 8 + 36

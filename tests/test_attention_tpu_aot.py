@@ -11,12 +11,13 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels import _compat, flash_attention, shard_flash_attention
 from pallas_kernels import tpu_aot
-from pallas_kernels.attention import block_sizes
+from pallas_kernels.attention import block_sizes, masks, mosaic_tpu
 
 pytestmark = pytest.mark.tpu_aot
 
@@ -137,3 +138,77 @@ def test_sweep_head_dims_and_lengths(topology, d, length, tpu_topologies):
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
   result = tpu_aot.compile_for_tpu(fn, *specs, topology=topology)
   assert _kernel_calls(result) >= 3
+
+
+# ------------------------------------------------ walked grids (issue #20) --
+
+def _live_blocks(length, block_q, block_kv, mask):
+  """bool [q blocks, kv blocks]: blocks holding an allowed pair, from
+  interval arithmetic on the documented rules (q_len == kv_len, so p = i)."""
+  q_lo = np.arange(-(-length // block_q))[:, None] * block_q
+  q_hi = np.minimum(q_lo + block_q, length) - 1
+  c_lo = np.arange(-(-length // block_kv))[None, :] * block_kv
+  c_hi = np.minimum(c_lo + block_kv, length) - 1
+  kind, size = mask
+  if kind == "causal":
+    return c_lo <= q_hi
+  if kind == "window":             # p - size <= j <= p
+    return (c_lo <= q_hi) & (c_hi >= q_lo - size)
+  live = np.zeros((q_lo.size, c_lo.size), bool)   # chunked causal
+  for start in range(0, length, size):
+    end = min(start + size, length) - 1
+    p_lo, p_hi = np.maximum(q_lo, start), np.minimum(q_hi, end)
+    j_lo, j_hi = np.maximum(c_lo, start), np.minimum(c_hi, end)
+    live |= (p_lo <= p_hi) & (j_lo <= j_hi) & (j_lo <= p_hi)
+  return live
+
+
+def _walk_steps(live):
+  """Steps of a walk over rows of ``live``: one per live block, one for an
+  empty row."""
+  return int(np.maximum(live.sum(axis=1), 1).sum())
+
+
+@pytest.mark.parametrize("mask", [("causal", None), ("window", 1024),
+                                  ("chunked", 8192)],
+                         ids=["causal", "window1024", "chunked8192"])
+def test_masked_grids_step_only_through_live_blocks(mask, tpu_topologies):
+  """At L = 131072 on v5e the compiled forward, dq and dk/dv kernels walk
+  exactly one step per live block (per kv head: per live block and query
+  head of its group), and ``mosaic_tpu.grids`` says so beforehand."""
+  topology = "v5e:2x2"
+  _need(topology, tpu_topologies)
+  b, h, hk, length, d = 1, 4, 2, 131072, 128
+  blocks = block_sizes.table_block_sizes("v5e", d)
+  kind, size = mask
+  if kind == "chunked":
+    kw, band = dict(mask=masks.ChunkedCausal(size)), {}
+  else:
+    kw = dict(causal=True, sliding_window=size)
+    band = dict(causal=True, window_left=size)
+
+  def fn(q, k, v):
+    def loss(q, k, v):
+      out = flash_attention(q, k, v, backend="mosaic_tpu", block_sizes=blocks,
+                            **kw)
+      return jnp.sum(out.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  result = tpu_aot.compile_for_tpu(fn, *_specs(b, h, hk, length, length, d),
+                                   topology=topology)
+  forward = _live_blocks(length, blocks.block_q, blocks.block_kv, mask)
+  backward = _live_blocks(length, blocks.block_q_bwd, blocks.block_kv_bwd,
+                          mask)
+  want = {"forward": (b, h, _walk_steps(forward)),
+          "dq": (b, h, _walk_steps(backward)),
+          "dkv": (b, hk, (h // hk) * _walk_steps(backward.T))}
+  compiled = {name.split(".")[0].replace("flash_attention_", ""): grid
+              for name, grid in result.kernel_grids.items()}
+  compiled["forward"] = compiled.pop("fwd")
+  assert compiled == want
+  assert mosaic_tpu.grids(b, h, hk, length, length, d, mask=kw.get("mask"),
+                          block_sizes=blocks, **band) == want
+  # Against the rectangular grid: causal halves it, windows shrink to a
+  # band of ceil(1024 / 512) + 1 blocks per row.
+  rectangle = forward.shape[0] * forward.shape[1]
+  assert want["forward"][2] == {"causal": 32896, "window": 765,
+                                "chunked": 16 * 136}[kind] < rectangle

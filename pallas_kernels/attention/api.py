@@ -16,13 +16,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import math
 import numbers
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _backend, _compat
+from pallas_kernels import _backend, _checks, _compat
 from pallas_kernels.attention import block_sizes as _bs
 from pallas_kernels.attention import masks as _masks
 from pallas_kernels.attention import reference as _reference
@@ -210,14 +209,8 @@ def _attention_bwd(config, residuals, cotangents):
   from pallas_kernels import _sharding
   dq, dk, dv, dbias = _sharding.cotangents_like((q, k, v, bias),
                                                 (dq, dk, dv, dbias))
-  return (dq, dk, dv, _integer_cotangent(q_seg), _integer_cotangent(kv_seg),
-          dbias)
-
-
-def _integer_cotangent(x):
-  if x is None:
-    return None
-  return jnp.zeros(x.shape, jax.dtypes.float0)
+  return (dq, dk, dv, _checks.integer_cotangent(q_seg),
+          _checks.integer_cotangent(kv_seg), dbias)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -225,16 +218,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 # ----------------------------------------------------------- validation --
 
-def _is_static_number(x):
-  return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def _check_array(name, x, ndim):
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{OP}: {name} must be an array, got {type(x).__name__}")
-  if x.ndim != ndim:
-    raise ValueError(f"{OP}: {name} must have {ndim} dimensions, got shape "
-                     f"{tuple(x.shape)}")
+  _checks.check_array(OP, name, x, ndim)
 
 
 def _check_float(name, x):
@@ -330,21 +315,8 @@ def _validate(q, k, v, causal, sm_scale, segment_ids, sliding_window,
     raise TypeError(f"{OP}: causal must be a bool, got {causal!r}")
   if not isinstance(return_lse, bool):
     raise TypeError(f"{OP}: return_lse must be a bool, got {return_lse!r}")
-  if sm_scale is None:
-    sm_scale = 1.0 / math.sqrt(head_dim)
-  elif not _is_static_number(sm_scale):
-    raise TypeError(f"{OP}: sm_scale must be a Python number (it is static), "
-                    f"got {type(sm_scale).__name__}")
-  if not math.isfinite(sm_scale):
-    raise ValueError(f"{OP}: sm_scale must be finite, got {sm_scale}")
-  if logit_soft_cap is not None:
-    if not _is_static_number(logit_soft_cap):
-      raise TypeError(f"{OP}: logit_soft_cap must be a Python number, got "
-                      f"{type(logit_soft_cap).__name__}")
-    if not (logit_soft_cap > 0 and math.isfinite(logit_soft_cap)):
-      raise ValueError(f"{OP}: logit_soft_cap must be > 0 and finite, got "
-                       f"{logit_soft_cap}")
-    logit_soft_cap = float(logit_soft_cap)
+  sm_scale, logit_soft_cap = _checks.scale_and_cap(OP, sm_scale,
+                                                   logit_soft_cap, head_dim)
   left, right = _window(sliding_window, bool(causal))
   kv_len = k.shape[2]
   q_seg = kv_seg = None

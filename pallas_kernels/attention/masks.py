@@ -444,6 +444,99 @@ def block_tables(mask, q_len: int, kv_len: int, block_q: int,
                      *kv_major, formula=formula, dense=dense_values)
 
 
+# Flags of a walk step (``Walk.flags``); bits HEAD_SHIFT and up hold the
+# step's head offset within the walk head's group.
+RUNS, MASKED, FIRST, LAST = 1, 2, 4, 8
+HEAD_SHIFT = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Walk:
+  """Every listed block of a table as one flat sequence of grid steps.
+
+  ``row/col/flags [walk_heads, entries]`` int32: entry ``e`` of walk head
+  ``w`` visits block (``row``, ``col``), row-major: a row's entries are
+  consecutive, per head of its group (head offset ``flags >> HEAD_SHIFT``)
+  partial blocks (``MASKED``) before full ones. ``FIRST``/``LAST`` mark a
+  row's first and last entries (initialise accumulators / write outputs);
+  a row with no listed block gets one entry without ``RUNS`` (it writes
+  the empty row's outputs). Walk heads with fewer entries end with copies
+  of their last entry with no flags (no DMA, no compute).
+  ``dense_col`` (dense masks): the col of the entry's head-row segment's
+  last partial block so far, the dense tile to load (full blocks load none).
+  ``repeat``: grid steps per entry, one per head of the group when a shared
+  table serves a group of heads (step ``s``: entry ``s // repeat``, head
+  offset ``s % repeat``).
+  """
+  row: np.ndarray
+  col: np.ndarray
+  flags: np.ndarray
+  dense_col: np.ndarray | None
+  repeat: int
+
+  @property
+  def steps(self) -> int:
+    """Grid steps per walk head."""
+    return self.row.shape[1] * self.repeat
+
+  def arrays(self) -> list[np.ndarray]:
+    return [self.row, self.col, self.flags] + (
+        [] if self.dense_col is None else [self.dense_col])
+
+
+def walk(classes: np.ndarray, merge: int = 1, repeat: int = 1,
+         dense: bool = False) -> Walk:
+  """The ``Walk`` of block classes ``[heads, rows, cols]``: the rows of
+  each ``merge`` consecutive heads are walked together (one walk head per
+  group, entries of every head of a row in turn); ``repeat`` as in
+  ``Walk``."""
+  heads, rows, cols = classes.shape
+  per_walk = classes.reshape(heads // merge, merge, rows, cols)
+  lists = [_walk_entries(np.swapaxes(c, 0, 1)) for c in per_walk]
+  width = max(len(entries[0]) for entries in lists)
+  out = np.zeros((4, len(lists), width), np.int32)
+  for w, entries in enumerate(lists):
+    n = len(entries[0])
+    out[:, w, :n] = entries
+    out[:, w, n:] = entries[:, -1:]
+    out[2, w, n:] &= ~np.int32(RUNS | MASKED | FIRST | LAST)
+  return Walk(row=out[0], col=out[1], flags=out[2],
+              dense_col=out[3] if dense else None, repeat=repeat)
+
+
+def _walk_entries(classes: np.ndarray) -> np.ndarray:
+  """int32 [4, entries] (row, col, flags, dense col) of one walk head's
+  classes ``[rows, heads, cols]``."""
+  rows, heads, cols = classes.shape
+  r, g, c = np.nonzero(classes)
+  partial = classes[r, g, c] == 1
+  # Row-major; in a row, head by head, partial blocks first, by col.
+  key = ((r * heads + g) * 2 + ~partial) * cols + c
+  empty = np.flatnonzero(~classes.any(axis=(1, 2)))
+  r = np.concatenate([r, empty])
+  g = np.concatenate([g, np.zeros_like(empty)])
+  c = np.concatenate([c, np.zeros_like(empty)])
+  partial = np.concatenate([partial, np.zeros(empty.shape, bool)])
+  runs = np.concatenate([np.ones(key.shape, bool), np.zeros(empty.shape, bool)])
+  order = np.argsort(np.concatenate([key, empty * heads * 2 * cols]),
+                     kind="stable")
+  r, g, c, partial, runs = r[order], g[order], c[order], partial[order], \
+      runs[order]
+  n = len(r)
+  starts_row = np.ones(n, bool)
+  starts_row[1:] = r[1:] != r[:-1]
+  ends_row = np.ones(n, bool)
+  ends_row[:-1] = starts_row[1:]
+  # The dense tile stays on its (row, head) segment's last partial block.
+  segment = np.ones(n, bool)
+  segment[1:] = (r[1:] != r[:-1]) | (g[1:] != g[:-1])
+  held = np.where(partial | segment, np.arange(n), 0)
+  held = np.maximum.accumulate(held)
+  flags = (runs * RUNS | partial * MASKED | starts_row * FIRST
+           | ends_row * LAST | g << HEAD_SHIFT)
+  return np.stack([r, c, flags, c[held]]).astype(np.int32)
+
+
 def element_mask(tables: BlockTables, rows, cols, dense_tile=None):
   """The allowed-pair mask of a kernel tile: ``rows``/``cols`` are query and
   key indices (jax int32 arrays, broadcast); ``dense_tile`` the tile of

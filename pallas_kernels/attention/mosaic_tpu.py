@@ -1,23 +1,26 @@
 """Mosaic TPU flash attention: forward, dq and dk/dv kernels.
 
-Forward (online softmax): grid ``(batch, heads, q blocks, kv blocks)``, the
-kv axis sequential. Per query block, VMEM scratch keeps the running max
-``m``, the running sum ``l`` (float32, lane-replicated ``[block_q, 128]``)
-and the float32 accumulator; the last kv step writes ``acc / l`` and
-``lse = m + log l`` (stored lane-dense as ``[B, H, 1, Lq]``).
+Forward (online softmax): per (batch, head), the grid's last axes walk
+(query block, kv block) pairs, each query block's kv blocks consecutively.
+Per query block, VMEM scratch keeps the running max ``m``, the running sum
+``l`` (float32, lane-replicated ``[block_q, 128]``) and the float32
+accumulator; the row's last step writes ``acc / l`` and ``lse = m + log l``
+(stored lane-dense as ``[B, H, 1, Lq]``).
 Backward: ``di = rowsum(dO * O) - d_lse`` in XLA; two kernels recompute the
-probabilities from lse. dq: grid ``(B, H, q blocks, kv blocks)``,
-``ds = p * (dO V^T - di)``, ``dq += ds K``, plus ``dbias = ds`` blocks with a
-bias. dk/dv: grid ``(B, Hkv, kv blocks, group * q blocks)``, the inner axis
-walking the q blocks of every query head sharing the kv head (GQA gradients
-sum in VMEM), on transposed logits so lse/di rows broadcast without
-transposes: ``dv += p^T dO``, ``dk += ds^T Q``.
-Skipping: a causal/window band or static mask (``masks``) becomes block
-tables, and the walked grid axis (kv for forward/dq, q for dk/dv) steps only
-through each row's listed blocks, partial ones (element mask) before full
-ones (no mask); a row's unused tail steps repeat its last block (no DMA, no
-compute). With segment ids each block's min/max id (scalar prefetch) skips
-blocks whose id ranges are disjoint.
+probabilities from lse. dq walks like the forward, ``ds = p * (dO V^T -
+di)``, ``dq += ds K``, plus ``dbias = ds`` blocks with a bias. dk/dv: per
+(batch, kv head), each kv block's row walks the query blocks of every query
+head sharing the kv head (GQA gradients sum in VMEM), on transposed logits
+so lse/di rows broadcast without transposes: ``dv += p^T dO``, ``dk += ds^T
+Q``.
+Grids: without a mask, ``(B, H, q blocks, kv blocks)`` (dk/dv: ``(B, Hkv,
+kv blocks, group * q blocks)``). A causal/window band or static mask
+(``masks``) becomes a ``masks.Walk``: the grid is ``(B, H, steps)`` with one
+step per listed (row, block) pair (scalar-prefetched into SMEM), partial
+blocks (element mask) before full ones (no mask); consecutive steps of a
+row revisit its output block, which stays in VMEM until the row ends.
+Segment ids are data: each block's min/max id (scalar prefetch) skips, in
+the grid, blocks whose id ranges are disjoint.
 Layout: GQA reads kv head ``h // group`` (no repeat in HBM); sequences are
 padded to block multiples and head_dim to a multiple of 128 (64 kept);
 padded queries get lse = +inf in the backward. float16 runs as float32 (no
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,23 +58,37 @@ def _div(a, b):
   return lax.div(a, jnp.int32(b))
 
 
+class _Step(NamedTuple):
+  """What one grid step computes (traced scalars)."""
+  head: Any        # query head
+  q_block: Any
+  kv_block: Any
+  first: Any       # the row's first step: initialise the accumulators
+  last: Any        # the row's last step: write the outputs
+  listed: Any      # a listed block (segment ids may still skip it)
+  masked: Any      # needs the element mask
+  dense_col: Any   # the dense mask tile's block along the row (or None)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-  """Static problem geometry and, for masked calls, the block tables.
+  """Static problem geometry and, for masked calls, the walks.
 
-  Without a mask every (q block, kv block) pair is a grid step. With one
-  (causal, window or a static mask) the walked grid axis is compressed: the
-  kv axis of forward/dq steps through each query block's listed kv blocks
-  and the q axis of dk/dv through each kv block's listed query blocks
-  (``masks.BlockTables``, scalar-prefetched into SMEM).
+  Kernels are walks of "kv" rows (forward, dq: a query block's kv blocks)
+  or "q" rows (dk/dv: a kv block's query blocks over the ``group`` query
+  heads of its kv head). Without a mask every pair is a step of a
+  rectangular grid; with one (causal, window or a static mask) a walk
+  lists only the live pairs (``masks.Walk``, read from SMEM).
   """
   q_len: int
   kv_len: int
   block_q: int
   block_kv: int
   has_segments: bool
+  group: int = 1
   tables: _masks.BlockTables | None = dataclasses.field(default=None,
                                                         compare=False)
+  walks: dict | None = dataclasses.field(default=None, compare=False)
 
   @property
   def q_pad(self):
@@ -93,74 +111,74 @@ class _Geometry:
     return (self.has_segments or self.kv_pad != self.kv_len
             or self.tables is not None)
 
-  # Grid steps along the walked axis: every block, or a table row's entries.
   @property
-  def kv_steps(self):
-    return self.num_kv if self.tables is None else self.tables.max_kv
+  def dense(self):
+    """Whether the mask is a materialised int8 array (no formula)."""
+    return self.tables is not None and self.tables.dense is not None
+
+  def grid(self, major, batch, heads):
+    """The grid of a ``major`` walk ("kv": forward/dq over ``heads`` query
+    heads; "q": dk/dv over ``heads`` kv heads)."""
+    if self.walks is not None:
+      return (batch, heads, self.walks[major].steps)
+    if major == "kv":
+      return (batch, heads, self.num_q, self.num_kv)
+    return (batch, heads, self.num_kv, self.group * self.num_q)
 
   @property
-  def q_steps(self):
-    return self.num_q if self.tables is None else self.tables.max_q
-
-  def table_offsets(self, major):
-    """Start of each of the ``major`` ("kv" or "q") tables in the flat SMEM
-    array of that walk (``flat_tables``)."""
-    offsets, at = {}, 0
-    for name in _table_names(self.tables, major):
-      offsets[name] = at
-      at += getattr(self.tables, name).size
-    return offsets
+  def grid_ids(self):
+    """Grid axes after (batch, head)."""
+    return 1 if self.walks is not None else 2
 
   def flat_tables(self, major):
-    """The tables one walk reads, flattened for SMEM."""
+    """The ``major`` walk's arrays, flattened for SMEM."""
     return jnp.asarray(np.concatenate(
-        [getattr(self.tables, name).ravel()
-         for name in _table_names(self.tables, major)]))
+        [a.ravel() for a in self.walks[major].arrays()]))
 
-  def _lookup(self, table_ref, name, h, row, step=None):
-    """``tables.<name>[head, row(, step)]`` read from the SMEM copy."""
-    t = self.tables
-    major = "kv" if name.startswith("kv") else "q"
-    rows = t.kv_total.shape[1] if major == "kv" else t.q_total.shape[1]
-    at = (h if t.per_head else 0) * rows + row
-    if step is not None:
-      at = at * (t.max_kv if major == "kv" else t.max_q) + step
-    return table_ref[self.table_offsets(major)[name] + at]
+  def step(self, major, h, ids, table_ref=None) -> _Step:
+    """The step at grid position (h, *ids) of a ``major`` walk; ``h`` is
+    the query head ("kv") or the kv head ("q")."""
+    if self.walks is not None:
+      return self._walk_step(major, h, ids[0], table_ref)
+    row, t = ids
+    if major == "kv":
+      return _Step(h, row, t, t == 0, t == self.num_kv - 1, jnp.bool_(True),
+                   self._padded_keys(t) | self.has_segments, None)
+    steps = self.group * self.num_q
+    return _Step(h * self.group + _div(t, self.num_q),
+                 lax.rem(t, jnp.int32(self.num_q)), row, t == 0,
+                 t == steps - 1, jnp.bool_(True),
+                 self._padded_keys(row) | self.has_segments, None)
 
-  def kv_block(self, i, t, h=None, table_ref=None):
-    """The kv block of query block i's step t."""
-    if self.tables is not None:
-      return self._lookup(table_ref, "kv_index", h, i, t)
-    return t
+  def _walk_step(self, major, h, s, table_ref):
+    walk = self.walks[major]
+    size = walk.row.size
+    entry, extra = s, 0
+    if walk.repeat > 1:
+      entry, extra = _div(s, walk.repeat), lax.rem(s, jnp.int32(walk.repeat))
+    at = (h if self.tables.per_head else 0) * walk.row.shape[1] + entry
+    row, col = table_ref[at], table_ref[size + at]
+    flags = table_ref[2 * size + at]
+    dense_col = table_ref[3 * size + at] if self.dense else None
 
-  def q_block(self, j, t, h=None, table_ref=None):
-    """The query block of kv block j's step t."""
-    if self.tables is not None:
-      return self._lookup(table_ref, "q_index", h, j, t)
-    return t
-
-  def _listed_step(self, major, h, row, t, table_ref):
-    """(step t of a table row is listed, it needs the element mask)."""
-    runs = t < self._lookup(table_ref, f"{major}_total", h, row)
-    masked = t < self._lookup(table_ref, f"{major}_partial", h, row)
-    return runs, masked | self.has_segments
+    def bit(b):
+      return (flags & b) != 0
+    first, last = bit(_masks.FIRST), bit(_masks.LAST)
+    if walk.repeat > 1:
+      first &= extra == 0
+      last &= extra == walk.repeat - 1
+    masked = bit(_masks.MASKED) | self.has_segments
+    if major == "kv":
+      return _Step(h, row, col, first, last, bit(_masks.RUNS), masked,
+                   dense_col)
+    head = (h * self.group + lax.shift_right_logical(
+        flags, jnp.int32(_masks.HEAD_SHIFT)) + extra)
+    return _Step(head, col, row, first, last, bit(_masks.RUNS), masked,
+                 dense_col)
 
   def _padded_keys(self, j):
     """Whether kv block j holds padded keys (they need the element mask)."""
     return jnp.bool_(self.kv_pad != self.kv_len) & (j == self.num_kv - 1)
-
-  def kv_step_runs(self, i, t, h=None, table_ref=None):
-    """(whether step t of query block i computes, whether it needs the
-    element mask)."""
-    if self.tables is not None:
-      return self._listed_step("kv", h, i, t, table_ref)
-    return jnp.bool_(True), self._padded_keys(t) | self.has_segments
-
-  def q_step_runs(self, j, t, h=None, table_ref=None):
-    """The same for step t of kv block j (the dk/dv kernel)."""
-    if self.tables is not None:
-      return self._listed_step("q", h, j, t, table_ref)
-    return jnp.bool_(True), self._padded_keys(j) | self.has_segments
 
   def visited_blocks(self, heads: int = 1) -> int:
     """(q block, kv block) pairs the kernels compute over ``heads`` query
@@ -180,13 +198,6 @@ class _Geometry:
       return cols < self.kv_len
     tile = None if dense_ref is None else dense_ref[...].astype(jnp.int32)
     return _masks.element_mask(self.tables, rows, cols, tile)
-
-
-def _table_names(tables, major):
-  names = [f"{major}_partial", f"{major}_total", f"{major}_index"]
-  if tables.dense is not None:
-    names.append(f"{major}_dense_index")
-  return names
 
 
 def _scores(a, b, sm_scale, cap):
@@ -222,36 +233,62 @@ def _query_major_logits(q, k, bias_ref, qseg_ref, kvseg_ref, geom, i, j,
   return s, t
 
 
-def _run_block(step, run, needs_mask, geom, ranges_ref, i, j):
-  """Runs ``step`` on block (i, j) if ``run`` and the segment ids meet;
-  with the element mask only where ``needs_mask``. Returns whether the
-  block ran."""
+def online_softmax_step(s, v, m_ref, l_ref, acc_ref):
+  """One online-softmax update with logits ``s [rows, n]`` (float32, -inf
+  where masked) and values ``v [n, D]``: rescales the running sum ``l``
+  and accumulator by ``exp(m_old - m_new)`` and adds this block. ``m_ref``
+  and ``l_ref`` are lane-replicated ``[rows, 128]``; a row whose max is
+  still -inf keeps l = 0."""
+  m_prev, l_prev = m_ref[...][:, :1], l_ref[...][:, :1]
+  m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  p = jnp.exp(s - m_safe)
+  alpha = jnp.exp(m_prev - m_safe)
+  l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+  pv = lax.dot_general(p.astype(v.dtype), v, _NN,
+                       preferred_element_type=jnp.float32)
+  acc_ref[...] = alpha * acc_ref[...] + pv
+  m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
+  l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+
+
+def _run_block(step, at: _Step, geom, ranges_ref):
+  """Runs ``step`` on the block of ``at`` if listed and the segment ids
+  meet; with the element mask only where needed. Returns whether it ran."""
+  run = at.listed
   if geom.has_segments:
-    run &= _segments_meet(ranges_ref, geom, pl.program_id(0), i, j)
+    run &= _segments_meet(ranges_ref, geom, pl.program_id(0), at.q_block,
+                          at.kv_block)
   if geom.may_mask:
-    pl.when(run & needs_mask)(lambda: step(True))
-    pl.when(run & jnp.logical_not(needs_mask))(lambda: step(False))
+    pl.when(run & at.masked)(lambda: step(True))
+    pl.when(run & jnp.logical_not(at.masked))(lambda: step(False))
   else:
     pl.when(run)(lambda: step(False))
   return run
 
+
+def _grid_step(geom, major, table_ref):
+  """The current grid step of a ``major`` walk."""
+  ids = [pl.program_id(2 + a) for a in range(geom.grid_ids)]
+  return geom.step(major, pl.program_id(1), ids, table_ref)
+
+
 def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
   it = iter(refs)
   ranges_ref = next(it) if geom.has_segments else None
-  table_ref = next(it) if geom.tables is not None else None
+  table_ref = next(it) if geom.walks is not None else None
   q_ref, k_ref, v_ref = next(it), next(it), next(it)
   qseg_ref = kvseg_ref = bias_ref = dense_ref = None
   if geom.has_segments:
     qseg_ref, kvseg_ref = next(it), next(it)
   if has_bias:
     bias_ref = next(it)
-  if _has_dense(geom):
+  if geom.dense:
     dense_ref = next(it)
   o_ref, lse_ref, m_ref, l_ref, acc_ref = it
-  h, i, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
-  j = geom.kv_block(i, t, h, table_ref)
+  at = _grid_step(geom, "kv", table_ref)
 
-  @pl.when(t == 0)
+  @pl.when(at.first)
   def _init():
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -259,25 +296,13 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
 
   def step(masked):
     s, _ = _query_major_logits(q_ref[...], k_ref[...], bias_ref, qseg_ref,
-                               kvseg_ref, geom, i, j, masked, sm_scale, cap,
-                               dense_ref)
-    m_prev, l_prev = m_ref[...][:, :1], l_ref[...][:, :1]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - m_safe)
-    alpha = jnp.exp(m_prev - m_safe)
-    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    v = v_ref[...]
-    pv = lax.dot_general(p.astype(v.dtype), v, _NN,
-                         preferred_element_type=jnp.float32)
-    acc_ref[...] = alpha * acc_ref[...] + pv
-    m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
-    l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+                               kvseg_ref, geom, at.q_block, at.kv_block,
+                               masked, sm_scale, cap, dense_ref)
+    online_softmax_step(s, v_ref[...], m_ref, l_ref, acc_ref)
 
-  _run_block(step, *geom.kv_step_runs(i, t, h, table_ref), geom, ranges_ref,
-             i, j)
+  _run_block(step, at, geom, ranges_ref)
 
-  @pl.when(t == geom.kv_steps - 1)
+  @pl.when(at.last)
   def _finish():
     l = l_ref[...][:, :1]
     has_keys = l != 0          # NaN inputs stay NaN rather than "empty"
@@ -293,23 +318,22 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
 def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
   it = iter(refs)
   ranges_ref = next(it) if geom.has_segments else None
-  table_ref = next(it) if geom.tables is not None else None
+  table_ref = next(it) if geom.walks is not None else None
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = (next(it) for _ in range(6))
   qseg_ref = kvseg_ref = bias_ref = dbias_ref = dense_ref = None
   if geom.has_segments:
     qseg_ref, kvseg_ref = next(it), next(it)
   if has_bias:
     bias_ref = next(it)
-  if _has_dense(geom):
+  if geom.dense:
     dense_ref = next(it)
   dq_ref = next(it)
   if has_bias:
     dbias_ref = next(it)
   dq_acc, lse_col, di_col = it
-  h, i, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
-  j = geom.kv_block(i, t, h, table_ref)
+  at = _grid_step(geom, "kv", table_ref)
 
-  @pl.when(t == 0)
+  @pl.when(at.first)
   def _init():
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
     lse_col[...] = _row_to_column(lse_ref[...])
@@ -317,8 +341,9 @@ def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
 
   def step(masked):
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
-    s, th = _query_major_logits(q, k, bias_ref, qseg_ref, kvseg_ref, geom, i,
-                                j, masked, sm_scale, cap, dense_ref)
+    s, th = _query_major_logits(q, k, bias_ref, qseg_ref, kvseg_ref, geom,
+                                at.q_block, at.kv_block, masked, sm_scale,
+                                cap, dense_ref)
     p = jnp.exp(s - lse_col[...][:, :1])
     dp = lax.dot_general(do_ref[...], v, _NT,
                          preferred_element_type=jnp.float32)
@@ -330,44 +355,36 @@ def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
     dq_acc[...] += lax.dot_general((ds * sm_scale).astype(k.dtype), k, _NN,
                                    preferred_element_type=jnp.float32)
 
-  listed, masked = geom.kv_step_runs(i, t, h, table_ref)
-  run = _run_block(step, listed, masked, geom, ranges_ref, i, j)
+  run = _run_block(step, at, geom, ranges_ref)
   if has_bias:
-    # Band path: every step owns its dbias block. Table path: steps past
-    # the row's list repeat its last block (already written), and blocks
-    # never listed are zeroed by the caller.
-    skipped = jnp.logical_not(run)
-    if geom.tables is not None:
-      skipped &= listed
-
-    @pl.when(skipped)
+    # A listed block the segment ids skip owns its dbias block. Steps that
+    # are not listed (an empty row's, or a walk's padding repeating the
+    # last block) write nothing: the caller zeroes blocks never listed.
+    @pl.when(at.listed & jnp.logical_not(run))
     def _zero_dbias():
       dbias_ref[...] = jnp.zeros(dbias_ref.shape, dbias_ref.dtype)
 
-  @pl.when(t == geom.kv_steps - 1)
+  @pl.when(at.last)
   def _finish():
     dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias, group):
+def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
   it = iter(refs)
   ranges_ref = next(it) if geom.has_segments else None
-  table_ref = next(it) if geom.tables is not None else None
+  table_ref = next(it) if geom.walks is not None else None
   q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = (next(it) for _ in range(6))
   qseg_ref = kvseg_ref = bias_ref = dense_ref = None
   if geom.has_segments:
     qseg_ref, kvseg_ref = next(it), next(it)
   if has_bias:
     bias_ref = next(it)
-  if _has_dense(geom):
+  if geom.dense:
     dense_ref = next(it)
   dk_ref, dv_ref, dk_acc, dv_acc = it
-  j, t = pl.program_id(2), pl.program_id(3)
-  u = lax.rem(t, jnp.int32(geom.q_steps))
-  h = pl.program_id(1) * group + _div(t, geom.q_steps)
-  i = geom.q_block(j, u, h, table_ref)
+  at = _grid_step(geom, "q", table_ref)
 
-  @pl.when(t == 0)
+  @pl.when(at.first)
   def _init():
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
@@ -378,7 +395,8 @@ def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias, group):
     if has_bias:
       s = s + bias_ref[...].astype(jnp.float32).T
     if masked:
-      mask = geom.mask(i, j, s.shape, transposed=True, dense_ref=dense_ref)
+      mask = geom.mask(at.q_block, at.kv_block, s.shape, transposed=True,
+                       dense_ref=dense_ref)
       if geom.has_segments:
         mask &= kvseg_ref[...][:, :1] == qseg_ref[...]
       s = jnp.where(mask, s, -jnp.inf)
@@ -392,10 +410,9 @@ def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias, group):
     dk_acc[...] += lax.dot_general((ds * sm_scale).astype(q.dtype), q, _NN,
                                    preferred_element_type=jnp.float32)
 
-  _run_block(step, *geom.q_step_runs(j, u, h, table_ref), geom, ranges_ref,
-             i, j)
+  _run_block(step, at, geom, ranges_ref)
 
-  @pl.when(t == group * geom.q_steps - 1)
+  @pl.when(at.last)
   def _finish():
     dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
@@ -426,9 +443,10 @@ MAX_TABLE_ENTRIES = 1 << 17
 
 
 def _geometry(q_len, kv_len, block_q, block_kv, has_segments, causal,
-              window_left, window_right, mask=None):
+              window_left, window_right, mask=None, group=1):
   """The call's geometry: the causal/window band joins ``mask``, and any
-  mask becomes block tables (a compressed grid)."""
+  mask becomes block tables and their walks (``group`` query heads per kv
+  head)."""
   right = window_right
   if causal:
     right = 0 if right is None else min(right, 0)
@@ -437,22 +455,54 @@ def _geometry(q_len, kv_len, block_q, block_kv, has_segments, causal,
     mask = band if mask is None else (
         tuple(m & band for m in mask) if isinstance(mask, tuple)
         else mask & band)
-  tables = None
+  tables = walks = None
   if mask is not None:
     tables = _masks.block_tables(mask, q_len, kv_len, block_q, block_kv)
-    entries = max(tables.kv_index.size, tables.q_index.size)
+    dense = tables.dense is not None
+    by_kv = np.swapaxes(tables.classes, 1, 2)
+    walks = {
+        "kv": _masks.walk(tables.classes, dense=dense),
+        # dk/dv: per-head tables walk a kv head's group of heads together;
+        # a shared table repeats each entry once per head of the group.
+        "q": (_masks.walk(by_kv, merge=group, dense=dense) if tables.per_head
+              else _masks.walk(by_kv, repeat=group, dense=dense)),
+    }
+    entries = max(sum(a.size for a in w.arrays()) for w in walks.values())
     if entries > MAX_TABLE_ENTRIES:
       raise ValueError(
           f"flash_attention: the mask's block tables need {entries} SMEM "
           f"entries at blocks ({block_q}, {block_kv}) (limit "
           f"{MAX_TABLE_ENTRIES}); pass larger block_sizes")
   return _Geometry(q_len=q_len, kv_len=kv_len, block_q=block_q,
-                   block_kv=block_kv, has_segments=has_segments,
-                   tables=tables)
+                   block_kv=block_kv, has_segments=has_segments, group=group,
+                   tables=tables, walks=walks)
 
 
-def _has_dense(geom):
-  return geom.tables is not None and geom.tables.dense is not None
+def _geometries(q_len, kv_len, head_dim, group, has_segments, causal,
+                window_left, window_right, mask, block_sizes):
+  """(forward geometry, backward geometry) at the chosen blocks."""
+  blocks = _bs.choose(q_len, kv_len, head_dim, block_sizes)
+  def at(block_q, block_kv):
+    return _geometry(q_len, kv_len, block_q, block_kv, has_segments, causal,
+                     window_left, window_right, mask, group)
+  return at(blocks.fwd_q, blocks.fwd_kv), at(blocks.bwd_q, blocks.bwd_kv)
+
+
+def grids(batch, heads, kv_heads, q_len, kv_len, head_dim, *, causal=False,
+          window_left=None, window_right=None, mask=None, block_sizes=None,
+          segments=False) -> dict[str, tuple[int, ...]]:
+  """The grids the kernels launch for such a call: ``{"forward": (B, H,
+  ...), "dq": (B, H, ...), "dkv": (B, Hkv, ...)}``. Masked calls (causal,
+  window, ``mask``) walk ``(B, H, steps)``, one step per live block
+  (at least one per row); others ``(B, H, q blocks, kv blocks)``."""
+  if mask is not None:
+    mask = _masks.per_head(mask, heads)
+  fwd, bwd = _geometries(q_len, kv_len, head_dim, heads // kv_heads,
+                         segments, causal, window_left, window_right, mask,
+                         block_sizes)
+  return {"forward": fwd.grid("kv", batch, heads),
+          "dq": bwd.grid("kv", batch, heads),
+          "dkv": bwd.grid("q", batch, kv_heads)}
 
 
 def _prefetch(geom, q_segment_ids, kv_segment_ids, major):
@@ -461,13 +511,20 @@ def _prefetch(geom, q_segment_ids, kv_segment_ids, major):
   prefetch = []
   if geom.has_segments:
     prefetch.append(_segment_ranges(q_segment_ids, kv_segment_ids, geom))
-  if geom.tables is not None:
+  if geom.walks is not None:
     prefetch.append(geom.flat_tables(major))
   return prefetch
 
 
-def _table_ref(geom, prefetch_refs):
-  return prefetch_refs[-1] if geom.tables is not None else None
+def _index_map(geom, major, block_index):
+  """A BlockSpec index map of the ``major`` walk: ``block_index(b, step)``
+  with the grid position decoded (``_Step``)."""
+  ids = geom.grid_ids
+
+  def index(b, h, *rest):
+    table_ref = rest[-1] if geom.walks is not None else None
+    return block_index(b, geom.step(major, h, rest[:ids], table_ref))
+  return index
 
 
 def _segment_layouts(segment_ids, length):
@@ -516,28 +573,21 @@ def _pallas_call(kernel, prefetch, args, *, grid, in_specs, out_specs,
       cost_estimate=cost_estimate, name=name)(*prefetch, *args)
 
 
-def _dense_input(geom, transposed, group=1):
+def _dense_input(geom, major):
   """(BlockSpec, int8 array) of a dense mask's tiles: ``[Ht, q_pad, kv_pad]``
-  indexed (head, q block, kv block), or transposed for the key-major dk/dv
-  grid. The index stays on the row's last partial block, so full blocks
-  load no new tile."""
+  indexed (head, q block, kv block), transposed for the "q" walk (dk/dv).
+  The walk's ``dense_col`` holds the row's last partial block, so full
+  blocks load no new tile."""
   t = geom.tables
   dense = jnp.asarray(t.dense)
-  bq, bk = geom.block_q, geom.block_kv
-  def table_head(h):
-    return h if t.per_head else 0
-  if not transposed:
-    def index(b, h, i, s, *pre):
-      table = _table_ref(geom, pre)
-      return (table_head(h), i,
-              geom._lookup(table, "kv_dense_index", h, i, s))
-    return pl.BlockSpec((_SQ, bq, bk), index), dense
-  def index_t(b, hk, j, s, *pre):
-    h = hk * group + _div(s, geom.q_steps)
-    table = _table_ref(geom, pre)
-    return (table_head(h), j, geom._lookup(
-        table, "q_dense_index", h, j, lax.rem(s, jnp.int32(geom.q_steps))))
-  return pl.BlockSpec((_SQ, bk, bq), index_t), jnp.swapaxes(dense, 1, 2)
+  def head(at):
+    return at.head if t.per_head else 0
+  if major == "kv":
+    return pl.BlockSpec((_SQ, geom.block_q, geom.block_kv), _index_map(
+        geom, major, lambda b, at: (head(at), at.q_block, at.dense_col))), dense
+  return pl.BlockSpec((_SQ, geom.block_kv, geom.block_q), _index_map(
+      geom, major, lambda b, at: (head(at), at.kv_block, at.dense_col))), (
+          jnp.swapaxes(dense, 1, 2))
 
 
 def _bias_index(bias, b, h, i, j):
@@ -630,58 +680,54 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
   batch, heads, q_len, head_dim = q.shape
   kv_heads = k.shape[1]
   group = heads // kv_heads
-  blocks = _bs.choose(q_len, k.shape[2], head_dim, block_sizes)
-  geom = _geometry(q_len, k.shape[2], blocks.fwd_q, blocks.fwd_kv,
-                   q_segment_ids is not None, causal, window_left,
-                   window_right, mask)
+  geom, _ = _geometries(q_len, k.shape[2], head_dim, group,
+                        q_segment_ids is not None, causal, window_left,
+                        window_right, mask, block_sizes)
   dim = _bs.padded_head_dim(head_dim)
   bq, bk = geom.block_q, geom.block_kv
   qp = _pad_head_dim(_pad_axis(q, 2, geom.q_pad), dim)
   kp = _pad_head_dim(_pad_axis(k, 2, geom.kv_pad), dim)
   vp = _pad_head_dim(_pad_axis(v, 2, geom.kv_pad), dim)
+  walk = functools.partial(_index_map, geom, "kv")
 
-  def kv_block(h, i, t, pre):
-    return geom.kv_block(i, t, h, _table_ref(geom, pre))
-
-  in_specs = [
-      pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, t, *_: (b, h, i, 0)),
-      pl.BlockSpec((_SQ, _SQ, bk, dim), lambda b, h, i, t, *pre: (
-          b, _div(h, group), kv_block(h, i, t, pre), 0)),
-      pl.BlockSpec((_SQ, _SQ, bk, dim), lambda b, h, i, t, *pre: (
-          b, _div(h, group), kv_block(h, i, t, pre), 0)),
-  ]
+  q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim), walk(
+      lambda b, at: (b, at.head, at.q_block, 0)))
+  kv_spec = pl.BlockSpec((_SQ, _SQ, bk, dim), walk(
+      lambda b, at: (b, _div(at.head, group), at.kv_block, 0)))
+  in_specs = [q_spec, kv_spec, kv_spec]
   args = [qp, kp, vp]
   prefetch = _prefetch(geom, q_segment_ids, kv_segment_ids, "kv")
   if geom.has_segments:
     q_col, _ = _segment_layouts(q_segment_ids, geom.q_pad)
     _, kv_row = _segment_layouts(kv_segment_ids, geom.kv_pad)
     in_specs += [
-        pl.BlockSpec((_SQ, bq, LANES), lambda b, h, i, t, *_: (b, i, 0)),
-        pl.BlockSpec((_SQ, 1, bk),
-                     lambda b, h, i, t, *pre: (b, 0, kv_block(h, i, t, pre))),
+        pl.BlockSpec((_SQ, bq, LANES), walk(lambda b, at: (b, at.q_block, 0))),
+        pl.BlockSpec((_SQ, 1, bk), walk(lambda b, at: (b, 0, at.kv_block))),
     ]
     args += [q_col, kv_row]
   if bias is not None:
     bias_p = _pad_axis(_pad_axis(bias, 2, geom.q_pad), 3, geom.kv_pad)
-    in_specs.append(pl.BlockSpec(
-        (_SQ, _SQ, bq, bk), lambda b, h, i, t, *pre: _bias_index(
-            bias, b, h, i, kv_block(h, i, t, pre))))
+    in_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), walk(
+        lambda b, at: _bias_index(bias, b, at.head, at.q_block,
+                                  at.kv_block))))
     args.append(bias_p)
-  if _has_dense(geom):
-    spec, dense = _dense_input(geom, transposed=False)
+  if geom.dense:
+    spec, dense = _dense_input(geom, "kv")
     in_specs.append(spec)
     args.append(dense)
 
   kernel = functools.partial(_forward_kernel, geom=geom, sm_scale=sm_scale,
                              cap=logit_soft_cap, has_bias=bias is not None)
   estimate = vmem_bytes(bq, bk, dim, q.dtype.itemsize, bias is not None)
+  grid = geom.grid("kv", batch, heads)
   out, lse = _pallas_call(
       kernel, prefetch, args,
-      grid=(batch, heads, geom.num_q, geom.kv_steps),
+      grid=grid,
       in_specs=in_specs,
       out_specs=[
-          pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, t, *_: (b, h, i, 0)),
-          pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, t, *_: (b, h, 0, i)),
+          q_spec,
+          pl.BlockSpec((_SQ, _SQ, 1, bq), walk(
+              lambda b, at: (b, at.head, 0, at.q_block))),
       ],
       out_shape=[
           jax.ShapeDtypeStruct((batch, heads, geom.q_pad, dim), q.dtype),
@@ -690,13 +736,18 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
       scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
                       pltpu.VMEM((bq, LANES), jnp.float32),
                       pltpu.VMEM((bq, dim), jnp.float32)],
-      compiler_params=_compiler_params(
-          ("parallel", "parallel", "parallel", "arbitrary"), estimate),
+      compiler_params=_compiler_params(_semantics(grid), estimate),
       interpret=interpret,
       cost_estimate=_cost_estimate(batch, heads, geom, dim, q.dtype.itemsize,
                                    2, bias is not None),
       name="flash_attention_fwd")
   return out[:, :, :q_len, :head_dim], lse[:, :, 0, :q_len]
+
+
+def _semantics(grid):
+  """Batch, head and (rectangular grids) the row axis are parallel; the
+  walked axis carries the accumulators."""
+  return ("parallel",) * (len(grid) - 1) + ("arbitrary",)
 
 
 def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
@@ -717,13 +768,11 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   batch, heads, q_len, head_dim = q.shape
   kv_heads, kv_len = k.shape[1], k.shape[2]
   group = heads // kv_heads
-  blocks = _bs.choose(q_len, kv_len, head_dim, block_sizes)
-  geom = _geometry(q_len, kv_len, blocks.bwd_q, blocks.bwd_kv,
-                   q_segment_ids is not None, causal, window_left,
-                   window_right, mask)
+  _, geom = _geometries(q_len, kv_len, head_dim, group,
+                        q_segment_ids is not None, causal, window_left,
+                        window_right, mask, block_sizes)
   dim = _bs.padded_head_dim(head_dim)
   bq, bk = geom.block_q, geom.block_kv
-  nq, nk = geom.num_q, geom.num_kv
 
   di = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
   if d_lse is not None:
@@ -748,50 +797,63 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   statics = dict(geom=geom, sm_scale=sm_scale, cap=logit_soft_cap,
                  has_bias=has_bias)
 
-  # dq (and dbias): grid (B, H, q blocks, kv steps).
-  def kv_block(h, i, t, pre):
-    return geom.kv_block(i, t, h, _table_ref(geom, pre))
+  def specs(major):
+    """In-specs and args of both walks: q, k, v, dO, lse, di, segment ids,
+    bias, dense mask; ``major`` picks the walk decoding the grid."""
+    walk = functools.partial(_index_map, geom, major)
+    q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim), walk(
+        lambda b, at: (b, at.head, at.q_block, 0)))
+    kv_spec = pl.BlockSpec((_SQ, _SQ, bk, dim), walk(
+        lambda b, at: (b, _div(at.head, group), at.kv_block, 0)))
+    row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), walk(
+        lambda b, at: (b, at.head, 0, at.q_block)))
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    args = [qp, kp, vp, dop, lse_row, di_row]
+    if segs is not None:
+      (q_col, q_row), (kv_col, kv_row) = segs
+      if major == "kv":
+        in_specs += [
+            pl.BlockSpec((_SQ, bq, LANES),
+                         walk(lambda b, at: (b, at.q_block, 0))),
+            pl.BlockSpec((_SQ, 1, bk), walk(lambda b, at: (b, 0, at.kv_block))),
+        ]
+        args += [q_col, kv_row]
+      else:
+        in_specs += [
+            pl.BlockSpec((_SQ, 1, bq), walk(lambda b, at: (b, 0, at.q_block))),
+            pl.BlockSpec((_SQ, bk, LANES),
+                         walk(lambda b, at: (b, at.kv_block, 0))),
+        ]
+        args += [q_row, kv_col]
+    if has_bias:
+      in_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), walk(
+          lambda b, at: _bias_index(bias, b, at.head, at.q_block,
+                                    at.kv_block))))
+      args.append(bias_p)
+    if geom.dense:
+      spec, dense = _dense_input(geom, major)
+      in_specs.append(spec)
+      args.append(dense)
+    return in_specs, args, q_spec, kv_spec
 
-  q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, h, i, t, *_: (b, h, i, 0))
-  kv_spec = pl.BlockSpec((_SQ, _SQ, bk, dim), lambda b, h, i, t, *pre: (
-      b, _div(h, group), kv_block(h, i, t, pre), 0))
-  row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, t, *_: (b, h, 0, i))
-  in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
-  args = [qp, kp, vp, dop, lse_row, di_row]
-  if segs is not None:
-    (q_col, _), (_, kv_row) = segs
-    in_specs += [
-        pl.BlockSpec((_SQ, bq, LANES), lambda b, h, i, t, *_: (b, i, 0)),
-        pl.BlockSpec((_SQ, 1, bk),
-                     lambda b, h, i, t, *pre: (b, 0, kv_block(h, i, t, pre))),
-    ]
-    args += [q_col, kv_row]
+  # dq (and dbias): query-block rows.
+  in_specs, args, q_spec, _ = specs("kv")
   out_specs = [q_spec]
   out_shape = [jax.ShapeDtypeStruct(qp.shape, q.dtype)]
   if has_bias:
-    in_specs.append(pl.BlockSpec(
-        (_SQ, _SQ, bq, bk), lambda b, h, i, t, *pre: _bias_index(
-            bias, b, h, i, kv_block(h, i, t, pre))))
-    args.append(bias_p)
-  if _has_dense(geom):
-    spec, dense = _dense_input(geom, transposed=False)
-    in_specs.append(spec)
-    args.append(dense)
-  if has_bias:
-    out_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), lambda b, h, i, t, *pre: (
-        b, h, i, t if geom.tables is None else kv_block(h, i, t, pre))))
+    out_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), _index_map(
+        geom, "kv", lambda b, at: (b, at.head, at.q_block, at.kv_block))))
     out_shape.append(jax.ShapeDtypeStruct(
         (batch, heads, geom.q_pad, geom.kv_pad), jnp.float32))
+  grid = geom.grid("kv", batch, heads)
   results = _pallas_call(
       functools.partial(_dq_kernel, **statics),
       _prefetch(geom, q_segment_ids, kv_segment_ids, "kv"), args,
-      grid=(batch, heads, nq, geom.kv_steps),
-      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((bq, dim), jnp.float32),
                       pltpu.VMEM((bq, LANES), jnp.float32),
                       pltpu.VMEM((bq, LANES), jnp.float32)],
-      compiler_params=_compiler_params(
-          ("parallel", "parallel", "parallel", "arbitrary"), estimate),
+      compiler_params=_compiler_params(_semantics(grid), estimate),
       interpret=interpret,
       cost_estimate=_cost_estimate(batch, heads, geom, dim, q.dtype.itemsize,
                                    3, has_bias),
@@ -810,52 +872,19 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
       dbias = jnp.sum(dbias, axis=reduce_axes, keepdims=True)
     dbias = dbias.astype(bias.dtype)
 
-  # dk, dv: grid (B, Hkv, kv blocks, group * q steps).
-  q_steps = geom.q_steps
-
-  def head(hk, t):
-    return hk * group + _div(t, q_steps)
-
-  def q_block(hk, j, t, pre):
-    return geom.q_block(j, lax.rem(t, jnp.int32(q_steps)), head(hk, t),
-                        _table_ref(geom, pre))
-
-  q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim), lambda b, hk, j, t, *pre: (
-      b, head(hk, t), q_block(hk, j, t, pre), 0))
-  kv_spec = pl.BlockSpec((_SQ, _SQ, bk, dim),
-                         lambda b, hk, j, t, *_: (b, hk, j, 0))
-  row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, hk, j, t, *pre: (
-      b, head(hk, t), 0, q_block(hk, j, t, pre)))
-  in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
-  args = [qp, kp, vp, dop, lse_row, di_row]
-  if segs is not None:
-    (_, q_row), (kv_col, _) = segs
-    in_specs += [
-        pl.BlockSpec((_SQ, 1, bq),
-                     lambda b, hk, j, t, *pre: (b, 0, q_block(hk, j, t, pre))),
-        pl.BlockSpec((_SQ, bk, LANES), lambda b, hk, j, t, *_: (b, j, 0)),
-    ]
-    args += [q_row, kv_col]
-  if has_bias:
-    in_specs.append(pl.BlockSpec(
-        (_SQ, _SQ, bq, bk), lambda b, hk, j, t, *pre: _bias_index(
-            bias, b, head(hk, t), q_block(hk, j, t, pre), j)))
-    args.append(bias_p)
-  if _has_dense(geom):
-    spec, dense = _dense_input(geom, transposed=True, group=group)
-    in_specs.append(spec)
-    args.append(dense)
+  # dk, dv: kv-block rows over the query blocks of the kv head's group.
+  in_specs, args, _, kv_spec = specs("q")
+  grid = geom.grid("q", batch, kv_heads)
   dk, dv = _pallas_call(
-      functools.partial(_dkv_kernel, group=group, **statics),
-      _prefetch(geom, q_segment_ids, kv_segment_ids, "q"), args, grid=(batch, kv_heads, nk, group * q_steps),
+      functools.partial(_dkv_kernel, **statics),
+      _prefetch(geom, q_segment_ids, kv_segment_ids, "q"), args, grid=grid,
       in_specs=in_specs,
       out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype),
                  jax.ShapeDtypeStruct(vp.shape, v.dtype)],
       scratch_shapes=[pltpu.VMEM((bk, dim), jnp.float32),
                       pltpu.VMEM((bk, dim), jnp.float32)],
-      compiler_params=_compiler_params(
-          ("parallel", "parallel", "parallel", "arbitrary"), estimate),
+      compiler_params=_compiler_params(_semantics(grid), estimate),
       interpret=interpret,
       cost_estimate=_cost_estimate(batch, heads, geom, dim, q.dtype.itemsize,
                                    4, has_bias),

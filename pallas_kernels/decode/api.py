@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import math
 import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _backend
+from pallas_kernels import _backend, _checks
 from pallas_kernels.decode import reference as _reference
 
 OP = "decode_attention"
@@ -138,12 +137,8 @@ def _decode_bwd(config, residuals, d_out):
   dq, dk, dv, dsinks = tuple(grads) + (None,) * (4 - len(grads))
   dq, dk, dv, dsinks = _sharding.cotangents_like(
       (q, k_cache, v_cache, sinks), (dq, dk, dv, dsinks))
-  return (dq, dk, dv, _integer_cotangent(kv_lengths), dsinks,
-          _integer_cotangent(page_table))
-
-
-def _integer_cotangent(x):
-  return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+  return (dq, dk, dv, _checks.integer_cotangent(kv_lengths), dsinks,
+          _checks.integer_cotangent(page_table))
 
 
 _decode.defvjp(_decode_fwd, _decode_bwd)
@@ -151,16 +146,8 @@ _decode.defvjp(_decode_fwd, _decode_bwd)
 
 # ----------------------------------------------------------- validation --
 
-def _is_static_number(x):
-  return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def _check_array(name, x, ndim):
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{OP}: {name} must be an array, got {type(x).__name__}")
-  if x.ndim != ndim:
-    raise ValueError(f"{OP}: {name} must have {ndim} dimension(s), got shape "
-                     f"{tuple(x.shape)}")
+  _checks.check_array(OP, name, x, ndim)
 
 
 def _check_integer(name, x):
@@ -219,21 +206,8 @@ def _validate(q, k_cache, v_cache, kv_lengths, sm_scale, logit_soft_cap,
       raise ValueError(f"{OP}: page_table must have shape ({batch}, "
                        f"pages_per_seq), got {tuple(page_table.shape)}")
     capacity = page_table.shape[1] * k_cache.shape[2]
-  if sm_scale is None:
-    sm_scale = 1.0 / math.sqrt(head_dim) if head_dim else 1.0
-  elif not _is_static_number(sm_scale):
-    raise TypeError(f"{OP}: sm_scale must be a Python number (it is static), "
-                    f"got {type(sm_scale).__name__}")
-  if not math.isfinite(sm_scale):
-    raise ValueError(f"{OP}: sm_scale must be finite, got {sm_scale}")
-  if logit_soft_cap is not None:
-    if not _is_static_number(logit_soft_cap):
-      raise TypeError(f"{OP}: logit_soft_cap must be a Python number, got "
-                      f"{type(logit_soft_cap).__name__}")
-    if not (logit_soft_cap > 0 and math.isfinite(logit_soft_cap)):
-      raise ValueError(f"{OP}: logit_soft_cap must be > 0 and finite, got "
-                       f"{logit_soft_cap}")
-    logit_soft_cap = float(logit_soft_cap)
+  sm_scale, logit_soft_cap = _checks.scale_and_cap(OP, sm_scale,
+                                                   logit_soft_cap, head_dim)
   if sliding_window is not None:
     if (isinstance(sliding_window, bool)
         or not isinstance(sliding_window, numbers.Integral)):

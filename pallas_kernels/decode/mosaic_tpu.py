@@ -33,12 +33,12 @@ from jax import lax
 
 from pallas_kernels import _backend, _compat, _cost
 from pallas_kernels._compat import pl, pltpu
+from pallas_kernels.attention.mosaic_tpu import online_softmax_step
 from pallas_kernels.decode import splits as _splits
 
 LANES = 128
 _SQ = pl.Squeezed() if hasattr(pl, "Squeezed") else None
 _NT = (((1,), (1,)), ((), ()))   # a @ b^T
-_NN = (((1,), (0,)), ((), ()))   # a @ b
 # Bytes of one K block in VMEM (V the same) per generation: a step's K and V
 # DMA takes ~5 us at the generation's HBM rate per TensorCore (tpu7x ~2.3),
 # so the ~0.35 us fixed cost of a grid step stays under ~15%; v4 keeps 1 MiB
@@ -193,17 +193,7 @@ def _kernel(*refs, plan: Plan, queries, group, window, sm_scale, cap):
         s = jnp.where(visible, s, -jnp.inf)
         written = key0 + lax.broadcasted_iota(jnp.int32, v.shape, 0) < length
         v = jnp.where(written, v, jnp.zeros_like(v))
-      m_prev, l_prev = m_ref[...][:, :1], l_ref[...][:, :1]
-      m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp(s - m_safe)
-      alpha = jnp.exp(m_prev - m_safe)
-      l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-      pv = lax.dot_general(p.astype(v.dtype), v, _NN,
-                           preferred_element_type=jnp.float32)
-      acc_ref[...] = alpha * acc_ref[...] + pv
-      m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
-      l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+      online_softmax_step(s, v, m_ref, l_ref, acc_ref)
 
     chunk_run = run & (key0 < length) if chunk else run
     pl.when(chunk_run & whole)(lambda step=step: step(False))
@@ -250,16 +240,9 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
 def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
             logit_soft_cap, sliding_window, interpret, block_kv, num_splits):
   batch, heads, queries, head_dim = q.shape
-  kv_heads = k_cache.shape[1]
-  group = heads // kv_heads
-  itemsize = jnp.dtype(k_cache.dtype).itemsize
+  kv_heads, group, itemsize, page_size, pages_per_seq, capacity = (
+      _splits.cache_layout(q, k_cache, page_table))
   paged = page_table is not None
-  if paged:
-    page_size, pages_per_seq = k_cache.shape[2], page_table.shape[1]
-    capacity = page_size * pages_per_seq
-  else:
-    page_size = pages_per_seq = None
-    capacity = k_cache.shape[2]
   plan = make_plan(batch, kv_heads, queries * group, capacity, head_dim,
                    itemsize, page_size=page_size,
                    pages_per_seq=pages_per_seq, block_kv=block_kv,

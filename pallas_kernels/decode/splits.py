@@ -17,12 +17,38 @@ e^(sink - m))``.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 from jax import lax
 
 
 def round_up(x: int, m: int) -> int:
   return -(-x // m) * m
+
+
+class CacheLayout(NamedTuple):
+  """Sizes of a call's KV cache."""
+  kv_heads: int
+  group: int                 # query heads per kv head
+  itemsize: int
+  page_size: int | None      # paged: rows per page; contiguous: None
+  pages_per_seq: int | None  # paged: the page table's width
+  capacity: int              # keys one sequence can hold
+
+
+def cache_layout(q, k_cache, page_table) -> CacheLayout:
+  """The layout of a contiguous ``[B, Hkv, L, D]`` or paged ``[pages, Hkv,
+  page_size, D]`` (with ``page_table [B, pages_per_seq]``) cache."""
+  kv_heads = k_cache.shape[1]
+  itemsize = jnp.dtype(k_cache.dtype).itemsize
+  page_size = pages_per_seq = None
+  capacity = k_cache.shape[2]
+  if page_table is not None:
+    page_size, pages_per_seq = k_cache.shape[2], page_table.shape[1]
+    capacity = page_size * pages_per_seq
+  return CacheLayout(kv_heads, q.shape[1] // kv_heads, itemsize, page_size,
+                     pages_per_seq, capacity)
 
 
 def pack_queries(q, kv_heads: int, rows: int):
@@ -105,5 +131,6 @@ def finish(out, lse, sinks, *, heads: int, queries: int, dtype):
   return unpack_rows(merged, heads, queries).astype(dtype)
 
 
-__all__ = ["round_up", "pack_queries", "unpack_rows", "block_range",
-           "split_range", "combine", "sink_rows", "finish"]
+__all__ = ["round_up", "CacheLayout", "cache_layout", "pack_queries",
+           "unpack_rows", "block_range", "split_range", "combine",
+           "sink_rows", "finish"]

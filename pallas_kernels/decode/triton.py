@@ -142,19 +142,14 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
   ``supports``; ``block_kv``/``num_splits`` override the defaults of a
   contiguous cache)."""
   batch, heads, queries, head_dim = q.shape
-  kv_heads = k_cache.shape[1]
-  group = heads // kv_heads
-  itemsize = jnp.dtype(k_cache.dtype).itemsize
   paged = page_table is not None
-  if paged:
-    capacity = page_table.shape[1] * k_cache.shape[2]
-    block = k_cache.shape[2]
-  else:
-    if k_cache.shape[2] < MIN_TILE:  # a tiny cache: pad it to one tile
-      pad = ((0, 0), (0, 0), (0, MIN_TILE - k_cache.shape[2]), (0, 0))
-      k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
-    capacity = k_cache.shape[2]
-    block = block_kv or block_rows(capacity, head_dim, itemsize, None)
+  if not paged and k_cache.shape[2] < MIN_TILE:  # tiny: pad it to one tile
+    pad = ((0, 0), (0, 0), (0, MIN_TILE - k_cache.shape[2]), (0, 0))
+    k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
+  kv_heads, group, itemsize, page_size, _, capacity = _splits.cache_layout(
+      q, k_cache, page_table)
+  block = page_size if paged else (
+      block_kv or block_rows(capacity, head_dim, itemsize, None))
   num_blocks = -(-capacity // block)
   if num_splits is None:
     num_splits = -(-PROGRAMS // (batch * kv_heads))
