@@ -14,8 +14,8 @@ from pallas_kernels.int8 import block_sizes as int8_bs
 from pallas_kernels.quant import block_sizes as quant_bs
 
 GENERATIONS = _backend.TPU_GENERATIONS
-# mosaic_tpu asks for 2x its estimate (at least 32 MiB) past 12 MiB, without
-# knowing the generation: on v4 (16 MiB) a bias pushes these rows past it.
+# v4 rows (512 x 512) whose rough estimate with a bias passes 3/4 of 16 MiB
+# (12.3-14.8 MiB): the chooser does not shrink blocks for a bias yet.
 V4_BIAS_OVER = {(128, 4), (256, 2), (256, 4)}
 
 
@@ -32,7 +32,8 @@ def _attention_cases():
           marks = ()
           if generation == "v4" and bias and (head_dim, itemsize) in (
               V4_BIAS_OVER):
-            marks = pytest.mark.xfail(strict=True, reason="limit policy")
+            marks = pytest.mark.xfail(strict=True,
+                                      reason="blocks not shrunk for a bias")
           yield pytest.param(generation, head_dim, itemsize, bias,
                              marks=marks)
 
@@ -45,7 +46,8 @@ def test_attention_rows_fit(generation, head_dim, itemsize, bias):
   for bq, bk in ((table.block_q, table.block_kv),
                  (table.block_q_bwd, table.block_kv_bwd)):
     used = attn_tpu.vmem_bytes(bq, bk, dim, itemsize, bias)
-    params = attn_tpu._compiler_params(("parallel",), used)
+    with _backend.target_override(tpu_generation=generation):
+      params = attn_tpu._compiler_params(("parallel",), used)
     assert _fits(generation, used, params.vmem_limit_bytes), (bq, bk, used)
 
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import _compat
+from pallas_kernels import _backend, _compat
 from pallas_kernels._compat import pl, pltpu
 from pallas_kernels.attention import block_sizes as _bs
 from pallas_kernels.attention import masks as _masks
@@ -656,9 +656,12 @@ def _cost_estimate(batch, heads, geom, dim, itemsize, matmuls, has_bias):
 
 
 def _compiler_params(semantics, estimate):
+  """Past 12 MiB of estimated VMEM, a scoped limit of twice the estimate
+  (32..96 MiB), never above the lowering target's VMEM per core."""
   limit = None
   if estimate > 12 * 2**20:
-    limit = min(max(2 * estimate, 32 * 2**20), 96 * 2**20)
+    vmem = _backend.TPU_VMEM_BYTES[_backend.target().tpu_generation]
+    limit = min(max(2 * estimate, 32 * 2**20), 96 * 2**20, vmem)
   return _compat.tpu_compiler_params(dimension_semantics=semantics,
                                      vmem_limit_bytes=limit)
 
