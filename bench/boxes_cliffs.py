@@ -1,7 +1,7 @@
 """Shape cliffs of the TPU box kernels, read from real TPU compiles (no TPU).
 
-    python -m bench.boxes_cliffs [--generations v5e,v4] [--cases giou,pairwise,nms,sorts]
-        [--label after] [--json FILE]
+    python -m bench.boxes_cliffs [--generations v5e,v4]
+        [--cases giou,pairwise,nms,sorts,mosaic_sort] [--label after] [--json FILE]
     python -m bench.boxes_cliffs --table before.json after.json --md OUT.md
 
 Each case is AOT-compiled with libtpu's compile-only topology of the
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from pallas_kernels.boxes.nms import mosaic_tpu as nms_mosaic_tpu
 
 GENERATIONS = ("v5e",)
 ELEMENTWISE = (1000, 4096, 100_003, 1_000_003)
@@ -71,6 +72,10 @@ def cases(kinds):
     for row in SORT_ROWS:
       out.append((f"XLA sort of (key, index), rows of {row}", functools.partial(
           _sorted_rows, row=row), (_spec(SORT_ROWS[-1]),)))
+  if "mosaic_sort" in kinds:
+    out.append((f"Mosaic sort of (key, index), {SORT_ROWS[-1]}",
+                nms_mosaic_tpu.sort_keys,
+                (_spec(1, SORT_ROWS[-1], dtype=jnp.int32),)))
   return out
 
 
@@ -139,7 +144,7 @@ def table(files):
             "| --- | --- |" + " --- |" * (4 * len(runs))]
   keyed = [{(r["generation"], r["case"]): r for r in run["rows"]}
            for run in runs]
-  for key in keyed[0]:
+  for key in dict.fromkeys(k for rows in keyed for k in rows):
     cells = []
     for rows in keyed:
       row = rows.get(key)

@@ -25,7 +25,8 @@ import pallas_kernels as pk
 from oracles import boxes as oracle
 from pallas_kernels import _backend, _compat, force_interpret
 from pallas_kernels.boxes.iou import reference as iou_reference
-from pallas_kernels.boxes.nms import api, block_sizes, reference, triton
+from pallas_kernels.boxes.nms import (api, block_sizes, mosaic_tpu,
+                                      reference, triton)
 from pallas_kernels.boxes.nms.cases import writeup_boxes
 
 ALL = backends.params()
@@ -210,15 +211,77 @@ def test_mosaic_long_suppression_chain(small_tiles):
 
 
 def test_mosaic_has_no_races(rng, small_tiles):
-  """Two 128-box tiles (cross-tile DMAs) in the race-detecting interpreter."""
-  boxes, scores = writeup_boxes(rng, 200)
+  """Four 128-box tiles that all keep boxes in the race-detecting
+  interpreter: the last tile prefetches slab s + 1 while testing slab s."""
+  boxes, scores = float_boxes(rng, 450)
   (idx, count), log = _backend.find_races(
-      lambda b, s: pk.nms(b, s, iou_threshold=0.5, max_output_size=200,
+      lambda b, s: pk.nms(b, s, iou_threshold=0.5, max_output_size=450,
                           backend="interpret"), boxes, scores)
-  assert log.launches >= 1 and not log.found, log
-  want, want_count, _ = oracle.nms(boxes, scores, 0.5, 200)
+  assert log.launches >= 2 and not log.found, log  # the sort and NMS kernels
+  want, want_count, _ = oracle.nms(boxes, scores, 0.5, 450)
   assert int(count) == want_count
   np.testing.assert_array_equal(idx, want)
+
+
+def sort_oracle(scores, score_threshold):
+  """Keepable boxes by descending score (ties: lower index), then the rest
+  by index; and which are keepable."""
+  valid = ~np.isnan(scores)
+  if score_threshold is not None:
+    valid &= scores > score_threshold
+  primary = np.where(valid, -scores.astype(np.float64), 0.0)
+  order = np.lexsort((np.arange(len(scores)), primary, ~valid))
+  return order, valid[order]
+
+
+@pytest.mark.parametrize("n,score_threshold", [
+    (1023, 0.3), (9000, None), pytest.param(3001, 0.0, marks=SLOW)])
+def test_mosaic_sort_is_the_score_order(rng, n, score_threshold):
+  """The bitonic sort kernel (TPU interpreter) at odd N with tied, -0.0,
+  -inf, +inf and NaN scores orders boxes as the stable score sort."""
+  scores = (rng.integers(-20, 20, (2, n)) / 8).astype(np.float32)
+  scores[0, ::7] = -np.inf
+  scores[0, 3::11] = np.nan
+  scores[1, ::13] = -0.0
+  scores[1, 5::17] = np.inf
+  with force_interpret("tpu"):
+    order, valid = api._tpu_order(jnp.asarray(scores), score_threshold,
+                                  interpret=_backend.interpret_value("tpu"))
+  for b in range(2):
+    want_order, want_valid = sort_oracle(scores[b], score_threshold)
+    np.testing.assert_array_equal(order[b], want_order, err_msg=f"image {b}")
+    np.testing.assert_array_equal(valid[b], want_valid, err_msg=f"image {b}")
+
+
+def test_mosaic_sort_has_no_races(rng):
+  """Four chunks: both merge levels (chunk swaps, in-chunk finish) run."""
+  keys = jnp.asarray(rng.integers(-50, 50, (1, 4000)), jnp.int32)
+  (sorted_keys, order), log = _backend.find_races(
+      lambda k: mosaic_tpu.sort_keys(k, interpret=_backend.interpret_value()),
+      keys)
+  assert log.launches >= 1 and not log.found, log
+  want = np.lexsort((np.arange(4000), np.asarray(keys[0])))
+  np.testing.assert_array_equal(order[0, :4000], want)
+  np.testing.assert_array_equal(sorted_keys[0, :4000], np.asarray(keys[0])[want])
+
+
+def test_mosaic_sort_rejects_too_many_keys():
+  keys = jax.ShapeDtypeStruct((1, mosaic_tpu.SORT_MAX + 1), jnp.int32)
+  with pytest.raises(ValueError, match="SORT_MAX"):
+    jax.eval_shape(mosaic_tpu.sort_keys, keys)
+
+
+def test_kept_indices_without_scatter(rng):
+  """Kept sorted positions -> original indices as the reference's scatter
+  does, across several levels of the prefix-count recursion."""
+  keep = jnp.asarray(rng.random((2, 20000)) < 0.3)
+  order = jnp.asarray(np.stack([rng.permutation(20000)] * 2), jnp.int32)
+  for m in (1, 100, 20000):
+    got = api._kept_indices(keep, order, m)
+    want = jax.vmap(functools.partial(reference.keep_to_indices,
+                                      max_output_size=m))(keep, order)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g, w)
 
 
 def test_mosaic_default_tiles_1024_boxes(rng):

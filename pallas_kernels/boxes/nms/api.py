@@ -1,4 +1,8 @@
-"""Public NMS ops: validation, the shared score sort, backend dispatch.
+"""Public NMS ops: validation, the score sort, backend dispatch.
+
+The TPU kernel's inputs are sorted by the Mosaic sort kernel (up to
+``mosaic_tpu.SORT_MAX`` boxes, beyond by XLA's sort); the GPU's by Triton
+rank / radix sorts or XLA's; all give ``reference.sort_by_score``'s order.
 
 See ``reference`` for the exact semantics and ``mosaic_tpu`` / ``triton`` for
 the kernels. Thresholds and ``max_output_size`` are static (Python numbers):
@@ -113,13 +117,23 @@ def _sorted_inputs(boxes, scores, class_ids, score_threshold, padded,
   return order, planes, classes, flags
 
 
+def _tpu_order(scores, score_threshold, interpret=None):
+  """``reference.sort_by_score`` per image by the Mosaic sort kernel."""
+  n = scores.shape[1]
+  keys, order = mosaic_tpu.sort_keys(
+      mosaic_tpu.score_keys(scores, score_threshold), interpret=interpret)
+  return order[:, :n], keys[:, :n] != mosaic_tpu.INVALID_KEY
+
+
 def _tpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
                  score_threshold, interpret=None):
   n = scores.shape[1]
   tile = block_sizes.tpu_tile(n)
   padded = block_sizes.padded_size(n, tile)
+  sort = (functools.partial(_tpu_order, interpret=interpret)
+          if mosaic_tpu.sort_size(n) <= mosaic_tpu.SORT_MAX else None)
   order, planes, classes, flags = _sorted_inputs(
-      boxes, scores, class_ids, score_threshold, padded)
+      boxes, scores, class_ids, score_threshold, padded, sort=sort)
   rows = jnp.concatenate([
       planes,
       jax.lax.bitcast_convert_type(classes, jnp.float32)[:, None],
@@ -129,9 +143,43 @@ def _tpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
   keep = mosaic_tpu.keep_mask(rows, iou_threshold=iou_threshold,
                               max_output_size=max_output_size, tile=tile,
                               interpret=interpret)
-  return jax.vmap(functools.partial(
-      reference.keep_to_indices, max_output_size=max_output_size))(
-          keep[:, :n], order)
+  return _kept_indices(keep[:, :n], order, max_output_size)
+
+
+def _inclusive_counts(x):
+  """Inclusive prefix sums of int32 [B, N] small counts (< 2^24 in all).
+
+  Rows of 128 are prefix-summed by a matmul with an upper-triangular ones
+  matrix (exact: integers in float32) and offset by the prefix sums of the
+  row totals, recursively: XLA's TPU cumsum of 100k compiles for seconds.
+  """
+  batch, n = x.shape
+  if n <= 128:
+    return jnp.cumsum(x, axis=1)
+  rows = -(-n // 128)
+  tiles = jnp.pad(x, ((0, 0), (0, rows * 128 - n))).reshape(batch, rows, 128)
+  lane = jnp.arange(128)
+  upper = (lane[:, None] <= lane[None, :]).astype(jnp.float32)
+  within = jnp.einsum("brl,lm->brm", tiles.astype(jnp.float32), upper,
+                      precision=jax.lax.Precision.HIGHEST).astype(jnp.int32)
+  totals = within[:, :, -1]
+  before = _inclusive_counts(totals) - totals
+  return (within + before[:, :, None]).reshape(batch, rows * 128)[:, :n]
+
+
+def _kept_indices(keep, order, max_output_size):
+  """Keep mask [B, N] over sorted positions -> (original indices [B, M]
+  padded with -1, count [B]); ``reference.keep_to_indices`` without its
+  scatter (the k-th kept position is found by binary search)."""
+  counts = _inclusive_counts(keep.astype(jnp.int32))
+  slots = jnp.arange(max_output_size, dtype=jnp.int32)
+  count = jnp.minimum(counts[:, -1], max_output_size)
+  position = jax.vmap(lambda c: jnp.searchsorted(
+      c, slots + 1, side="left", method="scan"))(counts)
+  indices = jnp.take_along_axis(
+      order, jnp.minimum(position, keep.shape[1] - 1), axis=1)
+  return (jnp.where(slots[None, :] < count[:, None], indices, -1),
+          count.astype(jnp.int32))
 
 
 def _bitmask_sizes(num_boxes, max_output_size):

@@ -1,6 +1,11 @@
-"""Blocked greedy NMS for TPU (Mosaic): O(N) HBM, VMEM bounded independent of N.
+"""Greedy NMS for TPU (Mosaic): a score sort kernel and a blocked NMS kernel.
 
-The wrapper sorts boxes by score (XLA) and lays them out as planes
+Sort (``sort_keys``): the boxes' int32 score keys (``score_keys``) with
+their indices as tie-break, by a bitonic network in VMEM (up to SORT_MAX
+keys, 8 bytes each); see ``sort_keys``.
+
+NMS (``keep_mask``): O(N) HBM, VMEM bounded independent of N. The wrapper
+lays the sorted boxes out as planes
 ``rows[B, 8, Np]`` float32: x1, y1, x2, y2, area, class id (int32 bits),
 keepable flag (1/0), zero; Np pads N to the tile size T with unkeepable
 boxes. Grid ``(B, Np // T)``: images "parallel" (megacore chips split them),
@@ -8,9 +13,10 @@ tiles "arbitrary" (in order on one core, sharing SMEM state). Per tile:
 
 1. Cross-tile suppression: every earlier tile that kept a box was appended
    to an HBM store (output ``store``) as its (8, T) slab with the flag
-   replaced by its keep mask. Each stored slab is DMA'd into VMEM,
-   transposed to (T, 8), and (8, T) IoU blocks of its boxes against the
-   tile's row vectors are or-reduced (non-kept boxes have flag 0).
+   replaced by its keep mask. Each stored slab is DMA'd into VMEM (two
+   buffers: slab s + 1 is in flight while slab s is tested), transposed to
+   (T, 8), and (8, T) IoU blocks of its boxes against the tile's row
+   vectors are or-reduced (non-kept boxes have flag 0).
 2. Within-tile chain: S[i, j] = (i < j) & same class & IoU > threshold goes
    to a (T, T) VMEM scratch; the greedy keep vector is the unique fixed
    point of k = alive & (k @ S == 0) (S is acyclic), reached from k = alive
@@ -20,7 +26,7 @@ tiles "arbitrary" (in order on one core, sharing SMEM state). Per tile:
    tiles skip all compute.
 
 Cost: about (stored slabs + 1) * N * T IoU tests, N^2 / 2 at worst. VMEM at
-T = 512: about 1.35 MiB whatever N (mostly the (T, T) matrix). HBM: the
+T = 512: about 1.4 MiB whatever N (mostly the (T, T) matrix). HBM: the
 planes and the store (32 bytes per box each) and a 4-byte keep mask.
 """
 from __future__ import annotations
@@ -59,7 +65,7 @@ def _exceeds_block(col, row, iou_threshold):
 
 
 def _nms_kernel(rows_ref, keep_ref, store_ref, state_ref, dma_buf, col_buf,
-                s_buf, sem, *, iou_threshold, max_output_size, tile):
+                s_buf, sems, *, iou_threshold, max_output_size, tile):
   b = pl.program_id(0)
   t = pl.program_id(1)
 
@@ -92,15 +98,30 @@ def _nms_kernel(rows_ref, keep_ref, store_ref, state_ref, dma_buf, col_buf,
                               jnp.zeros((SUB, tile), jnp.float32))
       return jnp.max(acc, axis=0, keepdims=True)
 
-    # 1. Against the kept boxes of earlier tiles.
+    # 1. Against the kept boxes of earlier tiles; slab s + 1 is fetched
+    # into the other buffer while slab s is tested.
+    stored = state_ref[1]
+
+    def fetch(s):
+      slot = s % 2
+      return pltpu.make_async_copy(store_ref.at[b, s], dma_buf.at[slot],
+                                   sems.at[slot])
+
+    @pl.when(stored > 0)
+    def _():
+      fetch(0).start()
+
     def cross(s, sup):
-      copy = pltpu.make_async_copy(store_ref.at[b, s], dma_buf, sem)
-      copy.start()
-      copy.wait()
-      col_buf[...] = dma_buf[...].T
+      fetch(s).wait()
+
+      @pl.when(s + 1 < stored)
+      def _():
+        fetch(s + 1).start()
+
+      col_buf[...] = dma_buf[s % 2].T
       return jnp.maximum(sup, suppressed_by_col_buf(cur))
 
-    sup = jax.lax.fori_loop(0, state_ref[1], cross,
+    sup = jax.lax.fori_loop(0, stored, cross,
                             jnp.zeros((1, tile), jnp.float32))
     alive = alive & (sup == 0)
 
@@ -137,13 +158,13 @@ def _nms_kernel(rows_ref, keep_ref, store_ref, state_ref, dma_buf, col_buf,
     @pl.when(kept > 0)
     def _():
       row_id = jax.lax.broadcasted_iota(jnp.int32, (PLANES, tile), 0)
-      dma_buf[...] = jnp.where(row_id == FLAG_ROW,
-                               jnp.broadcast_to(keep, (PLANES, tile)), cur)
-      slot = state_ref[1]
-      copy = pltpu.make_async_copy(dma_buf, store_ref.at[b, slot], sem)
+      dma_buf[0] = jnp.where(row_id == FLAG_ROW,
+                             jnp.broadcast_to(keep, (PLANES, tile)), cur)
+      copy = pltpu.make_async_copy(dma_buf.at[0], store_ref.at[b, stored],
+                                   sems.at[0])
       copy.start()
       copy.wait()
-      state_ref[1] = slot + 1
+      state_ref[1] = stored + 1
 
 
 def keep_mask(rows, *, iou_threshold, max_output_size, tile=DEFAULT_TILE,
@@ -171,10 +192,10 @@ def keep_mask(rows, *, iou_threshold, max_output_size, tile=DEFAULT_TILE,
                  pl.BlockSpec(memory_space=pl.ANY)],
       out_shape=out_shape,
       scratch_shapes=[pltpu.SMEM((2,), jnp.int32),
-                      pltpu.VMEM((PLANES, tile), jnp.float32),
+                      pltpu.VMEM((2, PLANES, tile), jnp.float32),
                       pltpu.VMEM((tile, PLANES), jnp.float32),
                       pltpu.VMEM((tile, tile), jnp.float32),
-                      pltpu.SemaphoreType.DMA(())],
+                      pltpu.SemaphoreType.DMA((2,))],
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
@@ -184,3 +205,197 @@ def keep_mask(rows, *, iou_threshold, max_output_size, tile=DEFAULT_TILE,
       name="nms_keep_mask",
   )(rows)
   return keep[:, 0, :]
+
+
+# ------------------------------------------------------------------ score sort
+
+LANES = 128
+CHUNK_ROWS = 8
+CHUNK = CHUNK_ROWS * LANES      # keys per (8, 128) vreg chunk
+SORT_MAX = 1 << 20              # 8 MiB of keys and indices in VMEM
+INVALID_KEY = 0x7FFFFFFF        # unkeepable boxes and padding
+
+
+def score_keys(scores, score_threshold=None):
+  """int32 keys [..., N] whose ascending order is ``reference.sort_by_score``'s.
+
+  Keepable scores map to the order-preserving integer of ``-score + 0.0``
+  (so 0.0 and -0.0 tie); unkeepable ones to INVALID_KEY, above every
+  keepable key. With the box index as tie-break the order is total.
+  """
+  scores = scores.astype(jnp.float32)
+  valid = ~jnp.isnan(scores)
+  if score_threshold is not None:
+    valid = valid & (scores > score_threshold)
+  bits = jax.lax.bitcast_convert_type(-scores + 0.0, jnp.int32)
+  ordered = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+  return jnp.where(valid, ordered, INVALID_KEY)
+
+
+def sort_size(num_keys: int) -> int:
+  """Keys the sort kernel holds: a power of two >= num_keys, >= CHUNK."""
+  return max(CHUNK, 1 << max(0, num_keys - 1).bit_length())
+
+
+def _first(ka, ia, kb, ib):
+  """Whether (ka, ia) sorts before (kb, ib), lexicographically."""
+  return (ka < kb) | ((ka == kb) & (ia < ib))
+
+
+def _bit(x, log2):
+  return (x >> log2) & 1
+
+
+def _flipped(mask, flip):
+  """mask where the int32 ``flip`` is 0, ~mask where it is 1 (in int32: Mosaic
+  cannot select between boolean vectors)."""
+  return (jnp.where(mask, 1, 0) ^ flip) == 1
+
+
+def _partner(x, pos, distance):
+  """x at chunk position pos ^ distance (distance a power of two < CHUNK).
+
+  Both rotations are computed and the one whose rotated positions equal
+  pos ^ distance is taken, so no rotation direction is assumed.
+  """
+  axis, step, size = ((1, distance, LANES) if distance < LANES
+                      else (0, distance // LANES, CHUNK_ROWS))
+  source = pltpu.roll(pos, step, axis)
+  take = source == (pos ^ distance)
+  return jnp.where(take, pltpu.roll(x, step, axis),
+                   pltpu.roll(x, size - step, axis))
+
+
+def _exchange_in_chunk(keys, index, pos, first_pos, distance, log2_run):
+  """One bitonic step within a chunk: partners at ``distance`` (< CHUNK).
+
+  ``first_pos`` is the global position of the chunk's first key; a key
+  keeps the smaller of the pair when its bit ``log2(distance)`` equals its
+  bit ``log2_run`` (runs of 2^log2_run keys alternate direction).
+  """
+  other_keys = _partner(keys, pos, distance)
+  other_index = _partner(index, pos, distance)
+  mine_first = _first(keys, index, other_keys, other_index)
+  keep_max = (_bit(pos, distance.bit_length() - 1)
+              ^ _bit(pos + first_pos, log2_run))
+  take_mine = _flipped(mine_first, keep_max)
+  return (jnp.where(take_mine, keys, other_keys),
+          jnp.where(take_mine, index, other_index))
+
+
+def _sort_kernel(keys_hbm, keys_out, order_out, key_buf, index_buf, sems, *,
+                 size):
+  b = pl.program_id(0)
+  copy_in = pltpu.make_async_copy(keys_hbm.at[b], key_buf, sems.at[0])
+  copy_in.start()
+  chunks = size // CHUNK
+  pos = (jax.lax.broadcasted_iota(jnp.int32, (CHUNK_ROWS, LANES), 0) * LANES
+         + jax.lax.broadcasted_iota(jnp.int32, (CHUNK_ROWS, LANES), 1))
+  copy_in.wait()
+
+  def rows(c):
+    return pl.ds(pl.multiple_of(c * CHUNK_ROWS, CHUNK_ROWS), CHUNK_ROWS)
+
+  def in_chunk_steps(c, log2_runs, first_distance_log2, log2_run=None):
+    keys, index = key_buf[rows(c)], index_buf[rows(c)]
+    for run in log2_runs:
+      for d in range(min(run, first_distance_log2 + 1) - 1, -1, -1):
+        keys, index = _exchange_in_chunk(
+            keys, index, pos, c * CHUNK, 1 << d,
+            run if log2_run is None else log2_run)
+    key_buf[rows(c)] = keys
+    index_buf[rows(c)] = index
+
+  # 1. Each chunk becomes a sorted run, ascending and descending alternately
+  # (runs of 2, 4, ..., CHUNK keys).
+  log2_chunk = CHUNK.bit_length() - 1
+
+  def sort_chunk(c, carry):
+    index_buf[rows(c)] = pos + c * CHUNK
+    in_chunk_steps(c, range(1, log2_chunk + 1), log2_chunk)
+    return carry
+
+  jax.lax.fori_loop(0, chunks, sort_chunk, 0)
+
+  # 2. Merge runs of 2^log2_run keys for log2_run > log2(CHUNK): steps at
+  # distances of whole chunks swap chunk pairs, the last log2(CHUNK) steps
+  # run within each chunk.
+  def merge(level, carry):
+    log2_run = level + log2_chunk + 1
+
+    def across(step, carry):
+      log2_apart = level - step          # partners 2^log2_apart chunks apart
+
+      def pair(q, carry):
+        lo = ((q >> log2_apart) << (log2_apart + 1)) + (
+            q & ((1 << log2_apart) - 1))
+        hi = lo + (1 << log2_apart)
+        klo, ilo = key_buf[rows(lo)], index_buf[rows(lo)]
+        khi, ihi = key_buf[rows(hi)], index_buf[rows(hi)]
+        lo_first = _first(klo, ilo, khi, ihi)
+        lo_gets_lo = _flipped(lo_first, _bit(pos + lo * CHUNK, log2_run))
+        key_buf[rows(lo)] = jnp.where(lo_gets_lo, klo, khi)
+        index_buf[rows(lo)] = jnp.where(lo_gets_lo, ilo, ihi)
+        key_buf[rows(hi)] = jnp.where(lo_gets_lo, khi, klo)
+        index_buf[rows(hi)] = jnp.where(lo_gets_lo, ihi, ilo)
+        return carry
+
+      return jax.lax.fori_loop(0, chunks // 2, pair, carry)
+
+    jax.lax.fori_loop(0, level + 1, across, 0)
+
+    def finish(c, carry):
+      in_chunk_steps(c, [log2_chunk + 1], log2_chunk - 1, log2_run)
+      return carry
+
+    return jax.lax.fori_loop(0, chunks, finish, carry)
+
+  jax.lax.fori_loop(0, chunks.bit_length() - 1, merge, 0)
+  copies = [pltpu.make_async_copy(key_buf, keys_out.at[b], sems.at[0]),
+            pltpu.make_async_copy(index_buf, order_out.at[b], sems.at[1])]
+  for copy in copies:
+    copy.start()
+  for copy in copies:
+    copy.wait()
+
+
+def sort_keys(keys, interpret=None):
+  """Sorts int32 ``keys`` [B, N] ascending with the index as tie-break.
+
+  Bitonic sorting network over N padded to ``sort_size(N)`` with
+  INVALID_KEY (after every key: padding indices are >= N), all in VMEM:
+  each (8, 128) chunk is sorted in registers (partners by lane / sublane
+  rotation), then runs are merged by swapping whole chunks and finishing
+  each chunk in registers; O(N log^2 N) compares, one program per image.
+
+  Returns (sorted keys, their indices), int32 [B, sort_size(N)].
+  """
+  batch, n = keys.shape
+  size = sort_size(n)
+  if size > SORT_MAX:
+    raise ValueError(f"sort_keys: N = {n} keys need {size} VMEM slots, more "
+                     f"than SORT_MAX = {SORT_MAX}")
+  keys = jnp.pad(keys.astype(jnp.int32), ((0, 0), (0, size - n)),
+                 constant_values=INVALID_KEY)
+  keys = keys.reshape(batch, size // LANES, LANES)
+  shape = jax.ShapeDtypeStruct(keys.shape, jnp.int32)
+  log2 = size.bit_length() - 1
+  compares = batch * size // 2 * log2 * (log2 + 1) // 2
+  sorted_keys, order = _compat.pallas_call(
+      functools.partial(_sort_kernel, size=size),
+      grid=(batch,),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
+      out_shape=[shape, shape],
+      scratch_shapes=[pltpu.VMEM(keys.shape[1:], jnp.int32),
+                      pltpu.VMEM(keys.shape[1:], jnp.int32),
+                      pltpu.SemaphoreType.DMA((2,))],
+      compiler_params=_compat.tpu_compiler_params(
+          dimension_semantics=("parallel",),
+          vmem_limit_bytes=2 * 4 * size + (4 << 20)),
+      interpret=interpret,
+      cost_estimate=_cost.estimate(flops=8 * compares,
+                                   bytes_accessed=3 * _cost.nbytes(shape)),
+      name="nms_sort_keys",
+  )(keys)
+  return sorted_keys.reshape(batch, size), order.reshape(batch, size)
