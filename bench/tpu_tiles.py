@@ -27,6 +27,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+import pallas_kernels.tpu_aot as tpu_aot
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 S = jax.ShapeDtypeStruct
@@ -77,8 +80,7 @@ def _ops():
 def _recording(calls):
   """Wraps ``pl.pallas_call`` so each traced launch appends its name, grid
   and first block shape to ``calls``."""
-  from pallas_kernels import _compat
-  original = _compat.pl.pallas_call
+  original = pl.pallas_call
 
   def pallas_call(kernel, *args, **kwargs):
     spec = kwargs.get("grid_spec")
@@ -97,19 +99,18 @@ def _recording(calls):
 
 
 def measure(op, generation) -> dict:
-  from pallas_kernels import _compat, tpu_aot
   fn, specs = _ops()[op]
   topology = tpu_aot.GENERATION_TOPOLOGY[generation]
   calls = []
   original, recording = _recording(calls)
-  _compat.pl.pallas_call = recording
+  pl.pallas_call = recording
   start = time.perf_counter()
   try:
     result = tpu_aot.compile_for_tpu(fn, *specs, topology=topology)
   except Exception as e:  # a compile failure is a result too
     return dict(op=op, generation=generation, error=str(e)[:500])
   finally:
-    _compat.pl.pallas_call = original
+    pl.pallas_call = original
   seconds = time.perf_counter() - start
   vmem = result.kernel_vmem_bytes
   # Tracing visits every platform's branch: keep the launches compiled here.
@@ -126,7 +127,6 @@ def measure(op, generation) -> dict:
 
 
 def record(tag, generations, ops) -> pathlib.Path:
-  from pallas_kernels import tpu_aot
   rows = []
   for generation in generations:
     topology = tpu_aot.GENERATION_TOPOLOGY[generation]
@@ -202,7 +202,6 @@ def main(argv=None) -> int:
     out.write_text(table(*paths))
     print(out.read_text())
     return 0
-  from pallas_kernels import tpu_aot
   gens = args.generation or list(tpu_aot.GENERATION_TOPOLOGY)
   print(record(args.tag or "after", gens, args.op or list(_ops())))
   return 0

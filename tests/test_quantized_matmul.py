@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import backends
 import jax
@@ -124,7 +125,21 @@ class Case:
     return "bfloat16" if self.kind == "dequant" else self.x_dtype
 
 
+def mosaic_gpu_takes(case) -> bool:
+  """The Mosaic GPU kernel's calls: per-channel weight-only 8-bit w [N, K],
+  bf16 x, M in its range (its own refusals are tested in
+  test_int8_mosaic_gpu.py)."""
+  low, high = int8_bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+  return (case.kind == "weight_only" and case.group_size is None
+          and case.fmt in ("int8", "float8_e4m3fn", "float8_e5m2")
+          and case.x_dtype == "bfloat16" and case.layout == "nk"
+          and low <= math.prod(case.x_shape[:-1]) <= high)
+
+
 def run_case(backend, case, x, w, kw):
+  if backend.name == "mosaic_gpu" and not mosaic_gpu_takes(case):
+    pytest.skip("the Mosaic GPU kernel takes per-channel weight-only 8-bit "
+                "w [N, K], bf16 x, M in GPU_WEIGHT_ONLY_MOSAIC_AUTO_M")
   arrays = {name: jnp.asarray(v) for name, v in kw.items()}
   call = functools.partial(backend.run, pk.quantized_matmul, jnp.asarray(x),
                            jnp.asarray(w), **arrays, **case.options())
@@ -153,6 +168,10 @@ CASES = [
          out_dtype="float32"),
     Case("float8_e4m3fn", (13, 200), 150, layout="nk", extras=("w_scale",
                                                                "bias")),
+    # the Mosaic GPU kernel's range: M 40 (padded to 64), M 130 (to 192)
+    Case("float8_e4m3fn", (2, 20, 200), 150, layout="nk",
+         extras=("w_scale", "bias")),
+    Case("int8", (130, 128), 70, layout="nk"),
     Case("float8_e5m2", (8, 96), 64, x_dtype="float16", group_size=32),
     Case("float8_e4m3fn", (33, 70), 50, kind="dequant",
          x_dtype="float8_e4m3fn", extras=("x_scale", "w_scale", "bias"),

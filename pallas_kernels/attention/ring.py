@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import _backend, _compat
+from pallas_kernels import _backend, _checks, _compat
 from pallas_kernels.attention import api as _api
 
 SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
@@ -323,8 +323,8 @@ def _ring_attention_bwd(ring, residuals, cotangents):
     d_lse = None
   dq, dk, dv = _ring_backward(ring, q, k, v, q_seg, kv_seg, out, lse,
                               d_out.astype(q.dtype), d_lse)
-  return (dq, dk, dv, _api._integer_cotangent(q_seg),
-          _api._integer_cotangent(kv_seg))
+  return (dq, dk, dv, _checks.integer_cotangent(q_seg),
+          _checks.integer_cotangent(kv_seg))
 
 
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
