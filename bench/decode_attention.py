@@ -12,11 +12,13 @@ XLA and (on a GPU) cuDNN implementations; ``flash``:
 SDPA (``enable_gqa``) over the padded cache where torch is installed.
 Cases: H=32, Hkv=8, D=128, bf16, batch 1 and 64, caches 8k..128k (batch 16
 at 128k: two copies of a batch-64 cache do not fit in 80 GB), all
-sequences full, plus a ragged batch (lengths uniform in [1, S]).
+sequences full, plus a ragged batch (lengths uniform in [1, S]), and an
+``int8 kv`` row (B64, 32k): ours on an int8 cache with per-head scales,
+the peers on its dequantized bfloat16 copy.
 ``hbm`` is the fraction of peak HBM bandwidth (``bench/roofline.py``) the
 call reaches on the K/V bytes a decode must read (2 · sum(lengths) · Hkv ·
-D · itemsize), the same figure for every impl; ``err`` is ours against
-the XLA peer. TPU rows: the Mosaic kernel's work at full length on each
+D · itemsize, at the itemsize of the cache the impl reads: 1 for ours on
+an int8 cache); ``err`` is ours against the XLA peer. TPU rows: the Mosaic kernel's work at full length on each
 chip's roofline (``mosaic_tpu.cost``); no TPU is measured.
 """
 from __future__ import annotations
@@ -34,17 +36,21 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 64
 CASES = ([dict(batch=1, seq=s, ragged=False) for s in (8192, 32768, 131072)]
          + [dict(batch=64, seq=s, ragged=r) for s in (8192, 32768)
             for r in (False, True)]
-         + [dict(batch=16, seq=131072, ragged=False)])
+         + [dict(batch=16, seq=131072, ragged=False),
+            dict(batch=64, seq=32768, ragged=False, cache="int8")])
 CASES = [dict(c, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
               dtype="bfloat16", page=PAGE) for c in CASES]
 QUICK = [dict(batch=b, seq=256, ragged=r, heads=4, kv_heads=2, head_dim=64,
-              dtype="float32", page=32) for b, r in ((1, False), (3, True))]
+              dtype="float32", page=32, **extra)
+         for b, r, extra in ((1, False, {}), (3, True, {}),
+                             (2, False, dict(cache="int8")))]
 
 
 def label(case):
   return (f"B{case['batch']} S{case['seq']} H{case['heads']}/"
           f"{case['kv_heads']} D{case['head_dim']}"
-          + (" ragged" if case["ragged"] else ""))
+          + (" ragged" if case["ragged"] else "")
+          + (" int8 kv" if case.get("cache") == "int8" else ""))
 
 
 def _inputs(case):
@@ -58,6 +64,16 @@ def _inputs(case):
   lengths = (rng.integers(1, s + 1, b) if case["ragged"]
              else np.full(b, s)).astype(np.int32)
   return q, k, v, jnp.asarray(lengths)
+
+
+def _int8(x):
+  """(int8 cache, float32 scales [Hkv]) of x [B, Hkv, S, D]: symmetric,
+  one scale per kv head; and the dequantized copy in x's dtype."""
+  scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(0, 2, 3)) / 127
+  stored = jnp.round(x.astype(jnp.float32) / scale[:, None, None])
+  stored = stored.astype(jnp.int8)
+  real = stored.astype(jnp.float32) * scale[:, None, None]
+  return stored, scale, real.astype(x.dtype)
 
 
 def _paged(case, k, v):
@@ -81,19 +97,23 @@ def _peak_bandwidth():
 
 def run(case, timer):
   q, k, v, lengths = _inputs(case)
-  itemsize = jnp.dtype(case["dtype"]).itemsize
-  kv_bytes = (2 * int(np.sum(np.asarray(lengths))) * case["kv_heads"]
-              * case["head_dim"] * itemsize)
+  ours_k, ours_v, scales = k, v, {}
+  if case.get("cache") == "int8":   # ours reads int8, the peers its copy
+    ours_k, k_scale, k = _int8(k)
+    ours_v, v_scale, v = _int8(v)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+  positions = (2 * int(np.sum(np.asarray(lengths))) * case["kv_heads"]
+               * case["head_dim"])
   peak = _peak_bandwidth()
   # Layouts: ours and flash [B, H, T, D] / [B, Hkv, S, D]; jax.nn [B, T, H, D].
   qt, kt, vt = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-  k_pages, v_pages, table = _paged(case, k, v)
+  k_pages, v_pages, table = _paged(case, ours_k, ours_v)
   quick = timer.quick
+  ours = functools.partial(pk.decode_attention, **scales)
   impls = {
-      "ours": (pk.decode_attention, (q, k, v, lengths), False),
-      "ours_paged": (lambda q, k, v, n, t: pk.decode_attention(
-          q, k, v, n, page_table=t), (q, k_pages, v_pages, lengths, table),
-          False),
+      "ours": (ours, (q, ours_k, ours_v, lengths), False),
+      "ours_paged": (lambda q, k, v, n, t: ours(q, k, v, n, page_table=t),
+                     (q, k_pages, v_pages, lengths, table), False),
   }
   for peer in ("xla",) if quick else ("xla", "cudnn"):
     dpa = functools.partial(jax.nn.dot_product_attention, implementation=peer)
@@ -108,18 +128,22 @@ def run(case, timer):
       outs[impl] = jnp.swapaxes(out, 1, 2) if transposed else out
       return seconds
     row = harness.measure(rows, label(case), impl, timed)
-    if row["ms"] and peak:
-      row["hbm"] = kv_bytes / (row["ms"] / 1e3) / peak
+    cache = ours_k if impl.startswith("ours") else k
+    _hbm(row, positions * cache.dtype.itemsize, peak)
   torch_peer = _torch_sdpa(q, k, v, quick)
   if torch_peer is not None:
     row = harness.measure(rows, label(case), "torch_sdpa",
                           lambda: timer.torch(torch_peer))
-    if row["ms"] and peak:
-      row["hbm"] = kv_bytes / (row["ms"] / 1e3) / peak
+    _hbm(row, positions * k.dtype.itemsize, peak)
   for row in rows:
     if row["impl"].startswith("ours") and row["impl"] in outs and "xla" in outs:
       row["err"] = harness.rel_error(outs[row["impl"]], outs["xla"])
   return rows
+
+
+def _hbm(row, kv_bytes, peak):
+  if row["ms"] and peak:
+    row["hbm"] = kv_bytes / (row["ms"] / 1e3) / peak
 
 
 def _torch_sdpa(q, k, v, quick):
@@ -149,13 +173,15 @@ def tpu_rows(cases):
   for case in cases:
     b, s, hk, d = (case["batch"], case["seq"], case["kv_heads"],
                    case["head_dim"])
-    itemsize = jnp.dtype(case["dtype"]).itemsize
+    compute = jnp.dtype(case["dtype"]).itemsize
+    itemsize = jnp.dtype(case.get("cache", case["dtype"])).itemsize
     group = case["heads"] // hk
     for chip in roofline.TPUS:
       plan = mosaic_tpu.make_plan(b, hk, group, s, d, itemsize,
-                                  generation=chip)
-      work = mosaic_tpu.cost(b, hk, plan, d, itemsize, s)
-      vmem = mosaic_tpu.vmem_bytes(plan, d, itemsize)
+                                  generation=chip, compute_itemsize=compute)
+      work = mosaic_tpu.cost(b, hk, plan, d, itemsize, s,
+                             compute_itemsize=compute)
+      vmem = mosaic_tpu.vmem_bytes(plan, d, itemsize, compute)
       for row in roofline.rows(label(case), work["flops"],
                                work["bytes_accessed"], chips=(chip,),
                                useful_flops=4 * b * case["heads"] * s * d):

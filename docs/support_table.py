@@ -97,17 +97,21 @@ def _attention_cases():
 
 
 def _decode_cases():
-  def call(d=128, dtype=jnp.bfloat16, t=1, page_size=None, **kw):
+  def call(d=128, dtype=jnp.bfloat16, t=1, page_size=None, cache_dtype=None,
+           **kw):
     q = _spec((2, 8, t, d), dtype)
     lengths = _spec((2,), jnp.int32)
+    cache_dtype = cache_dtype or dtype
     if page_size is None:
-      cache = _spec((2, 2, 1024, d), dtype)
+      cache = _spec((2, 2, 1024, d), cache_dtype)
       extra = []
     else:
-      cache = _spec((64, 2, page_size, d), dtype)
+      cache = _spec((64, 2, page_size, d), cache_dtype)
       extra = [_spec((2, 1024 // page_size), jnp.int32)]
     if "sinks" in kw:
       extra.append(_spec((8,), jnp.float32))
+    if cache_dtype != dtype:   # 8-bit: per-head scales
+      kw.update(k_scale=jnp.ones((2,)), v_scale=jnp.ones((2,)))
 
     def run(backend):
       def f(q, k, v, n, *rest):
@@ -135,6 +139,12 @@ def _decode_cases():
       ("paged, page_size 16", call(page_size=16)),
       ("paged, page_size 128", call(page_size=128)),
       ("paged, page_size 24", call(page_size=24)),
+      ("int8 cache (k_scale/v_scale)", call(cache_dtype=jnp.int8)),
+      ("float8_e4m3fn cache, paged",
+       call(cache_dtype=jnp.float8_e4m3fn, page_size=64)),
+      ("float8_e5m2 cache", call(cache_dtype=jnp.float8_e5m2)),
+      ("int8 cache, float16 q", call(dtype=jnp.float16,
+                                     cache_dtype=jnp.int8)),
   ]
 
 

@@ -6,12 +6,15 @@ flash_attention on the prefix; the API (errors, empty inputs, gradients).
 Tolerances, max abs error against float64 on N(0, 1) inputs, scaled by
 max(1, max |expected|): float32 2e-5; bfloat16/float16 2e-2 (the kernels
 round probabilities to the cache dtype before the P V matmul; the oracle
-sees the rounded inputs). Cache rows past each length hold NaN, which must
-not reach the output.
+sees the rounded inputs). Cache rows past each length hold NaN (int8
+caches: -128), which must not reach the output. 8-bit caches: the same
+tolerances by q's dtype (the oracle dequantizes the stored 8-bit values in
+float64, so quantization error is not measured).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +59,7 @@ class Case:
   sinks: bool = False
   page_size: int | None = None
   lengths: tuple | None = None
+  quant: str | None = None   # an 8-bit cache dtype (scales per kv head)
 
   @property
   def capacity(self):
@@ -92,9 +96,25 @@ class Case:
           for x in (k, v):
             x[table[b, p], :, :rows] = normal(self.hk, rows, self.d)
       kw["page_table"] = jnp.asarray(table, jnp.int32)
-    return (jnp.asarray(normal(self.b, self.h, self.t, self.d), dtype),
-            jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-            jnp.asarray(lengths, jnp.int32), kw)
+    q = jnp.asarray(normal(self.b, self.h, self.t, self.d), dtype)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if self.quant is None:
+      return q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), lengths, kw
+    k, kw["k_scale"] = self._quantize(k, rng)
+    v, kw["v_scale"] = self._quantize(v, rng)
+    return q, k, v, lengths, kw
+
+  def _quantize(self, x, rng):
+    """(8-bit cache, float32 scales [Hkv]) holding about x (N(0, 1)): the
+    scales spread over 2x per head; NaN stays NaN (int8: -128)."""
+    int8 = self.quant == "int8"
+    scale = rng.uniform(0.7, 1.4, self.hk) * (4 / 127 if int8 else 1 / 16)
+    stored = x / scale[:, None, None]
+    if int8:
+      stored = np.where(np.isnan(stored), -128,
+                        np.clip(np.round(stored), -127, 127))
+    return (jnp.asarray(stored, jnp.dtype(self.quant)),
+            jnp.asarray(scale, jnp.float32))
 
 
 CASES = {
@@ -110,7 +130,14 @@ CASES = {
     "paged_shuffled": Case(3, 4, 2, 2, 9, 64, window=70, sinks=True,
                            page_size=16),
     "paged_odd_page_size": Case(2, 2, 1, 3, 5, 32, cap=3.0, page_size=24),
+    "int8_gqa_window": Case(3, 8, 2, 3, 150, 64, window=60, quant="int8"),
+    "int8_bf16_paged_sinks": Case(3, 4, 2, 2, 5, 32, "bfloat16", sinks=True,
+                                  page_size=16, quant="int8"),
+    "e4m3_bf16_cap": Case(2, 4, 1, 4, 90, 64, "bfloat16", cap=4.0,
+                          quant="float8_e4m3fn"),
+    "e5m2": Case(2, 2, 1, 1, 40, 32, quant="float8_e5m2"),
 }
+SLOW_CASES = {"e5m2"}   # by default: test_e5m2_reference_with_scalar_scales
 
 
 def _refusal(backend, case) -> bool:
@@ -125,8 +152,13 @@ def _refusal(backend, case) -> bool:
   return False
 
 
+def _names(cases, slow):
+  return [pytest.param(n, marks=[pytest.mark.slow] if n in slow else [])
+          for n in sorted(cases)]
+
+
 @pytest.mark.parametrize("backend", ALL)
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", _names(CASES, SLOW_CASES))
 def test_matches_oracle(backend, name, rng):
   case = CASES[name]
   q, k, v, lengths, kw = case.inputs(rng)
@@ -191,10 +223,16 @@ KERNEL_CASES = {
                               lengths=(385, 386, 387)),
     "contiguous_all_visible": Case(2, 2, 1, 2, 517, 32, cap=4.0),
     "paged": Case(3, 4, 1, 2, 11, 32, window=90, page_size=16),
+    "int8_paged": Case(2, 4, 2, 2, 7, 32, sinks=True, page_size=16,
+                       quant="int8"),
+    "e4m3_contiguous": Case(2, 4, 2, 1, 517, 32, window=300,
+                            quant="float8_e4m3fn"),
 }
+# 8-bit caches by default: test_matches_oracle (the default plans split too).
+SLOW_KERNEL_CASES = {"int8_paged", "e4m3_contiguous"}
 
 
-@pytest.mark.parametrize("name", sorted(KERNEL_CASES))
+@pytest.mark.parametrize("name", _names(KERNEL_CASES, SLOW_KERNEL_CASES))
 @pytest.mark.parametrize("kernel,block,num_splits", [
     (mosaic_tpu, 128, 3), (mosaic_tpu, 256, 1), (triton, 32, 4)])
 def test_kernel_blocks_and_splits(kernel, block, num_splits, name, rng):
@@ -204,16 +242,18 @@ def test_kernel_blocks_and_splits(kernel, block, num_splits, name, rng):
   q, k, v, lengths, kw = case.inputs(rng)
   page_table = kw.pop("page_table", None)
   sinks = kw.pop("sinks", None)
+  scales = kw.pop("k_scale", None), kw.pop("v_scale", None)
   if kernel is triton and page_table is not None:
     block = None  # a Triton block is one page
   out = kernel.decode(
-      q, k, v, lengths, sinks, page_table,
+      q, k, v, lengths, sinks, page_table, *scales,
       sm_scale=kw["sm_scale"] or 1 / np.sqrt(case.d),
       logit_soft_cap=kw["logit_soft_cap"],
       sliding_window=kw["sliding_window"], interpret=True, block_kv=block,
       num_splits=num_splits)
   want = oracle.decode_attention(q, k, v, lengths, sinks=sinks,
-                                 page_table=page_table, **kw)
+                                 page_table=page_table, k_scale=scales[0],
+                                 v_scale=scales[1], **kw)
   _assert_close(out, want, TOLERANCES[case.dtype], name)
 
 
@@ -239,14 +279,17 @@ def test_tpu_plan_fits_each_generations_vmem(generation):
   blocks = set()
   for d in (64, 128, 256):
     for rows in (1, 64, 256):
-      for itemsize in (2, 4):
+      # (cache, q) itemsizes: float caches, and 8-bit ones converted in VMEM.
+      for itemsize, compute in ((2, 2), (4, 4), (1, 2), (1, 4)):
         plan = mosaic_tpu.make_plan(1, 1, rows, 131072, d, itemsize,
-                                    generation=generation)
-        limit = mosaic_tpu.vmem_limit_bytes(plan, d, itemsize)
-        used = mosaic_tpu.vmem_bytes(plan, d, itemsize)
+                                    generation=generation,
+                                    compute_itemsize=compute)
+        limit = mosaic_tpu.vmem_limit_bytes(plan, d, itemsize, compute)
+        used = mosaic_tpu.vmem_bytes(plan, d, itemsize, compute)
         assert used <= vmem * 3 // 4 and used < limit <= vmem, (
-            generation, d, rows, used, limit)
-        blocks.add(plan.block)
+            generation, d, rows, itemsize, compute, used, limit)
+        if itemsize == compute:
+          blocks.add(plan.block)
   assert max(blocks) * 128 * 2 == mosaic_tpu.BLOCK_BYTES[generation]
 
 
@@ -301,6 +344,24 @@ def _args(b=2, h=4, hk=2, t=2, s=32, d=16, dtype=jnp.float32):
     (dict(sinks=jnp.zeros((3,))), ValueError, "sinks must have shape"),
     (dict(sinks=jnp.zeros((4,), jnp.int32)), TypeError, "sinks"),
     (dict(backend="tpu"), ValueError, "backend"),
+    (dict(k_scale=jnp.ones((2,))), ValueError,
+     "k_scale is only for 8-bit caches.*pass k_scale=None"),
+    (dict(k_cache=jnp.zeros((2, 2, 32, 16), jnp.int8)), TypeError,
+     "k_cache and v_cache must share a dtype"),
+    (dict(k_cache=jnp.zeros((2, 2, 32, 16), jnp.int8),
+          v_cache=jnp.zeros((2, 2, 32, 16), jnp.int8)), ValueError,
+     r"int8 caches need k_scale .*shape \(2,\)"),
+    (dict(k_cache=jnp.zeros((2, 2, 32, 16), jnp.float8_e4m3fn),
+          v_cache=jnp.zeros((2, 2, 32, 16), jnp.float8_e4m3fn),
+          k_scale=1.0), ValueError, "float8_e4m3fn caches need v_scale"),
+    (dict(k_cache=jnp.zeros((2, 2, 32, 16), jnp.int8),
+          v_cache=jnp.zeros((2, 2, 32, 16), jnp.int8),
+          k_scale=jnp.ones((4,)), v_scale=1.0), ValueError,
+     r"k_scale must have shape \(2,\)"),
+    (dict(k_cache=jnp.zeros((2, 2, 32, 16), jnp.int8),
+          v_cache=jnp.zeros((2, 2, 32, 16), jnp.int8),
+          k_scale=1.0, v_scale=jnp.ones((2,), jnp.int32)), TypeError,
+     "v_scale must be floats"),
 ])
 def test_bad_input_raises(change, error, match):
   q, k, v, lengths = _args()
@@ -331,6 +392,19 @@ def test_triton_refuses_what_it_cannot_tile():
   q, k, v, lengths = _args(d=24)
   with pytest.raises(ValueError, match="power of two"):
     pk.decode_attention(q, k, v, lengths, backend="triton")
+
+
+def test_triton_refuses_e4m3_before_ada():
+  q, k, v, lengths = _args()
+  k = v = k.astype(jnp.float8_e4m3fn)
+  with _backend.target_override(gpu_capability="8.0"):
+    with pytest.raises(ValueError, match="float8_e4m3fn only on sm_89"):
+      pk.decode_attention(q, k, v, lengths, k_scale=1.0, v_scale=1.0,
+                          backend="triton")
+    jax.eval_shape(functools.partial(pk.decode_attention, backend="triton",
+                                     k_scale=1.0, v_scale=1.0),
+                   q, k.astype(jnp.float8_e5m2), v.astype(jnp.float8_e5m2),
+                   lengths)
 
 
 @pytest.mark.parametrize("shapes", [
@@ -378,6 +452,61 @@ def test_gradient_matches_flash_attention(rng):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
 
 
+def test_e5m2_reference_with_scalar_scales(rng):
+  """The e5m2 case on the reference (every backend: --runslow), with the
+  scales given as scalars."""
+  case = dataclasses.replace(CASES["e5m2"], hk=1)
+  q, k, v, lengths, kw = case.inputs(rng)
+  kw["k_scale"], kw["v_scale"] = (float(kw["k_scale"][0]),
+                                  float(kw["v_scale"][0]))
+  out = pk.decode_attention(q, k, v, lengths, backend="reference", **kw)
+  _assert_close(out, oracle.decode_attention(q, k, v, lengths, **kw), 2e-5)
+
+
+def test_8bit_gradient_in_q_and_sinks(rng):
+  """8-bit caches: the gradient in q and sinks equals the float path's on
+  the dequantized caches; one in a cache or a scale is a clear error."""
+  q, k, v, lengths, kw = Case(2, 4, 2, 2, 40, 16, sinks=True, lengths=(40, 9),
+                              quant="float8_e4m3fn").inputs(rng)
+  # Finite rows past the lengths: the float path's reference VJP (the
+  # expected value) would turn NaN there into NaN gradients.
+  k, v = (jnp.where(jnp.isnan(x.astype(jnp.float32)), 0, x).astype(x.dtype)
+          for x in (k, v))
+  scales = dict(k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+  real = [x.astype(jnp.float32) * s[:, None, None]
+          for x, s in ((k, kw["k_scale"]), (v, kw["v_scale"]))]
+
+  def loss(q, sinks, k=k, v=v, scales=scales):  # the kernel is not the point
+    return jnp.sum(jnp.sin(pk.decode_attention(q, k, v, lengths, sinks=sinks,
+                                               backend="reference", **scales)))
+  got = jax.grad(loss, argnums=(0, 1))(q, kw["sinks"])
+  want = jax.grad(lambda q, s: loss(q, s, *real, scales={}),
+                  argnums=(0, 1))(q, kw["sinks"])
+  for g, w in zip(got, want):
+    _assert_close(g, w, 2e-5)
+  with pytest.raises(TypeError, match="cannot differentiate with respect to "
+                     "k_cache: an 8-bit KV cache"):
+    jax.grad(lambda k: loss(q, kw["sinks"], k=k))(k)
+  with pytest.raises(TypeError, match="with respect to v_scale"):
+    jax.grad(lambda s: loss(q, kw["sinks"], scales=dict(
+        k_scale=kw["k_scale"], v_scale=s)))(kw["v_scale"])
+
+
+@pytest.mark.parametrize("kernel", [mosaic_tpu, triton])
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_kernels_read_the_8bit_cache(kernel, dtype, rng):
+  """The kernel's launch takes the caches in 8 bits (no dequantized copy)."""
+  q, k, v, lengths, kw = Case(2, 4, 2, 1, 64, 32, "bfloat16",
+                              quant=dtype).inputs(rng)
+  jaxpr = jax.make_jaxpr(lambda *a: kernel.decode(
+      *a, None, None, kw["k_scale"], kw["v_scale"], sm_scale=0.2,
+      logit_soft_cap=None, sliding_window=None, interpret=True))(
+          q, k, v, lengths)
+  launch, = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+  dtypes = [x.aval.dtype for x in launch.invars]
+  assert dtypes.count(jnp.dtype(dtype)) == 2, dtypes
+
+
 def test_vmap_over_a_leading_axis(rng):
   q, k, v, lengths, _ = Case(2, 2, 1, 1, 40, 16).inputs(rng)
   stack = lambda x: jnp.stack([x, x[::-1]])  # noqa: E731
@@ -389,22 +518,27 @@ def test_vmap_over_a_leading_axis(rng):
     _assert_close(got[i], want, 2e-5)
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_cuda_lowering_runs_the_triton_kernel(paged):
+@pytest.mark.parametrize("paged,cache_dtype", [
+    (False, jnp.bfloat16), (True, jnp.bfloat16), (False, jnp.int8),
+    (True, jnp.float8_e4m3fn)])
+def test_cuda_lowering_runs_the_triton_kernel(paged, cache_dtype):
   """backend=None lowered for CUDA on this host: the Triton kernel (not the
-  reference), with an odd batch and page-table width."""
+  reference), with an odd batch and page-table width; 8-bit caches too."""
   spec = jax.ShapeDtypeStruct
   q = spec((3, 32, 1, 128), jnp.bfloat16)
   lengths = spec((3,), jnp.int32)
+  scales = {}
+  if cache_dtype != jnp.bfloat16:
+    scales = dict(k_scale=jnp.full((8,), 0.1), v_scale=0.2)
   if paged:
-    cache = spec((70, 8, 64, 128), jnp.bfloat16)
+    cache = spec((70, 8, 64, 128), cache_dtype)
     args = (q, cache, cache, lengths, spec((3, 21), jnp.int32))
     fn = lambda q, k, v, n, t: pk.decode_attention(  # noqa: E731
-        q, k, v, n, page_table=t, sliding_window=100)
+        q, k, v, n, page_table=t, sliding_window=100, **scales)
   else:
-    cache = spec((3, 8, 1000, 128), jnp.bfloat16)
+    cache = spec((3, 8, 1000, 128), cache_dtype)
     args = (q, cache, cache, lengths)
     fn = lambda q, k, v, n: pk.decode_attention(  # noqa: E731
-        q, k, v, n, logit_soft_cap=30.0)
+        q, k, v, n, logit_soft_cap=30.0, **scales)
   text = _compat.lower_for_cuda(fn, *args).as_text()
   assert text.count('"decode_attention_gpu"') == 1

@@ -2,9 +2,10 @@
 
 Default: contiguous and paged caches up to 128k positions at head_dim 128
 (and an odd head_dim and page size) on v5e and v6e, each kernel's VMEM
-within its generation's, and a 4-chip sharded call. ``--runslow`` sweeps
-head_dim 64/128/256, caches 8k..128k, contiguous and paged, on every
-generation libtpu compiles for.
+within its generation's, and a 4-chip sharded call; an int8 cache on v5e
+and a float8_e4m3fn paged one on v6e. ``--runslow`` sweeps head_dim
+64/128/256, caches 8k..128k, contiguous and paged, on every generation
+libtpu compiles for, and the 8-bit formats on every generation.
 """
 from __future__ import annotations
 
@@ -32,18 +33,22 @@ def _spec(*shape, dtype=jnp.bfloat16):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _compile(topology, b, h, hk, t, length, d, page_size=None, **kw):
-  """Compiles one call; checks it ran the Mosaic kernel within VMEM."""
+def _compile(topology, b, h, hk, t, length, d, page_size=None,
+             cache_dtype=jnp.bfloat16, **kw):
+  """Compiles one call; checks it ran the Mosaic kernel within VMEM. An
+  8-bit ``cache_dtype`` comes with per-head scales."""
   q = _spec(b, h, t, d)
   lengths = _spec(b, dtype=jnp.int32)
+  if cache_dtype != jnp.bfloat16:
+    kw.update(k_scale=jnp.full((hk,), 0.02), v_scale=jnp.full((hk,), 0.03))
   if page_size is None:
-    cache = _spec(b, hk, length, d)
+    cache = _spec(b, hk, length, d, dtype=cache_dtype)
     args = (q, cache, cache, lengths)
     fn = lambda q, k, v, n: decode_attention(  # noqa: E731
         q, k, v, n, backend="mosaic_tpu", **kw)
   else:
     pages = length // page_size
-    cache = _spec(b * pages, hk, page_size, d)
+    cache = _spec(b * pages, hk, page_size, d, dtype=cache_dtype)
     args = (q, cache, cache, lengths, _spec(b, pages, dtype=jnp.int32))
     fn = lambda q, k, v, n, table: decode_attention(  # noqa: E731
         q, k, v, n, page_table=table, backend="mosaic_tpu", **kw)
@@ -68,6 +73,21 @@ def test_compiles_within_vmem(topology, b, h, hk, t, length, d, page_size, kw,
                               tpu_topologies):
   _need(topology, tpu_topologies)
   _compile(topology, b, h, hk, t, length, d, page_size, **kw)
+
+
+def test_8bit_caches_compile(tpu_topologies):
+  """B8 H32/8 D128, 32k positions: int8 contiguous on v5e, float8_e4m3fn
+  in pages of 64 on v6e; the kernel reads the caches as they are (the
+  program holds no bfloat16 copy of them)."""
+  for topology, page_size, dtype, cache in (
+      ("v5e:2x2", None, jnp.int8, "8,8,32768,128"),
+      ("v6e:2x2", 64, jnp.float8_e4m3fn, "4096,8,64,128")):
+    _need(topology, tpu_topologies)
+    result = _compile(topology, 8, 32, 8, 1, 32768, 128, page_size,
+                      cache_dtype=dtype)
+    stored = {jnp.int8: "s8", jnp.float8_e4m3fn: "f8e4m3fn"}[dtype]
+    assert f"{stored}[{cache}]" in result.hlo_text
+    assert f"bf16[{cache}]" not in result.hlo_text
 
 
 def test_sinks_and_sixteen_tokens_compile(tpu_topologies):
@@ -127,3 +147,14 @@ def test_sweep(topology, d, length, page_size, tpu_topologies):
   _need(topology, tpu_topologies)
   _compile(topology, 2, 16, 4, 4, length, d, page_size,
            sliding_window=length // 2, logit_soft_cap=50.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ALL_GENERATIONS)
+@pytest.mark.parametrize("cache_dtype", [jnp.int8, jnp.float8_e4m3fn,
+                                         jnp.float8_e5m2])
+@pytest.mark.parametrize("page_size,t", [(None, 1), (16, 4), (128, 1)])
+def test_8bit_sweep(topology, cache_dtype, page_size, t, tpu_topologies):
+  _need(topology, tpu_topologies)
+  _compile(topology, 4, 32, 8, t, 32768, 128, page_size,
+           cache_dtype=cache_dtype, sliding_window=8000)

@@ -3,10 +3,13 @@
 ``decode_attention`` attends the T newest tokens of each sequence to its KV
 cache (semantics: :mod:`pallas_kernels.decode.reference`). The forward picks
 its kernel (``_backend.dispatch``) from the rows, best first: ``mosaic_tpu``
-(TPU; bfloat16/float32, page tables up to 64k pages per sequence), ``triton`` (NVIDIA GPUs; head_dim and page size powers of two >= 16,
-since the cache is read in place), ``reference``. Both kernels are split-KV
-(flash decoding, ``decode.splits``). The gradient (decode is inference, but
-``jax.grad`` works) is the VJP of the reference, recomputed in XLA.
+(TPU; bfloat16/float32, page tables up to 64k pages per sequence),
+``triton`` (NVIDIA GPUs; head_dim and page size powers of two >= 16, since
+the cache is read in place), ``reference``. Both kernels are split-KV
+(flash decoding, ``decode.splits``) and read 8-bit caches as they are. The
+gradient (decode is inference, but ``jax.grad`` works) is the VJP of the
+reference, recomputed in XLA; with 8-bit caches (frozen, ``_frozen``) only
+q and sinks are differentiable.
 """
 from __future__ import annotations
 
@@ -19,12 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _backend, _checks
+from pallas_kernels import _backend, _checks, _frozen
 from pallas_kernels.decode import reference as _reference
 
 OP = "decode_attention"
 MAX_QUERIES = 16
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# Caches stored in 8 bits, with a float32 scale per kv head.
+QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,15 +81,18 @@ _FACTOR_NAMES = {"b": "batch", "h": "heads", "g": "kv_heads", "t": "queries",
                  "n": "pages per sequence"}
 
 
-def _sharding_rule(sinks, page_table, backward=False):
+def _sharding_rule(sinks, page_table, scales=False, backward=False):
   """Batch and heads split (query and kv heads together); a paged cache's
   pages are shared by the batch, so they stay whole (and their gradient is
-  a sum over batch shards, as is the sinks')."""
+  a sum over batch shards, as is the sinks'). An 8-bit cache's scales split
+  with the kv heads."""
   from pallas_kernels import _sharding
   cache = "b g s d" if page_table is None else "p g s d"
   operands = [("q", "b h t d"), ("k_cache", cache), ("v_cache", cache),
               ("kv_lengths", "b"), ("sinks", None if sinks is None else "h"),
               ("page_table", None if page_table is None else "b n")]
+  if scales:
+    operands += [("k_scale", "g"), ("v_scale", "g")]
   results, sums = ["b h t d"], None
   if backward:
     operands.append(("d_out", "b h t d"))
@@ -98,11 +106,12 @@ def _sharding_rule(sinks, page_table, backward=False):
       helper="jax.shard_map", names=_FACTOR_NAMES)
 
 
-def _forward(config, q, k_cache, v_cache, kv_lengths, sinks, page_table):
+def _forward(config, q, k_cache, v_cache, kv_lengths, sinks, page_table,
+             *scales):
   return _backend.dispatch(
       OP, config.backend, _rows(config, q, k_cache, page_table),
-      q, k_cache, v_cache, kv_lengths, sinks, page_table,
-      rule=_sharding_rule(sinks, page_table))
+      q, k_cache, v_cache, kv_lengths, sinks, page_table, *scales,
+      rule=_sharding_rule(sinks, page_table, scales=bool(scales)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -144,6 +153,38 @@ def _decode_bwd(config, residuals, d_out):
 _decode.defvjp(_decode_fwd, _decode_bwd)
 
 
+_QUANTIZED_NAMES = ("q", "k_cache", "v_cache", "kv_lengths", "sinks",
+                    "page_table", "k_scale", "v_scale")
+_FROZEN = "an 8-bit KV cache and its scales are not differentiable"
+_QUANTIZED_REASONS = {name: _FROZEN
+                      for name in ("k_cache", "v_cache", "k_scale", "v_scale")}
+
+
+def _quantized_linear(config, name):
+  """The tangent of the output in operand ``name`` (q or sinks), through
+  the reference (plain JAX, so reverse mode transposes it)."""
+  index = _QUANTIZED_NAMES.index(name)
+
+  def tangent(t, *operands):
+    primal = operands[index]
+
+    def fn(x):
+      args = list(operands)
+      args[index] = x
+      return _reference_run(config, *args)
+    return jax.jvp(fn, (primal,), (t.astype(primal.dtype),))[1]
+  return tangent
+
+
+def _decode_quantized(config, *operands):
+  """8-bit caches: the kernel under ``_frozen`` (tangents in q and sinks
+  only; the caches and scales are frozen)."""
+  return _frozen.frozen(
+      OP, functools.partial(_forward, config), _QUANTIZED_NAMES, operands,
+      {name: _quantized_linear(config, name) for name in ("q", "sinks")},
+      _QUANTIZED_REASONS)
+
+
 # ----------------------------------------------------------- validation --
 
 def _check_array(name, x, ndim):
@@ -162,17 +203,55 @@ def _concrete(x):
   return np.asarray(x)
 
 
+def _quantized(dtype) -> bool:
+  return dtype in [jnp.dtype(d) for d in QUANTIZED_DTYPES]
+
+
+def _check_scales(k_cache, v_cache, k_scale, v_scale):
+  """The scales as float32 ``[Hkv]`` (None for float caches)."""
+  dtype = jnp.dtype(k_cache.dtype).name
+  if not _quantized(k_cache.dtype):
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+      if scale is not None:
+        raise ValueError(f"{OP}: {name} is only for 8-bit caches (int8, "
+                         f"float8_e4m3fn, float8_e5m2); the caches are "
+                         f"{dtype}: pass {name}=None")
+    return None, None
+  kv_heads = k_cache.shape[1]
+  out = []
+  for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if scale is None:
+      raise ValueError(f"{OP}: {dtype} caches need {name} (float32, shape "
+                       f"({kv_heads},): one scale per kv head, or a scalar)")
+    scale = jnp.asarray(scale)
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+      raise TypeError(f"{OP}: {name} must be floats, got {scale.dtype}")
+    if scale.shape not in ((), (kv_heads,)):
+      raise ValueError(f"{OP}: {name} must have shape ({kv_heads},) (one per "
+                       f"kv head) or be a scalar, got {tuple(scale.shape)}")
+    out.append(jnp.broadcast_to(scale.astype(jnp.float32), (kv_heads,)))
+  return tuple(out)
+
+
+def _check_dtypes(q, k_cache, v_cache):
+  if q.dtype not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
+    raise TypeError(f"{OP}: q must be bfloat16, float16 or float32, got "
+                    f"{q.dtype}")
+  if k_cache.dtype != v_cache.dtype:
+    raise TypeError(f"{OP}: k_cache and v_cache must share a dtype, got "
+                    f"{k_cache.dtype} and {v_cache.dtype}")
+  if q.dtype != k_cache.dtype and not _quantized(k_cache.dtype):
+    raise TypeError(f"{OP}: q, k_cache and v_cache must share a dtype (or "
+                    "the caches be 8-bit: int8, float8_e4m3fn, float8_e5m2, "
+                    f"with k_scale/v_scale), got {q.dtype}, {k_cache.dtype}")
+
+
 def _validate(q, k_cache, v_cache, kv_lengths, sm_scale, logit_soft_cap,
               sliding_window, sinks, page_table, backend):
   _backend.check_backend(OP, backend)
   for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
     _check_array(name, x, 4)
-  if q.dtype not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
-    raise TypeError(f"{OP}: q must be bfloat16, float16 or float32, got "
-                    f"{q.dtype}")
-  if not q.dtype == k_cache.dtype == v_cache.dtype:
-    raise TypeError(f"{OP}: q, k_cache and v_cache must share a dtype, got "
-                    f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+  _check_dtypes(q, k_cache, v_cache)
   if k_cache.shape != v_cache.shape:
     raise ValueError(f"{OP}: k_cache and v_cache must have the same shape, "
                      f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -255,7 +334,8 @@ def _check_values(kv_lengths, page_table, capacity, num_pages, page_size):
 
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
                      logit_soft_cap=None, sliding_window=None, sinks=None,
-                     page_table=None, backend=None):
+                     page_table=None, k_scale=None, v_scale=None,
+                     backend=None):
   """Attention of the T newest tokens of each sequence to its KV cache.
 
   Args:
@@ -264,8 +344,9 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
       sees cache positions ``j <= kv_lengths[b] - T + t`` (causal among the
       new tokens, which are already in the cache).
     k_cache, v_cache: contiguous ``[B, Hkv, S, D]``, or paged ``[num_pages,
-      Hkv, page_size, D]`` with ``page_table``; q's dtype, ``H % Hkv == 0``
-      (query head ``h`` reads kv head ``h // (H // Hkv)``).
+      Hkv, page_size, D]`` with ``page_table``; ``H % Hkv == 0`` (query head
+      ``h`` reads kv head ``h // (H // Hkv)``). q's dtype, or 8-bit (int8,
+      float8_e4m3fn, float8_e5m2; both the same) with ``k_scale``/``v_scale``.
     kv_lengths: ``[B]`` integers, ``0 <= kv_lengths[b] <= S`` (paged:
       ``pages_per_seq * page_size``). Cache rows at or past the length are
       never used. Traced lengths out of range are clipped.
@@ -278,20 +359,31 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
     page_table: ``[B, pages_per_seq]`` integers: position ``j`` of sequence
       b is row ``j % page_size`` of page ``page_table[b, j // page_size]``.
       Entries past a sequence's last page are never read.
+    k_scale, v_scale: 8-bit caches only: float ``[Hkv]`` (or a scalar); the
+      cache holds ``k_real = k_cache * k_scale[hk]`` (v the same) and the
+      result is attention over those values. The kernels read the 8-bit
+      rows, convert them to q's dtype on chip and fold the scales into the
+      logit scale and the output normalisation.
     backend: None (the best kernel for the platform lowered for),
       "mosaic_tpu", "triton", "gpu", "interpret" or "reference".
 
   Returns:
     ``[B, H, T, D]`` in q's dtype; a query with no visible key gets 0.
-    Differentiable in q, the caches and sinks (through the reference).
+    Differentiable in q, the caches and sinks (through the reference); with
+    8-bit caches in q and sinks only (a gradient in a cache or scale raises
+    a TypeError).
   """
   config, capacity = _validate(q, k_cache, v_cache, kv_lengths, sm_scale,
                                logit_soft_cap, sliding_window, sinks,
                                page_table, backend)
+  k_scale, v_scale = _check_scales(k_cache, v_cache, k_scale, v_scale)
   if 0 in q.shape or 0 in k_cache.shape or capacity == 0:
     return jnp.zeros(q.shape, q.dtype)
   kv_lengths = jnp.clip(jnp.asarray(kv_lengths).astype(jnp.int32), 0,
                         capacity)
   if page_table is not None:
     page_table = jnp.asarray(page_table).astype(jnp.int32)
+  if k_scale is not None:
+    return _decode_quantized(config, q, k_cache, v_cache, kv_lengths, sinks,
+                             page_table, k_scale, v_scale)
   return _decode(config, q, k_cache, v_cache, kv_lengths, sinks, page_table)

@@ -19,8 +19,13 @@ garbage there (NaN included) never reaches the output. The cache is read in
 place (no padding): a partial last block reads rows past the array that are
 masked the same way. The page table lives in SMEM (1 MiB on v5e), so a
 paged call whose table exceeds ``PAGE_TABLE_BYTES`` runs as several launches
-over slices of the batch. float16 caches are refused: Mosaic cannot load
-float16 vectors on v5e/v6e.
+over slices of the batch. float16 is refused: Mosaic cannot load float16
+vectors on v5e/v6e.
+
+8-bit caches (int8, float8_e4m3fn, float8_e5m2): the blocks are DMA'd as
+they are (half the bytes of bfloat16) and converted to q's dtype in VMEM;
+the kv head's ``k_scale`` (scalar-prefetched) joins ``sm_scale``, and
+``v_scale`` multiplies the merged output (``splits.finish``).
 """
 from __future__ import annotations
 
@@ -50,6 +55,9 @@ SCORE_BYTES = 1 << 20
 MAX_PAGES_PER_BLOCK = 32
 # SMEM bytes of the prefetched page table per launch.
 PAGE_TABLE_BYTES = 256 << 10
+# VMEM bytes per element of an 8-bit block's converted copy: float32, since
+# Mosaic (libtpu of jax 0.7) widens float8 through it.
+CONVERTED_ITEMSIZE = 4
 # Parallel grid items (B * Hkv * splits) wanted: megacore chips share the
 # parallel axes between two TensorCores.
 PARALLEL_ITEMS = 8
@@ -70,13 +78,12 @@ class Plan:
 
 def supports(q, k_cache, page_table) -> str | None:
   """Why the kernel cannot run the call, else None."""
-  if k_cache.dtype == jnp.float16:
+  if jnp.float16 in (q.dtype, k_cache.dtype):
     return ("Mosaic cannot load float16 vectors on TPU v5e/v6e: use "
             "bfloat16 or float32")
   if page_table is not None and page_table.shape[1] * 4 > PAGE_TABLE_BYTES:
     return (f"one sequence's page table ({page_table.shape[1]} pages) "
             f"exceeds the {PAGE_TABLE_BYTES >> 10} KiB of SMEM it may use")
-  del q
   return None
 
 
@@ -86,15 +93,25 @@ def _sublanes(itemsize: int) -> int:
 
 def make_plan(batch, kv_heads, row_count, capacity, head_dim, itemsize, *,
               page_size=None, pages_per_seq=None, block_kv=None,
-              num_splits=None, generation=None) -> Plan:
+              num_splits=None, generation=None,
+              compute_itemsize=None) -> Plan:
   """Rows, block and splits of a call (``block_kv``/``num_splits``: override
-  the defaults; a paged block is a whole number of pages). ``generation``:
-  whose ``BLOCK_BYTES`` (default: the lowering target's)."""
+  the defaults; a paged block is a whole number of pages). ``itemsize``:
+  the cache's, ``compute_itemsize`` q's (default the cache's).
+  ``generation``: whose ``BLOCK_BYTES`` (default: the lowering target's).
+  An 8-bit block (``BLOCK_BYTES`` of DMA, twice the keys of a bfloat16
+  one) also keeps its buffers, its converted copy and its logits within
+  half the generation's VMEM (binds on v4's 16 MiB)."""
   generation = generation or _backend.target().tpu_generation
   block_bytes = BLOCK_BYTES.get(generation, BLOCK_BYTES["v5e"])
-  rows = _splits.round_up(row_count, _sublanes(itemsize))
+  compute_itemsize = compute_itemsize or itemsize
+  rows = _splits.round_up(row_count, _sublanes(compute_itemsize))
   lanes = _splits.round_up(head_dim, LANES)
   by_bytes = min(block_bytes // (lanes * itemsize), SCORE_BYTES // (rows * 4))
+  if compute_itemsize != itemsize:
+    vmem = _backend.TPU_VMEM_BYTES.get(generation, 16 << 20)
+    per_key = lanes * (4 * itemsize + 2 * CONVERTED_ITEMSIZE) + 16 * rows
+    by_bytes = min(by_bytes, vmem // 2 // per_key)
   target = max(LANES, by_bytes // LANES * LANES)
   if block_kv is not None:
     target = block_kv
@@ -115,32 +132,42 @@ def make_plan(batch, kv_heads, row_count, capacity, head_dim, itemsize, *,
               paged=page_size is not None)
 
 
-def vmem_bytes(plan: Plan, head_dim: int, itemsize: int) -> int:
+def vmem_bytes(plan: Plan, head_dim: int, itemsize: int,
+               compute_itemsize=None) -> int:
   """VMEM of one launch: double-buffered q, K/V and outputs, the scratch and
-  the step's float32 temporaries (logits, probabilities, mask)."""
+  the step's float32 temporaries (logits, probabilities, mask); an 8-bit
+  cache adds its K/V block converted (``CONVERTED_ITEMSIZE``).
+  ``compute_itemsize``: q's, default the cache's."""
+  compute_itemsize = compute_itemsize or itemsize
   lanes = _splits.round_up(head_dim, LANES)
   kv = 2 * 2 * plan.block * lanes * itemsize
-  q = 2 * plan.rows * lanes * itemsize
+  if compute_itemsize != itemsize:
+    kv += 2 * plan.block * lanes * CONVERTED_ITEMSIZE
+  q = 2 * plan.rows * lanes * compute_itemsize
   outs = 2 * plan.rows * (lanes + LANES) * 4
   scratch = plan.rows * (2 * LANES + lanes) * 4
   temps = 4 * plan.rows * _splits.round_up(plan.page_size, LANES) * 4
   return kv + q + outs + scratch + temps
 
 
-def vmem_limit_bytes(plan: Plan, head_dim: int, itemsize: int) -> int:
+def vmem_limit_bytes(plan: Plan, head_dim: int, itemsize: int,
+                     compute_itemsize=None) -> int:
   """The scoped VMEM a launch asks for: its ``vmem_bytes`` with a quarter to
   spare, at least 16 MiB (the smallest default scoped limit)."""
-  need = vmem_bytes(plan, head_dim, itemsize) * 5 // 4
+  need = vmem_bytes(plan, head_dim, itemsize, compute_itemsize) * 5 // 4
   return max(16 << 20, _splits.round_up(need, 1 << 20))
 
 
-def cost(batch, kv_heads, plan: Plan, head_dim, itemsize, capacity=None):
+def cost(batch, kv_heads, plan: Plan, head_dim, itemsize, capacity=None,
+         compute_itemsize=None):
   """Work at full length (every key of ``capacity`` visible): flops,
-  transcendentals and HBM bytes (K and V once, q, the partial outputs)."""
+  transcendentals and HBM bytes (K and V once at the cache's ``itemsize``,
+  q at ``compute_itemsize``, the partial outputs)."""
   capacity = plan.num_blocks * plan.block if capacity is None else capacity
   pairs = batch * kv_heads * plan.rows * capacity
   kv_bytes = 2 * batch * kv_heads * capacity * head_dim * itemsize
-  q_bytes = batch * kv_heads * plan.rows * head_dim * itemsize
+  q_bytes = (batch * kv_heads * plan.rows * head_dim
+             * (compute_itemsize or itemsize))
   out_bytes = (batch * kv_heads * plan.num_splits * plan.rows
                * (head_dim + LANES) * 4)
   return dict(flops=4 * pairs * head_dim, transcendentals=pairs,
@@ -149,13 +176,17 @@ def cost(batch, kv_heads, plan: Plan, head_dim, itemsize, capacity=None):
 
 # ----------------------------------------------------------------- kernel --
 
-def _kernel(*refs, plan: Plan, queries, group, window, sm_scale, cap):
+def _kernel(*refs, plan: Plan, queries, group, window, sm_scale, cap,
+            quantized):
   lengths_ref = refs[0]
-  it = iter(refs[2:] if plan.paged else refs[1:])
+  prefetched = 1 + plan.paged + quantized
+  it = iter(refs[prefetched:])
   q_ref = next(it)
   kv_refs = [(next(it), next(it)) for _ in range(plan.chunks)]
   o_ref, lse_ref, m_ref, l_ref, acc_ref = it
   b, split, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  if quantized:  # the kv head's k_scale joins the logit scale
+    sm_scale = sm_scale * refs[prefetched - 1][pl.program_id(1)]
   length = lengths_ref[b]
   start, per, hi = _splits.split_range(length, split, queries, window,
                                        plan.block, plan.num_splits)
@@ -179,7 +210,7 @@ def _kernel(*refs, plan: Plan, queries, group, window, sm_scale, cap):
 
     def step(masked, k_ref=k_ref, v_ref=v_ref, key0=key0):
       q = q_ref[...]
-      k, v = k_ref[...], v_ref[...]
+      k, v = k_ref[...].astype(q.dtype), v_ref[...].astype(q.dtype)
       s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
       s = s * sm_scale
       if cap is not None:
@@ -219,34 +250,39 @@ def _visible_block(lengths_ref, b, split, j, plan, queries, window):
   return jnp.clip(block, 0, plan.num_blocks - 1)
 
 
-def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
-           logit_soft_cap, sliding_window, interpret, block_kv=None,
-           num_splits=None):
-  """``[B, H, T, D]`` in q's dtype (arguments as checked by the API;
-  ``block_kv``/``num_splits`` override the plan)."""
+def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
+           v_scale=None, *, sm_scale, logit_soft_cap, sliding_window,
+           interpret, block_kv=None, num_splits=None):
+  """``[B, H, T, D]`` in q's dtype (arguments as checked by the API, scales
+  ``[Hkv]`` float32 with 8-bit caches; ``block_kv``/``num_splits``
+  override the plan)."""
   kwargs = dict(sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
                 sliding_window=sliding_window, interpret=interpret,
                 block_kv=block_kv, num_splits=num_splits)
+  scales = (k_scale, v_scale)
   if page_table is None:
-    return _decode(q, k_cache, v_cache, kv_lengths, sinks, None, **kwargs)
+    return _decode(q, k_cache, v_cache, kv_lengths, sinks, None, *scales,
+                   **kwargs)
   per_launch = max(1, PAGE_TABLE_BYTES // (4 * page_table.shape[1]))
   parts = [_decode(q[b:b + per_launch], k_cache, v_cache,
                    kv_lengths[b:b + per_launch], sinks,
-                   page_table[b:b + per_launch], **kwargs)
+                   page_table[b:b + per_launch], *scales, **kwargs)
            for b in range(0, q.shape[0], per_launch)]
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
-def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
-            logit_soft_cap, sliding_window, interpret, block_kv, num_splits):
+def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale,
+            v_scale, *, sm_scale, logit_soft_cap, sliding_window, interpret,
+            block_kv, num_splits):
   batch, heads, queries, head_dim = q.shape
   kv_heads, group, itemsize, page_size, pages_per_seq, capacity = (
       _splits.cache_layout(q, k_cache, page_table))
+  sizes = (itemsize, q.dtype.itemsize)
   paged = page_table is not None
   plan = make_plan(batch, kv_heads, queries * group, capacity, head_dim,
                    itemsize, page_size=page_size,
                    pages_per_seq=pages_per_seq, block_kv=block_kv,
-                   num_splits=num_splits)
+                   num_splits=num_splits, compute_itemsize=sizes[1])
   rows = _splits.pack_queries(q, kv_heads, plan.rows)
   window = sliding_window
   visible = functools.partial(_visible_block, plan=plan, queries=queries,
@@ -256,7 +292,7 @@ def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
     num_pages = k_cache.shape[0]
 
     def chunk_spec(chunk):
-      def index(b, h, split, j, lengths_ref, pages_ref):
+      def index(b, h, split, j, lengths_ref, pages_ref, *_):
         page = visible(lengths_ref, b, split, j) * plan.chunks + chunk
         last = lax.div(jnp.maximum(lengths_ref[b] - 1, 0),
                        jnp.int32(plan.page_size))
@@ -270,11 +306,13 @@ def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
     kv_args = [x for _ in range(plan.chunks) for x in (k_cache, v_cache)]
     prefetch = [kv_lengths, page_table.reshape(-1)]
   else:
-    def index(b, h, split, j, lengths_ref):
+    def index(b, h, split, j, lengths_ref, *_):
       return b, h, visible(lengths_ref, b, split, j), 0
     spec = pl.BlockSpec((_SQ, _SQ, plan.block, head_dim), index)
     kv_specs, kv_args = [spec, spec], [k_cache, v_cache]
     prefetch = [kv_lengths]
+  if k_scale is not None:
+    prefetch.append(k_scale)
 
   q_spec = pl.BlockSpec((_SQ, _SQ, plan.rows, head_dim),
                         lambda b, h, split, j, *_: (b, h, 0, 0))
@@ -297,16 +335,17 @@ def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
                       pltpu.VMEM((plan.rows, head_dim), jnp.float32)])
   kernel = functools.partial(_kernel, plan=plan, queries=queries, group=group,
                              window=window, sm_scale=sm_scale,
-                             cap=logit_soft_cap)
-  work = cost(batch, kv_heads, plan, head_dim, itemsize, capacity)
+                             cap=logit_soft_cap, quantized=k_scale is not None)
+  work = cost(batch, kv_heads, plan, head_dim, itemsize, capacity,
+              compute_itemsize=sizes[1])
   out, lse = _compat.pallas_call(
       kernel, grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=("parallel", "parallel", "parallel",
                                "arbitrary"),
-          vmem_limit_bytes=vmem_limit_bytes(plan, head_dim, itemsize)),
+          vmem_limit_bytes=vmem_limit_bytes(plan, head_dim, *sizes)),
       interpret=interpret, cost_estimate=_cost.estimate(**work),
       name="decode_attention_paged" if paged else "decode_attention",
   )(*prefetch, rows, *kv_args)
   return _splits.finish(out, lse[..., 0], sinks, heads=heads,
-                        queries=queries, dtype=q.dtype)
+                        queries=queries, dtype=q.dtype, v_scale=v_scale)

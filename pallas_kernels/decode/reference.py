@@ -14,7 +14,8 @@ Query head ``h`` reads kv head ``h // (H // Hkv)``.
                  (no sinks: the plain softmax over the visible keys)
 
 A row with no visible key gives 0. Cache rows at or past ``kv_lengths[b]``
-are never used (they may hold anything, NaN included).
+are never used (they may hold anything, NaN included). An 8-bit cache is
+dequantized first, in float32: ``k = k_cache * k_scale[hk]`` (v the same).
 """
 from __future__ import annotations
 
@@ -32,10 +33,18 @@ def contiguous_cache(cache, page_table):
   return pages.transpose(0, 2, 1, 3, 4).reshape(b, hkv, n * ps, d)
 
 
+def dequantize(cache, scale):
+  """float32 ``cache * scale[hk]`` (kv heads on axis 1, either layout)."""
+  return cache.astype(jnp.float32) * scale.astype(jnp.float32)[:, None, None]
+
+
 def decode_attention_reference(q, k_cache, v_cache, kv_lengths, sinks=None,
-                               page_table=None, *, sm_scale, logit_soft_cap,
-                               sliding_window):
+                               page_table=None, k_scale=None, v_scale=None, *,
+                               sm_scale, logit_soft_cap, sliding_window):
   """``[B, H, T, D]`` in q's dtype; arguments as checked by the API."""
+  if k_scale is not None:
+    k_cache = dequantize(k_cache, k_scale)
+    v_cache = dequantize(v_cache, v_scale)
   if page_table is not None:
     k_cache = contiguous_cache(k_cache, page_table)
     v_cache = contiguous_cache(v_cache, page_table)
@@ -77,11 +86,12 @@ def decode_attention_reference(q, k_cache, v_cache, kv_lengths, sinks=None,
 
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
                      logit_soft_cap=None, sliding_window=None, sinks=None,
-                     page_table=None):
+                     page_table=None, k_scale=None, v_scale=None):
   """Reference for :func:`pallas_kernels.decode_attention` (same arguments
-  and result; no argument checks)."""
+  and result; no argument checks; scales ``[Hkv]``)."""
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(q.shape[-1])
   return decode_attention_reference(
-      q, k_cache, v_cache, kv_lengths, sinks, page_table, sm_scale=sm_scale,
+      q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale, v_scale,
+      sm_scale=sm_scale,
       logit_soft_cap=logit_soft_cap, sliding_window=sliding_window)

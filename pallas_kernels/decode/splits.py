@@ -13,7 +13,8 @@ Split-KV: the blocks holding a visible key of sequence b, ``[lo, hi]``, are
 dealt to ``num_splits`` splits in equal runs; each split writes its softmax
 over its keys as ``(out, lse)`` (float32) and ``combine`` merges them with
 the sinks: ``out = sum_s e^(lse_s - m) out_s / (sum_s e^(lse_s - m) +
-e^(sink - m))``.
+e^(sink - m))``. An 8-bit cache's value scale (one per kv head) multiplies
+the merged float32 output there, fused into the merge.
 """
 from __future__ import annotations
 
@@ -123,11 +124,14 @@ def sink_rows(sinks, kv_heads: int, queries: int, rows: int):
                  constant_values=-jnp.inf)
 
 
-def finish(out, lse, sinks, *, heads: int, queries: int, dtype):
-  """The kernels' epilogue: combine the splits with the sinks, unpack the
-  rows, cast to ``dtype``."""
+def finish(out, lse, sinks, *, heads: int, queries: int, dtype,
+           v_scale=None):
+  """The kernels' epilogue: combine the splits with the sinks, scale by
+  ``v_scale [Hkv]`` (8-bit values), unpack the rows, cast to ``dtype``."""
   kv_heads, rows = out.shape[1], out.shape[3]
   merged = combine(out, lse, sink_rows(sinks, kv_heads, queries, rows))
+  if v_scale is not None:
+    merged = merged * v_scale[None, :, None, None]
   return unpack_rows(merged, heads, queries).astype(dtype)
 
 

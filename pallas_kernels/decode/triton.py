@@ -14,7 +14,10 @@ block is one page, found through the page table. Every block masks logits
 by position and zeroes value rows at or past the length (garbage there never
 reaches the output). Triton tiles need power-of-two sizes, so head_dim and
 the page size must be powers of two >= 16 (``supports``); other calls take
-another kernel.
+another kernel. 8-bit caches (int8, float8_e4m3fn, float8_e5m2) are loaded
+as they are and converted to q's dtype in registers; the kv head's
+``k_scale`` joins ``sm_scale`` and ``v_scale`` multiplies the merged output
+(``splits.finish``). Triton has float8_e4m3fn only from sm_89 (Ada) on.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _compat, _cost
+from pallas_kernels import _backend, _compat, _cost
 from pallas_kernels.decode import splits as _splits
 
 pl = _compat.pl
@@ -56,6 +59,12 @@ def supports(q, k_cache, page_table) -> str | None:
   if page_table is not None and not _pow2(k_cache.shape[2]):
     return (f"the Triton decode kernel needs page_size a power of two >= "
             f"{MIN_TILE}, got {k_cache.shape[2]}")
+  capability = _backend.target().gpu_capability
+  if (k_cache.dtype == jnp.float8_e4m3fn and capability
+      and tuple(map(int, capability.split(".")[:2])) < (8, 9)):
+    return (f"Triton supports float8_e4m3fn only on sm_89+ GPUs, this is "
+            f"sm_{capability.replace('.', '')}: use an int8 or float8_e5m2 "
+            "cache")
   return None
 
 
@@ -72,12 +81,14 @@ def block_rows(capacity: int, head_dim: int, itemsize: int,
 
 
 def _kernel(lengths_ref, q_ref, k_ref, v_ref, *rest, queries, group, window,
-            sm_scale, cap, block, num_splits, paged, capacity):
-  if paged:
-    pages_ref, o_ref, lse_ref = rest
-  else:
-    o_ref, lse_ref = rest
+            sm_scale, cap, block, num_splits, paged, capacity, quantized):
+  rest = list(rest)
+  pages_ref = rest.pop(0) if paged else None
+  scale_ref = rest.pop(0) if quantized else None
+  o_ref, lse_ref = rest
   b, split = pl.program_id(0), pl.program_id(2)
+  if quantized:  # the kv head's k_scale joins the logit scale
+    sm_scale = sm_scale * scale_ref[pl.program_id(1)]
   length = lengths_ref[b]
   start, per, hi = _splits.split_range(length, split, queries, window, block,
                                        num_splits)
@@ -101,6 +112,7 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, *rest, queries, group, window,
       first = jnp.minimum(c * block, capacity - block)
       k = k_ref[pl.ds(first, block), :]
       v = v_ref[pl.ds(first, block), :]
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
     qk = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                          preferred_element_type=jnp.float32)
     if cap is None:
@@ -135,12 +147,13 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, *rest, queries, group, window,
   lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * LN2)
 
 
-def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
-           logit_soft_cap, sliding_window, interpret, block_kv=None,
-           num_splits=None):
+def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
+           v_scale=None, *, sm_scale, logit_soft_cap, sliding_window,
+           interpret, block_kv=None, num_splits=None):
   """``[B, H, T, D]`` in q's dtype (arguments as checked by the API and
-  ``supports``; ``block_kv``/``num_splits`` override the defaults of a
-  contiguous cache)."""
+  ``supports``, scales ``[Hkv]`` float32 with 8-bit caches;
+  ``block_kv``/``num_splits`` override the defaults of a contiguous
+  cache)."""
   batch, heads, queries, head_dim = q.shape
   paged = page_table is not None
   if not paged and k_cache.shape[2] < MIN_TILE:  # tiny: pad it to one tile
@@ -170,6 +183,9 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
     kv_spec = pl.BlockSpec((None, None, capacity, head_dim),
                            lambda b, h, s: (b, h, 0, 0))
     extra_specs, extra = [], []
+  if k_scale is not None:
+    extra_specs.append(pl.BlockSpec((kv_heads,), lambda b, h, s: (0,)))
+    extra.append(k_scale)
   out_shape = [
       jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows, head_dim),
                            jnp.float32),
@@ -177,7 +193,8 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
   kernel = functools.partial(
       _kernel, queries=queries, group=group, window=sliding_window,
       sm_scale=sm_scale, cap=logit_soft_cap, block=block,
-      num_splits=num_splits, paged=paged, capacity=capacity)
+      num_splits=num_splits, paged=paged, capacity=capacity,
+      quantized=k_scale is not None)
   pairs = batch * kv_heads * rows * capacity
   out, lse = _compat.pallas_call(
       kernel,
@@ -199,4 +216,4 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, *, sm_scale,
       name="decode_attention_gpu",
   )(kv_lengths, packed, k_cache, v_cache, *extra)
   return _splits.finish(out, lse, sinks, heads=heads, queries=queries,
-                        dtype=q.dtype)
+                        dtype=q.dtype, v_scale=v_scale)

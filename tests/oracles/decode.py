@@ -6,8 +6,9 @@ kv_lengths[b]``) and sees cache positions ``p - window <= j <= p``; logits
 ``sm_scale * q . k``, then ``cap * tanh(s / cap)``; the softmax denominator
 also holds ``exp(sink_h)``; a query with no visible key gives 0. A paged
 cache is first laid out per sequence: position j is row ``j % page_size``
-of page ``page_table[b, j // page_size]``. Each query is computed on its
-own, by loops over sequences, heads and queries.
+of page ``page_table[b, j // page_size]``. An 8-bit cache holds ``k_cache
+* k_scale[hk]`` (v the same), multiplied out in float64 first. Each query
+is computed on its own, by loops over sequences, heads and queries.
 """
 from __future__ import annotations
 
@@ -31,14 +32,17 @@ def gather_pages(cache, page_table):
 
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
                      logit_soft_cap=None, sliding_window=None, sinks=None,
-                     page_table=None):
+                     page_table=None, k_scale=None, v_scale=None):
   """``[B, H, T, D]`` float64."""
-  if page_table is not None:
-    k_cache = gather_pages(k_cache, page_table)
-    v_cache = gather_pages(v_cache, page_table)
-  q = np.asarray(q).astype(np.float64)
   k = np.asarray(k_cache).astype(np.float64)
   v = np.asarray(v_cache).astype(np.float64)
+  if k_scale is not None:   # kv heads are axis 1 of either layout
+    k = k * np.asarray(k_scale, np.float64).reshape(-1, 1, 1)
+    v = v * np.asarray(v_scale, np.float64).reshape(-1, 1, 1)
+  if page_table is not None:
+    k = gather_pages(k, page_table)
+    v = gather_pages(v, page_table)
+  q = np.asarray(q).astype(np.float64)
   lengths = np.asarray(kv_lengths)
   b_n, h_n, t_n, d = q.shape
   group = h_n // k.shape[1]
