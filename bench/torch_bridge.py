@@ -6,7 +6,7 @@ Impls of each case, in one run on the same tensors:
 
   ours      ``torch_bridge.<op>`` on CUDA tensors (CPU tensors where torch
             has no CUDA, and with ``--quick``): the eager fast path
-            (``torch_bridge._eager``). fwd: inputs that need no gradient.
+            (docs/torch.md). fwd: inputs that need no gradient.
             fwd+bwd: inputs that do; the op, ``.float().sum()`` and
             ``torch.autograd.grad`` to them (the forward saves residuals,
             the backward runs from them).
