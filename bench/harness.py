@@ -108,6 +108,8 @@ class Timer:
           the same slope; tensors on the CPU: host wall time.
   synced  host wall time of one call waited for (torchvision's NMS, which
           syncs itself; the torch bridge); ``jax_synced`` for a JAX op.
+  back_to_back  host wall time per call of calls launched back to back
+          and waited for once (eager host overhead; the torch bridge).
   ``quick``: one sample of one call each.
   """
   quick: bool = False
@@ -166,6 +168,26 @@ class Timer:
       end.record()
       end.synchronize()
       return start.elapsed_time(end) / 1e3
+
+    if self.quick:
+      return run(reps) / reps
+    pairs = self._pairs(iters, 5 * run(reps))
+    return steady_slope(run, (reps, 4 * reps), pairs)
+
+  def back_to_back(self, fn: Callable[[], Any], reps: int = 25,
+                   iters: int | None = None) -> float:
+    """Host seconds per call of ``fn()`` called back to back and waited for
+    once: the per-call cost a loop of eager calls pays where the host's
+    work exceeds the device's (slope between ``reps`` and ``4 reps``)."""
+    for _ in range(1 if self.quick else 2):
+      wait(fn())
+
+    def run(count):
+      start = time.perf_counter()
+      for _ in range(count - 1):
+        fn()
+      wait(fn())
+      return time.perf_counter() - start
 
     if self.quick:
       return run(reps) / reps

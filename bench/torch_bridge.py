@@ -18,12 +18,20 @@ Impls of each case, in one run on the same tensors:
   torch     PyTorch's own op (SDPA, ``F.linear`` in bf16, torchvision's GIoU
             loss and NMS), the same way.
 
-Every impl is timed the same way: host wall time of one call with the
-device synchronised after it (``Timer.synced``: median of 21 calls after 2
-warm-up calls), so a bridge's fixed per-call cost shows at small shapes and
-fades at large ones. ``overhead_us`` = ours - jax (per forward, or per
-forward+backward); ``op_overhead_us`` = ours_op - jax. ``err``: ours against
-torch (NMS: ``same`` indices).
+Every impl is timed two ways, both host wall time:
+
+  ms           one call with the device synchronised after it
+               (``Timer.synced``: median of 21 calls after 2 warm-up
+               calls), so a bridge's fixed per-call cost shows at small
+               shapes and fades at large ones;
+  loop_ms      calls launched back to back, one wait at the end
+               (``Timer.back_to_back``): what an eager training loop pays
+               per call, the host's work or the device's, whichever is
+               longer.
+
+``overhead_us`` = ours - jax by the first, ``loop_overhead_us`` by the
+second (per forward, or per forward+backward); ``op_overhead_us`` = ours_op
+- jax. ``err``: ours against torch (NMS: ``same`` indices).
 """
 from __future__ import annotations
 
@@ -136,11 +144,19 @@ def run(case, timer):
     via_op = harness.measure(rows, name, "ours_op",
                              lambda: timer.synced(bridge))
   jax_row = harness.measure(rows, name, "jax", lambda: timer.synced(direct))
-  harness.measure(rows, name, "torch", lambda: timer.synced(peer))
+  torch_row = harness.measure(rows, name, "torch",
+                              lambda: timer.synced(peer))
+  for row, fn in ((ours, bridge), (jax_row, direct), (torch_row, peer)):
+    try:
+      row["loop_ms"] = 1e3 * timer.back_to_back(fn)
+    except Exception as e:  # noqa: BLE001 -- one failing loop hides nothing
+      row["error"] = f"loop: {type(e).__name__}: {e}"[:300]
   if jax_row["ms"]:
     for row, key in ((ours, "overhead_us"), (via_op, "op_overhead_us")):
       if row["ms"]:
         row[key] = 1e3 * (row["ms"] - jax_row["ms"])
+  if ours.get("loop_ms") and jax_row.get("loop_ms"):
+    ours["loop_overhead_us"] = 1e3 * (ours["loop_ms"] - jax_row["loop_ms"])
   got, want = bridge(), peer()
   if case["op"] == "nms":
     kept, want = got[0][:int(got[1])].long().cpu(), want.cpu()
@@ -156,7 +172,8 @@ def run(case, timer):
 def main(argv=None):
   return harness.main(
       "torch_bridge", CASES, QUICK, run, label=label, argv=argv, doc=__doc__,
-      columns=["case", "impl", "ms", "overhead_us", "op_overhead_us", "err",
+      columns=["case", "impl", "ms", "loop_ms", "overhead_us",
+               "loop_overhead_us", "op_overhead_us", "err",
                "same", "vs_jax", "vs_torch", "error"])
 
 

@@ -7,6 +7,8 @@ here: they are embedded into the torch_xla graph (``_xla.py``).
 """
 from __future__ import annotations
 
+import atexit
+import ctypes
 import functools
 from typing import Any
 
@@ -116,23 +118,129 @@ class _Importer:
     return _public_import(t, self.device)
 
 
-_IMPORTERS: dict[Any, _Importer] = {}
+class _DLDevice(ctypes.Structure):
+  _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
 
 
-def _import(t: torch.Tensor, importer: _Importer):
-  """A JAX array sharing ``t``'s buffer (a copy where DLPack cannot carry
-  it). On CUDA the caller has ordered JAX's external-ready stream after
-  torch's current one (``to_jax``)."""
+class _DLDataType(ctypes.Structure):
+  _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+              ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+  _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice),
+              ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+              ("shape", ctypes.POINTER(ctypes.c_int64)),
+              ("strides", ctypes.POINTER(ctypes.c_int64)),
+              ("byte_offset", ctypes.c_uint64)]
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class _DLManagedTensor(ctypes.Structure):
+  _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+              ("deleter", _DELETER)]
+
+
+_NO_OWNER = _DELETER(lambda _: None)
+_NEW_CAPSULE = ctypes.pythonapi.PyCapsule_New
+_NEW_CAPSULE.restype = ctypes.py_object
+_NEW_CAPSULE.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+# DLPack type codes: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool.
+_DL_TYPES = {torch.float32: (2, 32), torch.bfloat16: (4, 16),
+             torch.float16: (2, 16), torch.int8: (0, 8), torch.uint8: (1, 8),
+             torch.int16: (0, 16), torch.int32: (0, 32), torch.bool: (6, 8)}
+
+
+def _unowned_capsule(t: torch.Tensor):
+  """A DLPack capsule describing contiguous ``t``'s memory that holds no
+  reference to it (its deleter does nothing), and the ctypes objects it
+  points into, which must outlive the JAX array made from it."""
+  code, bits = _DL_TYPES[t.dtype]
+  shape = (ctypes.c_int64 * t.dim())(*t.shape)
+  managed = _DLManagedTensor()
+  managed.dl_tensor.data = t.data_ptr()
+  managed.dl_tensor.device = _DLDevice(2 if t.is_cuda else 1, t.device.index
+                                       or 0)
+  managed.dl_tensor.ndim = t.dim()
+  managed.dl_tensor.dtype = _DLDataType(code, bits, 1)
+  managed.dl_tensor.shape = shape
+  managed.deleter = _NO_OWNER
+  capsule = _NEW_CAPSULE(ctypes.addressof(managed), b"dltensor", None)
+  return capsule, (managed, shape)
+
+
+class _Views:
+  """JAX arrays over torch memory, by (address, shape, dtype).
+
+  Importing a buffer and running a jitted call on a freshly imported array
+  each cost more host time than the op's launch on CUDA, and torch's
+  caching allocator hands the same addresses to the same-shaped tensors of
+  the next step. So each address is imported once, as a view that does not
+  keep torch's memory alive (``_unowned_capsule``): an entry is only used
+  while a live tensor of that shape and dtype sits at that address, and no
+  JAX work can still read memory torch has freed and reused: a call starts
+  JAX's work after the work queued on torch's current stream and ends by
+  ordering that stream after JAX's work when it hands back the outputs
+  (CPU: the export waits for the result), so to torch's allocator the call
+  is one more kernel on the current stream (a tensor made on another stream
+  needs ``record_stream``, as for torch's own ops). Temporaries made for
+  the call (``.contiguous()``) are imported owned instead. A view is only
+  kept if JAX took the buffer without copying it."""
+
+  MAX_ENTRIES = 1024
+
+  def __init__(self, importer: _Importer):
+    self.importer = importer
+    self.entries: dict[tuple, tuple] = {}
+
+  def get(self, t: torch.Tensor):
+    key = (t.data_ptr(), t.shape, t.dtype)
+    entry = self.entries.get(key)
+    if entry is not None:
+      return entry[0]
+    if t.dtype not in _DL_TYPES or self.importer.extra is None:
+      return self.importer(t)  # the first import settles the signature
+    capsule, keep = _unowned_capsule(t)
+    try:
+      view = _TO_BUFFER(capsule, self.importer.device, self.importer.stream,
+                        *self.importer.extra)
+    except Exception:  # jaxlib refused the unowned capsule: an owned import
+      return self.importer(t)
+    if view.unsafe_buffer_pointer() != t.data_ptr():  # a copy: not a view
+      return view
+    if len(self.entries) >= self.MAX_ENTRIES:
+      del self.entries[next(iter(self.entries))]
+    self.entries[key] = (view, keep)
+    return view
+
+
+_VIEWS: dict[Any, _Views] = {}
+# Views are dropped while Python still runs their (Python) deleter; later,
+# at interpreter teardown, the callback would crash the process.
+atexit.register(_VIEWS.clear)
+
+
+def _import(t: torch.Tensor, views: _Views):
+  """A JAX array over ``t``'s buffer (a copy where DLPack cannot carry it).
+  On CUDA the caller has ordered JAX's external-ready stream after torch's
+  current one (``to_jax``)."""
   t = t.detach()
-  if not t.is_contiguous():
+  copied = not t.is_contiguous()
+  if copied:  # a temporary: only an owned import keeps it alive
     t = t.contiguous()
   if t.numel() > 0:
+    importer = views.importer
     try:
-      return importer(t)
+      if (copied or importer.extra is _public_import
+          or t.dtype not in _FAST_DTYPES):
+        return importer(t)
+      return views.get(t)
     except Exception:  # alignment / dtype DLPack refuses: copy instead
       if t.device.type != "cpu":
         raise
-  return jax.device_put(_numpy_copy(t), importer.device)
+  return jax.device_put(_numpy_copy(t), views.importer.device)
 
 
 def _after_torch_work(torch_device: torch.device, importer) -> None:
@@ -141,8 +249,25 @@ def _after_torch_work(torch_device: torch.device, importer) -> None:
   per tensor; here once per call)."""
   stream, event = _stream_and_event(importer.stream, torch_device)
   # One event serves every call: a wait takes the event's latest record.
-  event.record(torch.cuda.current_stream(torch_device))
+  event.record(_current_stream(torch_device))
   stream.wait_event(event)
+
+
+def _current_stream(torch_device: torch.device) -> torch.cuda.Stream:
+  """``torch.cuda.current_stream(torch_device)``, without making a new
+  Stream object per call."""
+  return _torch_stream(*torch._C._cuda_getCurrentStream(
+      _cuda_index(torch_device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_stream(stream_id: int, device_index: int, device_type: int):
+  return torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
+                           device_type=device_type)
+
+
+def _cuda_index(torch_device: torch.device) -> int:
+  return torch_device.index if torch_device.index is not None else 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,12 +280,12 @@ def to_jax(tensors, torch_device: torch.device) -> list:
   """JAX arrays sharing the buffers of CPU/CUDA ``tensors`` (None stays
   None), ready once torch's work queued so far is done."""
   device = jax_device_for(torch_device)
-  importer = _IMPORTERS.get(device)
-  if importer is None:
-    importer = _IMPORTERS[device] = _Importer(device)
+  views = _VIEWS.get(device)
+  if views is None:
+    views = _VIEWS[device] = _Views(_Importer(device))
   if torch_device.type == "cuda":
-    _after_torch_work(torch_device, importer)
-  return [None if t is None else _import(t, importer) for t in tensors]
+    _after_torch_work(torch_device, views.importer)
+  return [None if t is None else _import(t, views) for t in tensors]
 
 
 _fast_export: list[bool] = [_TO_CAPSULE is not None]
@@ -199,7 +324,7 @@ def to_torch(arrays, device: torch.device, inputs=()) -> list[torch.Tensor]:
   copied, so no output aliases an input."""
   stream = None
   if device.type == "cuda":  # torch's DLPack convention: 1 = legacy default
-    stream = torch.cuda.current_stream(device).cuda_stream or 1
+    stream = torch._C._cuda_getCurrentRawStream(_cuda_index(device)) or 1
   out = [_export(a, device, stream) for a in arrays]
   in_ptrs = {t.data_ptr() for t in inputs if t is not None and t.numel()}
   if in_ptrs:
@@ -214,6 +339,5 @@ def jax_device_for(device: torch.device):
   if device.type == "cpu":
     return jax.devices("cpu")[0]
   if device.type == "cuda":
-    index = device.index if device.index is not None else 0
-    return jax.devices("cuda")[index]
+    return jax.devices("cuda")[_cuda_index(device)]
   raise ValueError(f"no JAX device for torch device {device}")

@@ -99,6 +99,39 @@ def encode_static(static: dict[str, Any]) -> str:
                        for k in sorted(static)) + "}"
 
 
+_KEY_TYPES = (bool, int, float, str, type(None))
+
+
+def _typed(value):
+  """``value`` with its types, when it is a scalar or a tuple of scalars
+  (so that ``1``, ``1.0`` and ``True`` stay apart), else None. Float zeros
+  and NaN are left out (-0.0 == 0.0; NaN != NaN)."""
+  if type(value) is float and (value == 0 or value != value):
+    return None
+  if type(value) in _KEY_TYPES:
+    return type(value), value
+  if type(value) is tuple and all(type(v) in _KEY_TYPES for v in value):
+    return tuple, tuple(map(type, value)), value
+  return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _encoded(key: tuple) -> str:
+  return encode_static({name: typed[-1] for name, typed in key})
+
+
+def encode_static_cached(static: dict[str, Any]) -> str:
+  """``encode_static(static)``, from a cache when every value is a scalar
+  or a tuple of scalars (the common case: one call site, same keywords)."""
+  key = []
+  for name, value in static.items():
+    typed = _typed(value)
+    if typed is None:
+      return encode_static(static)
+    key.append((name, typed))
+  return _encoded(tuple(key))
+
+
 @functools.lru_cache(maxsize=4096)
 def decode_static(text: str) -> dict[str, Any]:
   return ast.literal_eval(text)
@@ -204,7 +237,7 @@ class JaxOp:
       from torch_bridge import _xla
       if _xla.spmd_active():
         _warn_unsharded(self.name)
-    static_text = encode_static(static)
+    static_text = encode_static_cached(static)
     mask = self._mask(static["_layout"], present)
     wants_grad = torch.is_grad_enabled() and any(
         m and t.requires_grad for m, t in zip(mask, present))

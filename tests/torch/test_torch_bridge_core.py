@@ -171,3 +171,17 @@ _static_values = st.recursive(
                        max_size=4))
 def test_static_encoding_property(static):
   assert _core.decode_static(_core.encode_static(static)) == static
+
+
+@pytest.mark.parametrize("static", [
+    dict(a=1), dict(a=True), dict(a=1.0), dict(a=0.0), dict(a=-0.0),
+    dict(a=None, b="x", c=(True, False)), dict(c=(1, 0)), dict(c=(1.0, 0)),
+    dict(d={"k": 2}), dict(e=(("nested",),)), dict(f=2.5, g=float("inf"))])
+def test_cached_static_encoding_keeps_types_apart(static):
+  # Repeated twice so the second reads the cache; 1, 1.0 and True, or 0.0
+  # and -0.0, must never share an entry.
+  for _ in range(2):
+    assert _core.encode_static_cached(dict(static)) == _core.encode_static(
+        static)
+  with pytest.raises(ValueError, match="NaN"):
+    _core.encode_static_cached(dict(a=float("nan")))
