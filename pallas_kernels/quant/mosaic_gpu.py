@@ -67,13 +67,14 @@ class Tiles:
   warpgroups; block_n <= 256 columns), K per ring slot (``tile_k``, a
   multiple of 128: one 128-byte swizzle row), ring depth, and the tile
   walk: ``minor`` ("m" or "n") is the axis walked first, in bands of
-  ``snake`` tiles."""
+  ``snake`` tiles; ``ctas``: persistent CTAs (None: one per SM)."""
   block_m: int = 128
   block_n: int = 256
   tile_k: int = 128
   stages: int = 4
   minor: str = "m"
   snake: int = 8
+  ctas: int | None = None
 
   def check(self) -> "Tiles":
     if self.block_m not in (128, 256):
@@ -93,6 +94,8 @@ class Tiles:
       raise ValueError(f"Tiles.minor={self.minor!r}: must be 'm' or 'n'")
     if self.snake < 1:
       raise ValueError(f"Tiles.snake={self.snake}: must be >= 1")
+    if self.ctas is not None and self.ctas < 1:
+      raise ValueError(f"Tiles.ctas={self.ctas}: must be >= 1 or None")
     return self
 
 
@@ -229,7 +232,7 @@ def _kernel_call(x, w, vectors, t: Tiles, out_dtype, interpreting, interpret):
                                jnp.dtype(out_dtype).itemsize)
   scaled = any(v is not None for v in vectors)
   present = [v is not None for v in vectors]
-  ctas = min(num_sms(), m_tiles * n_tiles)
+  ctas = min(t.ctas or num_sms(), m_tiles * n_tiles)
   minor = 0 if t.minor == "m" else 1
 
   def pipeline(body, compute_context):
@@ -247,13 +250,17 @@ def _kernel_call(x, w, vectors, t: Tiles, out_dtype, interpreting, interpret):
     it = iter(vector_refs)
     xs_ref, ws_ref, b_ref = (next(it) if p else None for p in present)
     ignore = lambda *_, **__: None  # noqa: E731
+    scratch = {}
+    if interpreting:  # the accumulators, in shared memory there
+      scratch["acc_smem"] = plgpu.SMEM((COMPUTE_WGS, wg_m, t.block_n),
+                                       acc_dtype)
     pl.run_scoped(
         functools.partial(scoped, x_gmem, w_gmem, xs_ref, ws_ref, b_ref,
                           out_gmem),
         allocations=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
         out_smem=plgpu.SMEM((COMPUTE_WGS, 2, 64, epi_n), out_dtype,
                             transforms=out_transforms),
-        collective_axes="wg")
+        collective_axes="wg", **scratch)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   def vector(ref, start, size, axis):
@@ -268,7 +275,7 @@ def _kernel_call(x, w, vectors, t: Tiles, out_dtype, interpreting, interpret):
     return lax.broadcast_in_dim(v, (wg_m, t.block_n), (axis,))
 
   def scoped(x_gmem, w_gmem, xs_ref, ws_ref, b_ref, out_gmem, allocations,
-             out_smem):
+             out_smem, acc_smem=None):
     wg = lax.axis_index("wg")
     wg_rows = pl.ds(wg * wg_m, wg_m)
 
@@ -317,11 +324,10 @@ def _kernel_call(x, w, vectors, t: Tiles, out_dtype, interpreting, interpret):
 
       def compute_context(run_pipeline):
         if interpreting:
-          def scope(acc_ref):
-            acc_ref[...] = jnp.zeros((wg_m, t.block_n), acc_dtype)
-            run_pipeline(acc_ref)
-            epilogue(acc_ref[...])
-          pl.run_scoped(scope, plgpu.SMEM((wg_m, t.block_n), acc_dtype))
+          acc_ref = acc_smem.at[wg]
+          acc_ref[...] = jnp.zeros((wg_m, t.block_n), acc_dtype)
+          run_pipeline(acc_ref)
+          epilogue(acc_ref[...])
           return
 
         def scope(acc_ref):
