@@ -17,8 +17,10 @@ Cases (M x K x N):
                ``ours_fp8`` (w [K, N], 8192^3 only), ``ours_int8_nk``
                (``pk.int8_matmul``, int8, w [N, K]), and the same calls
                with backend="triton" (``*_triton``); peers torch_scaled_mm
-               (fp8, one scalar scale each; ``_rowwise``: x_scale [M, 1],
-               w_scale [1, N]) and torch_int_mm (int8 -> int32, no scales).
+               (fp8, one scalar scale each; ``_fast_accum``: with
+               use_fast_accum=True, the tensor cores' own fp8 sums as ours;
+               ``_rowwise``: x_scale [M, 1], w_scale [1, N]) and
+               torch_int_mm (int8 -> int32, no scales).
 Peers in the same run: xla_bf16 (``jnp.dot`` of bf16 x and w in the same
 program), torch_bf16 (``torch.matmul``). Each call takes the next of
 ``copies`` copies of its inputs, so no call finds w in L2. ``err``: ours
@@ -111,6 +113,10 @@ def torch_peers(case, copies):
         lambda a_, b_: torch._scaled_mm(a_, b_, scale_a=one, scale_b=one,
                                         out_dtype=torch.bfloat16), a, b,
         copies)
+    peers["torch_scaled_mm_fast_accum"] = int8_matmul.rotating(
+        lambda a_, b_: torch._scaled_mm(a_, b_, scale_a=one, scale_b=one,
+                                        out_dtype=torch.bfloat16,
+                                        use_fast_accum=True), a, b, copies)
     peers["torch_scaled_mm_rowwise"] = int8_matmul.rotating(
         lambda a_, b_: torch._scaled_mm(a_, b_, scale_a=rows_scale,
                                         scale_b=cols_scale,
