@@ -103,7 +103,7 @@ def test_tiles_narrow_where_wide_tiles_leave_sms_idle():
   assert (2 * 32 < mosaic_gpu.FILL_FRACTION * sms
           and mosaic_gpu.tiles_for(256, 8192) == narrow)
   for t in (wide, narrow):  # both fit the H100's shared memory
-    assert mosaic_gpu.smem_bytes(t.check(), jnp.bfloat16) <= (
+    assert mosaic_gpu.smem_bytes(t.check()) <= (
         mosaic_gpu.SMEM_BYTES)
 
 
