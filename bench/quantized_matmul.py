@@ -11,8 +11,16 @@ Cases (M x K x N):
                w stored [N, K] (``weight_layout="nk"``, torch's layout). Memory-bound rows report ``hbm_tbs``: the
                HBM bytes the call must move (w, its scales, x, out) per
                second.
-  fp8          x, w float8_e4m3fn 8192^3 with x_scale [M] and w_scale [N]
-               -> bf16 (ours_fp8) vs ``torch._scaled_mm`` (w fed K-major).
+  w8a8         8-bit x times 8-bit w -> bf16 with x_scale [M] and w_scale
+               [N] (dequant mode), over the Llama (K, N) shapes and M = 16..
+               2048, and 8192^3: ``ours_fp8_nk`` (float8_e4m3fn, w [N, K]),
+               ``ours_fp8`` (w [K, N], 8192^3 only), ``ours_int8_nk``
+               (``pk.int8_matmul``, int8, w [N, K]), and the same calls
+               with backend="triton" (``*_triton``); peers torch_scaled_mm
+               (fp8, one scalar scale each; ``_fast_accum``: with
+               use_fast_accum=True, the tensor cores' own fp8 sums as ours;
+               ``_rowwise``: x_scale [M, 1], w_scale [1, N]) and
+               torch_int_mm (int8 -> int32, no scales).
 Peers in the same run: xla_bf16 (``jnp.dot`` of bf16 x and w in the same
 program), torch_bf16 (``torch.matmul``). Each call takes the next of
 ``copies`` copies of its inputs, so no call finds w in L2. ``err``: ours
@@ -32,11 +40,16 @@ SHAPES = [(4096, 14336), (14336, 4096), (8192, 8192), (8192, 28672)]
 MS = (1, 8, 16, 32, 64, 128, 256)
 FORMATS = ("int8", "float8_e4m3fn", "int4")
 GROUP = 128
+W8A8_MS = (256, 2048)
 CASES = ([dict(m=m, k=k, n=n, mode="weight_only", copies=8)
           for k, n in SHAPES for m in MS]
-         + [dict(m=8192, k=8192, n=8192, mode="fp8", copies=2)])
+         + [dict(m=8192, k=8192, n=8192, mode="w8a8", copies=2)]
+         + [dict(m=m, k=8192, n=8192, mode="w8a8", copies=4)
+            for m in (16, 64, 128, 512, 1024)]
+         + [dict(m=m, k=k, n=n, mode="w8a8", copies=4)
+            for k, n in SHAPES for m in W8A8_MS])
 QUICK = [dict(m=8, k=256, n=128, mode="weight_only", copies=1),
-         dict(m=32, k=128, n=64, mode="fp8", copies=1)]
+         dict(m=32, k=128, n=64, mode="w8a8", copies=1)]
 CHECK_ROWS = 16
 DTYPES = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn,
           "int4": jnp.int4}
@@ -90,14 +103,30 @@ def torch_peers(case, copies):
   m, k, n = case["m"], case["k"], case["n"]
   peers = {"torch_bf16": int8_matmul.torch_bf16_peer(
       torch, torch.matmul, m, k, n, device, copies)}
-  if case["mode"] == "fp8" and device == "cuda":
+  if case["mode"] == "w8a8" and device == "cuda":
     a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
     b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
     one = torch.ones((), device=device)
+    rows_scale = torch.rand((m, 1), device=device) + 0.5
+    cols_scale = torch.rand((1, n), device=device) + 0.5
     peers["torch_scaled_mm"] = int8_matmul.rotating(
         lambda a_, b_: torch._scaled_mm(a_, b_, scale_a=one, scale_b=one,
                                         out_dtype=torch.bfloat16), a, b,
         copies)
+    peers["torch_scaled_mm_fast_accum"] = int8_matmul.rotating(
+        lambda a_, b_: torch._scaled_mm(a_, b_, scale_a=one, scale_b=one,
+                                        out_dtype=torch.bfloat16,
+                                        use_fast_accum=True), a, b, copies)
+    peers["torch_scaled_mm_rowwise"] = int8_matmul.rotating(
+        lambda a_, b_: torch._scaled_mm(a_, b_, scale_a=rows_scale,
+                                        scale_b=cols_scale,
+                                        out_dtype=torch.bfloat16), a, b,
+        copies)
+    ai = torch.randint(-127, 128, (m, k), device=device, dtype=torch.int8)
+    bi = torch.randint(-127, 128, (n, k), device=device,
+                       dtype=torch.int8).t()
+    peers["torch_int_mm"] = int8_matmul.rotating(torch._int_mm, ai, bi,
+                                                 copies)
   return peers
 
 
@@ -129,32 +158,56 @@ def run(case, timer):
       if row["ms"]:
         row["hbm_tbs"] = hbm_bytes(m, k, n, fmt) / row["ms"] / 1e9
   else:
-    xq, xs = pk.quantize(x.astype(jnp.float32), jnp.float8_e4m3fn)
-    q, s, _, deq = quantized["float8_e4m3fn"]
-    xs = xs.reshape(-1)
-    out = {}
-
-    def timed():
-      seconds, result = timer.jax(
-          lambda a, b, c, d: pk.quantized_matmul(a, b, x_scale=c, w_scale=d),
-          xq, q, xs, s, copies=copies)
-      want = (np.asarray(xq, np.float64)[:CHECK_ROWS]
-              * np.asarray(xs, np.float64)[:CHECK_ROWS, None]) @ deq
-      out["err"] = harness.rel_error(result[:CHECK_ROWS], want)
-      return seconds
-    row = harness.measure(rows, name, "ours_fp8", timed, flops=flops)
-    row["err"] = out.get("err")
+    w8a8_rows(rows, name, case, timer, x, quantized, flops)
   int8_matmul.measure_peers(rows, name, timer, x, w.astype(jnp.bfloat16),
                             lambda: torch_peers(case, copies),
                             copies=copies, flops=flops)
   return rows
 
 
+def w8a8_ops(m, k, n):
+  """impl -> (fmt, layout, op of (x_q, w_q, x_scale, w_scale))."""
+  def op(layout, backend=None, int8=False):
+    if int8:
+      return lambda a, b, c, d: pk.int8_matmul(
+          a, b, x_scale=c, w_scale=d, weight_layout=layout, backend=backend)
+    return lambda a, b, c, d: pk.quantized_matmul(
+        a, b, x_scale=c, w_scale=d, weight_layout=layout, backend=backend)
+  ops = {"ours_fp8_nk": ("float8_e4m3fn", "nk", op("nk")),
+         "ours_int8_nk": ("int8", "nk", op("nk", int8=True)),
+         "ours_fp8_nk_triton": ("float8_e4m3fn", "nk", op("nk", "triton")),
+         "ours_int8_nk_triton": ("int8", "nk",
+                                 op("nk", "triton", int8=True))}
+  if m == k == n == 8192:
+    ops["ours_fp8"] = ("float8_e4m3fn", "kn", op("kn"))
+  return ops
+
+
+def w8a8_rows(rows, name, case, timer, x, quantized, flops):
+  """Rows of ours (and the Triton kernel) for an 8-bit x 8-bit case."""
+  m, k, n, copies = case["m"], case["k"], case["n"], case["copies"]
+  for impl, (fmt, layout, op) in w8a8_ops(m, k, n).items():
+    xq, xs = pk.quantize(x.astype(jnp.float32), DTYPES[fmt])
+    q, s, _, deq = quantized[fmt]
+    w_arg = q.T if layout == "nk" else q
+    out = {}
+
+    def timed(op=op, xq=xq, xs=xs, w_arg=w_arg, s=s, deq=deq, out=out):
+      seconds, result = timer.jax(op, xq, w_arg, xs, s,
+                                  copies=copies)
+      want = (np.asarray(xq, np.float64)[:CHECK_ROWS]
+              * np.asarray(xs, np.float64)[:CHECK_ROWS]) @ deq
+      out["err"] = harness.rel_error(result[:CHECK_ROWS], want)
+      return seconds
+    row = harness.measure(rows, name, impl, timed, flops=flops)
+    row["err"] = out.get("err")
+
+
 def tpu_rows(cases):
   rows = []
   for case in cases:
     m, k, n = case["m"], case["k"], case["n"]
-    if case["mode"] == "fp8":
+    if case["mode"] == "w8a8":
       rows += roofline.rows(label(case), 2.0 * m * k * n,
                             m * k + k * n + 2 * m * n, "fp8",
                             chips=("tpu7x",))
@@ -171,7 +224,8 @@ def main(argv=None):
       "quantized_matmul", CASES, QUICK, run, label=label, tpu_rows=tpu_rows,
       argv=argv, doc=__doc__,
       columns=["case", "impl", "ms", "tflops", "hbm_tbs", "err",
-               "vs_xla_bf16", "vs_torch_bf16", "vs_torch_scaled_mm", "error"])
+               "vs_xla_bf16", "vs_torch_bf16", "vs_torch_scaled_mm",
+               "vs_torch_int_mm", "error"])
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ a [K, N] weight costs a transpose per call and an [N, K] one none. TPUs read
 either layout at the same speed.
 
 Kernels (``backend=``): "mosaic_tpu" (TPU), "mosaic_gpu" (Hopper, weight-only
-with w [N, K], bf16 x and M in ``block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M``),
+with w [N, K], bf16 x and M in ``block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M``;
+int8 x int8 in raw, dequant and dynamic modes from M =
+``quant.mosaic_gpu.AUTO_MIN_M["int8"]``),
 "triton" (NVIDIA GPUs), "reference" (plain JAX); ``backend=None`` takes the
 first that supports the call on the platform it is lowered for.
 """
@@ -217,8 +219,21 @@ def _matmul_kernels(x2, w, x_scale, static, user_blocks, generation):
                              generation=generation,
                              interpret=interpret or False)
 
+  # quant's 8-bit product kernel (imported here: quant imports int8)
+  from pallas_kernels.quant import mosaic_gpu as product_kernel
+  product = static["mode"] != "weight_only"
+
   def mgpu(*arrays, interpret=None):
-    return mosaic_gpu.matmul(*arrays, **static, interpret=interpret or False)
+    kernel = product_kernel if product else mosaic_gpu
+    return kernel.matmul(*arrays, **static, interpret=interpret or False)
+
+  def mgpu_supports():
+    if product:
+      return product_kernel.auto_refusal(
+          x2, w, mode=static["mode"], out_dtype=static["out_dtype"],
+          user_blocks=user_blocks)
+    return mosaic_gpu_refusal(x2, w, x_scale, static["mode"],
+                              static["w_layout"], user_blocks)
 
   def triton_(*arrays, interpret=None):
     return triton.matmul(*arrays, **static, block_sizes=user_blocks,
@@ -226,11 +241,9 @@ def _matmul_kernels(x2, w, x_scale, static, user_blocks, generation):
 
   return [
       _backend.Kernel("mosaic_tpu", tpu),
-      _backend.Kernel("mosaic_gpu", mgpu,
-                      supports=functools.partial(
-                          mosaic_gpu_refusal, x2, w, x_scale, static["mode"],
-                          static["w_layout"], user_blocks),
-                      hardware=mosaic_gpu.hardware),
+      _backend.Kernel("mosaic_gpu", mgpu, supports=mgpu_supports,
+                      hardware=(product_kernel.hardware if product
+                                else mosaic_gpu.hardware)),
       _backend.Kernel("triton", triton_),
       _backend.Kernel("reference", functools.partial(reference.matmul_2d,
                                                      **static)),

@@ -25,7 +25,9 @@ empty (or bias-only) outputs. Not differentiable in w; train through
 ``pallas_kernels.nn.quantized_dense``.
 
 Kernels (``backend=``): "mosaic_tpu", "mosaic_gpu" (Hopper; weight-only,
-per-channel int8/fp8 w stored [N, K]), "triton" (NVIDIA GPUs), "reference";
+per-channel int8/fp8 w stored [N, K]; and 8-bit x times 8-bit w, dequant,
+raw and dynamic modes, whose fp8 sums use the tensor cores' narrower adds:
+``quant.mosaic_gpu``), "triton" (NVIDIA GPUs), "reference";
 int8 x int8 modes and per-channel int8 weight-only calls run the int8
 family's kernels (``int8_matmul``). ``backend=None`` takes the first that
 supports the call on the platform it is lowered for.
@@ -41,8 +43,8 @@ from pallas_kernels.int8 import api as int8_api
 from pallas_kernels.int8 import mosaic_gpu as int8_mosaic_gpu
 from pallas_kernels.int8 import mosaic_tpu as int8_mosaic_tpu
 from pallas_kernels.int8 import triton as int8_triton
-from pallas_kernels.quant import (formats, mosaic_tpu, operands, reference,
-                                  triton)
+from pallas_kernels.quant import (formats, mosaic_gpu, mosaic_tpu, operands,
+                                  reference, triton)
 
 OP = "quantized_matmul"
 
@@ -221,11 +223,18 @@ def _kernels(call, user_blocks, generation):
     return triton.matmul(x2, w_, xs, ws, wz, b, **static,
                          block_sizes=user_blocks, interpret=interpret)
 
+  product = call.mode != "weight_only"  # 8-bit x (or x quantized) times w
+
   def mgpu(x2, w_, xs, ws, wz, b, interpret=None):
-    return int8_mosaic_gpu.matmul(x2, w_, xs, ws, b, **int8_static,
-                                  interpret=interpret or False)
+    kernel = mosaic_gpu if product else int8_mosaic_gpu
+    return kernel.matmul(x2, w_, xs, ws, b, **int8_static,
+                         interpret=interpret or False)
 
   def mgpu_supports():
+    if product:
+      return mosaic_gpu.auto_refusal(call.operands[0], w, mode=call.mode,
+                                     out_dtype=call.out_dtype,
+                                     user_blocks=user_blocks)
     if call.group_size is not None or call.operands[4] is not None:
       return "the Mosaic GPU weight-only kernel takes per-channel scales only"
     return int8_api.mosaic_gpu_refusal(call.operands[0], w, call.operands[2],
@@ -238,7 +247,8 @@ def _kernels(call, user_blocks, generation):
   return [
       _backend.Kernel("mosaic_tpu", tpu, supports=supports(mosaic_tpu)),
       _backend.Kernel("mosaic_gpu", mgpu, supports=mgpu_supports,
-                      hardware=int8_mosaic_gpu.hardware),
+                      hardware=(mosaic_gpu.hardware if product
+                                else int8_mosaic_gpu.hardware)),
       _backend.Kernel("triton", triton_, supports=supports(triton)),
       _backend.Kernel("reference", functools.partial(reference.matmul_2d,
                                                      **static)),
