@@ -5,8 +5,10 @@
 Ops (``torch_bridge.ops``, also ``torch.ops.pallas_kernels.*``), each with
 the arguments of the ``pallas_kernels`` op of the same name:
 
-  attention     flash_attention
+  attention     flash_attention, decode_attention
   int8          quantize_int8, int8_matmul, int8_dense
+  quantized     quantize, quantized_matmul, quantized_dense (int8, float8;
+                float8 crosses DLPack as bytes)
   boxes         iou, giou, diou, ciou (matching boxes); pairwise_iou,
                 pairwise_giou, pairwise_diou, pairwise_ciou, box_iou (every
                 pair); iou_loss, giou_loss, diou_loss, ciou_loss
@@ -60,7 +62,10 @@ Known limits:
   * Per-call overhead on CPU/CUDA tensors: ``python -m bench.torch_bridge``
     reports it against the jitted JAX op called directly, for the eager
     fast path and for the custom ops (``bench/results/torch_bridge-*``).
-  * ``int8_matmul`` and ``quantize_int8`` have no gradient; ``nms``,
+  * ``int8_matmul``, ``quantized_matmul``, ``quantize_int8`` and
+    ``quantize`` have no gradient (``quantized_dense`` has, in x, bias and
+    the LoRA pair; ``decode_attention`` in q and sinks); int4 weights
+    stay JAX-only (torch has no 4-bit dtype DLPack carries); ``nms``,
     ``batched_nms`` and ``soft_nms`` return indices (no gradient, also
     none for soft_nms' decayed scores).
   * Import torch_xla and touch its device (``torch_xla.device()``) before the
@@ -76,7 +81,9 @@ from __future__ import annotations
 
 import importlib
 
-_OPS = ("flash_attention", "quantize_int8", "int8_matmul", "int8_dense",
+_OPS = ("flash_attention", "decode_attention", "quantize_int8",
+        "int8_matmul", "int8_dense", "quantize", "quantized_matmul",
+        "quantized_dense",
         "iou", "giou", "diou", "ciou", "pairwise_iou", "pairwise_giou",
         "pairwise_diou", "pairwise_ciou", "box_iou", "iou_loss", "giou_loss",
         "diou_loss", "ciou_loss", "nms", "batched_nms", "soft_nms",

@@ -418,6 +418,274 @@ def int8_dense(x, weight, bias=None, *, int8_input_grad=False, backend=None,
   return _DENSE([x, weight, bias], **static)[0]
 
 
+# -------------------------------------------------- quantized formats --
+
+# torch dtypes of the 8-bit formats; float8 crosses DLPack as its bytes
+# (uint8) and is bitcast back inside the JAX function.
+_FLOAT8 = {torch.float8_e4m3fn: "float8_e4m3fn",
+           torch.float8_e5m2: "float8_e5m2"}
+_QUANT_DTYPES = {torch.int8: "int8", **_FLOAT8}
+
+
+def _bytes_of(t):
+  """``t`` as DLPack can carry it: float8 viewed as uint8, else itself."""
+  return t.view(torch.uint8) if t is not None and t.dtype in _FLOAT8 else t
+
+
+def _format_name(t):
+  return None if t is None else _QUANT_DTYPES.get(t.dtype)
+
+
+def _from_bytes(a, format_name):
+  """The JAX side of ``_bytes_of``."""
+  import jax
+  import jax.numpy as jnp
+  if a is None or format_name not in _FLOAT8.values():
+    return a
+  return jax.lax.bitcast_convert_type(a, getattr(jnp, format_name))
+
+
+def _to_bytes(a):
+  """float8 JAX results as uint8 (viewed back as float8 in torch)."""
+  import jax
+  import jax.numpy as jnp
+  if jnp.dtype(a.dtype).name in _FLOAT8.values():
+    return jax.lax.bitcast_convert_type(a, jnp.uint8)
+  return a
+
+
+def _torch_format(dtype, op: str, name: str) -> str:
+  if dtype not in _QUANT_DTYPES:
+    names = ", ".join(str(d).replace("torch.", "") for d in _QUANT_DTYPES)
+    raise TypeError(
+        f"{op}: {name} must be one of {names}, got "
+        f"{str(dtype).replace('torch.', '')} (int4: torch has no 4-bit "
+        "dtype that DLPack can carry; use pallas_kernels from JAX)")
+  return _QUANT_DTYPES[dtype]
+
+
+def _quantize_any_jax(x, *, fmt, axis, group_size, symmetric, backend=None):
+  import jax.numpy as jnp
+
+  import pallas_kernels
+  out = pallas_kernels.quantize(x, getattr(jnp, fmt), axis=axis,
+                                group_size=group_size, symmetric=symmetric,
+                                backend=backend)
+  return tuple(_to_bytes(a) for a in out)
+
+
+_QUANTIZE_ANY = JaxOp("quantize", _quantize_any_jax, differentiable=())
+
+
+def quantize(x, dtype, *, axis=-1, group_size=None, symmetric=True,
+             backend=None):
+  """``pallas_kernels.quantize``: float ``x`` to ``dtype`` (torch.int8,
+  torch.float8_e4m3fn or torch.float8_e5m2) -> ``(q, scale)``, or ``(q,
+  scale, zero)`` with ``symmetric=False`` (int8). No gradient."""
+  op = "quantize"
+  _check_tensor(op, "x", x, dtypes=_FLOATS)
+  fmt = _torch_format(dtype, op, "dtype")
+  _check_devices(op, dict(x=x))
+  outs = _QUANTIZE_ANY([x], fmt=fmt, axis=axis, group_size=group_size,
+                       symmetric=symmetric, backend=backend)
+  q = outs[0].view(dtype) if dtype in _FLOAT8 else outs[0]
+  if len(outs) == 3 and dtype in _FLOAT8:
+    return q, outs[1], outs[2].view(dtype)
+  return (q, *outs[1:])
+
+
+def _quantized_matmul_jax(x, w, x_scale, w_scale, w_zero, bias, *, x_format,
+                          w_format, **static):
+  import pallas_kernels
+  return pallas_kernels.quantized_matmul(
+      _from_bytes(x, x_format), _from_bytes(w, w_format), x_scale=x_scale,
+      w_scale=w_scale, w_zero=_from_bytes(w_zero, w_format), bias=bias,
+      **static)
+
+
+def _quantized_matmul_shards(static, spec, arrays, mesh):
+  x, w, x_scale, w_scale, w_zero, bias = arrays
+  _rows_spec("quantized_matmul", spec, x, "K")
+  x_scale_spec = (None if x_scale is None else
+                  _replicated(x_scale) if x_scale.numel() == 1 else
+                  _broadcast_spec(spec, x_scale.shape, x.shape))
+  return (spec, _replicated(w), x_scale_spec, _replicated(w_scale),
+          _replicated(w_zero), _replicated(bias)), (spec,)
+
+
+_QUANTIZED_MATMUL = JaxOp("quantized_matmul", _quantized_matmul_jax,
+                          differentiable=(),
+                          shard_specs=_quantized_matmul_shards)
+
+
+def quantized_matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
+                     group_size=None, bias=None, out_dtype=None,
+                     weight_only=False, weight_layout="kn", backend=None,
+                     partition_spec=None, mesh=None):
+  """``pallas_kernels.quantized_matmul``: ``x [..., K] @ w`` for int8 or
+  float8 ``w`` (``[K, N]``, or ``[N, K]`` with ``weight_layout="nk"``),
+  with per-channel or group scales; x float (weight-only / dynamic) or of
+  w's format with ``x_scale`` (w8a8, fp8 x fp8).
+
+  ``partition_spec``: one entry per dim of x; the row dims may be split, K
+  may not. No gradient; for a trainable layer on frozen quantized weights
+  use ``quantized_dense``.
+  """
+  op = "quantized_matmul"
+  _check_tensor(op, "x", x, dtypes=tuple(_QUANT_DTYPES) + _FLOATS,
+                min_ndim=1)
+  _check_tensor(op, "w", w, ndim=2)
+  w_format = _torch_format(w.dtype, op, "w")
+  for name, t in (("x_scale", x_scale), ("w_scale", w_scale),
+                  ("bias", bias)):
+    _check_tensor(op, name, t, dtypes=_FLOATS, optional=True)
+  if w_zero is not None and w_zero.dtype != w.dtype:
+    raise TypeError(f"{op}: w_zero must have w's dtype "
+                    f"({str(w.dtype).replace('torch.', '')}), got "
+                    f"{str(w_zero.dtype).replace('torch.', '')}")
+  _check_devices(op, dict(x=x, w=w, x_scale=x_scale, w_scale=w_scale,
+                          w_zero=w_zero, bias=bias))
+  if out_dtype is not None:
+    import numpy as np
+
+    from torch_bridge import _convert
+    out_dtype = np.dtype(_convert.jax_dtype(out_dtype)).name
+  static = dict(x_format=_format_name(x), w_format=w_format,
+                group_size=group_size, out_dtype=out_dtype,
+                weight_only=weight_only, weight_layout=weight_layout,
+                backend=backend)
+  static = _sharding(static, partition_spec, mesh, op)
+  return _QUANTIZED_MATMUL([_bytes_of(x), _bytes_of(w), x_scale, w_scale,
+                            _bytes_of(w_zero), bias], **static)[0]
+
+
+def _quantized_dense_jax(x, w_q, w_scale, bias, w_zero, lora_a, lora_b, *,
+                         w_format, **static):
+  from pallas_kernels import nn
+  lora = None if lora_a is None else (lora_a, lora_b)
+  return nn.quantized_dense(x, _from_bytes(w_q, w_format), w_scale, bias,
+                            w_zero=_from_bytes(w_zero, w_format), lora=lora,
+                            **static)
+
+
+def _quantized_dense_shards(static, spec, arrays, mesh):
+  x = arrays[0]
+  _rows_spec("quantized_dense", spec, x, "K")
+  return ((spec,) + tuple(_replicated(a) for a in arrays[1:]), (spec,))
+
+
+_QUANTIZED_DENSE = JaxOp("quantized_dense", _quantized_dense_jax,
+                         differentiable=(0, 3, 5, 6),
+                         shard_specs=_quantized_dense_shards)
+
+
+def quantized_dense(x, w_q, w_scale, bias=None, *, w_zero=None,
+                    group_size=None, lora=None, lora_scale=1.0,
+                    weight_layout="kn", backend=None, partition_spec=None,
+                    mesh=None):
+  """``pallas_kernels.nn.quantized_dense``: ``x @ dequant(w_q) + bias +
+  lora_scale * (x @ a) @ b`` with frozen int8/float8 ``w_q`` (QLoRA-style).
+  Differentiable in x, bias and ``lora = (a [K, r], b [r, N])``; w_q,
+  w_scale and w_zero get no gradient.
+
+  ``partition_spec``: one entry per dim of x; the row dims may be split, K
+  may not (weights, scales and the adapter are replicated).
+  """
+  op = "quantized_dense"
+  _check_tensor(op, "x", x, dtypes=_FLOATS, min_ndim=1)
+  _check_tensor(op, "w_q", w_q, ndim=2)
+  w_format = _torch_format(w_q.dtype, op, "w_q")
+  _check_tensor(op, "w_scale", w_scale, dtypes=_FLOATS)
+  _check_tensor(op, "bias", bias, dtypes=_FLOATS, optional=True)
+  lora_a = lora_b = None
+  if lora is not None:
+    if not isinstance(lora, (tuple, list)) or len(lora) != 2:
+      raise TypeError(f"{op}: lora must be an (a, b) pair of tensors")
+    lora_a = _check_tensor(op, "lora[0]", lora[0], dtypes=_FLOATS, ndim=2)
+    lora_b = _check_tensor(op, "lora[1]", lora[1], dtypes=_FLOATS, ndim=2)
+  _check_devices(op, dict(x=x, w_q=w_q, w_scale=w_scale, bias=bias,
+                          w_zero=w_zero, lora_a=lora_a, lora_b=lora_b))
+  static = dict(w_format=w_format, group_size=group_size,
+                lora_scale=float(lora_scale), weight_layout=weight_layout,
+                backend=backend)
+  static = _sharding(static, partition_spec, mesh, op)
+  return _QUANTIZED_DENSE([x, _bytes_of(w_q), w_scale, bias,
+                           _bytes_of(w_zero), lora_a, lora_b], **static)[0]
+
+
+# ------------------------------------------------------ decode attention --
+
+def _decode_jax(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale,
+                v_scale, *, cache_format, **static):
+  import pallas_kernels
+  return pallas_kernels.decode_attention(
+      q, _from_bytes(k_cache, cache_format),
+      _from_bytes(v_cache, cache_format), kv_lengths, sinks=sinks,
+      page_table=page_table, k_scale=k_scale, v_scale=v_scale, **static)
+
+
+def _decode_shards(static, spec, arrays, mesh):
+  q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale, v_scale = (
+      arrays)
+  op = "decode_attention"
+  _spec_length(op, spec, "q", q.shape)
+  _unsplittable(op, spec, "q", {1: "heads", 2: "new tokens", 3: "head_dim"},
+                "only the batch may be split")
+  batch_axis = spec[0]
+  paged = page_table is not None
+  cache = (None,) * 4 if paged else (batch_axis, None, None, None)
+  return ((spec, cache, cache, (batch_axis,), _replicated(sinks),
+           None if page_table is None else (batch_axis, None),
+           _replicated(k_scale), _replicated(v_scale)), (spec,))
+
+
+_DECODE = JaxOp("decode_attention", _decode_jax, differentiable=(0, 4),
+                shard_specs=_decode_shards)
+
+
+def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
+                     logit_soft_cap=None, sliding_window=None, sinks=None,
+                     page_table=None, k_scale=None, v_scale=None,
+                     backend=None, partition_spec=None, mesh=None):
+  """``pallas_kernels.decode_attention``: ``q [B, H, T, D]`` attending to a
+  contiguous ``[B, Hkv, S, D]`` or paged ``[pages, Hkv, page_size, D]`` KV
+  cache (``page_table [B, pages_per_seq]``) of ``kv_lengths [B]`` tokens;
+  8-bit caches (int8, float8) with ``k_scale``/``v_scale [Hkv]``.
+  Differentiable in q and sinks.
+
+  ``partition_spec``: 4 entries for q's dims; only the batch may be split
+  (a contiguous cache, kv_lengths and the page table follow it; a paged
+  cache's pages are shared, so they are replicated).
+  """
+  op = "decode_attention"
+  _check_tensor(op, "q", q, dtypes=_FLOATS, ndim=4)
+  for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+    _check_tensor(op, name, t, dtypes=_FLOATS + tuple(_QUANT_DTYPES), ndim=4)
+  _check_tensor(op, "kv_lengths", kv_lengths, dtypes=_INTS, ndim=1)
+  _check_tensor(op, "sinks", sinks, dtypes=_FLOATS, ndim=1, optional=True)
+  _check_tensor(op, "page_table", page_table, dtypes=_INTS, ndim=2,
+                optional=True)
+  for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+    _check_tensor(op, name, t, dtypes=_FLOATS, optional=True)
+  if k_cache.dtype != v_cache.dtype:
+    raise TypeError(f"{op}: k_cache and v_cache must share a dtype, got "
+                    f"{k_cache.dtype} and {v_cache.dtype}")
+  _check_devices(op, dict(q=q, k_cache=k_cache, v_cache=v_cache,
+                          kv_lengths=kv_lengths, sinks=sinks,
+                          page_table=page_table, k_scale=k_scale,
+                          v_scale=v_scale))
+  # Lengths and page numbers are int32 in JAX (no 64-bit types there).
+  kv_lengths, page_table = (
+      t if t is None or t.dtype == torch.int32 else t.to(torch.int32)
+      for t in (kv_lengths, page_table))
+  static = dict(cache_format=_format_name(k_cache), sm_scale=sm_scale,
+                logit_soft_cap=logit_soft_cap, sliding_window=sliding_window,
+                backend=backend)
+  static = _sharding(static, partition_spec, mesh, op)
+  return _DECODE([q, _bytes_of(k_cache), _bytes_of(v_cache), kv_lengths,
+                  sinks, page_table, k_scale, v_scale], **static)[0]
+
+
 # ------------------------------------------------------------ IoU family --
 
 # pallas_kernels.boxes.iou's DEFAULT_EPS (not imported: that would load JAX

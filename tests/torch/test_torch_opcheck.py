@@ -101,10 +101,28 @@ CALLS = {
     "int8_dense": lambda g: tb.int8_dense(
         torch.randn(5, 7, generator=g).requires_grad_(),
         torch.randn(3, 7, generator=g), torch.randn(3, generator=g)),
+    "decode_attention": lambda g: tb.decode_attention(
+        torch.randn(2, 4, 1, 8, generator=g).requires_grad_(),
+        torch.randn(2, 2, 11, 8, generator=g),
+        torch.randn(2, 2, 11, 8, generator=g), torch.tensor([3, 11]),
+        sinks=torch.randn(4, generator=g).requires_grad_()),
+    "quantize": lambda g: tb.quantize(torch.randn(5, 16, generator=g),
+                                      torch.float8_e4m3fn, group_size=8),
+    "quantized_matmul": lambda g: tb.quantized_matmul(
+        torch.randn(5, 16, generator=g),
+        torch.randint(-127, 128, (3, 16), generator=g, dtype=torch.int8),
+        w_scale=torch.rand(3, 2, generator=g), group_size=8,
+        weight_only=True, weight_layout="nk"),
+    "quantized_dense": lambda g: tb.quantized_dense(
+        torch.randn(5, 16, generator=g).requires_grad_(),
+        torch.randn(16, 3, generator=g).to(torch.float8_e5m2),
+        torch.rand(3, generator=g),
+        lora=(torch.randn(16, 2, generator=g).requires_grad_(),
+              torch.randn(2, 3, generator=g).requires_grad_())),
 }
 # Checked by default (the others under --runslow): one op of each kind.
 DEFAULT = ("diou", "pairwise_iou", "ciou_loss", "soft_nms", "int8_dense",
-           "quantize_int8")
+           "quantize_int8", "decode_attention", "quantized_matmul")
 AOT_DEFAULT = ("diou", "soft_nms")
 
 
