@@ -14,8 +14,8 @@ the arguments of the ``pallas_kernels`` op of the same name:
                 pair); iou_loss, giou_loss, diou_loss, ciou_loss
   NMS           nms, batched_nms, soft_nms
 
-Modules (``torch_bridge.modules``): Attention, Int8Linear, IoULoss,
-GIoULoss, DIoULoss, CIoULoss.
+Modules (``torch_bridge.modules``): Attention, Int8Linear, QuantizedLinear
+(frozen int8/float8 weight + LoRA), IoULoss, GIoULoss, DIoULoss, CIoULoss.
 
 How it works (``torch_bridge._core``): every op is a JAX function wrapped
 once, generically, as a ``torch.library`` custom op with a fake (meta)
@@ -88,8 +88,8 @@ _OPS = ("flash_attention", "decode_attention", "quantize_int8",
         "pairwise_diou", "pairwise_ciou", "box_iou", "iou_loss", "giou_loss",
         "diou_loss", "ciou_loss", "nms", "batched_nms", "soft_nms",
         "UnshardedWarning")
-_MODULES = ("Attention", "Int8Linear", "IoULoss", "GIoULoss", "DIoULoss",
-            "CIoULoss")
+_MODULES = ("Attention", "Int8Linear", "QuantizedLinear", "IoULoss",
+            "GIoULoss", "DIoULoss", "CIoULoss")
 _EXPORTS = {**{name: "torch_bridge.ops" for name in _OPS},
             **{name: "torch_bridge.modules" for name in _MODULES}}
 

@@ -6,6 +6,8 @@
                   so its state dict matches ``TPUAttentionBlock``'s attention.
 ``Int8Linear``    drop-in ``nn.Linear``: int8 forward, straight-through
                   backward (``ops.int8_dense``).
+``QuantizedLinear`` a frozen int8/float8 weight with a trainable LoRA
+                  adapter (``ops.quantized_dense``; QLoRA-style).
 ``IoULoss``, ``GIoULoss``, ``DIoULoss``, ``CIoULoss``
                   ``1 - IoU`` (GIoU, DIoU, CIoU) of matching boxes with a
                   reduction (torchvision's ``*_box_iou_loss``).
@@ -81,6 +83,73 @@ class Int8Linear(nn.Linear):
     spec = _leading_spec(self.batch_axis, self.partition_spec, x)
     return ops.int8_dense(x, self.weight, self.bias, backend=self.backend,
                           partition_spec=spec, mesh=self.mesh)
+
+
+class QuantizedLinear(nn.Module):
+  """``nn.Linear`` over a frozen quantized weight (int8 or float8, kept as
+  buffers in ``nn.Linear``'s ``[out, in]`` layout) with an optional
+  trainable LoRA adapter: ``x @ dequant(w_q).T + bias + lora_scale * (x @
+  lora_a) @ lora_b`` (``ops.quantized_dense``). QLoRA-style fine-tuning:
+  only ``bias``, ``lora_a`` and ``lora_b`` are parameters.
+
+  ``from_linear(linear, dtype, group_size=None, lora_rank=0)`` quantizes a
+  float layer's weight per output channel (or per ``group_size`` inputs).
+  LoRA starts as a no-op: ``lora_a`` random (std ``1/sqrt(in)``),
+  ``lora_b`` zeros.
+  """
+
+  def __init__(self, w_q: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, *, w_zero=None,
+               group_size=None, lora_rank: int = 0, lora_scale: float = 1.0,
+               batch_axis=None, partition_spec=None, mesh=None,
+               backend=None):
+    super().__init__()
+    _one_of("QuantizedLinear", batch_axis=batch_axis,
+            partition_spec=partition_spec)
+    if w_q.dim() != 2:
+      raise ValueError("QuantizedLinear: w_q must be [out_features, "
+                       f"in_features], got shape {tuple(w_q.shape)}")
+    self.out_features, self.in_features = w_q.shape
+    self.register_buffer("w_q", w_q)
+    self.register_buffer("w_scale", w_scale)
+    self.register_buffer("w_zero", w_zero)
+    self.bias = None if bias is None else nn.Parameter(bias)
+    self.group_size = group_size
+    self.lora_scale = lora_scale
+    if lora_rank:
+      float_dtype = w_scale.dtype
+      self.lora_a = nn.Parameter(torch.randn(
+          self.in_features, lora_rank, device=w_q.device, dtype=float_dtype)
+          / self.in_features ** 0.5)
+      self.lora_b = nn.Parameter(torch.zeros(
+          lora_rank, self.out_features, device=w_q.device, dtype=float_dtype))
+    else:
+      self.lora_a = self.lora_b = None
+    self.batch_axis = batch_axis
+    self.partition_spec = partition_spec
+    self.mesh = mesh
+    self.backend = backend
+
+  @classmethod
+  def from_linear(cls, linear: nn.Linear, dtype=torch.int8, *,
+                  group_size=None, **kwargs) -> "QuantizedLinear":
+    """``linear`` with its weight quantized to ``dtype`` (symmetric, per
+    output channel, or per group of ``group_size`` inputs)."""
+    w_q, w_scale = ops.quantize(linear.weight.detach(), dtype, axis=1,
+                                group_size=group_size)
+    if group_size is None:
+      w_scale = w_scale.reshape(-1)
+    bias = None if linear.bias is None else linear.bias.detach().clone()
+    return cls(w_q, w_scale, bias, group_size=group_size, **kwargs)
+
+  def forward(self, x: torch.Tensor) -> torch.Tensor:
+    spec = _leading_spec(self.batch_axis, self.partition_spec, x)
+    lora = None if self.lora_a is None else (self.lora_a, self.lora_b)
+    return ops.quantized_dense(
+        x, self.w_q, self.w_scale, self.bias, w_zero=self.w_zero,
+        group_size=self.group_size, lora=lora, lora_scale=self.lora_scale,
+        weight_layout="nk", backend=self.backend, partition_spec=spec,
+        mesh=self.mesh)
 
 
 class Attention(nn.Module):
@@ -229,5 +298,5 @@ class CIoULoss(_BoxLoss):
   kind = "ciou"
 
 
-__all__ = ["Attention", "Int8Linear", "IoULoss", "GIoULoss", "DIoULoss",
-           "CIoULoss"]
+__all__ = ["Attention", "Int8Linear", "QuantizedLinear", "IoULoss",
+           "GIoULoss", "DIoULoss", "CIoULoss"]

@@ -197,3 +197,20 @@ def test_bad_inputs_name_the_argument():
   with pytest.raises(TypeError, match="lora must be"):
     tb.quantized_dense(x, torch.zeros(8, 3, dtype=torch.int8),
                        torch.ones(3), lora=torch.ones(8, 2))
+
+
+def test_quantized_linear_trains_only_its_adapter_and_bias(rng):
+  linear = torch.nn.Linear(32, 12)
+  layer = tb.QuantizedLinear.from_linear(linear, torch.float8_e4m3fn,
+                                         group_size=8, lora_rank=4)
+  assert {n for n, _ in layer.named_parameters()} == {"bias", "lora_a",
+                                                      "lora_b"}
+  x = torch.tensor(rng.standard_normal((3, 5, 32)), dtype=torch.float32)
+  out = layer(x)  # lora_b starts at zero: the quantized layer alone
+  w = torch.from_numpy(quant_oracle.dequantized_weight(
+      _np(layer.w_q).T, _np(layer.w_scale).T, None, 8, "float32"))
+  want = x.double() @ w + linear.bias.detach().double()
+  torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+  out.sum().backward()
+  assert layer.lora_b.grad is not None and layer.bias.grad is not None
+  assert layer.lora_b.grad.abs().sum() > 0
