@@ -9,7 +9,13 @@ Modes of ``quantized_matmul(x, w, ...)`` (``operands`` normalizes them):
                (per channel [N] or a scalar), bias: ((acc * x_scale) *
                w_scale + bias) in float32, cast to out_dtype (default
                bfloat16). int8 sums are exact int32 (K <= MAX_INT8_K); fp8
-               products are exact, summed in float32.
+               products are exact, summed in float32. With group_size g
+               (sub-channel scales on both sides): x_scale [..., K // g]
+               (per row and group; per row or scalar also accepted), w_scale
+               [K // g, N] ([N, K // g] for "nk"), no w_zero; out = sum over
+               groups j of (x_j @ w_j) * x_scale[:, j] * w_scale[j, :] in
+               float32, + bias, where x_j @ w_j is the group's exact int32
+               sum (g <= MAX_INT8_K) or its fp8 products summed in float32.
   dynamic      float x, int8 or fp8 w, weight_only=False: x is quantized per
                row into w's format (``quantize(x, w.dtype)``), then dequant.
   weight_only  float x, weight_only=True, any w format: per channel, x @ w
@@ -124,11 +130,14 @@ def quantized_matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
     x: [..., K] bfloat16/float16/float32, or int8 / fp8 (with x_scale).
     w: [K, N] (or [N, K] with weight_layout="nk") of int8, jnp.int4,
       float8_e4m3fn or float8_e5m2.
-    x_scale: quantized x only: a scalar, x.shape[:-1] or x.shape[:-1] + (1,).
+    x_scale: quantized x only: a scalar, x.shape[:-1] or x.shape[:-1] + (1,);
+      with group_size also x.shape[:-1] + (K // g,).
     w_scale: a scalar, [N] or [1, N]; with group_size [K // g, N] ([N, K //
       g] for "nk").
-    w_zero: integer w with group_size: zero points, w_scale's shape.
-    group_size: sub-channel group along K (weight-only); divides K.
+    w_zero: integer w of a weight-only call with group_size: zero points,
+      w_scale's shape.
+    group_size: sub-channel group along K (weight-only or quantized x);
+      divides K.
     bias: [N] or [1, N], added after scaling.
     out_dtype: int32 (raw mode) or a float dtype.
     weight_only: float x times the dequantized w.
@@ -233,7 +242,8 @@ def _kernels(call, user_blocks, generation):
 
   def supports(kernel):
     return lambda: (None if int8_path else
-                    kernel.supports(w, call.group_size, call.w_layout))
+                    kernel.supports(w, call.group_size, call.w_layout,
+                                    call.mode))
 
   return [
       _backend.Kernel("mosaic_tpu", tpu, supports=supports(mosaic_tpu)),
@@ -255,7 +265,7 @@ def _rule(call):
   return _sharding.make_rule(
       OP,
       [("x", "m k"), ("w", "k n" if call.w_layout == "kn" else "n k"),
-       ("x_scale", maybe(x_scale, "m s")),
+       ("x_scale", maybe(x_scale, "m g" if grouped else "m s")),
        ("w_scale", maybe(w_scale, "g n" if grouped else "s n")),
        ("w_zero", maybe(w_zero, "g n")), ("bias", maybe(bias, "s n"))],
       ["m n"], split="m n", helper="jax.shard_map",

@@ -48,7 +48,7 @@ def _unpack_int4(b):
 
 
 def _kernel(*refs, nk, bkw, group_bkw, x_parts, planes, has_xs, has_ws,
-            has_zero, has_b, kn, int4, split, compute_dtype):
+            has_zero, has_b, kn, int4, split, compute_dtype, group_products):
   refs = list(refs)
   take = lambda count: [refs.pop(0) for _ in range(count)]  # noqa: E731
   x_refs = take(x_parts)
@@ -74,10 +74,27 @@ def _kernel(*refs, nk, bkw, group_bkw, x_parts, planes, has_xs, has_ws,
       wf = wf - z_ref[index]
     return (wf * ws_ref[index]).astype(compute_dtype)
 
+  def scaled_group(total, row):
+    """A group's sum times its x scale column and w scale row."""
+    return (total.astype(jnp.float32) * xs_ref[:, pl.ds(row, 1)]
+            * ws_refs[0][pl.ds(row, 1), :])
+
   def step(kk, accs):
     start = pl.multiple_of((first + kk) * bkw, bkw)
     xs = [r[:, pl.ds(start, bkw)] for r in x_refs]
     w = w_ref[pl.ds(start, bkw), :] if kn else w_ref[:, pl.ds(start, bkw)]
+    if group_products:  # the group's exact sum, scaled at its last step
+      acc, group = accs
+      group = group + jax.lax.dot_general(
+          xs[0], w, (((1,), (0 if kn else 1,)), ((), ())),
+          preferred_element_type=group.dtype)
+      steps = group_bkw // bkw
+      row = (first + kk) // steps
+      if steps == 1:
+        return acc + scaled_group(group, row), jnp.zeros_like(group)
+      ends = (first + kk + 1) % steps == 0
+      acc = jnp.where(ends, acc + scaled_group(group, row), acc)
+      return acc, jnp.where(ends, jnp.zeros_like(group), group)
     row = (first + kk) * bkw // group_bkw if grouped else 0
     wps = list(_unpack_int4(w)) if int4 else [w]
     if compute_dtype is not None:
@@ -95,9 +112,15 @@ def _kernel(*refs, nk, bkw, group_bkw, x_parts, planes, has_xs, has_ws,
       total = total + dot(x, wp)
     return (total,)
 
-  accs = jax.lax.fori_loop(
-      0, nk, step, tuple(jnp.zeros((bm, bn), jnp.float32)
-                         for _ in range(planes)))
+  init = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(planes))
+  if group_products:
+    integer = w_ref.dtype == jnp.int8
+    init += (jnp.zeros((bm, bn), jnp.int32 if integer else jnp.float32),)
+  accs = jax.lax.fori_loop(0, nk, step, init)
+  if group_products:  # a group cut by a K split: its part so far
+    last_row = (first + nk - 1) * bkw // group_bkw
+    accs = (accs[0] + scaled_group(accs[1], last_row),)
+    xs_ref = None
   for i, (acc, o_ref) in enumerate(zip(accs, o_refs)):
     if split:
       o_ref[...] = acc
@@ -107,12 +130,13 @@ def _kernel(*refs, nk, bkw, group_bkw, x_parts, planes, has_xs, has_ws,
           o_ref.dtype)
 
 
-def supports(w, group_size, w_layout) -> str | None:
+def supports(w, group_size, w_layout, mode="weight_only") -> str | None:
   """Why this kernel cannot take the call, else None."""
   fmt = formats.format_of(w.dtype)
-  if group_size is not None and group_size % 16:
-    return (f"group_size={group_size} is not a multiple of 16 (Triton's "
-            "smallest dot depth)")
+  depth = 16 if mode == "weight_only" else 32
+  if group_size is not None and group_size % depth:
+    return (f"group_size={group_size} is not a multiple of {depth} (Triton's "
+            f"smallest {'8-bit ' if depth == 32 else ''}dot depth)")
   if fmt.name == "int4":
     minor = w.shape[1]
     if minor % 2:
@@ -124,8 +148,8 @@ def supports(w, group_size, w_layout) -> str | None:
 
 def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
            w_layout="kn", group_size=None, block_sizes=None, interpret=False):
-  """The normalized operands (``operands.MatmulCall``) of a weight-only or
-  fp8 x fp8 call -> [M, N] out_dtype."""
+  """The normalized operands (``operands.MatmulCall``) of a weight-only call,
+  an fp8 x fp8 call or a grouped int8 x int8 call -> [M, N] out_dtype."""
   fmt = formats.format_of(w.dtype)
   if mode == "dynamic":
     x2, x_scale = reference.quantize_groups(x2, fmt, 1, None, True)
@@ -140,6 +164,7 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
   mp, kp, np_ = (bs.round_up(m, bm), bs.round_up(k, bk * split),
                  bs.round_up(n, bn))
   grouped = group_size is not None
+  group_products = grouped and mode == "dequant"
   if mode == "dequant" and kn:
     w, kn = w.T, False  # fp8 tensor cores read w K-major
   if int4:
@@ -163,8 +188,14 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
     in_specs.append(pl.BlockSpec((bn, kp // x_parts), lambda i, j, s: (j, 0)))
   fused = (x_scale, w_scale, bias) if split == 1 else (None, None, None)
   if grouped:  # group scales always go in, per K step
-    fused = (fused[0], w_scale, fused[2])
-  if fused[0] is not None:
+    fused = (x_scale if group_products else fused[0], w_scale, fused[2])
+  groups_p = -(-kp // group_size) if grouped else 0
+  if group_products:  # [M, G]: each group reads a column
+    table = _pad_to(x_scale, (mp, bs.pow2_at_least(groups_p)))
+    arrays.append(table)
+    in_specs.append(pl.BlockSpec((bm, table.shape[1]),
+                                 lambda i, j, s: (i, 0)))
+  elif fused[0] is not None:
     arrays.append(_pad_to(fused[0], (mp, 1), 1))
     in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, s: (i, 0)))
 
@@ -172,13 +203,12 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
     v = _pad_to(v, (v.shape[0], np_))
     return [v[:, p::planes] for p in range(planes)]
 
-  groups_p = -(-kp // group_size) if grouped else 0
   for table in ((fused[1], w_zero) if grouped else (fused[1],)):
     if table is None:
       continue
     if grouped:
       table = _pad_to(table, (groups_p, table.shape[1]))
-      if not kn:  # [N, G]: each K step reads a column
+      if not (kn or group_products):  # [N, G]: each K step reads a column
         table = _pad_to(table.T, (np_, bs.pow2_at_least(groups_p)))
         arrays.append(table)
         in_specs.append(pl.BlockSpec((bn, table.shape[1]),
@@ -202,7 +232,7 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
       x_parts=x_parts, planes=planes, has_xs=fused[0] is not None,
       has_ws=fused[1] is not None, has_zero=grouped and w_zero is not None,
       has_b=fused[2] is not None, kn=kn, int4=int4, split=split > 1,
-      compute_dtype=compute_dtype)
+      compute_dtype=compute_dtype, group_products=group_products)
   out_dtype = jnp.dtype(out_dtype)
   if split == 1:
     out_spec = pl.BlockSpec((bm, bnw), lambda i, j, s: (i, j))
@@ -235,6 +265,6 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
          jnp.stack(outs, axis=-1).reshape(mp, np_))
   out = out[:m, :n]
   if split > 1:
-    out = int8_quant.epilogue(out, x_scale, None if grouped else w_scale,
-                              bias, out_dtype)
+    out = int8_quant.epilogue(out, None if group_products else x_scale,
+                              None if grouped else w_scale, bias, out_dtype)
   return out
