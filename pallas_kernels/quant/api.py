@@ -32,8 +32,8 @@ empty (or bias-only) outputs. Not differentiable in w; train through
 
 Kernels (``backend=``): "mosaic_tpu", "mosaic_gpu" (Hopper; weight-only,
 per-channel int8/fp8 w stored [N, K]), "triton" (NVIDIA GPUs), "reference";
-int8 x int8 modes and per-channel int8 weight-only calls run the int8
-family's kernels (``int8_matmul``). ``backend=None`` takes the first that
+int8 x int8 modes without group_size and per-channel int8 weight-only calls
+run the int8 family's kernels (``int8_matmul``). ``backend=None`` takes the first that
 supports the call on the platform it is lowered for.
 """
 from __future__ import annotations
@@ -235,7 +235,7 @@ def _kernels(call, user_blocks, generation):
                                   interpret=interpret or False)
 
   def mgpu_supports():
-    if call.group_size is not None or call.operands[4] is not None:
+    if call.mode == "weight_only" and call.group_size is not None:
       return "the Mosaic GPU weight-only kernel takes per-channel scales only"
     return int8_api.mosaic_gpu_refusal(call.operands[0], w, call.operands[2],
                                        call.mode, call.w_layout, user_blocks)

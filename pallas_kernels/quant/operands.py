@@ -5,7 +5,9 @@ Operands: ``(x2 [M, K], w, x_scale [M, 1] | None, w_scale, w_zero, bias
 [1, N] | None)``, all scales float32. w keeps its dtype and layout ([K, N],
 or [N, K] for "nk"). w_scale is [1, N] (per channel; a scalar broadcast) or,
 with ``group_size`` g, [K // g, N] in either layout; w_zero (grouped integer
-weights only) the same [K // g, N] or None. Static: ``mode`` (raw, dequant,
+weights of weight-only calls) the same [K // g, N] or None. Quantized x with
+``group_size``: x_scale is [M, K // g] (per row or scalar broadcast, ones
+when absent). Static: ``mode`` (raw, dequant,
 dynamic, weight_only), ``out_dtype``, ``w_layout``, ``group_size``.
 """
 from __future__ import annotations

@@ -7,6 +7,10 @@ scales, ``(w - zero) * scale`` in float32 with the step's one scale (and
 zero) row, then rounded to x's dtype: bk divides the group size, so a K step
 lies in one group. fp8 x fp8 multiplies fp8 operands directly (Hopper's fp8
 tensor cores; w is fed K-major, [N, K], as they read it), float32 sums.
+Quantized x with group scales (int8 x int8 or fp8 x fp8): the steps of a
+group sum their dots in a second carry (int32 for int8, exact), which at the
+group's last step is scaled by the x scale column and w scale row of the
+group ([M, G] and [G, N] tables) and added to the float32 sum.
 
 int4. Triton has no 4-bit type: w is bitcast to int8 bytes holding two
 neighbours along w's minor dimension (low nibble first, as XLA packs
@@ -18,8 +22,8 @@ the two planes give the even and odd output columns, written as two outputs
 that one XLA pass interleaves.
 
 Split K (small M): programs write unscaled float32 partial sums that XLA adds
-before the epilogue; group scales are applied per step, so the sum is the
-dequantized product. Tiles are powers of two: M, N, K are zero-padded.
+before the epilogue; group scales are applied per step (per group), so the
+sum is the dequantized product; a group cut by the split is scaled in parts. Tiles are powers of two: M, N, K are zero-padded.
 """
 from __future__ import annotations
 
