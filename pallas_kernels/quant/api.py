@@ -33,8 +33,8 @@ empty (or bias-only) outputs. Not differentiable in w; train through
 Kernels (``backend=``): "mosaic_tpu", "mosaic_gpu" (Hopper; weight-only,
 per-channel int8/fp8 w stored [N, K]), "triton" (NVIDIA GPUs), "reference";
 int8 x int8 modes without group_size and per-channel int8 weight-only calls
-run the int8 family's kernels (``int8_matmul``). ``backend=None`` takes the first that
-supports the call on the platform it is lowered for.
+run the int8 family's kernels (``int8_matmul``). ``backend=None`` takes the
+first that supports the call on the platform it is lowered for.
 """
 from __future__ import annotations
 

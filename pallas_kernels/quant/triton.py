@@ -23,7 +23,8 @@ that one XLA pass interleaves.
 
 Split K (small M): programs write unscaled float32 partial sums that XLA adds
 before the epilogue; group scales are applied per step (per group), so the
-sum is the dequantized product; a group cut by the split is scaled in parts. Tiles are powers of two: M, N, K are zero-padded.
+sum is the dequantized product; a group cut by the split is scaled in parts.
+Tiles are powers of two: M, N, K are zero-padded.
 """
 from __future__ import annotations
 
