@@ -216,6 +216,11 @@ def _quantized_cases():
                                 x_dtype=jnp.float8_e4m3fn, m=256)),
       ("int8 weight-only, group 128", call(w_dtype=jnp.int8,
                                            group_size=128)),
+      ("int8 x int8, group 128 (group products)",
+       call(w_dtype=jnp.int8, x_dtype=jnp.int8, group_size=128)),
+      ("fp8 x fp8 (e4m3), group 64, w [N, K]",
+       call(w_dtype=jnp.float8_e4m3fn, x_dtype=jnp.float8_e4m3fn, m=256,
+            group_size=64, layout="nk")),
   ]
 
 

@@ -318,3 +318,34 @@ def test_quantized_matmul(backend, examples):
     _assert_same(got, want, jnp.bfloat16)
 
   run()
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("examples", EXAMPLES)
+def test_quantized_matmul_group_products(backend, examples):
+  """Quantized x times quantized w, both with group scales from
+  ``quantize(..., group_size=g)``."""
+  @settings(max_examples=examples, deadline=None)
+  @given(fmt=st.sampled_from(["int8", "float8_e4m3fn", "float8_e5m2"]),
+         group=st.sampled_from([32, 64]), layout=st.sampled_from(["kn", "nk"]),
+         m=st.integers(1, 40), k_groups=st.integers(1, 6),
+         n=st.integers(1, 150), seed=st.integers(0, 2**31 - 1))
+  def run(fmt, group, layout, m, k_groups, n, seed):
+    rng = np.random.default_rng(seed)
+    k = k_groups * group
+    dtype = jnp.dtype(fmt)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    xq, x_scale = pk.quantize(x, dtype, group_size=group)
+    wq, w_scale = pk.quantize(w, dtype, axis=0, group_size=group)
+    if layout == "nk":
+      wq, w_scale = wq.T, w_scale.T
+    kw = dict(x_scale=x_scale, w_scale=w_scale, group_size=group,
+              weight_layout=layout, out_dtype=jnp.float32)
+    got = _run_or_skip(backend, pk.quantized_matmul, xq, wq, **kw)
+    if got is None:
+      return
+    want = pk.quantized_matmul(xq, wq, backend="reference", **kw)
+    _assert_same(got, want, jnp.float32)
+
+  run()

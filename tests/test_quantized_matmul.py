@@ -101,6 +101,8 @@ class Case:
             NP_DTYPES[self.fmt])
     make = {
         "x_scale": lambda: rng.uniform(0.5, 2, m_shape),
+        "x_scale_g": lambda: rng.uniform(
+            0.5, 2, m_shape + (k // self.group_size,)),
         "x_scale_1": lambda: np.asarray(rng.uniform(0.5, 2)),
         "w_scale": lambda: rng.uniform(1e-3, 2e-2, (self.n,)),
         "w_scale_1": lambda: np.asarray(rng.uniform(1e-3, 2e-2)),
@@ -109,7 +111,8 @@ class Case:
     for name in self.extras:
       if self.group_size and name == "w_scale":
         continue
-      kw[name.removesuffix("_1")] = make[name]().astype(np.float32)
+      kw[name.removesuffix("_1").removesuffix("_g")] = make[name]().astype(
+          np.float32)
     return x, w, kw
 
   def options(self):
@@ -162,8 +165,17 @@ CASES = [
     Case("int4", (1, 64), 1, refused=("triton",)),   # odd N: no int4 pairs
     Case("int4", (3, 5, 256), 130, group_size=64, zero=True,
          extras=("bias",)),
+    # grouped weight-only with w [N, K]: tables [N, K // g]
     Case("int4", (17, 128), 96, x_dtype="float32", layout="nk",
-         group_size=32, refused=("interpret",)),     # TPU: grouped w [K, N]
+         group_size=32),
+    Case("int4", (9, 256), 70, layout="nk", group_size=64, zero=True,
+         extras=("bias",)),
+    Case("int8", (13, 384), 35, layout="nk", group_size=128, zero=True),
+    Case("int8", (3, 128), 17, x_dtype="float32", layout="nk",
+         group_size=32),
+    Case("float8_e4m3fn", (21, 256), 33, layout="nk", group_size=64),
+    Case("float8_e5m2", (2, 3, 128), 129, x_dtype="float16", layout="nk",
+         group_size=128, extras=("bias",), out_dtype="float32"),
     Case("int4", (6, 130), 40, layout="nk", extras=("w_scale_1", "bias"),
          out_dtype="float32"),
     Case("float8_e4m3fn", (13, 200), 150, layout="nk", extras=("w_scale",
@@ -184,6 +196,21 @@ CASES = [
     Case("int8", (7, 64), 33, kind="dequant", x_dtype="int8",
          extras=("x_scale", "w_scale")),
     Case("int8", (4, 50), 20, kind="raw", x_dtype="int8", extras=()),
+    # quantized x with group scales: x_scale [..., K // g], w_scale [K // g,
+    # N] ([N, K // g] for "nk"); per-row and scalar x_scale broadcast
+    Case("int8", (37, 256), 70, kind="dequant", x_dtype="int8",
+         group_size=32, extras=("x_scale_g", "bias"), out_dtype="float32"),
+    Case("int8", (2, 3, 192), 33, kind="dequant", x_dtype="int8",
+         layout="nk", group_size=64, extras=("x_scale",)),
+    Case("int8", (5, 384), 130, kind="dequant", x_dtype="int8",
+         group_size=128, extras=("x_scale_1", "bias")),
+    Case("float8_e4m3fn", (11, 256), 40, kind="dequant",
+         x_dtype="float8_e4m3fn", group_size=64, extras=("x_scale_g",),
+         out_dtype="float32"),
+    Case("float8_e5m2", (6, 96), 129, kind="dequant", x_dtype="float8_e5m2",
+         layout="nk", group_size=32, extras=("x_scale_g", "bias")),
+    Case("float8_e5m2", (1, 128), 3, kind="dequant",
+         x_dtype="float8_e4m3fn", group_size=128, extras=()),
 ]
 
 
@@ -208,12 +235,68 @@ def test_grouped_weight_only_random_shapes(backend, m, groups, n, fmt,
   integer = fmt in ("int4", "int8")
   case = Case(fmt, (m, 32 * groups), n + (n % 2 if fmt == "int4" else 0),
               layout=layout, group_size=32, zero=zero and integer)
-  refused = ("interpret",) if layout == "nk" else ()
-  case = dataclasses.replace(case, refused=refused)
   x, w, kw = case.inputs(np.random.default_rng(seed))
-  out = run_case(backend, case, x, w, kw)
-  if out is not None:
-    check(out, case, x, w, kw)
+  check(run_case(backend, case, x, w, kw), case, x, w, kw)
+
+
+@pytest.mark.parametrize("backend", backends.params(
+    ["interpret_generic", "triton", "reference"]))
+@settings(max_examples=5)
+@given(m=st.integers(1, 40), groups=st.integers(1, 5), n=st.integers(1, 70),
+       fmt=st.sampled_from(["int8", "float8_e4m3fn", "float8_e5m2"]),
+       group_size=st.sampled_from([32, 64]),
+       layout=st.sampled_from(["kn", "nk"]),
+       x_scale=st.sampled_from(["x_scale_g", "x_scale", "x_scale_1"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_group_products_random_shapes(backend, m, groups, n, fmt, group_size,
+                                      layout, x_scale, seed):
+  case = Case(fmt, (m, group_size * groups), n, kind="dequant", x_dtype=fmt,
+              layout=layout, group_size=group_size,
+              extras=(x_scale, "bias"), out_dtype="float32")
+  x, w, kw = case.inputs(np.random.default_rng(seed))
+  check(run_case(backend, case, x, w, kw), case, x, w, kw)
+
+
+@pytest.mark.parametrize("backend", backends.params(
+    ["interpret", "triton", "reference"]))
+def test_int8_group_products_are_exact(backend, rng):
+  """Power-of-two scales and |x|, |w| <= 64: each group's int32 sum times its
+  scales is exact in float32, and so is the sum over 4 groups (within 24
+  bits), so the result equals the int64 oracle bit for bit."""
+  m, g, groups, n = 19, 32, 4, 45
+  x = rng.integers(-64, 65, (m, g * groups)).astype(np.int8)
+  w = rng.integers(-64, 65, (g * groups, n)).astype(np.int8)
+  xs = 2.0 ** -rng.integers(0, 3, (m, groups))
+  ws = 2.0 ** -rng.integers(0, 3, (groups, n))
+  out = backend.run(pk.quantized_matmul, jnp.asarray(x), jnp.asarray(w),
+                    x_scale=jnp.asarray(xs, jnp.float32),
+                    w_scale=jnp.asarray(ws, jnp.float32), group_size=g,
+                    out_dtype=jnp.float32)
+  parts = oracle.group_partial_sums(x.astype(np.int64), w.astype(np.int64), g)
+  want = (parts * (xs.T[:, :, None] * ws[:, None, :])).sum(0)
+  np.testing.assert_array_equal(np.asarray(out, np.float64), want)
+
+
+def test_quantize_gives_the_group_products_scales(rng):
+  """quantize(x, dtype, group_size=g) along K gives x_scale [..., K // g]
+  and quantize(w, dtype, axis=0, group_size=g) w_scale [K // g, N]: their
+  product is x @ w within the quantization error."""
+  x = rng.standard_normal((2, 5, 256)).astype(np.float32)
+  w = (rng.standard_normal((256, 48)) / 16).astype(np.float32)
+  exact = x.astype(np.float64) @ w.astype(np.float64)
+  for dtype, tolerance in ((jnp.int8, 0.02), (jnp.float8_e4m3fn, 0.1)):
+    xq, xs = pk.quantize(jnp.asarray(x), dtype, group_size=64)
+    wq, ws = pk.quantize(jnp.asarray(w), dtype, axis=0, group_size=64)
+    assert xs.shape == (2, 5, 4) and ws.shape == (4, 48)
+    out = pk.quantized_matmul(xq, wq, x_scale=xs, w_scale=ws, group_size=64,
+                              out_dtype=jnp.float32, backend="reference")
+    err = np.abs(np.asarray(out, np.float64) - exact).max()
+    assert err < tolerance * np.abs(exact).max(), (dtype, err)
+    check(out, Case(jnp.dtype(dtype).name, (2, 5, 256), 48, kind="dequant",
+                    x_dtype=jnp.dtype(dtype).name, group_size=64,
+                    out_dtype="float32"),
+          np.asarray(xq), np.asarray(wq),
+          dict(x_scale=np.asarray(xs), w_scale=np.asarray(ws)))
 
 
 # ----------------------------------------------------------------------------
@@ -221,13 +304,15 @@ def test_grouped_weight_only_random_shapes(backend, m, groups, n, fmt,
 
 
 def test_chooser_falls_back_to_the_reference_where_kernels_refuse(rng):
-  """A grouped w [N, K] has no TPU kernel: backend=None runs the reference
-  on the CPU (whose TPU kernel is interpreted) and says so when named."""
-  case = CASES[2]
+  """Groups of 4 values (under the TPU sublane tile of 8 and Triton's dot
+  depth of 16) have no kernel: backend=None runs the reference on the CPU
+  (whose TPU kernel is interpreted) and says so when named."""
+  case = Case("int4", (5, 16), 24, x_dtype="float32", layout="nk",
+              group_size=4)
   x, w, kw = case.inputs(rng)
   arrays = [jnp.asarray(a) for a in (x, w)]
   scales = {k: jnp.asarray(v) for k, v in kw.items()}
-  with pytest.raises(ValueError, match="weight_layout='nk'"):
+  with pytest.raises(ValueError, match="group_size=4 is not a multiple of 8"):
     pk.quantized_matmul(*arrays, **scales, **case.options(),
                         backend="mosaic_tpu")
   auto = jax.jit(lambda *a: pk.quantized_matmul(*a, **scales,
@@ -235,12 +320,43 @@ def test_chooser_falls_back_to_the_reference_where_kernels_refuse(rng):
   ref = pk.quantized_matmul(*arrays, **scales, **case.options(),
                             backend="reference")
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
+  check(auto, case, x, w, kw)
   from pallas_kernels.quant import api
   from pallas_kernels.quant import operands
-  call = operands.matmul_call(*arrays, **scales, **case.options())
+  for group_size, tpu, cuda in ((4, "reference", "reference"),
+                                (8, "mosaic_tpu", "reference"),
+                                (16, "mosaic_tpu", "triton")):
+    case = dataclasses.replace(case, group_size=group_size)
+    x, w, kw = case.inputs(rng)
+    call = operands.matmul_call(*(jnp.asarray(a) for a in (x, w)),
+                                **{k: jnp.asarray(v) for k, v in kw.items()},
+                                **case.options())
+    kernels = api._kernels(call, None, None)
+    assert _backend.resolve_for_platform("tpu", kernels) == tpu
+    assert _backend.resolve_for_platform("cuda", kernels) == cuda
+
+
+def test_group_products_need_32_value_groups_on_the_kernels(rng):
+  """Quantized x with groups of 16: the 8-bit tiles are sliced per group, in
+  32-row units on TPU and 32-deep dots in Triton; the reference runs."""
+  case = Case("int8", (4, 64), 8, kind="dequant", x_dtype="int8",
+              group_size=16, extras=("x_scale_g",), out_dtype="float32")
+  x, w, kw = case.inputs(rng)
+  from pallas_kernels.quant import api
+  from pallas_kernels.quant import operands
+  call = operands.matmul_call(jnp.asarray(x), jnp.asarray(w),
+                              **{k: jnp.asarray(v) for k, v in kw.items()},
+                              **case.options())
   kernels = api._kernels(call, None, None)
   assert _backend.resolve_for_platform("tpu", kernels) == "reference"
-  assert _backend.resolve_for_platform("cuda", kernels) == "triton"
+  assert _backend.resolve_for_platform("cuda", kernels) == "reference"
+  with pytest.raises(ValueError, match="not a multiple of 32"):
+    pk.quantized_matmul(jnp.asarray(x), jnp.asarray(w),
+                        **{k: jnp.asarray(v) for k, v in kw.items()},
+                        **case.options(), backend="mosaic_tpu")
+  check(pk.quantized_matmul(jnp.asarray(x), jnp.asarray(w),
+                            **{k: jnp.asarray(v) for k, v in kw.items()},
+                            **case.options()), case, x, w, kw)
 
 
 def test_int8_calls_run_the_int8_kernels(monkeypatch, rng):
@@ -261,12 +377,19 @@ def test_int8_calls_run_the_int8_kernels(monkeypatch, rng):
 # TPU kernel
 
 
-@pytest.mark.parametrize("fmt", ["int4", "float8_e4m3fn"])
-def test_tpu_grouped_multi_k_tiles_and_padding(fmt, rng):
+@pytest.mark.parametrize("fmt,kind,layout", [
+    ("int4", "weight_only", "kn"), ("float8_e4m3fn", "weight_only", "kn"),
+    ("int4", "weight_only", "nk"), ("int8", "weight_only", "nk"),
+    ("int8", "dequant", "kn"), ("float8_e5m2", "dequant", "nk")])
+def test_tpu_grouped_multi_k_tiles_and_padding(fmt, kind, layout, rng):
   """K = 800 with groups of 32 and bk = 512 (unit lcm(128, 8 * 32) = 256):
-  K is padded to 1024, scales by 7 zero rows, two K steps."""
-  case = Case(fmt, (40, 800), 140, group_size=32, zero=fmt == "int4",
-              extras=("bias",))
+  K is padded to 1024, scales (x's too) by 7 zero groups, two K steps."""
+  case = Case(fmt, (40, 800), 140, kind=kind,
+              x_dtype=fmt if kind == "dequant" else "bfloat16",
+              layout=layout, group_size=32,
+              zero=fmt in ("int4", "int8") and kind == "weight_only",
+              extras=("x_scale_g", "bias") if kind == "dequant"
+              else ("bias",))
   x, w, kw = case.inputs(rng)
   out = pk.quantized_matmul(jnp.asarray(x), jnp.asarray(w),
                             **{k: jnp.asarray(v) for k, v in kw.items()},
@@ -275,14 +398,19 @@ def test_tpu_grouped_multi_k_tiles_and_padding(fmt, rng):
   check(out, case, x, w, kw)
 
 
-def test_no_data_races_in_tpu_interpreter(rng):
-  case = Case("int4", (40, 512), 256, group_size=64, zero=True)
+@pytest.mark.parametrize("kind", ["weight_only", "dequant"])
+def test_no_data_races_in_tpu_interpreter(kind, rng):
+  case = Case("int4" if kind == "weight_only" else "int8", (40, 1024), 256,
+              kind=kind, x_dtype="int8" if kind == "dequant" else "bfloat16",
+              layout="nk", group_size=64, zero=kind == "weight_only",
+              extras=("x_scale_g",) if kind == "dequant" else ())
   x, w, kw = case.inputs(rng)
-  args = [jnp.asarray(a) for a in (x, w, kw["w_scale"], kw["w_zero"])]
+  names = sorted(kw)
   out, log = _backend.find_races(
-      lambda x, w, s, z: pk.quantized_matmul(
-          x, w, w_scale=s, w_zero=z, group_size=64, weight_only=True,
-          block_sizes=(32, 512, 128)), *args)
+      lambda x, w, *tables: pk.quantized_matmul(
+          x, w, **dict(zip(names, tables)), **case.options(),
+          block_sizes=(32, 512, 128)),
+      *(jnp.asarray(a) for a in (x, w, *(kw[k] for k in names))))
   check(out, case, x, w, kw)
   assert log.launches >= 1 and not log.found, log
 
@@ -312,18 +440,28 @@ def test_tpu_plans_fit_vmem_and_tile(generation, group_size, mkn):
 
 
 @pytest.mark.parametrize("layout", ["kn", "nk"])
-@pytest.mark.parametrize("fmt", ["int4", "float8_e5m2"])
-def test_triton_split_k_and_padding(fmt, layout, rng):
+@pytest.mark.parametrize("fmt,kind", [("int4", "weight_only"),
+                                      ("float8_e5m2", "weight_only"),
+                                      ("int8", "dequant"),
+                                      ("float8_e4m3fn", "dequant")])
+def test_triton_split_k_and_padding(fmt, kind, layout, rng):
   """bk 32 inside groups of 64, split K over 3 programs, every dimension
-  padded; int4 w [K, N] writes even and odd columns separately."""
-  case = Case(fmt, (20, 192), 70, layout=layout, group_size=64,
-              zero=fmt == "int4", extras=("bias",), out_dtype="float32")
+  padded; int4 w [K, N] writes even and odd columns separately. Group
+  products split K over 2 programs of 3 steps: group 1 (steps 2 and 3) is
+  cut between them, each program scaling its part."""
+  dequant = kind == "dequant"
+  case = Case(fmt, (20, 192), 70, kind=kind,
+              x_dtype=fmt if dequant else "bfloat16", layout=layout,
+              group_size=64, zero=fmt == "int4",
+              extras=("x_scale_g", "bias") if dequant else ("bias",),
+              out_dtype="float32")
   x, w, kw = case.inputs(rng)
   triton = backends.Backend("triton", "triton", "generic")
   out = triton.run(pk.quantized_matmul, jnp.asarray(x), jnp.asarray(w),
                    **{k: jnp.asarray(v) for k, v in kw.items()},
                    **case.options(),
-                   block_sizes=int8_bs.BlockSizes(16, 32, 32, split_k=3))
+                   block_sizes=int8_bs.BlockSizes(16, 32, 32,
+                                                  split_k=2 if dequant else 3))
   check(out, case, x, w, kw)
 
 
@@ -390,6 +528,10 @@ def test_empty_dimensions():
 
 XB = jnp.zeros((4, 64), jnp.bfloat16)
 W4 = jnp.zeros((64, 6), jnp.int4)
+X8 = jnp.zeros((4, 64), jnp.int8)
+W8 = jnp.zeros((64, 6), jnp.int8)
+# quantized x with groups of 32 (2 groups), kn tables
+Q8 = dict(x=X8, w=W8, weight_only=False, group_size=32)
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -430,6 +572,27 @@ W4 = jnp.zeros((64, 6), jnp.int4)
      "be int32 or a float"),
     (dict(block_sizes="v9"), ValueError, "quantized_matmul: block_sizes='v9'"),
     (dict(backend="tpu"), ValueError, "backend='tpu' is not one of"),
+    # quantized x with group scales
+    (dict(Q8, w_scale=jnp.ones((2, 6)), x_scale=jnp.ones((4, 3))),
+     ValueError, r"x_scale has shape \(4, 3\); expected a scalar, "
+     r"x.shape\[:-1\] = \(4,\) or \(4, 1\), or \(4, 2\) = "
+     r"x.shape\[:-1\] \+ \(K // group_size,\)"),
+    (dict(Q8, group_size=48, w_scale=jnp.ones((1, 6))), ValueError,
+     "K=64 is not a multiple of group_size=48"),
+    (dict(Q8, w_scale=jnp.ones((6, 2))), ValueError,
+     r"w_scale has shape \(6, 2\); expected \(2, 6\) = \[K // group_size, "
+     r"N\]"),
+    (dict(Q8, w=jnp.zeros((6, 64), jnp.int8), weight_layout="nk",
+          w_scale=jnp.ones((2, 6))), ValueError,
+     r"w_scale has shape \(2, 6\); expected \(6, 2\) = \[N, K // "
+     r"group_size\] for weight_layout='nk'"),
+    (dict(Q8), ValueError, r"group_size=32 needs w_scale of shape \(2, 6\)"),
+    (dict(Q8, w_scale=jnp.ones((2, 6)), w_zero=jnp.zeros((2, 6), jnp.int8)),
+     ValueError, "w_zero is for weight-only calls"),
+    (dict(x=X8, w=W8, weight_only=False, x_scale=jnp.ones((4, 2))),
+     ValueError, r"x_scale has shape \(4, 2\); expected a scalar"),
+    (dict(Q8, w=jnp.zeros((64, 6), jnp.float8_e4m3fn),
+          w_scale=jnp.ones((2, 6))), TypeError, "int8 x needs int8 w"),
 ])
 def test_bad_inputs_raise_naming_the_argument(kwargs, error, match):
   kwargs = dict(kwargs)
@@ -438,6 +601,20 @@ def test_bad_inputs_raise_naming_the_argument(kwargs, error, match):
   kwargs.setdefault("weight_only", True)
   with pytest.raises(error, match=match):
     pk.quantized_matmul(x, w, **kwargs)
+
+
+def test_int8_group_products_bound_the_group_not_k():
+  """Each group's int32 sum is exact up to MAX_INT8_K products: K may pass
+  it with groups, a group may not."""
+  k = 262144
+  x = jax.ShapeDtypeStruct((1, k), jnp.int8)
+  w = jax.ShapeDtypeStruct((k, 8), jnp.int8)
+  out = jax.eval_shape(lambda x_, w_: pk.quantized_matmul(
+      x_, w_, w_scale=jnp.ones((k // 128, 8)), group_size=128), x, w)
+  assert out.shape == (1, 8)
+  with pytest.raises(ValueError, match="group_size=131072 exceeds 131071"):
+    jax.eval_shape(lambda x_, w_: pk.quantized_matmul(
+        x_, w_, w_scale=jnp.ones((2, 8)), group_size=131072), x, w)
 
 
 def test_fp8_x_int8_k_bound():

@@ -1,9 +1,10 @@
 """The quantized Mosaic kernels through the real TPU compiler: every format
 and mode on v5e, v6e, v5p and tpu7x (where the installed libtpu knows it),
-each generation's tiles inside its VMEM."""
+the grouped calls on v4 too, each generation's tiles inside its VMEM."""
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,41 @@ CALLS = {
                      ("bias", lambda m, k, n, g: (n,))]),
     "e5m2_dynamic": (jnp.float8_e5m2, jnp.bfloat16, {},
                      [("w_scale", lambda m, k, n, g: (n,))]),
+    # grouped weight-only with w [N, K]: tables [N, K // g]
+    "int4_g32_nk_zero": (jnp.int4, jnp.bfloat16,
+                         dict(weight_only=True, group_size=32,
+                              weight_layout="nk"),
+                         [("w_scale", lambda m, k, n, g: (n, k // g)),
+                          ("w_zero", lambda m, k, n, g: (n, k // g))]),
+    "int8_g64_nk": (jnp.int8, jnp.bfloat16,
+                    dict(weight_only=True, group_size=64, weight_layout="nk"),
+                    [("w_scale", lambda m, k, n, g: (n, k // g))]),
+    "e4m3_g128_nk": (jnp.float8_e4m3fn, jnp.bfloat16,
+                     dict(weight_only=True, group_size=128,
+                          weight_layout="nk"),
+                     [("w_scale", lambda m, k, n, g: (n, k // g))]),
+    # quantized x with group scales: a dot per group
+    "int8_x_int8_g32": (jnp.int8, jnp.int8, dict(group_size=32),
+                        [("x_scale", lambda m, k, n, g: (m, k // g)),
+                         ("w_scale", lambda m, k, n, g: (k // g, n)),
+                         ("bias", lambda m, k, n, g: (n,))]),
+    "int8_x_int8_g128_nk": (jnp.int8, jnp.int8,
+                            dict(group_size=128, weight_layout="nk"),
+                            [("x_scale", lambda m, k, n, g: (m,)),
+                             ("w_scale", lambda m, k, n, g: (n, k // g))]),
+    "e4m3_x_e4m3_g64": (jnp.float8_e4m3fn, jnp.float8_e4m3fn,
+                        dict(group_size=64),
+                        [("x_scale", lambda m, k, n, g: (m, k // g)),
+                         ("w_scale", lambda m, k, n, g: (k // g, n))]),
+    "e5m2_x_e5m2_g32_nk": (jnp.float8_e5m2, jnp.float8_e5m2,
+                           dict(group_size=32, weight_layout="nk"),
+                           [("x_scale", lambda m, k, n, g: (m, k // g)),
+                            ("w_scale", lambda m, k, n, g: (n, k // g)),
+                            ("bias", lambda m, k, n, g: (n,))]),
 }
+GROUPED_NEW = ("int4_g32_nk_zero", "int8_g64_nk", "e4m3_g128_nk",
+               "int8_x_int8_g32", "int8_x_int8_g128_nk", "e4m3_x_e4m3_g64",
+               "e5m2_x_e5m2_g32_nk")
 
 
 def _compile(generation, tpu_topologies, name, m, k, n):
@@ -75,15 +110,26 @@ def test_small_shapes_compile(generation, tpu_topologies, name):
   _compile(generation, tpu_topologies, name, 40, 512, 384)
 
 
+@pytest.mark.parametrize("name", GROUPED_NEW)
+def test_grouped_calls_compile_on_v4(tpu_topologies, name):
+  """v4 (16 MiB VMEM, no int8 or fp8 MXU operands): grouped w [N, K] and
+  group products (int8 through exact bf16 products) compile."""
+  _compile("v4", tpu_topologies, name, 40, 512, 384)
+
+
 @pytest.mark.parametrize("name", ["int4_g128_zero", "e4m3_per_channel_nk",
-                                  "e4m3_x_e4m3"])
+                                  "e4m3_x_e4m3", "int4_g32_nk_zero",
+                                  "int8_x_int8_g32", "e4m3_x_e4m3_g64"])
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
 def test_decode_shape_compiles_and_streams_int4_at_half_a_byte(
     generation, tpu_topologies, name):
   m, k, n = 16, 4096, 14336
   result = _compile(generation, tpu_topologies, name, m, k, n)
   if name.startswith("int4"):  # the weight stays packed in HBM
-    assert result.memory.argument_size_in_bytes < k * n * 0.6
+    group = CALLS[name][2].get("group_size")
+    tables = sum(4 * math.prod(shape(m, k, n, group))
+                 for _, shape in CALLS[name][3])  # at most 4 bytes a value
+    assert result.memory.argument_size_in_bytes < k * n * 0.6 + tables
 
 
 @pytest.mark.slow
@@ -119,4 +165,13 @@ def test_fp8_products_use_the_fp8_mxu_on_tpu7x_only(monkeypatch):
                                   "e4m3_x_e4m3"])
 def test_odd_shapes_compile(tpu_topologies, name, mkn):
   """M = 1, N = 1, odd K and N (int4 packed two per byte), K padded."""
+  _compile("v5e", tpu_topologies, name, *mkn)
+
+
+@pytest.mark.parametrize("mkn", [(1, 96, 1), (33, 1056, 300)])
+@pytest.mark.parametrize("name", ["int4_g32_nk_zero", "int8_x_int8_g32",
+                                  "e5m2_x_e5m2_g32_nk"])
+def test_odd_grouped_shapes_compile(tpu_topologies, name, mkn):
+  """Grouped calls at M = 1, N = 1, and K = 1056 (33 groups of 32, padded to
+  the K tile unit of 256 with zero groups)."""
   _compile("v5e", tpu_topologies, name, *mkn)

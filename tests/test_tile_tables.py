@@ -71,6 +71,17 @@ def test_int8_and_quantized_plans_fit(generation):
                                  generation=generation, group_size=group)
         assert _fits(generation, plan.vmem_bytes, plan.vmem_limit_bytes), (
             m, k, n, w_bits, plan)
+      # quantized x with group scales: 8-bit tiles, bf16 copies off the
+      # generations whose MXU takes them
+      for group, upcast in ((32, False), (128, True)):
+        plan = quant_bs.plan_tpu(m, k, n, x_bytes=1, w_bits=8, out_bytes=2,
+                                 compute_bytes=2 if upcast else 0,
+                                 generation=generation, group_size=group,
+                                 x_upcast=upcast, group_products=True)
+        assert _fits(generation, plan.vmem_bytes, plan.vmem_limit_bytes), (
+            m, k, n, group, plan)
+        assert plan.bk <= max(quant_bs.k_unit(group),
+                              quant_bs.MAX_GROUP_DOTS * group)
 
 
 def test_a_row_over_vmem_fails():

@@ -9,7 +9,13 @@ Modes of ``quantized_matmul(x, w, ...)`` (``operands`` normalizes them):
                (per channel [N] or a scalar), bias: ((acc * x_scale) *
                w_scale + bias) in float32, cast to out_dtype (default
                bfloat16). int8 sums are exact int32 (K <= MAX_INT8_K); fp8
-               products are exact, summed in float32.
+               products are exact, summed in float32. With group_size g
+               (sub-channel scales on both sides): x_scale [..., K // g]
+               (per row and group; per row or scalar also accepted), w_scale
+               [K // g, N] ([N, K // g] for "nk"), no w_zero; out = sum over
+               groups j of (x_j @ w_j) * x_scale[:, j] * w_scale[j, :] in
+               float32, + bias, where x_j @ w_j is the group's exact int32
+               sum (g <= MAX_INT8_K) or its fp8 products summed in float32.
   dynamic      float x, int8 or fp8 w, weight_only=False: x is quantized per
                row into w's format (``quantize(x, w.dtype)``), then dequant.
   weight_only  float x, weight_only=True, any w format: per channel, x @ w
@@ -25,12 +31,13 @@ empty (or bias-only) outputs. Not differentiable in w; train through
 ``pallas_kernels.nn.quantized_dense``.
 
 Kernels (``backend=``): "mosaic_tpu", "mosaic_gpu" (Hopper; weight-only,
-per-channel int8/fp8 w stored [N, K]; and 8-bit x times 8-bit w, dequant,
-raw and dynamic modes, whose fp8 sums use the tensor cores' narrower adds:
-``quant.mosaic_gpu``), "triton" (NVIDIA GPUs), "reference";
-int8 x int8 modes and per-channel int8 weight-only calls run the int8
-family's kernels (``int8_matmul``). ``backend=None`` takes the first that
-supports the call on the platform it is lowered for.
+per-channel int8/fp8 w stored [N, K]; and 8-bit x times 8-bit w without
+group_size, dequant, raw and dynamic modes, whose fp8 sums use the tensor
+cores' narrower adds: ``quant.mosaic_gpu``), "triton" (NVIDIA GPUs),
+"reference"; int8 x int8 modes without group_size and per-channel int8
+weight-only calls run the int8 family's kernels (``int8_matmul``).
+``backend=None`` takes the first that supports the call on the platform it
+is lowered for.
 """
 from __future__ import annotations
 
@@ -126,11 +133,14 @@ def quantized_matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
     x: [..., K] bfloat16/float16/float32, or int8 / fp8 (with x_scale).
     w: [K, N] (or [N, K] with weight_layout="nk") of int8, jnp.int4,
       float8_e4m3fn or float8_e5m2.
-    x_scale: quantized x only: a scalar, x.shape[:-1] or x.shape[:-1] + (1,).
+    x_scale: quantized x only: a scalar, x.shape[:-1] or x.shape[:-1] + (1,);
+      with group_size also x.shape[:-1] + (K // g,).
     w_scale: a scalar, [N] or [1, N]; with group_size [K // g, N] ([N, K //
       g] for "nk").
-    w_zero: integer w with group_size: zero points, w_scale's shape.
-    group_size: sub-channel group along K (weight-only); divides K.
+    w_zero: integer w of a weight-only call with group_size: zero points,
+      w_scale's shape.
+    group_size: sub-channel group along K (weight-only or quantized x);
+      divides K.
     bias: [N] or [1, N], added after scaling.
     out_dtype: int32 (raw mode) or a float dtype.
     weight_only: float x times the dequantized w.
@@ -232,6 +242,9 @@ def _kernels(call, user_blocks, generation):
 
   def mgpu_supports():
     if product:
+      if call.group_size is not None:
+        return ("the Mosaic GPU 8-bit kernel takes per-row x and "
+                "per-channel w scales only (no group_size)")
       return mosaic_gpu.auto_refusal(call.operands[0], w, mode=call.mode,
                                      out_dtype=call.out_dtype,
                                      user_blocks=user_blocks)
@@ -242,7 +255,8 @@ def _kernels(call, user_blocks, generation):
 
   def supports(kernel):
     return lambda: (None if int8_path else
-                    kernel.supports(w, call.group_size, call.w_layout))
+                    kernel.supports(w, call.group_size, call.w_layout,
+                                    call.mode))
 
   return [
       _backend.Kernel("mosaic_tpu", tpu, supports=supports(mosaic_tpu)),
@@ -265,7 +279,7 @@ def _rule(call):
   return _sharding.make_rule(
       OP,
       [("x", "m k"), ("w", "k n" if call.w_layout == "kn" else "n k"),
-       ("x_scale", maybe(x_scale, "m s")),
+       ("x_scale", maybe(x_scale, "m g" if grouped else "m s")),
        ("w_scale", maybe(w_scale, "g n" if grouped else "s n")),
        ("w_zero", maybe(w_zero, "g n")), ("bias", maybe(bias, "s n"))],
       ["m n"], split="m n", helper="jax.shard_map",

@@ -14,6 +14,11 @@ config:
     scale/zero tiles, double-buffered
   + scale and bias tiles
 
+Quantized x with group scales (a dot per group, scaled in float32) holds a
+group's [bm, bn] product, its scaled copy and the [bm, bk/g] x scale tile
+(lanes padded to 128) instead of the expanded tiles, and bk spans at most
+``MAX_GROUP_DOTS`` groups (unrolled dots).
+
 Group scales ([K/g, N]) are read in [bk/g, bn] tiles, and Mosaic wants
 their row count a multiple of 8 or all of K/g: bk is a multiple of
 lcm(128, 8g) unless one tile spans K. A config over budget halves its
@@ -38,6 +43,9 @@ round_up = int8_bs.round_up
 pow2_at_least = int8_bs.pow2_at_least
 # Generations whose MXU multiplies fp8 operands (others upcast to bf16).
 FP8_MXU = frozenset({"tpu7x"})
+# Quantized x with group scales: at most this many group dots per K tile
+# (each is unrolled in the kernel).
+MAX_GROUP_DOTS = 16
 
 
 def fp8_mxu(generation: str | None) -> bool:
@@ -53,7 +61,7 @@ def k_unit(group_size: int | None) -> int:
 
 def tpu_vmem_bytes(bm, bk, bn, *, x_bytes, w_bits, out_bytes, compute_bytes,
                    accumulator, group_size=None, has_zero=False,
-                   x_upcast=False):
+                   x_upcast=False, group_products=False):
   total = 2 * (bm * bk * x_bytes + bk * bn * w_bits // 8)
   total += bm * bn * 4 + (bm * bn * 4 if accumulator else 0)
   total += 2 * bm * bn * out_bytes
@@ -61,8 +69,11 @@ def tpu_vmem_bytes(bm, bk, bn, *, x_bytes, w_bits, out_bytes, compute_bytes,
     total += bk * bn * (4 + compute_bytes)
   total += bm * bk * (4 + 2) if x_upcast else 0
   if group_size:
-    total += bk * bn * 4 * (2 if has_zero else 1)
     rows = max(8, bk // group_size)
+    if group_products:  # a group's product and its scaled copy; x scales
+      total += 2 * bm * bn * 4 + 2 * bm * max(128, bk // group_size) * 4
+    else:
+      total += bk * bn * 4 * (2 if has_zero else 1)
     total += 2 * rows * max(bn, 128) * 4 * (2 if has_zero else 1)
   total += int8_bs.scale_bias_tile_bytes(bm, bn)
   return total
@@ -70,15 +81,18 @@ def tpu_vmem_bytes(bm, bk, bn, *, x_bytes, w_bits, out_bytes, compute_bytes,
 
 def plan_tpu(m, k, n, *, x_bytes, w_bits, out_bytes, compute_bytes,
              generation=None, group_size=None, has_zero=False,
-             x_upcast=False, block_sizes: BlockSizes | None = None) -> TpuPlan:
-  """Tiles for an [m, k] x [k, n] problem (module docstring)."""
+             x_upcast=False, group_products=False,
+             block_sizes: BlockSizes | None = None) -> TpuPlan:
+  """Tiles for an [m, k] x [k, n] problem (module docstring);
+  ``group_products``: quantized x with group scales (a dot per group)."""
   unit = k_unit(group_size)
 
   def vmem(tm, tk, tn, nk):
     return tpu_vmem_bytes(tm, tk, tn, x_bytes=x_bytes, w_bits=w_bits,
                           out_bytes=out_bytes, compute_bytes=compute_bytes,
                           accumulator=nk > 1, group_size=group_size,
-                          has_zero=has_zero, x_upcast=x_upcast)
+                          has_zero=has_zero, x_upcast=x_upcast,
+                          group_products=group_products)
 
   def halve_largest(bm, bk, bn):
     """The largest tile dimension above its unit, halved (bk keeping the
@@ -101,6 +115,8 @@ def plan_tpu(m, k, n, *, x_bytes, w_bits, out_bytes, compute_bytes,
     return int8_bs.fit_tpu_plan(m, k, n, tiles, k_unit=unit,
                                 generation=generation, vmem_bytes=vmem)
   bm, bk, bn = int8_bs.table_tiles(m, generation)
+  if group_products:  # each group is a dot of its own, unrolled per K tile
+    bk = min(bk, max(unit, MAX_GROUP_DOTS * group_size))
   return int8_bs.fit_tpu_plan(m, k, n, (bm, max(unit, bk // unit * unit), bn),
                               k_unit=unit, generation=generation,
                               vmem_bytes=vmem, shrink=halve_largest)

@@ -28,6 +28,10 @@ def main_job_cases(size):
   w8, s8 = api.quantize(wf, jnp.float8_e4m3fn, axis=0, backend="reference")
   xq, xs = api.quantize(x.astype(jnp.float32), jnp.float8_e4m3fn,
                         backend="reference")
+  xg, xgs = api.quantize(x.astype(jnp.float32), jnp.int8, group_size=GROUP,
+                         backend="reference")
+  wg, wgs = api.quantize(wf, jnp.int8, axis=0, group_size=GROUP,
+                         backend="reference")
   bias = jnp.asarray(rng.standard_normal(n), jnp.float32)
   shape = f"{m}x{k}x{n}"
 
@@ -42,6 +46,10 @@ def main_job_cases(size):
   def fp8_x_fp8(x_, xs_, w, s, b, backend=None):
     return api.quantized_matmul(x_, w, x_scale=xs_, w_scale=s.reshape(-1),
                                 bias=b, backend=backend)
+
+  def int8_group_products(x_, xs_, w, s, backend=None):
+    return api.quantized_matmul(x_, w, x_scale=xs_, w_scale=s,
+                                group_size=GROUP, backend=backend)
 
   def quantize(x_, backend=None):  # the TPU kernel's case: int8 per row
     return api.quantize(x_, jnp.int8, axis=-1, backend=backend)
@@ -64,6 +72,8 @@ def main_job_cases(size):
            (x, w8, s8), 2**-7, _relative_error),
       Case("quantized_matmul", f"{shape} fp8 x fp8", fp8_x_fp8,
            (xq, xs, w8, s8, bias), 2**-7, _relative_error),
+      Case("quantized_matmul", f"{shape} int8 x int8 g{GROUP}",
+           int8_group_products, (xg, xgs, wg, wgs), 2**-7, _relative_error),
       Case("quantize", f"{m}x{k} int8 rows", quantize,
            (x.astype(jnp.float32),), 0.0),
       Case("quantized_dense", f"{shape} int4 + LoRA fwd+bwd", dense_grad,

@@ -1,20 +1,27 @@
-"""Mosaic TPU kernel: matmul of int4 / fp8 / grouped int8 weights.
+"""Mosaic TPU kernel: matmul of int4 / fp8 / grouped int8 weights, and of
+quantized x with group scales.
 
 Grid (M/bm, N/bn, K/bk), K innermost and "arbitrary", M and N "parallel"
 (megacore chips split them); the running float32 sum lives in VMEM and the
 epilogue (x_scale [bm, 1], w_scale [1, bn], bias [1, bn], cast) runs at the
 last K step, as in the int8 kernel (``int8.mosaic_tpu``), which serves the
-int8 x int8 modes and per-channel int8 weight-only calls itself.
+int8 x int8 modes without groups and per-channel int8 weight-only calls.
 
 Each step converts the w tile in VMEM:
   weight-only, per channel: w -> x's dtype (int4, int8 and both fp8 formats
     are exact in bf16), one MXU dot, w_scale in the epilogue;
-  weight-only, grouped (w [K, N]): w -> float32, minus the zero and times
-    the scale of its group (the [bk/g, bn] scale tile broadcast along
-    sublanes to [bk, bn]), rounded to x's dtype, one MXU dot at full depth
-    (no per-group dots of depth g);
+  weight-only, grouped: w -> float32 (w [N, K]: the [bn, bk] tile transposed
+    to [bk, bn]), minus the zero and times the scale of its group (the
+    [bk/g, bn] scale tile broadcast along sublanes to [bk, bn]), rounded to
+    x's dtype, one MXU dot at full depth (no per-group dots of depth g);
+    the group tables are [K/g, N] in either layout (``operands``);
   fp8 x fp8: native fp8 MXU operands on tpu7x; elsewhere (no fp8 MXU) both
-    tiles are upcast to bf16 (exact; products exact in float32).
+    tiles are upcast to bf16 (exact; products exact in float32);
+  quantized x with group scales: one dot per group of the tile (static
+    slices; int8 in int32 on an int8 MXU, else bf16 products summed exactly
+    in float32 chunks), each [bm, bn] product scaled by its x scale column
+    and w scale row in float32 and summed; x_scale [M, K/g] is passed as
+    [K steps, M, bk/g] so a step's scales form a whole trailing dimension.
 int4 tiles are read as jnp.int4 refs (Mosaic packs them two per byte).
 K is zero-padded (x, w and the group scale rows) when it exceeds the K tile
 and is not a multiple of the tile unit; M and N edges need no padding.
@@ -23,10 +30,12 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _backend, _cost
 from pallas_kernels._compat import pl, pltpu
+from pallas_kernels.int8 import block_sizes as int8_bs
 from pallas_kernels.int8 import mosaic_tpu as int8_tpu
 from pallas_kernels.int8 import quant as int8_quant
 from pallas_kernels.quant import block_sizes as bs
@@ -40,8 +49,37 @@ def _expand_rows(a, rows, cols):
                           (groups, rows // groups, cols)).reshape(rows, cols)
 
 
-def _kernel(*refs, nk, has_xs, has_ws, has_zero, has_b, w_layout, grouped,
-            compute_dtype, x_upcast):
+def _group_products(x, w, x_scale, w_scale, *, group_size, w_layout,
+                    int_products):
+  """sum over the tile's groups of (x_g @ w_g) * x_scale[:, g] * w_scale[g]
+  in float32: x [bm, bk], w [bk, bn] ([bn, bk] for "nk"), x_scale [bm, G],
+  w_scale [G, bn]. ``int_products``: int8 tiles summed exactly in int32
+  (native, or bf16 products in chunks of EXACT_F32_K when x is bf16)."""
+  kn = w_layout == "kn"
+  contraction = (((1,), (0 if kn else 1,)), ((), ()))
+  chunk = (min(group_size, int8_bs.EXACT_F32_K) if int_products
+           and x.dtype == jnp.bfloat16 else group_size)
+  total = None
+  for g in range(x.shape[1] // group_size):
+    part = None
+    for start in range(g * group_size, (g + 1) * group_size, chunk):
+      cols = slice(start, start + chunk)
+      xg, wg = x[:, cols], (w[cols, :] if kn else w[:, cols])
+      if int_products and x.dtype == jnp.int8:
+        dot = jax.lax.dot_general(xg, wg, contraction,
+                                  preferred_element_type=jnp.int32)
+      else:
+        dot = int8_tpu.float_dot(xg, wg, w_layout)
+        dot = dot.astype(jnp.int32) if int_products else dot
+      part = dot if part is None else part + dot
+    part = (part.astype(jnp.float32) * x_scale[:, g:g + 1]
+            * w_scale[g:g + 1, :])
+    total = part if total is None else total + part
+  return total
+
+
+def _kernel(*refs, nk, has_xs, has_ws, has_zero, has_b, w_layout, grouping,
+            group_size, compute_dtype, x_upcast):
   x_ref, w_ref, xs_ref, ws_ref, z_ref, b_ref, o_ref, rest = (
       operands.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
                                  has_zero=has_zero, has_b=has_b))
@@ -50,39 +88,56 @@ def _kernel(*refs, nk, has_xs, has_ws, has_zero, has_b, w_layout, grouped,
   w = w_ref[...]
   if x_upcast:
     x = x.astype(jnp.float32).astype(compute_dtype)
-  if grouped:
-    rows, cols = w.shape
+  if grouping == "products":
+    int_products = w.dtype == jnp.int8
+    if compute_dtype is not None:
+      w = w.astype(jnp.float32).astype(compute_dtype)
+    part = _group_products(x, w, xs_ref[...], ws_ref[...],
+                           group_size=group_size, w_layout=w_layout,
+                           int_products=int_products)
+    xs_ref = ws_ref = None  # applied per group
+  elif grouping == "weights":
     wf = w.astype(jnp.float32)
+    if w_layout == "nk":  # [bn, bk] -> [bk, bn]: scale rows run along K
+      wf = wf.T
+    rows, cols = wf.shape
     if has_zero:
       wf = wf - _expand_rows(z_ref[...], rows, cols)
     w = (wf * _expand_rows(ws_ref[...], rows, cols)).astype(compute_dtype)
-  elif compute_dtype is not None:
-    w = w.astype(jnp.float32).astype(compute_dtype)
-  part = int8_tpu.float_dot(x, w, w_layout)
+    part = int8_tpu.float_dot(x, w, "kn")
+    ws_ref = None  # applied to the weight
+  else:
+    if compute_dtype is not None:
+      w = w.astype(jnp.float32).astype(compute_dtype)
+    part = int8_tpu.float_dot(x, w, w_layout)
 
   def finish(acc):
-    o_ref[...] = int8_quant.epilogue_from_refs(
-        acc, xs_ref, None if grouped else ws_ref, b_ref, o_ref.dtype)
+    o_ref[...] = int8_quant.epilogue_from_refs(acc, xs_ref, ws_ref, b_ref,
+                                               o_ref.dtype)
 
   int8_tpu.accumulate_over_k(part, acc_ref, nk, finish)
 
 
-def supports(w, group_size, w_layout) -> str | None:
+def supports(w, group_size, w_layout, mode="weight_only") -> str | None:
   """Why this kernel cannot take the call, else None."""
-  if group_size is not None and w_layout == "nk":
-    return ("group scales with w [N, K] (weight_layout='nk'): the TPU kernel "
-            "reads group scales along w's rows, so it takes w [K, N]")
-  if group_size is not None and group_size % 8:
+  del w, w_layout
+  if group_size is None:
+    return None
+  if mode == "weight_only" and group_size % 8:
     return (f"group_size={group_size} is not a multiple of 8 (the TPU "
             "sublane tile)")
+  if mode != "weight_only" and group_size % 32:
+    return (f"group_size={group_size} is not a multiple of 32 (the sublane "
+            "tile of 8-bit w, sliced per group)")
   return None
 
 
 def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
            w_layout="kn", group_size=None, block_sizes=None, generation=None,
            interpret=False):
-  """The normalized operands (``operands.MatmulCall``) of a weight-only call
-  or an fp8 x fp8 (dequant / dynamic) call -> [M, N] out_dtype."""
+  """The normalized operands (``operands.MatmulCall``) of a weight-only
+  call, an fp8 x fp8 (dequant / dynamic) call or a grouped int8 x int8 call
+  -> [M, N] out_dtype."""
   kn = w_layout == "kn"
   fmt = formats.format_of(w.dtype)
   if mode == "dynamic":  # float x quantized per row into w's format
@@ -91,14 +146,17 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
   generation = generation or _backend.target().tpu_generation
   m, k = x2.shape
   n = w.shape[1 if kn else 0]
-  native = (mode == "dequant" and x2.dtype == w.dtype
-            and bs.fp8_mxu(generation))
+  grouped = group_size is not None
+  grouping = ("products" if grouped and mode == "dequant" else
+              "weights" if grouped else None)
+  native = mode == "dequant" and x2.dtype == w.dtype and (
+      int8_bs.int8_mxu(generation) if fmt.name == "int8"
+      else bs.fp8_mxu(generation))
   if mode == "weight_only":
     compute_dtype = x2.dtype
   else:
     compute_dtype = None if native else jnp.dtype(jnp.bfloat16)
   x_upcast = mode == "dequant" and not native
-  grouped = group_size is not None
   out_dtype = jnp.dtype(out_dtype)
   w_bits = 4 if fmt.name == "int4" else 8
   plan = bs.plan_tpu(
@@ -106,23 +164,34 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
       out_bytes=out_dtype.itemsize,
       compute_bytes=0 if compute_dtype is None else compute_dtype.itemsize,
       generation=generation, group_size=group_size,
-      has_zero=w_zero is not None, x_upcast=x_upcast, block_sizes=block_sizes)
+      has_zero=w_zero is not None, x_upcast=x_upcast,
+      group_products=grouping == "products", block_sizes=block_sizes)
+  groups_padded = plan.k_padded // group_size if grouped else 0
   if plan.k_padded != k:
     x2, w = int8_tpu.pad_k(x2, w, plan.k_padded, w_layout)
     if grouped:
-      rows = ((0, (plan.k_padded - k) // group_size), (0, 0))
-      w_scale = jnp.pad(w_scale, rows)
-      w_zero = None if w_zero is None else jnp.pad(w_zero, rows)
+      extra = groups_padded - k // group_size
+      w_scale = jnp.pad(w_scale, ((0, extra), (0, 0)))
+      w_zero = None if w_zero is None else jnp.pad(w_zero, ((0, extra),
+                                                            (0, 0)))
+      if grouping == "products":
+        x_scale = jnp.pad(x_scale, ((0, 0), (0, extra)))
   bm, bk, bn = plan.bm, plan.bk, plan.bn
   nk = plan.k_padded // bk
+  group_rows = bk // group_size if grouped else 0
 
   arrays = [x2, w]
   in_specs = int8_tpu.x_and_w_specs(plan, w_layout)
-  if x_scale is not None:
+  if grouping == "products":
+    # [M, G] -> [K steps, M, groups per step]: the step's scales are a whole
+    # trailing dimension, so the tile keeps Mosaic's layout rules.
+    arrays.append(x_scale.reshape(m, nk, group_rows).transpose(1, 0, 2))
+    in_specs.append(pl.BlockSpec((None, bm, group_rows),
+                                 lambda i, j, kk: (kk, i, 0)))
+  elif x_scale is not None:
     arrays.append(x_scale)
     in_specs.append(int8_tpu.per_row_spec(bm))
   if grouped:
-    group_rows = bk // group_size
     for table in (w_scale, w_zero):
       if table is not None:
         arrays.append(table)
@@ -138,11 +207,13 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
   kernel = functools.partial(
       _kernel, nk=nk, has_xs=x_scale is not None, has_ws=w_scale is not None,
       has_zero=w_zero is not None, has_b=bias is not None, w_layout=w_layout,
-      grouped=grouped, compute_dtype=compute_dtype, x_upcast=x_upcast)
+      grouping=grouping, group_size=group_size, compute_dtype=compute_dtype,
+      x_upcast=x_upcast)
   grid_m = pl.cdiv(m, bm)
-  # Dequantizing a w tile: convert, (subtract,) multiply per value and row
-  # tile.
-  dequant = grid_m * w.size * (3 if grouped else 1)
+  if grouping == "products":  # scale and add each group's [bm, bn] partial
+    extra_flops = 3 * m * n * groups_padded
+  else:  # dequantizing a w tile: convert, (subtract,) multiply per value
+    extra_flops = grid_m * w.size * (3 if grouped else 1) + 4 * m * n
   name = f"quantized_matmul_{mode}_{fmt.name}" + ("_grouped" if grouped
                                                    else "")
   return int8_tpu.tiled_matmul_call(
@@ -150,4 +221,4 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
       scratch=[pltpu.VMEM((bm, bn), jnp.float32)] if nk > 1 else [],
       x_side_bytes=_cost.nbytes(x2, x_scale),
       w_side_bytes=w.size * w_bits // 8 + _cost.nbytes(w_scale, w_zero, bias),
-      extra_flops=dequant + 4 * m * n, name=name, interpret=interpret)
+      extra_flops=extra_flops, name=name, interpret=interpret)

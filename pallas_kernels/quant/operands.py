@@ -5,7 +5,9 @@ Operands: ``(x2 [M, K], w, x_scale [M, 1] | None, w_scale, w_zero, bias
 [1, N] | None)``, all scales float32. w keeps its dtype and layout ([K, N],
 or [N, K] for "nk"). w_scale is [1, N] (per channel; a scalar broadcast) or,
 with ``group_size`` g, [K // g, N] in either layout; w_zero (grouped integer
-weights only) the same [K // g, N] or None. Static: ``mode`` (raw, dequant,
+weights of weight-only calls) the same [K // g, N] or None. Quantized x with
+``group_size``: x_scale is [M, K // g] (per row or scalar broadcast, ones
+when absent). Static: ``mode`` (raw, dequant,
 dynamic, weight_only), ``out_dtype``, ``w_layout``, ``group_size``.
 """
 from __future__ import annotations
@@ -142,9 +144,6 @@ def _mode(x, x_fmt, fmt, weight_only, group_size, out_dtype, has_scales):
     raise TypeError(f"{OP}: {x_fmt.name} x needs "
                     f"{'int8' if x_fmt.integer else 'fp8'} w, got {fmt.name} "
                     "(quantized x multiplies a w of its own kind)")
-  if group_size is not None:
-    raise ValueError(f"{OP}: group_size (sub-channel scales) is for "
-                     "weight-only calls (float x, weight_only=True)")
   float_out = out_dtype is not None and out_dtype != jnp.int32
   if fmt.integer and not has_scales and not float_out:
     return "raw"
@@ -164,10 +163,14 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
     raise ValueError(f"{OP}: x_scale is only for quantized x (int8 or fp8); "
                      "float x is quantized per row on the fly, or "
                      "weight_only=True")
-  x_scale = _float_array(
-      "x_scale", x_scale,
-      {(), (1,), batch, batch + (1,), (1,) * x.ndim},
-      f"a scalar, x.shape[:-1] = {batch} or {batch + (1,)}")
+  x_groups = group_size is not None and not is_float(x.dtype)
+  x_shapes = {(), (1,), batch, batch + (1,), (1,) * x.ndim}
+  described = f"a scalar, x.shape[:-1] = {batch} or {batch + (1,)}"
+  if x_groups and k % group_size == 0:
+    x_shapes.add(batch + (k // group_size,))
+    described += (f", or {batch + (k // group_size,)} = x.shape[:-1] + "
+                  "(K // group_size,)")
+  x_scale = _float_array("x_scale", x_scale, x_shapes, described)
   if group_size is None:
     w_scale = _float_array("w_scale", w_scale,
                            {(), (1,), (1, 1), (n,), (1, n)},
@@ -191,6 +194,9 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
     if w_zero is not None and not fmt.integer:
       raise ValueError(f"{OP}: w_zero is for int8 and int4 w; {fmt.name} "
                        "is symmetric")
+    if w_zero is not None and x_groups:
+      raise ValueError(f"{OP}: w_zero is for weight-only calls (float x); "
+                       "quantized x multiplies symmetric group-scaled w")
     w_zero = _zero_array(w_zero, {shape}, described)
     if weight_layout == "nk":
       w_scale = w_scale.T
@@ -203,18 +209,37 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
     raise ValueError(f"{OP}: out_dtype=int32 is only for int8 x and int8 w "
                      "without x_scale, w_scale or bias")
   int8_product = fmt.name == "int8" and mode != "weight_only"
-  if int8_product and k > MAX_INT8_K:
+  summed = k if group_size is None else group_size  # products per int32 sum
+  if int8_product and summed > MAX_INT8_K:
+    what = "K" if group_size is None else "group_size"
     raise ValueError(
-        f"{OP}: K={k} exceeds {MAX_INT8_K}, beyond which the int32 "
+        f"{OP}: {what}={summed} exceeds {MAX_INT8_K}, beyond which the int32 "
         "accumulator could overflow; split K or use weight_only=True")
   if out_dtype is None:
     out_dtype = int8_operands.default_out_dtype(mode, x.dtype)
+  group_x_scale = None
+  if x_groups:  # [M, K // g]: per row and group (ones where absent)
+    groups = k // group_size
+    group_x_scale = (jnp.ones((m, groups), jnp.float32) if x_scale is None
+                     else _row_group_scale(x_scale, batch, m, groups))
+    x_scale = None
   x2, x_scale, bias = int8_operands.flatten_operands(
       x, x_scale, bias, mode=mode, m=m, k=k, n=n)
+  if x_groups:
+    x_scale = group_x_scale
   if group_size is None:
     w_scale = int8_operands.channel_scale(w_scale, n)
   return MatmulCall((x2, w, x_scale, w_scale, w_zero, bias), mode, out_dtype,
                     weight_layout, group_size, batch, k, n)
+
+
+def _row_group_scale(x_scale, batch, m, groups):
+  """A scalar, per-row or per-row-and-group x_scale as [M, groups]."""
+  if x_scale.ndim == len(batch) + 1 and x_scale.size == m * groups:
+    return x_scale.reshape(m, groups)
+  rows = (x_scale.reshape(1, 1) if x_scale.size == 1 else
+          x_scale.reshape(m, 1))
+  return jnp.broadcast_to(rows, (m, groups))
 
 
 def split_kernel_refs(refs, *, has_xs, has_ws, has_zero, has_b):

@@ -10,7 +10,9 @@ quantize(x, dtype, axis, group_size, symmetric)
 quantized_matmul, after ``operands.matmul_call``:
   raw          int8 x @ int8 w, exact int32.
   dequant      acc = x @ w, int8: exact int32; fp8: exact products summed
-               in float32; out = ((acc * x_scale) * w_scale + bias).
+               in float32; out = ((acc * x_scale) * w_scale + bias). With
+               group_size: out = sum over groups g, in order, of (x_g @ w_g
+               as above) * x_scale[:, g] * w_scale[g, :] in float32, + bias.
   dynamic      float x quantized per row to w's format (``quantize(x,
                w.dtype)``), then dequant.
   weight_only  per channel: acc = x @ w (w converted exactly to x's dtype,
@@ -69,6 +71,32 @@ def _dot(x, w, precision=jax.lax.Precision.HIGHEST):
                              preferred_element_type=jnp.float32)
 
 
+def group_products(x2, w, x_scale, w_scale, group_size):
+  """sum over groups g of (x_g @ w_g) * x_scale[:, g] * w_scale[g] in
+  float32, groups in order: x2 [M, K] and w [K, N] int8 (each group's sum
+  exact in int32) or fp8 (exact products, float32 sums); x_scale [M, G],
+  w_scale [G, N]."""
+  m, k = x2.shape
+  n = w.shape[1]
+  groups = k // group_size
+  xg = x2.reshape(m, groups, group_size).transpose(1, 0, 2)
+  wg = w.reshape(groups, group_size, n)
+  integer = x2.dtype == jnp.int8
+
+  def add_group(total, group):
+    x_, w_, xs, ws = group
+    if integer:
+      acc = jax.lax.dot_general(x_, w_, (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.int32)
+    else:
+      acc = _dot(x_.astype(jnp.float32), w_.astype(jnp.float32))
+    return total + acc.astype(jnp.float32) * xs[:, None] * ws[None, :], None
+
+  total, _ = jax.lax.scan(add_group, jnp.zeros((m, n), jnp.float32),
+                          (xg, wg, x_scale.T, w_scale))
+  return total
+
+
 def matmul_2d(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
               w_layout="kn", group_size=None):
   """The normalized 2-D problem (``operands.MatmulCall``)."""
@@ -81,6 +109,9 @@ def matmul_2d(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
   if mode == "dynamic":
     x2, x_scale = quantize_groups(x2, fmt, 1, None, True)
     mode = "dequant"
+  if mode == "dequant" and group_size is not None:
+    out = group_products(x2, w, x_scale, w_scale, group_size)
+    return int8_quant.epilogue(out, None, None, bias, out_dtype)
   if mode == "dequant":  # fp8 x fp8: exact products, float32 sums
     acc = _dot(x2.astype(jnp.float32), w.astype(jnp.float32))
     return int8_quant.epilogue(acc, x_scale, w_scale, bias, out_dtype)

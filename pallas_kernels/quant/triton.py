@@ -7,6 +7,10 @@ scales, ``(w - zero) * scale`` in float32 with the step's one scale (and
 zero) row, then rounded to x's dtype: bk divides the group size, so a K step
 lies in one group. fp8 x fp8 multiplies fp8 operands directly (Hopper's fp8
 tensor cores; w is fed K-major, [N, K], as they read it), float32 sums.
+Quantized x with group scales (int8 x int8 or fp8 x fp8): the steps of a
+group sum their dots in a second carry (int32 for int8, exact), which at the
+group's last step is scaled by the x scale column and w scale row of the
+group ([M, G] and [G, N] tables) and added to the float32 sum.
 
 int4. Triton has no 4-bit type: w is bitcast to int8 bytes holding two
 neighbours along w's minor dimension (low nibble first, as XLA packs
@@ -18,8 +22,9 @@ the two planes give the even and odd output columns, written as two outputs
 that one XLA pass interleaves.
 
 Split K (small M): programs write unscaled float32 partial sums that XLA adds
-before the epilogue; group scales are applied per step, so the sum is the
-dequantized product. Tiles are powers of two: M, N, K are zero-padded.
+before the epilogue; group scales are applied per step (per group), so the
+sum is the dequantized product; a group cut by the split is scaled in parts.
+Tiles are powers of two: M, N, K are zero-padded.
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ def _unpack_int4(b):
 
 
 def _kernel(*refs, nk, bkw, group_bkw, x_parts, planes, has_xs, has_ws,
-            has_zero, has_b, kn, int4, split, compute_dtype):
+            has_zero, has_b, kn, int4, split, compute_dtype, group_products):
   refs = list(refs)
   take = lambda count: [refs.pop(0) for _ in range(count)]  # noqa: E731
   x_refs = take(x_parts)
@@ -74,10 +79,27 @@ def _kernel(*refs, nk, bkw, group_bkw, x_parts, planes, has_xs, has_ws,
       wf = wf - z_ref[index]
     return (wf * ws_ref[index]).astype(compute_dtype)
 
+  def scaled_group(total, row):
+    """A group's sum times its x scale column and w scale row."""
+    return (total.astype(jnp.float32) * xs_ref[:, pl.ds(row, 1)]
+            * ws_refs[0][pl.ds(row, 1), :])
+
   def step(kk, accs):
     start = pl.multiple_of((first + kk) * bkw, bkw)
     xs = [r[:, pl.ds(start, bkw)] for r in x_refs]
     w = w_ref[pl.ds(start, bkw), :] if kn else w_ref[:, pl.ds(start, bkw)]
+    if group_products:  # the group's exact sum, scaled at its last step
+      acc, group = accs
+      group = group + jax.lax.dot_general(
+          xs[0], w, (((1,), (0 if kn else 1,)), ((), ())),
+          preferred_element_type=group.dtype)
+      steps = group_bkw // bkw
+      row = (first + kk) // steps
+      if steps == 1:
+        return acc + scaled_group(group, row), jnp.zeros_like(group)
+      ends = (first + kk + 1) % steps == 0
+      acc = jnp.where(ends, acc + scaled_group(group, row), acc)
+      return acc, jnp.where(ends, jnp.zeros_like(group), group)
     row = (first + kk) * bkw // group_bkw if grouped else 0
     wps = list(_unpack_int4(w)) if int4 else [w]
     if compute_dtype is not None:
@@ -95,9 +117,15 @@ def _kernel(*refs, nk, bkw, group_bkw, x_parts, planes, has_xs, has_ws,
       total = total + dot(x, wp)
     return (total,)
 
-  accs = jax.lax.fori_loop(
-      0, nk, step, tuple(jnp.zeros((bm, bn), jnp.float32)
-                         for _ in range(planes)))
+  init = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(planes))
+  if group_products:
+    integer = w_ref.dtype == jnp.int8
+    init += (jnp.zeros((bm, bn), jnp.int32 if integer else jnp.float32),)
+  accs = jax.lax.fori_loop(0, nk, step, init)
+  if group_products:  # a group cut by a K split: its part so far
+    last_row = (first + nk - 1) * bkw // group_bkw
+    accs = (accs[0] + scaled_group(accs[1], last_row),)
+    xs_ref = None
   for i, (acc, o_ref) in enumerate(zip(accs, o_refs)):
     if split:
       o_ref[...] = acc
@@ -107,12 +135,13 @@ def _kernel(*refs, nk, bkw, group_bkw, x_parts, planes, has_xs, has_ws,
           o_ref.dtype)
 
 
-def supports(w, group_size, w_layout) -> str | None:
+def supports(w, group_size, w_layout, mode="weight_only") -> str | None:
   """Why this kernel cannot take the call, else None."""
   fmt = formats.format_of(w.dtype)
-  if group_size is not None and group_size % 16:
-    return (f"group_size={group_size} is not a multiple of 16 (Triton's "
-            "smallest dot depth)")
+  depth = 16 if mode == "weight_only" else 32
+  if group_size is not None and group_size % depth:
+    return (f"group_size={group_size} is not a multiple of {depth} (Triton's "
+            f"smallest {'8-bit ' if depth == 32 else ''}dot depth)")
   if fmt.name == "int4":
     minor = w.shape[1]
     if minor % 2:
@@ -124,8 +153,8 @@ def supports(w, group_size, w_layout) -> str | None:
 
 def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
            w_layout="kn", group_size=None, block_sizes=None, interpret=False):
-  """The normalized operands (``operands.MatmulCall``) of a weight-only or
-  fp8 x fp8 call -> [M, N] out_dtype."""
+  """The normalized operands (``operands.MatmulCall``) of a weight-only call,
+  an fp8 x fp8 call or a grouped int8 x int8 call -> [M, N] out_dtype."""
   fmt = formats.format_of(w.dtype)
   if mode == "dynamic":
     x2, x_scale = reference.quantize_groups(x2, fmt, 1, None, True)
@@ -140,6 +169,7 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
   mp, kp, np_ = (bs.round_up(m, bm), bs.round_up(k, bk * split),
                  bs.round_up(n, bn))
   grouped = group_size is not None
+  group_products = grouped and mode == "dequant"
   if mode == "dequant" and kn:
     w, kn = w.T, False  # fp8 tensor cores read w K-major
   if int4:
@@ -163,8 +193,14 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
     in_specs.append(pl.BlockSpec((bn, kp // x_parts), lambda i, j, s: (j, 0)))
   fused = (x_scale, w_scale, bias) if split == 1 else (None, None, None)
   if grouped:  # group scales always go in, per K step
-    fused = (fused[0], w_scale, fused[2])
-  if fused[0] is not None:
+    fused = (x_scale if group_products else fused[0], w_scale, fused[2])
+  groups_p = -(-kp // group_size) if grouped else 0
+  if group_products:  # [M, G]: each group reads a column
+    table = _pad_to(x_scale, (mp, bs.pow2_at_least(groups_p)))
+    arrays.append(table)
+    in_specs.append(pl.BlockSpec((bm, table.shape[1]),
+                                 lambda i, j, s: (i, 0)))
+  elif fused[0] is not None:
     arrays.append(_pad_to(fused[0], (mp, 1), 1))
     in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, s: (i, 0)))
 
@@ -172,13 +208,12 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
     v = _pad_to(v, (v.shape[0], np_))
     return [v[:, p::planes] for p in range(planes)]
 
-  groups_p = -(-kp // group_size) if grouped else 0
   for table in ((fused[1], w_zero) if grouped else (fused[1],)):
     if table is None:
       continue
     if grouped:
       table = _pad_to(table, (groups_p, table.shape[1]))
-      if not kn:  # [N, G]: each K step reads a column
+      if not (kn or group_products):  # [N, G]: each K step reads a column
         table = _pad_to(table.T, (np_, bs.pow2_at_least(groups_p)))
         arrays.append(table)
         in_specs.append(pl.BlockSpec((bn, table.shape[1]),
@@ -202,7 +237,7 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
       x_parts=x_parts, planes=planes, has_xs=fused[0] is not None,
       has_ws=fused[1] is not None, has_zero=grouped and w_zero is not None,
       has_b=fused[2] is not None, kn=kn, int4=int4, split=split > 1,
-      compute_dtype=compute_dtype)
+      compute_dtype=compute_dtype, group_products=group_products)
   out_dtype = jnp.dtype(out_dtype)
   if split == 1:
     out_spec = pl.BlockSpec((bm, bnw), lambda i, j, s: (i, j))
@@ -235,6 +270,6 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
          jnp.stack(outs, axis=-1).reshape(mp, np_))
   out = out[:m, :n]
   if split > 1:
-    out = int8_quant.epilogue(out, x_scale, None if grouped else w_scale,
-                              bias, out_dtype)
+    out = int8_quant.epilogue(out, None if group_products else x_scale,
+                              None if grouped else w_scale, bias, out_dtype)
   return out

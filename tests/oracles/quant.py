@@ -14,7 +14,8 @@ quantize: float32 arithmetic as documented, so q, scale and zero are exact:
 quantized_matmul: float64 of the documented pipeline; weight-only group
   dequantization ((w - zero) * scale in float32, rounded to x's dtype) is
   reproduced exactly, the float32 sums and epilogue bounded by
-  ``matmul_bound``.
+  ``assert_matmul``. Quantized x with group scales: each group's product in
+  int64 (int8, exact) or float64 (fp8), scaled and summed in float64.
 """
 from __future__ import annotations
 
@@ -145,6 +146,8 @@ def matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
                             if np.size(v) > 1 else float(_f32(v).reshape(())))
   if x_float and not weight_only:  # dynamic: rows quantized into w's format
     x2, x_scale = quantize(x2, fmt, axis=-1)
+  if group_size is not None and not weight_only:
+    return group_products(x2, w, x_scale, w_scale, group_size, bias, batch)
   xs = (1.0 if x_scale is None else
         np.asarray(_f32(x_scale), np.float64).reshape(-1, 1)
         if np.size(x_scale) > 1 else float(_f32(x_scale).reshape(())))
@@ -159,6 +162,41 @@ def matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
   b = cols(bias, 0.0)
   out = (xf @ wd) * xs * ws + b
   magnitude = (np.abs(xf) @ np.abs(wd)) * np.abs(xs * ws) + np.abs(b)
+  return (out.reshape(batch + (n,)),
+          (magnitude.reshape(batch + (n,)), k + 6))
+
+
+def group_partial_sums(x2, w, group_size):
+  """[G, M, N] per-group products x_g @ w_g of numeric arrays x2 [M, K] and
+  w [K, N] (int64 arrays give exact integer sums)."""
+  m, k = x2.shape
+  groups = k // group_size
+  return np.einsum("mgk,gkn->gmn", x2.reshape(m, groups, group_size),
+                   w.reshape(groups, group_size, -1))
+
+
+def group_products(x2, w, x_scale, w_scale, group_size, bias, batch):
+  """Quantized x with group scales: sum_g (x_g @ w_g) * x_scale[:, g] *
+  w_scale[g] + bias in float64, and the bound's magnitude."""
+  m, k = x2.shape
+  groups = k // group_size
+  xs = (np.ones((m, groups)) if x_scale is None else
+        np.asarray(_f32(x_scale), np.float64))
+  xs = (np.broadcast_to(xs.reshape(1, 1), (m, groups)) if xs.size == 1
+        else xs.reshape(m, groups) if xs.size == m * groups
+        else np.broadcast_to(xs.reshape(m, 1), (m, groups)))
+  ws = np.asarray(_f32(w_scale), np.float64).reshape(groups, -1)
+  n = ws.shape[1]
+  b = 0.0 if bias is None else np.asarray(_f32(bias), np.float64).reshape(-1)
+  exact = np.int64 if x2.dtype == np.int8 else np.float64
+  xq = x2.astype(np.float32).astype(exact)
+  wq = w.astype(np.float32).astype(exact)
+  parts = group_partial_sums(xq, wq, group_size).astype(np.float64)
+  scale = xs.T[:, :, None] * ws[:, None, :]
+  out = (parts * scale).sum(0) + b
+  abs_parts = group_partial_sums(np.abs(xq), np.abs(wq),
+                                 group_size).astype(np.float64)
+  magnitude = (abs_parts * np.abs(scale)).sum(0) + np.abs(b)
   return (out.reshape(batch + (n,)),
           (magnitude.reshape(batch + (n,)), k + 6))
 
