@@ -21,9 +21,9 @@ largest tile dimension (bk keeping that unit). The rows start from int8's
 table: the weight tiles hold 2x (int4) the values per byte, but the float32
 dequantization temporaries dominate, so the same tiles fit.
 
-GPU (Triton): powers of two; weight-only decode streams w with a K split
-(``split_k``) when the column tiles alone cannot fill the GPU; bk <= the
-group size (one scale row per K step).
+GPU (Triton): powers of two; weight-only decode (int4: up to M = 64)
+streams w with a K split (``split_k``) when the column tiles alone cannot
+fill the GPU; bk <= the group size (one scale row per K step).
 """
 from __future__ import annotations
 
@@ -126,12 +126,12 @@ GPU_TABLE = {
     "small": (64, 64, 128, 4, 3),      # M <= 256
     "large": (128, 64, 128, 8, 3),
 }
-# int4 weight-only: w streams once per row tile (evict-first loads) and
-# the K split fills the GPU up to "narrow".
+# int4 weight-only (H100 sweeps, docs/design/quantized.md): up to "narrow"
+# w streams once (evict-first loads) and the K split fills the GPU.
 GPU_TABLE_INT4 = dict(
     GPU_TABLE,
-    decode=(16, 128, 256, 4, 4),
-    narrow=(64, 128, 128, 4, 4),
+    decode=(16, 64, 256, 4, 4),
+    narrow=(64, 64, 128, 4, 4),
 )
 GPU_TABLE_FP8 = (128, 128, 128, 8, 3)  # fp8 x fp8 (dequant)
 GPU_TARGET_PROGRAMS = 192

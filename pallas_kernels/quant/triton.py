@@ -8,14 +8,14 @@ zero) row, then rounded to x's dtype: bk divides the group size, so a K step
 lies in one group. fp8 x fp8 multiplies fp8 operands directly (Hopper's fp8
 tensor cores; w is fed K-major, [N, K], as they read it), float32 sums.
 
-int4. Triton has no 4-bit type: w is bitcast to int8 bytes holding two
+int4. Triton has no 4-bit type: w is bitcast to uint8 bytes holding two
 neighbours along w's minor dimension (low nibble first, as XLA packs
-jnp.int4), and each byte unpacked with shifts: low = (b << 4) >> 4 and
-high = b >> 4 (arithmetic). w [N, K]: the nibbles are K neighbours, so x is
-split into its even and odd columns (an XLA pass over x, small beside w) and
-each half meets its nibble plane. w [K, N]: the nibbles are N neighbours:
-the two planes give the even and odd output columns, written as two outputs
-that one XLA pass interleaves.
+jnp.int4; no copy). Each nibble plane is decoded with integer ops only into
+float32 INT4_BIAS + value (``_int4_planes``), then dequantized like any
+other w. w [K, N]: the planes are the even and odd output columns, each with
+its own accumulator and stride-2 scale rows; the two are interleaved once,
+in registers, before the epilogue. w [N, K]: the planes are K neighbours
+and meet x's even and odd columns (stride-2 loads of x), one accumulator.
 
 Split K (small M): programs write unscaled float32 partial sums that XLA adds
 before the epilogue; group scales are applied per step, so the sum is the
