@@ -63,7 +63,7 @@ def _int4_planes(b):
 def _kernel(*refs, nk, bk, has_xs, has_ws, has_zero, has_b, kn, int4,
             grouped, group_size, split, stream_w, compute_dtype):
   refs = list(refs)
-  take = lambda: refs.pop(0) if refs else None  # noqa: E731
+  take = lambda: refs.pop(0)  # noqa: E731
   x_ref, w_ref = take(), take()
   xs_ref = take() if has_xs else None
   ws_ref = take() if has_ws else None
@@ -236,7 +236,7 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
     out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
     out_struct = jax.ShapeDtypeStruct((split, mp, np_), jnp.float32)
   grid = (mp // bm, np_ // bn, split)
-  w_and_tables = [a for a in arrays[1:] if a is not fused[0]]
+  w_and_tables = arrays[1:2] + arrays[2 + (fused[0] is not None):]
   bytes_accessed = (grid[1] * _cost.nbytes(x, fused[0])
                     + grid[0] * _cost.nbytes(*w_and_tables)
                     + _cost.nbytes(out_struct))
