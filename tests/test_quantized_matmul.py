@@ -465,6 +465,58 @@ def test_triton_split_k_and_padding(fmt, kind, layout, rng):
   check(out, case, x, w, kw)
 
 
+def test_triton_int4_decoding_is_exact_for_every_byte():
+  """Each byte's two nibbles, low first, decode to INT4_BIAS + value
+  (integer ops only), against sign-extended nibbles."""
+  from pallas_kernels.quant import triton as quant_triton
+  codes = np.arange(256, dtype=np.uint8).reshape(16, 16)
+  got = np.stack([np.asarray(p, np.float64) for p in
+                  quant_triton._int4_planes(jnp.asarray(codes))], axis=-1)
+  nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1)
+  want = (nibbles.astype(np.int8) << 4 >> 4).astype(np.float64)  # sign
+  np.testing.assert_array_equal(got - quant_triton.INT4_BIAS, want)
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("m,k,n", [(1, 1536, 96), (5, 640, 2050),
+                                   (40, 1152, 160)])
+def test_triton_int4_default_plan_odd_shapes(m, k, n, layout, rng):
+  """The int4 decode / narrow plans (K split, evict-first w) at odd shapes,
+  grouped with zeros and per channel."""
+  triton = backends.Backend("triton", "triton", "generic")
+  for group_size in (128, None):
+    case = Case("int4", (m, k), n, layout=layout, group_size=group_size,
+                zero=group_size is not None,
+                extras=("w_scale",) + (("bias",) if group_size else ()))
+    x, w, kw = case.inputs(rng)
+    out = triton.run(pk.quantized_matmul, jnp.asarray(x), jnp.asarray(w),
+                     **{a: jnp.asarray(v) for a, v in kw.items()},
+                     **case.options())
+    check(out, case, x, w, kw)
+
+
+def test_triton_int4_plans_fill_the_gpu():
+  """Small-M int4 plans split K until the programs reach the target, keep
+  MIN_STEPS_PER_PROGRAM K steps each and stream w."""
+  for m, k, n in [(1, 4096, 14336), (16, 14336, 4096), (64, 8192, 8192),
+                  (8, 1024, 256)]:
+    plan = bs.plan_gpu(m, k, n, mode="weight_only", group_size=128,
+                       int4=True)
+    programs = -(-m // plan.bm) * -(-n // plan.bn) * plan.split_k
+    steps = k // plan.bk // plan.split_k
+    assert plan.stream_w and 128 % plan.bk == 0
+    assert steps >= bs.MIN_STEPS_PER_PROGRAM
+    assert (programs >= bs.GPU_TARGET_PROGRAMS
+            or plan.split_k == bs.GPU_MAX_SPLIT_K
+            or steps < 2 * bs.MIN_STEPS_PER_PROGRAM), (m, k, n, plan)
+
+
+def test_triton_int4_block_n_at_least_32():
+  with pytest.raises(ValueError, match="block_sizes.bn=16 must be >= 32"):
+    bs.plan_gpu(4, 256, 64, mode="weight_only", int4=True,
+                block_sizes=int8_bs.BlockSizes(16, 32, 16))
+
+
 def test_triton_block_k_must_divide_the_group():
   x = jnp.zeros((4, 128), jnp.bfloat16)
   w = jnp.zeros((128, 32), jnp.int4)

@@ -26,9 +26,9 @@ largest tile dimension (bk keeping that unit). The rows start from int8's
 table: the weight tiles hold 2x (int4) the values per byte, but the float32
 dequantization temporaries dominate, so the same tiles fit.
 
-GPU (Triton): powers of two; weight-only decode streams w with a K split
-(``split_k``) when the column tiles alone cannot fill the GPU; bk <= the
-group size (one scale row per K step).
+GPU (Triton): powers of two; weight-only decode (int4: up to M = 64)
+streams w with a K split (``split_k``) when the column tiles alone cannot
+fill the GPU; bk <= the group size (one scale row per K step).
 """
 from __future__ import annotations
 
@@ -132,6 +132,7 @@ class GpuPlan:
   num_warps: int
   num_stages: int
   split_k: int
+  stream_w: bool = False
 
 
 # bm, bk, bn, warps, stages per class of M (weight-only: w dominates).
@@ -141,8 +142,19 @@ GPU_TABLE = {
     "small": (64, 64, 128, 4, 3),      # M <= 256
     "large": (128, 64, 128, 8, 3),
 }
+# int4 weight-only (H100 sweeps, docs/design/quantized.md): up to "narrow"
+# w streams once (evict-first loads) and the K split fills the GPU.
+GPU_TABLE_INT4 = dict(
+    GPU_TABLE,
+    decode=(16, 64, 256, 4, 4),
+    narrow=(64, 64, 128, 4, 4),
+)
 GPU_TABLE_FP8 = (128, 128, 128, 8, 3)  # fp8 x fp8 (dequant)
 GPU_TARGET_PROGRAMS = 192
+# The K split is a power of two up to this, each program keeping at least
+# MIN_STEPS_PER_PROGRAM K steps.
+GPU_MAX_SPLIT_K = 32
+MIN_STEPS_PER_PROGRAM = 4
 
 
 def gpu_class(m: int) -> str:
@@ -153,7 +165,20 @@ def gpu_class(m: int) -> str:
   return "small" if m <= 256 else "large"
 
 
-def plan_gpu(m, k, n, *, mode, group_size=None,
+def split_k_to_fill(m, k, n, bm, bk, bn, target: int) -> int:
+  """The smallest power-of-two K split that brings the programs of an
+  [m, n] output in bm x bn tiles to ``target`` (GPU_MAX_SPLIT_K at most,
+  each program MIN_STEPS_PER_PROGRAM K steps at least)."""
+  programs = -(-m // bm) * -(-n // bn)
+  steps = -(-k // bk)
+  split = 1
+  while (programs * split < target and split < GPU_MAX_SPLIT_K
+         and steps // (2 * split) >= MIN_STEPS_PER_PROGRAM):
+    split *= 2
+  return split
+
+
+def plan_gpu(m, k, n, *, mode, group_size=None, int4=False,
              block_sizes: BlockSizes | None = None) -> GpuPlan:
   """The Triton plan: powers of two >= 16; bk divides group_size."""
   if block_sizes is not None:
@@ -165,15 +190,24 @@ def plan_gpu(m, k, n, *, mode, group_size=None,
     if group_size is not None and group_size % bk:
       raise ValueError(f"block_sizes.bk={bk} must divide group_size="
                        f"{group_size} on GPU (one scale row per K step)")
-    return GpuPlan(bm, bk, bn, warps, stages, split)
+    if int4 and bn < 32:
+      raise ValueError(f"block_sizes.bn={bn} must be >= 32 for int4 w on "
+                       "GPU (16 bytes of two values each)")
+    return GpuPlan(bm, bk, bn, warps, stages, split,
+                   bool(block_sizes.stream_w))
   cls = gpu_class(m)
+  table = GPU_TABLE_INT4 if int4 else GPU_TABLE
   bm, bk, bn, warps, stages = (GPU_TABLE_FP8 if mode == "dequant"
-                               else GPU_TABLE[cls])
+                               else table[cls])
   bm, bk, bn = int8_bs.gpu_tiles_for_problem(bm, bk, bn, m, k, n)
+  if int4:
+    bn = max(bn, 32)
   if group_size is not None:
     while group_size % bk:
       bk //= 2
   split = 1
-  if mode == "weight_only" and cls == "decode":
-    split = int8_bs.split_k_to_fill(m, k, n, bm, bk, bn, GPU_TARGET_PROGRAMS)
-  return GpuPlan(bm, bk, bn, warps, stages, split)
+  stream = mode == "weight_only" and (cls == "decode" or int4
+                                      and cls == "narrow")
+  if stream:
+    split = split_k_to_fill(m, k, n, bm, bk, bn, GPU_TARGET_PROGRAMS)
+  return GpuPlan(bm, bk, bn, warps, stages, split, stream)

@@ -12,14 +12,14 @@ group sum their dots in a second carry (int32 for int8, exact), which at the
 group's last step is scaled by the x scale column and w scale row of the
 group ([M, G] and [G, N] tables) and added to the float32 sum.
 
-int4. Triton has no 4-bit type: w is bitcast to int8 bytes holding two
+int4. Triton has no 4-bit type: w is bitcast to uint8 bytes holding two
 neighbours along w's minor dimension (low nibble first, as XLA packs
-jnp.int4), and each byte unpacked with shifts: low = (b << 4) >> 4 and
-high = b >> 4 (arithmetic). w [N, K]: the nibbles are K neighbours, so x is
-split into its even and odd columns (an XLA pass over x, small beside w) and
-each half meets its nibble plane. w [K, N]: the nibbles are N neighbours:
-the two planes give the even and odd output columns, written as two outputs
-that one XLA pass interleaves.
+jnp.int4; no copy). Each nibble plane is decoded with integer ops only into
+float32 INT4_BIAS + value (``_int4_planes``), then dequantized like any
+other w. w [K, N]: the planes are the even and odd output columns, each with
+its own accumulator and stride-2 scale rows; the two are interleaved once,
+in registers, before the epilogue. w [N, K]: the planes are K neighbours
+and meet x's even and odd columns (stride-2 loads of x), one accumulator.
 
 Split K (small M): programs write unscaled float32 partial sums that XLA adds
 before the epilogue; group scales are applied per step (per group), so the
@@ -47,92 +47,140 @@ def _pad_to(a, shape, value=0):
   return jnp.pad(a, pads, constant_values=value)
 
 
-def _unpack_int4(b):
-  """int8 bytes -> (low, high) nibbles as int8 in [-8, 7]."""
-  return jnp.right_shift(jnp.left_shift(b, 4), 4), jnp.right_shift(b, 4)
+# int4 nibble n (two's complement v) as float32 bits: 0x4B000000 is 2^23,
+# whose mantissa unit is 1, and n ^ 8 = v + 8 lies in its low 4 bits, so the
+# value is exactly INT4_BIAS + v with integer ops only (no int -> float
+# conversions, which run at a quarter of the ALU rate).
+_INT4_BITS = 0x4B000008
+INT4_BIAS = float(2**23 + 8)
 
 
-def _kernel(*refs, nk, bkw, group_bkw, x_parts, planes, has_xs, has_ws,
-            has_zero, has_b, kn, int4, split, compute_dtype, group_products):
+def _int4_planes(b):
+  """uint8 bytes (two nibbles each, low first) -> (low, high) float32
+  planes of b's shape holding INT4_BIAS + value."""
+  u = b.astype(jnp.uint32)
+  low = jnp.bitwise_xor(jnp.bitwise_and(u, 0xF), _INT4_BITS)
+  high = jnp.bitwise_xor(jnp.right_shift(u, 4), _INT4_BITS)
+  return tuple(jax.lax.bitcast_convert_type(p, jnp.float32)
+               for p in (low, high))
+
+
+def _kernel(*refs, nk, bk, has_xs, has_ws, has_zero, has_b, kn, int4,
+            grouped, group_size, split, stream_w, compute_dtype,
+            group_products):
   refs = list(refs)
-  take = lambda count: [refs.pop(0) for _ in range(count)]  # noqa: E731
-  x_refs = take(x_parts)
-  (w_ref,) = take(1)
-  xs_ref = take(1)[0] if has_xs else None
-  ws_refs = take(planes) if has_ws else [None] * planes
-  z_refs = take(planes) if has_zero else [None] * planes
-  b_refs = take(planes) if has_b else [None] * planes
-  o_refs = take(planes)
-  grouped = group_bkw is not None
+  take = lambda: refs.pop(0)  # noqa: E731
+  x_ref, w_ref = take(), take()
+  xs_ref = take() if has_xs else None
+  ws_ref = take() if has_ws else None
+  z_ref = take() if has_zero else None
+  b_ref = take() if has_b else None
+  o_ref = take()
   first = pl.program_id(2) * nk if split else 0
-  bm = o_refs[0].shape[-2]
-  bn = o_refs[0].shape[-1]
+  bm, bn = o_ref.shape[-2:]
+  planes = 2 if int4 else 1
+  # int4 planes: kn, output columns p::2 (one accumulator each); nk, x
+  # columns p::2 of the K step (one accumulator).
+  bkw = bk // planes if not kn else bk   # w's stored K extent per step
+  acc_n = bn // planes if kn else bn
 
-  def dequantize(w, ws_ref, z_ref, row):
+  def load_w(window):
+    if stream_w:  # read once: keep x and the partial sums in L2
+      from jax.experimental.pallas import triton as pltriton
+      return pltriton.load(w_ref.at[window], eviction_policy="evict_first")
+    return w_ref[window]
+
+  def table_index(row, plane):
+    """kn: a [1, acc_n] row of the [G, N] tables; nk: a [bn, 1] column of
+    [N, G]."""
+    if not kn:
+      return slice(None), pl.ds(row, 1)
+    if planes == 1:
+      return pl.ds(row, 1), slice(None)
+    return pl.ds(row, 1), pl.ds(plane, acc_n, stride=planes)
+
+  def dequantize(wf, offset, row, plane):
+    """A float32 w plane (values + offset) -> compute_dtype."""
     if not grouped:
-      return w.astype(jnp.float32).astype(compute_dtype)
-    # kn: a [1, bn] row of the [G, N] tables; nk: a [bn, 1] column of [N, G].
-    index = ((pl.ds(row, 1), slice(None)) if kn
-             else (slice(None), pl.ds(row, 1)))
-    wf = w.astype(jnp.float32)
+      return (wf if offset is None else wf - offset).astype(compute_dtype)
+    index = table_index(row, plane)
     if z_ref is not None:
-      wf = wf - z_ref[index]
+      zero = z_ref[index].astype(jnp.float32)
+      wf = wf - (zero if offset is None else zero + offset)
+    elif offset is not None:
+      wf = wf - offset
     return (wf * ws_ref[index]).astype(compute_dtype)
 
   def scaled_group(total, row):
     """A group's sum times its x scale column and w scale row."""
     return (total.astype(jnp.float32) * xs_ref[:, pl.ds(row, 1)]
-            * ws_refs[0][pl.ds(row, 1), :])
+            * ws_ref[pl.ds(row, 1), :])
+
+  group_steps = group_size // bk if group_products else 1
+
+  def group_step(kstep, accs, w):
+    """Quantized x: the group's exact sum, scaled at its last step."""
+    acc, group = accs
+    x = x_ref[:, pl.ds(pl.multiple_of(kstep * bk, bk), bk)]
+    group = group + jax.lax.dot_general(
+        x, w, (((1,), (0 if kn else 1,)), ((), ())),
+        preferred_element_type=group.dtype)
+    row = kstep // group_steps
+    if group_steps == 1:
+      return acc + scaled_group(group, row), jnp.zeros_like(group)
+    ends = (kstep + 1) % group_steps == 0
+    acc = jnp.where(ends, acc + scaled_group(group, row), acc)
+    return acc, jnp.where(ends, jnp.zeros_like(group), group)
 
   def step(kk, accs):
-    start = pl.multiple_of((first + kk) * bkw, bkw)
-    xs = [r[:, pl.ds(start, bkw)] for r in x_refs]
-    w = w_ref[pl.ds(start, bkw), :] if kn else w_ref[:, pl.ds(start, bkw)]
-    if group_products:  # the group's exact sum, scaled at its last step
-      acc, group = accs
-      group = group + jax.lax.dot_general(
-          xs[0], w, (((1,), (0 if kn else 1,)), ((), ())),
-          preferred_element_type=group.dtype)
-      steps = group_bkw // bkw
-      row = (first + kk) // steps
-      if steps == 1:
-        return acc + scaled_group(group, row), jnp.zeros_like(group)
-      ends = (first + kk + 1) % steps == 0
-      acc = jnp.where(ends, acc + scaled_group(group, row), acc)
-      return acc, jnp.where(ends, jnp.zeros_like(group), group)
-    row = (first + kk) * bkw // group_bkw if grouped else 0
-    wps = list(_unpack_int4(w)) if int4 else [w]
-    if compute_dtype is not None:
-      wps = [dequantize(wp, ws_refs[i if kn else 0], z_refs[i if kn else 0],
-                        row) for i, wp in enumerate(wps)]
+    kstep = first + kk
+    wstart = pl.multiple_of(kstep * bkw, bkw)
+    w = load_w((pl.ds(wstart, bkw), slice(None)) if kn
+               else (slice(None), pl.ds(wstart, bkw)))
+    if group_products:
+      return group_step(kstep, accs, w)
+    row = kstep * bk // group_size if grouped else 0
+    if int4:
+      ws = [dequantize(p, INT4_BIAS, row, i)
+            for i, p in enumerate(_int4_planes(w))]
+    elif compute_dtype is not None:
+      ws = [dequantize(w.astype(jnp.float32), None, row, 0)]
+    else:
+      ws = [w]
+    xstart = kstep * bk
+    if planes == 1 or kn:
+      xs = [x_ref[:, pl.ds(pl.multiple_of(xstart, bk), bk)]] * planes
+    else:
+      xs = [x_ref[:, pl.ds(xstart + p, bkw, stride=planes)]
+            for p in range(planes)]
     precision = (jax.lax.Precision.HIGHEST if xs[0].dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
     dims = (((1,), (0 if kn else 1,)), ((), ()))
-    dot = lambda a, b: jax.lax.dot_general(  # noqa: E731
-        a, b, dims, precision=precision, preferred_element_type=jnp.float32)
-    if kn:  # one output per plane
-      return tuple(acc + dot(xs[0], wp) for acc, wp in zip(accs, wps))
-    total = accs[0]
-    for x, wp in zip(xs, wps):  # int4: even columns x low, odd x high
-      total = total + dot(x, wp)
-    return (total,)
+    dots = [jax.lax.dot_general(x, wp, dims, precision=precision,
+                                preferred_element_type=jnp.float32)
+            for x, wp in zip(xs, ws)]
+    if kn:
+      return tuple(acc + d for acc, d in zip(accs, dots))
+    return (functools.reduce(jnp.add, dots, accs[0]),)
 
-  init = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(planes))
+  init = tuple(jnp.zeros((bm, acc_n), jnp.float32)
+               for _ in range(planes if kn else 1))
   if group_products:
     integer = w_ref.dtype == jnp.int8
     init += (jnp.zeros((bm, bn), jnp.int32 if integer else jnp.float32),)
   accs = jax.lax.fori_loop(0, nk, step, init)
   if group_products:  # a group cut by a K split: its part so far
-    last_row = (first + nk - 1) * bkw // group_bkw
-    accs = (accs[0] + scaled_group(accs[1], last_row),)
+    acc = accs[0] + scaled_group(accs[1], (first + nk - 1) // group_steps)
     xs_ref = None
-  for i, (acc, o_ref) in enumerate(zip(accs, o_refs)):
-    if split:
-      o_ref[...] = acc
-    else:
-      o_ref[...] = int8_quant.epilogue_from_refs(
-          acc, xs_ref, None if grouped else ws_refs[i], b_refs[i],
-          o_ref.dtype)
+  elif len(accs) == 2:  # interleave the even and odd columns (Triton join)
+    acc = jnp.stack(accs, axis=-1).reshape(bm, bn)
+  else:
+    acc = accs[0]
+  if split:
+    o_ref[...] = acc
+  else:
+    o_ref[...] = int8_quant.epilogue_from_refs(
+        acc, xs_ref, None if grouped else ws_ref, b_ref, o_ref.dtype)
 
 
 def supports(w, group_size, w_layout, mode="weight_only") -> str | None:
@@ -164,34 +212,27 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
   m, k = x2.shape
   n = w.shape[1 if kn else 0]
   plan = bs.plan_gpu(m, k, n, mode=mode, group_size=group_size,
-                     block_sizes=block_sizes)
+                     int4=int4, block_sizes=block_sizes)
   bm, bk, bn, split = plan.bm, plan.bk, plan.bn, plan.split_k
   mp, kp, np_ = (bs.round_up(m, bm), bs.round_up(k, bk * split),
                  bs.round_up(n, bn))
   grouped = group_size is not None
-  group_products = grouped and mode == "dequant"
   if mode == "dequant" and kn:
     w, kn = w.T, False  # fp8 tensor cores read w K-major
-  if int4:
+  w = _pad_to(w, (kp, np_) if kn else (np_, kp))
+  if int4:  # bytes of two neighbours along w's minor dimension
     w = jax.lax.bitcast_convert_type(
-        w.reshape(w.shape[0], w.shape[1] // 2, 2), jnp.int8)
-  # Tile extents in w's stored units: int4 halves N (kn) or K (nk).
-  bkw = bk // 2 if int4 and not kn else bk
-  bnw = bn // 2 if int4 and kn else bn
-  planes = 2 if int4 and kn else 1
-  x_parts = 2 if int4 and not kn else 1
-
+        w.reshape(w.shape[0], w.shape[1] // 2, 2), jnp.uint8)
   x = _pad_to(x2, (mp, kp))
-  arrays = [x[:, 0::2], x[:, 1::2]] if x_parts == 2 else [x]
-  x_spec = pl.BlockSpec((bm, kp // x_parts), lambda i, j, s: (i, 0))
-  in_specs = [x_spec] * x_parts
+  arrays = [x, w]
+  in_specs = [pl.BlockSpec((bm, kp), lambda i, j, s: (i, 0))]
   if kn:
-    arrays.append(_pad_to(w, (kp, np_ // planes)))
-    in_specs.append(pl.BlockSpec((kp, bnw), lambda i, j, s: (0, j)))
+    in_specs.append(pl.BlockSpec((w.shape[0], bn // 2 if int4 else bn),
+                                 lambda i, j, s: (0, j)))
   else:
-    arrays.append(_pad_to(w, (np_, kp // x_parts)))
-    in_specs.append(pl.BlockSpec((bn, kp // x_parts), lambda i, j, s: (j, 0)))
+    in_specs.append(pl.BlockSpec((bn, w.shape[1]), lambda i, j, s: (j, 0)))
   fused = (x_scale, w_scale, bias) if split == 1 else (None, None, None)
+  group_products = grouped and mode == "dequant"
   if grouped:  # group scales always go in, per K step
     fused = (x_scale if group_products else fused[0], w_scale, fused[2])
   groups_p = -(-kp // group_size) if grouped else 0
@@ -203,73 +244,68 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
   elif fused[0] is not None:
     arrays.append(_pad_to(fused[0], (mp, 1), 1))
     in_specs.append(pl.BlockSpec((bm, 1), lambda i, j, s: (i, 0)))
-
-  def columns(v):  # [rows, N] -> one [rows, N / planes] table per plane
-    v = _pad_to(v, (v.shape[0], np_))
-    return [v[:, p::planes] for p in range(planes)]
-
   for table in ((fused[1], w_zero) if grouped else (fused[1],)):
     if table is None:
       continue
-    if grouped:
-      table = _pad_to(table, (groups_p, table.shape[1]))
-      if not (kn or group_products):  # [N, G]: each K step reads a column
-        table = _pad_to(table.T, (np_, bs.pow2_at_least(groups_p)))
-        arrays.append(table)
-        in_specs.append(pl.BlockSpec((bn, table.shape[1]),
-                                     lambda i, j, s: (j, 0)))
-        continue
-      table = _pad_to(table, (bs.pow2_at_least(groups_p), table.shape[1]))
-    for part in columns(table):
-      arrays.append(part)
-      in_specs.append(pl.BlockSpec((part.shape[0], bnw),
+    if not grouped:  # [1, N]
+      arrays.append(_pad_to(table, (1, np_)))
+      in_specs.append(pl.BlockSpec((1, bn), lambda i, j, s: (0, j)))
+    elif group_products:  # [G, N]: each group reads a row
+      table = _pad_to(table, (bs.pow2_at_least(groups_p), np_))
+      arrays.append(table)
+      in_specs.append(pl.BlockSpec((table.shape[0], bn),
                                    lambda i, j, s: (0, j)))
+    elif kn:  # [G, N]: each K step reads a row
+      table = _pad_to(table, (groups_p, np_))
+      arrays.append(table)
+      in_specs.append(pl.BlockSpec((groups_p, bn), lambda i, j, s: (0, j)))
+    else:  # [N, G]: each K step reads a column
+      table = _pad_to(table.T, (np_, bs.pow2_at_least(groups_p)))
+      arrays.append(table)
+      in_specs.append(pl.BlockSpec((bn, table.shape[1]),
+                                   lambda i, j, s: (j, 0)))
   if fused[2] is not None:
-    for part in columns(fused[2]):
-      arrays.append(part)
-      in_specs.append(pl.BlockSpec((1, bnw), lambda i, j, s: (0, j)))
+    arrays.append(_pad_to(fused[2], (1, np_)))
+    in_specs.append(pl.BlockSpec((1, bn), lambda i, j, s: (0, j)))
 
   compute_dtype = None if mode == "dequant" else x2.dtype
   kernel = functools.partial(
-      _kernel, nk=kp // bk // split, bkw=bkw,
-      group_bkw=(group_size // 2 if int4 and not kn else group_size)
-      if grouped else None,
-      x_parts=x_parts, planes=planes, has_xs=fused[0] is not None,
+      _kernel, nk=kp // bk // split, bk=bk, has_xs=fused[0] is not None,
       has_ws=fused[1] is not None, has_zero=grouped and w_zero is not None,
-      has_b=fused[2] is not None, kn=kn, int4=int4, split=split > 1,
-      compute_dtype=compute_dtype, group_products=group_products)
+      has_b=fused[2] is not None, kn=kn, int4=int4, grouped=grouped,
+      group_size=group_size, split=split > 1,
+      stream_w=plan.stream_w and mp == bm, compute_dtype=compute_dtype,
+      group_products=group_products)
   out_dtype = jnp.dtype(out_dtype)
   if split == 1:
-    out_spec = pl.BlockSpec((bm, bnw), lambda i, j, s: (i, j))
-    out_struct = jax.ShapeDtypeStruct((mp, np_ // planes), out_dtype)
+    out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
+    out_struct = jax.ShapeDtypeStruct((mp, np_), out_dtype)
   else:
-    out_spec = pl.BlockSpec((None, bm, bnw), lambda i, j, s: (s, i, j))
-    out_struct = jax.ShapeDtypeStruct((split, mp, np_ // planes), jnp.float32)
+    out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
+    out_struct = jax.ShapeDtypeStruct((split, mp, np_), jnp.float32)
   grid = (mp // bm, np_ // bn, split)
-  w_bytes = arrays[x_parts].size * arrays[x_parts].dtype.itemsize
+  w_and_tables = arrays[1:2] + arrays[2 + (fused[0] is not None):]
   bytes_accessed = (grid[1] * _cost.nbytes(x, fused[0])
-                    + grid[0] * (w_bytes + _cost.nbytes(*arrays[x_parts + 1:]))
-                    + planes * _cost.nbytes(out_struct))
-  name = f"quantized_matmul_{mode}_{fmt.name}_gpu"
-  outs = _compat.pallas_call(
+                    + grid[0] * _cost.nbytes(*w_and_tables)
+                    + _cost.nbytes(out_struct))
+  out = _compat.pallas_call(
       kernel,
       grid=grid,
       in_specs=in_specs,
-      out_specs=[out_spec] * planes,
-      out_shape=[out_struct] * planes,
+      out_specs=out_spec,
+      out_shape=out_struct,
       compiler_params=_compat.gpu_compiler_params(
           num_warps=plan.num_warps, num_stages=plan.num_stages),
       interpret=interpret,
       cost_estimate=_cost.estimate(flops=2 * mp * np_ * kp,
                                    bytes_accessed=bytes_accessed),
-      name=name,
+      name=f"quantized_matmul_{mode}_{fmt.name}_gpu",
   )(*arrays)
   if split > 1:
-    outs = [o.sum(axis=0) for o in outs]
-  out = (outs[0] if planes == 1 else
-         jnp.stack(outs, axis=-1).reshape(mp, np_))
+    out = out.sum(axis=0)
   out = out[:m, :n]
   if split > 1:
     out = int8_quant.epilogue(out, None if group_products else x_scale,
-                              None if grouped else w_scale, bias, out_dtype)
+                              None if grouped else w_scale,
+                              bias, out_dtype)
   return out
