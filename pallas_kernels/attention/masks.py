@@ -283,11 +283,15 @@ class Placed(Mask):
   piece ``x // piece`` (the last piece runs on), at global position
   ``q_starts[x // piece] + x % piece`` (``kv_starts`` for keys). Ring
   attention gives each (query shard, key shard) pair its ``Placed`` mask.
-  Use :func:`place`, which also slices ``Dense`` masks."""
+  Use :func:`place`, which also slices ``Dense`` masks. Equality is by
+  ``key``: per (query piece, key piece), empty (0), full (2) or the pieces'
+  starts moved by a multiple of ``shift_period`` (equal keys: equal
+  masks)."""
   base: Mask
-  q_starts: tuple[int, ...]
-  kv_starts: tuple[int, ...]
+  q_starts: tuple[int, ...] = dataclasses.field(compare=False)
+  kv_starts: tuple[int, ...] = dataclasses.field(compare=False)
   piece: int
+  key: tuple
 
   @staticmethod
   def _to_global(x, starts, piece):
@@ -339,14 +343,21 @@ def place(mask: Mask, q_starts, kv_starts, piece: int) -> Mask:
   if isinstance(mask, _Combined):
     return type(mask)(place(mask.a, q_starts, kv_starts, piece),
                       place(mask.b, q_starts, kv_starts, piece))
+  if isinstance(mask, PrefixLM) and min(kv_starts) >= mask.prefix_length:
+    mask = Causal()   # no key of the pair lies in the prefix
   period = shift_period(mask)
-  if period is not None:
-    shift = min(q_starts + kv_starts) // period * period
-    q_starts = tuple(s - shift for s in q_starts)
-    kv_starts = tuple(s - shift for s in kv_starts)
-    if len(q_starts) == 1 and q_starts == kv_starts == (0,):
-      return mask
-  return Placed(mask, q_starts, kv_starts, piece)
+  key = []
+  for q_start in q_starts:
+    for kv_start in kv_starts:
+      some, every = mask.block_bounds(q_start, q_start + piece - 1, kv_start,
+                                      kv_start + piece - 1)
+      shift = 0 if period is None else (min(q_start, kv_start) // period
+                                        * period)
+      key.append(0 if not some else 2 if every else
+                 (q_start - shift, kv_start - shift))
+  if len(key) == 1 and key[0] == (0, 0):
+    return mask   # the pair sits on the diagonal: the mask as it is
+  return Placed(mask, q_starts, kv_starts, piece, tuple(key))
 
 
 # --------------------------------------------------- evaluation on a grid --
