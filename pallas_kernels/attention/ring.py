@@ -24,6 +24,14 @@ Every device does the same work at every step. Contiguous inputs (device
 the op (:func:`to_zigzag`, :func:`from_zigzag`). Non-causal attention needs
 no order: every step is one unmasked block.
 
+Sliding windows and static masks (``masks``) apply at global positions. At
+trace time a plan (:func:`_mask_plan`) places the mask on each (device,
+step) pair (``masks.place``), classifies it as empty (skipped), full
+(unmasked block) or partial (the kernel with the placed mask, which skips
+the blocks it empties), and each step switches on the device's entry. The
+ring ends after the last step with a live pair anywhere; contiguous inputs
+move to zig-zag order when that balances the work.
+
 The backward is a ring too (custom VJP; its residuals are q, the local k, v,
 segment ids and the final out and lse, never the visiting slices). The K/V
 slice travels again, followed by float32 dK/dV accumulators; each step runs
