@@ -2,7 +2,10 @@
 8 CPU devices against the float64 oracle (``tests/oracles/attention.py``) and
 the unsharded ``flash_attention``: forward, lse and the gradients of q, k, v
 (with cotangents for both out and lse), causal and not, GQA, segment ids,
-soft cap, with the sequence axis alone and beside batch/head axes.
+soft cap, sliding windows and static masks (each kind, combined, per head,
+with segment ids; the oracle's mask is built here with NumPy from the
+definitions, not from ``masks``), both sequence layouts, with the sequence
+axis alone and beside batch/head axes.
 
 Tolerances, max abs error against float64 on N(0, 1) inputs (lse and
 gradients scaled by max(1, max |expected|)), as in tests/test_attention.py:
@@ -26,7 +29,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 import pallas_kernels as pk
 from oracles import attention as oracle
 from pallas_kernels import _compat
-from pallas_kernels.attention import ring
+from pallas_kernels.attention import masks, ring
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py sets "
@@ -54,6 +57,46 @@ class Case:
   names: tuple = ("data", "seq")
   layout: str = "contiguous"
   dtype: str = "float32"
+  window: int | tuple | None = None
+  mask: str | None = None   # a key of MASKS
+
+
+def _chunked(size):
+  return lambda p, j: (j <= p) & (p // size == j // size)
+
+
+# name: (the mask given the Dense array, the same rule on positions p, j
+# written out with NumPy, or None for the Dense array itself).
+MASKS = {
+    "chunked": (lambda d: masks.ChunkedCausal(12), _chunked(12)),
+    "prefix": (lambda d: masks.PrefixLM(9), lambda p, j: (j < 9) | (j <= p)),
+    "dense": (masks.Dense, None),
+    "combined": (lambda d: masks.Local(9) & masks.PrefixLM(4)
+                 | masks.ChunkedCausal(5) & masks.Dense(d), None),
+    "per_head": (lambda d: [masks.ChunkedCausal(8), masks.Local(5, 2),
+                            masks.Dense(d), masks.Causal() & masks.Local(3)],
+                 None),
+}
+
+
+def _mask_of(case, dense):
+  """(mask argument, oracle's bool [heads or 1, L, L] or None)."""
+  if case.mask is None:
+    return None, None
+  make, rule = MASKS[case.mask]
+  length = case.length
+  p, j = np.arange(length)[:, None], np.arange(length)[None, :]
+  if case.mask == "per_head":
+    allowed = np.stack([_chunked(8)(p, j), (j >= p - 5) & (j <= p + 2), dense,
+                        (j <= p) & (j >= p - 3)])
+  elif case.mask == "combined":
+    allowed = ((j >= p - 9) & (j <= p) & ((j < 4) | (j <= p))
+               | _chunked(5)(p, j) & dense)[None]
+  elif rule is None:
+    allowed = dense[None]
+  else:
+    allowed = rule(p, j)[None]
+  return make(dense), allowed
 
 
 CASES = {
@@ -71,7 +114,30 @@ CASES = {
     # Inputs already in zig-zag order.
     "causal_zigzag_8": Case((1, 8), True, 32, layout="zigzag"),
     "causal_bf16_4": Case((1, 4), True, 40, dtype="bfloat16"),
+    # Windows and static masks at global positions.
+    "window_causal_segments_4": Case((1, 4), True, 40, window=7,
+                                     segments=True),
+    "window_bidirectional_zigzag_8": Case((1, 8), False, 32, window=(3, 6),
+                                          layout="zigzag", kv_heads=4),
+    "window_wide_batch_x_seq": Case((2, 4), True, 48, window=30,
+                                    batch_axis="data"),
+    "chunked_gqa_zigzag_4": Case((1, 4), False, 48, mask="chunked",
+                                 layout="zigzag"),
+    "chunked_heads_x_seq": Case((2, 4), False, 48, mask="chunked",
+                                head_axis="model", names=("model", "seq")),
+    "prefix_lm_8": Case((1, 8), False, 32, mask="prefix"),
+    "dense_segments_4": Case((1, 4), False, 40, mask="dense", segments=True),
+    "combined_causal_zigzag_8": Case((1, 8), True, 32, mask="combined",
+                                     layout="zigzag", segments=True),
+    "per_head_segments_4": Case((1, 4), False, 40, mask="per_head",
+                                segments=True),
+    "per_head_window_bf16_4": Case((1, 4), True, 40, mask="per_head",
+                                   window=11, dtype="bfloat16"),
 }
+# The default suite's share (the rest run with --runslow).
+FAST = {"causal_gqa_segments_4", "full_softcap_8", "causal_zigzag_8",
+        "window_causal_segments_4", "chunked_gqa_zigzag_4",
+        "combined_causal_zigzag_8", "per_head_segments_4"}
 
 
 def _inputs(case, rng):
@@ -91,9 +157,12 @@ def _inputs(case, rng):
   return q, k, v, segs, d_out, d_lse
 
 
-def _kwargs(case, backend):
-  return dict(causal=case.causal, logit_soft_cap=case.soft_cap,
-              return_lse=True, backend=backend)
+def _kwargs(case, backend, mask=None):
+  kwargs = dict(causal=case.causal, logit_soft_cap=case.soft_cap,
+                sliding_window=case.window, return_lse=True, backend=backend)
+  if mask is not None:
+    kwargs["mask"] = mask
+  return kwargs
 
 
 def _loss(attention, d_out, d_lse):
@@ -107,12 +176,12 @@ def _loss(attention, d_out, d_lse):
   return loss
 
 
-def _ring_fn(case, backend, segs):
+def _ring_fn(case, backend, segs, mask=None):
   mesh = _mesh(case.mesh, case.names)
   return lambda q, k, v: pk.shard_flash_attention(
       mesh, q, k, v, batch_axis=case.batch_axis, head_axis=case.head_axis,
       sequence_axis="seq", sequence_layout=case.layout, segment_ids=segs,
-      **_kwargs(case, backend))
+      **_kwargs(case, backend, mask))
 
 
 def _run(fn, q, k, v, d_out, d_lse):
@@ -139,24 +208,29 @@ def _scale(x):
 
 def _check(case, backend, rng):
   q, k, v, segs, d_out, d_lse = _inputs(case, rng)
+  mask, allowed = _mask_of(case, rng.random((case.length, case.length)) < 0.4)
   n = case.mesh[case.names.index("seq")]
+  ring_segs = segs
   if case.layout == "zigzag":  # the user's tokens, permuted once
     order = ring.zigzag_order(case.length, n)
     q, k, v = (x[:, :, order] for x in (q, k, v))
     d_out, d_lse = d_out[:, :, order], d_lse[:, :, order]
-    # Causal in the original order: the oracle sees the original order.
+    if segs is not None:
+      ring_segs = tuple(s[:, order] for s in segs)
+    # Causal and masks in the original order: the oracle sees that order.
     undo = np.argsort(order)
-  (dq, dk, dv), (out, lse) = _run(_ring_fn(case, backend, segs), q, k, v,
-                                  d_out, d_lse)
+  (dq, dk, dv), (out, lse) = _run(_ring_fn(case, backend, ring_segs, mask), q,
+                                  k, v, d_out, d_lse)
   unsharded = lambda q, k, v: pk.flash_attention(  # noqa: E731
-      q, k, v, segment_ids=segs, **_kwargs(case, backend))
+      q, k, v, segment_ids=segs, **_kwargs(case, backend, mask))
   if case.layout == "zigzag":
     q, k, v, out, lse, dq, dk, dv, d_out, d_lse = (
         x[:, :, undo] for x in (q, k, v, out, lse, dq, dk, dv, d_out, d_lse))
   (udq, udk, udv), (u_out, u_lse) = _run(unsharded, q, k, v, d_out, d_lse)
   ref_out, ref_lse, ref_grads = oracle.attention(
       q, k, v, causal=case.causal, segment_ids=segs,
-      logit_soft_cap=case.soft_cap, d_out=d_out, d_lse=d_lse)
+      sliding_window=case.window, logit_soft_cap=case.soft_cap,
+      allowed=allowed, d_out=d_out, d_lse=d_lse)
   out_tol, lse_tol, grad_tol = TOLERANCES[case.dtype]
   assert out.dtype == q.dtype and lse.dtype == jnp.float32
   for got, name in ((out, "out"), (u_out, "unsharded out")):
@@ -179,7 +253,8 @@ def _reference_params():
       reason="jax 0.7's XLA CPU cannot run a bfloat16 x bfloat16 -> float32 "
       "dot inside a loop or cond (the plain-JAX reference there; kernels "
       "are fine)")
-  return [pytest.param(n, marks=[old_cpu_bf16] if "bf16" in n else [])
+  return [pytest.param(n, marks=([old_cpu_bf16] if "bf16" in n else [])
+                       + ([] if n in FAST else [pytest.mark.slow]))
           for n in sorted(CASES)]
 
 
@@ -190,20 +265,24 @@ def test_ring_matches_oracle_reference(name, rng):
 
 @pytest.mark.parametrize("name", ["causal_gqa_segments_4"] + [
     pytest.param(n, marks=pytest.mark.slow)
-    for n in ("causal_batch_x_seq", "causal_bf16_4", "full_softcap_8")])
+    for n in ("causal_batch_x_seq", "causal_bf16_4", "full_softcap_8",
+              "window_causal_segments_4", "combined_causal_zigzag_8",
+              "per_head_segments_4")])
 def test_ring_matches_oracle_generic_interpreter(name, rng):
   """backend=None on a CPU: the TPU kernel in Pallas' generic interpreter."""
   _check(CASES[name], None, rng)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["causal_gqa_segments_4", "full_heads_x_seq"])
+@pytest.mark.parametrize("name", ["causal_gqa_segments_4", "full_heads_x_seq",
+                                  "window_causal_segments_4"])
 def test_ring_matches_oracle_tpu_interpreter(name, rng):
   """backend="interpret": the TPU-semantics interpreter, whose kernel
   launches wait for every device (4 devices: jax 0.7's interpreter hangs
-  with 8 on a 2-core host, ring or not)."""
-  case = dataclasses.replace(CASES[name], mesh=(1, 4)) if name.startswith(
-      "causal") else dataclasses.replace(CASES[name], mesh=(2, 2))
+  with 8 on a 2-core host, ring or not). The window leaves most pairs
+  empty: their devices still launch a kernel (dropped) at every step."""
+  case = dataclasses.replace(CASES[name], mesh=(2, 2)) if name.startswith(
+      "full") else dataclasses.replace(CASES[name], mesh=(1, 4))
   _check(case, "interpret", rng)
 
 
@@ -256,7 +335,10 @@ def _shard(q, k=None, v=None, **kwargs):
 
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(bias=jnp.zeros((1, 1, 16, 16))), ValueError, "bias is not supported"),
-    (dict(sliding_window=4), ValueError, "sliding_window is not supported"),
+    (dict(mask=[masks.Causal()] * 3 + [masks.Local(2)], head_axis="data"),
+     ValueError, "per-head mask list cannot be split"),
+    (dict(mask=masks.Dense(np.ones((8, 8), bool))), ValueError,
+     "Dense mask has shape"),
     (dict(batch_axis="seq"), ValueError, "must differ from batch_axis"),
     (dict(sequence_axis="rows"), ValueError, "no axis 'rows'"),
     (dict(sequence_layout="striped"), ValueError, "sequence_layout must be"),
@@ -277,6 +359,9 @@ def test_ring_rejects_lengths():
     _shard(jnp.zeros((2, 4, 12, 8)), causal=True)
   with pytest.raises(ValueError, match="divisible by the 4 devices"):
     _shard(jnp.zeros((2, 4, 10, 8)))
+  with pytest.raises(ValueError, match="2 x the 4 devices .*zig-zag masked"):
+    _shard(jnp.zeros((2, 4, 12, 8)), sliding_window=3,
+           sequence_layout="zigzag")
   with pytest.raises(ValueError, match="sequence_layout needs sequence_axis"):
     _shard(q, sequence_axis=None, sequence_layout="zigzag")
 
@@ -287,7 +372,65 @@ def test_ring_of_empty_batch():
   assert out.shape == q.shape and lse.shape == (0, 2, 16)
 
 
-def test_ring_with_sinks_matches_the_unsharded_op(rng):
+def _plan(mask, n, length, zigzag_inputs=False):
+  q = jnp.zeros((1, 4, length, 8))
+  config, _, _ = pk.attention.api._validate(
+      q, q, q, False, None, None, None, None, None, False, None, None, mask)
+  return ring._mask_plan(config, ring._band_mask(config), n, length,
+                         zigzag_inputs)
+
+
+def test_mask_plans_skip_dead_steps_and_balance():
+  """A window no wider than a slice needs only the previous device's slice
+  (the ring stops after step 1); chunks within slices need no visiting
+  slice; causal-like masks with a long reach move to zig-zag order, whose
+  blocks dedupe to a few kernels (as plain causal ones)."""
+  window = _plan(masks.Local(100, 0), 8, 2048)
+  assert (window.last_step, window.zigzag) == (1, False)
+  assert _plan(masks.ChunkedCausal(256), 8, 2048).last_step == 0
+  long = _plan(masks.Causal() & masks.Local(4000, 0), 8, 2048)
+  assert long.zigzag and long.last_step == 7 and len(long.branches) <= 5
+  assert _plan(masks.PrefixLM(300), 8, 2048).zigzag
+
+
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_placed_masks_are_slices_of_the_global_mask(zigzag, rng):
+  """Every pair's placed mask equals its block of the global mask (NumPy
+  rule here), and its block classes never call a block with an allowed
+  entry empty nor one with a masked entry full."""
+  n, length = 4, 48
+  dense = rng.random((length, length)) < 0.5
+  p, j = np.arange(length)[:, None], np.arange(length)[None, :]
+  cases = [(masks.ChunkedCausal(7), (j <= p) & (p // 7 == j // 7)),
+           (masks.PrefixLM(10) & masks.Local(None, 3), ((j < 10) | (j <= p))
+            & (j <= p + 3)),
+           (masks.Local(5, 9) | masks.Dense(dense), ((j >= p - 5)
+                                                   & (j <= p + 9)) | dense)]
+  order = ring.zigzag_order(length, n) if zigzag else np.arange(length)
+  local = length // n
+  for mask, want in cases:
+    for r in range(n):
+      for src in range(n):
+        placed = ring._placed(mask, r, src, n, length, zigzag)
+        block = want[np.ix_(order[r * local:(r + 1) * local],
+                            order[src * local:(src + 1) * local])]
+        np.testing.assert_array_equal(masks.dense(placed, local, local),
+                                      block, err_msg=f"{mask} {r} {src}")
+        classes = masks.block_classes(placed, local, local, 5, 4)
+        rows, cols = -(-local // 5) * 5, -(-local // 4) * 4
+        tiles = np.zeros((rows, cols), bool)
+        tiles[:local, :local] = block
+        live = tiles.reshape(rows // 5, 5, cols // 4, 4).any(axis=(1, 3))
+        assert not np.any((classes == 0) & live)
+        tiles[local:] = True   # padded queries are dropped, not masked
+        tiles = tiles.reshape(rows // 5, 5, cols // 4, 4)
+        assert not np.any((classes == 2) & ~tiles.all(axis=(1, 3)))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(causal=True),
+    dict(sliding_window=(5, 3), mask=masks.ChunkedCausal(8))])
+def test_ring_with_sinks_matches_the_unsharded_op(kwargs, rng):
   """Sinks join the ring's merged (out, lse) once: out, lse and the
   gradients of q, k, v and sinks equal the unsharded op's."""
   mesh = _mesh((2, 2))
@@ -296,8 +439,8 @@ def test_ring_with_sinks_matches_the_unsharded_op(rng):
   sinks = jnp.asarray(rng.standard_normal(4), jnp.float32)
 
   def loss(attention, q, k, v, sinks):
-    out, lse = attention(q, k, v, sinks=sinks, causal=True, return_lse=True,
-                         backend="reference")
+    out, lse = attention(q, k, v, sinks=sinks, return_lse=True,
+                         backend="reference", **kwargs)
     return jnp.sum(out ** 2) + jnp.sum(lse), (out, lse)
 
   ring = lambda *a, **kw: pk.shard_flash_attention(  # noqa: E731

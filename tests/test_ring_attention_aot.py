@@ -1,7 +1,8 @@
 """Ring attention compiled by the real TPU compiler for an 8-chip v5e:2x4
 topology (no TPU): forward and backward over a ("data", "seq") mesh of 2 x 4
 run the Mosaic kernels and move K/V with collective-permutes, never an
-all-gather of K/V; each chip's arguments are its shard only.
+all-gather of K/V; each chip's arguments are its shard only. Also with a
+sliding window (the ring stops after one step) and a chunked-causal mask.
 """
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels import _backend, _compat, shard_flash_attention, tpu_aot
+from pallas_kernels.attention import masks
 
 pytestmark = pytest.mark.tpu_aot
 
 TOPOLOGY = "v5e:2x4"
 
 
-def _compile(causal, layout):
+def _compile(causal, layout, **kwargs):
   if TOPOLOGY not in tpu_aot.available_topologies([TOPOLOGY]):
     pytest.skip(f"libtpu lacks {TOPOLOGY}")
   mesh = tpu_aot.topology_mesh(TOPOLOGY, ("data", "seq"), (2, 4))
@@ -36,7 +38,7 @@ def _compile(causal, layout):
       out = shard_flash_attention(
           mesh, q, k, v, batch_axis="data", head_axis=None,
           sequence_axis="seq", sequence_layout=layout, causal=causal,
-          segment_ids=(ids, ids))
+          segment_ids=(ids, ids), **kwargs)
       return jnp.sum(out.astype(jnp.float32))
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
@@ -66,6 +68,27 @@ def test_ring_compiles_with_permutes_not_gathers(causal, layout,
   assert len(permutes) >= (4 if layout == "zigzag" or not causal else 8)
   assert _kernel_runs_during_a_permute(hlo), \
       "no kernel runs while a collective-permute is in flight"
+
+
+@pytest.mark.parametrize("layout, kwargs", [
+    ("contiguous", dict(sliding_window=256)),
+    ("zigzag", dict(mask=masks.ChunkedCausal(1024))),
+])
+def test_masked_ring_compiles_with_permutes_not_gathers(layout, kwargs,
+                                                        tpu_topologies):
+  """A window narrower than a slice (512 tokens a chip) needs only the
+  previous chip's slice: forward and backward send K/V once (and dK/dV
+  home once). Chunked causal over zig-zag inputs walks the whole ring."""
+  hlo = _compile(True, layout, **kwargs)
+  assert 'custom_call_target="tpu_custom_call"' in hlo
+  assert "all-gather" not in hlo and "all-to-all" not in hlo
+  permutes = re.findall(r"collective-permute(?:-start)?\(", hlo)
+  assert permutes, "K/V never moved"
+  if "sliding_window" in kwargs:
+    # No loop: one forward send, one backward send of K/V, one of dK/dV.
+    assert "while" not in hlo.split("ENTRY")[1]
+  else:
+    assert _kernel_runs_during_a_permute(hlo)
 
 
 def _computations(hlo):

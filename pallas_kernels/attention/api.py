@@ -439,11 +439,15 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
   ids along the sequence over that mesh axis and runs ring attention
   (``pallas_kernels.attention.ring``): K/V slices travel around the axis'
   devices, forward and backward. It needs ``q_len == kv_len`` divisible by
-  the axis size (causal: twice the axis size) and takes no bias, sliding
-  window or mask (sinks join the merged result).
-  ``sequence_layout="contiguous"`` (default) takes plain sequence slices; causal attention then moves them to the load-balanced zig-zag
-  order and back inside the op. ``"zigzag"`` takes tensors already in that
-  order (``ring.zigzag_order``), saving those moves.
+  the axis size (causal, or a mask on zig-zag inputs: twice the axis size)
+  and takes no bias. Sliding windows, segment ids and static masks apply at
+  global positions: each step's (query slice, key slice) pair gets its part
+  of the mask, and pairs it empties are skipped (sinks join the merged
+  result). ``sequence_layout="contiguous"`` (default) takes plain sequence
+  slices; causal attention (and masks whose work it balances) then moves
+  them to the load-balanced zig-zag order and back inside the op.
+  ``"zigzag"`` takes tensors already in that order
+  (``ring.zigzag_order``), saving those moves.
 
   Example::
 
@@ -471,6 +475,10 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
   if sequence_axis is None and sequence_layout != "contiguous":
     raise ValueError("shard_flash_attention: sequence_layout needs "
                      "sequence_axis")
+  if (isinstance(kwargs.get("mask"), (list, tuple)) and n_head > 1):
+    raise ValueError("shard_flash_attention: a per-head mask list cannot be "
+                     f"split over mesh axis {head_axis!r}; pass head_axis=None "
+                     "or one mask shared by every head")
   if sequence_axis is not None:
     axis_size(sequence_axis)
     from pallas_kernels.attention import ring
@@ -488,10 +496,6 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
     # The sink joins the merged softmax once, on the ring's (out, lse).
     out, lse = _reference.with_sinks(*result, sinks)
     return (out, lse) if return_lse else out
-  if (isinstance(kwargs.get("mask"), (list, tuple)) and n_head > 1):
-    raise ValueError("shard_flash_attention: a per-head mask list cannot be "
-                     f"split over mesh axis {head_axis!r}; pass head_axis=None "
-                     "or one mask shared by every head")
   sinks = kwargs.pop("sinks", None)
   return_lse = kwargs.get("return_lse", False)
   qkv_spec = P(batch_axis, head_axis, None, None)

@@ -257,6 +257,109 @@ class Or(_Combined):
     return x | y
 
 
+# ------------------------------------------------- masks at other places --
+
+def _where(cond, a, b):
+  if isinstance(cond, np.ndarray) or np.isscalar(cond):
+    return np.where(cond, a, b)
+  import jax.numpy as jnp
+  return jnp.where(cond, a, b)
+
+
+def _global_pieces(lo, hi, starts, piece):
+  """For each piece of a placement: (whether [lo, hi] meets it, its part of
+  [lo, hi] in global positions)."""
+  for p, start in enumerate(starts):
+    first = p * piece
+    last = first + piece - 1 if p < len(starts) - 1 else np.iinfo(np.int64).max
+    a, b = np.maximum(lo, first), np.minimum(hi, last)
+    yield a <= b, a + (start - first), b + (start - first)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed(Mask):
+  """A formula mask evaluated at global positions of an equal-length block
+  pair cut out of a longer call: local query (key) index ``x`` lies in
+  piece ``x // piece`` (the last piece runs on), at global position
+  ``q_starts[x // piece] + x % piece`` (``kv_starts`` for keys). Ring
+  attention gives each (query shard, key shard) pair its ``Placed`` mask.
+  Use :func:`place`, which also slices ``Dense`` masks. Equality is by
+  ``key``: per (query piece, key piece), empty (0), full (2) or the pieces'
+  starts moved by a multiple of ``shift_period`` (equal keys: equal
+  masks)."""
+  base: Mask
+  q_starts: tuple[int, ...] = dataclasses.field(compare=False)
+  kv_starts: tuple[int, ...] = dataclasses.field(compare=False)
+  piece: int
+  key: tuple
+
+  @staticmethod
+  def _to_global(x, starts, piece):
+    out = x + starts[0]
+    for p in range(1, len(starts)):
+      out = _where(x >= p * piece, x + (starts[p] - p * piece), out)
+    return out
+
+  def allowed(self, pos, col):
+    return self.base.allowed(
+        self._to_global(pos, self.q_starts, self.piece),
+        self._to_global(col, self.kv_starts, self.piece))
+
+  def block_bounds(self, pos_lo, pos_hi, col_lo, col_hi):
+    some, every = np.bool_(False), np.bool_(True)
+    for q_meets, p_lo, p_hi in _global_pieces(pos_lo, pos_hi, self.q_starts,
+                                              self.piece):
+      for kv_meets, c_lo, c_hi in _global_pieces(col_lo, col_hi,
+                                                 self.kv_starts, self.piece):
+        live = q_meets & kv_meets
+        some_p, every_p = self.base.block_bounds(p_lo, p_hi, c_lo, c_hi)
+        some = some | (live & some_p)
+        every = every & (~live | every_p)
+    return some, every
+
+
+def shift_period(mask: Mask) -> int | None:
+  """A period ``t`` such that shifting both positions by a multiple of ``t``
+  leaves the mask unchanged (``allowed(p + t, j + t) == allowed(p, j)`` for
+  ``p, j >= 0``), or None if there is none."""
+  if isinstance(mask, (Causal, Local)):
+    return 1
+  if isinstance(mask, ChunkedCausal):
+    return mask.chunk_size
+  return None
+
+
+def place(mask: Mask, q_starts, kv_starts, piece: int) -> Mask:
+  """``mask`` (of a call of equal lengths) at the positions of a block pair
+  whose queries and keys are the pieces of ``piece`` positions starting at
+  ``q_starts`` and ``kv_starts`` (see :class:`Placed`). ``Dense`` masks are
+  sliced; a leaf that repeats under shifts (:func:`shift_period`) is moved
+  to its smallest equivalent starts, so equal blocks get equal masks."""
+  q_starts, kv_starts = tuple(map(int, q_starts)), tuple(map(int, kv_starts))
+  if isinstance(mask, Dense):
+    rows = np.concatenate([np.arange(s, s + piece) for s in q_starts])
+    cols = np.concatenate([np.arange(s, s + piece) for s in kv_starts])
+    return Dense(mask.array[np.ix_(rows, cols)])
+  if isinstance(mask, _Combined):
+    return type(mask)(place(mask.a, q_starts, kv_starts, piece),
+                      place(mask.b, q_starts, kv_starts, piece))
+  if isinstance(mask, PrefixLM) and min(kv_starts) >= mask.prefix_length:
+    mask = Causal()   # no key of the pair lies in the prefix
+  period = shift_period(mask)
+  key = []
+  for q_start in q_starts:
+    for kv_start in kv_starts:
+      some, every = mask.block_bounds(q_start, q_start + piece - 1, kv_start,
+                                      kv_start + piece - 1)
+      shift = 0 if period is None else (min(q_start, kv_start) // period
+                                        * period)
+      key.append(0 if not some else 2 if every else
+                 (q_start - shift, kv_start - shift))
+  if len(key) == 1 and key[0] == (0, 0):
+    return mask   # the pair sits on the diagonal: the mask as it is
+  return Placed(mask, q_starts, kv_starts, piece, tuple(key))
+
+
 # --------------------------------------------------- evaluation on a grid --
 
 def dense(mask: Mask, q_len: int, kv_len: int) -> np.ndarray:

@@ -24,6 +24,14 @@ Every device does the same work at every step. Contiguous inputs (device
 the op (:func:`to_zigzag`, :func:`from_zigzag`). Non-causal attention needs
 no order: every step is one unmasked block.
 
+Sliding windows and static masks (``masks``) apply at global positions. At
+trace time a plan (:func:`_mask_plan`) places the mask on each (device,
+step) pair (``masks.place``), classifies it as empty (skipped), full
+(unmasked block) or partial (the kernel with the placed mask, which skips
+the blocks it empties), and each step switches on the device's entry. The
+ring ends after the last step with a live pair anywhere; contiguous inputs
+move to zig-zag order when that balances the work.
+
 The backward is a ring too (custom VJP; its residuals are q, the local k, v,
 segment ids and the final out and lse, never the visiting slices). The K/V
 slice travels again, followed by float32 dK/dV accumulators; each step runs
@@ -47,11 +55,12 @@ from jax import lax
 
 from pallas_kernels import _backend, _checks, _compat
 from pallas_kernels.attention import api as _api
+from pallas_kernels.attention import masks as _masks
 
 SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
 # flash_attention keywords the ring supports; the others raise.
-_RING_KEYWORDS = ("causal", "sm_scale", "sliding_window", "logit_soft_cap",
-                  "return_lse", "block_sizes", "backend")
+_RING_KEYWORDS = ("causal", "sm_scale", "sliding_window", "mask",
+                  "logit_soft_cap", "return_lse", "block_sizes", "backend")
 _HELPER = "shard_flash_attention"
 
 
@@ -64,16 +73,23 @@ class _Ring:
   # Kernels run in the TPU-semantics interpreter, which waits for every
   # device at each kernel launch.
   launches_wait_for_all: bool
+  # The per-pair blocks of a window or static mask (None: plain causal or
+  # no mask).
+  plan: _Plan | None = None
 
   @property
   def unmasked(self):
     """The config of a block that needs no mask."""
-    return dataclasses.replace(self.config, causal=False, window_left=None,
-                               window_right=None)
+    return _unmasked(self.config)
 
-  def shift(self, tree):
-    """Every array of ``tree`` sent to the next device of the ring."""
-    perm = [(i, (i + 1) % self.size) for i in range(self.size)]
+  @property
+  def last_step(self):
+    """The last step with a live pair on some device."""
+    return self.size - 1 if self.plan is None else self.plan.last_step
+
+  def shift(self, tree, by=1):
+    """Every array of ``tree`` sent ``by`` devices on along the ring."""
+    perm = [(i, (i + by) % self.size) for i in range(self.size)]
     return self.fence(jax.tree_util.tree_map(
         lambda x: lax.ppermute(x, self.axis, perm), self.fence(tree)))
 
@@ -97,6 +113,118 @@ class _Ring:
     """Whether the slice visiting at ``step`` (>= 1) comes from a device
     before this one: ``(r - step) mod N < r`` exactly when ``step <= r``."""
     return step <= lax.axis_index(self.axis)
+
+
+def _unmasked(config):
+  return dataclasses.replace(config, causal=False, window_left=None,
+                             window_right=None, mask=None)
+
+
+# ------------------------------------------------------------ mask plans --
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """How a window or static mask splits over the ring's block pairs.
+
+  ``branches[0]`` is None (a pair with no allowed entry: skipped); the
+  others are block configs (unmasked for full pairs, else the pair's
+  ``masks.place``-d mask). ``table[step][r]`` is the branch of device
+  ``r``'s pair at ``step`` (its queries against the slice of device ``(r -
+  step) mod N``); ``zigzag``: the positions are in zig-zag order.
+  """
+  branches: tuple
+  table: tuple
+  last_step: int
+  zigzag: bool
+
+
+def _starts(r, n, length, zigzag):
+  """(first global position of each piece of device r's slice, piece)."""
+  if zigzag:
+    piece = length // (2 * n)
+    return (r * piece, (2 * n - 1 - r) * piece), piece
+  return (r * (length // n),), length // n
+
+
+def _placed(mask, r, src, n, length, zigzag):
+  """The mask of device r's queries against device src's keys."""
+  q_starts, piece = _starts(r, n, length, zigzag)
+  kv_starts, _ = _starts(src, n, length, zigzag)
+  heads = mask if isinstance(mask, tuple) else (mask,)
+  placed = tuple(_masks.place(m, q_starts, kv_starts, piece) for m in heads)
+  return placed[0] if all(m == placed[0] for m in placed) else placed
+
+
+def _classes(mask, length, block):
+  """Block classes (0 empty, 1 partial, 2 full) of a mask or per-head tuple
+  of a ``length`` x ``length`` pair at square blocks: [heads, rows, cols]."""
+  heads = mask if isinstance(mask, tuple) else (mask,)
+  return np.stack([_masks.block_classes(m, length, length, block, block)
+                   for m in heads])
+
+
+def _busiest(mask, n, length, zigzag):
+  """The largest fraction of block pairs with allowed entries that one device
+  computes over the ring (blocks of 1/16 of a slice)."""
+  local = length // n
+  block = -(-local // 16)
+  return max(sum(np.mean(_classes(_placed(mask, r, src, n, length, zigzag),
+                                  local, block) > 0) for src in range(n))
+             for r in range(n))
+
+
+def _masked_config(config, mask):
+  """The block config of a pair with ``mask`` (a causal or window band stays
+  on the band fields, as ``flash_attention`` keeps it)."""
+  if isinstance(mask, _masks.Causal):
+    return dataclasses.replace(_unmasked(config), causal=True, window_right=0)
+  if isinstance(mask, _masks.Local):
+    return dataclasses.replace(_unmasked(config), window_left=mask.left,
+                               window_right=mask.right)
+  return dataclasses.replace(_unmasked(config), mask=mask)
+
+
+def _band_mask(config):
+  """The config's causal/window band as a mask, or None when the ring's
+  plain paths cover it (no window: full or causal attention)."""
+  if config.mask is not None:
+    return config.mask
+  if config.window_left is None and config.window_right == (
+      0 if config.causal else None):
+    return None
+  return _masks.Local(config.window_left, config.window_right)
+
+
+def _mask_plan(config, mask, n, length, zigzag_inputs):
+  """The ``_Plan`` of ``mask`` for a sequence of ``length`` on ``n``
+  devices. Contiguous inputs move to zig-zag order when that lowers the
+  busiest device's work (``_busiest``): causal-like masks with a long
+  reach; narrow windows and short chunks stay in place, which also lets the
+  ring stop after its last live step."""
+  zigzag = zigzag_inputs or (
+      n > 1 and length % (2 * n) == 0
+      and _busiest(mask, n, length, True) < _busiest(mask, n, length, False))
+  local = length // n
+  branches = [None, _unmasked(config)]
+  table = []
+  for step in range(n):
+    row = []
+    for r in range(n):
+      placed = _placed(mask, r, (r - step) % n, n, length, zigzag)
+      kind = _classes(placed, local, local)
+      if not kind.any():
+        row.append(0)
+        continue
+      if (kind == 2).all():
+        row.append(1)
+        continue
+      branch = _masked_config(config, placed)
+      if branch not in branches:
+        branches.append(branch)
+      row.append(branches.index(branch))
+    table.append(tuple(row))
+  live = [s for s in range(1, n) if any(table[s])]
+  return _Plan(tuple(branches), tuple(table), max(live, default=0), zigzag)
 
 
 # ---------------------------------------------------------- zig-zag order --
@@ -187,9 +315,34 @@ def _block_forward(config, q, k, v, q_seg, kv_seg):
   return out.astype(jnp.float32), lse
 
 
+def _skipped_forward(ring, q, k, v, q_seg, kv_seg):
+  """The (0, -inf) result of a pair with no allowed entry. Under
+  ``launches_wait_for_all`` the kernel still runs (every device must launch
+  as many kernels as the others) and its result is dropped."""
+  if ring.launches_wait_for_all:
+    _block_forward(ring.unmasked, q, k, v, q_seg, kv_seg)
+  return (jnp.zeros(q.shape, jnp.float32),
+          jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
+
+
+def _planned(ring, step, skipped, block, *operands):
+  """``block(config, *operands)`` with the plan's branch for this device at
+  ``step``, or ``skipped(*operands)``."""
+  index = jnp.asarray(np.asarray(ring.plan.table, np.int32))[
+      step, lax.axis_index(ring.axis)]
+  branches = [functools.partial(skipped, ring)] + [
+      functools.partial(block, config) for config in ring.plan.branches[1:]]
+  if len(branches) == 1:
+    return branches[0](*operands)
+  return lax.switch(index, branches, *operands)
+
+
 def _visit_forward(ring, step, q, q_seg, visiting):
   """(out float32, lse) of the local queries against the visiting slice."""
   k, v, kv_seg = visiting
+  if ring.plan is not None:
+    return _planned(ring, step, _skipped_forward, _block_forward, q, k, v,
+                    q_seg, kv_seg)
   if not ring.config.causal:
     return _block_forward(ring.unmasked, q, k, v, q_seg, kv_seg)
   half = q.shape[2] // 2
@@ -226,9 +379,21 @@ def _block_backward(config, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
   return tuple(g.astype(jnp.float32) for g in (dq, dk, dv))
 
 
+def _skipped_backward(ring, q, k, v, *operands):
+  """Zero gradients of a pair with no allowed entry (see
+  ``_skipped_forward``)."""
+  if ring.launches_wait_for_all:
+    _block_backward(ring.unmasked, q, k, v, *operands)
+  return (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+          jnp.zeros(v.shape, jnp.float32))
+
+
 def _visit_backward(ring, step, q, q_seg, out, lse, d_out, d_lse, visiting):
   """float32 (dq, dk, dv) of the visiting block at the final (out, lse)."""
   k, v, kv_seg = visiting
+  if ring.plan is not None:
+    return _planned(ring, step, _skipped_backward, _block_backward, q, k, v,
+                    q_seg, kv_seg, out, lse, d_out, d_lse)
   if not ring.config.causal:
     return _block_backward(ring.unmasked, q, k, v, q_seg, kv_seg, out, lse,
                            d_out, d_lse)
@@ -255,26 +420,30 @@ def _visit_backward(ring, step, q, q_seg, out, lse, d_out, d_lse, visiting):
 
 def _around_the_ring(ring, visiting, carry, visit):
   """Runs ``carry = visit(step, visiting_slice, carry)`` for steps ``1 ..
-  N-1``, each slice sent on before it is used; ``visiting`` is the slice of
-  step 1, already sent."""
+  ring.last_step``, each slice sent on before it is used; ``visiting`` is
+  the slice of step 1, already sent."""
   def body(step, state):
     current, carry = state
     return ring.shift(current), visit(step, current, carry)
 
-  if ring.size > 2:
-    visiting, carry = lax.fori_loop(1, ring.size - 1, body, (visiting, carry))
-  if ring.size > 1:   # the last slice goes nowhere
-    carry = visit(ring.size - 1, visiting, carry)
+  last = ring.last_step
+  if last > 1:
+    visiting, carry = lax.fori_loop(1, last, body, (visiting, carry))
+  if last > 0:   # the last slice goes nowhere
+    carry = visit(last, visiting, carry)
   return carry
 
 
 def _ring_forward(ring, q, k, v, q_seg, kv_seg):
   q, k, v, q_seg, kv_seg = ring.fence((q, k, v, q_seg, kv_seg))
   local = (k, v, kv_seg)
-  visiting = ring.shift(local) if ring.size > 1 else None
+  visiting = ring.shift(local) if ring.last_step > 0 else None
   # Step 0: the local slice; causal attention of the local slices is the
   # mask of chunks (r, 2N-1-r) against themselves.
-  acc = _block_forward(ring.config, q, k, v, q_seg, kv_seg)
+  if ring.plan is not None:
+    acc = _visit_forward(ring, 0, q, q_seg, local)
+  else:
+    acc = _block_forward(ring.config, q, k, v, q_seg, kv_seg)
 
   def visit(step, current, acc):
     return _merge(acc, _visit_forward(ring, step, q, q_seg, current))
@@ -287,9 +456,13 @@ def _ring_backward(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
   q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse = ring.fence(
       (q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse))
   local = (k, v, kv_seg)
-  visiting = ring.shift(local) if ring.size > 1 else None
-  dq, dk, dv = _block_backward(ring.config, q, k, v, q_seg, kv_seg, out, lse,
-                               d_out, d_lse)
+  visiting = ring.shift(local) if ring.last_step > 0 else None
+  if ring.plan is not None:
+    dq, dk, dv = _visit_backward(ring, 0, q, q_seg, out, lse, d_out, d_lse,
+                                 local)
+  else:
+    dq, dk, dv = _block_backward(ring.config, q, k, v, q_seg, kv_seg, out,
+                                 lse, d_out, d_lse)
 
   def visit(step, current, carry):
     dq, travelling = carry
@@ -300,8 +473,8 @@ def _ring_backward(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
     return dq + dq_s, (arriving[0] + dk_s, arriving[1] + dv_s)
 
   dq, (dk, dv) = _around_the_ring(ring, visiting, (dq, (dk, dv)), visit)
-  if ring.size > 1:   # after step N-1 they belong to the next device
-    dk, dv = ring.shift((dk, dv))
+  if ring.last_step > 0:   # they belong to the slice of device r - last
+    dk, dv = ring.shift((dk, dv), by=ring.size - ring.last_step)
   return ring.fence((dq.astype(q.dtype), dk.astype(k.dtype),
                      dv.astype(v.dtype)))
 
@@ -331,20 +504,22 @@ _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
 def _local_ring_attention(config, axis_name, num_shards, q, k, v, q_seg=None,
-                   kv_seg=None, *, zigzag_inputs=False):
+                          kv_seg=None, *, zigzag_inputs=False, plan=None):
   """Per-device ring attention, called inside ``shard_map``.
 
   q/k/v ``[b, h, L/N, d]`` and segment ids ``[b, L/N]`` are this device's
   slices along mesh axis ``axis_name`` (``num_shards`` devices), contiguous
-  unless ``zigzag_inputs`` (causal only). ``config`` comes from
-  ``api._validate`` of the unsharded call. Returns (out, lse) of the local
-  queries, in the layout of the inputs.
+  unless ``zigzag_inputs``. ``config`` comes from ``api._validate`` of the
+  unsharded call; ``plan`` (``_mask_plan``) splits its window or mask over
+  the pairs. Returns (out, lse) of the local queries, in the layout of the
+  inputs.
   """
   rows = _api._rows(config, "forward", q, k, v, q_seg, None)
   ring = _Ring(config, axis_name, num_shards,
                launches_wait_for_all=_backend.runs_with_callbacks(
-                   _api.OP, config.backend, rows))
-  reorder = config.causal and not zigzag_inputs and num_shards > 1
+                   _api.OP, config.backend, rows), plan=plan)
+  zigzag = config.causal if plan is None else plan.zigzag
+  reorder = zigzag and not zigzag_inputs and num_shards > 1
   if reorder:
     q, k, v = (to_zigzag(x, axis_name, num_shards, 2) for x in (q, k, v))
     q_seg, kv_seg = (None if s is None else
@@ -379,9 +554,6 @@ def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
     raise ValueError(f"{_HELPER}: bias is not supported with sequence_axis "
                      "(ring attention); fold it into segment ids or shard "
                      "batch/heads only")
-  if kwargs.get("sliding_window") is not None:
-    raise ValueError(f"{_HELPER}: sliding_window is not supported with "
-                     "sequence_axis (ring attention)")
   if sequence_axis in (batch_axis, head_axis):
     raise ValueError(f"{_HELPER}: sequence_axis {sequence_axis!r} must differ "
                      f"from batch_axis and head_axis")
@@ -391,27 +563,35 @@ def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
   config, q_seg, kv_seg = _api._validate(
       q, k, v, causal=kwargs.get("causal", False),
       sm_scale=kwargs.get("sm_scale"), segment_ids=segment_ids,
-      sliding_window=None, logit_soft_cap=kwargs.get("logit_soft_cap"),
-      bias=None, return_lse=kwargs.get("return_lse", False),
-      block_sizes=kwargs.get("block_sizes"), backend=kwargs.get("backend"))
+      sliding_window=kwargs.get("sliding_window"),
+      logit_soft_cap=kwargs.get("logit_soft_cap"), bias=None,
+      return_lse=kwargs.get("return_lse", False),
+      block_sizes=kwargs.get("block_sizes"), backend=kwargs.get("backend"),
+      mask=kwargs.get("mask"))
   n = mesh.shape[sequence_axis]
   length = q.shape[2]
   if k.shape[2] != length:
     raise ValueError(f"{_HELPER}: with sequence_axis, q_len ({length}) must "
                      f"equal kv_len ({k.shape[2]})")
-  chunks = 2 * n if config.causal else n
-  if length % chunks:
+  zigzag_inputs = sequence_layout == "zigzag"
+  mask = _band_mask(config)
+  if mask is None:
+    why_2n = "causal" if config.causal else None
+  else:
+    why_2n = "zig-zag masked" if zigzag_inputs else None
+  if length % (2 * n if why_2n else n):
     raise ValueError(
         f"{_HELPER}: q_len {length} must be divisible by "
-        + (f"2 x the {n} devices of sequence_axis {sequence_axis!r} (causal "
-           f"ring attention cuts it into {chunks} chunks)" if config.causal
+        + (f"2 x the {n} devices of sequence_axis {sequence_axis!r} ({why_2n} "
+           f"ring attention cuts it into {2 * n} chunks)" if why_2n
            else f"the {n} devices of sequence_axis {sequence_axis!r}"))
   if 0 in (q.shape[0], q.shape[1], length):
     # Nothing to attend to (flash_attention's zeros and -inf).
     out = jnp.zeros(q.shape, q.dtype)
     lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
     return (out, lse) if config.return_lse else out
-  zigzag_inputs = sequence_layout == "zigzag"
+  plan = (None if mask is None
+          else _mask_plan(config, mask, n, length, zigzag_inputs))
 
   qkv_spec = P(batch_axis, head_axis, sequence_axis, None)
   seg_spec = P(batch_axis, sequence_axis)
@@ -422,7 +602,8 @@ def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
   def local(q, k, v, *segments):
     q_seg, kv_seg = segments if has_segments else (None, None)
     return _local_ring_attention(config, sequence_axis, n, q, k, v, q_seg,
-                                 kv_seg, zigzag_inputs=zigzag_inputs)
+                                 kv_seg, zigzag_inputs=zigzag_inputs,
+                                 plan=plan)
 
   out, lse = _compat.shard_map(
       local, mesh=mesh, in_specs=tuple(in_specs),
