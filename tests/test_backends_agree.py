@@ -309,15 +309,20 @@ def test_quantized_matmul(backend, examples):
       scale = scale.T if group else scale
       zero = None if zero is None else zero.T
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    kw = dict(w_scale=scale, w_zero=zero, group_size=group, weight_only=True,
-              weight_layout=layout)
-    got = _run_or_skip(backend, pk.quantized_matmul, x, wq, **kw)
-    if got is None:
-      return
-    want = pk.quantized_matmul(x, wq, backend="reference", **kw)
-    _assert_same(got, want, jnp.bfloat16)
+    _quantized_matmul_agrees(
+        backend, x, wq, jnp.bfloat16, w_scale=scale, w_zero=zero,
+        group_size=group, weight_only=True, weight_layout=layout)
 
   run()
+
+
+def _quantized_matmul_agrees(backend, x, w, dtype, **kw):
+  """``backend``'s quantized_matmul equals the reference's (skips what the
+  backend declines)."""
+  got = _run_or_skip(backend, pk.quantized_matmul, x, w, **kw)
+  if got is not None:
+    _assert_same(got, pk.quantized_matmul(x, w, backend="reference", **kw),
+                 dtype)
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
@@ -340,12 +345,8 @@ def test_quantized_matmul_group_products(backend, examples):
     wq, w_scale = pk.quantize(w, dtype, axis=0, group_size=group)
     if layout == "nk":
       wq, w_scale = wq.T, w_scale.T
-    kw = dict(x_scale=x_scale, w_scale=w_scale, group_size=group,
-              weight_layout=layout, out_dtype=jnp.float32)
-    got = _run_or_skip(backend, pk.quantized_matmul, xq, wq, **kw)
-    if got is None:
-      return
-    want = pk.quantized_matmul(xq, wq, backend="reference", **kw)
-    _assert_same(got, want, jnp.float32)
+    _quantized_matmul_agrees(
+        backend, xq, wq, jnp.float32, x_scale=x_scale, w_scale=w_scale,
+        group_size=group, weight_layout=layout, out_dtype=jnp.float32)
 
   run()
