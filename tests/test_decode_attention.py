@@ -257,6 +257,17 @@ def test_kernel_blocks_and_splits(kernel, block, num_splits, name, rng):
   _assert_close(out, want, TOLERANCES[case.dtype], name)
 
 
+@pytest.mark.parametrize("batch,kv_heads,want", [
+    (1, 8, 16), (2, 8, 8), (4, 8, 4), (8, 8, 2), (16, 8, 2), (64, 8, 1),
+    (1, 1, 128), (3, 5, 8)])
+def test_gpu_splits_are_powers_of_two_near_one_program_per_sm(
+    batch, kv_heads, want):
+  # An H100 sweep (bench/results/decode_attention-splits-h100-*) found one
+  # program per SM and splits that divide the blocks evenly fastest.
+  splits = triton.default_splits(batch, kv_heads)
+  assert splits == want and splits & (splits - 1) == 0
+
+
 def test_tpu_plan_fits_and_splits():
   plan = mosaic_tpu.make_plan(1, 8, 4, 131072, 128, 2)
   assert plan.block % 128 == 0 and plan.num_splits == 1

@@ -6,8 +6,9 @@ head ``hk`` (``splits.pack_queries``, padded to a power of two >= 16, the
 smallest Triton dot) and walks its run of the sequence's visible key blocks
 (``splits.split_range``) with ``lax.fori_loop`` and the online softmax in
 base 2, then writes its normalized ``(out, lse)``; XLA merges the splits and
-the sinks (``splits.finish``). Splits are chosen so that about
-``PROGRAMS`` programs run, so a batch of 1 fills the GPU.
+the sinks (``splits.finish``). The split count is the power of two at or
+below ``PROGRAMS / (B * Hkv)`` (rounded up): about one program per SM, so a
+batch of 1 fills the GPU, and whole blocks split evenly.
 The cache is read in place: a contiguous block is ``block`` rows (the last
 one shifted back to end at S, its rows already seen masked out); a paged
 block is one page, found through the page table. Every block masks logits
@@ -37,7 +38,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 MIN_TILE = 16          # smallest dimension of a Triton dot
 TILE_BYTES = 32 << 10  # bytes of one K tile (registers/shared memory)
-PROGRAMS = 264         # two per SM of an H100
+PROGRAMS = 132         # one per SM of an H100
 NUM_WARPS = 4
 NUM_STAGES = 3
 
@@ -66,6 +67,13 @@ def supports(q, k_cache, page_table) -> str | None:
             f"sm_{capability.replace('.', '')}: use an int8 or float8_e5m2 "
             "cache")
   return None
+
+
+def default_splits(batch: int, kv_heads: int) -> int:
+  """Splits per (sequence, kv head): the power of two at or below
+  ceil(PROGRAMS / (batch * kv_heads))."""
+  wanted = max(1, -(-PROGRAMS // (batch * kv_heads)))
+  return 1 << (wanted.bit_length() - 1)
 
 
 def block_rows(capacity: int, head_dim: int, itemsize: int,
@@ -165,7 +173,7 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
       block_kv or block_rows(capacity, head_dim, itemsize, None))
   num_blocks = -(-capacity // block)
   if num_splits is None:
-    num_splits = -(-PROGRAMS // (batch * kv_heads))
+    num_splits = default_splits(batch, kv_heads)
   num_splits = max(1, min(num_splits, num_blocks))
   rows = max(MIN_TILE, _next_pow2(queries * group))
   packed = _splits.pack_queries(q, kv_heads, rows)
