@@ -1075,8 +1075,9 @@ def _run_nms(jax_op, op, boxes, scores, class_ids, partition_spec, mesh,
   return jax_op([boxes, scores, _ids_int32(class_ids)[0]], **static)
 
 
-__all__ = ["UnshardedWarning", "flash_attention", "quantize_int8",
-           "int8_matmul", "int8_dense", "iou", "giou", "diou", "ciou",
+__all__ = ["UnshardedWarning", "flash_attention", "decode_attention",
+           "quantize_int8", "int8_matmul", "int8_dense", "quantize",
+           "quantized_matmul", "quantized_dense", "iou", "giou", "diou", "ciou",
            "pairwise_iou", "pairwise_giou", "pairwise_diou", "pairwise_ciou",
            "box_iou", "iou_loss", "giou_loss", "diou_loss", "ciou_loss",
            "nms", "batched_nms", "soft_nms"]

@@ -77,9 +77,10 @@ def attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, bias=None, *,
   kv_heads, kv_len = k.shape[1], k.shape[2]
   group = heads // kv_heads
   qg = q.reshape(batch, kv_heads, group, q_len, -1)
-  s = jnp.einsum("bkgqd,bkld->bkgql", qg, k,
-                 preferred_element_type=jnp.float32,
-                 precision=jax.lax.Precision.HIGHEST).astype(jnp.float32)
+  # float32 operands: exact for 16-bit values, and the CPU runtime of jax
+  # 0.7 has no bf16 x bf16 -> f32 dot for some shapes.
+  s = jnp.einsum("bkgqd,bkld->bkgql", qg.astype(jnp.float32),
+                 k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   s = s.reshape(batch, heads, q_len, kv_len) * sm_scale
   if logit_soft_cap is not None:
     s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
