@@ -17,6 +17,15 @@ else:
   IMPORT_ERROR = None
 
 
+# The plgpu names the warp-specialized matmul kernels (int8 weight-only,
+# 8-bit x 8-bit) build on; each adds its own.
+MATMUL_API = ("kernel", "wgmma", "wgmma_wait", "SMEM", "ACC",
+              "emit_pipeline_warp_specialized", "BlockSpec",
+              "copy_smem_to_gmem", "commit_smem", "wait_smem_to_gmem",
+              "transpose_ref", "TilingTransform", "SwizzleTransform",
+              "CompilerParams", "LoweringSemantics")
+
+
 def api_missing(kernel: str, needed_api) -> str | None:
   """Why this jax cannot build the Mosaic GPU ``kernel`` (which uses the
   ``plgpu`` names ``needed_api``), or None when it can."""

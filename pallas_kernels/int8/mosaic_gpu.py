@@ -50,11 +50,7 @@ WEIGHT_DTYPES = tuple(jnp.dtype(d) for d in (
     jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2))
 PAIR_MIN_MP = 128  # x tiles multicast to CTA pairs from this padded M on
 SMEM_BYTES = 227 * 1024
-_NEEDED_API = ("kernel", "wgmma", "wgmma_wait", "SMEM", "ACC",
-               "emit_pipeline_warp_specialized", "BlockSpec",
-               "copy_smem_to_gmem", "commit_smem", "wait_smem_to_gmem",
-               "transpose_ref", "TilingTransform", "SwizzleTransform",
-               "CompilerParams", "LoweringSemantics")
+_NEEDED_API = _mosaic_gpu.MATMUL_API
 
 
 def api_missing() -> str | None:

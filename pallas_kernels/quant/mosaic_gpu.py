@@ -45,12 +45,8 @@ SMEM_BYTES = 227 * 1024
 DEFAULT_SMS = 132  # H100 SXM; the device's own count where there is one
 FLOAT8 = tuple(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2))
 INT8 = jnp.dtype(jnp.int8)
-_NEEDED_API = ("kernel", "wgmma", "wgmma_wait", "SMEM", "ACC",
-               "emit_pipeline_warp_specialized", "BlockSpec", "nd_loop",
-               "planar_snake", "find_swizzle", "copy_smem_to_gmem",
-               "commit_smem", "wait_smem_to_gmem", "transpose_ref",
-               "TilingTransform", "SwizzleTransform", "CompilerParams",
-               "LoweringSemantics", "Layout")
+_NEEDED_API = _mosaic_gpu.MATMUL_API + ("nd_loop", "planar_snake",
+                                          "find_swizzle", "Layout")
 
 
 def api_missing() -> str | None:
