@@ -69,10 +69,9 @@ class MatmulCase:
   @property
   def mosaic_gpu(self):
     """The Mosaic GPU kernel's row takes this call."""
-    low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
-    return (self.weight_only and self.layout == "nk"
-            and self.x_dtype == "bfloat16" and self.block_sizes is None
-            and low <= self.m <= high)
+    low, high = bs.gpu_weight_only_mosaic_m(jnp.int8)
+    return (self.weight_only and self.x_dtype == "bfloat16"
+            and self.block_sizes is None and low <= self.m <= high)
 
   def __str__(self):
     mode = ("raw" if self.raw else "w8a16" if self.weight_only else
@@ -120,7 +119,7 @@ def check_matmul(out, case, x, w, extras):
 
 def run_matmul(backend, case, x, w, extras):
   if backend.name == "mosaic_gpu" and not case.mosaic_gpu:
-    pytest.skip("the Mosaic GPU kernel takes weight-only bf16 x, w [N, K], "
+    pytest.skip("the Mosaic GPU kernel takes weight-only bf16 x, "
                 "M in GPU_WEIGHT_ONLY_MOSAIC_AUTO_M")
   arrays = {name: jnp.asarray(v) for name, v in extras.items()}
   return backend.run(pk.int8_matmul, jnp.asarray(x), jnp.asarray(w),

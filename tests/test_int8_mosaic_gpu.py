@@ -43,24 +43,25 @@ def _supports(m, k, n, *, x_dtype=jnp.bfloat16, mode="weight_only",
                              block_sizes=block_sizes)
 
 
-def _inputs(rng, m, k, n):
+def _inputs(rng, m, k, n, w_layout="nk"):
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-  w = jnp.asarray(rng.integers(-128, 128, (n, k)), jnp.int8)
+  w_shape = (n, k) if w_layout == "nk" else (k, n)
+  w = jnp.asarray(rng.integers(-128, 128, w_shape), jnp.int8)
   w_scale = jnp.asarray(rng.uniform(1e-3, 2e-3, (1, n)), jnp.float32)
   bias = jnp.asarray(rng.standard_normal((1, n)), jnp.float32)
   return x, w, w_scale, bias
 
 
-def _run(x, w, w_scale, bias, out_dtype, sizes=None):
+def _run(x, w, w_scale, bias, out_dtype, sizes=None, w_layout="nk"):
   return mosaic_gpu.matmul(x, w, None, w_scale, bias, mode="weight_only",
-                           out_dtype=out_dtype, w_layout="nk",
+                           out_dtype=out_dtype, w_layout=w_layout,
                            block_sizes=sizes, interpret=INTERPRET)
 
 
-def _check(got, x, w, w_scale, bias, out_dtype):
+def _check(got, x, w, w_scale, bias, out_dtype, w_layout="nk"):
   oracle.assert_int8_matmul(got, x, w, jnp.dtype(out_dtype).name,
                             w_scale=w_scale, bias=bias, weight_only=True,
-                            weight_layout="nk")
+                            weight_layout=w_layout)
 
 
 # ------------------------------------------------------------- supports --
@@ -72,7 +73,8 @@ def test_supports_declines_what_it_does_not_implement():
   assert _supports(16, 256, 128) is None
   assert _supports(1, 64, 1) is None
   assert _supports(128, 4096, 14336) is None
-  cases = [dict(w_layout="kn"), dict(x_dtype=jnp.float32),
+  assert _supports(16, 256, 128, w_layout="kn") is None
+  cases = [dict(w_layout="tn"), dict(x_dtype=jnp.float32),
            dict(x_dtype=jnp.float16), dict(mode="dequant"),
            dict(x_scale=_sds((16, 1), jnp.float32))]
   for kwargs in cases:
@@ -120,8 +122,10 @@ def test_plan_split_fills_one_wave_and_fuses_unsplit():
     assert mosaic_gpu.padded_m(m) == mp
     assert mosaic_gpu.plan(m, 512, 200).mp == mp
   for m in (16, 32, 64, 128, 192, 256):  # tables fit the H100's SMEM
-    assert mosaic_gpu.smem_bytes(mosaic_gpu.plan(m, 4096, 4096)) <= (
-        mosaic_gpu.SMEM_BYTES)
+    for layout in ("nk", "kn"):
+      p = mosaic_gpu.plan(m, 4096, 4096, w_layout=layout)
+      assert mosaic_gpu.smem_bytes(p, layout) <= mosaic_gpu.SMEM_BYTES
+      assert p.sizes.tile_k % mosaic_gpu.KN_CHUNK == 0  # whole chunks
 
 
 def test_plan_pairs_ctas_for_x_multicast_at_mp_128():
@@ -133,19 +137,25 @@ def test_plan_pairs_ctas_for_x_multicast_at_mp_128():
 
 @pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
                     reason="no Mosaic GPU Pallas API in this jax")
-@pytest.mark.parametrize("m, k, n", [
-    (16, 4096, 14336),   # fused epilogue: scale and bias loads
-    (128, 14336, 4096),  # split K, XLA sum; x pairs
-    (100, 256, 512),     # fused, x pairs
+@pytest.mark.parametrize("m, k, n, w_layout, w_dtype", [
+    (16, 4096, 14336, "nk", jnp.int8),   # fused epilogue: scale and bias
+    (128, 14336, 4096, "nk", jnp.int8),  # split K, XLA sum; x pairs
+    (100, 256, 512, "nk", jnp.int8),     # fused, x pairs
+    # w [K, N]: the bf16 conversion buffers and wgmma from shared memory
+    (1, 4096, 1024, "kn", jnp.int8),
+    (128, 14336, 4096, "kn", jnp.float8_e4m3fn),
+    (256, 512, 640, "kn", jnp.float8_e5m2),
 ])
-def test_gpu_kernel_lowers_for_cuda_on_a_cpu_host(m, k, n):
+def test_gpu_kernel_lowers_for_cuda_on_a_cpu_host(m, k, n, w_layout,
+                                                   w_dtype):
   """The Pallas -> Mosaic GPU lowering (wgmma, layouts, TMA, the epilogue's
   vector loads) runs here; the interpreter tests skip it. Only the PTX
   compile needs the GPU."""
   fn = lambda x, w, s, b: mosaic_gpu.matmul(  # noqa: E731
       x, w, None, s, b, mode="weight_only", out_dtype=jnp.bfloat16,
-      w_layout="nk")
-  args = (_sds((m, k), jnp.bfloat16), _sds((n, k), jnp.int8),
+      w_layout=w_layout)
+  w_shape = (n, k) if w_layout == "nk" else (k, n)
+  args = (_sds((m, k), jnp.bfloat16), _sds(w_shape, w_dtype),
           _sds((1, n), jnp.float32), _sds((1, n), jnp.float32))
   assert jax.eval_shape(fn, *args).shape == (m, n)
   text = _compat.lower_for_cuda(fn, *args).as_text()
@@ -155,12 +165,12 @@ def test_gpu_kernel_lowers_for_cuda_on_a_cpu_host(m, k, n):
 # -------------------------------------------------------------- wiring --
 
 def _picked(m, backend=None, block_sizes=None, mode="weight_only",
-            w_layout="nk"):
+            w_layout="nk", w_dtype=jnp.int8):
   """The kernel int8_matmul's chooser takes for a CUDA lowering."""
   w_shape = (256, 512) if w_layout == "nk" else (512, 256)
   static = dict(mode=mode, out_dtype=jnp.bfloat16, w_layout=w_layout)
   rows = api._matmul_kernels(_sds((m, 512), jnp.bfloat16),
-                             _sds(w_shape, jnp.int8), None, static,
+                             _sds(w_shape, w_dtype), None, static,
                              block_sizes, None)
   return _backend.choose("int8_matmul", backend, rows, platform="cuda")[0].name
 
@@ -183,7 +193,13 @@ def test_chooser_takes_mosaic_only_on_hopper_in_its_m_range():
                        rf"\[{low}, {high}\], where the Triton kernel"):
       _picked(low - 1, backend="mosaic_gpu")
     assert _picked(128, block_sizes=bs.BlockSizes(16, 64, 64)) == "triton"
-    assert _picked(128, w_layout="kn") == "triton"
+    assert _picked(low, w_layout="kn") == "mosaic_gpu"
+    assert _picked(low - 1, w_layout="kn") == "triton"
+    float8_low, _ = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M_FLOAT8
+    assert float8_low == 1
+    for layout in ("nk", "kn"):
+      assert _picked(1, w_layout=layout,
+                     w_dtype=jnp.float8_e4m3fn) == "mosaic_gpu"
     assert _picked(128, mode="dequant") == "triton"
 
 
@@ -255,3 +271,19 @@ def test_float8_weights_and_wide_m_match_float64(rng, w_dtype, m, k, n,
              mosaic_gpu.MgpuBlockSizes(**sizes))
   quant_oracle.assert_matmul(out, x, w, "bfloat16", w_scale=w_scale,
                              bias=bias, weight_only=True, layout="nk")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("m, k, n, out_dtype, sizes", [
+    # w [K, N]: ragged M, N and K, split K (fused partial sums by XLA)
+    (5, 300, 130, jnp.float32, dict(tile_k=128, stages=2)),
+    # fused epilogue, two 64-row conversion chunks per slot, ragged N
+    (33, 192, 300, jnp.bfloat16, dict(tile_k=128, stages=2, max_split=1)),
+])
+def test_kn_weights_match_float64(rng, m, k, n, out_dtype, sizes):
+  x, w, w_scale, bias = _inputs(rng, m, k, n, w_layout="kn")
+  out = _run(x, w, w_scale, bias, out_dtype,
+             mosaic_gpu.MgpuBlockSizes(**sizes), w_layout="kn")
+  assert out.dtype == out_dtype and out.shape == (m, n)
+  _check(out, x, w, w_scale, bias, out_dtype, w_layout="kn")
+

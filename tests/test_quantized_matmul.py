@@ -129,20 +129,21 @@ class Case:
 
 
 def mosaic_gpu_takes(case) -> bool:
-  """The Mosaic GPU kernel's calls: per-channel weight-only 8-bit w [N, K],
-  bf16 x, M in its range (its own refusals are tested in
+  """The Mosaic GPU kernel's calls: per-channel weight-only 8-bit w, bf16
+  x, M in its range for w's dtype (its own refusals are tested in
   test_int8_mosaic_gpu.py)."""
-  low, high = int8_bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+  if case.fmt not in ("int8", "float8_e4m3fn", "float8_e5m2"):
+    return False
+  low, high = int8_bs.gpu_weight_only_mosaic_m(case.fmt)
   return (case.kind == "weight_only" and case.group_size is None
-          and case.fmt in ("int8", "float8_e4m3fn", "float8_e5m2")
-          and case.x_dtype == "bfloat16" and case.layout == "nk"
+          and case.x_dtype == "bfloat16"
           and low <= math.prod(case.x_shape[:-1]) <= high)
 
 
 def run_case(backend, case, x, w, kw):
   if backend.name == "mosaic_gpu" and not mosaic_gpu_takes(case):
     pytest.skip("the Mosaic GPU kernel takes per-channel weight-only 8-bit "
-                "w [N, K], bf16 x, M in GPU_WEIGHT_ONLY_MOSAIC_AUTO_M")
+                "w, bf16 x, M in block_sizes.gpu_weight_only_mosaic_m")
   arrays = {name: jnp.asarray(v) for name, v in kw.items()}
   call = functools.partial(backend.run, pk.quantized_matmul, jnp.asarray(x),
                            jnp.asarray(w), **arrays, **case.options())

@@ -37,7 +37,7 @@ a [K, N] weight costs a transpose per call and an [N, K] one none. TPUs read
 either layout at the same speed.
 
 Kernels (``backend=``): "mosaic_tpu" (TPU), "mosaic_gpu" (Hopper, weight-only
-with w [N, K], bf16 x and M in ``block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M``;
+with bf16 x and M in ``block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M``;
 int8 x int8 in raw, dequant and dynamic modes from M =
 ``quant.mosaic_gpu.AUTO_MIN_M["int8"]``),
 "triton" (NVIDIA GPUs), "reference" (plain JAX); ``backend=None`` takes the
@@ -200,9 +200,9 @@ def _matmul_linear(call):
 def mosaic_gpu_refusal(x2, w, x_scale, mode, w_layout, user_blocks):
   """Why the Mosaic GPU weight-only kernel does not take this call, or None:
   the kernel's own limits, then the M range where it beats the Triton
-  kernel (``block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M``)."""
+  kernel (``block_sizes.gpu_weight_only_mosaic_m``)."""
   why = mosaic_gpu.supports(x2, w, x_scale, mode=mode, w_layout=w_layout)
-  low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+  low, high = bs.gpu_weight_only_mosaic_m(w.dtype)
   m = x2.shape[0]
   if why is None and not low <= m <= high:
     why = (f"M={m} is outside [{low}, {high}], where the Triton kernel is "

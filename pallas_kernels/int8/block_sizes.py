@@ -64,6 +64,8 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import jax.numpy as jnp
+
 MiB = 1 << 20
 
 
@@ -164,11 +166,15 @@ GPU_TABLE_WEIGHT_ONLY_NK = dict(
 # tiles alone number fewer.
 GPU_WEIGHT_ONLY_TARGET_PROGRAMS = {"decode": 192, "small": 112}
 GPU_WEIGHT_ONLY_SMALL_MAX_M = 256
-# Weight-only calls with w [N, K], bf16 x and M in this range (inclusive)
-# run the Mosaic GPU kernel on a Hopper GPU; below it the Triton kernel is
-# as fast or faster (docs/design/int8.md). Weight-only classes: "decode" up
-# to GPU_WEIGHT_ONLY_DECODE_MAX_M, "narrow" up to GPU_DECODE_MAX_M.
+# Weight-only calls with bf16 x and M in this range (inclusive) run the
+# Mosaic GPU kernel on a Hopper GPU, w in either layout; below it the Triton
+# kernel is as fast or faster for int8 w, not for float8 w (its float8
+# conversion is slower), so float8 w takes it at every M
+# (docs/design/int8.md, docs/design/quantized.md). Weight-only classes:
+# "decode" up to GPU_WEIGHT_ONLY_DECODE_MAX_M, "narrow" up to
+# GPU_DECODE_MAX_M.
 GPU_WEIGHT_ONLY_MOSAIC_AUTO_M = (17, 256)
+GPU_WEIGHT_ONLY_MOSAIC_AUTO_M_FLOAT8 = (1, 256)
 GPU_WEIGHT_ONLY_DECODE_MAX_M = 16
 GPU_DECODE_MAX_M = 64
 GPU_MEDIUM_MAX_M = 2048
@@ -186,6 +192,14 @@ class GpuPlan(NamedTuple):
   group_m: int
   swap_ab: bool = False
   stream_w: bool = False
+
+
+def gpu_weight_only_mosaic_m(w_dtype) -> tuple[int, int]:
+  """The M range in which weight-only calls with this w dtype take the
+  Mosaic GPU kernel."""
+  if jnp.dtype(w_dtype) == jnp.dtype(jnp.int8):
+    return GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+  return GPU_WEIGHT_ONLY_MOSAIC_AUTO_M_FLOAT8
 
 
 def shape_class(m: int) -> str:

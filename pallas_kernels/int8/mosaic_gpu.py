@@ -1,8 +1,8 @@
 """Weight-only matmul of 8-bit weights for Hopper GPUs: Mosaic GPU.
 
 out [M, N] = x [M, K] (bf16) @ dequant(w), w int8, float8_e4m3fn or
-float8_e5m2 stored [N, K], per-channel ``w_scale``, optional bias,
-M <= 256: up to M = 128 the time is that of streaming w once.
+float8_e5m2 stored [N, K] or [K, N], per-channel ``w_scale``, optional
+bias, M <= 256: up to M = 128 the time is that of streaming w once.
 
 The product is formed transposed, out^T [N, M] = w [N, K] . x^T, so that w's
 rows fill the wgmma's M side (64 rows per compute warpgroup, two per CTA)
@@ -10,6 +10,12 @@ and x's rows, padded to Mp in {16, 32, 64, 128}, its N side. Each step a
 compute warpgroup converts its 8-bit w tile from shared memory to bf16 in
 registers (exact for all three formats) and issues a wgmma with it as the register operand A and
 the x tile (a transposed shared-memory view) as B, accumulating in float32.
+w [K, N]: the w tile is [tile_k, 128] (N minor), and a register operand
+would need it transposed; instead each compute warpgroup converts 64-row
+K chunks of its 64 columns into a bf16 shared-memory buffer (two per
+warpgroup, so converting one chunk overlaps the wgmma of the previous)
+and issues the wgmma with that buffer, transposed, as A from shared
+memory.
 
 One CTA per (column tile of 128 output channels, K piece). A memory
 warpgroup streams w and x tiles with TMA into a ring of ``stages`` slots
@@ -50,6 +56,7 @@ WEIGHT_DTYPES = tuple(jnp.dtype(d) for d in (
     jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2))
 PAIR_MIN_MP = 128  # x tiles multicast to CTA pairs from this padded M on
 SMEM_BYTES = 227 * 1024
+KN_CHUNK = 64  # w [K, N]: K rows per bf16 conversion buffer (tile_k's unit)
 _NEEDED_API = _mosaic_gpu.MATMUL_API
 
 
@@ -71,8 +78,9 @@ class MgpuBlockSizes:
   target_ctas: int = 132
   max_split: int = 8
 
-  def resolved(self, m: int) -> "MgpuBlockSizes":
-    tile_k, stages = DEFAULT_TILES[padded_m(min(max(m, 1), MAX_M))]
+  def resolved(self, m: int, w_layout: str = "nk") -> "MgpuBlockSizes":
+    table = DEFAULT_TILES_KN if w_layout == "kn" else DEFAULT_TILES
+    tile_k, stages = table[padded_m(min(max(m, 1), MAX_M))]
     return dataclasses.replace(self, tile_k=self.tile_k or tile_k,
                                stages=self.stages or stages).check()
 
@@ -91,6 +99,9 @@ class MgpuBlockSizes:
 # 2 Mp x bytes)) and the epilogue tile fit the H100's 227 KiB of SMEM.
 DEFAULT_TILES = {16: (256, 4), 32: (256, 4), 64: (256, 2), 128: (128, 4),
                  192: (64, 4), 256: (64, 4)}
+# w [K, N]: the same, less the conversion buffers' 32 KiB.
+DEFAULT_TILES_KN = {16: (256, 3), 32: (256, 3), 64: (256, 2), 128: (128, 3),
+                    192: (64, 4), 256: (64, 4)}
 
 
 def padded_m(m: int) -> int:
@@ -118,8 +129,9 @@ class Plan:
     return self.split == 1
 
 
-def plan(m, k, n, sizes: MgpuBlockSizes | None = None) -> Plan:
-  sizes = (sizes or MgpuBlockSizes()).resolved(m)
+def plan(m, k, n, sizes: MgpuBlockSizes | None = None,
+         w_layout: str = "nk") -> Plan:
+  sizes = (sizes or MgpuBlockSizes()).resolved(m, w_layout)
   mp, np_ = padded_m(m), -(-n // ROWS) * ROWS
   tiles = np_ // ROWS
   k_tiles = -(-k // sizes.tile_k)
@@ -140,9 +152,11 @@ def epilogue_cols(mp: int) -> int:
   return min(mp, 64)
 
 
-def smem_bytes(p: Plan) -> int:
+def smem_bytes(p: Plan, w_layout: str = "nk") -> int:
   ring = p.sizes.stages * p.sizes.tile_k * (ROWS + 2 * p.mp)
   out = COMPUTE_WGS * ROWS_PER_WG * epilogue_cols(p.mp) * 4  # epilogue tiles
+  if w_layout == "kn":  # two bf16 conversion buffers per warpgroup
+    out += COMPUTE_WGS * 2 * KN_CHUNK * ROWS_PER_WG * 2
   return ring + out + 2048  # barriers/alignment
 
 
@@ -174,8 +188,8 @@ def supports(x2, w, x_scale=None, *, mode, w_layout, block_sizes=None):
     return reason
   if mode != "weight_only":
     return "the Mosaic GPU weight-only kernel is weight-only"
-  if w_layout != "nk":
-    return "the Mosaic GPU weight-only kernel needs w stored [N, K]"
+  if w_layout not in ("nk", "kn"):
+    return f"the Mosaic GPU weight-only kernel takes w_layout 'nk' or 'kn', got {w_layout!r}"
   if x_scale is not None:
     return "the Mosaic GPU weight-only kernel takes no x_scale"
   if jnp.dtype(w.dtype) not in WEIGHT_DTYPES:
@@ -186,13 +200,14 @@ def supports(x2, w, x_scale=None, *, mode, w_layout, block_sizes=None):
   m, k = x2.shape
   if not 0 < m <= MAX_M:
     return f"the Mosaic GPU weight-only kernel needs 0 < M <= {MAX_M}, got {m}"
-  if min(k, w.shape[0]) == 0:
+  n = w.shape[0 if w_layout == "nk" else 1]
+  if min(k, n) == 0:
     return "the Mosaic GPU weight-only kernel needs K, N > 0"
   try:
-    p = plan(m, k, w.shape[0], block_sizes)
+    p = plan(m, k, n, block_sizes, w_layout)
   except ValueError as e:
     return str(e)
-  if smem_bytes(p) > SMEM_BYTES:
+  if smem_bytes(p, w_layout) > SMEM_BYTES:
     return "tile_k x stages do not fit in shared memory"
   return None
 
@@ -212,22 +227,30 @@ def _pad_to(a, shape):
   return jnp.pad(a, pads)
 
 
-def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret):
+def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret, kn):
   """The kernel: the final [Mp, Np] out_dtype result (``p.fused``), else
-  float32 out^T partial sums [split, Np, Mp] (no scale, no bias)."""
+  float32 out^T partial sums [split, Np, Mp] (no scale, no bias). ``kn``:
+  w is [K, N]."""
   tk = p.sizes.tile_k
   chunk = p.steps * tk  # K per CTA
   interpreting = bool(interpret)
   cluster = 1 if interpreting else p.cluster
-  w = _pad_to(w, (p.np_, p.kp))
+  w = _pad_to(w, (p.kp, p.np_) if kn else (p.np_, p.kp))
   x = _pad_to(x2, (p.mp, p.kp))
   # x tiles are the same for every column tile: with a cluster, one TMA
   # load multicasts each to the cluster's CTAs (less L2 traffic).
   x_spec = plgpu.BlockSpec((p.mp, tk), lambda s: (0, s),
                            transforms=_transforms(tk, 2),
                            collective_axes=("n_sub",) if cluster > 1 else ())
-  w_spec = plgpu.BlockSpec((ROWS, tk), lambda s: (0, s),
-                           transforms=_transforms(tk, 1))
+  if kn:  # 64-byte swizzle: each warpgroup's 64 columns are whole tiles
+    w_spec = plgpu.BlockSpec((tk, ROWS), lambda s: (s, 0),
+                             transforms=(plgpu.TilingTransform((8, 64)),
+                                         plgpu.SwizzleTransform(64)))
+    converted = plgpu.SMEM((COMPUTE_WGS, 2, KN_CHUNK, ROWS_PER_WG),
+                           jnp.bfloat16, transforms=_transforms(ROWS_PER_WG, 2))
+  else:
+    w_spec = plgpu.BlockSpec((ROWS, tk), lambda s: (0, s),
+                             transforms=_transforms(tk, 1))
   cols = epilogue_cols(p.mp)  # accumulator columns per epilogue store
   vectors, is_scale = [], []  # fused: w_scale and/or bias, [Np] float32
   if p.fused:
@@ -241,11 +264,13 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret):
 
   def kernel(w_gmem, x_gmem, *refs):
     *vector_refs, out_gmem = refs
+    scratch = (staging, converted) if kn else (staging,)
     pl.run_scoped(functools.partial(scoped, w_gmem, x_gmem, vector_refs,
                                     out_gmem),
-                  staging, collective_axes="wg")
+                  *scratch, collective_axes="wg")
 
-  def scoped(w_gmem, x_gmem, vector_refs, out_gmem, out_smem):
+  def scoped(w_gmem, x_gmem, vector_refs, out_gmem, out_smem,
+             converted_smem=None):
     tile = lax.axis_index("n_tiles")
     if cluster > 1:
       tile = tile * cluster + lax.axis_index("n_sub")
@@ -253,6 +278,27 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret):
     wg = lax.axis_index("wg")
     k_slice = pl.ds(part * chunk, chunk)
     row0 = tile * ROWS + wg * ROWS_PER_WG
+
+    def body_kn(_, w_smem, x_smem, acc):
+      """w_smem [tk, 128]: this warpgroup's 64 columns, KN_CHUNK K rows
+      at a time, through its two bf16 buffers."""
+      cols = pl.ds(pl.multiple_of(wg * ROWS_PER_WG, ROWS_PER_WG),
+                   ROWS_PER_WG)
+      if interpreting:  # no transposed views there: transpose the values
+        w_tile = to_bf16(w_smem[:, cols], interpreting)
+        return acc + jnp.dot(w_tile.T, x_smem[...].T,
+                             preferred_element_type=jnp.float32)
+      for c in range(tk // KN_CHUNK):
+        rows = pl.ds(c * KN_CHUNK, KN_CHUNK)
+        buffer = converted_smem.at[wg, c % 2]
+        if c >= 2:  # the wgmma that read this buffer two chunks ago
+          plgpu.wgmma_wait(1)
+        buffer[...] = to_bf16(w_smem[rows, cols], interpreting)
+        plgpu.commit_smem()
+        plgpu.wgmma(acc, plgpu.transpose_ref(buffer, (1, 0)),
+                    plgpu.transpose_ref(x_smem.at[:, rows], (1, 0)))
+      plgpu.wgmma_wait(0)  # the slot is released when the body returns
+      return acc
 
     def body(_, w_smem, x_smem, acc):
       w_tile = to_bf16(w_smem[pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)],
@@ -312,11 +358,12 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret):
       (epilogue if p.fused else store_partial)(acc)
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        body, grid=(p.steps,), memory_registers=40,
+        body_kn if kn else body, grid=(p.steps,), memory_registers=40,
         in_specs=[w_spec, x_spec], wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
         max_concurrent_steps=p.sizes.stages, compute_context=compute_context)
-    pipeline(w_gmem.at[pl.ds(tile * ROWS, ROWS), k_slice],
-             x_gmem.at[:, k_slice])
+    w_block = ((k_slice, pl.ds(tile * ROWS, ROWS)) if kn
+               else (pl.ds(tile * ROWS, ROWS), k_slice))
+    pipeline(w_gmem.at[w_block], x_gmem.at[:, k_slice])
 
   kwargs = {}
   if interpret:
@@ -342,7 +389,8 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret):
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
            block_sizes=None, interpret=False):
-  """Weight-only x2 [M, K] bf16 @ w [N, K] (8-bit) -> [M, N] out_dtype.
+  """Weight-only x2 [M, K] bf16 @ w (8-bit, [N, K] or [K, N] by
+  ``w_layout``) -> [M, N] out_dtype.
 
   Same contract as ``triton.matmul``; call only where ``supports`` is None.
   ``interpret``: False on a GPU, an ``InterpretGPUParams`` (or True) to run
@@ -355,12 +403,13 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
   if interpret is True:
     interpret = interpret_params()
   m, k = x2.shape
-  n = w.shape[0]
-  p = plan(m, k, n, block_sizes)
+  kn = w_layout == "kn"
+  n = w.shape[1 if kn else 0]
+  p = plan(m, k, n, block_sizes, w_layout)
   if p.fused:
     out = _kernel_call(x2, w, w_scale, bias, p, jnp.dtype(out_dtype),
-                       interpret)
+                       interpret, kn)
     return out if out.shape == (m, n) else out[:m, :n]
-  parts = _kernel_call(x2, w, None, None, p, jnp.float32, interpret)
+  parts = _kernel_call(x2, w, None, None, p, jnp.float32, interpret, kn)
   acc = parts.sum(axis=0)[:n, :m].T
   return quant.epilogue(acc, None, w_scale, bias, out_dtype)

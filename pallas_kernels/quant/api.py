@@ -31,7 +31,7 @@ empty (or bias-only) outputs. Not differentiable in w; train through
 ``pallas_kernels.nn.quantized_dense``.
 
 Kernels (``backend=``): "mosaic_tpu", "mosaic_gpu" (Hopper; weight-only,
-per-channel int8/fp8 w stored [N, K]; and 8-bit x times 8-bit w without
+per-channel int8/fp8 w in either layout, bf16 x; and 8-bit x times 8-bit w without
 group_size, dequant, raw and dynamic modes, whose fp8 sums use the tensor
 cores' narrower adds: ``quant.mosaic_gpu``), "triton" (NVIDIA GPUs),
 "reference"; int8 x int8 modes without group_size and per-channel int8
