@@ -99,8 +99,8 @@ class MgpuBlockSizes:
 # 2 Mp x bytes)) and the epilogue tile fit the H100's 227 KiB of SMEM.
 DEFAULT_TILES = {16: (256, 4), 32: (256, 4), 64: (256, 2), 128: (128, 4),
                  192: (64, 4), 256: (64, 4)}
-# w [K, N]: the same, less the conversion buffers' 32 KiB.
-DEFAULT_TILES_KN = {16: (256, 3), 32: (256, 3), 64: (256, 2), 128: (128, 3),
+# w [K, N]: room for the conversion buffers' 32 KiB.
+DEFAULT_TILES_KN = {16: (256, 3), 32: (256, 3), 64: (128, 4), 128: (128, 3),
                     192: (64, 4), 256: (64, 4)}
 
 
