@@ -142,13 +142,16 @@ GPU_TABLE = {
     "small": (64, 64, 128, 4, 3),      # M <= 256
     "large": (128, 64, 128, 8, 3),
 }
-# int4 weight-only (H100 sweeps, docs/design/quantized.md): up to "narrow"
-# w streams once (evict-first loads) and the K split fills the GPU.
+# int4 weight-only (H100 sweeps, docs/design/quantized.md): one row tile
+# covers M up to 256, so w is decoded once, and the K split fills the GPU;
+# up to "narrow" w streams (evict-first loads).
 GPU_TABLE_INT4 = dict(
     GPU_TABLE,
     decode=(16, 64, 256, 4, 4),
     narrow=(64, 64, 128, 4, 4),
+    small=(128, 64, 64, 4, 4),
 )
+GPU_INT4_OVER_128 = (256, 64, 64, 8, 3)  # int4, 128 < M <= 256
 GPU_TABLE_FP8 = (128, 128, 128, 8, 3)  # fp8 x fp8 (dequant)
 GPU_TARGET_PROGRAMS = 192
 # The K split is a power of two up to this, each program keeping at least
@@ -197,8 +200,10 @@ def plan_gpu(m, k, n, *, mode, group_size=None, int4=False,
                    bool(block_sizes.stream_w))
   cls = gpu_class(m)
   table = GPU_TABLE_INT4 if int4 else GPU_TABLE
-  bm, bk, bn, warps, stages = (GPU_TABLE_FP8 if mode == "dequant"
-                               else table[cls])
+  bm, bk, bn, warps, stages = (
+      GPU_TABLE_FP8 if mode == "dequant" else
+      GPU_INT4_OVER_128 if int4 and cls == "small" and m > 128 else
+      table[cls])
   bm, bk, bn = int8_bs.gpu_tiles_for_problem(bm, bk, bn, m, k, n)
   if int4:
     bn = max(bn, 32)
@@ -208,6 +213,6 @@ def plan_gpu(m, k, n, *, mode, group_size=None, int4=False,
   split = 1
   stream = mode == "weight_only" and (cls == "decode" or int4
                                       and cls == "narrow")
-  if stream:
+  if stream or int4 and cls == "small":
     split = split_k_to_fill(m, k, n, bm, bk, bn, GPU_TARGET_PROGRAMS)
   return GpuPlan(bm, bk, bn, warps, stages, split, stream)
