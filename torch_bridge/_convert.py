@@ -216,10 +216,16 @@ class _Views:
     return view
 
 
-_VIEWS: dict[Any, _Views] = {}
-# Views are dropped while Python still runs their (Python) deleter; later,
-# at interpreter teardown, the callback would crash the process.
-atexit.register(_VIEWS.clear)
+_VIEWS: dict[Any, _Views] = {}  # by JAX device
+_VIEWS_OF: dict[torch.device, _Views] = {}  # the same, by torch device
+
+
+@atexit.register
+def _drop_views():
+  # Views are dropped while Python still runs their (Python) deleter; later,
+  # at interpreter teardown, the callback would crash the process.
+  _VIEWS_OF.clear()
+  _VIEWS.clear()
 
 
 def _import(t: torch.Tensor, views: _Views):
@@ -249,8 +255,14 @@ def _after_torch_work(torch_device: torch.device, importer) -> None:
   per tensor; here once per call)."""
   stream, event = _stream_and_event(importer.stream, torch_device)
   # One event serves every call: a wait takes the event's latest record.
-  event.record(_current_stream(torch_device))
-  stream.wait_event(event)
+  # The C methods: the Python wrappers only fill in default streams.
+  _EVENT_RECORD(event, _current_stream(torch_device))
+  _EVENT_WAIT(event, stream)
+
+
+if hasattr(torch._C, "_CudaEventBase"):
+  _EVENT_RECORD = torch._C._CudaEventBase.record
+  _EVENT_WAIT = torch._C._CudaEventBase.wait
 
 
 def _current_stream(torch_device: torch.device) -> torch.cuda.Stream:
@@ -276,16 +288,32 @@ def _stream_and_event(pointer: int, torch_device: torch.device):
           torch.cuda.Event())
 
 
-def to_jax(tensors, torch_device: torch.device) -> list:
-  """JAX arrays sharing the buffers of CPU/CUDA ``tensors`` (None stays
-  None), ready once torch's work queued so far is done."""
+def _views_for(torch_device: torch.device) -> _Views:
   device = jax_device_for(torch_device)
   views = _VIEWS.get(device)
   if views is None:
     views = _VIEWS[device] = _Views(_Importer(device))
+  _VIEWS_OF[torch_device] = views
+  return views
+
+
+def to_jax(tensors, torch_device: torch.device) -> list:
+  """JAX arrays sharing the buffers of CPU/CUDA ``tensors`` (None stays
+  None), ready once torch's work queued so far is done."""
+  views = _VIEWS_OF.get(torch_device)
+  if views is None:
+    views = _views_for(torch_device)
   if torch_device.type == "cuda":
     _after_torch_work(torch_device, views.importer)
-  return [None if t is None else _import(t, views) for t in tensors]
+  entries, out = views.entries, []
+  for t in tensors:
+    # A contiguous tensor where a view was made before: the common case,
+    # looked up before anything else (``_Views.get`` keys it the same way).
+    entry = (entries.get((t.data_ptr(), t.shape, t.dtype))
+             if t is not None and t.is_contiguous() else None)
+    out.append(entry[0] if entry is not None
+               else None if t is None else _import(t, views))
+  return out
 
 
 _fast_export: list[bool] = [_TO_CAPSULE is not None]
@@ -303,7 +331,7 @@ def _capsule(a, stream):
 def _export(a, device: torch.device, stream) -> torch.Tensor:
   if a.size > 0:
     try:
-      out = torch.utils.dlpack.from_dlpack(_capsule(a, stream))
+      out = torch._C._from_dlpack(_capsule(a, stream))
       if out.device != device:
         out = out.to(device)
       return out

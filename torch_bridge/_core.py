@@ -233,22 +233,22 @@ class JaxOp:
       if self.shard_specs is None:
         raise TypeError(f"{self.name} takes no partition_spec")
       self.shard_specs(static, tuple(spec), list(arrays), None)
-    elif any(a.device.type == "xla" for a in present):
-      from torch_bridge import _xla
-      if _xla.spmd_active():
-        _warn_unsharded(self.name)
     static_text = encode_static_cached(static)
     mask = self._mask(static["_layout"], present)
-    wants_grad = torch.is_grad_enabled() and any(
-        m and t.requires_grad for m, t in zip(mask, present))
     device = _eager.plain_device(present)
     if device is not None:
       # As the custom ops: an input that requires grad gives outputs that do
       # (with None gradients where the op has none).
       if torch.is_grad_enabled() and any(t.requires_grad for t in present):
-        return list(_eager.Residuals.apply(self.name, static_text, mask,
-                                           device, *present))
+        return list(_eager.apply_residuals(
+            (self.name, static_text, mask, device), *present))
       return _eager.forward(self.name, static_text, present, device)
+    if spec is None and any(a.device.type == "xla" for a in present):
+      from torch_bridge import _xla
+      if _xla.spmd_active():
+        _warn_unsharded(self.name)
+    wants_grad = torch.is_grad_enabled() and any(
+        m and t.requires_grad for m, t in zip(mask, present))
     if wants_grad:
       n_out = _n_outputs(self.name, static_text, tuple(
           (tuple(t.shape), t.dtype) for t in present))

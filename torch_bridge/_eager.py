@@ -82,7 +82,7 @@ def _save(ctx, tensors) -> list:
   arrays = _convert.to_jax(tensors, device)
   flat = _jitted(name, static_text, "save", mask)(*arrays)
   n_out = _n_outputs(name, static_text,
-                     tuple((tuple(t.shape), t.dtype) for t in tensors))
+                     tuple((t.shape, t.dtype) for t in tensors))
   outs = _convert.to_torch(flat[:n_out], device, tensors)
   ctx.save_for_backward(*tensors, *outs)
   ctx.arrays, ctx.saved = arrays, flat
@@ -91,17 +91,17 @@ def _save(ctx, tensors) -> list:
 
 
 class Residuals(torch.autograd.Function):
-  """``apply(name, static_text, mask, device, *tensors)``: the op's outputs,
-  with a backward from the saved residuals (``mask``: which tensors get
-  gradients; none: the plain forward, and None gradients)."""
+  """``apply((name, static_text, mask, device), *tensors)``: the op's
+  outputs, with a backward from the saved residuals (``mask``: which tensors
+  get gradients; none: the plain forward, and None gradients)."""
 
   @staticmethod
-  def forward(ctx, name, static_text, mask, device, *tensors):
-    ctx.call = (name, static_text, mask, device)
-    if any(mask):
+  def forward(ctx, call, *tensors):
+    ctx.call = call
+    if any(call[2]):
       outs = _save(ctx, tensors)
     else:  # no input takes a gradient: nothing to save
-      outs = forward(name, static_text, tensors, device)
+      outs = forward(call[0], call[1], tensors, call[3])
     ctx.mark_non_differentiable(
         *[o for o in outs if not o.dtype.is_floating_point])
     return tuple(outs)
@@ -110,7 +110,7 @@ class Residuals(torch.autograd.Function):
   def backward(ctx, *grads):
     name, static_text, mask, device = ctx.call
     if not any(mask):
-      return (None,) * (4 + len(mask))
+      return (None,) * (1 + len(mask))
     saved = ctx.saved_tensors  # raises if one was modified in place
     cotangents = _convert.to_jax(
         [g for g, f in zip(grads, ctx.float_outputs) if f], device)
@@ -122,7 +122,12 @@ class Residuals(torch.autograd.Function):
       if watched:
         diff = FirstOrderOnly.apply(name, len(diff), *diff, *watched)
     diff = iter(diff)
-    return (None,) * 4 + tuple(next(diff) if m else None for m in mask)
+    return (None,) + tuple(next(diff) if m else None for m in mask)
+
+
+# ``Function.apply`` without its Python wrapper, which only matters under
+# functorch transforms (``plain_device`` sends those to the custom ops).
+apply_residuals = super(torch.autograd.Function, Residuals).apply
 
 
 class FirstOrderOnly(torch.autograd.Function):
