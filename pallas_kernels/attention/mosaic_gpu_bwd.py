@@ -84,8 +84,9 @@ def _probs_and_dlogits(s, dp, t, lse2, delta, row_axis):
   return p, ds
 
 
-# Kernel widths; other head dims up to 128 run zero-padded to the next.
-HEAD_DIMS = (64, 128)
+# Widest head_dim: the float32 dK and dV accumulators of 64 keys take
+# head_dim registers per thread of a compute warpgroup.
+MAX_HEAD_DIM = 128
 
 
 def block_size(head_dim: int) -> int:
@@ -97,7 +98,8 @@ def block_size(head_dim: int) -> int:
 
 def supports(q, k, v, q_segment_ids=None, bias=None) -> str | None:
   """None when ``backward`` handles this call, else why not."""
-  return fwd.call_refusal("backward", q, k, v, q_segment_ids, bias, HEAD_DIMS)
+  return fwd.call_refusal("backward", q, k, v, q_segment_ids, bias,
+                          MAX_HEAD_DIM)
 
 
 def _q_ranges(col0, cols: int, block_q: int, band):
@@ -268,9 +270,10 @@ def _prepared(kernel, arrays, q_multiple, k_multiple, causal, window_left,
   of ``k_multiple``."""
   q, k, v, d_out, lse, delta = arrays
   reason = supports(q, k, v)
-  if reason is None and q.shape[-1] not in HEAD_DIMS:
-    reason = (f"the kernels run head_dim {HEAD_DIMS}, got {q.shape[-1]} "
-              "(backward pads the others)")
+  if reason is None and q.shape[-1] % fwd.HEAD_DIM_MULTIPLE:
+    reason = (f"the kernels run head dims that are multiples of "
+              f"{fwd.HEAD_DIM_MULTIPLE}, got {q.shape[-1]} (backward pads "
+              "the others)")
   if reason:
     raise ValueError(f"mosaic_gpu_bwd.{kernel}: unsupported call: {reason}")
   if interpret is True:
@@ -530,6 +533,6 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
     dk, dv = dkv(q, k, v, d_out, lse, delta, **kwargs)
     return dq(q, k, v, d_out, lse, delta, **kwargs), dk, dv
   dq_, dk, dv = fwd.with_padded_head_dim(
-      run, (q, k, v, d_out), HEAD_DIMS,
+      run, (q, k, v, d_out), MAX_HEAD_DIM,
       lambda grads, d: tuple(g[..., :d] for g in grads))
   return dq_, dk, dv, None
