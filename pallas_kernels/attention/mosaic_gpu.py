@@ -10,21 +10,26 @@ and issues ``acc += P V`` with P taken from registers; the epilogue writes
 ``out = acc / l`` and ``lse = (m + log2 l) ln 2`` through SMEM and TMA.
 The compute warpgroups take turns, so that one's softmax overlaps the
 other's matmuls; ``default_schedule`` picks how:
-  rendezvous  a two-arrival barrier both pass together (head_dim 64, 256);
+  rendezvous  a two-arrival barrier both pass together (head_dim 64 and
+              above 128);
   named       ping-pong through the hardware barriers ``bar.sync`` /
-              ``bar.arrive`` (head_dim 128 with a masked step);
+              ``bar.arrive`` (head_dim 80..128 with a masked step);
   overlap     FlashAttention-3 pipelining within a warpgroup: step c issues
               S_c and P_{c-1} V_{c-1} back to back and runs block c's softmax
               while P V runs; V is released a step after K, so the memory
-              warpgroup loads it a refill later (head_dim 128, no mask).
+              warpgroup loads it a refill later (head_dim 80..128, no
+              mask).
 Block skipping: the memory warpgroup loads the union of the two warpgroups'
 bands; a warpgroup passes over slots outside its own band and masks only
 the band's edge blocks. Lq is padded to 128 and Lk to ``BLOCK_K`` (masked).
-Not handled (``supports``): bias, segment ids, float32, head_dim below 64
-or above 256; head dims between the kernel widths 64/128/256 run
-zero-padded to the next. In the Mosaic GPU interpreter (jax >= 0.10) the wgmmas are
-float32-accumulated dots of the same SMEM tiles and layout casts are
-dropped; the rest is the code the GPU runs.
+Head dims: multiples of 16 from 64 to 256 run at their own width; the
+SMEM tiles take the widest swizzle whose span divides a row (128 bytes at
+64/128/192/256, 64 at 96/160/224, 32 at 80/112/144/...), which wgmma needs
+for both operands alike; other head dims run zero-padded to the next
+multiple of 16. Not handled (``supports``): bias, segment ids, float32,
+head_dim below 64 or above 256. In the Mosaic GPU interpreter (jax >= 0.10)
+the wgmmas are float32-accumulated dots of the same SMEM tiles and layout
+casts are dropped; the rest is the code the GPU runs.
 """
 from __future__ import annotations
 

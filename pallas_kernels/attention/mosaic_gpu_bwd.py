@@ -20,8 +20,9 @@ memory warpgroup streams K and V blocks; per block ``S = Q K^T`` and
 ``dP = dO V^T`` together, then ``dQ += dS K``.
 Rows without keys and padded rows carry lse2 = +inf, so their P is 0. dk/dv
 pads Lk to 128 and Lq to ``block_size``, dq the other way round. Block
-skipping as in the forward (``attention/mosaic_gpu.py``). Not handled
-(``supports``): bias, segment ids, float32, head_dim other than 64 or 128.
+skipping as in the forward (``attention/mosaic_gpu.py``); head dims as
+there (multiples of 16 native, others zero-padded), up to 128. Not handled
+(``supports``): bias, segment ids, float32, head_dim below 64 or above 128.
 """
 from __future__ import annotations
 
