@@ -243,12 +243,12 @@ def test_backward_supports_declines_what_it_cannot_run():
     return
   seg = _sds((1, 256), jnp.int32)
   bias = _sds((1, 4, 256, 256), jnp.float32)
-  d256 = _sds((1, 4, 256, 256))
+  d288 = _sds((1, 4, 256, 288))
   cases = {
       "bias": (q, kv, kv, None, bias),
       "segment": (q, kv, kv, seg),
       "bf16 or all fp16": (_sds(q.shape, jnp.float32), kv, kv),
-      "head_dim <= 128": (d256, d256, d256),
+      "head_dim <= 256": (d288, d288, d288),
       "empty": (_sds((1, 4, 0, 128)), kv, kv),
   }
   for needle, args in cases.items():
@@ -265,7 +265,7 @@ def test_backward_supports_declines_what_it_cannot_run():
 @pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
                     reason="no Mosaic GPU Pallas API in this jax")
 @pytest.mark.parametrize("kernel", ["dq", "dkv"])
-@pytest.mark.parametrize("d", [64, 80, 96, 128])
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 160, 256])
 def test_backward_kernels_lower_for_cuda_on_a_cpu_host(kernel, d):
   # The Pallas -> Mosaic GPU lowering (wgmmas, layouts, TMA) runs here; only
   # the final PTX compile needs the GPU.
@@ -371,3 +371,22 @@ def test_native_head_dims_overlapped_and_masked(rng, d):
 def test_native_head_dims_backward(rng, d):
   _check_dkv(rng, 1, 2, 1, 150, 200, d, causal=True)
   _check_dq(rng, 1, 2, 1, 150, 200, d, causal=True)
+
+
+@needs_interpreter
+def test_split_head_dim_backward(rng):
+  # Above head_dim 128 both compute warpgroups share one 64-row block and
+  # each accumulates one half of the head_dim (a two-sided window with a
+  # soft cap: leading and trailing blocks skipped, masked edges).
+  _check_dkv(rng, 1, 2, 1, 150, 200, 256, causal=True)
+  _check_dq(rng, 1, 2, 1, 150, 200, 256, causal=True)
+  _check_dkv(rng, 1, 1, 1, 140, 260, 192, left=60, right=20, cap=3.0)
+  _check_dq(rng, 1, 1, 1, 140, 260, 192, left=60, right=20, cap=3.0)
+
+
+def test_backward_head_dims_split_above_128():
+  width = mosaic_gpu_bwd.kernel_head_dim
+  assert [width(d) for d in (64, 72, 128, 136, 144, 160, 176, 256)] == [
+      64, 80, 128, 160, 160, 160, 192, 256]
+  assert width(48) is None and width(272) is None
+  assert [mosaic_gpu_bwd.split_of(d) for d in (128, 160, 256)] == [1, 2, 2]

@@ -86,11 +86,10 @@ def kernel_head_dim(head_dim: int, max_head_dim: int) -> int | None:
   return width if width <= max_head_dim else None
 
 
-def with_padded_head_dim(run, arrays, max_head_dim, crop):
-  """``run(*arrays)`` at the kernel's head_dim: pads the last axis of every
-  array with zeros and crops ``crop(result, head_dim)`` back."""
+def with_padded_head_dim(run, arrays, width: int, crop):
+  """``run(*arrays)`` at head_dim ``width``: pads the last axis of every
+  array with zeros to it and crops ``crop(result, head_dim)`` back."""
   head_dim = arrays[0].shape[-1]
-  width = kernel_head_dim(head_dim, max_head_dim)
   if width == head_dim:
     return run(*arrays)
   padded = [None if x is None else _pad_axis(x, x.ndim - 1, width)
@@ -801,7 +800,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
                   interpret=interpret)
     return with_padded_head_dim(
         lambda q, k, v: forward(q, k, v, None, None, None, **kwargs),
-        (q, k, v), MAX_HEAD_DIM,
+        (q, k, v), kernel_head_dim(q.shape[-1], MAX_HEAD_DIM),
         lambda result, d: (result[0][..., :d], result[1]))
   if interpret is True:
     interpret = interpret_params()
