@@ -18,11 +18,17 @@ dq (``dq``): the forward's structure; each compute warpgroup owns 64 query
 rows (Q, dO, lse2, delta loaded once) and a float32 dQ accumulator, and the
 memory warpgroup streams K and V blocks; per block ``S = Q K^T`` and
 ``dP = dO V^T`` together, then ``dQ += dS K``.
+Above head_dim 128 (``split_of``) the float32 accumulators would not fit
+the registers, so both compute warpgroups of a CTA share one 64-key (dk/dv)
+or 64-row (dq) block: each forms the full S and dP (summed over the two
+head_dim halves held as separate SMEM tiles) and accumulates one half of
+dK and dV (dQ).
 Rows without keys and padded rows carry lse2 = +inf, so their P is 0. dk/dv
-pads Lk to 128 and Lq to ``block_size``, dq the other way round. Block
-skipping as in the forward (``attention/mosaic_gpu.py``); head dims as
-there (multiples of 16 native, others zero-padded), up to 128. Not handled
-(``supports``): bias, segment ids, float32, head_dim below 64 or above 128.
+pads Lk to its keys per CTA and Lq to ``block_size``, dq the other way
+round. Block skipping as in the forward (``attention/mosaic_gpu.py``); head
+dims as there (multiples of 16 native, of 32 when split; others
+zero-padded). Not handled (``supports``): bias, segment ids, float32,
+head_dim below 64 or above 256.
 """
 from __future__ import annotations
 
@@ -74,17 +80,16 @@ def _nt_products(terms1, terms2, shape, interpreting):
 
 def _chunk(ref, index, split: int):
   """Chunk ``index`` of an SMEM tile stored as [chunk, rows, cols] when
-  split; the tile itself when not."""
+  split; the tile itself (all of head_dim) when not."""
   return ref if split == 1 else ref.at[index]
 
 
-def _chunked(shape, split: int):
-  """An SMEM tile shape with its chunk axis: [groups, rows, cols] -> [chunk,
-  rows, cols] when split (one row group, ``split`` chunks); [slots, chunk,
-  rows, cols] -> [slots, rows, cols] when not."""
-  if len(shape) == 3:
-    return shape if split == 1 else (split,) + shape[1:]
-  return shape if split > 1 else shape[:1] + shape[2:]
+def _tile_shape(lead, rows: int, head_dim: int, split: int):
+  """SMEM shape of [*lead, rows, head_dim] row blocks; split: [*lead,
+  split, rows, head_dim // split], the chunks that ``_chunk`` picks."""
+  if split == 1:
+    return (*lead, rows, head_dim)
+  return (*lead, split, rows, head_dim // split)
 
 
 def _columns(ref, index, chunk: int, split: int):
@@ -111,7 +116,7 @@ def _probs_and_dlogits(s, dp, t, lse2, delta, row_axis):
   return p, ds
 
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 256  # split in two halves of at most 128
 
 
 def split_of(head_dim: int) -> int:
@@ -173,10 +178,10 @@ def _q_ranges(col0, cols: int, block_q: int, band):
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
             scratch, *, band, sm_scale, soft_cap, block_q, stages, group,
             split, interpreting):
-  """dk/dv. SMEM tiles hold head_dim in ``split`` chunks: K and V as [key
-  group, chunk, 64, cols], the Q and dO ring as [slot, chunk, rows, cols].
-  Compute warpgroup w owns key group w // split and accumulates head_dim
-  chunk w % split of dK and dV (all of them when not split)."""
+  """dk/dv. Not split: K and V as [warpgroup, 64, head_dim], the Q and dO
+  ring as [slot, rows, head_dim]; split: K and V as [half, 64, head_dim / 2]
+  (the CTA's 64 keys), the ring as [slot, half, rows, head_dim / 2], and
+  compute warpgroup w accumulates half w of dK and dV."""
   (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), barriers = scratch
   (k_loaded, v_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded,
    consumed, *done) = barriers
@@ -408,13 +413,13 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   lk_pad = k.shape[2]
   dtype = q.dtype
   stages = STAGES
-  chunk = head_dim // split
+  groups = () if split > 1 else (COMPUTE_WGS,)  # one row block when split
 
   scratch = (
-      fwd.tile_smem(_chunked((COMPUTE_WGS, KEYS_PER_WG, chunk), split), dtype),
-      fwd.tile_smem(_chunked((COMPUTE_WGS, KEYS_PER_WG, chunk), split), dtype),
-      fwd.tile_smem(_chunked((stages, split, bq, chunk), split), dtype),
-      fwd.tile_smem(_chunked((stages, split, bq, chunk), split), dtype),
+      fwd.tile_smem(_tile_shape(groups, KEYS_PER_WG, head_dim, split), dtype),
+      fwd.tile_smem(_tile_shape(groups, KEYS_PER_WG, head_dim, split), dtype),
+      fwd.tile_smem(_tile_shape((stages,), bq, head_dim, split), dtype),
+      fwd.tile_smem(_tile_shape((stages,), bq, head_dim, split), dtype),
       plgpu.SMEM((stages, bq), jnp.float32),
       plgpu.SMEM((stages, bq), jnp.float32),
   )
@@ -446,10 +451,10 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
                scratch, *, band, sm_scale, soft_cap, block_k, stages, group,
                nq, reverse_q, split, interpreting):
-  """dq. SMEM tiles hold head_dim in ``split`` chunks: Q and dO as [row
-  group, chunk, 64, cols], the K and V ring as [slot, chunk, keys, cols].
-  Compute warpgroup w owns row group w // split and accumulates head_dim
-  chunk w % split of dQ (all of it when not split)."""
+  """dq. Not split: Q and dO as [warpgroup, 64, head_dim], the K and V ring
+  as [slot, keys, head_dim]; split: Q and dO as [half, 64, head_dim / 2]
+  (the CTA's 64 rows), the ring as [slot, half, keys, head_dim / 2], and
+  compute warpgroup w accumulates half w of dQ."""
   (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), barriers = (
       scratch)
   (rows_loaded, k_loaded, v_loaded, consumed, *done) = barriers
@@ -591,15 +596,15 @@ def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   lq_pad = q.shape[2]
   dtype = q.dtype
   nq = lq_pad // tile_q
-  chunk = head_dim // split
+  groups = () if split > 1 else (COMPUTE_WGS,)  # one row block when split
 
   scratch = (
-      fwd.tile_smem(_chunked((COMPUTE_WGS, ROWS_PER_WG, chunk), split), dtype),
-      fwd.tile_smem(_chunked((COMPUTE_WGS, ROWS_PER_WG, chunk), split), dtype),
+      fwd.tile_smem(_tile_shape(groups, ROWS_PER_WG, head_dim, split), dtype),
+      fwd.tile_smem(_tile_shape(groups, ROWS_PER_WG, head_dim, split), dtype),
       plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
       plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
-      fwd.tile_smem(_chunked((stages, split, block_k, chunk), split), dtype),
-      fwd.tile_smem(_chunked((stages, split, block_k, chunk), split), dtype),
+      fwd.tile_smem(_tile_shape((stages,), block_k, head_dim, split), dtype),
+      fwd.tile_smem(_tile_shape((stages,), block_k, head_dim, split), dtype),
   )
   barriers = (
       plgpu.Barrier(num_barriers=4 * COMPUTE_WGS),  # q, dO, lse, delta
