@@ -122,6 +122,9 @@ def test_forward_rejects_unsupported_calls():
     (64, 1500, dict(causal=True, left=100, cap=3.0)),   # rendezvous
     (128, 1536, {}),                                    # overlapped steps
     (128, 1500, dict(causal=True, left=100)),           # hardware ping-pong
+    (80, 1536, {}),                     # 32-byte swizzle, overlapped steps
+    (96, 1500, dict(causal=True)),      # 64-byte swizzle, ping-pong
+    (192, 1500, dict(causal=True)),     # 128-byte swizzle, 64-key blocks
     (256, 1500, dict(causal=True))])
 def test_gpu_kernel_lowers_for_cuda_on_a_cpu_host(d, lk, mask):
   # Pallas -> Mosaic GPU lowering of each schedule (wgmma, hardware
@@ -240,20 +243,20 @@ def test_backward_supports_declines_what_it_cannot_run():
     return
   seg = _sds((1, 256), jnp.int32)
   bias = _sds((1, 4, 256, 256), jnp.float32)
-  d256 = _sds((1, 4, 256, 256))
+  d288 = _sds((1, 4, 256, 288))
   cases = {
       "bias": (q, kv, kv, None, bias),
       "segment": (q, kv, kv, seg),
       "bf16 or all fp16": (_sds(q.shape, jnp.float32), kv, kv),
-      "head_dim <= 128": (d256, d256, d256),
+      "head_dim <= 256": (d288, d288, d288),
       "empty": (_sds((1, 4, 0, 128)), kv, kv),
   }
   for needle, args in cases.items():
     reason = mosaic_gpu_bwd.supports(*args)
     assert isinstance(reason, str) and needle in reason, (needle, reason)
   with pytest.raises(ValueError, match="unsupported"):
-    mosaic_gpu_bwd.dkv(jnp.zeros((1, 1, 64, 80), jnp.bfloat16),
-                       *([jnp.zeros((1, 1, 64, 80), jnp.bfloat16)] * 3),
+    mosaic_gpu_bwd.dkv(jnp.zeros((1, 1, 64, 72), jnp.bfloat16),
+                       *([jnp.zeros((1, 1, 64, 72), jnp.bfloat16)] * 3),
                        jnp.zeros((1, 1, 64)), jnp.zeros((1, 1, 64)),
                        sm_scale=1.0, causal=False, window_left=None,
                        window_right=None, logit_soft_cap=None)
@@ -262,7 +265,7 @@ def test_backward_supports_declines_what_it_cannot_run():
 @pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
                     reason="no Mosaic GPU Pallas API in this jax")
 @pytest.mark.parametrize("kernel", ["dq", "dkv"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 160, 256])
 def test_backward_kernels_lower_for_cuda_on_a_cpu_host(kernel, d):
   # The Pallas -> Mosaic GPU lowering (wgmmas, layouts, TMA) runs here; only
   # the final PTX compile needs the GPU.
@@ -313,13 +316,13 @@ def test_dq_window_soft_cap_fp16_ring_refill(rng):
 
 @pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
                     reason="no Mosaic GPU Pallas API in this jax")
-def test_head_dims_between_kernel_widths_run_zero_padded():
-  """head_dim 96 runs the 128-wide kernels (forward and backward) on
+def test_head_dims_off_the_16_grid_run_zero_padded():
+  """head_dim 72 runs the 80-wide kernels (forward and backward) on
   zero-padded features: the same function, cropped back."""
   import backends
   import pallas_kernels as pk
   rng = np.random.default_rng(3)
-  q, k, v, do = (jnp.asarray(rng.standard_normal((1, 2, 200, 96)),
+  q, k, v, do = (jnp.asarray(rng.standard_normal((1, 2, 200, 72)),
                              jnp.bfloat16) for _ in range(4))
   backend = backends.Backend("mosaic_gpu", "mosaic_gpu", "generic")
 
@@ -331,7 +334,59 @@ def test_head_dims_between_kernel_widths_run_zero_padded():
   want = oracle.attention(q, k, v, causal=True, d_out=do)
   for name, g, w in zip(("out", "dq", "dk", "dv"), got,
                         (want[0],) + want[2][:3]):
-    assert g.shape == (1, 2, 200, 96), name
+    assert g.shape == (1, 2, 200, 72), name
     w = np.asarray(w)
     err = np.max(np.abs(np.asarray(g, np.float64) - w))
     assert err <= 5e-2 * max(1.0, np.max(np.abs(w))), (name, err)
+
+
+def test_head_dims_run_natively_on_the_16_grid():
+  # Multiples of 16 from 64 run at their own width; others round up.
+  width = mosaic_gpu.kernel_head_dim
+  assert [width(d, 256) for d in (64, 72, 80, 96, 100, 112, 192, 256)] == [
+      64, 80, 80, 96, 112, 112, 192, 256]
+  assert width(48, 256) is None and width(144, 128) is None
+  assert width(257, 256) is None
+  # The widest swizzle whose span divides a bf16/fp16 row (2-byte elements).
+  swizzle = functools.partial(mosaic_gpu.swizzle_bytes, dtype=jnp.bfloat16)
+  assert [swizzle(d) for d in (64, 80, 96, 112, 128, 160, 192, 256)] == [
+      128, 32, 64, 32, 128, 64, 128, 128]
+  with pytest.raises(ValueError, match="swizzle"):
+    swizzle(72)
+  assert mosaic_gpu.block_k_for(80) == mosaic_gpu.block_k_for(128) == 128
+  assert mosaic_gpu.block_k_for(192) == 64
+
+
+@needs_interpreter
+@pytest.mark.parametrize("d", [80, 96])
+def test_native_head_dims_overlapped_and_masked(rng, d):
+  # Three 128-key blocks without a mask (the overlapped schedule with lagged
+  # V refills), then a causal window (the ping-pong with masked steps).
+  _check(rng, 1, 2, 1, 130, 384, d)
+  _check(rng, 1, 1, 1, 200, 300, d, causal=True, left=90)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("d", [80, 96])
+def test_native_head_dims_backward(rng, d):
+  _check_dkv(rng, 1, 2, 1, 150, 200, d, causal=True)
+  _check_dq(rng, 1, 2, 1, 150, 200, d, causal=True)
+
+
+@needs_interpreter
+def test_split_head_dim_backward(rng):
+  # Above head_dim 128 both compute warpgroups share one 64-row block and
+  # each accumulates one half of the head_dim (a two-sided window with a
+  # soft cap: leading and trailing blocks skipped, masked edges).
+  _check_dkv(rng, 1, 2, 1, 150, 200, 256, causal=True)
+  _check_dq(rng, 1, 2, 1, 150, 200, 256, causal=True)
+  _check_dkv(rng, 1, 1, 1, 140, 260, 192, left=60, right=20, cap=3.0)
+  _check_dq(rng, 1, 1, 1, 140, 260, 192, left=60, right=20, cap=3.0)
+
+
+def test_backward_head_dims_split_above_128():
+  width = mosaic_gpu_bwd.kernel_head_dim
+  assert [width(d) for d in (64, 72, 128, 136, 144, 160, 176, 256)] == [
+      64, 80, 128, 160, 160, 160, 192, 256]
+  assert width(48) is None and width(272) is None
+  assert [mosaic_gpu_bwd.split_of(d) for d in (128, 160, 256)] == [1, 2, 2]

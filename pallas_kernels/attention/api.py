@@ -6,10 +6,11 @@ the query and key sequences, as in decoding: with ``q_len < kv_len`` query
 ``i`` sees keys ``j <= i + kv_len - q_len``). Forward and backward each pick
 their kernel (``_backend.dispatch``) from the rows, best first:
 ``mosaic_tpu`` (TPU), ``mosaic_gpu`` (Hopper; bf16/fp16 without bias or
-segment ids; forward head_dim 64..256, backward 64..128, zero-padded to
-64/128/256), ``triton`` (any GPU, every feature), ``reference`` (autodiff
-of the plain-JAX reference). So on a Hopper a head_dim-256 call runs the Mosaic GPU forward
-and the Triton backward.
+segment ids; forward head_dim 64..256, backward 64..128, native at
+multiples of 16, zero-padded to the next one otherwise), ``triton`` (any
+GPU, every feature), ``reference`` (autodiff of the plain-JAX reference).
+So on a Hopper a head_dim-256 call runs the Mosaic GPU forward and the
+Triton backward.
 """
 from __future__ import annotations
 

@@ -10,21 +10,26 @@ and issues ``acc += P V`` with P taken from registers; the epilogue writes
 ``out = acc / l`` and ``lse = (m + log2 l) ln 2`` through SMEM and TMA.
 The compute warpgroups take turns, so that one's softmax overlaps the
 other's matmuls; ``default_schedule`` picks how:
-  rendezvous  a two-arrival barrier both pass together (head_dim 64, 256);
+  rendezvous  a two-arrival barrier both pass together (head_dim 64 and
+              above 128);
   named       ping-pong through the hardware barriers ``bar.sync`` /
-              ``bar.arrive`` (head_dim 128 with a masked step);
+              ``bar.arrive`` (head_dim 80..128 with a masked step);
   overlap     FlashAttention-3 pipelining within a warpgroup: step c issues
               S_c and P_{c-1} V_{c-1} back to back and runs block c's softmax
               while P V runs; V is released a step after K, so the memory
-              warpgroup loads it a refill later (head_dim 128, no mask).
+              warpgroup loads it a refill later (head_dim 80..128, no
+              mask).
 Block skipping: the memory warpgroup loads the union of the two warpgroups'
 bands; a warpgroup passes over slots outside its own band and masks only
 the band's edge blocks. Lq is padded to 128 and Lk to ``BLOCK_K`` (masked).
-Not handled (``supports``): bias, segment ids, float32, head_dim below 64
-or above 256; head dims between the kernel widths 64/128/256 run
-zero-padded to the next. In the Mosaic GPU interpreter (jax >= 0.10) the wgmmas are
-float32-accumulated dots of the same SMEM tiles and layout casts are
-dropped; the rest is the code the GPU runs.
+Head dims: multiples of 16 from 64 to 256 run at their own width; the
+SMEM tiles take the widest swizzle whose span divides a row (128 bytes at
+64/128/192/256, 64 at 96/160/224, 32 at 80/112/144/...), which wgmma needs
+for both operands alike; other head dims run zero-padded to the next
+multiple of 16. Not handled (``supports``): bias, segment ids, float32,
+head_dim below 64 or above 256. In the Mosaic GPU interpreter (jax >= 0.10)
+the wgmmas are float32-accumulated dots of the same SMEM tiles and layout
+casts are dropped; the rest is the code the GPU runs.
 """
 from __future__ import annotations
 
@@ -64,21 +69,27 @@ def api_missing() -> str | None:
 interpret_params = _mosaic_gpu.interpret_params
 
 
-def kernel_head_dim(head_dim: int, head_dims) -> int | None:
-  """The kernel width a head_dim runs at: the smallest of ``head_dims`` that
-  holds it (features zero-padded: logits and outputs are unchanged), None
-  when none does or head_dim is below the narrowest (the Triton kernel runs
-  those without padding work)."""
-  if head_dim < min(head_dims):
+# Head dims the Mosaic GPU kernels run natively: multiples of 16 (a wgmma K
+# step and the narrowest swizzled SMEM row, 32 bytes of bf16) from 64 on.
+HEAD_DIM_MULTIPLE = 16
+MIN_HEAD_DIM = 64
+
+
+def kernel_head_dim(head_dim: int, max_head_dim: int) -> int | None:
+  """The width a head_dim runs at: head_dim rounded up to a multiple of 16
+  (the extra features zero-padded: logits and outputs are unchanged); None
+  below ``MIN_HEAD_DIM`` (the Triton kernel runs those without padding work)
+  or when the width exceeds ``max_head_dim``."""
+  if head_dim < MIN_HEAD_DIM:
     return None
-  return next((d for d in sorted(head_dims) if d >= head_dim), None)
+  width = -(-head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+  return width if width <= max_head_dim else None
 
 
-def with_padded_head_dim(run, arrays, head_dims, crop):
-  """``run(*arrays)`` at the kernel's head_dim: pads the last axis of every
-  array with zeros and crops ``crop(result, head_dim)`` back."""
+def with_padded_head_dim(run, arrays, width: int, crop):
+  """``run(*arrays)`` at head_dim ``width``: pads the last axis of every
+  array with zeros to it and crops ``crop(result, head_dim)`` back."""
   head_dim = arrays[0].shape[-1]
-  width = kernel_head_dim(head_dim, head_dims)
   if width == head_dim:
     return run(*arrays)
   padded = [None if x is None else _pad_axis(x, x.ndim - 1, width)
@@ -86,7 +97,7 @@ def with_padded_head_dim(run, arrays, head_dims, crop):
   return crop(run(*padded), head_dim)
 
 
-def call_refusal(kernel: str, q, k, v, q_segment_ids, bias, head_dims):
+def call_refusal(kernel: str, q, k, v, q_segment_ids, bias, max_head_dim):
   """Why the Mosaic GPU ``kernel`` cannot take this call, from its inputs
   alone (None: it can, as far as they tell)."""
   reason = api_missing()
@@ -101,16 +112,24 @@ def call_refusal(kernel: str, q, k, v, q_segment_ids, bias, head_dims):
                                               jnp.dtype(jnp.float16)):
     return f"the Mosaic GPU {kernel} kernel needs q, k, v all bf16 or all fp16"
   head_dim = q.shape[-1]
-  if kernel_head_dim(head_dim, head_dims) is None:
-    return (f"the Mosaic GPU {kernel} kernel needs {min(head_dims)} <= "
-            f"head_dim <= {max(head_dims)}, got {head_dim}")
+  if kernel_head_dim(head_dim, max_head_dim) is None:
+    return (f"the Mosaic GPU {kernel} kernel needs {MIN_HEAD_DIM} <= "
+            f"head_dim <= {max_head_dim}, got {head_dim}")
   if min(q.shape) == 0 or min(k.shape) == 0:
     return f"the Mosaic GPU {kernel} kernel needs non-empty inputs"
   return None
 
 
-# Keys per ring slot by head_dim (H100-tuned; docs/design/attention.md).
+# Keys per ring slot for head dims up to each key (H100-tuned;
+# docs/design/attention.md): the S tile and the accumulator share the
+# compute warpgroups' registers, K and V tiles the SMEM.
 BLOCK_K = {64: 256, 128: 128, 256: 64}
+MAX_HEAD_DIM = max(BLOCK_K)
+
+
+def block_k_for(head_dim: int) -> int:
+  """Keys per ring slot at a (native) head_dim."""
+  return BLOCK_K[min(d for d in BLOCK_K if d >= head_dim)]
 STAGES = 2
 # Per-thread registers of the compute and memory warpgroups (setmaxnreg).
 # 384 threads start with 168 each; the compute warpgroups can only gain what
@@ -125,11 +144,11 @@ PING_PONG_BARRIER = 12
 
 def default_schedule(head_dim: int, block_k: int, lk: int, causal: bool,
                      window_left, window_right, soft_cap):
-  """(overlap, named_barriers): at head_dim 128 the overlapped steps when no
-  step is masked (no causal mask, window or soft cap, Lk a multiple of
-  block_k), else the hardware-barrier ping-pong; the rendezvous schedule at
-  other head dims."""
-  if head_dim != 128:
+  """(overlap, named_barriers): for head dims 80..128 the overlapped steps
+  when no step is masked (no causal mask, window or soft cap, Lk a multiple
+  of block_k), else the hardware-barrier ping-pong; the rendezvous schedule
+  at other head dims."""
+  if not 64 < head_dim <= 128:
     return False, False
   unmasked = (not causal and window_left is None and window_right is None
               and lk % block_k == 0 and soft_cap is None)
@@ -140,7 +159,7 @@ def supports(q, k, v, q_segment_ids=None, bias=None) -> str | None:
   """None when ``forward`` handles this call, else why not (arrays or
   ShapeDtypeStructs)."""
   return call_refusal("attention", q, k, v, q_segment_ids, bias,
-                      tuple(BLOCK_K))
+                      MAX_HEAD_DIM)
 
 
 # --------------------------------------------------------------- masking --
@@ -225,11 +244,25 @@ def outside_band(q_rows, keys, band, check_length=True):
   return out
 
 
+def swizzle_bytes(row_elements: int, dtype) -> int:
+  """The widest SMEM swizzle (128, 64 or 32 bytes) whose span divides a row
+  of ``row_elements``: wgmma reads a tile in 8-row atoms one swizzle span
+  wide, and both of its SMEM operands must use the same swizzle."""
+  row_bytes = row_elements * jnp.dtype(dtype).itemsize
+  for swizzle in (128, 64, 32):
+    if row_bytes % swizzle == 0:
+      return swizzle
+  raise ValueError(f"no wgmma swizzle fits rows of {row_bytes} bytes")
+
+
 def tile_smem(shape, dtype):
-  """Shared memory for bf16/fp16 tiles that wgmma reads: 8x64 tiles,
-  128-byte swizzle (bank-conflict free)."""
+  """Shared memory for bf16/fp16 tiles that wgmma reads: 8-row tiles one
+  swizzle span wide, the widest swizzle that the row width allows (128
+  bytes at head_dim 64/128/192/256, 64 at 96/160/224, 32 at 80/112/...)."""
+  swizzle = swizzle_bytes(shape[-1], dtype)
+  columns = swizzle // jnp.dtype(dtype).itemsize
   return plgpu.SMEM(shape, dtype, transforms=(
-      plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+      plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(swizzle)))
 
 
 def band_loop(step, skip, bounds, carry):
@@ -761,20 +794,20 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   reason = supports(q, k, v, q_segment_ids, bias)
   if reason:
     raise ValueError(f"mosaic_gpu.forward: unsupported call: {reason}")
-  if q.shape[-1] not in BLOCK_K:
+  if q.shape[-1] % HEAD_DIM_MULTIPLE:
     kwargs = dict(sm_scale=sm_scale, causal=causal, window_left=window_left,
                   window_right=window_right, logit_soft_cap=logit_soft_cap,
                   interpret=interpret)
     return with_padded_head_dim(
         lambda q, k, v: forward(q, k, v, None, None, None, **kwargs),
-        (q, k, v), tuple(BLOCK_K),
+        (q, k, v), kernel_head_dim(q.shape[-1], MAX_HEAD_DIM),
         lambda result, d: (result[0][..., :d], result[1]))
   if interpret is True:
     interpret = interpret_params()
   batch, heads, lq, head_dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
   group = heads // kv_heads
-  block_k, stages = BLOCK_K[head_dim], STAGES
+  block_k, stages = block_k_for(head_dim), STAGES
   overlap, named = default_schedule(head_dim, block_k, lk, causal,
                                     window_left, window_right,
                                     logit_soft_cap)

@@ -18,10 +18,17 @@ dq (``dq``): the forward's structure; each compute warpgroup owns 64 query
 rows (Q, dO, lse2, delta loaded once) and a float32 dQ accumulator, and the
 memory warpgroup streams K and V blocks; per block ``S = Q K^T`` and
 ``dP = dO V^T`` together, then ``dQ += dS K``.
+Above head_dim 128 (``split_of``) the float32 accumulators would not fit
+the registers, so both compute warpgroups of a CTA share one 64-key (dk/dv)
+or 64-row (dq) block: each forms the full S and dP (summed over the two
+head_dim halves held as separate SMEM tiles) and accumulates one half of
+dK and dV (dQ).
 Rows without keys and padded rows carry lse2 = +inf, so their P is 0. dk/dv
-pads Lk to 128 and Lq to ``block_size``, dq the other way round. Block
-skipping as in the forward (``attention/mosaic_gpu.py``). Not handled
-(``supports``): bias, segment ids, float32, head_dim other than 64 or 128.
+pads Lk to its keys per CTA and Lq to ``block_size``, dq the other way
+round. Block skipping as in the forward (``attention/mosaic_gpu.py``); head
+dims as there (multiples of 16 native, of 32 when split; others
+zero-padded). Not handled (``supports``): bias, segment ids, float32,
+head_dim below 64 or above 256.
 """
 from __future__ import annotations
 
@@ -42,28 +49,53 @@ LOG2E = math.log2(math.e)
 NEG_INF = float("-inf")
 KEYS_PER_WG = 64  # one wgmma M tile per compute warpgroup
 COMPUTE_WGS = 2
-TILE_K = KEYS_PER_WG * COMPUTE_WGS
 ROWS_PER_WG = 64  # query rows per compute warpgroup in the dq kernel
-TILE_Q = ROWS_PER_WG * COMPUTE_WGS
 STAGES = 2
+# Widest head_dim a warpgroup's float32 accumulators cover alone: the two
+# 64 x head_dim dK and dV accumulators take head_dim registers per thread.
+SPLIT_ABOVE = 128
 
 
-def _nt_products(lhs1, rhs1, lhs2, rhs2, shape, interpreting):
-  """(lhs1 @ rhs1.T, lhs2 @ rhs2.T) in float32 from shared-memory refs:
+def _nt_products(terms1, terms2, shape, interpreting):
+  """(sum of lhs @ rhs.T over ``terms1``, the same over ``terms2``) in
+  float32; a term is a pair of shared-memory refs (one head_dim chunk):
   wgmma on the GPU, plain dots in the interpreter."""
   if interpreting:
     dims_nt = (((1,), (1,)), ((), ()))
-    return tuple(lax.dot_general(a[...], b[...], dims_nt,
-                                 preferred_element_type=jnp.float32)
-                 for a, b in ((lhs1, rhs1), (lhs2, rhs2)))
+    return tuple(
+        sum(lax.dot_general(a[...], b[...], dims_nt,
+                            preferred_element_type=jnp.float32)
+            for a, b in terms)
+        for terms in (terms1, terms2))
 
   def products(ref1, ref2):
-    plgpu.wgmma(ref1, lhs1, plgpu.transpose_ref(rhs1, (1, 0)))
-    plgpu.wgmma(ref2, lhs2, plgpu.transpose_ref(rhs2, (1, 0)))
+    for ref, terms in ((ref1, terms1), (ref2, terms2)):
+      for a, b in terms:
+        plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
     return ref1[...], ref2[...]
 
   acc = plgpu.ACC(shape, jnp.float32)
   return pl.run_scoped(products, acc, acc)
+
+
+def _chunk(ref, index, split: int):
+  """Chunk ``index`` of an SMEM tile stored as [chunk, rows, cols] when
+  split; the tile itself (all of head_dim) when not."""
+  return ref if split == 1 else ref.at[index]
+
+
+def _tile_shape(lead, rows: int, head_dim: int, split: int):
+  """SMEM shape of [*lead, rows, head_dim] row blocks; split: [*lead,
+  split, rows, head_dim // split], the chunks that ``_chunk`` picks."""
+  if split == 1:
+    return (*lead, rows, head_dim)
+  return (*lead, split, rows, head_dim // split)
+
+
+def _columns(ref, index, chunk: int, split: int):
+  """``ref`` (a [..., rows, head_dim] row block) at its head_dim chunk
+  ``index`` of ``chunk`` columns; the whole block when not split."""
+  return ref if split == 1 else ref.at[:, pl.ds(index * chunk, chunk)]
 
 
 def _base2_logits(s, sm_scale, soft_cap):
@@ -84,8 +116,23 @@ def _probs_and_dlogits(s, dp, t, lse2, delta, row_axis):
   return p, ds
 
 
-# Kernel widths; other head dims up to 128 run zero-padded to the next.
-HEAD_DIMS = (64, 128)
+MAX_HEAD_DIM = 256  # split in two halves of at most 128
+
+
+def split_of(head_dim: int) -> int:
+  """head_dim chunks per row block: above ``SPLIT_ABOVE`` the two compute
+  warpgroups share one 64-row block and each accumulates one half of the
+  head_dim (both compute the full S and dP)."""
+  return 2 if head_dim > SPLIT_ABOVE else 1
+
+
+def kernel_head_dim(head_dim: int) -> int | None:
+  """The width the backward runs a head_dim at: a multiple of 16, and of 32
+  when split (each half a multiple of 16); None outside 64..256."""
+  width = fwd.kernel_head_dim(head_dim, MAX_HEAD_DIM)
+  if width is not None and split_of(width) == 2:
+    width = -(-width // 32) * 32
+  return width
 
 
 def block_size(head_dim: int) -> int:
@@ -97,7 +144,8 @@ def block_size(head_dim: int) -> int:
 
 def supports(q, k, v, q_segment_ids=None, bias=None) -> str | None:
   """None when ``backward`` handles this call, else why not."""
-  return fwd.call_refusal("backward", q, k, v, q_segment_ids, bias, HEAD_DIMS)
+  return fwd.call_refusal("backward", q, k, v, q_segment_ids, bias,
+                          MAX_HEAD_DIM)
 
 
 def _q_ranges(col0, cols: int, block_q: int, band):
@@ -129,21 +177,28 @@ def _q_ranges(col0, cols: int, block_q: int, band):
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
             scratch, *, band, sm_scale, soft_cap, block_q, stages, group,
-            interpreting):
+            split, interpreting):
+  """dk/dv. Not split: K and V as [warpgroup, 64, head_dim], the Q and dO
+  ring as [slot, rows, head_dim]; split: K and V as [half, 64, head_dim / 2]
+  (the CTA's 64 keys), the ring as [slot, half, rows, head_dim / 2], and
+  compute warpgroup w accumulates half w of dK and dV."""
   (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), barriers = scratch
   (k_loaded, v_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded,
-   consumed) = barriers
+   consumed, *done) = barriers
   kv_head = lax.axis_index("heads")
   batch = lax.axis_index("batch")
   tile = lax.axis_index("kv_tiles")
   wg = lax.axis_index("wg")
   dtype = q_smem.dtype
-  head_dim = q_smem.shape[-1]
+  chunk = q_smem.shape[-1]
   bk = KEYS_PER_WG
-  cta_col0 = tile * TILE_K
-  lo_u, _, _, hi_u = _q_ranges(cta_col0, TILE_K, block_q, band)
+  tile_k = bk * COMPUTE_WGS // split
+  cta_col0 = tile * tile_k
+  lo_u, _, _, hi_u = _q_ranges(cta_col0, tile_k, block_q, band)
   blocks = hi_u - lo_u
   steps = blocks * group
+  columns = functools.partial(_columns, chunk=chunk, split=split)
+  chunk_of = functools.partial(_chunk, split=split)
 
   def slot_of(t):
     return lax.rem(t, jnp.int32(stages))
@@ -151,13 +206,17 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
     plgpu.set_max_registers(fwd.COMPUTE_REGISTERS, action="increase")
-    k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-    col0 = cta_col0 + wg * bk
+    # (split is 1 or 2 with two compute warpgroups)
+    key_group, mine = (wg, 0) if split == 1 else (0, wg)
+    k_smem, v_smem = ((k_smem2.at[wg], v_smem2.at[wg]) if split == 1
+                      else (k_smem2, v_smem2))
+    col0 = cta_col0 + key_group * bk
     rows = pl.ds(col0, bk)
-    plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, rows], k_smem,
-                            k_loaded.at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, rows], v_smem,
-                            v_loaded.at[wg])
+    # Each warpgroup loads its own chunk of its key group's K and V.
+    plgpu.copy_gmem_to_smem(columns(k_ref.at[batch, kv_head, rows], mine),
+                            chunk_of(k_smem, mine), k_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(columns(v_ref.at[batch, kv_head, rows], mine),
+                            chunk_of(v_smem, mine), v_loaded.at[wg])
     lo, a, b, hi = (jnp.clip(x, lo_u, hi_u)
                     for x in _q_ranges(col0, bk, block_q, band))
     layout = plgpu.Layout.WGMMA
@@ -165,8 +224,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                                                  interpreting)
 
     def wait_loaded(slot):
-      for barrier in (q_loaded, do_loaded, lse_loaded, delta_loaded):
-        plgpu.barrier_wait(barrier.at[slot])
+      for c in range(split):
+        plgpu.barrier_wait(q_loaded.at[slot * split + c])
+        plgpu.barrier_wait(do_loaded.at[slot * split + c])
+      plgpu.barrier_wait(lse_loaded.at[slot])
+      plgpu.barrier_wait(delta_loaded.at[slot])
 
     def skip(i, carry, g):
       slot = slot_of(g * blocks + (i - lo_u))
@@ -179,8 +241,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
       slot = slot_of(g * blocks + (i - lo_u))
       q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
       wait_loaded(slot)
-      s, dp = _nt_products(k_smem, q_slot, v_smem, do_slot, (bk, block_q),
-                           interpreting)
+      s, dp = _nt_products(
+          [(chunk_of(k_smem, c), chunk_of(q_slot, c)) for c in range(split)],
+          [(chunk_of(v_smem, c), chunk_of(do_slot, c))
+           for c in range(split)],
+          (bk, block_q), interpreting)
       lse2 = load_col(lse_smem.at[slot])
       delta = load_col(delta_smem.at[slot])
       s, t = _base2_logits(s, sm_scale, soft_cap)
@@ -191,26 +256,28 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
           s = jnp.where(masked_out, NEG_INF, s)
       p, ds = _probs_and_dlogits(s, dp, t, lse2, delta, row_axis=1)
       p16, ds16 = p.astype(dtype), ds.astype(dtype)
+      q_mine, do_mine = chunk_of(q_slot, mine), chunk_of(do_slot, mine)
       if interpreting:
         dims_nn = (((1,), (0,)), ((), ()))
-        dv = dv + lax.dot_general(p16, do_slot[...], dims_nn,
+        dv = dv + lax.dot_general(p16, do_mine[...], dims_nn,
                                   preferred_element_type=jnp.float32)
-        dk = dk + lax.dot_general(ds16, q_slot[...], dims_nn,
+        dk = dk + lax.dot_general(ds16, q_mine[...], dims_nn,
                                   preferred_element_type=jnp.float32)
       else:
         def dk_dv_products(refs):
           dk_ref, dv_ref = refs
-          plgpu.wgmma(dv_ref, p16, do_slot)
-          plgpu.wgmma(dk_ref, ds16, q_slot)
+          plgpu.wgmma(dv_ref, p16, do_mine)
+          plgpu.wgmma(dk_ref, ds16, q_mine)
 
         dk, dv = pl.run_state(dk_dv_products)(
             (plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
       plgpu.barrier_arrive(consumed.at[slot])
       return dk, dv
 
-    zeros = cast(jnp.full((bk, head_dim), 0.0, jnp.float32), layout)
-    plgpu.barrier_wait(k_loaded.at[wg])
-    plgpu.barrier_wait(v_loaded.at[wg])
+    zeros = cast(jnp.full((bk, chunk), 0.0, jnp.float32), layout)
+    for c in range(split):
+      plgpu.barrier_wait(k_loaded.at[key_group * split + c])
+      plgpu.barrier_wait(v_loaded.at[key_group * split + c])
 
     def head(g, carry):
       return fwd.band_loop(functools.partial(step, g=g),
@@ -218,11 +285,17 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                            (lo_u, lo, a, b, hi, hi_u), carry)
 
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
-    k_smem[...] = (dk * sm_scale).astype(dtype)
-    v_smem[...] = dv.astype(dtype)
+    if split > 1:  # the other warpgroup reads every K and V chunk until done
+      plgpu.barrier_arrive(done[0])
+      plgpu.barrier_wait(done[0])
+    k_out, v_out = chunk_of(k_smem, mine), chunk_of(v_smem, mine)
+    k_out[...] = (dk * sm_scale).astype(dtype)
+    v_out[...] = dv.astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[batch, kv_head, rows])
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[batch, kv_head, rows])
+    plgpu.copy_smem_to_gmem(k_out,
+                            columns(dk_ref.at[batch, kv_head, rows], mine))
+    plgpu.copy_smem_to_gmem(v_out,
+                            columns(dv_ref.at[batch, kv_head, rows], mine))
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == COMPUTE_WGS)
@@ -234,9 +307,13 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
       i = lo_u + lax.rem(t, blocks)
       h = kv_head * group + g
       rows = pl.ds(i * block_q, block_q)
-      for ref, smem, barrier in ((q_ref, q_smem, q_loaded),
-                                 (do_ref, do_smem, do_loaded),
-                                 (lse_ref, lse_smem, lse_loaded),
+      for c in range(split):
+        for ref, smem, barrier in ((q_ref, q_smem, q_loaded),
+                                   (do_ref, do_smem, do_loaded)):
+          plgpu.copy_gmem_to_smem(columns(ref.at[batch, h, rows], c),
+                                  chunk_of(smem.at[slot], c),
+                                  barrier.at[slot * split + c])
+      for ref, smem, barrier in ((lse_ref, lse_smem, lse_loaded),
                                  (delta_ref, delta_smem, delta_loaded)):
         plgpu.copy_gmem_to_smem(ref.at[batch, h, rows], smem.at[slot],
                                 barrier.at[slot])
@@ -268,9 +345,10 @@ def _prepared(kernel, arrays, q_multiple, k_multiple, causal, window_left,
   of ``k_multiple``."""
   q, k, v, d_out, lse, delta = arrays
   reason = supports(q, k, v)
-  if reason is None and q.shape[-1] not in HEAD_DIMS:
-    reason = (f"the kernels run head_dim {HEAD_DIMS}, got {q.shape[-1]} "
-              "(backward pads the others)")
+  if reason is None and kernel_head_dim(q.shape[-1]) != q.shape[-1]:
+    reason = (f"the kernels run head dims that are multiples of 16 (of 32 "
+              f"above {SPLIT_ABOVE}), got {q.shape[-1]} (backward pads the "
+              "others)")
   if reason:
     raise ValueError(f"mosaic_gpu_bwd.{kernel}: unsupported call: {reason}")
   if interpret is True:
@@ -327,36 +405,39 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   kv_heads, lk = k.shape[1], k.shape[2]
   group = heads // kv_heads
   bq = block_size(head_dim)
+  split = split_of(head_dim)
+  tile_k = KEYS_PER_WG * COMPUTE_WGS // split
   (q, k, v, d_out, lse2, delta), band, interpret = _prepared(
-      "dkv", (q, k, v, d_out, lse, delta), bq, TILE_K, causal, window_left,
+      "dkv", (q, k, v, d_out, lse, delta), bq, tile_k, causal, window_left,
       window_right, interpret)
   lk_pad = k.shape[2]
   dtype = q.dtype
   stages = STAGES
+  groups = () if split > 1 else (COMPUTE_WGS,)  # one row block when split
 
   scratch = (
-      fwd.tile_smem((COMPUTE_WGS, KEYS_PER_WG, head_dim), dtype),
-      fwd.tile_smem((COMPUTE_WGS, KEYS_PER_WG, head_dim), dtype),
-      fwd.tile_smem((stages, bq, head_dim), dtype),
-      fwd.tile_smem((stages, bq, head_dim), dtype),
+      fwd.tile_smem(_tile_shape(groups, KEYS_PER_WG, head_dim, split), dtype),
+      fwd.tile_smem(_tile_shape(groups, KEYS_PER_WG, head_dim, split), dtype),
+      fwd.tile_smem(_tile_shape((stages,), bq, head_dim, split), dtype),
+      fwd.tile_smem(_tile_shape((stages,), bq, head_dim, split), dtype),
       plgpu.SMEM((stages, bq), jnp.float32),
       plgpu.SMEM((stages, bq), jnp.float32),
   )
   barriers = (
-      plgpu.Barrier(num_barriers=COMPUTE_WGS),  # k loaded
+      plgpu.Barrier(num_barriers=COMPUTE_WGS),  # k loaded (one per chunk)
       plgpu.Barrier(num_barriers=COMPUTE_WGS),  # v loaded
-      plgpu.Barrier(num_barriers=stages),  # q loaded
-      plgpu.Barrier(num_barriers=stages),  # dO loaded
+      plgpu.Barrier(num_barriers=stages * split),  # q loaded
+      plgpu.Barrier(num_barriers=stages * split),  # dO loaded
       plgpu.Barrier(num_barriers=stages),  # lse loaded
       plgpu.Barrier(num_barriers=stages),  # delta loaded
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-  )
+  ) + ((plgpu.Barrier(num_arrivals=COMPUTE_WGS),) if split > 1 else ())
   body = functools.partial(
-      _kernel, block_q=bq, **_kernel_statics(
+      _kernel, block_q=bq, split=split, **_kernel_statics(
           band, sm_scale, logit_soft_cap, group, bool(interpret)))
   kv_type = jax.ShapeDtypeStruct((batch, kv_heads, lk_pad, head_dim), dtype)
   dk, dv = _launch(body, scratch, barriers, (kv_type, kv_type),
-                   (kv_heads, lk_pad // TILE_K, batch),
+                   (kv_heads, lk_pad // tile_k, batch),
                    ("heads", "kv_tiles", "batch"), interpret,
                    (q, k, v, d_out, lse2, delta))
   if lk_pad != lk:
@@ -369,16 +450,23 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
                scratch, *, band, sm_scale, soft_cap, block_k, stages, group,
-               nq, reverse_q, interpreting):
+               nq, reverse_q, split, interpreting):
+  """dq. Not split: Q and dO as [warpgroup, 64, head_dim], the K and V ring
+  as [slot, keys, head_dim]; split: Q and dO as [half, 64, head_dim / 2]
+  (the CTA's 64 rows), the ring as [slot, half, keys, head_dim / 2], and
+  compute warpgroup w accumulates half w of dQ."""
   (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), barriers = (
       scratch)
-  (rows_loaded, k_loaded, v_loaded, consumed) = barriers
+  (rows_loaded, k_loaded, v_loaded, consumed, *done) = barriers
   batch, head, tile, wg = fwd.q_tile_program(nq, reverse_q)
   dtype = q_smem2.dtype
-  head_dim = q_smem2.shape[-1]
+  chunk = q_smem2.shape[-1]
   bq = ROWS_PER_WG
-  cta_row0 = tile * TILE_Q
-  lo_u, _, _, hi_u = fwd._kv_ranges(cta_row0, TILE_Q, block_k, band)
+  tile_q = bq * COMPUTE_WGS // split
+  cta_row0 = tile * tile_q
+  lo_u, _, _, hi_u = fwd._kv_ranges(cta_row0, tile_q, block_k, band)
+  columns = functools.partial(_columns, chunk=chunk, split=split)
+  chunk_of = functools.partial(_chunk, split=split)
 
   def slot_of(c):
     return lax.rem(c - lo_u, jnp.int32(stages))
@@ -386,12 +474,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
     plgpu.set_max_registers(fwd.COMPUTE_REGISTERS, action="increase")
-    q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+    # (split is 1 or 2 with two compute warpgroups)
+    row_group, mine = (wg, 0) if split == 1 else (0, wg)
+    q_smem, do_smem = ((q_smem2.at[wg], do_smem2.at[wg]) if split == 1
+                       else (q_smem2, do_smem2))
     lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
-    row0 = cta_row0 + wg * bq
+    row0 = cta_row0 + row_group * bq
     rows = pl.ds(row0, bq)
-    for ref, smem, i in ((q_ref, q_smem, 0), (do_ref, do_smem, 1),
-                         (lse_ref, lse_smem, 2), (delta_ref, delta_smem, 3)):
+    # Each warpgroup loads its own chunk of Q and dO, and its own lse, delta.
+    for ref, smem, i in ((q_ref, chunk_of(q_smem, mine), 0),
+                         (do_ref, chunk_of(do_smem, mine), 1)):
+      plgpu.copy_gmem_to_smem(columns(ref.at[batch, head, rows], mine), smem,
+                              rows_loaded.at[wg * 4 + i])
+    for ref, smem, i in ((lse_ref, lse_smem, 2), (delta_ref, delta_smem, 3)):
       plgpu.copy_gmem_to_smem(ref.at[batch, head, rows], smem,
                               rows_loaded.at[wg * 4 + i])
     lo, a, b, hi = (jnp.clip(x, lo_u, hi_u)
@@ -401,8 +496,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
                                                  interpreting)
 
     def wait_kv(slot):
-      plgpu.barrier_wait(k_loaded.at[slot])
-      plgpu.barrier_wait(v_loaded.at[slot])
+      for c in range(split):
+        plgpu.barrier_wait(k_loaded.at[slot * split + c])
+        plgpu.barrier_wait(v_loaded.at[slot * split + c])
 
     def skip(c, carry):
       slot = slot_of(c)
@@ -414,34 +510,46 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
       slot = slot_of(c)
       k_slot, v_slot = k_smem.at[slot], v_smem.at[slot]
       wait_kv(slot)
-      s, dp = _nt_products(q_smem, k_slot, do_smem, v_slot, (bq, block_k),
-                           interpreting)
+      s, dp = _nt_products(
+          [(chunk_of(q_smem, i), chunk_of(k_slot, i)) for i in range(split)],
+          [(chunk_of(do_smem, i), chunk_of(v_slot, i))
+           for i in range(split)],
+          (bq, block_k), interpreting)
       s, t = _base2_logits(s, sm_scale, soft_cap)
       if masked:
         s = jnp.where(fwd.outside_band(row0 + iota(0), c * block_k + iota(1),
                                        band), NEG_INF, s)
       _, ds = _probs_and_dlogits(s, dp, t, lse2, delta, row_axis=0)
       ds16 = ds.astype(dtype)
+      k_mine = chunk_of(k_slot, mine)
       if interpreting:
-        dq = dq + lax.dot_general(ds16, k_slot[...], (((1,), (0,)), ((), ())),
+        dq = dq + lax.dot_general(ds16, k_mine[...], (((1,), (0,)), ((), ())),
                                   preferred_element_type=jnp.float32)
       else:
         def dq_product(dq_ref):
-          plgpu.wgmma(dq_ref, ds16, k_slot)
+          plgpu.wgmma(dq_ref, ds16, k_mine)
 
         dq = pl.run_state(dq_product)(plgpu.ACC.init(dq))
       plgpu.barrier_arrive(consumed.at[slot])
       return dq
 
-    for i in range(4):
+    for w in [wg] if split == 1 else range(COMPUTE_WGS):
+      for i in range(2):  # every chunk of the row group's Q and dO
+        plgpu.barrier_wait(rows_loaded.at[w * 4 + i])
+    for i in range(2, 4):
       plgpu.barrier_wait(rows_loaded.at[wg * 4 + i])
     lse2 = load_row(lse_smem)
     delta = load_row(delta_smem)
-    dq = cast(jnp.full((bq, head_dim), 0.0, jnp.float32), layout)
+    dq = cast(jnp.full((bq, chunk), 0.0, jnp.float32), layout)
     dq = fwd.band_loop(step, skip, (lo_u, lo, a, b, hi, hi_u), dq)
-    q_smem[...] = (dq * sm_scale).astype(dtype)
+    if split > 1:  # the other warpgroup reads every Q and dO chunk until done
+      plgpu.barrier_arrive(done[0])
+      plgpu.barrier_wait(done[0])
+    q_out = chunk_of(q_smem, mine)
+    q_out[...] = (dq * sm_scale).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, head, rows])
+    plgpu.copy_smem_to_gmem(q_out,
+                            columns(dq_ref.at[batch, head, rows], mine))
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == COMPUTE_WGS)
@@ -451,10 +559,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
 
     def load(c, slot):
       rows = pl.ds(c * block_k, block_k)
-      plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, rows], k_smem.at[slot],
-                              k_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, rows], v_smem.at[slot],
-                              v_loaded.at[slot])
+      for i in range(split):
+        for ref, smem, barrier in ((k_ref, k_smem, k_loaded),
+                                   (v_ref, v_smem, v_loaded)):
+          plgpu.copy_gmem_to_smem(columns(ref.at[batch, kv_head, rows], i),
+                                  chunk_of(smem.at[slot], i),
+                                  barrier.at[slot * split + i])
 
     def refill(c, slot):
       plgpu.barrier_wait(consumed.at[slot])
@@ -478,29 +588,32 @@ def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   kv_heads = k.shape[1]
   group = heads // kv_heads
   block_k, stages = block_size(head_dim), STAGES
+  split = split_of(head_dim)
+  tile_q = ROWS_PER_WG * COMPUTE_WGS // split
   (q, k, v, d_out, lse2, delta), band, interpret = _prepared(
-      "dq", (q, k, v, d_out, lse, delta), TILE_Q, block_k, causal,
+      "dq", (q, k, v, d_out, lse, delta), tile_q, block_k, causal,
       window_left, window_right, interpret)
   lq_pad = q.shape[2]
   dtype = q.dtype
-  nq = lq_pad // TILE_Q
+  nq = lq_pad // tile_q
+  groups = () if split > 1 else (COMPUTE_WGS,)  # one row block when split
 
   scratch = (
-      fwd.tile_smem((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype),
-      fwd.tile_smem((COMPUTE_WGS, ROWS_PER_WG, head_dim), dtype),
+      fwd.tile_smem(_tile_shape(groups, ROWS_PER_WG, head_dim, split), dtype),
+      fwd.tile_smem(_tile_shape(groups, ROWS_PER_WG, head_dim, split), dtype),
       plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
       plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
-      fwd.tile_smem((stages, block_k, head_dim), dtype),
-      fwd.tile_smem((stages, block_k, head_dim), dtype),
+      fwd.tile_smem(_tile_shape((stages,), block_k, head_dim, split), dtype),
+      fwd.tile_smem(_tile_shape((stages,), block_k, head_dim, split), dtype),
   )
   barriers = (
       plgpu.Barrier(num_barriers=4 * COMPUTE_WGS),  # q, dO, lse, delta
-      plgpu.Barrier(num_barriers=stages),  # k loaded
-      plgpu.Barrier(num_barriers=stages),  # v loaded
+      plgpu.Barrier(num_barriers=stages * split),  # k loaded
+      plgpu.Barrier(num_barriers=stages * split),  # v loaded
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-  )
+  ) + ((plgpu.Barrier(num_arrivals=COMPUTE_WGS),) if split > 1 else ())
   body = functools.partial(
-      _dq_kernel, block_k=block_k, nq=nq,
+      _dq_kernel, block_k=block_k, nq=nq, split=split,
       reverse_q=band.right is not None and band.left is None,
       **_kernel_statics(band, sm_scale, logit_soft_cap, group,
                         bool(interpret)))
@@ -530,6 +643,6 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
     dk, dv = dkv(q, k, v, d_out, lse, delta, **kwargs)
     return dq(q, k, v, d_out, lse, delta, **kwargs), dk, dv
   dq_, dk, dv = fwd.with_padded_head_dim(
-      run, (q, k, v, d_out), HEAD_DIMS,
+      run, (q, k, v, d_out), kernel_head_dim(q.shape[-1]),
       lambda grads, d: tuple(g[..., :d] for g in grads))
   return dq_, dk, dv, None
