@@ -98,6 +98,16 @@ def _columns(ref, index, chunk: int, split: int):
   return ref if split == 1 else ref.at[:, pl.ds(index * chunk, chunk)]
 
 
+def _load_row_blocks(blocks, slot, chunk: int, split: int):
+  """TMA copies of (gmem row block, SMEM ring, barriers) triples into ring
+  ``slot``, in ``split`` head_dim chunks with one barrier each."""
+  for index in range(split):
+    for block, smem, barrier in blocks:
+      plgpu.copy_gmem_to_smem(_columns(block, index, chunk, split),
+                              _chunk(smem.at[slot], index, split),
+                              barrier.at[slot * split + index])
+
+
 def _base2_logits(s, sm_scale, soft_cap):
   """(logits in base 2, tanh of the soft cap or None) from raw q.k scores."""
   if soft_cap is None:
@@ -307,12 +317,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
       i = lo_u + lax.rem(t, blocks)
       h = kv_head * group + g
       rows = pl.ds(i * block_q, block_q)
-      for c in range(split):
-        for ref, smem, barrier in ((q_ref, q_smem, q_loaded),
-                                   (do_ref, do_smem, do_loaded)):
-          plgpu.copy_gmem_to_smem(columns(ref.at[batch, h, rows], c),
-                                  chunk_of(smem.at[slot], c),
-                                  barrier.at[slot * split + c])
+      _load_row_blocks(((q_ref.at[batch, h, rows], q_smem, q_loaded),
+                        (do_ref.at[batch, h, rows], do_smem, do_loaded)),
+                       slot, chunk, split)
       for ref, smem, barrier in ((lse_ref, lse_smem, lse_loaded),
                                  (delta_ref, delta_smem, delta_loaded)):
         plgpu.copy_gmem_to_smem(ref.at[batch, h, rows], smem.at[slot],
@@ -559,12 +566,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
 
     def load(c, slot):
       rows = pl.ds(c * block_k, block_k)
-      for i in range(split):
-        for ref, smem, barrier in ((k_ref, k_smem, k_loaded),
-                                   (v_ref, v_smem, v_loaded)):
-          plgpu.copy_gmem_to_smem(columns(ref.at[batch, kv_head, rows], i),
-                                  chunk_of(smem.at[slot], i),
-                                  barrier.at[slot * split + i])
+      _load_row_blocks(((k_ref.at[batch, kv_head, rows], k_smem, k_loaded),
+                        (v_ref.at[batch, kv_head, rows], v_smem, v_loaded)),
+                       slot, chunk, split)
 
     def refill(c, slot):
       plgpu.barrier_wait(consumed.at[slot])
