@@ -115,8 +115,8 @@ def main():
   kinds = {}
   real_jitted = _eager._jitted
 
-  def spy(name, st, kind, mask):
-    f = real_jitted(name, st, kind, mask)
+  def spy(name, st, flavour, kind, mask):
+    f = real_jitted(name, st, flavour, kind, mask)
     kinds[kind] = f
     return f
   _eager._jitted = spy
@@ -163,7 +163,7 @@ def main():
     return out
   _convert.to_jax = wrap("to_jax", real_to_jax)
   _convert.to_torch = wrap("to_torch", real_to_torch)
-  _eager._jitted = lambda *a: wrap("jit_" + a[2], real_jitted(*a))
+  _eager._jitted = lambda *a: wrap("jit_" + a[3], real_jitted(*a))
   _eager.Residuals.backward = staticmethod(bwd)
 
   def step(synced):

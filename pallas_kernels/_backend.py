@@ -170,6 +170,15 @@ def force_interpret(flavour: str = "tpu"):
   if flavour not in INTERPRET_FLAVOURS:
     raise ValueError(
         f"force_interpret: flavour={flavour!r} is not one of {INTERPRET_FLAVOURS}")
+  with forced_flavour_exactly(flavour):
+    yield
+
+
+@contextlib.contextmanager
+def forced_flavour_exactly(flavour: str | None):
+  """Sets the forced flavour to ``flavour``, None included, whatever the
+  enclosing context forces (to trace later work, such as a backward on
+  another thread, as the call that recorded ``flavour`` was traced)."""
   token = _forced_flavour.set(flavour)
   try:
     yield

@@ -11,7 +11,10 @@ arrays; ``static`` holds the non-array parameters, encoded as a Python
 literal in the ``static`` string so the ops have a fixed schema that
 ``torch.compile`` can trace. Keys starting with ``_`` are the bridge's own
 (``_layout``: which optional array positions are present, since a tensor
-list cannot carry None through autograd; ``_partition_spec``, ``_mesh``) and
+list cannot carry None through autograd; ``_interpret``: the interpreter
+flavour forced when the call was made, so that its backward, which may run
+on autograd's device thread where the caller's context is gone, is traced
+the same way; under torch.compile the ops read it when they run; ``_partition_spec``, ``_mesh``) and
 are not passed to ``fn``. The VJP op takes one cotangent per floating-point
 output.
 
@@ -227,6 +230,10 @@ class JaxOp:
   def __call__(self, arrays: Sequence[torch.Tensor | None],
                **static) -> list[torch.Tensor]:
     static["_layout"] = tuple(a is not None for a in arrays)
+    flavour = None
+    if not torch.compiler.is_compiling():  # dynamo cannot read a ContextVar
+      flavour = _backend.forced_interpret_flavour()
+      static["_interpret"] = flavour
     present = [a for a in arrays if a is not None]
     spec = static.get("_partition_spec")
     if spec is not None:
@@ -241,8 +248,9 @@ class JaxOp:
       # (with None gradients where the op has none).
       if torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return list(_eager.apply_residuals(
-            (self.name, static_text, mask, device), *present))
-      return _eager.forward(self.name, static_text, present, device)
+            (self.name, static_text, mask, device, flavour), *present))
+      return _eager.forward(self.name, static_text, flavour, present,
+                            device)
     if spec is None and any(a.device.type == "xla" for a in present):
       from torch_bridge import _xla
       if _xla.spmd_active():
@@ -436,8 +444,28 @@ def _jax_fn(name, static_text, kind, mask) -> Callable:
 @functools.lru_cache(maxsize=None)
 def _jitted(name: str, static_text: str, flavour: str | None, kind: str,
             mask: tuple[bool, ...] | None) -> Callable:
-  del flavour  # part of the cache key only: it changes what is traced
-  return jax.jit(_jax_fn(name, static_text, kind, mask))
+  """The jitted ``kind`` function, traced with ``flavour`` forced (None:
+  none), whichever thread or context first calls it."""
+  fn = _jax_fn(name, static_text, kind, mask)
+
+  def under_flavour(*arrays):
+    with _backend.forced_flavour_exactly(flavour):
+      return fn(*arrays)
+  return jax.jit(under_flavour)
+
+
+@functools.lru_cache(maxsize=4096)
+def _recorded_flavour(static_text: str) -> tuple[bool, str | None]:
+  static = decode_static(static_text)
+  return "_interpret" in static, static.get("_interpret")
+
+
+def flavour_of(static_text: str) -> str | None:
+  """The interpreter flavour a call runs with: the one recorded in its
+  static parameters (see ``JaxOp``), else (a custom op called directly)
+  the one forced now."""
+  recorded, flavour = _recorded_flavour(static_text)
+  return flavour if recorded else _backend.forced_interpret_flavour()
 
 
 def _device_of(tensors) -> torch.device:
@@ -457,8 +485,7 @@ def _check_same_device(name: str, tensors) -> torch.device:
 
 
 def _run_eager(name, static_text, kind, mask, tensors, device):
-  fn = _jitted(name, static_text, _backend.forced_interpret_flavour(), kind,
-               mask)
+  fn = _jitted(name, static_text, flavour_of(static_text), kind, mask)
   # A custom op's outputs may not alias its inputs (jit can hand an input
   # buffer straight back): to_torch copies those.
   return _convert.to_torch(fn(*_convert.to_jax(tensors, device)), device,
@@ -466,6 +493,12 @@ def _run_eager(name, static_text, kind, mask, tensors, device):
 
 
 def _run_xla(op, static_text, kind, mask, tensors, shard):
+  # The graph is built (traced) now: with the call's recorded flavour.
+  with _backend.forced_flavour_exactly(flavour_of(static_text)):
+    return _build_xla(op, static_text, kind, mask, tensors, shard)
+
+
+def _build_xla(op, static_text, kind, mask, tensors, shard):
   from torch_bridge import _xla
   fn = _jax_fn(op.name, static_text, kind, mask)
   key = (op.name, static_text, kind, mask)

@@ -27,7 +27,6 @@ import functools
 import torch
 from torch.autograd import forward_ad
 
-from pallas_kernels import _backend
 from torch_bridge import _convert
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -56,15 +55,15 @@ def plain_device(tensors) -> torch.device | None:
   return device
 
 
-def _jitted(name, static_text, kind, mask):
+def _jitted(name, static_text, flavour, kind, mask):
   from torch_bridge import _core
-  return _core._jitted(name, static_text,
-                       _backend.forced_interpret_flavour(), kind, mask)
+  return _core._jitted(name, static_text, flavour, kind, mask)
 
 
-def forward(name: str, static_text: str, tensors, device) -> list:
-  """The op's outputs, no autograd."""
-  fn = _jitted(name, static_text, "forward", None)
+def forward(name: str, static_text: str, flavour, tensors, device) -> list:
+  """The op's outputs, no autograd (``flavour``: the interpreter flavour
+  forced at the call)."""
+  fn = _jitted(name, static_text, flavour, "forward", None)
   return _convert.to_torch(fn(*_convert.to_jax(tensors, device)), device,
                            tensors)
 
@@ -78,9 +77,9 @@ def _n_outputs(name: str, static_text: str, signature: tuple) -> int:
 def _save(ctx, tensors) -> list:
   """The outputs of the jitted save function; its arrays, the inputs' JAX
   views and (for autograd's in-place checks) the tensors go on ``ctx``."""
-  name, static_text, mask, device = ctx.call
+  name, static_text, mask, device, flavour = ctx.call
   arrays = _convert.to_jax(tensors, device)
-  flat = _jitted(name, static_text, "save", mask)(*arrays)
+  flat = _jitted(name, static_text, flavour, "save", mask)(*arrays)
   n_out = _n_outputs(name, static_text,
                      tuple((t.shape, t.dtype) for t in tensors))
   outs = _convert.to_torch(flat[:n_out], device, tensors)
@@ -91,9 +90,11 @@ def _save(ctx, tensors) -> list:
 
 
 class Residuals(torch.autograd.Function):
-  """``apply((name, static_text, mask, device), *tensors)``: the op's
-  outputs, with a backward from the saved residuals (``mask``: which tensors
-  get gradients; none: the plain forward, and None gradients)."""
+  """``apply((name, static_text, mask, device, flavour), *tensors)``: the
+  op's outputs, with a backward from the saved residuals (``mask``: which
+  tensors get gradients; none: the plain forward, and None gradients;
+  ``flavour``: the interpreter flavour forced at the call, which the
+  backward keeps although autograd may run it on another thread)."""
 
   @staticmethod
   def forward(ctx, call, *tensors):
@@ -101,20 +102,20 @@ class Residuals(torch.autograd.Function):
     if any(call[2]):
       outs = _save(ctx, tensors)
     else:  # no input takes a gradient: nothing to save
-      outs = forward(call[0], call[1], tensors, call[3])
+      outs = forward(call[0], call[1], call[4], tensors, call[3])
     ctx.mark_non_differentiable(
         *[o for o in outs if not o.dtype.is_floating_point])
     return tuple(outs)
 
   @staticmethod
   def backward(ctx, *grads):
-    name, static_text, mask, device = ctx.call
+    name, static_text, mask, device, flavour = ctx.call
     if not any(mask):
       return (None,) * (1 + len(mask))
     saved = ctx.saved_tensors  # raises if one was modified in place
     cotangents = _convert.to_jax(
         [g for g, f in zip(grads, ctx.float_outputs) if f], device)
-    fn = _jitted(name, static_text, "restore", mask)
+    fn = _jitted(name, static_text, flavour, "restore", mask)
     diff = _convert.to_torch(fn(*ctx.arrays, *ctx.saved, *cotangents),
                              device)
     if torch.is_grad_enabled():  # create_graph=True

@@ -1,6 +1,8 @@
 """The generic JAX -> torch op mechanism, on small JAX functions of our own."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 pytest.importorskip("torch_xla")
@@ -11,7 +13,9 @@ import torch  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
 
-from torch_bridge import _core  # noqa: E402
+import pallas_kernels as pk  # noqa: E402
+from pallas_kernels import _backend  # noqa: E402
+from torch_bridge import _core, _eager  # noqa: E402
 
 
 def _scale_add(a, b, c, *, alpha, shift):
@@ -155,6 +159,59 @@ def test_torch_compile_cpu_inductor_free(rng):
       backend="aot_eager", fullgraph=True)
   a = torch.tensor(rng.standard_normal(5), dtype=torch.float32)
   torch.testing.assert_close(compiled(a), a + torch.sin(a))
+
+
+def _flavour_probe(a, *, alpha):
+  """Records the interpreter flavour forced whenever it is traced."""
+  FLAVOURS_SEEN.append(_backend.forced_interpret_flavour())
+  return (a * alpha,)
+
+
+FLAVOURS_SEEN: list = []
+FLAVOUR_PROBE = _core.JaxOp("_test_flavour_probe", _flavour_probe)
+
+
+@pytest.mark.parametrize("path", ["fast", "custom ops"])
+def test_backward_on_another_thread_keeps_forced_flavour(monkeypatch, path):
+  """autograd runs a CUDA backward on its device thread, where the caller's
+  ``force_interpret`` context is gone: the backward must still be traced
+  with the forward's flavour (and find the forward's residual plan)."""
+  if path == "custom ops":
+    monkeypatch.setattr(_eager, "plain_device", lambda tensors: None)
+  # An alpha of its own per case: nothing cached by another test.
+  alpha = {"fast": 1.25, "custom ops": 1.5}[path]
+  a = torch.randn(4, requires_grad=True)
+  FLAVOURS_SEEN.clear()
+  with pk.force_interpret("generic"):
+    out = FLAVOUR_PROBE([a], alpha=alpha)[0]
+  errors = []
+
+  def backward():
+    try:
+      out.sum().backward()
+    except Exception as e:  # reported below, on the test's thread
+      errors.append(e)
+  thread = threading.Thread(target=backward)
+  thread.start()
+  thread.join()
+  assert not errors, errors
+  torch.testing.assert_close(a.grad, torch.full((4,), alpha))
+  assert FLAVOURS_SEEN and set(FLAVOURS_SEEN) == {"generic"}, FLAVOURS_SEEN
+
+
+def test_forced_flavour_recorded_in_static():
+  a = torch.randn(3)
+  with pk.force_interpret("generic"):
+    inside = _core.encode_static_cached(dict(alpha=2.0, _layout=(True,),
+                                             _interpret="generic"))
+  assert _core.flavour_of(inside) == "generic"
+  outside = _core.encode_static(dict(alpha=2.0, _layout=(True,),
+                                     _interpret=None))
+  with pk.force_interpret("generic"):
+    assert _core.flavour_of(outside) is None   # recorded: none forced
+    direct = _core.encode_static(dict(alpha=2.0, _layout=(True,)))
+    assert _core.flavour_of(direct) == "generic"  # not recorded: now's
+  torch.testing.assert_close(FLAVOUR_PROBE([a], alpha=2.0)[0], 2 * a)
 
 
 from hypothesis import given, strategies as st  # noqa: E402

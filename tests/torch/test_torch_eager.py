@@ -35,9 +35,9 @@ def fast_path(monkeypatch):
   kinds = []
   real = _eager._jitted
 
-  def spy(name, static_text, kind, mask):
+  def spy(name, static_text, flavour, kind, mask):
     kinds.append(kind)
-    return real(name, static_text, kind, mask)
+    return real(name, static_text, flavour, kind, mask)
   monkeypatch.setattr(_eager, "_jitted", spy)
   return kinds
 
