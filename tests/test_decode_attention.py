@@ -234,7 +234,8 @@ SLOW_KERNEL_CASES = {"int8_paged", "e4m3_contiguous"}
 
 @pytest.mark.parametrize("name", _names(KERNEL_CASES, SLOW_KERNEL_CASES))
 @pytest.mark.parametrize("kernel,block,num_splits", [
-    (mosaic_tpu, 128, 3), (mosaic_tpu, 256, 1), (triton, 32, 4)])
+    (mosaic_tpu, 128, 3), (mosaic_tpu, 256, 1), (triton, 32, 4),
+    (triton, 64, 1)])
 def test_kernel_blocks_and_splits(kernel, block, num_splits, name, rng):
   """Many blocks per split, several splits, ragged lengths: each kernel in
   Pallas' generic interpreter. A paged TPU block holds several pages."""
@@ -255,6 +256,21 @@ def test_kernel_blocks_and_splits(kernel, block, num_splits, name, rng):
                                  page_table=page_table, k_scale=scales[0],
                                  v_scale=scales[1], **kw)
   _assert_close(out, want, TOLERANCES[case.dtype], name)
+
+
+def test_triton_merges_many_splits_in_steps(rng):
+  """16 splits of 16 rows at head_dim 64: the last program of each kv head
+  merges them in two steps of 8 (``MERGE_ELEMENTS``), with the sinks."""
+  case = Case(2, 8, 2, 4, 700, 64, sinks=True, lengths=(700, 517))
+  q, k, v, lengths, kw = case.inputs(rng)
+  rows = case.t * case.h // case.hk
+  assert triton.MERGE_ELEMENTS // (rows * case.d) == 8
+  out = triton.decode(q, k, v, lengths, kw["sinks"], None, sm_scale=0.125,
+                      logit_soft_cap=None, sliding_window=None,
+                      interpret=True, block_kv=32, num_splits=16)
+  want = oracle.decode_attention(q, k, v, lengths, sinks=kw["sinks"],
+                                 sm_scale=0.125)
+  _assert_close(out, want, TOLERANCES["float32"])
 
 
 @pytest.mark.parametrize("batch,kv_heads,want", [
@@ -553,3 +569,5 @@ def test_cuda_lowering_runs_the_triton_kernel(paged, cache_dtype):
         q, k, v, n, logit_soft_cap=30.0, **scales)
   text = _compat.lower_for_cuda(fn, *args).as_text()
   assert text.count('"decode_attention_gpu"') == 1
+  # One launch: the splits are merged inside it, not by XLA reductions.
+  assert "stablehlo.reduce" not in text

@@ -4,8 +4,8 @@ paged KV caches, Mosaic TPU and Triton, plus a JAX reference.
     from pallas_kernels import decode_attention
 
 ``api`` holds the arguments and the kernel choice, ``reference`` the exact
-semantics, ``splits`` the query-row layout and the combine of the splits
-both kernels share, ``mosaic_tpu``/``triton`` the kernels.
+semantics, ``splits`` the split ranges both kernels share (and the TPU
+kernel's row layout and merge), ``mosaic_tpu``/``triton`` the kernels.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""What the decode kernels share on the host: the query-row layout, the
-block ranges of split-KV and the combine of the splits.
+"""What the decode kernels share on the host: the TPU kernel's query-row
+layout, the block ranges of split-KV and the combine of the splits (the
+Triton kernel packs its rows g-major and merges in the kernel).
 
 Rows: the ``T * G`` queries of one kv head (``G = H // Hkv`` query heads, T
 new tokens) form the rows of one matrix, t-major: row ``r = t * G + g``. Row

@@ -1,14 +1,24 @@
 """Decode attention for NVIDIA GPUs: split-KV (flash decoding) in Pallas with
-the Triton lowering.
+the Triton lowering, the merge of the splits fused into the same launch.
 
-One program per ``(b, hk, split)``: it holds the ``T * G`` query rows of kv
-head ``hk`` (``splits.pack_queries``, padded to a power of two >= 16, the
-smallest Triton dot) and walks its run of the sequence's visible key blocks
-(``splits.split_range``) with ``lax.fori_loop`` and the online softmax in
-base 2, then writes its normalized ``(out, lse)``; XLA merges the splits and
-the sinks (``splits.finish``). The split count is the power of two at or
-below ``PROGRAMS / (B * Hkv)`` (rounded up): about one program per SM, so a
-batch of 1 fills the GPU, and whole blocks split evenly.
+Rows: the ``T * G`` queries of kv head ``hk`` are the rows of one matrix in
+q's own order, g-major (row ``r = g * T + t``), so ``q [B, H, T, D]`` and
+the output are free reshapes of ``[B, Hkv, T * G, D]``; the kernel pads the
+rows to a power of two >= 16 (the smallest Triton dot) with masked loads and
+stores. Row r's query sits at ``base + r % T`` (``base = kv_length - T``).
+
+One program per ``(b, hk, split)`` walks its run of the sequence's visible
+key blocks (``splits.split_range``) with ``lax.fori_loop`` and the online
+softmax in base 2. With one split it finishes the output itself (sinks,
+``v_scale``). With several, each writes its normalized ``(out, lse)`` to a
+float32 scratch output and takes a ticket from a per-(b, hk) counter (an
+acquire-release atomic after a block barrier); the program that draws the
+last ticket merges the splits and the sinks and writes the output, so a
+call is one launch plus the zeroing of the counters. The split count is the
+power of two at or below ``PROGRAMS / (B * Hkv)`` (rounded up): about one
+program per SM, so a batch of 1 fills the GPU, and whole blocks split
+evenly.
+
 The cache is read in place: a contiguous block is ``block`` rows (the last
 one shifted back to end at S, its rows already seen masked out); a paged
 block is one page, found through the page table. Every block masks logits
@@ -17,8 +27,8 @@ reaches the output). Triton tiles need power-of-two sizes, so head_dim and
 the page size must be powers of two >= 16 (``supports``); other calls take
 another kernel. 8-bit caches (int8, float8_e4m3fn, float8_e5m2) are loaded
 as they are and converted to q's dtype in registers; the kv head's
-``k_scale`` joins ``sm_scale`` and ``v_scale`` multiplies the merged output
-(``splits.finish``). Triton has float8_e4m3fn only from sm_89 (Ada) on.
+``k_scale`` joins ``sm_scale`` and ``v_scale`` multiplies the output. Triton
+has float8_e4m3fn only from sm_89 (Ada) on.
 """
 from __future__ import annotations
 
@@ -28,6 +38,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _backend, _compat, _cost
 from pallas_kernels.decode import splits as _splits
@@ -35,9 +46,9 @@ from pallas_kernels.decode import splits as _splits
 pl = _compat.pl
 
 LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 MIN_TILE = 16          # smallest dimension of a Triton dot
 TILE_BYTES = 32 << 10  # bytes of one K tile (registers/shared memory)
+MERGE_ELEMENTS = 8192  # float32 partial outputs merged per step
 PROGRAMS = 132         # one per SM of an H100
 NUM_WARPS = 4
 NUM_STAGES = 3
@@ -49,6 +60,10 @@ def _pow2(n: int) -> bool:
 
 def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
+
+
+def _floor_pow2(n: int) -> int:
+  return 1 << (max(1, n).bit_length() - 1)
 
 
 def supports(q, k_cache, page_table) -> str | None:
@@ -72,8 +87,7 @@ def supports(q, k_cache, page_table) -> str | None:
 def default_splits(batch: int, kv_heads: int) -> int:
   """Splits per (sequence, kv head): the power of two at or below
   ceil(PROGRAMS / (batch * kv_heads))."""
-  wanted = max(1, -(-PROGRAMS // (batch * kv_heads)))
-  return 1 << (wanted.bit_length() - 1)
+  return _floor_pow2(-(-PROGRAMS // max(1, batch * kv_heads)))
 
 
 def block_rows(capacity: int, head_dim: int, itemsize: int,
@@ -88,25 +102,28 @@ def block_rows(capacity: int, head_dim: int, itemsize: int,
   return rows
 
 
-def _kernel(lengths_ref, q_ref, k_ref, v_ref, *rest, queries, group, window,
-            sm_scale, cap, block, num_splits, paged, capacity, quantized):
-  rest = list(rest)
-  pages_ref = rest.pop(0) if paged else None
-  scale_ref = rest.pop(0) if quantized else None
-  o_ref, lse_ref = rest
+def _attend(lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, *,
+            queries, row_count, window, cap, block, num_splits, paged,
+            capacity):
+  """This program's run of blocks: (acc, m, l) of the online softmax (acc
+  unnormalized, m in base-2 logits) for the padded rows."""
   b, split = pl.program_id(0), pl.program_id(2)
-  if quantized:  # the kv head's k_scale joins the logit scale
-    sm_scale = sm_scale * scale_ref[pl.program_id(1)]
   length = lengths_ref[b]
   start, per, hi = _splits.split_range(length, split, queries, window, block,
                                        num_splits)
   end = jnp.minimum(start + per, hi + 1)
   base = length - queries
-  q = q_ref[...]
-  rows_n = q.shape[0]
-  rows = lax.broadcasted_iota(jnp.int32, (rows_n, block), 0)
+  rows_n, head_dim = q_ref.shape
+  row = lax.broadcasted_iota(jnp.int32, (rows_n, head_dim), 0)
+  q = plgpu.load(q_ref, mask=row < row_count, other=0)
+  # Row r's query index: r % T (g-major rows).
+  query = lax.broadcasted_iota(jnp.int32, (rows_n, block), 0)
+  if queries > 1:
+    query = lax.rem(query, jnp.int32(queries))
+  else:
+    query = jnp.zeros_like(query)
   key_iota = lax.broadcasted_iota(jnp.int32, (rows_n, block), 1)
-  value_iota = lax.broadcasted_iota(jnp.int32, (block, q.shape[1]), 0)
+  value_iota = lax.broadcasted_iota(jnp.int32, (block, head_dim), 0)
 
   def body(c, carry):
     acc, m_prev, l_prev = carry
@@ -128,10 +145,9 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, *rest, queries, group, window,
     else:
       s = cap * LOG2E * jnp.tanh(qk * (sm_scale / cap))
     cols = first + key_iota
-    fresh = cols >= c * block
-    visible = fresh & (cols < length) & (rows >= (cols - base) * group)
+    visible = (cols >= c * block) & (cols < length) & (query >= cols - base)
     if window is not None:
-      visible &= rows < (cols + window - base + 1) * group
+      visible &= query <= cols + window - base
     s = jnp.where(visible, s, -jnp.inf)
     value_cols = first + value_iota
     v = jnp.where((value_cols >= c * block) & (value_cols < length), v,
@@ -146,22 +162,116 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, *rest, queries, group, window,
         preferred_element_type=jnp.float32)
     return acc, m_next, l_next
 
-  carry = (jnp.zeros(q.shape, jnp.float32),
+  carry = (jnp.zeros((rows_n, head_dim), jnp.float32),
            jnp.full((rows_n,), -jnp.inf, jnp.float32),
            jnp.zeros((rows_n,), jnp.float32))
-  acc, m, l = lax.fori_loop(start, end, body, carry)
+  return lax.fori_loop(start, end, body, carry)
+
+
+def _finish(acc, m, l, sink_ref, v_scale, row_count):
+  """The output rows from the softmax state over all keys (m base 2, acc
+  unnormalized): the sinks join the denominator, v_scale multiplies."""
+  if sink_ref is not None:
+    rows = lax.broadcasted_iota(jnp.int32, m.shape, 0)
+    sink = plgpu.load(sink_ref.at[pl.ds(0, m.shape[0])], mask=rows < row_count,
+                      other=-jnp.inf) * LOG2E
+    top = jnp.maximum(m, sink)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    scale = jnp.exp2(m - top)
+    acc, l = acc * scale[:, None], l * scale + jnp.exp2(sink - top)
+  out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+  return out if v_scale is None else out * v_scale
+
+
+def _kernel(lengths_ref, q_ref, k_ref, v_ref, *rest, queries, row_count,
+            merged_rows, window, sm_scale, cap, block, num_splits, paged, capacity,
+            quantized, sinks, interpret):
+  rest = list(rest)
+  pages_ref = rest.pop(0) if paged else None
+  k_scale_ref = rest.pop(0) if quantized else None
+  v_scale_ref = rest.pop(0) if quantized else None
+  sink_ref = rest.pop(0) if sinks else None
+  if num_splits > 1:
+    tickets_in_ref = rest.pop(0)
+  o_ref = rest.pop(0)
+  h = pl.program_id(1)
+  v_scale = None
+  if quantized:  # the kv head's k_scale joins the logit scale
+    sm_scale = sm_scale * k_scale_ref[h]
+    v_scale = v_scale_ref[h]
+  acc, m, l = _attend(
+      lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, queries=queries,
+      row_count=row_count, window=window, cap=cap, block=block,
+      num_splits=num_splits, paged=paged, capacity=capacity)
+  rows_n, head_dim = acc.shape
+  out_rows = lax.broadcasted_iota(jnp.int32, (rows_n, head_dim), 0) < row_count
+  if num_splits == 1:
+    out = _finish(acc, m, l, sink_ref, v_scale, row_count)
+    plgpu.store(o_ref, out.astype(o_ref.dtype), mask=out_rows)
+    return
+  del tickets_in_ref  # aliased to tickets_ref
+  part_o_ref, part_lse_ref, tickets_ref = rest
+  split = pl.program_id(2)
   empty = l == 0.0
-  o_ref[...] = acc / jnp.where(empty, 1.0, l)[:, None]
-  lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * LN2)
+  rows = lax.broadcasted_iota(jnp.int32, (rows_n,), 0)
+  plgpu.store(part_o_ref.at[split],
+              acc / jnp.where(empty, 1.0, l)[:, None],
+              mask=lax.broadcasted_iota(jnp.int32, (rows_n, head_dim), 0)
+              < merged_rows)
+  plgpu.store(part_lse_ref.at[split],
+              jnp.where(empty, -jnp.inf, m + jnp.log2(l)),
+              mask=rows < merged_rows)
+  if not interpret:  # every thread's stores before the ticket's release
+    plgpu.debug_barrier()
+  ticket = plgpu.atomic_add(tickets_ref, (pl.program_id(0) * pl.num_programs(1)
+                                          + h,), jnp.ones((), jnp.int32))
+
+  @pl.when(ticket == num_splits - 1)
+  def _merge():
+    _merge_splits(part_o_ref, part_lse_ref, o_ref, sink_ref, v_scale,
+                  row_count=row_count, merged_rows=merged_rows,
+                  num_splits=num_splits)
+
+
+def _merge_splits(part_o_ref, part_lse_ref, o_ref, sink_ref, v_scale, *,
+                  row_count, merged_rows, num_splits):
+  """The last program of a (b, hk): merges the splits' (out, lse) (the
+  first ``merged_rows`` rows) in steps of ``chunk`` splits, with loads that
+  bypass L1 (other SMs wrote them)."""
+  head_dim = part_o_ref.shape[2]
+  chunk = min(num_splits, _floor_pow2(MERGE_ELEMENTS // (merged_rows
+                                                         * head_dim)))
+  top = jnp.full((merged_rows,), -jnp.inf, jnp.float32)
+  total = jnp.zeros((merged_rows,), jnp.float32)
+  acc = jnp.zeros((merged_rows, head_dim), jnp.float32)
+  for first in range(0, num_splits, chunk):
+    lse = plgpu.load(
+        part_lse_ref.at[pl.ds(first, chunk), pl.ds(0, merged_rows)],
+        volatile=True)
+    out = plgpu.load(
+        part_o_ref.at[pl.ds(first, chunk), pl.ds(0, merged_rows)],
+        volatile=True)
+    new_top = jnp.maximum(top, jnp.max(lse, axis=0))
+    shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)
+    weights = jnp.exp2(lse - shift[None, :])
+    alpha = jnp.exp2(top - shift)
+    total = total * alpha + jnp.sum(weights, axis=0)
+    acc = acc * alpha[:, None] + jnp.sum(weights[:, :, None] * out, axis=0)
+    top = new_top
+  out = _finish(acc, top, total, sink_ref, v_scale, row_count)
+  rows = lax.broadcasted_iota(jnp.int32, (merged_rows, head_dim), 0)
+  plgpu.store(o_ref.at[pl.ds(0, merged_rows)], out.astype(o_ref.dtype),
+              mask=rows < row_count)
 
 
 def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
            v_scale=None, *, sm_scale, logit_soft_cap, sliding_window,
-           interpret, block_kv=None, num_splits=None):
+           interpret, block_kv=None, num_splits=None, num_warps=NUM_WARPS,
+           num_stages=NUM_STAGES):
   """``[B, H, T, D]`` in q's dtype (arguments as checked by the API and
   ``supports``, scales ``[Hkv]`` float32 with 8-bit caches;
-  ``block_kv``/``num_splits`` override the defaults of a contiguous
-  cache)."""
+  ``block_kv``/``num_splits`` override the defaults of a contiguous cache;
+  a split count is rounded down to a power of two)."""
   batch, heads, queries, head_dim = q.shape
   paged = page_table is not None
   if not paged and k_cache.shape[2] < MIN_TILE:  # tiny: pad it to one tile
@@ -174,54 +284,77 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
   num_blocks = -(-capacity // block)
   if num_splits is None:
     num_splits = default_splits(batch, kv_heads)
-  num_splits = max(1, min(num_splits, num_blocks))
-  rows = max(MIN_TILE, _next_pow2(queries * group))
-  packed = _splits.pack_queries(q, kv_heads, rows)
+  num_splits = _floor_pow2(min(num_splits, num_blocks))
+  row_count = queries * group
+  rows = max(MIN_TILE, _next_pow2(row_count))
+  merged_rows = _next_pow2(row_count)
+  grouped = q.reshape(batch, kv_heads, row_count, head_dim)  # g-major rows
 
-  lengths_spec = pl.BlockSpec((batch,), lambda b, h, s: (0,))
-  q_spec = pl.BlockSpec((None, None, rows, head_dim),
-                        lambda b, h, s: (b, h, 0, 0))
+  index_map = lambda b, h, s: (0,)  # noqa: E731
+  head_block = lambda b, h, s: (b, h, 0, 0)  # noqa: E731
+  in_specs = [pl.BlockSpec((batch,), index_map),
+              pl.BlockSpec((None, None, rows, head_dim), head_block)]
   if paged:
     kv_spec = pl.BlockSpec((k_cache.shape[0], None, block, head_dim),
                            lambda b, h, s: (0, h, 0, 0))
-    extra_specs = [pl.BlockSpec((None, page_table.shape[1]),
-                                lambda b, h, s: (b, 0))]
-    extra = [page_table]
   else:
-    kv_spec = pl.BlockSpec((None, None, capacity, head_dim),
-                           lambda b, h, s: (b, h, 0, 0))
-    extra_specs, extra = [], []
+    kv_spec = pl.BlockSpec((None, None, capacity, head_dim), head_block)
+  in_specs += [kv_spec, kv_spec]
+  operands = [kv_lengths, grouped, k_cache, v_cache]
+  if paged:
+    in_specs.append(pl.BlockSpec((None, page_table.shape[1]),
+                                 lambda b, h, s: (b, 0)))
+    operands.append(page_table)
   if k_scale is not None:
-    extra_specs.append(pl.BlockSpec((kv_heads,), lambda b, h, s: (0,)))
-    extra.append(k_scale)
-  out_shape = [
-      jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows, head_dim),
-                           jnp.float32),
-      jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows), jnp.float32)]
+    in_specs += [pl.BlockSpec((kv_heads,), index_map)] * 2
+    operands += [k_scale, v_scale]
+  if sinks is not None:
+    sink_rows = jnp.repeat(sinks.astype(jnp.float32).reshape(kv_heads, group),
+                           queries, axis=1)
+    in_specs.append(pl.BlockSpec((None, rows), lambda b, h, s: (h, 0)))
+    operands.append(sink_rows)
+  out_shape = [jax.ShapeDtypeStruct(grouped.shape, q.dtype)]
+  out_specs = [pl.BlockSpec((None, None, rows, head_dim), head_block)]
+  aliases = {}
+  if num_splits > 1:
+    tickets = batch * kv_heads
+    aliases = {len(operands): 3}
+    in_specs.append(pl.BlockSpec((tickets,), index_map))
+    operands.append(jnp.zeros((tickets,), jnp.int32))
+    out_shape += [
+        jax.ShapeDtypeStruct((batch, kv_heads, num_splits, merged_rows,
+                              head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch, kv_heads, num_splits, merged_rows),
+                             jnp.float32),
+        jax.ShapeDtypeStruct((tickets,), jnp.int32)]
+    out_specs += [
+        pl.BlockSpec((None, None, num_splits, rows, head_dim),
+                     lambda b, h, s: (b, h, 0, 0, 0)),
+        pl.BlockSpec((None, None, num_splits, rows),
+                     lambda b, h, s: (b, h, 0, 0)),
+        pl.BlockSpec((tickets,), index_map)]
   kernel = functools.partial(
-      _kernel, queries=queries, group=group, window=sliding_window,
+      _kernel, queries=queries, row_count=row_count, merged_rows=merged_rows,
+      window=sliding_window,
       sm_scale=sm_scale, cap=logit_soft_cap, block=block,
       num_splits=num_splits, paged=paged, capacity=capacity,
-      quantized=k_scale is not None)
+      quantized=k_scale is not None, sinks=sinks is not None,
+      interpret=interpret)
   pairs = batch * kv_heads * rows * capacity
-  out, lse = _compat.pallas_call(
+  outs = _compat.pallas_call(
       kernel,
       grid=(batch, kv_heads, num_splits),
-      in_specs=[lengths_spec, q_spec, kv_spec, kv_spec, *extra_specs],
-      out_specs=[
-          pl.BlockSpec((None, None, None, rows, head_dim),
-                       lambda b, h, s: (b, h, s, 0, 0)),
-          pl.BlockSpec((None, None, None, rows),
-                       lambda b, h, s: (b, h, s, 0))],
+      in_specs=in_specs,
+      out_specs=out_specs,
       out_shape=out_shape,
-      compiler_params=_compat.gpu_compiler_params(num_warps=NUM_WARPS,
-                                                  num_stages=NUM_STAGES),
+      input_output_aliases=aliases,
+      compiler_params=_compat.gpu_compiler_params(num_warps=num_warps,
+                                                  num_stages=num_stages),
       interpret=interpret,
       cost_estimate=_cost.estimate(
           flops=4 * pairs * head_dim, transcendentals=pairs,
           bytes_accessed=(2 * batch * kv_heads * capacity * head_dim
-                          * itemsize + _cost.nbytes(packed, *out_shape))),
+                          * itemsize + 2 * _cost.nbytes(grouped))),
       name="decode_attention_gpu",
-  )(kv_lengths, packed, k_cache, v_cache, *extra)
-  return _splits.finish(out, lse, sinks, heads=heads, queries=queries,
-                        dtype=q.dtype, v_scale=v_scale)
+  )(*operands)
+  return outs[0].reshape(q.shape)
