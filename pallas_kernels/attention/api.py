@@ -73,13 +73,11 @@ def _module(name):
 
 def _mosaic_gpu_supports(config, module, *arrays):
   """The Mosaic GPU module's ``supports``, or why it cannot be imported."""
-  if config.mask is not None:
-    return "the Mosaic GPU kernels take no mask objects (the Triton ones do)"
   try:
     supports = _module(module).supports
   except Exception as e:  # a broken optional dependency of this jax
     return f"pallas_kernels.attention.{module} cannot be imported: {e}"
-  return supports(*arrays)
+  return supports(*arrays, mask=config.mask)
 
 
 def _run(config, module, function, block_sizes=True):

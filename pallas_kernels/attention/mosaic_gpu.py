@@ -40,9 +40,11 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels import _compat, _mosaic_gpu
+from pallas_kernels.attention import masks as _masks
 
 pl = _compat.pl
 
@@ -155,11 +157,12 @@ def default_schedule(head_dim: int, block_k: int, lk: int, causal: bool,
   return (True, False) if unmasked else (False, True)
 
 
-def supports(q, k, v, q_segment_ids=None, bias=None) -> str | None:
+def supports(q, k, v, q_segment_ids=None, bias=None,
+             mask=None) -> str | None:
   """None when ``forward`` handles this call, else why not (arrays or
-  ShapeDtypeStructs)."""
-  return call_refusal("attention", q, k, v, q_segment_ids, bias,
-                      MAX_HEAD_DIM)
+  ShapeDtypeStructs; ``mask`` the static mask or None)."""
+  return (call_refusal("attention", q, k, v, q_segment_ids, bias,
+                       MAX_HEAD_DIM) or mask_refusal("attention", mask))
 
 
 # --------------------------------------------------------------- masking --
@@ -327,6 +330,103 @@ def _kv_ranges(row0, rows: int, block_k: int, band: _Band):
   return lo, a, b, hi
 
 
+# ----------------------------------------------------------- static masks --
+
+TABLE_HEADER = 3  # a table row: tile, partial blocks, listed blocks, ...
+
+
+def mask_table(mask, lq: int, lk: int, block_rows: int, block_cols: int,
+               rows_pad: int, cols_pad: int, kv_major: bool = False):
+  """int32 ``[tiles, TABLE_HEADER + width]``: a shared formula mask's blocks
+  for a kernel tiled over ``block_rows`` query rows (``kv_major``: over
+  ``block_rows`` keys, walking query blocks of ``block_cols``). Program p's
+  row: (its tile, partial blocks n_p, listed blocks n, the listed blocks,
+  partial ones first); programs take the tiles with most blocks first."""
+  if kv_major:
+    tables = _masks.block_tables(mask, lq, lk, block_cols, block_rows,
+                                 cols_pad, rows_pad)
+    partial, total, index = (tables.q_partial[0], tables.q_total[0],
+                             tables.q_index[0])
+  else:
+    tables = _masks.block_tables(mask, lq, lk, block_rows, block_cols,
+                                 rows_pad, cols_pad)
+    partial, total, index = (tables.kv_partial[0], tables.kv_total[0],
+                             tables.kv_index[0])
+  order = np.argsort(-total, kind="stable")
+  return np.concatenate([order[:, None], partial[order, None],
+                         total[order, None], index[order]],
+                        axis=1).astype(np.int32)
+
+
+def mask_refusal(kernel: str, mask) -> str | None:
+  """Why the Mosaic GPU ``kernel`` cannot take this static mask (None: it
+  can): it evaluates one formula mask shared by every head."""
+  if mask is None:
+    return None
+  if isinstance(mask, tuple) or not mask.formula:
+    return (f"the Mosaic GPU {kernel} kernel takes one formula mask shared "
+            "by every head (Causal, Local, ChunkedCausal, PrefixLM and their "
+            "& and | combinations), not Dense masks or per-head lists")
+  return None
+
+
+def inside_mask(formula, lq: int, lk: int, q_rows, keys, check_length=True):
+  """True where the static ``formula`` mask (and, with ``check_length``,
+  the key length) allows (q_row, key); indices as in ``outside_band``."""
+  inside = formula.allowed(q_rows + (lk - lq), keys)
+  if check_length:
+    inside = jnp.logical_and(inside, keys < lk)
+  return inside
+
+
+@dataclasses.dataclass(frozen=True)
+class TileWalk:
+  """How a tiled kernel's program walks its blocks: the causal/window band
+  (``band``, blocks in index order, ranges computed per tile) or a static
+  mask's table (``formula``: blocks listed in ``table_ref``, partial ones
+  first). ``ranges``: the band's (lo, a, b, hi) function of (first row,
+  rows) (``_kv_ranges`` or the backward's ``_q_ranges``)."""
+  band: _Band
+  ranges: object
+  formula: object = None
+  kv_major: bool = False
+
+  def open(self, table_ref, program, tiles: int, reverse: bool):
+    """The program's walk state: (tile, block_of(step), lo_u, hi_u)."""
+    if self.formula is None:
+      tile = (tiles - 1) - program if reverse else program
+      return tile, (lambda t: t), None, None
+    read = lambda j: table_ref[program, j]  # noqa: E731
+    zero, partial, total = jnp.int32(0), read(1), read(2)
+    return (read(0), lambda t: read(TABLE_HEADER + t), (zero, total),
+            (zero, partial, total, total))
+
+  def cta_bounds(self, state, row0, rows, block):
+    """(lo_u, hi_u): the steps the memory warpgroup loads for the tile."""
+    if state[2] is not None:
+      return state[2]
+    lo_u, _, _, hi_u = self.ranges(row0, rows, block, self.band)
+    return lo_u, hi_u
+
+  def bounds(self, state, row0, rows, block, lo_u, hi_u):
+    """(lo, a, b, hi) of a warpgroup's rows: steps [lo, hi) run, masked
+    outside [a, b)."""
+    if state[3] is not None:
+      return state[3]
+    return tuple(jnp.clip(x, lo_u, hi_u)
+                 for x in self.ranges(row0, rows, block, self.band))
+
+  def apply(self, s, q_rows, keys, check_length=True):
+    """Logits ``s`` with -inf where the band or mask masks (q_row, key)
+    (``check_length``: and keys past the length)."""
+    if self.formula is None:
+      outside = outside_band(q_rows, keys, self.band, check_length)
+      return s if outside is None else jnp.where(outside, NEG_INF, s)
+    # (where on the allowed side: Mosaic GPU cannot negate a bool tile)
+    return jnp.where(inside_mask(self.formula, self.band.lq, self.band.lk,
+                                 q_rows, keys, check_length), s, NEG_INF)
+
+
 # ---------------------------------------------------------------- kernel --
 
 
@@ -443,19 +543,22 @@ def stream_kv_lagged(first, end, stages, load_k, load_v, wait_k_free,
     wait_v_free(slot_of(c))
 
 
-def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
-            sm_scale, soft_cap, block_k, stages, group, nq, reverse_q,
-            interpreting, overlap, named_barriers):
+def _kernel(q_ref, k_ref, v_ref, table_ref, out_ref, lse_ref, scratch, *,
+            walk: TileWalk, sm_scale, soft_cap, block_k, stages, group, nq,
+            reverse_q, interpreting, overlap, named_barriers):
   (q_smem2, k_smem, v_smem, lse_smem2), barriers = scratch
   (k_loaded, v_loaded, q_loaded, k_consumed, v_consumed,
    schedule_barrier) = barriers
-  batch, head, tile, wg = q_tile_program(nq, reverse_q)
+  batch, head, wg = (lax.axis_index("batch"), lax.axis_index("heads"),
+                     lax.axis_index("wg"))
+  state = walk.open(table_ref, lax.axis_index("q_tiles"), nq, reverse_q)
+  tile, block_of = state[:2]
   dtype = q_smem2.dtype
   head_dim = q_smem2.shape[-1]
   bq = ROWS_PER_WG
   cta_row0 = tile * (COMPUTE_WGS * bq)
   # The band of the whole tile: what the memory warpgroup loads.
-  lo_u, _, _, hi_u = _kv_ranges(cta_row0, COMPUTE_WGS * bq, block_k, band)
+  lo_u, hi_u = walk.cta_bounds(state, cta_row0, COMPUTE_WGS * bq, block_k)
 
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
@@ -464,8 +567,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
     row0 = cta_row0 + wg * bq
     plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, bq)], q_smem,
                             q_loaded.at[wg])
-    lo, a, b, hi = (jnp.clip(x, lo_u, hi_u)
-                    for x in _kv_ranges(row0, bq, block_k, band))
+    lo, a, b, hi = walk.bounds(state, row0, bq, block_k, lo_u, hi_u)
     plgpu.barrier_wait(q_loaded.at[wg])
 
     layout = plgpu.Layout.WGMMA
@@ -491,8 +593,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
         s = jnp.tanh(s * (sm_scale / soft_cap))
         scale2 = soft_cap * LOG2E
       if masked:
-        s = jnp.where(outside_band(row0 + iota(0), c * block_k + iota(1),
-                                   band), NEG_INF, s)
+        s = walk.apply(s, row0 + iota(0), block_of(c) * block_k + iota(1))
       m_next = jnp.maximum(m, s.max(axis=1) * scale2)
       m_shift = m_next
       if masked:  # a row with nothing unmasked yet keeps m = -inf
@@ -549,8 +650,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
         block_k=block_k, wg=wg, cast=cast, dtype=dtype,
         online_softmax=online_softmax, qk_dot=qk_dot, pv_dot=pv_dot,
         k_transposed=k_transposed, qk_logits=qk_logits, add_pv=add_pv)
-    walk = _overlapped_band if overlap else _plain_band
-    acc, m, l = walk(env, acc, m, l, lo_u, lo, a, b, hi, hi_u)
+    steps = _overlapped_band if overlap else _plain_band
+    acc, m, l = steps(env, acc, m, l, lo_u, lo, a, b, hi, hi_u)
 
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
@@ -569,7 +670,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
     kv_head = lax.div(head, jnp.int32(group))
 
     def load_one(ref, smem, loaded, c, slot):
-      rows = pl.ds(c * block_k, block_k)
+      rows = pl.ds(block_of(c) * block_k, block_k)
       plgpu.copy_gmem_to_smem(ref.at[batch, kv_head, rows], smem.at[slot],
                               loaded.at[slot])
 
@@ -782,22 +883,24 @@ def _pad_axis(x, axis: int, size: int):
 
 
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
-            causal, window_left, window_right, logit_soft_cap, interpret):
+            causal, window_left, window_right, logit_soft_cap, interpret,
+            mask=None):
   """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32).
 
   Same contract as ``attention.triton.forward`` for the calls ``supports``
   accepts (it raises ValueError on the others). ``interpret``: False on a
   GPU, or an ``InterpretGPUParams`` (``interpret_params()``) to run in the
   Mosaic GPU interpreter; True picks the default interpreter parameters.
+  ``mask``: a static formula mask (``masks``) besides the band, or None.
   """
   del kv_segment_ids  # None whenever q_segment_ids is (supports checks it)
-  reason = supports(q, k, v, q_segment_ids, bias)
+  reason = supports(q, k, v, q_segment_ids, bias, mask)
   if reason:
     raise ValueError(f"mosaic_gpu.forward: unsupported call: {reason}")
   if q.shape[-1] % HEAD_DIM_MULTIPLE:
     kwargs = dict(sm_scale=sm_scale, causal=causal, window_left=window_left,
                   window_right=window_right, logit_soft_cap=logit_soft_cap,
-                  interpret=interpret)
+                  interpret=interpret, mask=mask)
     return with_padded_head_dim(
         lambda q, k, v: forward(q, k, v, None, None, None, **kwargs),
         (q, k, v), kernel_head_dim(q.shape[-1], MAX_HEAD_DIM),
@@ -808,7 +911,8 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   kv_heads, lk = k.shape[1], k.shape[2]
   group = heads // kv_heads
   block_k, stages = block_k_for(head_dim), STAGES
-  overlap, named = default_schedule(head_dim, block_k, lk, causal,
+  overlap, named = default_schedule(head_dim, block_k, lk,
+                                    causal or mask is not None,
                                     window_left, window_right,
                                     logit_soft_cap)
   overlap = overlap and hasattr(plgpu, "wgmma_accumulator_load")
@@ -821,6 +925,9 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   k = _pad_axis(k, 2, lk_pad)
   v = _pad_axis(v, 2, lk_pad)
   nq = lq_pad // tile_rows
+  walk = TileWalk(band, _kv_ranges, formula=mask)
+  table = (None if mask is None else jnp.asarray(
+      mask_table(mask, lq, lk, tile_rows, block_k, lq_pad, lk_pad)))
   interpreting = bool(interpret)
   dtype = q.dtype
   rendezvous = not (overlap or named)
@@ -843,16 +950,18 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       plgpu.Barrier(num_arrivals=1, num_barriers=COMPUTE_WGS),
   )
   body = functools.partial(
-      _kernel, band=band, sm_scale=float(sm_scale),
+      _kernel, walk=walk, sm_scale=float(sm_scale),
       soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
       block_k=block_k, stages=stages, group=group, nq=nq,
       reverse_q=band.right is not None and band.left is None,
       interpreting=interpreting, overlap=overlap, named_barriers=named)
 
-  def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
+  def entry(q_ref, k_ref, v_ref, *refs):
+    table_ref = refs[0] if table is not None else None
+    out_ref, lse_ref = refs[-2:]
     pl.run_scoped(
-        lambda *refs: body(q_ref, k_ref, v_ref, out_ref, lse_ref,
-                           (refs[:4], refs[4:])),
+        lambda *scoped: body(q_ref, k_ref, v_ref, table_ref, out_ref,
+                             lse_ref, (scoped[:4], scoped[4:])),
         *scratch, *barriers, collective_axes="wg")
 
   kwargs = {}
@@ -868,7 +977,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kwargs,
-  )(q, k, v)
+  )(q, k, v, *([] if table is None else [table]))
   if lq_pad != lq:
     out, lse = out[:, :, :lq], lse[:, :, :lq]
   return out, lse

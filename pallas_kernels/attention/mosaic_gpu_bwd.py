@@ -152,10 +152,13 @@ def block_size(head_dim: int) -> int:
   return 128 if head_dim <= 64 else 64
 
 
-def supports(q, k, v, q_segment_ids=None, bias=None) -> str | None:
+def supports(q, k, v, q_segment_ids=None, bias=None,
+             mask=None) -> str | None:
   """None when ``backward`` handles this call, else why not."""
-  return fwd.call_refusal("backward", q, k, v, q_segment_ids, bias,
-                          MAX_HEAD_DIM)
+  return (fwd.call_refusal("backward", q, k, v, q_segment_ids, bias,
+                           MAX_HEAD_DIM)
+          or fwd.mask_refusal("backward", mask) or
+          (None if mask is None else "TODO"))
 
 
 def _q_ranges(col0, cols: int, block_q: int, band):
