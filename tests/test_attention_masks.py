@@ -150,11 +150,9 @@ def _mosaic_gpu_case(case: Case) -> Case:
 
 
 def _mosaic_gpu_refuses(mask, case: Case) -> bool:
-  """What the Mosaic GPU kernels lack: bias, segment ids, Dense masks and
-  per-head lists."""
-  per_head_or_dense = isinstance(mask, list) or (mask is not None
-                                                 and not mask.formula)
-  return case.bias or case.segments or per_head_or_dense
+  """What the Mosaic GPU kernels lack: bias, segment ids and per-head
+  mask lists."""
+  return case.bias or case.segments or isinstance(mask, list)
 
 
 def _inputs(case, rng):

@@ -335,13 +335,19 @@ def _kv_ranges(row0, rows: int, block_k: int, band: _Band):
 TABLE_HEADER = 3  # a table row: tile, partial blocks, listed blocks, ...
 
 
-def mask_table(mask, lq: int, lk: int, block_rows: int, block_cols: int,
-               rows_pad: int, cols_pad: int, kv_major: bool = False):
-  """int32 ``[tiles, TABLE_HEADER + width]``: a shared formula mask's blocks
-  for a kernel tiled over ``block_rows`` query rows (``kv_major``: over
-  ``block_rows`` keys, walking query blocks of ``block_cols``). Program p's
-  row: (its tile, partial blocks n_p, listed blocks n, the listed blocks,
-  partial ones first); programs take the tiles with most blocks first."""
+def mask_tables(mask, lq: int, lk: int, block_rows: int, block_cols: int,
+                rows_pad: int, cols_pad: int, kv_major: bool = False):
+  """(table, tiles) of a static mask shared by every head, for a kernel
+  tiled over ``block_rows`` query rows walking key blocks of
+  ``block_cols`` (``kv_major``: tiled over keys, walking query blocks).
+
+  ``table`` int32 ``[tiles, TABLE_HEADER + 2 width]``; program p's row:
+  (its tile, partial blocks n_p, listed blocks n, the listed blocks with
+  partial ones first, for a mask without formula the ids of those partial
+  blocks' element tiles); programs take the tiles with most blocks first.
+  ``tiles``: None for a formula mask, else the distinct element tiles,
+  float32 ``[count, block_rows, block_cols]`` (1 allowed, 0 masked; for
+  ``kv_major`` rows are keys)."""
   if kv_major:
     tables = _masks.block_tables(mask, lq, lk, block_cols, block_rows,
                                  cols_pad, rows_pad)
@@ -352,21 +358,44 @@ def mask_table(mask, lq: int, lk: int, block_rows: int, block_cols: int,
                                  rows_pad, cols_pad)
     partial, total, index = (tables.kv_partial[0], tables.kv_total[0],
                              tables.kv_index[0])
+  ids = np.zeros_like(index)
+  tiles = None
+  if tables.formula is None:
+    dense = tables.dense[0]
+    if kv_major:
+      dense = dense.T
+    found = {}
+    for row in range(index.shape[0]):
+      for t in range(partial[row]):
+        col = index[row, t]
+        tile = dense[row * block_rows:(row + 1) * block_rows,
+                     col * block_cols:(col + 1) * block_cols]
+        ids[row, t] = found.setdefault(tile.tobytes(), len(found))
+    tiles = np.zeros((max(1, len(found)), block_rows, block_cols), np.int8)
+    for key, tile_id in found.items():
+      tiles[tile_id] = np.frombuffer(key, np.int8).reshape(block_rows,
+                                                           block_cols)
+    tiles = tiles.astype(np.float32)
   order = np.argsort(-total, kind="stable")
-  return np.concatenate([order[:, None], partial[order, None],
-                         total[order, None], index[order]],
-                        axis=1).astype(np.int32)
+  table = np.concatenate([order[:, None], partial[order, None],
+                          total[order, None], index[order], ids[order]],
+                         axis=1).astype(np.int32)
+  return table, tiles
+
+
+def table_width(mask_arrays) -> int:
+  """The listed-block columns of ``mask_tables``' table (0 without one)."""
+  if not mask_arrays:
+    return 0
+  return (mask_arrays[0].shape[1] - TABLE_HEADER) // 2
 
 
 def mask_refusal(kernel: str, mask) -> str | None:
   """Why the Mosaic GPU ``kernel`` cannot take this static mask (None: it
-  can): it evaluates one formula mask shared by every head."""
-  if mask is None:
-    return None
-  if isinstance(mask, tuple) or not mask.formula:
-    return (f"the Mosaic GPU {kernel} kernel takes one formula mask shared "
-            "by every head (Causal, Local, ChunkedCausal, PrefixLM and their "
-            "& and | combinations), not Dense masks or per-head lists")
+  can): one mask shared by every head, not a per-head list."""
+  if isinstance(mask, tuple):
+    return (f"the Mosaic GPU {kernel} kernel takes one static mask shared "
+            "by every head, not per-head lists")
   return None
 
 
@@ -382,49 +411,64 @@ def inside_mask(formula, lq: int, lk: int, q_rows, keys, check_length=True):
 @dataclasses.dataclass(frozen=True)
 class TileWalk:
   """How a tiled kernel's program walks its blocks: the causal/window band
-  (``band``, blocks in index order, ranges computed per tile) or a static
-  mask's table (``formula``: blocks listed in ``table_ref``, partial ones
-  first). ``ranges``: the band's (lo, a, b, hi) function of (first row,
-  rows) (``_kv_ranges`` or the backward's ``_q_ranges``)."""
+  (no ``mask``: blocks in index order, ranges computed per tile by
+  ``ranges``, ``_kv_ranges`` or the backward's ``_q_ranges``), or a static
+  mask's table (``mask_tables``: blocks listed, partial ones first, their
+  elements from ``mask``'s formula or, without one, from element tiles).
+  ``width``: the table's listed-block columns."""
   band: _Band
   ranges: object
-  formula: object = None
-  kv_major: bool = False
+  mask: object = None
+  width: int = 0
 
-  def open(self, table_ref, program, tiles: int, reverse: bool):
-    """The program's walk state: (tile, block_of(step), lo_u, hi_u)."""
-    if self.formula is None:
+  def open(self, mask_refs, program, tiles: int, reverse: bool):
+    """The program's walk: namespace of tile, block_of(step), tile_of(step)
+    and, for a table, its (lo_u, hi_u) and (lo, a, b, hi)."""
+    if self.mask is None:
       tile = (tiles - 1) - program if reverse else program
-      return tile, (lambda t: t), None, None
+      return types.SimpleNamespace(tile=tile, block_of=lambda t: t,
+                                   table=False)
+    table_ref, tiles_ref = mask_refs
     read = lambda j: table_ref[program, j]  # noqa: E731
     zero, partial, total = jnp.int32(0), read(1), read(2)
-    return (read(0), lambda t: read(TABLE_HEADER + t), (zero, total),
-            (zero, partial, total, total))
+    return types.SimpleNamespace(
+        tile=read(0), block_of=lambda t: read(TABLE_HEADER + t),
+        tile_of=lambda t: read(TABLE_HEADER + self.width + t),
+        tiles_ref=tiles_ref, table=True, cta=(zero, total),
+        rows=(zero, partial, total, total))
 
-  def cta_bounds(self, state, row0, rows, block):
+  def cta_bounds(self, walk, row0, rows, block):
     """(lo_u, hi_u): the steps the memory warpgroup loads for the tile."""
-    if state[2] is not None:
-      return state[2]
+    if walk.table:
+      return walk.cta
     lo_u, _, _, hi_u = self.ranges(row0, rows, block, self.band)
     return lo_u, hi_u
 
-  def bounds(self, state, row0, rows, block, lo_u, hi_u):
+  def bounds(self, walk, row0, rows, block, lo_u, hi_u):
     """(lo, a, b, hi) of a warpgroup's rows: steps [lo, hi) run, masked
     outside [a, b)."""
-    if state[3] is not None:
-      return state[3]
+    if walk.table:
+      return walk.rows
     return tuple(jnp.clip(x, lo_u, hi_u)
                  for x in self.ranges(row0, rows, block, self.band))
 
-  def apply(self, s, q_rows, keys, check_length=True):
-    """Logits ``s`` with -inf where the band or mask masks (q_row, key)
+  def apply(self, walk, s, q_rows, keys, step, tile_row0, interpreting,
+            check_length=True):
+    """Logits ``s`` (a tile of rows ``tile_row0`` on of the program's tile,
+    step ``step``) with -inf where the band or mask masks (q_row, key)
     (``check_length``: and keys past the length)."""
-    if self.formula is None:
+    if self.mask is None:
       outside = outside_band(q_rows, keys, self.band, check_length)
       return s if outside is None else jnp.where(outside, NEG_INF, s)
     # (where on the allowed side: Mosaic GPU cannot negate a bool tile)
-    return jnp.where(inside_mask(self.formula, self.band.lq, self.band.lk,
-                                 q_rows, keys, check_length), s, NEG_INF)
+    if self.mask.formula:
+      inside = inside_mask(self.mask, self.band.lq, self.band.lk, q_rows,
+                           keys, check_length)
+    else:  # padded keys are 0 in the tiles
+      ref = walk.tiles_ref.at[walk.tile_of(step),
+                              pl.ds(tile_row0, s.shape[0])]
+      inside = load_vector(ref, plgpu.Layout.WGMMA, interpreting) > 0
+    return jnp.where(inside, s, NEG_INF)
 
 
 # ---------------------------------------------------------------- kernel --
@@ -543,7 +587,7 @@ def stream_kv_lagged(first, end, stages, load_k, load_v, wait_k_free,
     wait_v_free(slot_of(c))
 
 
-def _kernel(q_ref, k_ref, v_ref, table_ref, out_ref, lse_ref, scratch, *,
+def _kernel(q_ref, k_ref, v_ref, mask_refs, out_ref, lse_ref, scratch, *,
             walk: TileWalk, sm_scale, soft_cap, block_k, stages, group, nq,
             reverse_q, interpreting, overlap, named_barriers):
   (q_smem2, k_smem, v_smem, lse_smem2), barriers = scratch
@@ -551,14 +595,15 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, out_ref, lse_ref, scratch, *,
    schedule_barrier) = barriers
   batch, head, wg = (lax.axis_index("batch"), lax.axis_index("heads"),
                      lax.axis_index("wg"))
-  state = walk.open(table_ref, lax.axis_index("q_tiles"), nq, reverse_q)
-  tile, block_of = state[:2]
+  program = walk.open(mask_refs, lax.axis_index("q_tiles"), nq, reverse_q)
+  tile, block_of = program.tile, program.block_of
   dtype = q_smem2.dtype
   head_dim = q_smem2.shape[-1]
   bq = ROWS_PER_WG
   cta_row0 = tile * (COMPUTE_WGS * bq)
   # The band of the whole tile: what the memory warpgroup loads.
-  lo_u, hi_u = walk.cta_bounds(state, cta_row0, COMPUTE_WGS * bq, block_k)
+  lo_u, hi_u = walk.cta_bounds(program, cta_row0, COMPUTE_WGS * bq,
+                               block_k)
 
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
@@ -567,7 +612,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, out_ref, lse_ref, scratch, *,
     row0 = cta_row0 + wg * bq
     plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, bq)], q_smem,
                             q_loaded.at[wg])
-    lo, a, b, hi = walk.bounds(state, row0, bq, block_k, lo_u, hi_u)
+    lo, a, b, hi = walk.bounds(program, row0, bq, block_k, lo_u, hi_u)
     plgpu.barrier_wait(q_loaded.at[wg])
 
     layout = plgpu.Layout.WGMMA
@@ -593,7 +638,9 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, out_ref, lse_ref, scratch, *,
         s = jnp.tanh(s * (sm_scale / soft_cap))
         scale2 = soft_cap * LOG2E
       if masked:
-        s = walk.apply(s, row0 + iota(0), block_of(c) * block_k + iota(1))
+        s = walk.apply(program, s, row0 + iota(0),
+                       block_of(c) * block_k + iota(1), c, wg * bq,
+                       interpreting)
       m_next = jnp.maximum(m, s.max(axis=1) * scale2)
       m_shift = m_next
       if masked:  # a row with nothing unmasked yet keeps m = -inf
@@ -925,9 +972,10 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   k = _pad_axis(k, 2, lk_pad)
   v = _pad_axis(v, 2, lk_pad)
   nq = lq_pad // tile_rows
-  walk = TileWalk(band, _kv_ranges, formula=mask)
-  table = (None if mask is None else jnp.asarray(
-      mask_table(mask, lq, lk, tile_rows, block_k, lq_pad, lk_pad)))
+  mask_arrays = [] if mask is None else [
+      jnp.asarray(x) for x in mask_tables(mask, lq, lk, tile_rows, block_k,
+                                          lq_pad, lk_pad) if x is not None]
+  walk = TileWalk(band, _kv_ranges, mask, table_width(mask_arrays))
   interpreting = bool(interpret)
   dtype = q.dtype
   rendezvous = not (overlap or named)
@@ -957,10 +1005,10 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       interpreting=interpreting, overlap=overlap, named_barriers=named)
 
   def entry(q_ref, k_ref, v_ref, *refs):
-    table_ref = refs[0] if table is not None else None
+    mask_refs = tuple(refs[:-2]) + (None,) * (2 - len(refs[:-2]))
     out_ref, lse_ref = refs[-2:]
     pl.run_scoped(
-        lambda *scoped: body(q_ref, k_ref, v_ref, table_ref, out_ref,
+        lambda *scoped: body(q_ref, k_ref, v_ref, mask_refs, out_ref,
                              lse_ref, (scoped[:4], scoped[4:])),
         *scratch, *barriers, collective_axes="wg")
 
@@ -977,7 +1025,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kwargs,
-  )(q, k, v, *([] if table is None else [table]))
+  )(q, k, v, *mask_arrays)
   if lq_pad != lq:
     out, lse = out[:, :, :lq], lse[:, :, :lq]
   return out, lse

@@ -187,7 +187,7 @@ def _q_ranges(col0, cols: int, block_q: int, band):
   return lo, a, b, hi
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
+def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
             dk_ref, dv_ref, scratch, *, walk, sm_scale, soft_cap, block_q,
             stages, group, split, tiles, interpreting):
   """dk/dv. Not split: K and V as [warpgroup, 64, head_dim], the Q and dO
@@ -199,15 +199,15 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
    consumed, *done) = barriers
   kv_head = lax.axis_index("heads")
   batch = lax.axis_index("batch")
-  state = walk.open(table_ref, lax.axis_index("kv_tiles"), tiles, False)
-  tile, block_of = state[:2]
+  program = walk.open(mask_refs, lax.axis_index("kv_tiles"), tiles, False)
+  tile, block_of = program.tile, program.block_of
   wg = lax.axis_index("wg")
   dtype = q_smem.dtype
   chunk = q_smem.shape[-1]
   bk = KEYS_PER_WG
   tile_k = bk * COMPUTE_WGS // split
   cta_col0 = tile * tile_k
-  lo_u, hi_u = walk.cta_bounds(state, cta_col0, tile_k, block_q)
+  lo_u, hi_u = walk.cta_bounds(program, cta_col0, tile_k, block_q)
   blocks = hi_u - lo_u
   steps = blocks * group
   columns = functools.partial(_columns, chunk=chunk, split=split)
@@ -230,7 +230,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
                             chunk_of(k_smem, mine), k_loaded.at[wg])
     plgpu.copy_gmem_to_smem(columns(v_ref.at[batch, kv_head, rows], mine),
                             chunk_of(v_smem, mine), v_loaded.at[wg])
-    lo, a, b, hi = walk.bounds(state, col0, bk, block_q, lo_u, hi_u)
+    lo, a, b, hi = walk.bounds(program, col0, bk, block_q, lo_u, hi_u)
     layout = plgpu.Layout.WGMMA
     cast, iota, load_col, _ = fwd.register_tools((bk, block_q), 0,
                                                  interpreting)
@@ -262,7 +262,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
       delta = load_col(delta_smem.at[slot])
       s, t = _base2_logits(s, sm_scale, soft_cap)
       if masked:  # rows are keys, columns queries; padded keys need no mask
-        s = walk.apply(s, block_of(i) * block_q + iota(1), col0 + iota(0),
+        s = walk.apply(program, s, block_of(i) * block_q + iota(1),
+                       col0 + iota(0), i, key_group * bk, interpreting,
                        check_length=False)
       p, ds = _probs_and_dlogits(s, dp, t, lse2, delta, row_axis=1)
       p16, ds16 = p.astype(dtype), ds.astype(dtype)
@@ -380,15 +381,15 @@ def _kernel_statics(walk, sm_scale, logit_soft_cap, group, interpreting):
 
 
 def _launch(body, scratch, barriers, out_type, grid, grid_names, interpret,
-            args, table):
-  """``plgpu.kernel`` of ``body(*input refs, table ref or None, *output
-  refs, (scratch refs, barrier refs))`` with two compute warpgroups and a
-  memory one."""
-  n_scratch, n_in = len(scratch), len(args)
+            args, mask_arrays):
+  """``plgpu.kernel`` of ``body(*input refs, (table ref, tiles ref) (None
+  where absent), *output refs, (scratch refs, barrier refs))`` with two
+  compute warpgroups and a memory one."""
+  n_scratch, n_in, n_mask = len(scratch), len(args), len(mask_arrays)
 
   def entry(*refs):
-    if table is None:
-      refs = refs[:n_in] + (None,) + refs[n_in:]
+    mask_refs = refs[n_in:n_in + n_mask] + (None,) * (2 - n_mask)
+    refs = refs[:n_in] + (mask_refs,) + refs[n_in + n_mask:]
     pl.run_scoped(
         lambda *scoped: body(*refs, (scoped[:n_scratch], scoped[n_scratch:])),
         *scratch, *barriers, collective_axes="wg")
@@ -398,7 +399,7 @@ def _launch(body, scratch, barriers, out_type, grid, grid_names, interpret,
       entry, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs,
-  )(*args, *([] if table is None else [jnp.asarray(table)]))
+  )(*args, *mask_arrays)
 
 
 def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
@@ -422,9 +423,11 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
       "dkv", (q, k, v, d_out, lse, delta), bq, tile_k, causal, window_left,
       window_right, interpret, mask)
   lk_pad = k.shape[2]
-  walk = fwd.TileWalk(band, _q_ranges, formula=mask)
-  table = (None if mask is None else fwd.mask_table(
-      mask, lq, lk, tile_k, bq, lk_pad, q.shape[2], kv_major=True))
+  mask_arrays = [] if mask is None else [
+      jnp.asarray(x) for x in fwd.mask_tables(
+          mask, lq, lk, tile_k, bq, lk_pad, q.shape[2], kv_major=True)
+      if x is not None]
+  walk = fwd.TileWalk(band, _q_ranges, mask, fwd.table_width(mask_arrays))
   dtype = q.dtype
   stages = STAGES
   groups = () if split > 1 else (COMPUTE_WGS,)  # one row block when split
@@ -454,7 +457,7 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   dk, dv = _launch(body, scratch, barriers, (kv_type, kv_type),
                    (kv_heads, lk_pad // tile_k, batch),
                    ("heads", "kv_tiles", "batch"), interpret,
-                   (q, k, v, d_out, lse2, delta), table)
+                   (q, k, v, d_out, lse2, delta), mask_arrays)
   if lk_pad != lk:
     dk, dv = dk[:, :, :lk], dv[:, :, :lk]
   return dk, dv
@@ -463,7 +466,7 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
 # -------------------------------------------------------------- dq kernel --
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
                dq_ref, scratch, *, walk, sm_scale, soft_cap, block_k, stages,
                group, nq, reverse_q, split, interpreting):
   """dq. Not split: Q and dO as [warpgroup, 64, head_dim], the K and V ring
@@ -475,14 +478,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
   (rows_loaded, k_loaded, v_loaded, consumed, *done) = barriers
   batch, head, wg = (lax.axis_index("batch"), lax.axis_index("heads"),
                      lax.axis_index("wg"))
-  state = walk.open(table_ref, lax.axis_index("q_tiles"), nq, reverse_q)
-  tile, block_of = state[:2]
+  program = walk.open(mask_refs, lax.axis_index("q_tiles"), nq, reverse_q)
+  tile, block_of = program.tile, program.block_of
   dtype = q_smem2.dtype
   chunk = q_smem2.shape[-1]
   bq = ROWS_PER_WG
   tile_q = bq * COMPUTE_WGS // split
   cta_row0 = tile * tile_q
-  lo_u, hi_u = walk.cta_bounds(state, cta_row0, tile_q, block_k)
+  lo_u, hi_u = walk.cta_bounds(program, cta_row0, tile_q, block_k)
   columns = functools.partial(_columns, chunk=chunk, split=split)
   chunk_of = functools.partial(_chunk, split=split)
 
@@ -507,7 +510,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
     for ref, smem, i in ((lse_ref, lse_smem, 2), (delta_ref, delta_smem, 3)):
       plgpu.copy_gmem_to_smem(ref.at[batch, head, rows], smem,
                               rows_loaded.at[wg * 4 + i])
-    lo, a, b, hi = walk.bounds(state, row0, bq, block_k, lo_u, hi_u)
+    lo, a, b, hi = walk.bounds(program, row0, bq, block_k, lo_u, hi_u)
     layout = plgpu.Layout.WGMMA
     cast, iota, load_row, _ = fwd.register_tools((bq, block_k), 1,
                                                  interpreting)
@@ -534,7 +537,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
           (bq, block_k), interpreting)
       s, t = _base2_logits(s, sm_scale, soft_cap)
       if masked:
-        s = walk.apply(s, row0 + iota(0), block_of(c) * block_k + iota(1))
+        s = walk.apply(program, s, row0 + iota(0),
+                       block_of(c) * block_k + iota(1), c, row_group * bq,
+                       interpreting)
       _, ds = _probs_and_dlogits(s, dp, t, lse2, delta, row_axis=0)
       ds16 = ds.astype(dtype)
       k_mine = chunk_of(k_slot, mine)
@@ -607,9 +612,11 @@ def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
       "dq", (q, k, v, d_out, lse, delta), tile_q, block_k, causal,
       window_left, window_right, interpret, mask)
   lq_pad = q.shape[2]
-  walk = fwd.TileWalk(band, fwd._kv_ranges, formula=mask)
-  table = (None if mask is None else fwd.mask_table(
-      mask, lq, lk, tile_q, block_k, lq_pad, k.shape[2]))
+  mask_arrays = [] if mask is None else [
+      jnp.asarray(x) for x in fwd.mask_tables(
+          mask, lq, lk, tile_q, block_k, lq_pad, k.shape[2]) if x is not None]
+  walk = fwd.TileWalk(band, fwd._kv_ranges, mask,
+                      fwd.table_width(mask_arrays))
   dtype = q.dtype
   nq = lq_pad // tile_q
   groups = () if split > 1 else (COMPUTE_WGS,)  # one row block when split
@@ -637,7 +644,7 @@ def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
       body, scratch, barriers,
       jax.ShapeDtypeStruct((batch, heads, lq_pad, head_dim), dtype),
       (heads, nq, batch), ("heads", "q_tiles", "batch"), interpret,
-      (q, k, v, d_out, lse2, delta), table)
+      (q, k, v, d_out, lse2, delta), mask_arrays)
   return out[:, :, :lq] if lq_pad != lq else out
 
 
