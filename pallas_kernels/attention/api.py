@@ -5,12 +5,10 @@ in :mod:`pallas_kernels.attention.reference` (causal masks align the *ends* of
 the query and key sequences, as in decoding: with ``q_len < kv_len`` query
 ``i`` sees keys ``j <= i + kv_len - q_len``). Forward and backward each pick
 their kernel (``_backend.dispatch``) from the rows, best first:
-``mosaic_tpu`` (TPU), ``mosaic_gpu`` (Hopper; bf16/fp16 without bias or
-segment ids; forward head_dim 64..256, backward 64..128, native at
-multiples of 16, zero-padded to the next one otherwise), ``triton`` (any
-GPU, every feature), ``reference`` (autodiff of the plain-JAX reference).
-So on a Hopper a head_dim-256 call runs the Mosaic GPU forward and the
-Triton backward.
+``mosaic_tpu`` (TPU), ``mosaic_gpu`` (Hopper; bf16/fp16 without bias,
+segment ids or per-head mask lists; head_dim 64..256, native at multiples
+of 16, zero-padded to the next one otherwise), ``triton`` (any GPU, every
+feature), ``reference`` (autodiff of the plain-JAX reference).
 """
 from __future__ import annotations
 

@@ -22,12 +22,20 @@ other's matmuls; ``default_schedule`` picks how:
 Block skipping: the memory warpgroup loads the union of the two warpgroups'
 bands; a warpgroup passes over slots outside its own band and masks only
 the band's edge blocks. Lq is padded to 128 and Lk to ``BLOCK_K`` (masked).
+A static mask (``masks``, shared by every head) comes as a table instead
+(``mask_tables``): per 128-row tile the live key blocks, partial ones first,
+tiles with most blocks launched first; both warpgroups walk the tile's list
+(scalars read from global memory), mask the partial blocks and run the full
+ones unmasked. Partial blocks are masked from iota through the mask's
+formula, or, for a mask without one (``Dense``), from its element tile:
+the distinct partial tiles are stored once (float32 0/1) and each
+warpgroup loads its rows of one straight into the wgmma layout.
 Head dims: multiples of 16 from 64 to 256 run at their own width; the
 SMEM tiles take the widest swizzle whose span divides a row (128 bytes at
 64/128/192/256, 64 at 96/160/224, 32 at 80/112/144/...), which wgmma needs
 for both operands alike; other head dims run zero-padded to the next
-multiple of 16. Not handled (``supports``): bias, segment ids, float32,
-head_dim below 64 or above 256. In the Mosaic GPU interpreter (jax >= 0.10)
+multiple of 16. Not handled (``supports``): bias, segment ids, per-head
+mask lists, float32, head_dim below 64 or above 256. In the Mosaic GPU interpreter (jax >= 0.10)
 the wgmmas are float32-accumulated dots of the same SMEM tiles and layout
 casts are dropped; the rest is the code the GPU runs.
 """
@@ -938,7 +946,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   accepts (it raises ValueError on the others). ``interpret``: False on a
   GPU, or an ``InterpretGPUParams`` (``interpret_params()``) to run in the
   Mosaic GPU interpreter; True picks the default interpreter parameters.
-  ``mask``: a static formula mask (``masks``) besides the band, or None.
+  ``mask``: a static mask (``masks``) shared by every head, or None.
   """
   del kv_segment_ids  # None whenever q_segment_ids is (supports checks it)
   reason = supports(q, k, v, q_segment_ids, bias, mask)

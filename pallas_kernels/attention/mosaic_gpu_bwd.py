@@ -25,10 +25,12 @@ head_dim halves held as separate SMEM tiles) and accumulates one half of
 dK and dV (dQ).
 Rows without keys and padded rows carry lse2 = +inf, so their P is 0. dk/dv
 pads Lk to its keys per CTA and Lq to ``block_size``, dq the other way
-round. Block skipping as in the forward (``attention/mosaic_gpu.py``); head
-dims as there (multiples of 16 native, of 32 when split; others
-zero-padded). Not handled (``supports``): bias, segment ids, float32,
-head_dim below 64 or above 256.
+round. Block skipping and static masks as in the forward
+(``attention/mosaic_gpu.py``; dk/dv walks a key tile's query blocks from the
+key-major table, its element tiles transposed); head dims as there
+(multiples of 16 native, of 32 when split; others zero-padded). Not handled
+(``supports``): bias, segment ids, per-head mask lists, float32, head_dim
+below 64 or above 256.
 """
 from __future__ import annotations
 
@@ -410,8 +412,8 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   = rowsum(dO * O) - d_lse, both float32 (longer arrays, padded rows beyond
   ``q.shape[2]``, are cut). Raises ValueError where ``supports`` declines.
   ``interpret``: False on a GPU or ``InterpretGPUParams``; True picks the
-  default interpreter parameters. ``mask``: a static formula mask besides
-  the band, or None.
+  default interpreter parameters. ``mask``: a static mask shared by every
+  head, or None.
   """
   batch, heads, lq, head_dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
