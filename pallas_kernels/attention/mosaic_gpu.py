@@ -475,7 +475,9 @@ class TileWalk:
     else:  # padded keys are 0 in the tiles
       ref = walk.tiles_ref.at[walk.tile_of(step),
                               pl.ds(tile_row0, s.shape[0])]
-      inside = load_vector(ref, plgpu.Layout.WGMMA, interpreting) > 0
+      # (unoptimized: jax 0.11 plans wgmma-layout transfers for SMEM only)
+      inside = (ref[...] if interpreting else _compat.mosaic_gpu_load(
+          ref, layout=plgpu.Layout.WGMMA, optimized=False)) > 0
     return jnp.where(inside, s, NEG_INF)
 
 
