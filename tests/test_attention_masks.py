@@ -211,15 +211,22 @@ def _assert_close(actual, expected, tol, what):
 # the cases that combine the most features; --runslow runs every case.
 _FAST_ON_INTERPRET = {"chunked_sinks_bias_cap", "per_head",
                       "dense_with_empty_rows", "or_and_window_segments"}
+# The Mosaic GPU interpreter likewise: a formula walk with empty rows, GQA
+# and padded head_dim, and a Dense walk; the refusals cost nothing.
+_FAST_ON_MOSAIC_GPU = {"or_window_cap_sinks_empty_rows", "prefix_and_local_gqa",
+                       "dense_with_empty_rows", "per_head",
+                       "or_and_window_segments", "chunked_sinks_bias_cap"}
 
 
 @pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("name", [
     name for name in sorted(CASES)])
 def test_masks_and_sinks_match_float64(backend, name, rng, request):
-  if (backend.name == "interpret" and name not in _FAST_ON_INTERPRET
+  fast = {"interpret": _FAST_ON_INTERPRET,
+          "mosaic_gpu": _FAST_ON_MOSAIC_GPU}.get(backend.name)
+  if (fast is not None and name not in fast
       and not request.config.getoption("--runslow")):
-    pytest.skip("slow in the TPU interpreter (--runslow runs it)")
+    pytest.skip(f"slow in the {backend.name} interpreter (--runslow runs it)")
   case = CASES[name]
   if backend.name == "mosaic_gpu":
     case = _mosaic_gpu_case(case)
