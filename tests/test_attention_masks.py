@@ -126,7 +126,33 @@ CASES = {
         lambda lq, lk, rng: (masks.ChunkedCausal(128),
                              chunked_np(lq, lk, 128)[None]),
         dtype="bfloat16", d=64),
+    # More queries than keys: the first 60 rows see no key (the band's
+    # j <= p); head_dim 72 runs zero-padded to 80 on the Mosaic GPU kernels.
+    "or_window_cap_sinks_empty_rows": Case(
+        lambda lq, lk, rng: (masks.ChunkedCausal(64) | masks.Local(10, 5),
+                             ((chunked_np(lq, lk, 64)
+                               | local_np(lq, lk, 10, 5))
+                              & local_np(lq, lk, 150, 0))[None]),
+        lq=260, lk=200, d=72, dtype="bfloat16", sinks=True,
+        kw=(("sliding_window", (150, 0)), ("logit_soft_cap", 4.0))),
+    "prefix_and_local_gqa": Case(
+        lambda lq, lk, rng: (masks.PrefixLM(70) & masks.Local(None, 40),
+                             (prefix_np(lq, lk, 70)
+                              & local_np(lq, lk, None, 40))[None]),
+        h=4, hk=1, lq=200, lk=330, d=128, dtype="bfloat16"),
 }
+
+
+def _mosaic_gpu_case(case: Case) -> Case:
+  """The Mosaic GPU kernels run bf16/fp16 with head_dim >= 64: the case at
+  those (its masks, sinks and options unchanged)."""
+  return dataclasses.replace(case, dtype="bfloat16", d=max(case.d, 64))
+
+
+def _mosaic_gpu_refuses(mask, case: Case) -> bool:
+  """What the Mosaic GPU kernels lack: bias, segment ids and per-head
+  mask lists."""
+  return case.bias or case.segments or isinstance(mask, list)
 
 
 def _inputs(case, rng):
@@ -185,19 +211,27 @@ def _assert_close(actual, expected, tol, what):
 # the cases that combine the most features; --runslow runs every case.
 _FAST_ON_INTERPRET = {"chunked_sinks_bias_cap", "per_head",
                       "dense_with_empty_rows", "or_and_window_segments"}
+# The Mosaic GPU interpreter likewise: a formula walk with empty rows, GQA
+# and padded head_dim, and a Dense walk; the refusals cost nothing.
+_FAST_ON_MOSAIC_GPU = {"or_window_cap_sinks_empty_rows", "prefix_and_local_gqa",
+                       "dense_with_empty_rows", "per_head",
+                       "or_and_window_segments", "chunked_sinks_bias_cap"}
 
 
 @pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("name", [
     name for name in sorted(CASES)])
 def test_masks_and_sinks_match_float64(backend, name, rng, request):
-  if (backend.name == "interpret" and name not in _FAST_ON_INTERPRET
+  fast = {"interpret": _FAST_ON_INTERPRET,
+          "mosaic_gpu": _FAST_ON_MOSAIC_GPU}.get(backend.name)
+  if (fast is not None and name not in fast
       and not request.config.getoption("--runslow")):
-    pytest.skip("slow in the TPU interpreter (--runslow runs it)")
+    pytest.skip(f"slow in the {backend.name} interpreter (--runslow runs it)")
   case = CASES[name]
+  if backend.name == "mosaic_gpu":
+    case = _mosaic_gpu_case(case)
   q, k, v, d_out, d_lse, mask, allowed, sinks, bias, kw = _inputs(case, rng)
-  if backend.name == "mosaic_gpu" and (mask is not None or bias is not None
-                                       or case.dtype == "float32"):
+  if backend.name == "mosaic_gpu" and _mosaic_gpu_refuses(mask, case):
     with pytest.raises(ValueError, match="cannot run this call"):
       backend.run(pk.flash_attention, q, k, v, mask=mask, sinks=sinks,
                   bias=bias, **kw)

@@ -28,7 +28,7 @@ import pytest
 
 from oracles import attention as oracle
 from pallas_kernels import _compat
-from pallas_kernels.attention import mosaic_gpu, mosaic_gpu_bwd
+from pallas_kernels.attention import masks, mosaic_gpu, mosaic_gpu_bwd
 
 INTERPRET = mosaic_gpu.interpret_params()
 needs_interpreter = pytest.mark.skipif(
@@ -390,3 +390,85 @@ def test_backward_head_dims_split_above_128():
       64, 80, 128, 160, 160, 160, 192, 256]
   assert width(48) is None and width(272) is None
   assert [mosaic_gpu_bwd.split_of(d) for d in (128, 160, 256)] == [1, 2, 2]
+
+
+# ---------------------------------------------------------- static masks --
+
+_LOWERED_MASKS = [
+    masks.ChunkedCausal(300) | masks.PrefixLM(100),
+    masks.Local(200, 50) & masks.PrefixLM(64),
+    masks.Dense(np.tri(1000, 1500, 500, dtype=bool)),
+]
+
+
+@pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
+                    reason="no Mosaic GPU Pallas API in this jax")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", _LOWERED_MASKS, ids=["or", "and", "dense"])
+def test_masked_kernels_lower_for_cuda_on_a_cpu_host(d, mask):
+  # Forward, dq and dk/dv with a table walk and an in-kernel formula (or
+  # element tiles loaded from global memory).
+  q, kv = _sds((1, 4, 1000, d)), _sds((1, 2, 1500, d))
+  rows = _sds((1, 4, 1000), jnp.float32)
+  kw = dict(sm_scale=0.1, causal=False, window_left=None, window_right=None,
+            logit_soft_cap=None, mask=mask)
+  fwd = lambda q, k, v: mosaic_gpu.forward(  # noqa: E731
+      q, k, v, None, None, None, interpret=False, **kw)
+  assert "mosaic_gpu" in _compat.lower_for_cuda(fwd, q, kv, kv).as_text()
+  for kernel in ("dq", "dkv"):
+    fn = functools.partial(getattr(mosaic_gpu_bwd, kernel), **kw)
+    text = _compat.lower_for_cuda(fn, q, kv, kv, q, rows, rows).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_mask_table_lists_live_blocks_heaviest_tiles_first():
+  # PrefixLM(200) at 128-row tiles and 128-key blocks over 512 x 512:
+  # tile t sees blocks 0..t (causal) and block 1 (the prefix) as well.
+  table, tiles = mosaic_gpu.mask_tables(masks.PrefixLM(200), 512, 512, 128,
+                                        128, 512, 512)
+  assert tiles is None                                 # a formula mask
+  header = mosaic_gpu.TABLE_HEADER
+  assert table[:, 0].tolist() == [3, 2, 0, 1]          # longest first
+  assert table[:, 2].tolist() == [4, 3, 2, 2]          # listed blocks
+  for tile, partial, total, *blocks in table.tolist():
+    listed = blocks[:total]
+    assert sorted(listed) == list(range(max(tile, 1) + 1))
+    # Partial first: past the prefix, the diagonal block; before it, block
+    # 1 (cut by the prefix's end at 200) and none of block 0 (all prefix).
+    assert (tile if tile >= 2 else 1) in listed[:partial]
+    assert 0 in listed[partial:] or tile >= 2
+  # Key-major (dk/dv): key tile 1 (keys 128..255) is seen by every q block.
+  kv_table, _ = mosaic_gpu.mask_tables(masks.PrefixLM(200), 512, 512, 128,
+                                       128, 512, 512, kv_major=True)
+  row = kv_table[kv_table[:, 0] == 1][0]
+  assert sorted(row[header:header + row[2]].tolist()) == [0, 1, 2, 3]
+
+
+def test_dense_mask_tiles_are_stored_once():
+  # A causal Dense mask over 512 x 512: the four diagonal 128 x 128 tiles
+  # are partial and equal, so one element tile serves them all.
+  dense = masks.Dense(np.tril(np.ones((512, 512), bool)))
+  table, tiles = mosaic_gpu.mask_tables(dense, 512, 512, 128, 128, 512, 512)
+  assert tiles.shape == (1, 128, 128)
+  np.testing.assert_array_equal(np.asarray(tiles[0], np.float32),
+                                np.tril(np.ones((128, 128))))
+  width = (table.shape[1] - mosaic_gpu.TABLE_HEADER) // 2
+  assert table[:, 1].tolist() == [1, 1, 1, 1]          # one partial each
+  assert np.all(table[:, mosaic_gpu.TABLE_HEADER + width] == 0)
+  # Key-major tiles are transposed: rows are keys.
+  _, kv_tiles = mosaic_gpu.mask_tables(dense, 512, 512, 128, 128, 512, 512,
+                                       kv_major=True)
+  np.testing.assert_array_equal(np.asarray(kv_tiles[0], np.float32),
+                                np.triu(np.ones((128, 128))))
+
+
+def test_supports_takes_masks_shared_by_every_head():
+  q, kv = _accepted_gqa_call(mosaic_gpu.supports)
+  if q is None:
+    return
+  dense = masks.Dense(np.tril(np.ones((256, 256), bool)))
+  for supports in (mosaic_gpu.supports, mosaic_gpu_bwd.supports):
+    assert supports(q, kv, kv, mask=masks.ChunkedCausal(64)) is None
+    assert supports(q, kv, kv, mask=dense & masks.Local(9, 9)) is None
+    reason = supports(q, kv, kv, mask=(masks.Causal(),) * 4)
+    assert isinstance(reason, str) and "per-head" in reason

@@ -5,12 +5,10 @@ in :mod:`pallas_kernels.attention.reference` (causal masks align the *ends* of
 the query and key sequences, as in decoding: with ``q_len < kv_len`` query
 ``i`` sees keys ``j <= i + kv_len - q_len``). Forward and backward each pick
 their kernel (``_backend.dispatch``) from the rows, best first:
-``mosaic_tpu`` (TPU), ``mosaic_gpu`` (Hopper; bf16/fp16 without bias or
-segment ids; forward head_dim 64..256, backward 64..128, native at
-multiples of 16, zero-padded to the next one otherwise), ``triton`` (any
-GPU, every feature), ``reference`` (autodiff of the plain-JAX reference).
-So on a Hopper a head_dim-256 call runs the Mosaic GPU forward and the
-Triton backward.
+``mosaic_tpu`` (TPU), ``mosaic_gpu`` (Hopper; bf16/fp16 without bias,
+segment ids or per-head mask lists; head_dim 64..256, native at multiples
+of 16, zero-padded to the next one otherwise), ``triton`` (any GPU, every
+feature), ``reference`` (autodiff of the plain-JAX reference).
 """
 from __future__ import annotations
 
@@ -73,13 +71,11 @@ def _module(name):
 
 def _mosaic_gpu_supports(config, module, *arrays):
   """The Mosaic GPU module's ``supports``, or why it cannot be imported."""
-  if config.mask is not None:
-    return "the Mosaic GPU kernels take no mask objects (the Triton ones do)"
   try:
     supports = _module(module).supports
   except Exception as e:  # a broken optional dependency of this jax
     return f"pallas_kernels.attention.{module} cannot be imported: {e}"
-  return supports(*arrays)
+  return supports(*arrays, mask=config.mask)
 
 
 def _run(config, module, function, block_sizes=True):

@@ -22,12 +22,20 @@ other's matmuls; ``default_schedule`` picks how:
 Block skipping: the memory warpgroup loads the union of the two warpgroups'
 bands; a warpgroup passes over slots outside its own band and masks only
 the band's edge blocks. Lq is padded to 128 and Lk to ``BLOCK_K`` (masked).
+A static mask (``masks``, shared by every head) comes as a table instead
+(``mask_tables``): per 128-row tile the live key blocks, partial ones first,
+tiles with most blocks launched first; both warpgroups walk the tile's list
+(scalars read from global memory), mask the partial blocks and run the full
+ones unmasked. Partial blocks are masked from iota through the mask's
+formula, or, for a mask without one (``Dense``), from its element tile:
+the distinct partial tiles are stored once (float32 0/1) and each
+warpgroup loads its rows of one straight into the wgmma layout.
 Head dims: multiples of 16 from 64 to 256 run at their own width; the
 SMEM tiles take the widest swizzle whose span divides a row (128 bytes at
 64/128/192/256, 64 at 96/160/224, 32 at 80/112/144/...), which wgmma needs
 for both operands alike; other head dims run zero-padded to the next
-multiple of 16. Not handled (``supports``): bias, segment ids, float32,
-head_dim below 64 or above 256. In the Mosaic GPU interpreter (jax >= 0.10)
+multiple of 16. Not handled (``supports``): bias, segment ids, per-head
+mask lists, float32, head_dim below 64 or above 256. In the Mosaic GPU interpreter (jax >= 0.10)
 the wgmmas are float32-accumulated dots of the same SMEM tiles and layout
 casts are dropped; the rest is the code the GPU runs.
 """
@@ -40,9 +48,11 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels import _compat, _mosaic_gpu
+from pallas_kernels.attention import masks as _masks
 
 pl = _compat.pl
 
@@ -155,11 +165,12 @@ def default_schedule(head_dim: int, block_k: int, lk: int, causal: bool,
   return (True, False) if unmasked else (False, True)
 
 
-def supports(q, k, v, q_segment_ids=None, bias=None) -> str | None:
+def supports(q, k, v, q_segment_ids=None, bias=None,
+             mask=None) -> str | None:
   """None when ``forward`` handles this call, else why not (arrays or
-  ShapeDtypeStructs)."""
-  return call_refusal("attention", q, k, v, q_segment_ids, bias,
-                      MAX_HEAD_DIM)
+  ShapeDtypeStructs; ``mask`` the static mask or None)."""
+  return (call_refusal("attention", q, k, v, q_segment_ids, bias,
+                       MAX_HEAD_DIM) or mask_refusal("attention", mask))
 
 
 # --------------------------------------------------------------- masking --
@@ -327,6 +338,149 @@ def _kv_ranges(row0, rows: int, block_k: int, band: _Band):
   return lo, a, b, hi
 
 
+# ----------------------------------------------------------- static masks --
+
+TABLE_HEADER = 3  # a table row: tile, partial blocks, listed blocks, ...
+
+
+def mask_tables(mask, lq: int, lk: int, block_rows: int, block_cols: int,
+                rows_pad: int, cols_pad: int, kv_major: bool = False):
+  """(table, tiles) of a static mask shared by every head, for a kernel
+  tiled over ``block_rows`` query rows walking key blocks of
+  ``block_cols`` (``kv_major``: tiled over keys, walking query blocks).
+
+  ``table`` int32 ``[tiles, TABLE_HEADER + 2 width]``; program p's row:
+  (its tile, partial blocks n_p, listed blocks n, the listed blocks with
+  partial ones first, for a mask without formula the ids of those partial
+  blocks' element tiles); programs take the tiles with most blocks first.
+  ``tiles``: None for a formula mask, else the distinct element tiles,
+  float32 ``[count, block_rows, block_cols]`` (1 allowed, 0 masked; for
+  ``kv_major`` rows are keys)."""
+  if kv_major:
+    tables = _masks.block_tables(mask, lq, lk, block_cols, block_rows,
+                                 cols_pad, rows_pad)
+    partial, total, index = (tables.q_partial[0], tables.q_total[0],
+                             tables.q_index[0])
+  else:
+    tables = _masks.block_tables(mask, lq, lk, block_rows, block_cols,
+                                 rows_pad, cols_pad)
+    partial, total, index = (tables.kv_partial[0], tables.kv_total[0],
+                             tables.kv_index[0])
+  ids = np.zeros_like(index)
+  tiles = None
+  if tables.formula is None:
+    dense = tables.dense[0]
+    if kv_major:
+      dense = dense.T
+    found = {}
+    for row in range(index.shape[0]):
+      for t in range(partial[row]):
+        col = index[row, t]
+        tile = dense[row * block_rows:(row + 1) * block_rows,
+                     col * block_cols:(col + 1) * block_cols]
+        ids[row, t] = found.setdefault(tile.tobytes(), len(found))
+    tiles = np.zeros((max(1, len(found)), block_rows, block_cols), np.int8)
+    for key, tile_id in found.items():
+      tiles[tile_id] = np.frombuffer(key, np.int8).reshape(block_rows,
+                                                           block_cols)
+    tiles = tiles.astype(np.float32)
+  order = np.argsort(-total, kind="stable")
+  table = np.concatenate([order[:, None], partial[order, None],
+                          total[order, None], index[order], ids[order]],
+                         axis=1).astype(np.int32)
+  return table, tiles
+
+
+def table_width(mask_arrays) -> int:
+  """The listed-block columns of ``mask_tables``' table (0 without one)."""
+  if not mask_arrays:
+    return 0
+  return (mask_arrays[0].shape[1] - TABLE_HEADER) // 2
+
+
+def mask_refusal(kernel: str, mask) -> str | None:
+  """Why the Mosaic GPU ``kernel`` cannot take this static mask (None: it
+  can): one mask shared by every head, not a per-head list."""
+  if isinstance(mask, tuple):
+    return (f"the Mosaic GPU {kernel} kernel takes one static mask shared "
+            "by every head, not per-head lists")
+  return None
+
+
+def inside_mask(formula, lq: int, lk: int, q_rows, keys, check_length=True):
+  """True where the static ``formula`` mask (and, with ``check_length``,
+  the key length) allows (q_row, key); indices as in ``outside_band``."""
+  inside = formula.allowed(q_rows + (lk - lq), keys)
+  if check_length:
+    inside = jnp.logical_and(inside, keys < lk)
+  return inside
+
+
+@dataclasses.dataclass(frozen=True)
+class TileWalk:
+  """How a tiled kernel's program walks its blocks: the causal/window band
+  (no ``mask``: blocks in index order, ranges computed per tile by
+  ``ranges``, ``_kv_ranges`` or the backward's ``_q_ranges``), or a static
+  mask's table (``mask_tables``: blocks listed, partial ones first, their
+  elements from ``mask``'s formula or, without one, from element tiles).
+  ``width``: the table's listed-block columns."""
+  band: _Band
+  ranges: object
+  mask: object = None
+  width: int = 0
+
+  def open(self, mask_refs, program, tiles: int, reverse: bool):
+    """The program's walk: namespace of tile, block_of(step), tile_of(step)
+    and, for a table, its (lo_u, hi_u) and (lo, a, b, hi)."""
+    if self.mask is None:
+      tile = (tiles - 1) - program if reverse else program
+      return types.SimpleNamespace(tile=tile, block_of=lambda t: t,
+                                   table=False)
+    table_ref, tiles_ref = mask_refs
+    read = lambda j: table_ref[program, j]  # noqa: E731
+    zero, partial, total = jnp.int32(0), read(1), read(2)
+    return types.SimpleNamespace(
+        tile=read(0), block_of=lambda t: read(TABLE_HEADER + t),
+        tile_of=lambda t: read(TABLE_HEADER + self.width + t),
+        tiles_ref=tiles_ref, table=True, cta=(zero, total),
+        rows=(zero, partial, total, total))
+
+  def cta_bounds(self, walk, row0, rows, block):
+    """(lo_u, hi_u): the steps the memory warpgroup loads for the tile."""
+    if walk.table:
+      return walk.cta
+    lo_u, _, _, hi_u = self.ranges(row0, rows, block, self.band)
+    return lo_u, hi_u
+
+  def bounds(self, walk, row0, rows, block, lo_u, hi_u):
+    """(lo, a, b, hi) of a warpgroup's rows: steps [lo, hi) run, masked
+    outside [a, b)."""
+    if walk.table:
+      return walk.rows
+    return tuple(jnp.clip(x, lo_u, hi_u)
+                 for x in self.ranges(row0, rows, block, self.band))
+
+  def apply(self, walk, s, q_rows, keys, step, tile_row0, interpreting,
+            check_length=True):
+    """Logits ``s`` (a tile of rows ``tile_row0`` on of the program's tile,
+    step ``step``) with -inf where the band or mask masks (q_row, key)
+    (``check_length``: and keys past the length)."""
+    if self.mask is None:
+      outside = outside_band(q_rows, keys, self.band, check_length)
+      return s if outside is None else jnp.where(outside, NEG_INF, s)
+    # (where on the allowed side: Mosaic GPU cannot negate a bool tile)
+    if self.mask.formula:
+      inside = inside_mask(self.mask, self.band.lq, self.band.lk, q_rows,
+                           keys, check_length)
+    else:  # padded keys are 0 in the tiles
+      ref = walk.tiles_ref.at[walk.tile_of(step),
+                              pl.ds(tile_row0, s.shape[0])]
+      # (unoptimized: jax 0.11 plans wgmma-layout transfers for SMEM only)
+      inside = (ref[...] if interpreting else _compat.mosaic_gpu_load(
+          ref, layout=plgpu.Layout.WGMMA, optimized=False)) > 0
+    return jnp.where(inside, s, NEG_INF)
+
+
 # ---------------------------------------------------------------- kernel --
 
 
@@ -443,19 +597,23 @@ def stream_kv_lagged(first, end, stages, load_k, load_v, wait_k_free,
     wait_v_free(slot_of(c))
 
 
-def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
-            sm_scale, soft_cap, block_k, stages, group, nq, reverse_q,
-            interpreting, overlap, named_barriers):
+def _kernel(q_ref, k_ref, v_ref, mask_refs, out_ref, lse_ref, scratch, *,
+            walk: TileWalk, sm_scale, soft_cap, block_k, stages, group, nq,
+            reverse_q, interpreting, overlap, named_barriers):
   (q_smem2, k_smem, v_smem, lse_smem2), barriers = scratch
   (k_loaded, v_loaded, q_loaded, k_consumed, v_consumed,
    schedule_barrier) = barriers
-  batch, head, tile, wg = q_tile_program(nq, reverse_q)
+  batch, head, wg = (lax.axis_index("batch"), lax.axis_index("heads"),
+                     lax.axis_index("wg"))
+  program = walk.open(mask_refs, lax.axis_index("q_tiles"), nq, reverse_q)
+  tile, block_of = program.tile, program.block_of
   dtype = q_smem2.dtype
   head_dim = q_smem2.shape[-1]
   bq = ROWS_PER_WG
   cta_row0 = tile * (COMPUTE_WGS * bq)
   # The band of the whole tile: what the memory warpgroup loads.
-  lo_u, _, _, hi_u = _kv_ranges(cta_row0, COMPUTE_WGS * bq, block_k, band)
+  lo_u, hi_u = walk.cta_bounds(program, cta_row0, COMPUTE_WGS * bq,
+                               block_k)
 
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
@@ -464,8 +622,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
     row0 = cta_row0 + wg * bq
     plgpu.copy_gmem_to_smem(q_ref.at[batch, head, pl.ds(row0, bq)], q_smem,
                             q_loaded.at[wg])
-    lo, a, b, hi = (jnp.clip(x, lo_u, hi_u)
-                    for x in _kv_ranges(row0, bq, block_k, band))
+    lo, a, b, hi = walk.bounds(program, row0, bq, block_k, lo_u, hi_u)
     plgpu.barrier_wait(q_loaded.at[wg])
 
     layout = plgpu.Layout.WGMMA
@@ -491,8 +648,9 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
         s = jnp.tanh(s * (sm_scale / soft_cap))
         scale2 = soft_cap * LOG2E
       if masked:
-        s = jnp.where(outside_band(row0 + iota(0), c * block_k + iota(1),
-                                   band), NEG_INF, s)
+        s = walk.apply(program, s, row0 + iota(0),
+                       block_of(c) * block_k + iota(1), c, wg * bq,
+                       interpreting)
       m_next = jnp.maximum(m, s.max(axis=1) * scale2)
       m_shift = m_next
       if masked:  # a row with nothing unmasked yet keeps m = -inf
@@ -549,8 +707,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
         block_k=block_k, wg=wg, cast=cast, dtype=dtype,
         online_softmax=online_softmax, qk_dot=qk_dot, pv_dot=pv_dot,
         k_transposed=k_transposed, qk_logits=qk_logits, add_pv=add_pv)
-    walk = _overlapped_band if overlap else _plain_band
-    acc, m, l = walk(env, acc, m, l, lo_u, lo, a, b, hi, hi_u)
+    steps = _overlapped_band if overlap else _plain_band
+    acc, m, l = steps(env, acc, m, l, lo_u, lo, a, b, hi, hi_u)
 
     empty = l == 0.0
     inv_l = 1.0 / jnp.where(empty, 1.0, l)
@@ -569,7 +727,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scratch, *, band: _Band,
     kv_head = lax.div(head, jnp.int32(group))
 
     def load_one(ref, smem, loaded, c, slot):
-      rows = pl.ds(c * block_k, block_k)
+      rows = pl.ds(block_of(c) * block_k, block_k)
       plgpu.copy_gmem_to_smem(ref.at[batch, kv_head, rows], smem.at[slot],
                               loaded.at[slot])
 
@@ -782,22 +940,24 @@ def _pad_axis(x, axis: int, size: int):
 
 
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
-            causal, window_left, window_right, logit_soft_cap, interpret):
+            causal, window_left, window_right, logit_soft_cap, interpret,
+            mask=None):
   """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32).
 
   Same contract as ``attention.triton.forward`` for the calls ``supports``
   accepts (it raises ValueError on the others). ``interpret``: False on a
   GPU, or an ``InterpretGPUParams`` (``interpret_params()``) to run in the
   Mosaic GPU interpreter; True picks the default interpreter parameters.
+  ``mask``: a static mask (``masks``) shared by every head, or None.
   """
   del kv_segment_ids  # None whenever q_segment_ids is (supports checks it)
-  reason = supports(q, k, v, q_segment_ids, bias)
+  reason = supports(q, k, v, q_segment_ids, bias, mask)
   if reason:
     raise ValueError(f"mosaic_gpu.forward: unsupported call: {reason}")
   if q.shape[-1] % HEAD_DIM_MULTIPLE:
     kwargs = dict(sm_scale=sm_scale, causal=causal, window_left=window_left,
                   window_right=window_right, logit_soft_cap=logit_soft_cap,
-                  interpret=interpret)
+                  interpret=interpret, mask=mask)
     return with_padded_head_dim(
         lambda q, k, v: forward(q, k, v, None, None, None, **kwargs),
         (q, k, v), kernel_head_dim(q.shape[-1], MAX_HEAD_DIM),
@@ -808,7 +968,8 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   kv_heads, lk = k.shape[1], k.shape[2]
   group = heads // kv_heads
   block_k, stages = block_k_for(head_dim), STAGES
-  overlap, named = default_schedule(head_dim, block_k, lk, causal,
+  overlap, named = default_schedule(head_dim, block_k, lk,
+                                    causal or mask is not None,
                                     window_left, window_right,
                                     logit_soft_cap)
   overlap = overlap and hasattr(plgpu, "wgmma_accumulator_load")
@@ -821,6 +982,10 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   k = _pad_axis(k, 2, lk_pad)
   v = _pad_axis(v, 2, lk_pad)
   nq = lq_pad // tile_rows
+  mask_arrays = [] if mask is None else [
+      jnp.asarray(x) for x in mask_tables(mask, lq, lk, tile_rows, block_k,
+                                          lq_pad, lk_pad) if x is not None]
+  walk = TileWalk(band, _kv_ranges, mask, table_width(mask_arrays))
   interpreting = bool(interpret)
   dtype = q.dtype
   rendezvous = not (overlap or named)
@@ -843,16 +1008,18 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       plgpu.Barrier(num_arrivals=1, num_barriers=COMPUTE_WGS),
   )
   body = functools.partial(
-      _kernel, band=band, sm_scale=float(sm_scale),
+      _kernel, walk=walk, sm_scale=float(sm_scale),
       soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
       block_k=block_k, stages=stages, group=group, nq=nq,
       reverse_q=band.right is not None and band.left is None,
       interpreting=interpreting, overlap=overlap, named_barriers=named)
 
-  def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
+  def entry(q_ref, k_ref, v_ref, *refs):
+    mask_refs = tuple(refs[:-2]) + (None,) * (2 - len(refs[:-2]))
+    out_ref, lse_ref = refs[-2:]
     pl.run_scoped(
-        lambda *refs: body(q_ref, k_ref, v_ref, out_ref, lse_ref,
-                           (refs[:4], refs[4:])),
+        lambda *scoped: body(q_ref, k_ref, v_ref, mask_refs, out_ref,
+                             lse_ref, (scoped[:4], scoped[4:])),
         *scratch, *barriers, collective_axes="wg")
 
   kwargs = {}
@@ -868,7 +1035,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kwargs,
-  )(q, k, v)
+  )(q, k, v, *mask_arrays)
   if lq_pad != lq:
     out, lse = out[:, :, :lq], lse[:, :, :lq]
   return out, lse

@@ -25,10 +25,12 @@ head_dim halves held as separate SMEM tiles) and accumulates one half of
 dK and dV (dQ).
 Rows without keys and padded rows carry lse2 = +inf, so their P is 0. dk/dv
 pads Lk to its keys per CTA and Lq to ``block_size``, dq the other way
-round. Block skipping as in the forward (``attention/mosaic_gpu.py``); head
-dims as there (multiples of 16 native, of 32 when split; others
-zero-padded). Not handled (``supports``): bias, segment ids, float32,
-head_dim below 64 or above 256.
+round. Block skipping and static masks as in the forward
+(``attention/mosaic_gpu.py``; dk/dv walks a key tile's query blocks from the
+key-major table, its element tiles transposed); head dims as there
+(multiples of 16 native, of 32 when split; others zero-padded). Not handled
+(``supports``): bias, segment ids, per-head mask lists, float32, head_dim
+below 64 or above 256.
 """
 from __future__ import annotations
 
@@ -152,10 +154,12 @@ def block_size(head_dim: int) -> int:
   return 128 if head_dim <= 64 else 64
 
 
-def supports(q, k, v, q_segment_ids=None, bias=None) -> str | None:
+def supports(q, k, v, q_segment_ids=None, bias=None,
+             mask=None) -> str | None:
   """None when ``backward`` handles this call, else why not."""
-  return fwd.call_refusal("backward", q, k, v, q_segment_ids, bias,
-                          MAX_HEAD_DIM)
+  return (fwd.call_refusal("backward", q, k, v, q_segment_ids, bias,
+                           MAX_HEAD_DIM)
+          or fwd.mask_refusal("backward", mask))
 
 
 def _q_ranges(col0, cols: int, block_q: int, band):
@@ -185,9 +189,9 @@ def _q_ranges(col0, cols: int, block_q: int, band):
   return lo, a, b, hi
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-            scratch, *, band, sm_scale, soft_cap, block_q, stages, group,
-            split, interpreting):
+def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
+            dk_ref, dv_ref, scratch, *, walk, sm_scale, soft_cap, block_q,
+            stages, group, split, tiles, interpreting):
   """dk/dv. Not split: K and V as [warpgroup, 64, head_dim], the Q and dO
   ring as [slot, rows, head_dim]; split: K and V as [half, 64, head_dim / 2]
   (the CTA's 64 keys), the ring as [slot, half, rows, head_dim / 2], and
@@ -197,14 +201,15 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
    consumed, *done) = barriers
   kv_head = lax.axis_index("heads")
   batch = lax.axis_index("batch")
-  tile = lax.axis_index("kv_tiles")
+  program = walk.open(mask_refs, lax.axis_index("kv_tiles"), tiles, False)
+  tile, block_of = program.tile, program.block_of
   wg = lax.axis_index("wg")
   dtype = q_smem.dtype
   chunk = q_smem.shape[-1]
   bk = KEYS_PER_WG
   tile_k = bk * COMPUTE_WGS // split
   cta_col0 = tile * tile_k
-  lo_u, _, _, hi_u = _q_ranges(cta_col0, tile_k, block_q, band)
+  lo_u, hi_u = walk.cta_bounds(program, cta_col0, tile_k, block_q)
   blocks = hi_u - lo_u
   steps = blocks * group
   columns = functools.partial(_columns, chunk=chunk, split=split)
@@ -227,8 +232,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                             chunk_of(k_smem, mine), k_loaded.at[wg])
     plgpu.copy_gmem_to_smem(columns(v_ref.at[batch, kv_head, rows], mine),
                             chunk_of(v_smem, mine), v_loaded.at[wg])
-    lo, a, b, hi = (jnp.clip(x, lo_u, hi_u)
-                    for x in _q_ranges(col0, bk, block_q, band))
+    lo, a, b, hi = walk.bounds(program, col0, bk, block_q, lo_u, hi_u)
     layout = plgpu.Layout.WGMMA
     cast, iota, load_col, _ = fwd.register_tools((bk, block_q), 0,
                                                  interpreting)
@@ -260,10 +264,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
       delta = load_col(delta_smem.at[slot])
       s, t = _base2_logits(s, sm_scale, soft_cap)
       if masked:  # rows are keys, columns queries; padded keys need no mask
-        masked_out = fwd.outside_band(i * block_q + iota(1), col0 + iota(0),
-                                      band, check_length=False)
-        if masked_out is not None:
-          s = jnp.where(masked_out, NEG_INF, s)
+        s = walk.apply(program, s, block_of(i) * block_q + iota(1),
+                       col0 + iota(0), i, key_group * bk, interpreting,
+                       check_length=False)
       p, ds = _probs_and_dlogits(s, dp, t, lse2, delta, row_axis=1)
       p16, ds16 = p.astype(dtype), ds.astype(dtype)
       q_mine, do_mine = chunk_of(q_slot, mine), chunk_of(do_slot, mine)
@@ -314,7 +317,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
 
     def load(t, slot):
       g = lax.div(t, blocks)
-      i = lo_u + lax.rem(t, blocks)
+      i = block_of(lo_u + lax.rem(t, blocks))
       h = kv_head * group + g
       rows = pl.ds(i * block_q, block_q)
       _load_row_blocks(((q_ref.at[batch, h, rows], q_smem, q_loaded),
@@ -346,12 +349,12 @@ def _row_inputs(lse, delta, lq, lq_pad):
 
 
 def _prepared(kernel, arrays, q_multiple, k_multiple, causal, window_left,
-              window_right, interpret):
+              window_right, interpret, mask):
   """Checks a backward call and pads it: ((q, k, v, d_out, lse2, delta),
   band, interpret params) with q rows a multiple of ``q_multiple`` and keys
   of ``k_multiple``."""
   q, k, v, d_out, lse, delta = arrays
-  reason = supports(q, k, v)
+  reason = supports(q, k, v, mask=mask)
   if reason is None and kernel_head_dim(q.shape[-1]) != q.shape[-1]:
     reason = (f"the kernels run head dims that are multiples of 16 (of 32 "
               f"above {SPLIT_ABOVE}), got {q.shape[-1]} (backward pads the "
@@ -371,21 +374,24 @@ def _prepared(kernel, arrays, q_multiple, k_multiple, causal, window_left,
   return padded, band, interpret
 
 
-def _kernel_statics(band, sm_scale, logit_soft_cap, group, interpreting):
+def _kernel_statics(walk, sm_scale, logit_soft_cap, group, interpreting):
   """The static arguments both backward kernels take."""
   return dict(
-      band=band, sm_scale=float(sm_scale),
+      walk=walk, sm_scale=float(sm_scale),
       soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
       stages=STAGES, group=group, interpreting=interpreting)
 
 
 def _launch(body, scratch, barriers, out_type, grid, grid_names, interpret,
-            args):
-  """``plgpu.kernel`` of ``body(*input and output refs, (scratch refs,
-  barrier refs))`` with two compute warpgroups and a memory one."""
-  n_scratch = len(scratch)
+            args, mask_arrays):
+  """``plgpu.kernel`` of ``body(*input refs, (table ref, tiles ref) (None
+  where absent), *output refs, (scratch refs, barrier refs))`` with two
+  compute warpgroups and a memory one."""
+  n_scratch, n_in, n_mask = len(scratch), len(args), len(mask_arrays)
 
   def entry(*refs):
+    mask_refs = refs[n_in:n_in + n_mask] + (None,) * (2 - n_mask)
+    refs = refs[:n_in] + (mask_refs,) + refs[n_in + n_mask:]
     pl.run_scoped(
         lambda *scoped: body(*refs, (scoped[:n_scratch], scoped[n_scratch:])),
         *scratch, *barriers, collective_axes="wg")
@@ -395,18 +401,19 @@ def _launch(body, scratch, barriers, out_type, grid, grid_names, interpret,
       entry, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs,
-  )(*args)
+  )(*args, *mask_arrays)
 
 
 def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
-        window_right, logit_soft_cap, interpret=False):
+        window_right, logit_soft_cap, interpret=False, mask=None):
   """(dk, dv) [B, Hk, Lk, D] for the attention forward's (out, lse).
 
   ``lse`` [B, H, Lq] natural-log (-inf for empty rows); ``delta`` [B, H, Lq]
   = rowsum(dO * O) - d_lse, both float32 (longer arrays, padded rows beyond
   ``q.shape[2]``, are cut). Raises ValueError where ``supports`` declines.
   ``interpret``: False on a GPU or ``InterpretGPUParams``; True picks the
-  default interpreter parameters.
+  default interpreter parameters. ``mask``: a static mask shared by every
+  head, or None.
   """
   batch, heads, lq, head_dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
@@ -416,8 +423,13 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   tile_k = KEYS_PER_WG * COMPUTE_WGS // split
   (q, k, v, d_out, lse2, delta), band, interpret = _prepared(
       "dkv", (q, k, v, d_out, lse, delta), bq, tile_k, causal, window_left,
-      window_right, interpret)
+      window_right, interpret, mask)
   lk_pad = k.shape[2]
+  mask_arrays = [] if mask is None else [
+      jnp.asarray(x) for x in fwd.mask_tables(
+          mask, lq, lk, tile_k, bq, lk_pad, q.shape[2], kv_major=True)
+      if x is not None]
+  walk = fwd.TileWalk(band, _q_ranges, mask, fwd.table_width(mask_arrays))
   dtype = q.dtype
   stages = STAGES
   groups = () if split > 1 else (COMPUTE_WGS,)  # one row block when split
@@ -440,13 +452,14 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
   ) + ((plgpu.Barrier(num_arrivals=COMPUTE_WGS),) if split > 1 else ())
   body = functools.partial(
-      _kernel, block_q=bq, split=split, **_kernel_statics(
-          band, sm_scale, logit_soft_cap, group, bool(interpret)))
+      _kernel, block_q=bq, split=split, tiles=lk_pad // tile_k,
+      **_kernel_statics(walk, sm_scale, logit_soft_cap, group,
+                        bool(interpret)))
   kv_type = jax.ShapeDtypeStruct((batch, kv_heads, lk_pad, head_dim), dtype)
   dk, dv = _launch(body, scratch, barriers, (kv_type, kv_type),
                    (kv_heads, lk_pad // tile_k, batch),
                    ("heads", "kv_tiles", "batch"), interpret,
-                   (q, k, v, d_out, lse2, delta))
+                   (q, k, v, d_out, lse2, delta), mask_arrays)
   if lk_pad != lk:
     dk, dv = dk[:, :, :lk], dv[:, :, :lk]
   return dk, dv
@@ -455,9 +468,9 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
 # -------------------------------------------------------------- dq kernel --
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-               scratch, *, band, sm_scale, soft_cap, block_k, stages, group,
-               nq, reverse_q, split, interpreting):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
+               dq_ref, scratch, *, walk, sm_scale, soft_cap, block_k, stages,
+               group, nq, reverse_q, split, interpreting):
   """dq. Not split: Q and dO as [warpgroup, 64, head_dim], the K and V ring
   as [slot, keys, head_dim]; split: Q and dO as [half, 64, head_dim / 2]
   (the CTA's 64 rows), the ring as [slot, half, keys, head_dim / 2], and
@@ -465,13 +478,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
   (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), barriers = (
       scratch)
   (rows_loaded, k_loaded, v_loaded, consumed, *done) = barriers
-  batch, head, tile, wg = fwd.q_tile_program(nq, reverse_q)
+  batch, head, wg = (lax.axis_index("batch"), lax.axis_index("heads"),
+                     lax.axis_index("wg"))
+  program = walk.open(mask_refs, lax.axis_index("q_tiles"), nq, reverse_q)
+  tile, block_of = program.tile, program.block_of
   dtype = q_smem2.dtype
   chunk = q_smem2.shape[-1]
   bq = ROWS_PER_WG
   tile_q = bq * COMPUTE_WGS // split
   cta_row0 = tile * tile_q
-  lo_u, _, _, hi_u = fwd._kv_ranges(cta_row0, tile_q, block_k, band)
+  lo_u, hi_u = walk.cta_bounds(program, cta_row0, tile_q, block_k)
   columns = functools.partial(_columns, chunk=chunk, split=split)
   chunk_of = functools.partial(_chunk, split=split)
 
@@ -496,8 +512,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
     for ref, smem, i in ((lse_ref, lse_smem, 2), (delta_ref, delta_smem, 3)):
       plgpu.copy_gmem_to_smem(ref.at[batch, head, rows], smem,
                               rows_loaded.at[wg * 4 + i])
-    lo, a, b, hi = (jnp.clip(x, lo_u, hi_u)
-                    for x in fwd._kv_ranges(row0, bq, block_k, band))
+    lo, a, b, hi = walk.bounds(program, row0, bq, block_k, lo_u, hi_u)
     layout = plgpu.Layout.WGMMA
     cast, iota, load_row, _ = fwd.register_tools((bq, block_k), 1,
                                                  interpreting)
@@ -524,8 +539,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
           (bq, block_k), interpreting)
       s, t = _base2_logits(s, sm_scale, soft_cap)
       if masked:
-        s = jnp.where(fwd.outside_band(row0 + iota(0), c * block_k + iota(1),
-                                       band), NEG_INF, s)
+        s = walk.apply(program, s, row0 + iota(0),
+                       block_of(c) * block_k + iota(1), c, row_group * bq,
+                       interpreting)
       _, ds = _probs_and_dlogits(s, dp, t, lse2, delta, row_axis=0)
       ds16 = ds.astype(dtype)
       k_mine = chunk_of(k_slot, mine)
@@ -565,7 +581,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
     kv_head = lax.div(head, jnp.int32(group))
 
     def load(c, slot):
-      rows = pl.ds(c * block_k, block_k)
+      rows = pl.ds(block_of(c) * block_k, block_k)
       _load_row_blocks(((k_ref.at[batch, kv_head, rows], k_smem, k_loaded),
                         (v_ref.at[batch, kv_head, rows], v_smem, v_loaded)),
                        slot, chunk, split)
@@ -586,18 +602,23 @@ def delta_of(out, d_out, d_lse=None):
 
 
 def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
-       window_right, logit_soft_cap, interpret=False):
+       window_right, logit_soft_cap, interpret=False, mask=None):
   """dq [B, H, Lq, D]; arguments as for ``dkv``."""
   batch, heads, lq, head_dim = q.shape
-  kv_heads = k.shape[1]
+  kv_heads, lk = k.shape[1], k.shape[2]
   group = heads // kv_heads
   block_k, stages = block_size(head_dim), STAGES
   split = split_of(head_dim)
   tile_q = ROWS_PER_WG * COMPUTE_WGS // split
   (q, k, v, d_out, lse2, delta), band, interpret = _prepared(
       "dq", (q, k, v, d_out, lse, delta), tile_q, block_k, causal,
-      window_left, window_right, interpret)
+      window_left, window_right, interpret, mask)
   lq_pad = q.shape[2]
+  mask_arrays = [] if mask is None else [
+      jnp.asarray(x) for x in fwd.mask_tables(
+          mask, lq, lk, tile_q, block_k, lq_pad, k.shape[2]) if x is not None]
+  walk = fwd.TileWalk(band, fwd._kv_ranges, mask,
+                      fwd.table_width(mask_arrays))
   dtype = q.dtype
   nq = lq_pad // tile_q
   groups = () if split > 1 else (COMPUTE_WGS,)  # one row block when split
@@ -619,28 +640,28 @@ def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
   body = functools.partial(
       _dq_kernel, block_k=block_k, nq=nq, split=split,
       reverse_q=band.right is not None and band.left is None,
-      **_kernel_statics(band, sm_scale, logit_soft_cap, group,
+      **_kernel_statics(walk, sm_scale, logit_soft_cap, group,
                         bool(interpret)))
   out = _launch(
       body, scratch, barriers,
       jax.ShapeDtypeStruct((batch, heads, lq_pad, head_dim), dtype),
       (heads, nq, batch), ("heads", "q_tiles", "batch"), interpret,
-      (q, k, v, d_out, lse2, delta))
+      (q, k, v, d_out, lse2, delta), mask_arrays)
   return out[:, :, :lq] if lq_pad != lq else out
 
 
 def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
              d_lse, *, sm_scale, causal, window_left, window_right,
-             logit_soft_cap, interpret):
+             logit_soft_cap, interpret, mask=None):
   """(dq, dk, dv, None): ``attention.triton.backward``'s contract for the
   calls ``supports`` accepts (no bias, no segment ids)."""
   del kv_segment_ids
-  reason = supports(q, k, v, q_segment_ids, bias)
+  reason = supports(q, k, v, q_segment_ids, bias, mask)
   if reason:
     raise ValueError(f"mosaic_gpu_bwd.backward: unsupported call: {reason}")
   kwargs = dict(sm_scale=sm_scale, causal=causal, window_left=window_left,
                 window_right=window_right, logit_soft_cap=logit_soft_cap,
-                interpret=interpret)
+                interpret=interpret, mask=mask)
   delta = delta_of(out, d_out, d_lse)
 
   def run(q, k, v, d_out):
