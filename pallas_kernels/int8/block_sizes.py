@@ -175,6 +175,7 @@ GPU_WEIGHT_ONLY_SMALL_MAX_M = 256
 # GPU_DECODE_MAX_M.
 GPU_WEIGHT_ONLY_MOSAIC_AUTO_M = (17, 256)
 GPU_WEIGHT_ONLY_MOSAIC_AUTO_M_FLOAT8 = (1, 256)
+GPU_WEIGHT_ONLY_MOSAIC_AUTO_M_INT4 = (1, 256)
 GPU_WEIGHT_ONLY_DECODE_MAX_M = 16
 GPU_DECODE_MAX_M = 64
 GPU_MEDIUM_MAX_M = 2048
@@ -199,6 +200,8 @@ def gpu_weight_only_mosaic_m(w_dtype) -> tuple[int, int]:
   Mosaic GPU kernel."""
   if jnp.dtype(w_dtype) == jnp.dtype(jnp.int8):
     return GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+  if jnp.dtype(w_dtype) == jnp.dtype(jnp.int4):
+    return GPU_WEIGHT_ONLY_MOSAIC_AUTO_M_INT4
   return GPU_WEIGHT_ONLY_MOSAIC_AUTO_M_FLOAT8
 
 
