@@ -143,6 +143,8 @@ class Plan:
   steps: int     # K steps per CTA
   sizes: MgpuBlockSizes
   cluster: int   # CTAs of adjacent column tiles sharing x tiles
+  group_size: int | None = None
+  tables: int = 0  # group tables streamed with w: 1 scales, 2 and zeros
 
   @property
   def fused(self) -> bool:
@@ -151,8 +153,15 @@ class Plan:
 
 
 def plan(m, k, n, sizes: MgpuBlockSizes | None = None,
-         w_layout: str = "nk", bits: int = 8) -> Plan:
+         w_layout: str = "nk", bits: int = 8, group_size: int | None = None,
+         tables: int = 0) -> Plan:
+  """``group_size`` with ``tables`` (1: scales, 2: and zeros) group tables:
+  tile_k becomes a multiple of the group (the largest <= the table's, at
+  least one group) and the ring loses stages (to 2) until it fits."""
   sizes = (sizes or MgpuBlockSizes()).resolved(m, w_layout, bits)
+  if group_size is not None and sizes.tile_k % group_size:
+    sizes = dataclasses.replace(
+        sizes, tile_k=max(1, sizes.tile_k // group_size) * group_size)
   mp, np_ = padded_m(m), -(-n // ROWS) * ROWS
   tiles = np_ // ROWS
   k_tiles = -(-k // sizes.tile_k)
@@ -163,8 +172,12 @@ def plan(m, k, n, sizes: MgpuBlockSizes | None = None,
     split *= 2
   steps = -(-k_tiles // split)
   cluster = 2 if mp >= PAIR_MIN_MP and tiles % 2 == 0 else 1
-  return Plan(mp, np_, steps * split * sizes.tile_k, split, steps, sizes,
-              cluster)
+  p = Plan(mp, np_, steps * split * sizes.tile_k, split, steps, sizes,
+           cluster, group_size, tables)
+  while p.sizes.stages > 2 and smem_bytes(p, w_layout, bits) > SMEM_BYTES:
+    p = dataclasses.replace(p, sizes=dataclasses.replace(
+        p.sizes, stages=p.sizes.stages - 1))
+  return p
 
 
 def k_chunk(tile_k: int, w_layout: str, bits: int,
@@ -188,6 +201,9 @@ def epilogue_cols(mp: int) -> int:
 
 def smem_bytes(p: Plan, w_layout: str = "nk", bits: int = 8) -> int:
   ring = p.sizes.stages * p.sizes.tile_k * (ROWS * bits // 8 + 2 * p.mp)
+  if p.tables:  # [tile_k // g, 128] float32 per table and slot
+    ring += p.sizes.stages * p.sizes.tile_k // p.group_size * ROWS * 4 * (
+        p.tables)
   out = COMPUTE_WGS * ROWS_PER_WG * epilogue_cols(p.mp) * 4  # epilogue tiles
   if w_layout == "kn":  # two bf16 conversion buffers per warpgroup
     out += COMPUTE_WGS * 2 * KN_CHUNK * ROWS_PER_WG * 2
@@ -250,7 +266,8 @@ def supports(x2, w, x_scale=None, *, mode, w_layout, block_sizes=None,
     return "the Mosaic GPU weight-only kernel needs K, N > 0"
   bits = w_bits(w_dtype)
   try:
-    p = plan(m, k, n, block_sizes, w_layout, bits)
+    p = plan(m, k, n, block_sizes, w_layout, bits, group_size,
+             0 if group_size is None else 1 + (w_zero is not None))
   except ValueError as e:
     return str(e)
   if smem_bytes(p, w_layout, bits) > SMEM_BYTES:
@@ -315,10 +332,12 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
   else:  # each K chunk is whole swizzle tiles
     w_spec = plgpu.BlockSpec((ROWS, tk), lambda s: (0, s),
                              transforms=_transforms(kc, bits))
-  tables = []  # group scale (and zero) [G, Np] float32
-  if groups:
-    rows = -(-p.kp // group_size)
-    tables = [_pad_to(t, (rows, p.np_)) for t in groups[1:] if t is not None]
+  tables, table_specs = [], []  # group scale (and zero) [G, Np] float32
+  if groups:  # streamed with w: [tk // g, 128] per step
+    tables = [_pad_to(t, (p.kp // group_size, p.np_))
+              for t in groups[1:] if t is not None]
+    table_specs = [plgpu.BlockSpec((tk // group_size, ROWS),
+                                   lambda s: (s, 0))] * len(tables)
   cols = epilogue_cols(p.mp)  # accumulator columns per epilogue store
   vectors, is_scale = [], []  # fused: w_scale and/or bias, [Np] float32
   if p.fused:
@@ -332,14 +351,14 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
 
   def kernel(w_gmem, x_gmem, *refs):
     *vector_refs, out_gmem = refs
-    table_refs = vector_refs[:len(tables)]
+    table_gmems = vector_refs[:len(tables)]
     vector_refs = vector_refs[len(tables):]
     scratch = (staging, converted) if kn else (staging,)
-    pl.run_scoped(functools.partial(scoped, w_gmem, x_gmem, table_refs,
+    pl.run_scoped(functools.partial(scoped, w_gmem, x_gmem, table_gmems,
                                     vector_refs, out_gmem),
                   *scratch, collective_axes="wg")
 
-  def scoped(w_gmem, x_gmem, table_refs, vector_refs, out_gmem, out_smem,
+  def scoped(w_gmem, x_gmem, table_gmems, vector_refs, out_gmem, out_smem,
              converted_smem=None):
     tile = lax.axis_index("n_tiles")
     if cluster > 1:
@@ -349,35 +368,34 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
     k_slice = pl.ds(part * chunk, chunk)
     row0 = tile * ROWS + wg * ROWS_PER_WG
 
-    def row_vector(ref, index, layout):
-      """ref[index] for this warpgroup's 64 output channels, float32."""
-      if interpreting:
-        return ref[index]
-      return _compat.mosaic_gpu_load(ref, index, layout=layout,
-                                     optimized=False)
-
-    def group_tables(step, c, shape, channel_dim):
-      """The (scale, zero) of the group holding chunk ``c`` of K step
-      ``step``, broadcast to the [64, ...] chunk ``shape`` along its
-      output-channel dimension; (None, None) without groups."""
+    def group_tables(table_refs, c, shape, channel_dim):
+      """The (scale, zero) of the group holding chunk ``c`` of this step
+      (row c * kc // g of the step's [tk // g, 128] table tiles), for this
+      warpgroup's 64 output channels, broadcast to the chunk ``shape``
+      along its output-channel dimension; (None, None) without groups."""
       if not table_refs:
         return None, None
-      group = (part * chunk + step * tk + c * kc) // group_size
-      index = (group, pl.ds(row0, ROWS_PER_WG))
+      index = (c * kc // group_size,
+               pl.ds(pl.multiple_of(wg * ROWS_PER_WG, ROWS_PER_WG),
+                     ROWS_PER_WG))
       layout = (plgpu.Layout.WGMMA.reduce(1) if channel_dim == 0 else None)
-      out = [lax.broadcast_in_dim(row_vector(ref, index, layout), shape,
-                                  (channel_dim,)) for ref in table_refs]
+      out = []
+      for ref in table_refs:
+        v = (ref[index] if interpreting else _compat.mosaic_gpu_load(
+            ref, index, layout=layout, optimized=False))
+        out.append(lax.broadcast_in_dim(v, shape, (channel_dim,)))
       return out[0], (out[1] if len(out) > 1 else None)
 
-    def body_kn(indices, w_smem, x_smem, acc):
+    def body_kn(_, w_smem, x_smem, *rest):
       """w_smem [tk, 128]: this warpgroup's 64 columns, KN_CHUNK K rows
       at a time, through its two bf16 buffers."""
-      step = indices[0]
+      *table_refs, acc = rest
       cols = pl.ds(pl.multiple_of(wg * ROWS_PER_WG, ROWS_PER_WG),
                    ROWS_PER_WG)
       for c in range(tk // KN_CHUNK):
         rows = pl.ds(c * KN_CHUNK, KN_CHUNK)
-        scale, zero = group_tables(step, c, (KN_CHUNK, ROWS_PER_WG), 1)
+        scale, zero = group_tables(table_refs, c, (KN_CHUNK, ROWS_PER_WG),
+                                   1)
         w_tile = dequantize(w_smem[rows, cols], scale, zero, interpreting)
         if interpreting:  # no transposed views there: transpose the values
           acc = acc + jnp.dot(w_tile.T, x_smem[:, rows].T,
@@ -394,12 +412,12 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
         plgpu.wgmma_wait(0)  # the slot is released when the body returns
       return acc
 
-    def body(indices, w_smem, x_smem, acc):
-      step = indices[0]
+    def body(_, w_smem, x_smem, *rest):
+      *table_refs, acc = rest
       rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
       for c in range(tk // kc):
         ks = pl.ds(c * kc, kc)
-        scale, zero = group_tables(step, c, (ROWS_PER_WG, kc), 0)
+        scale, zero = group_tables(table_refs, c, (ROWS_PER_WG, kc), 0)
         w_tile = dequantize(w_smem[rows, ks], scale, zero, interpreting)
         if interpreting:  # no transposed views there: transpose the value
           acc = acc + jnp.dot(w_tile, x_smem[:, ks].T,
@@ -460,11 +478,15 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body_kn if kn else body, grid=(p.steps,), memory_registers=40,
-        in_specs=[w_spec, x_spec], wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
+        in_specs=[w_spec, x_spec, *table_specs], wg_axis="wg",
+        num_compute_wgs=COMPUTE_WGS,
         max_concurrent_steps=p.sizes.stages, compute_context=compute_context)
     w_block = ((k_slice, pl.ds(tile * ROWS, ROWS)) if kn
                else (pl.ds(tile * ROWS, ROWS), k_slice))
-    pipeline(w_gmem.at[w_block], x_gmem.at[:, k_slice])
+    groups_per_cta = chunk // group_size if tables else 0
+    table_blocks = [t.at[pl.ds(part * groups_per_cta, groups_per_cta),
+                         pl.ds(tile * ROWS, ROWS)] for t in table_gmems]
+    pipeline(w_gmem.at[w_block], x_gmem.at[:, k_slice], *table_blocks)
 
   kwargs = {}
   if interpret:
@@ -509,7 +531,8 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
   m, k = x2.shape
   kn = w_layout == "kn"
   n = w.shape[1 if kn else 0]
-  p = plan(m, k, n, block_sizes, w_layout, w_bits(w.dtype))
+  p = plan(m, k, n, block_sizes, w_layout, w_bits(w.dtype), group_size,
+           0 if group_size is None else 1 + (w_zero is not None))
   groups = None
   if group_size is not None:
     groups = (group_size, w_scale.astype(jnp.float32),
