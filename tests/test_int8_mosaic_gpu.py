@@ -418,12 +418,14 @@ def test_quantized_matmul_routes_int4_to_mosaic_on_hopper():
       return _backend.choose("quantized_matmul", None, rows,
                              platform="cuda")[0].name
 
-  low, high = bs.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M_INT4
   expected = "triton" if mosaic_gpu.api_missing() else "mosaic_gpu"
   for layout in ("kn", "nk"):
+    low, high = bs.gpu_weight_only_mosaic_m(jnp.int4, layout)
     assert picked(low, 128, layout) == expected
     assert picked(high, 64, layout) == expected
     assert picked(low, None, layout) == expected
-  assert picked(high + 1, 128) == "triton"
-  assert picked(low, 32) == "triton"
-  assert picked(low, 128, capability="8.0") == "triton"
+    assert picked(high + 1, 128, layout) == "triton"
+    assert picked(low, 32, layout) == "triton"
+    assert picked(low, 128, layout, capability="8.0") == "triton"
+  low, _ = bs.gpu_weight_only_mosaic_m(jnp.int4, "kn")
+  assert low > 1 and picked(low - 1, 128, "kn") == "triton"

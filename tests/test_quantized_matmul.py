@@ -135,7 +135,7 @@ def mosaic_gpu_takes(case) -> bool:
   test_int8_mosaic_gpu.py)."""
   grouped_ok = case.group_size is None or (
       case.fmt == "int4" and case.group_size % 64 == 0)
-  low, high = int8_bs.gpu_weight_only_mosaic_m(case.fmt)
+  low, high = int8_bs.gpu_weight_only_mosaic_m(case.fmt, case.layout)
   return (case.kind == "weight_only" and grouped_ok
           and case.x_dtype == "bfloat16"
           and low <= math.prod(case.x_shape[:-1]) <= high)
