@@ -7,8 +7,9 @@ Cases (M x K x N):
                w_scale [N]) and int4 (groups of 128 along K, w_scale and
                w_zero [K/128, N]) -> bf16 (``pk.quantized_matmul(...,
                weight_only=True)``), M = 1..256 over the (K, N) of Llama-3
-               8B and 70B layers; ``ours_<fmt>_nk``: the 8-bit formats with
-               w stored [N, K] (``weight_layout="nk"``, torch's layout). Memory-bound rows report ``hbm_tbs``: the
+               8B and 70B layers; ``ours_<fmt>_nk``: w stored [N, K]
+               (``weight_layout="nk"``, torch's layout; int4 tables [N,
+               K/128]). Memory-bound rows report ``hbm_tbs``: the
                HBM bytes the call must move (w, its scales, x, out) per
                second.
   w8a8         8-bit x times 8-bit w -> bf16 with x_scale [M] and w_scale
@@ -83,7 +84,8 @@ def weights(k, n):
 def weight_only_op(fmt, layout="kn"):
   if fmt == "int4":
     return lambda x, w, s, z: pk.quantized_matmul(
-        x, w, w_scale=s, w_zero=z, group_size=GROUP, weight_only=True)
+        x, w, w_scale=s, w_zero=z, group_size=GROUP, weight_only=True,
+        weight_layout=layout)
   return lambda x, w, s: pk.quantized_matmul(
       x, w, w_scale=s, weight_only=True, weight_layout=layout)
 
@@ -138,12 +140,12 @@ def run(case, timer):
   w, quantized = weights(k, n)
   x64 = np.asarray(x, np.float64)[:CHECK_ROWS]
   if case["mode"] == "weight_only":
-    variants = [(fmt, "kn") for fmt in FORMATS] + [
-        (fmt, "nk") for fmt in FORMATS if W_BITS[fmt] == 8]
+    variants = [(fmt, layout) for layout in ("kn", "nk") for fmt in FORMATS]
     for fmt, layout in variants:
       q, s, z, deq = quantized[fmt]
-      if layout == "nk":
+      if layout == "nk":  # int4 group tables [N, K/128] too
         q = q.T
+        s, z = (s, z) if z is None else (s.T, z.T)
       args = (x, q, s) if z is None else (x, q, s, z)
       out = {}
 

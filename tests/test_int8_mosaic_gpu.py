@@ -287,3 +287,145 @@ def test_kn_weights_match_float64(rng, m, k, n, out_dtype, sizes):
   assert out.dtype == out_dtype and out.shape == (m, n)
   _check(out, x, w, w_scale, bias, out_dtype, w_layout="kn")
 
+
+
+# ------------------------------------------------------------------ int4 --
+
+def _int4_inputs(rng, m, k, n, w_layout, group_size, zero):
+  """x, w (int4, ``w_layout``), tables as the API takes them ([K // g, N],
+  [N, K // g] for "nk"; per channel [N]) and as the kernel takes them
+  (normalized [G, N] float32, or [1, N])."""
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.integers(-8, 8, (k, n)), jnp.int4)
+  groups = k // group_size if group_size else 1
+  scale = jnp.asarray(rng.uniform(1e-2, 2e-2, (groups, n)), jnp.float32)
+  zeros = (jnp.asarray(rng.integers(-8, 8, (groups, n)), jnp.int4)
+           if zero else None)
+  if w_layout == "nk":
+    w = w.T
+  api_scale, api_zero = scale, zeros
+  if w_layout == "nk" and group_size:
+    api_scale = scale.T
+    api_zero = None if zeros is None else zeros.T
+  if not group_size:
+    api_scale = scale.reshape(-1)
+  kernel_zero = None if zeros is None else zeros.astype(jnp.float32)
+  return x, w, api_scale, api_zero, scale, kernel_zero
+
+
+def test_int4_supports_group_sizes_in_64s():
+  if mosaic_gpu.api_missing() is not None:
+    return
+  x, w = _sds((16, 512), jnp.bfloat16), _sds((256, 512), jnp.int4)
+  sup = lambda **kw: mosaic_gpu.supports(  # noqa: E731
+      x, w, mode="weight_only", w_layout="nk", **kw)
+  assert sup() is None and sup(group_size=128) is None
+  assert sup(group_size=64, w_zero=_sds((8, 256), jnp.float32)) is None
+  assert "multiple of 64" in sup(group_size=32)
+  assert "w_zero with group scales" in sup(w_zero=_sds((1, 256), jnp.float32))
+  assert "int4 w only" in mosaic_gpu.supports(
+      x, _sds((256, 512), jnp.int8), mode="weight_only", w_layout="nk",
+      group_size=128)
+  for m in (16, 32, 64, 128, 192, 256):  # int4 tables fit the H100's SMEM
+    for layout in ("nk", "kn"):
+      p = mosaic_gpu.plan(m, 8192, 8192, w_layout=layout, bits=4)
+      assert mosaic_gpu.smem_bytes(p, layout, 4) <= mosaic_gpu.SMEM_BYTES
+      assert p.sizes.tile_k % mosaic_gpu.k_chunk(p.sizes.tile_k, layout, 4,
+                                                 128) == 0
+
+
+def test_int4_k_chunks_lie_in_one_group():
+  assert mosaic_gpu.k_chunk(512, "nk", 4, 128) == 128
+  assert mosaic_gpu.k_chunk(512, "nk", 4, 192) == 64
+  assert mosaic_gpu.k_chunk(64, "nk", 4, 128) == 64
+  assert mosaic_gpu.k_chunk(512, "kn", 4, 128) == mosaic_gpu.KN_CHUNK
+  assert mosaic_gpu.k_chunk(256, "nk", 8, None) == 256  # 8-bit: one chunk
+
+
+@pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
+                    reason="no Mosaic GPU Pallas API in this jax")
+@pytest.mark.parametrize("m, k, n, w_layout, group_size, zero", [
+    (16, 4096, 14336, "nk", 128, True),   # register dequantization, fused
+    (1, 14336, 4096, "kn", 128, True),    # SMEM buffers, split K
+    (128, 8192, 1024, "nk", 64, False),   # 64-wide chunks, x pairs
+    (256, 1024, 640, "kn", None, False),  # per-channel int4
+])
+def test_int4_lowers_for_cuda_on_a_cpu_host(m, k, n, w_layout, group_size,
+                                            zero):
+  groups = k // group_size if group_size else 1
+  fn = lambda x, w, s, z: mosaic_gpu.matmul(  # noqa: E731
+      x, w, None, s, None, mode="weight_only", out_dtype=jnp.bfloat16,
+      w_layout=w_layout, group_size=group_size, w_zero=z)
+  w_shape = (n, k) if w_layout == "nk" else (k, n)
+  table = _sds((groups, n), jnp.float32)
+  text = _compat.lower_for_cuda(fn, _sds((m, k), jnp.bfloat16),
+                                _sds(w_shape, jnp.int4), table,
+                                table if zero else None).as_text()
+  assert "mosaic_gpu" in text
+
+
+@needs_interpreter
+@pytest.mark.parametrize("m, k, n, w_layout, group_size, zero, sizes", [
+    # split K, ragged M and N; two 128-wide chunks (two groups) per step
+    (5, 512, 130, "nk", 128, True, dict(tile_k=256, stages=2)),
+    # groups of 192 with 64-wide chunks, fused epilogue, float32 out
+    (20, 384, 64, "nk", 192, True, dict(tile_k=128, stages=2, max_split=1)),
+    # w [K, N]: split K, groups of 64 (one per conversion chunk)
+    (5, 256, 130, "kn", 64, True, dict(tile_k=128, stages=2)),
+    # w [K, N], groups longer than a step, no zeros, fused
+    (33, 512, 300, "kn", 256, False, dict(tile_k=128, stages=2,
+                                          max_split=1)),
+    # per-channel int4 (scale in the epilogue), both layouts
+    (7, 256, 130, "nk", None, False, dict(tile_k=128, stages=2)),
+    (7, 256, 130, "kn", None, False, dict(tile_k=128, stages=2,
+                                          max_split=1)),
+])
+def test_int4_matches_float64(rng, m, k, n, w_layout, group_size, zero,
+                              sizes):
+  x, w, api_scale, api_zero, scale, zeros = _int4_inputs(
+      rng, m, k, n, w_layout, group_size, zero)
+  bias = jnp.asarray(rng.standard_normal((1, n)), jnp.float32)
+  out_dtype = jnp.float32 if sizes.get("max_split") else jnp.bfloat16
+  out = mosaic_gpu.matmul(
+      x, w, None, scale, bias, mode="weight_only", out_dtype=out_dtype,
+      w_layout=w_layout, group_size=group_size, w_zero=zeros,
+      block_sizes=mosaic_gpu.MgpuBlockSizes(**sizes), interpret=INTERPRET)
+  assert out.shape == (m, n) and out.dtype == out_dtype
+  quant_oracle.assert_matmul(out, x, w, jnp.dtype(out_dtype).name,
+                             w_scale=api_scale, w_zero=api_zero,
+                             group_size=group_size, bias=bias,
+                             weight_only=True, layout=w_layout)
+
+
+def test_quantized_matmul_routes_int4_to_mosaic_on_hopper():
+  """int4 weight-only calls (group scales in 64s, or per channel) take the
+  Mosaic GPU kernel on a Hopper target in its M range; groups of 32 and
+  non-Hopper targets keep the Triton kernel."""
+  from pallas_kernels.quant import api as quant_api
+  from pallas_kernels.quant import operands as quant_operands
+
+  def picked(m, group_size, layout="kn", capability="9.0"):
+    k, n = 512, 256
+    w = jnp.zeros((k, n) if layout == "kn" else (n, k), jnp.int4)
+    shape = ((k // group_size, n) if layout == "kn" else
+             (n, k // group_size)) if group_size else (n,)
+    call = quant_operands.matmul_call(
+        jnp.zeros((m, k), jnp.bfloat16), w, w_scale=jnp.ones(shape),
+        w_zero=jnp.zeros(shape, jnp.int4) if group_size else None,
+        group_size=group_size, weight_only=True, weight_layout=layout)
+    rows = quant_api._kernels(call, None, None)
+    with _backend.target_override(gpu_capability=capability):
+      return _backend.choose("quantized_matmul", None, rows,
+                             platform="cuda")[0].name
+
+  expected = "triton" if mosaic_gpu.api_missing() else "mosaic_gpu"
+  for layout in ("kn", "nk"):
+    low, high = bs.gpu_weight_only_mosaic_m(jnp.int4, layout)
+    assert picked(low, 128, layout) == expected
+    assert picked(high, 64, layout) == expected
+    assert picked(low, None, layout) == expected
+    assert picked(high + 1, 128, layout) == "triton"
+    assert picked(low, 32, layout) == "triton"
+    assert picked(low, 128, layout, capability="8.0") == "triton"
+  low, _ = bs.gpu_weight_only_mosaic_m(jnp.int4, "kn")
+  assert low > 1 and picked(low - 1, 128, "kn") == "triton"

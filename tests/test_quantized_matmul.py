@@ -129,21 +129,23 @@ class Case:
 
 
 def mosaic_gpu_takes(case) -> bool:
-  """The Mosaic GPU kernel's calls: per-channel weight-only 8-bit w, bf16
-  x, M in its range for w's dtype (its own refusals are tested in
+  """The Mosaic GPU kernel's calls: weight-only with bf16 x, per-channel
+  8-bit or int4 w, or int4 w with group sizes that are multiples of 64, M
+  in its range for w's dtype (its own refusals are tested in
   test_int8_mosaic_gpu.py)."""
-  if case.fmt not in ("int8", "float8_e4m3fn", "float8_e5m2"):
-    return False
-  low, high = int8_bs.gpu_weight_only_mosaic_m(case.fmt)
-  return (case.kind == "weight_only" and case.group_size is None
+  grouped_ok = case.group_size is None or (
+      case.fmt == "int4" and case.group_size % 64 == 0)
+  low, high = int8_bs.gpu_weight_only_mosaic_m(case.fmt, case.layout)
+  return (case.kind == "weight_only" and grouped_ok
           and case.x_dtype == "bfloat16"
           and low <= math.prod(case.x_shape[:-1]) <= high)
 
 
 def run_case(backend, case, x, w, kw):
   if backend.name == "mosaic_gpu" and not mosaic_gpu_takes(case):
-    pytest.skip("the Mosaic GPU kernel takes per-channel weight-only 8-bit "
-                "w, bf16 x, M in block_sizes.gpu_weight_only_mosaic_m")
+    pytest.skip("the Mosaic GPU kernel takes weight-only calls with bf16 "
+                "x (group scales: int4, multiples of 64), M in "
+                "block_sizes.gpu_weight_only_mosaic_m")
   arrays = {name: jnp.asarray(v) for name, v in kw.items()}
   call = functools.partial(backend.run, pk.quantized_matmul, jnp.asarray(x),
                            jnp.asarray(w), **arrays, **case.options())

@@ -197,12 +197,14 @@ def _matmul_linear(call):
           else {"bias": bias})
 
 
-def mosaic_gpu_refusal(x2, w, x_scale, mode, w_layout, user_blocks):
+def mosaic_gpu_refusal(x2, w, x_scale, mode, w_layout, user_blocks, *,
+                       group_size=None, w_zero=None):
   """Why the Mosaic GPU weight-only kernel does not take this call, or None:
   the kernel's own limits, then the M range where it beats the Triton
   kernel (``block_sizes.gpu_weight_only_mosaic_m``)."""
-  why = mosaic_gpu.supports(x2, w, x_scale, mode=mode, w_layout=w_layout)
-  low, high = bs.gpu_weight_only_mosaic_m(w.dtype)
+  why = mosaic_gpu.supports(x2, w, x_scale, mode=mode, w_layout=w_layout,
+                            group_size=group_size, w_zero=w_zero)
+  low, high = bs.gpu_weight_only_mosaic_m(w.dtype, w_layout)
   m = x2.shape[0]
   if why is None and not low <= m <= high:
     why = (f"M={m} is outside [{low}, {high}], where the Triton kernel is "

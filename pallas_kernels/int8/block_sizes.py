@@ -175,6 +175,10 @@ GPU_WEIGHT_ONLY_SMALL_MAX_M = 256
 # GPU_DECODE_MAX_M.
 GPU_WEIGHT_ONLY_MOSAIC_AUTO_M = (17, 256)
 GPU_WEIGHT_ONLY_MOSAIC_AUTO_M_FLOAT8 = (1, 256)
+# int4 w (group scales or per channel): w [N, K] at every M; w [K, N], whose
+# conversion goes through shared memory, from M = 33 (below it the Triton
+# kernel is faster; bench/results/quantized_matmul-int4-mgpu-*).
+GPU_WEIGHT_ONLY_MOSAIC_AUTO_M_INT4 = {"nk": (1, 256), "kn": (33, 256)}
 GPU_WEIGHT_ONLY_DECODE_MAX_M = 16
 GPU_DECODE_MAX_M = 64
 GPU_MEDIUM_MAX_M = 2048
@@ -194,11 +198,13 @@ class GpuPlan(NamedTuple):
   stream_w: bool = False
 
 
-def gpu_weight_only_mosaic_m(w_dtype) -> tuple[int, int]:
+def gpu_weight_only_mosaic_m(w_dtype, w_layout="nk") -> tuple[int, int]:
   """The M range in which weight-only calls with this w dtype take the
   Mosaic GPU kernel."""
   if jnp.dtype(w_dtype) == jnp.dtype(jnp.int8):
     return GPU_WEIGHT_ONLY_MOSAIC_AUTO_M
+  if jnp.dtype(w_dtype) == jnp.dtype(jnp.int4):
+    return GPU_WEIGHT_ONLY_MOSAIC_AUTO_M_INT4[w_layout]
   return GPU_WEIGHT_ONLY_MOSAIC_AUTO_M_FLOAT8
 
 

@@ -1,21 +1,28 @@
-"""Weight-only matmul of 8-bit weights for Hopper GPUs: Mosaic GPU.
+"""Weight-only matmul of 8-bit and int4 weights for Hopper GPUs: Mosaic GPU.
 
-out [M, N] = x [M, K] (bf16) @ dequant(w), w int8, float8_e4m3fn or
-float8_e5m2 stored [N, K] or [K, N], per-channel ``w_scale``, optional
-bias, M <= 256: up to M = 128 the time is that of streaming w once.
+out [M, N] = x [M, K] (bf16) @ dequant(w), w int8, float8_e4m3fn,
+float8_e5m2 or int4 stored [N, K] or [K, N], bias optional, M <= 256.
+Per-channel ``w_scale`` [N] multiplies the float32 sums; int4 w may instead
+carry group scales (and zero points) [K // g, N] (``group_size`` g, a
+multiple of 64): each K chunk of a w tile lies in one group and is
+dequantized before its wgmma as ``(w - zero) * scale`` in float32, rounded
+to bf16, as the reference does. Up to M = 128 the time is that of
+streaming w once.
 
 The product is formed transposed, out^T [N, M] = w [N, K] . x^T, so that w's
 rows fill the wgmma's M side (64 rows per compute warpgroup, two per CTA)
-and x's rows, padded to Mp in {16, 32, 64, 128}, its N side. Each step a
-compute warpgroup converts its 8-bit w tile from shared memory to bf16 in
-registers (exact for all three formats) and issues a wgmma with it as the register operand A and
-the x tile (a transposed shared-memory view) as B, accumulating in float32.
+and x's rows, padded to Mp in {16, 32, 64, 128}, its N side. w [N, K]: each
+step a compute warpgroup converts its w tile from shared memory to bf16 in
+registers (exact for all formats; int4 per K chunk of ``k_chunk``) and
+issues a wgmma with it as the register operand A and the x tile (a
+transposed shared-memory view) as B, accumulating in float32.
 w [K, N]: the w tile is [tile_k, 128] (N minor), and a register operand
 would need it transposed; instead each compute warpgroup converts 64-row
 K chunks of its 64 columns into a bf16 shared-memory buffer (two per
 warpgroup, so converting one chunk overlaps the wgmma of the previous)
 and issues the wgmma with that buffer, transposed, as A from shared
-memory.
+memory. Group scale and zero rows ([G, N] float32 tables) are read from
+global memory, one 64-value row piece per chunk.
 
 One CTA per (column tile of 128 output channels, K piece). A memory
 warpgroup streams w and x tiles with TMA into a ring of ``stages`` slots
@@ -52,11 +59,13 @@ ROWS_PER_WG = 64  # one wgmma M tile of w rows per compute warpgroup
 COMPUTE_WGS = 2
 ROWS = ROWS_PER_WG * COMPUTE_WGS  # w rows (output channels) per CTA
 MAX_M = 256
+INT4 = jnp.dtype(jnp.int4)
 WEIGHT_DTYPES = tuple(jnp.dtype(d) for d in (
-    jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2))
+    jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int4))
 PAIR_MIN_MP = 128  # x tiles multicast to CTA pairs from this padded M on
 SMEM_BYTES = 227 * 1024
 KN_CHUNK = 64  # w [K, N]: K rows per bf16 conversion buffer (tile_k's unit)
+GROUP_UNIT = 64  # group sizes are multiples of the smallest K chunk
 _NEEDED_API = _mosaic_gpu.MATMUL_API
 
 
@@ -68,18 +77,23 @@ def api_missing() -> str | None:
 interpret_params = _mosaic_gpu.interpret_params
 
 
+def w_bits(w_dtype) -> int:
+  return 4 if jnp.dtype(w_dtype) == INT4 else 8
+
+
 @dataclasses.dataclass(frozen=True)
 class MgpuBlockSizes:
   """``tile_k`` (K per ring slot, a multiple of 64) and ``stages`` (ring
-  depth >= 2), None: DEFAULT_TILES by padded M; the K split aims at
+  depth >= 2), None: the default tables by padded M; the K split aims at
   ``target_ctas`` CTAs (one per SM) with at most ``max_split`` pieces."""
   tile_k: int | None = None
   stages: int | None = None
   target_ctas: int = 132
   max_split: int = 8
 
-  def resolved(self, m: int, w_layout: str = "nk") -> "MgpuBlockSizes":
-    table = DEFAULT_TILES_KN if w_layout == "kn" else DEFAULT_TILES
+  def resolved(self, m: int, w_layout: str = "nk",
+               bits: int = 8) -> "MgpuBlockSizes":
+    table = TILES[bits, w_layout]
     tile_k, stages = table[padded_m(min(max(m, 1), MAX_M))]
     return dataclasses.replace(self, tile_k=self.tile_k or tile_k,
                                stages=self.stages or stages).check()
@@ -95,13 +109,20 @@ class MgpuBlockSizes:
     return self
 
 
-# Padded M -> (tile_k, stages): the ring (stages x tile_k x (128 w rows +
-# 2 Mp x bytes)) and the epilogue tile fit the H100's 227 KiB of SMEM.
-DEFAULT_TILES = {16: (256, 4), 32: (256, 4), 64: (256, 2), 128: (128, 4),
-                 192: (64, 4), 256: (64, 4)}
-# w [K, N]: room for the conversion buffers' 32 KiB.
-DEFAULT_TILES_KN = {16: (256, 3), 32: (256, 3), 64: (128, 4), 128: (128, 3),
-                    192: (64, 4), 256: (64, 4)}
+# (w bits, layout) -> padded M -> (tile_k, stages): the ring (stages x
+# tile_k x (128 w rows x bits / 8 + 2 Mp x bytes)), the epilogue tile and,
+# for w [K, N], the conversion buffers' 32 KiB fit the H100's 227 KiB of
+# SMEM. int4 rows keep about the 8-bit rows' w bytes per slot.
+TILES = {
+    (8, "nk"): {16: (256, 4), 32: (256, 4), 64: (256, 2), 128: (128, 4),
+                192: (64, 4), 256: (64, 4)},
+    (8, "kn"): {16: (256, 3), 32: (256, 3), 64: (128, 4), 128: (128, 3),
+                192: (64, 4), 256: (64, 4)},
+    (4, "nk"): {16: (512, 4), 32: (512, 3), 64: (256, 3), 128: (128, 3),
+                192: (64, 4), 256: (64, 4)},
+    (4, "kn"): {16: (512, 3), 32: (256, 4), 64: (256, 3), 128: (128, 3),
+                192: (64, 4), 256: (64, 4)},
+}
 
 
 def padded_m(m: int) -> int:
@@ -122,6 +143,8 @@ class Plan:
   steps: int     # K steps per CTA
   sizes: MgpuBlockSizes
   cluster: int   # CTAs of adjacent column tiles sharing x tiles
+  group_size: int | None = None
+  tables: int = 0  # group tables streamed with w: 1 scales, 2 and zeros
 
   @property
   def fused(self) -> bool:
@@ -130,8 +153,15 @@ class Plan:
 
 
 def plan(m, k, n, sizes: MgpuBlockSizes | None = None,
-         w_layout: str = "nk") -> Plan:
-  sizes = (sizes or MgpuBlockSizes()).resolved(m, w_layout)
+         w_layout: str = "nk", bits: int = 8, group_size: int | None = None,
+         tables: int = 0) -> Plan:
+  """``group_size`` with ``tables`` (1: scales, 2: and zeros) group tables:
+  tile_k becomes a multiple of the group (the largest <= the table's, at
+  least one group) and the ring loses stages (to 2) until it fits."""
+  sizes = (sizes or MgpuBlockSizes()).resolved(m, w_layout, bits)
+  if group_size is not None and sizes.tile_k % group_size:
+    sizes = dataclasses.replace(
+        sizes, tile_k=max(1, sizes.tile_k // group_size) * group_size)
   mp, np_ = padded_m(m), -(-n // ROWS) * ROWS
   tiles = np_ // ROWS
   k_tiles = -(-k // sizes.tile_k)
@@ -142,8 +172,25 @@ def plan(m, k, n, sizes: MgpuBlockSizes | None = None,
     split *= 2
   steps = -(-k_tiles // split)
   cluster = 2 if mp >= PAIR_MIN_MP and tiles % 2 == 0 else 1
-  return Plan(mp, np_, steps * split * sizes.tile_k, split, steps, sizes,
-              cluster)
+  p = Plan(mp, np_, steps * split * sizes.tile_k, split, steps, sizes,
+           cluster, group_size, tables)
+  while p.sizes.stages > 2 and smem_bytes(p, w_layout, bits) > SMEM_BYTES:
+    p = dataclasses.replace(p, sizes=dataclasses.replace(
+        p.sizes, stages=p.sizes.stages - 1))
+  return p
+
+
+def k_chunk(tile_k: int, w_layout: str, bits: int,
+            group_size: int | None) -> int:
+  """K per conversion (and wgmma): w [K, N] KN_CHUNK rows; w [N, K] 8-bit
+  the whole tile; int4 [N, K] 128 (64 where tile_k or the group is not a
+  multiple of 128), so that a chunk lies in one group."""
+  if w_layout == "kn":
+    return KN_CHUNK
+  if bits == 8 and group_size is None:
+    return tile_k
+  whole = tile_k % 128 == 0 and (group_size is None or group_size % 128 == 0)
+  return 128 if whole else 64
 
 
 def epilogue_cols(mp: int) -> int:
@@ -152,8 +199,11 @@ def epilogue_cols(mp: int) -> int:
   return min(mp, 64)
 
 
-def smem_bytes(p: Plan, w_layout: str = "nk") -> int:
-  ring = p.sizes.stages * p.sizes.tile_k * (ROWS + 2 * p.mp)
+def smem_bytes(p: Plan, w_layout: str = "nk", bits: int = 8) -> int:
+  ring = p.sizes.stages * p.sizes.tile_k * (ROWS * bits // 8 + 2 * p.mp)
+  if p.tables:  # [tile_k // g, 128] float32 per table and slot
+    ring += p.sizes.stages * p.sizes.tile_k // p.group_size * ROWS * 4 * (
+        p.tables)
   out = COMPUTE_WGS * ROWS_PER_WG * epilogue_cols(p.mp) * 4  # epilogue tiles
   if w_layout == "kn":  # two bf16 conversion buffers per warpgroup
     out += COMPUTE_WGS * 2 * KN_CHUNK * ROWS_PER_WG * 2
@@ -167,9 +217,11 @@ def _swizzle(minor_bytes: int) -> int:
   raise ValueError(f"no swizzle for a {minor_bytes}-byte minor dimension")
 
 
-def _transforms(minor: int, itemsize: int):
-  swizzle = _swizzle(minor * itemsize)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)),
+def _transforms(minor: int, bits: int):
+  """Tiling and swizzle of a shared-memory tile whose minor dimension
+  holds ``minor`` elements of ``bits`` bits (one swizzle span per tile)."""
+  swizzle = _swizzle(minor * bits // 8)
+  return (plgpu.TilingTransform((8, swizzle * 8 // bits)),
           plgpu.SwizzleTransform(swizzle))
 
 
@@ -181,7 +233,8 @@ def hardware(target) -> str | None:
   return f"the Mosaic GPU weight-only kernel needs a Hopper GPU (sm_90), found {found}"
 
 
-def supports(x2, w, x_scale=None, *, mode, w_layout, block_sizes=None):
+def supports(x2, w, x_scale=None, *, mode, w_layout, block_sizes=None,
+             group_size=None, w_zero=None):
   """None when ``matmul`` handles this call (on a Hopper GPU), else why not."""
   reason = api_missing()
   if reason:
@@ -192,9 +245,17 @@ def supports(x2, w, x_scale=None, *, mode, w_layout, block_sizes=None):
     return f"the Mosaic GPU weight-only kernel takes w_layout 'nk' or 'kn', got {w_layout!r}"
   if x_scale is not None:
     return "the Mosaic GPU weight-only kernel takes no x_scale"
-  if jnp.dtype(w.dtype) not in WEIGHT_DTYPES:
-    return (f"the Mosaic GPU weight-only kernel takes int8 or float8 w, got "
-            f"{jnp.dtype(w.dtype).name}")
+  w_dtype = jnp.dtype(w.dtype)
+  if w_dtype not in WEIGHT_DTYPES:
+    return (f"the Mosaic GPU weight-only kernel takes int8, int4 or float8 "
+            f"w, got {w_dtype.name}")
+  if group_size is not None and w_dtype != INT4:
+    return "the Mosaic GPU weight-only kernel takes group scales for int4 w only"
+  if group_size is not None and group_size % GROUP_UNIT:
+    return (f"the Mosaic GPU weight-only kernel needs group_size a multiple "
+            f"of {GROUP_UNIT}, got {group_size}")
+  if w_zero is not None and group_size is None:
+    return "the Mosaic GPU weight-only kernel takes w_zero with group scales only"
   if jnp.dtype(x2.dtype) != jnp.dtype(jnp.bfloat16):
     return "the Mosaic GPU weight-only kernel needs bf16 x"
   m, k = x2.shape
@@ -203,21 +264,36 @@ def supports(x2, w, x_scale=None, *, mode, w_layout, block_sizes=None):
   n = w.shape[0 if w_layout == "nk" else 1]
   if min(k, n) == 0:
     return "the Mosaic GPU weight-only kernel needs K, N > 0"
+  bits = w_bits(w_dtype)
   try:
-    p = plan(m, k, n, block_sizes, w_layout)
+    p = plan(m, k, n, block_sizes, w_layout, bits, group_size,
+             0 if group_size is None else 1 + (w_zero is not None))
   except ValueError as e:
     return str(e)
-  if smem_bytes(p, w_layout) > SMEM_BYTES:
+  if smem_bytes(p, w_layout, bits) > SMEM_BYTES:
     return "tile_k x stages do not fit in shared memory"
   return None
 
 
 def to_bf16(w_tile, interpreting: bool):
-  """The 8-bit w tile as bf16 values (exact for all three formats). Hopper
-  converts float8 only to f16 in hardware: float8 goes through float32."""
-  if interpreting or jnp.dtype(w_tile.dtype) == jnp.dtype(jnp.int8):
+  """The w tile as bf16 values (exact for every format). Hopper converts
+  float8 only to f16 in hardware: float8 goes through float32."""
+  dtype = jnp.dtype(w_tile.dtype)
+  if interpreting or dtype in (jnp.dtype(jnp.int8), INT4):
     return w_tile.astype(jnp.bfloat16)
   return w_tile.astype(jnp.float32).astype(jnp.bfloat16)
+
+
+def dequantize(w_tile, scale, zero, interpreting: bool):
+  """bf16 of a w tile: the exact conversion, or with group ``scale`` (and
+  ``zero``) broadcast to the tile ((w - zero) * scale in float32)."""
+  w_bf16 = to_bf16(w_tile, interpreting)
+  if scale is None:
+    return w_bf16
+  wf = w_bf16.astype(jnp.float32)  # small integers: exact
+  if zero is not None:
+    wf = wf - zero
+  return (wf * scale).astype(jnp.bfloat16)
 
 
 def _pad_to(a, shape):
@@ -227,12 +303,17 @@ def _pad_to(a, shape):
   return jnp.pad(a, pads)
 
 
-def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret, kn):
+def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
+                 kn):
   """The kernel: the final [Mp, Np] out_dtype result (``p.fused``), else
   float32 out^T partial sums [split, Np, Mp] (no scale, no bias). ``kn``:
-  w is [K, N]."""
+  w is [K, N]. ``groups``: None, or (group_size, scale [G, N], zero [G, N]
+  | None) float32 tables applied while converting w."""
   tk = p.sizes.tile_k
   chunk = p.steps * tk  # K per CTA
+  bits = w_bits(w.dtype)
+  group_size = groups[0] if groups else None
+  kc = k_chunk(tk, "kn" if kn else "nk", bits, group_size)
   interpreting = bool(interpret)
   cluster = 1 if interpreting else p.cluster
   w = _pad_to(w, (p.kp, p.np_) if kn else (p.np_, p.kp))
@@ -240,17 +321,23 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret, kn):
   # x tiles are the same for every column tile: with a cluster, one TMA
   # load multicasts each to the cluster's CTAs (less L2 traffic).
   x_spec = plgpu.BlockSpec((p.mp, tk), lambda s: (0, s),
-                           transforms=_transforms(tk, 2),
+                           transforms=_transforms(tk, 16),
                            collective_axes=("n_sub",) if cluster > 1 else ())
-  if kn:  # 64-byte swizzle: each warpgroup's 64 columns are whole tiles
+  if kn:  # each warpgroup's 64 columns are whole swizzle tiles
     w_spec = plgpu.BlockSpec((tk, ROWS), lambda s: (s, 0),
-                             transforms=(plgpu.TilingTransform((8, 64)),
-                                         plgpu.SwizzleTransform(64)))
+                             transforms=_transforms(ROWS_PER_WG, bits))
     converted = plgpu.SMEM((COMPUTE_WGS, 2, KN_CHUNK, ROWS_PER_WG),
-                           jnp.bfloat16, transforms=_transforms(ROWS_PER_WG, 2))
-  else:
+                           jnp.bfloat16,
+                           transforms=_transforms(ROWS_PER_WG, 16))
+  else:  # each K chunk is whole swizzle tiles
     w_spec = plgpu.BlockSpec((ROWS, tk), lambda s: (0, s),
-                             transforms=_transforms(tk, 1))
+                             transforms=_transforms(kc, bits))
+  tables, table_specs = [], []  # group scale (and zero) [G, Np] float32
+  if groups:  # streamed with w: [tk // g, 128] per step
+    tables = [_pad_to(t, (p.kp // group_size, p.np_))
+              for t in groups[1:] if t is not None]
+    table_specs = [plgpu.BlockSpec((tk // group_size, ROWS),
+                                   lambda s: (s, 0))] * len(tables)
   cols = epilogue_cols(p.mp)  # accumulator columns per epilogue store
   vectors, is_scale = [], []  # fused: w_scale and/or bias, [Np] float32
   if p.fused:
@@ -264,12 +351,14 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret, kn):
 
   def kernel(w_gmem, x_gmem, *refs):
     *vector_refs, out_gmem = refs
+    table_gmems = vector_refs[:len(tables)]
+    vector_refs = vector_refs[len(tables):]
     scratch = (staging, converted) if kn else (staging,)
-    pl.run_scoped(functools.partial(scoped, w_gmem, x_gmem, vector_refs,
-                                    out_gmem),
+    pl.run_scoped(functools.partial(scoped, w_gmem, x_gmem, table_gmems,
+                                    vector_refs, out_gmem),
                   *scratch, collective_axes="wg")
 
-  def scoped(w_gmem, x_gmem, vector_refs, out_gmem, out_smem,
+  def scoped(w_gmem, x_gmem, table_gmems, vector_refs, out_gmem, out_smem,
              converted_smem=None):
     tile = lax.axis_index("n_tiles")
     if cluster > 1:
@@ -279,35 +368,65 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret, kn):
     k_slice = pl.ds(part * chunk, chunk)
     row0 = tile * ROWS + wg * ROWS_PER_WG
 
-    def body_kn(_, w_smem, x_smem, acc):
+    def group_tables(table_refs, c, shape, channel_dim):
+      """The (scale, zero) of the group holding chunk ``c`` of this step
+      (row c * kc // g of the step's [tk // g, 128] table tiles), for this
+      warpgroup's 64 output channels, broadcast to the chunk ``shape``
+      along its output-channel dimension; (None, None) without groups."""
+      if not table_refs:
+        return None, None
+      index = (c * kc // group_size,
+               pl.ds(pl.multiple_of(wg * ROWS_PER_WG, ROWS_PER_WG),
+                     ROWS_PER_WG))
+      layout = (plgpu.Layout.WGMMA.reduce(1) if channel_dim == 0 else None)
+      out = []
+      for ref in table_refs:
+        v = (ref[index] if interpreting else _compat.mosaic_gpu_load(
+            ref, index, layout=layout, optimized=False))
+        out.append(lax.broadcast_in_dim(v, shape, (channel_dim,)))
+      return out[0], (out[1] if len(out) > 1 else None)
+
+    def body_kn(_, w_smem, x_smem, *rest):
       """w_smem [tk, 128]: this warpgroup's 64 columns, KN_CHUNK K rows
       at a time, through its two bf16 buffers."""
+      *table_refs, acc = rest
       cols = pl.ds(pl.multiple_of(wg * ROWS_PER_WG, ROWS_PER_WG),
                    ROWS_PER_WG)
-      if interpreting:  # no transposed views there: transpose the values
-        w_tile = to_bf16(w_smem[:, cols], interpreting)
-        return acc + jnp.dot(w_tile.T, x_smem[...].T,
-                             preferred_element_type=jnp.float32)
       for c in range(tk // KN_CHUNK):
         rows = pl.ds(c * KN_CHUNK, KN_CHUNK)
+        scale, zero = group_tables(table_refs, c, (KN_CHUNK, ROWS_PER_WG),
+                                   1)
+        w_tile = dequantize(w_smem[rows, cols], scale, zero, interpreting)
+        if interpreting:  # no transposed views there: transpose the values
+          acc = acc + jnp.dot(w_tile.T, x_smem[:, rows].T,
+                              preferred_element_type=jnp.float32)
+          continue
         buffer = converted_smem.at[wg, c % 2]
         if c >= 2:  # the wgmma that read this buffer two chunks ago
           plgpu.wgmma_wait(1)
-        buffer[...] = to_bf16(w_smem[rows, cols], interpreting)
+        buffer[...] = w_tile
         plgpu.commit_smem()
         plgpu.wgmma(acc, plgpu.transpose_ref(buffer, (1, 0)),
                     plgpu.transpose_ref(x_smem.at[:, rows], (1, 0)))
-      plgpu.wgmma_wait(0)  # the slot is released when the body returns
+      if not interpreting:
+        plgpu.wgmma_wait(0)  # the slot is released when the body returns
       return acc
 
-    def body(_, w_smem, x_smem, acc):
-      w_tile = to_bf16(w_smem[pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)],
-                       interpreting)
-      if interpreting:  # no transposed views there: transpose the value
-        return acc + jnp.dot(w_tile, x_smem[...].T,
-                             preferred_element_type=jnp.float32)
-      plgpu.wgmma(acc, w_tile, plgpu.transpose_ref(x_smem, (1, 0)))
-      plgpu.wgmma_wait(0)  # the slot is released when the body returns
+    def body(_, w_smem, x_smem, *rest):
+      *table_refs, acc = rest
+      rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
+      for c in range(tk // kc):
+        ks = pl.ds(c * kc, kc)
+        scale, zero = group_tables(table_refs, c, (ROWS_PER_WG, kc), 0)
+        w_tile = dequantize(w_smem[rows, ks], scale, zero, interpreting)
+        if interpreting:  # no transposed views there: transpose the value
+          acc = acc + jnp.dot(w_tile, x_smem[:, ks].T,
+                              preferred_element_type=jnp.float32)
+        else:
+          plgpu.wgmma(acc, w_tile,
+                      plgpu.transpose_ref(x_smem.at[:, ks], (1, 0)))
+      if not interpreting:
+        plgpu.wgmma_wait(0)  # the slot is released when the body returns
       return acc
 
     def epilogue(acc):
@@ -359,11 +478,15 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret, kn):
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body_kn if kn else body, grid=(p.steps,), memory_registers=40,
-        in_specs=[w_spec, x_spec], wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
+        in_specs=[w_spec, x_spec, *table_specs], wg_axis="wg",
+        num_compute_wgs=COMPUTE_WGS,
         max_concurrent_steps=p.sizes.stages, compute_context=compute_context)
     w_block = ((k_slice, pl.ds(tile * ROWS, ROWS)) if kn
                else (pl.ds(tile * ROWS, ROWS), k_slice))
-    pipeline(w_gmem.at[w_block], x_gmem.at[:, k_slice])
+    groups_per_cta = chunk // group_size if tables else 0
+    table_blocks = [t.at[pl.ds(part * groups_per_cta, groups_per_cta),
+                         pl.ds(tile * ROWS, ROWS)] for t in table_gmems]
+    pipeline(w_gmem.at[w_block], x_gmem.at[:, k_slice], *table_blocks)
 
   kwargs = {}
   if interpret:
@@ -384,20 +507,23 @@ def _kernel_call(x2, w, w_scale, bias, p: Plan, out_dtype, interpret, kn):
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       **kwargs,
-  )(w, x, *vectors)
+  )(w, x, *tables, *vectors)
 
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
-           block_sizes=None, interpret=False):
-  """Weight-only x2 [M, K] bf16 @ w (8-bit, [N, K] or [K, N] by
-  ``w_layout``) -> [M, N] out_dtype.
+           block_sizes=None, group_size=None, w_zero=None, interpret=False):
+  """Weight-only x2 [M, K] bf16 @ w ([N, K] or [K, N] by ``w_layout``) ->
+  [M, N] out_dtype. ``w_scale``: [1, N] per channel, or with ``group_size``
+  (int4 w) [K // g, N], as is ``w_zero`` (float32 tables, as
+  ``quant.operands`` normalizes them).
 
   Same contract as ``triton.matmul``; call only where ``supports`` is None.
   ``interpret``: False on a GPU, an ``InterpretGPUParams`` (or True) to run
   in the Mosaic GPU interpreter.
   """
   why = supports(x2, w, x_scale, mode=mode, w_layout=w_layout,
-                 block_sizes=block_sizes)
+                 block_sizes=block_sizes, group_size=group_size,
+                 w_zero=w_zero)
   if why is not None:
     raise ValueError(f"mosaic_gpu.matmul (weight-only): unsupported call: {why}")
   if interpret is True:
@@ -405,11 +531,18 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
   m, k = x2.shape
   kn = w_layout == "kn"
   n = w.shape[1 if kn else 0]
-  p = plan(m, k, n, block_sizes, w_layout)
+  p = plan(m, k, n, block_sizes, w_layout, w_bits(w.dtype), group_size,
+           0 if group_size is None else 1 + (w_zero is not None))
+  groups = None
+  if group_size is not None:
+    groups = (group_size, w_scale.astype(jnp.float32),
+              None if w_zero is None else w_zero.astype(jnp.float32))
+    w_scale = None
   if p.fused:
-    out = _kernel_call(x2, w, w_scale, bias, p, jnp.dtype(out_dtype),
+    out = _kernel_call(x2, w, w_scale, bias, groups, p, jnp.dtype(out_dtype),
                        interpret, kn)
     return out if out.shape == (m, n) else out[:m, :n]
-  parts = _kernel_call(x2, w, None, None, p, jnp.float32, interpret, kn)
+  parts = _kernel_call(x2, w, None, None, groups, p, jnp.float32, interpret,
+                       kn)
   acc = parts.sum(axis=0)[:n, :m].T
   return quant.epilogue(acc, None, w_scale, bias, out_dtype)

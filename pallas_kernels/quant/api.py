@@ -30,8 +30,10 @@ K must be a multiple of group_size (ValueError otherwise). Empty inputs give
 empty (or bias-only) outputs. Not differentiable in w; train through
 ``pallas_kernels.nn.quantized_dense``.
 
-Kernels (``backend=``): "mosaic_tpu", "mosaic_gpu" (Hopper; weight-only,
-per-channel int8/fp8 w in either layout, bf16 x; and 8-bit x times 8-bit w without
+Kernels (``backend=``): "mosaic_tpu", "mosaic_gpu" (Hopper; weight-only
+with bf16 x, w in either layout: per-channel int8/fp8/int4 w, and int4 w
+with group scales (and zeros) for group sizes that are multiples of 64; and
+8-bit x times 8-bit w without
 group_size, dequant, raw and dynamic modes, whose fp8 sums use the tensor
 cores' narrower adds: ``quant.mosaic_gpu``), "triton" (NVIDIA GPUs),
 "reference"; int8 x int8 modes without group_size and per-channel int8
@@ -236,9 +238,12 @@ def _kernels(call, user_blocks, generation):
   product = call.mode != "weight_only"  # 8-bit x (or x quantized) times w
 
   def mgpu(x2, w_, xs, ws, wz, b, interpret=None):
-    kernel = mosaic_gpu if product else int8_mosaic_gpu
-    return kernel.matmul(x2, w_, xs, ws, b, **int8_static,
-                         interpret=interpret or False)
+    if product:
+      return mosaic_gpu.matmul(x2, w_, xs, ws, b, **int8_static,
+                               interpret=interpret or False)
+    return int8_mosaic_gpu.matmul(x2, w_, xs, ws, b, **int8_static,
+                                  group_size=call.group_size, w_zero=wz,
+                                  interpret=interpret or False)
 
   def mgpu_supports():
     if product:
@@ -248,10 +253,10 @@ def _kernels(call, user_blocks, generation):
       return mosaic_gpu.auto_refusal(call.operands[0], w, mode=call.mode,
                                      out_dtype=call.out_dtype,
                                      user_blocks=user_blocks)
-    if call.group_size is not None or call.operands[4] is not None:
-      return "the Mosaic GPU weight-only kernel takes per-channel scales only"
     return int8_api.mosaic_gpu_refusal(call.operands[0], w, call.operands[2],
-                                       call.mode, call.w_layout, user_blocks)
+                                       call.mode, call.w_layout, user_blocks,
+                                       group_size=call.group_size,
+                                       w_zero=call.operands[4])
 
   def supports(kernel):
     return lambda: (None if int8_path else
