@@ -483,20 +483,10 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
   if sequence_axis is not None:
     axis_size(sequence_axis)
     from pallas_kernels.attention import ring
-    sinks = kwargs.pop("sinks", None)
-    return_lse = kwargs.pop("return_lse", False)
-    if sinks is not None:
-      sinks = _check_sinks(sinks, q.shape[1])
-    result = ring.shard_ring_attention(
+    return ring.shard_ring_attention(
         mesh, q, k, v, batch_axis=batch_axis, head_axis=head_axis,
         sequence_axis=sequence_axis, sequence_layout=sequence_layout,
-        segment_ids=segment_ids, bias=bias,
-        return_lse=return_lse or sinks is not None, **kwargs)
-    if sinks is None:
-      return result
-    # The sink joins the merged softmax once, on the ring's (out, lse).
-    out, lse = _reference.with_sinks(*result, sinks)
-    return (out, lse) if return_lse else out
+        segment_ids=segment_ids, bias=bias, **kwargs)
   sinks = kwargs.pop("sinks", None)
   return_lse = kwargs.get("return_lse", False)
   qkv_spec = P(batch_axis, head_axis, None, None)
