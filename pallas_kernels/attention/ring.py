@@ -32,8 +32,30 @@ the blocks it empties), and each step switches on the device's entry. The
 ring ends after the last step with a live pair anywhere; contiguous inputs
 move to zig-zag order when that balances the work.
 
+``q_len != kv_len``: q is split along its length and K/V along theirs over
+the same ``N`` devices (each divisible by ``N``; in zig-zag order each is
+cut into its own ``2N`` chunks), and K/V travel as above. Positions follow
+``flash_attention``: ends aligned, query ``i`` at ``i + kv_len - q_len``.
+Causal attention (and any window or mask) then goes through the plan:
+each pair's placed mask carries the global positions of its pieces, so
+the schedule is correct for any lengths, and zig-zag order balances causal
+prefill against a longer cache exactly (every device the same live
+blocks); the price is O(N) distinct kernels, one per place of the diagonal
+in a pair.
+
+``bias [B or 1, H or 1, q_len, kv_len]`` is split along its rows with the
+queries; each device holds every key column of its rows, and each step
+slices the visiting slice's columns locally (two chunks when contiguous
+inputs moved to zig-zag order; rows then move with the queries). So the
+bias never travels around the ring and a device holds ``1/N`` of it, as
+little as any split of it can; its gradient is written in place, column
+block by column block. ``sinks`` join only the final softmax: they are
+applied once, to the merged (out, lse), as ``flash_attention`` applies
+them after its kernel.
+
 The backward is a ring too (custom VJP; its residuals are q, the local k, v,
-segment ids and the final out and lse, never the visiting slices). The K/V
+segment ids, bias rows and the final out and lse, never the visiting
+slices). The K/V
 slice travels again, followed by float32 dK/dV accumulators; each step runs
 the flash backward kernel with the *final* (out, lse), so its
 ``P = exp(s - lse)`` is the global softmax restricted to the block and its
