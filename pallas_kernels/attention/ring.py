@@ -55,12 +55,12 @@ them after its kernel.
 
 The backward is a ring too (custom VJP; its residuals are q, the local k, v,
 segment ids, bias rows and the final out and lse, never the visiting
-slices). The K/V
-slice travels again, followed by float32 dK/dV accumulators; each step runs
-the flash backward kernel with the *final* (out, lse), so its
-``P = exp(s - lse)`` is the global softmax restricted to the block and its
-``dS = P (dP - D)`` terms add up to the full gradient. After ``N`` steps the
-accumulators are back on the device that owns the slice.
+slices). The K/V slice travels again, followed by float32 dK/dV
+accumulators; each step runs the flash backward kernel with the *final*
+(out, lse), so its ``P = exp(s - lse)`` is the global softmax restricted to
+the block and its ``dS = P (dP - D)`` terms add up to the full gradient.
+After ``N`` steps the accumulators are back on the device that owns the
+slice.
 """
 from __future__ import annotations
 
