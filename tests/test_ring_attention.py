@@ -162,6 +162,7 @@ CASES = {
     # cache, and more queries than keys (early queries see no key).
     "prefill_causal_bias_4": Case((1, 4), True, 16, kv_length=64,
                                   bias=(1, 4), segments=True),
+    "prefill_causal_4": Case((1, 4), True, 8, kv_length=16),
     "prefill_full_8": Case((1, 8), False, 16, kv_length=40, kv_heads=4),
     "prefill_window_zigzag_8": Case((1, 8), True, 32, kv_length=64,
                                     window=20, layout="zigzag"),
@@ -335,11 +336,12 @@ def test_ring_matches_oracle_reference(name, rng):
 
 
 @pytest.mark.parametrize("name", ["causal_gqa_segments_4",
-                                  "prefill_causal_bias_4"] + [
+                                  "bias_causal_zigzag_sinks_4",
+                                  "prefill_causal_4"] + [
     pytest.param(n, marks=pytest.mark.slow)
     for n in ("causal_batch_x_seq", "causal_bf16_4", "full_softcap_8",
               "window_causal_segments_4", "combined_causal_zigzag_8",
-              "per_head_segments_4", "bias_causal_zigzag_sinks_4",
+              "per_head_segments_4", "prefill_causal_bias_4",
               "sinks_mask_bias_batch_x_seq", "prefill_window_zigzag_8",
               "prefill_dense_heads_x_seq", "more_queries_causal_8",
               "prefill_bf16_4")])
