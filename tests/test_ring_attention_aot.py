@@ -107,12 +107,16 @@ def test_masked_ring_compiles_with_permutes_not_gathers(layout, kwargs,
     assert _kernel_runs_during_a_permute(hlo)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal, layout", [
+    (False, "contiguous"),
+    # Causal: about a dozen distinct kernels (pairs cut by the diagonal).
+    pytest.param(True, "contiguous", marks=pytest.mark.slow),
+    pytest.param(True, "zigzag", marks=pytest.mark.slow)])
 def test_prefill_ring_with_bias_compiles_with_permutes_not_gathers(
-    layout, tpu_topologies):
-  """Chunked prefill (2048 queries against 8192 keys, causal, ends aligned)
-  with a bias: the bias is sliced per step on its chip, never gathered."""
-  hlo = _compile(True, layout, kv_length=8192, bias=True)
+    causal, layout, tpu_topologies):
+  """Chunked prefill (2048 queries against 8192 keys, ends aligned) with a
+  bias: the bias is sliced per step on its chip, never gathered."""
+  hlo = _compile(causal, layout, kv_length=8192, bias=True)
   assert 'custom_call_target="tpu_custom_call"' in hlo
   assert "all-gather" not in hlo and "all-to-all" not in hlo
   assert re.findall(r"collective-permute(?:-start)?\(", hlo), "K/V never moved"
