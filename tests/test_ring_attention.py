@@ -319,14 +319,7 @@ def _check(case, backend, rng):
 
 
 def _reference_params():
-  old_cpu_bf16 = pytest.mark.xfail(
-      _compat.JAX_VERSION < (0, 8, 0) and jax.default_backend() == "cpu",
-      raises=Exception, strict=True,
-      reason="jax 0.7's XLA CPU cannot run a bfloat16 x bfloat16 -> float32 "
-      "dot inside a loop or cond (the plain-JAX reference there; kernels "
-      "are fine)")
-  return [pytest.param(n, marks=([old_cpu_bf16] if "bf16" in n else [])
-                       + ([] if n in FAST else [pytest.mark.slow]))
+  return [pytest.param(n, marks=[] if n in FAST else [pytest.mark.slow])
           for n in sorted(CASES)]
 
 
