@@ -2,7 +2,9 @@
 topology (no TPU): forward and backward over a ("data", "seq") mesh of 2 x 4
 run the Mosaic kernels and move K/V with collective-permutes, never an
 all-gather of K/V; each chip's arguments are its shard only. Also with a
-sliding window (the ring stops after one step) and a chunked-causal mask.
+sliding window (the ring stops after one step), a chunked-causal mask, and
+chunked prefill (q_len < kv_len) with a bias split along its query rows
+(never gathered: each chip's arguments stay its shard).
 """
 from __future__ import annotations
 
@@ -21,33 +23,47 @@ pytestmark = pytest.mark.tpu_aot
 TOPOLOGY = "v5e:2x4"
 
 
-def _compile(causal, layout, **kwargs):
+def _compile(causal, layout, kv_length=None, bias=False, **kwargs):
+  """HLO of the ring's forward and backward on the 2 x 4 mesh; with
+  ``bias`` a ``[1, h, Lq, Lk]`` bias too (split along its rows over
+  "seq", replicated over "data"), differentiated as well."""
   if TOPOLOGY not in tpu_aot.available_topologies([TOPOLOGY]):
     pytest.skip(f"libtpu lacks {TOPOLOGY}")
   mesh = tpu_aot.topology_mesh(TOPOLOGY, ("data", "seq"), (2, 4))
   b, h, hk, length, d = 2, 8, 2, 2048, 128
+  kv_len = length if kv_length is None else kv_length
   qkv = NamedSharding(mesh, P("data", None, "seq", None))
   seg = NamedSharding(mesh, P("data", "seq"))
   specs = [jax.ShapeDtypeStruct((b, h, length, d), jnp.bfloat16, sharding=qkv),
-           jax.ShapeDtypeStruct((b, hk, length, d), jnp.bfloat16, sharding=qkv),
-           jax.ShapeDtypeStruct((b, hk, length, d), jnp.bfloat16, sharding=qkv),
-           jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=seg)]
+           jax.ShapeDtypeStruct((b, hk, kv_len, d), jnp.bfloat16, sharding=qkv),
+           jax.ShapeDtypeStruct((b, hk, kv_len, d), jnp.bfloat16, sharding=qkv),
+           jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=seg),
+           jax.ShapeDtypeStruct((b, kv_len), jnp.int32, sharding=seg)]
+  if bias:
+    specs.append(jax.ShapeDtypeStruct(
+        (1, h, length, kv_len), jnp.bfloat16,
+        sharding=NamedSharding(mesh, P(None, None, "seq", None))))
 
-  def fn(q, k, v, ids):
-    def loss(q, k, v):
+  def fn(q, k, v, q_ids, kv_ids, *bias):
+    def loss(q, k, v, *bias):
       out = shard_flash_attention(
           mesh, q, k, v, batch_axis="data", head_axis=None,
           sequence_axis="seq", sequence_layout=layout, causal=causal,
-          segment_ids=(ids, ids), **kwargs)
+          segment_ids=(q_ids, kv_ids), bias=bias[0] if bias else None,
+          **kwargs)
       return jnp.sum(out.astype(jnp.float32))
-    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return jax.value_and_grad(loss, argnums=tuple(range(3 + len(bias))))(
+        q, k, v, *bias)
 
   with tpu_aot._captured_stderr(), _compat.mosaic_version_for_aot(), \
       _backend.target_override(tpu_generation="v5e"):
     compiled = jax.jit(fn).lower(*specs).compile()
-  # Each chip holds an eighth of q, k, v (bfloat16) and the int32 ids.
-  local = ((b * h * length * d + 2 * b * hk * length * d) * 2
-           + b * length * 4) // 8
+  # Each chip holds an eighth of q, k, v (bfloat16) and the int32 ids, and
+  # a quarter of the bias (its rows).
+  local = ((b * h * length * d + 2 * b * hk * kv_len * d) * 2
+           + b * (length + kv_len) * 4) // 8
+  if bias:
+    local += h * length * kv_len * 2 // 4
   assert compiled.memory_analysis().argument_size_in_bytes == local, (
       compiled.memory_analysis().argument_size_in_bytes, local)
   return compiled.as_text()
@@ -89,6 +105,22 @@ def test_masked_ring_compiles_with_permutes_not_gathers(layout, kwargs,
     assert "while" not in hlo.split("ENTRY")[1]
   else:
     assert _kernel_runs_during_a_permute(hlo)
+
+
+@pytest.mark.parametrize("causal, layout", [
+    (False, "contiguous"),
+    # Causal: about a dozen distinct kernels (pairs cut by the diagonal).
+    pytest.param(True, "contiguous", marks=pytest.mark.slow),
+    pytest.param(True, "zigzag", marks=pytest.mark.slow)])
+def test_prefill_ring_with_bias_compiles_with_permutes_not_gathers(
+    causal, layout, tpu_topologies):
+  """Chunked prefill (2048 queries against 8192 keys, ends aligned) with a
+  bias: the bias is sliced per step on its chip, never gathered."""
+  hlo = _compile(causal, layout, kv_length=8192, bias=True)
+  assert 'custom_call_target="tpu_custom_call"' in hlo
+  assert "all-gather" not in hlo and "all-to-all" not in hlo
+  assert re.findall(r"collective-permute(?:-start)?\(", hlo), "K/V never moved"
+  assert _kernel_runs_during_a_permute(hlo)
 
 
 def _computations(hlo):

@@ -433,18 +433,23 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
   ``flash_attention``.
 
   ``sequence_axis`` (context parallelism) also splits q/k/v and the segment
-  ids along the sequence over that mesh axis and runs ring attention
+  ids along their lengths over that mesh axis and runs ring attention
   (``pallas_kernels.attention.ring``): K/V slices travel around the axis'
-  devices, forward and backward. It needs ``q_len == kv_len`` divisible by
-  the axis size (causal, or a mask on zig-zag inputs: twice the axis size)
-  and takes no bias. Sliding windows, segment ids and static masks apply at
-  global positions: each step's (query slice, key slice) pair gets its part
-  of the mask, and pairs it empties are skipped (sinks join the merged
-  result). ``sequence_layout="contiguous"`` (default) takes plain sequence
-  slices; causal attention (and masks whose work it balances) then moves
-  them to the load-balanced zig-zag order and back inside the op.
-  ``"zigzag"`` takes tensors already in that order
-  (``ring.zigzag_order``), saving those moves.
+  devices, forward and backward. ``q_len`` and ``kv_len`` may differ (ends
+  aligned, as without sharding: e.g. chunked prefill against a longer
+  cache); each must be divisible by the axis size (causal attention of
+  equal lengths, or a window/mask/unequal causal on zig-zag inputs: twice
+  the axis size). A ``bias`` is split along its query rows (each device
+  holds every key column of its rows; the bias never travels). Sliding
+  windows, segment ids and static masks apply at global positions: each
+  step's (query slice, key slice) pair gets its part of the mask, and
+  pairs it empties are skipped; sinks join the merged result once.
+  ``sequence_layout="contiguous"`` (default) takes plain sequence slices;
+  causal attention (and masks whose work it balances) then moves them to
+  the load-balanced zig-zag order and back inside the op. ``"zigzag"``
+  takes tensors already in that order (``ring.zigzag_order(q_len, N)`` for
+  q and ``ring.zigzag_order(kv_len, N)`` for k/v; a bias permuted along both
+  axes), saving those moves.
 
   Example::
 
@@ -479,20 +484,10 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
   if sequence_axis is not None:
     axis_size(sequence_axis)
     from pallas_kernels.attention import ring
-    sinks = kwargs.pop("sinks", None)
-    return_lse = kwargs.pop("return_lse", False)
-    if sinks is not None:
-      sinks = _check_sinks(sinks, q.shape[1])
-    result = ring.shard_ring_attention(
+    return ring.shard_ring_attention(
         mesh, q, k, v, batch_axis=batch_axis, head_axis=head_axis,
         sequence_axis=sequence_axis, sequence_layout=sequence_layout,
-        segment_ids=segment_ids, bias=bias,
-        return_lse=return_lse or sinks is not None, **kwargs)
-    if sinks is None:
-      return result
-    # The sink joins the merged softmax once, on the ring's (out, lse).
-    out, lse = _reference.with_sinks(*result, sinks)
-    return (out, lse) if return_lse else out
+        segment_ids=segment_ids, bias=bias, **kwargs)
   sinks = kwargs.pop("sinks", None)
   return_lse = kwargs.get("return_lse", False)
   qkv_spec = P(batch_axis, head_axis, None, None)

@@ -278,20 +278,30 @@ def _global_pieces(lo, hi, starts, piece):
 
 @dataclasses.dataclass(frozen=True)
 class Placed(Mask):
-  """A formula mask evaluated at global positions of an equal-length block
-  pair cut out of a longer call: local query (key) index ``x`` lies in
-  piece ``x // piece`` (the last piece runs on), at global position
-  ``q_starts[x // piece] + x % piece`` (``kv_starts`` for keys). Ring
-  attention gives each (query shard, key shard) pair its ``Placed`` mask.
-  Use :func:`place`, which also slices ``Dense`` masks. Equality is by
-  ``key``: per (query piece, key piece), empty (0), full (2) or the pieces'
-  starts moved by a multiple of ``shift_period`` (equal keys: equal
-  masks)."""
+  """A formula mask evaluated at global positions of a block pair cut out of
+  a longer call. Local query index ``x`` lies in piece ``x // q_piece`` (the
+  last piece runs on), at global position ``q_starts[x // q_piece] + x %
+  q_piece``; keys likewise with ``kv_starts``/``kv_piece``. The block is
+  its own call of ``len(q_starts) * q_piece`` queries and ``len(kv_starts) *
+  kv_piece`` keys, whose query positions (ends aligned) are ``x +
+  local_offset``; ``allowed`` and ``block_bounds`` take those and undo the
+  offset. Ring attention gives each (query shard, key shard) pair its
+  ``Placed`` mask. Use :func:`place`, which also slices ``Dense`` masks.
+  Equality is by ``key``: per (query piece, key piece), empty (0), full (2)
+  or the pieces' starts moved by a multiple of ``shift_period`` (equal
+  keys and pieces: equal masks)."""
   base: Mask
   q_starts: tuple[int, ...] = dataclasses.field(compare=False)
   kv_starts: tuple[int, ...] = dataclasses.field(compare=False)
-  piece: int
+  q_piece: int
+  kv_piece: int
   key: tuple
+
+  @property
+  def local_offset(self) -> int:
+    """The block's own kv_len - q_len (its query positions' offset)."""
+    return len(self.kv_starts) * self.kv_piece - len(self.q_starts) * (
+        self.q_piece)
 
   @staticmethod
   def _to_global(x, starts, piece):
@@ -302,15 +312,17 @@ class Placed(Mask):
 
   def allowed(self, pos, col):
     return self.base.allowed(
-        self._to_global(pos, self.q_starts, self.piece),
-        self._to_global(col, self.kv_starts, self.piece))
+        self._to_global(pos - self.local_offset, self.q_starts, self.q_piece),
+        self._to_global(col, self.kv_starts, self.kv_piece))
 
   def block_bounds(self, pos_lo, pos_hi, col_lo, col_hi):
     some, every = np.bool_(False), np.bool_(True)
-    for q_meets, p_lo, p_hi in _global_pieces(pos_lo, pos_hi, self.q_starts,
-                                              self.piece):
+    rows = (pos_lo - self.local_offset, pos_hi - self.local_offset)
+    for q_meets, p_lo, p_hi in _global_pieces(*rows, self.q_starts,
+                                              self.q_piece):
       for kv_meets, c_lo, c_hi in _global_pieces(col_lo, col_hi,
-                                                 self.kv_starts, self.piece):
+                                                 self.kv_starts,
+                                                 self.kv_piece):
         live = q_meets & kv_meets
         some_p, every_p = self.base.block_bounds(p_lo, p_hi, c_lo, c_hi)
         some = some | (live & some_p)
@@ -329,35 +341,47 @@ def shift_period(mask: Mask) -> int | None:
   return None
 
 
-def place(mask: Mask, q_starts, kv_starts, piece: int) -> Mask:
-  """``mask`` (of a call of equal lengths) at the positions of a block pair
-  whose queries and keys are the pieces of ``piece`` positions starting at
-  ``q_starts`` and ``kv_starts`` (see :class:`Placed`). ``Dense`` masks are
-  sliced; a leaf that repeats under shifts (:func:`shift_period`) is moved
-  to its smallest equivalent starts, so equal blocks get equal masks."""
+def place(mask: Mask, q_starts, kv_starts, q_piece: int,
+          kv_piece: int | None = None, offset: int = 0) -> Mask:
+  """``mask`` (of a call whose query positions are its query indices plus
+  ``offset``, i.e. kv_len - q_len) at a block pair whose queries are the
+  pieces of ``q_piece`` indices starting at ``q_starts`` and whose keys are
+  the pieces of ``kv_piece`` (default ``q_piece``) starting at
+  ``kv_starts`` (see :class:`Placed`). ``Dense`` masks are sliced; a leaf
+  that repeats under shifts (:func:`shift_period`) is moved to its smallest
+  equivalent non-negative starts, so equal blocks get equal masks."""
+  kv_piece = q_piece if kv_piece is None else kv_piece
   q_starts, kv_starts = tuple(map(int, q_starts)), tuple(map(int, kv_starts))
   if isinstance(mask, Dense):
-    rows = np.concatenate([np.arange(s, s + piece) for s in q_starts])
-    cols = np.concatenate([np.arange(s, s + piece) for s in kv_starts])
+    rows = np.concatenate([np.arange(s, s + q_piece) for s in q_starts])
+    cols = np.concatenate([np.arange(s, s + kv_piece) for s in kv_starts])
     return Dense(mask.array[np.ix_(rows, cols)])
   if isinstance(mask, _Combined):
-    return type(mask)(place(mask.a, q_starts, kv_starts, piece),
-                      place(mask.b, q_starts, kv_starts, piece))
+    return type(mask)(
+        place(mask.a, q_starts, kv_starts, q_piece, kv_piece, offset),
+        place(mask.b, q_starts, kv_starts, q_piece, kv_piece, offset))
   if isinstance(mask, PrefixLM) and min(kv_starts) >= mask.prefix_length:
     mask = Causal()   # no key of the pair lies in the prefix
   period = shift_period(mask)
+  q_positions = tuple(s + offset for s in q_starts)
   key = []
-  for q_start in q_starts:
+  for q_pos in q_positions:
     for kv_start in kv_starts:
-      some, every = mask.block_bounds(q_start, q_start + piece - 1, kv_start,
-                                      kv_start + piece - 1)
-      shift = 0 if period is None else (min(q_start, kv_start) // period
-                                        * period)
+      some, every = mask.block_bounds(q_pos, q_pos + q_piece - 1, kv_start,
+                                      kv_start + kv_piece - 1)
+      # The period holds for non-negative positions only.
+      shift = 0 if period is None else (max(min(q_pos, kv_start), 0)
+                                        // period * period)
       key.append(0 if not some else 2 if every else
-                 (q_start - shift, kv_start - shift))
-  if len(key) == 1 and key[0] == (0, 0):
-    return mask   # the pair sits on the diagonal: the mask as it is
-  return Placed(mask, q_starts, kv_starts, piece, tuple(key))
+                 (q_pos - shift, kv_start - shift))
+  local_offset = len(kv_starts) * kv_piece - len(q_starts) * q_piece
+  if (period is not None and len(key) == 1 and kv_starts[0] % period == 0
+      and q_positions[0] - kv_starts[0] == local_offset):
+    # The pair sits on the (ends-aligned) diagonal of its own block: the
+    # mask as it is. Negative local positions meet only masks whose
+    # causality empties them in both places (``_floordiv``).
+    return mask
+  return Placed(mask, q_positions, kv_starts, q_piece, kv_piece, tuple(key))
 
 
 # --------------------------------------------------- evaluation on a grid --

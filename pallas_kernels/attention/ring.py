@@ -32,13 +32,35 @@ the blocks it empties), and each step switches on the device's entry. The
 ring ends after the last step with a live pair anywhere; contiguous inputs
 move to zig-zag order when that balances the work.
 
+``q_len != kv_len``: q is split along its length and K/V along theirs over
+the same ``N`` devices (each divisible by ``N``; in zig-zag order each is
+cut into its own ``2N`` chunks), and K/V travel as above. Positions follow
+``flash_attention``: ends aligned, query ``i`` at ``i + kv_len - q_len``.
+Causal attention (and any window or mask) then goes through the plan:
+each pair's placed mask carries the global positions of its pieces, so
+the schedule is correct for any lengths, and zig-zag order balances causal
+prefill against a longer cache exactly (every device the same live
+blocks); the price is O(N) distinct kernels, one per place of the diagonal
+in a pair.
+
+``bias [B or 1, H or 1, q_len, kv_len]`` is split along its rows with the
+queries; each device holds every key column of its rows, and each step
+slices the visiting slice's columns locally (two chunks when contiguous
+inputs moved to zig-zag order; rows then move with the queries). So the
+bias never travels around the ring and a device holds ``1/N`` of it, as
+little as any split of it can; its gradient is written in place, column
+block by column block. ``sinks`` join only the final softmax: they are
+applied once, to the merged (out, lse), as ``flash_attention`` applies
+them after its kernel.
+
 The backward is a ring too (custom VJP; its residuals are q, the local k, v,
-segment ids and the final out and lse, never the visiting slices). The K/V
-slice travels again, followed by float32 dK/dV accumulators; each step runs
-the flash backward kernel with the *final* (out, lse), so its
-``P = exp(s - lse)`` is the global softmax restricted to the block and its
-``dS = P (dP - D)`` terms add up to the full gradient. After ``N`` steps the
-accumulators are back on the device that owns the slice.
+segment ids, bias rows and the final out and lse, never the visiting
+slices). The K/V slice travels again, followed by float32 dK/dV
+accumulators; each step runs the flash backward kernel with the *final*
+(out, lse), so its ``P = exp(s - lse)`` is the global softmax restricted to
+the block and its ``dS = P (dP - D)`` terms add up to the full gradient.
+After ``N`` steps the accumulators are back on the device that owns the
+slice.
 """
 from __future__ import annotations
 
@@ -56,11 +78,9 @@ from jax import lax
 from pallas_kernels import _backend, _checks, _compat
 from pallas_kernels.attention import api as _api
 from pallas_kernels.attention import masks as _masks
+from pallas_kernels.attention import reference as _reference
 
 SEQUENCE_LAYOUTS = ("contiguous", "zigzag")
-# flash_attention keywords the ring supports; the others raise.
-_RING_KEYWORDS = ("causal", "sm_scale", "sliding_window", "mask",
-                  "logit_soft_cap", "return_lse", "block_sizes", "backend")
 _HELPER = "shard_flash_attention"
 
 
@@ -76,6 +96,10 @@ class _Ring:
   # The per-pair blocks of a window or static mask (None: plain causal or
   # no mask).
   plan: _Plan | None = None
+  # The local bias rows hold every key column in the order of the slices
+  # (device src's slice: columns src * w ..), else in contiguous order
+  # while the slices are in zig-zag order (chunks src and 2N-1-src).
+  bias_in_slice_order: bool = True
 
   @property
   def unmasked(self):
@@ -109,6 +133,39 @@ class _Ring:
         jax.ShapeDtypeStruct((), jnp.int32), *leaves, ordered=True)
     return lax.optimization_barrier((token, tree))[1]
 
+  def source(self, step):
+    """The device whose K/V slice visits at ``step``."""
+    return (lax.axis_index(self.axis) + (self.size - step)) % self.size
+
+  def _column_pieces(self, columns, step):
+    """(start, width) of the visiting slice's key columns among the local
+    bias rows' ``columns``."""
+    src = self.source(step)
+    width = columns // self.size
+    if self.bias_in_slice_order:
+      return [(src * width, width)]
+    half = width // 2
+    return [(src * half, half), ((2 * self.size - 1 - src) * half, half)]
+
+  def bias_columns(self, bias, step):
+    """The local bias rows' block of the slice visiting at ``step`` (None
+    for no bias): sliced here, so the bias never travels."""
+    if bias is None:
+      return None
+    return jnp.concatenate(
+        [lax.dynamic_slice_in_dim(bias, start, width, 3)
+         for start, width in self._column_pieces(bias.shape[3], step)], 3)
+
+  def put_bias_columns(self, d_bias, step, block):
+    """``d_bias`` with the visiting slice's columns set to ``block``."""
+    done = 0
+    for start, width in self._column_pieces(d_bias.shape[3], step):
+      d_bias = lax.dynamic_update_slice_in_dim(
+          d_bias, lax.slice_in_dim(block, done, done + width, axis=3), start,
+          3)
+      done += width
+    return d_bias
+
   def is_earlier(self, step):
     """Whether the slice visiting at ``step`` (>= 1) comes from a device
     before this one: ``(r - step) mod N < r`` exactly when ``step <= r``."""
@@ -139,37 +196,38 @@ class _Plan:
 
 
 def _starts(r, n, length, zigzag):
-  """(first global position of each piece of device r's slice, piece)."""
+  """(first global index of each piece of device r's slice, piece)."""
   if zigzag:
     piece = length // (2 * n)
     return (r * piece, (2 * n - 1 - r) * piece), piece
   return (r * (length // n),), length // n
 
 
-def _placed(mask, r, src, n, length, zigzag):
+def _placed(mask, r, src, n, q_len, kv_len, zigzag):
   """The mask of device r's queries against device src's keys."""
-  q_starts, piece = _starts(r, n, length, zigzag)
-  kv_starts, _ = _starts(src, n, length, zigzag)
+  q_starts, q_piece = _starts(r, n, q_len, zigzag)
+  kv_starts, kv_piece = _starts(src, n, kv_len, zigzag)
   heads = mask if isinstance(mask, tuple) else (mask,)
-  placed = tuple(_masks.place(m, q_starts, kv_starts, piece) for m in heads)
+  placed = tuple(_masks.place(m, q_starts, kv_starts, q_piece, kv_piece,
+                              offset=kv_len - q_len) for m in heads)
   return placed[0] if all(m == placed[0] for m in placed) else placed
 
 
-def _classes(mask, length, block):
+def _classes(mask, q_len, kv_len, block_q, block_kv):
   """Block classes (0 empty, 1 partial, 2 full) of a mask or per-head tuple
-  of a ``length`` x ``length`` pair at square blocks: [heads, rows, cols]."""
+  of a ``q_len`` x ``kv_len`` pair: [heads, rows, cols]."""
   heads = mask if isinstance(mask, tuple) else (mask,)
-  return np.stack([_masks.block_classes(m, length, length, block, block)
+  return np.stack([_masks.block_classes(m, q_len, kv_len, block_q, block_kv)
                    for m in heads])
 
 
-def _busiest(mask, n, length, zigzag):
+def _busiest(mask, n, q_len, kv_len, zigzag):
   """The largest fraction of block pairs with allowed entries that one device
   computes over the ring (blocks of 1/16 of a slice)."""
-  local = length // n
-  block = -(-local // 16)
-  return max(sum(np.mean(_classes(_placed(mask, r, src, n, length, zigzag),
-                                  local, block) > 0) for src in range(n))
+  q_local, kv_local = q_len // n, kv_len // n
+  return max(sum(np.mean(_classes(
+      _placed(mask, r, src, n, q_len, kv_len, zigzag), q_local, kv_local,
+      -(-q_local // 16), -(-kv_local // 16)) > 0) for src in range(n))
              for r in range(n))
 
 
@@ -184,34 +242,36 @@ def _masked_config(config, mask):
   return dataclasses.replace(_unmasked(config), mask=mask)
 
 
-def _band_mask(config):
+def _band_mask(config, q_len, kv_len):
   """The config's causal/window band as a mask, or None when the ring's
-  plain paths cover it (no window: full or causal attention)."""
+  plain paths cover it (full attention; causal of equal lengths)."""
   if config.mask is not None:
     return config.mask
-  if config.window_left is None and config.window_right == (
-      0 if config.causal else None):
+  if config.window_left is None and config.window_right is None:
+    return None
+  if config.window_left is None and config.causal and q_len == kv_len:
     return None
   return _masks.Local(config.window_left, config.window_right)
 
 
-def _mask_plan(config, mask, n, length, zigzag_inputs):
-  """The ``_Plan`` of ``mask`` for a sequence of ``length`` on ``n``
-  devices. Contiguous inputs move to zig-zag order when that lowers the
-  busiest device's work (``_busiest``): causal-like masks with a long
-  reach; narrow windows and short chunks stay in place, which also lets the
-  ring stop after its last live step."""
+def _mask_plan(config, mask, n, q_len, kv_len, zigzag_inputs):
+  """The ``_Plan`` of ``mask`` for sequences of ``q_len`` queries and
+  ``kv_len`` keys on ``n`` devices. Contiguous inputs move to zig-zag order
+  when that lowers the busiest device's work (``_busiest``): causal-like
+  masks with a long reach; narrow windows and short chunks stay in place,
+  which also lets the ring stop after its last live step."""
   zigzag = zigzag_inputs or (
-      n > 1 and length % (2 * n) == 0
-      and _busiest(mask, n, length, True) < _busiest(mask, n, length, False))
-  local = length // n
+      n > 1 and q_len % (2 * n) == 0 and kv_len % (2 * n) == 0
+      and _busiest(mask, n, q_len, kv_len, True)
+      < _busiest(mask, n, q_len, kv_len, False))
+  q_local, kv_local = q_len // n, kv_len // n
   branches = [None, _unmasked(config)]
   table = []
   for step in range(n):
     row = []
     for r in range(n):
-      placed = _placed(mask, r, (r - step) % n, n, length, zigzag)
-      kind = _classes(placed, local, local)
+      placed = _placed(mask, r, (r - step) % n, n, q_len, kv_len, zigzag)
+      kind = _classes(placed, q_local, kv_local, q_local, kv_local)
       if not kind.any():
         row.append(0)
         continue
@@ -292,7 +352,7 @@ def from_zigzag(x, axis_name, n, axis):
 # ----------------------------------------------------------------- blocks --
 
 def _rows_from(x, start, stop=None):
-  """``x[:, :, start:stop]`` (q/k/v/out/lse) or ``x[:, start:stop]``
+  """``x[:, :, start:stop]`` (q/k/v/out/lse/bias) or ``x[:, start:stop]``
   (segment ids), None for None."""
   if x is None:
     return None
@@ -300,27 +360,33 @@ def _rows_from(x, start, stop=None):
   return lax.slice_in_dim(x, start, stop, axis=axis)
 
 
-def _pad_rows(x, rows, value, before):
-  """``x`` with ``rows`` rows of ``value`` along its sequence axis, before or
-  after its own."""
-  axis = 2
+def _columns_from(bias, start, stop=None):
+  """``bias[..., start:stop]``, None for None."""
+  return None if bias is None else lax.slice_in_dim(bias, start, stop, axis=3)
+
+
+def _pad(x, rows, value, before, axis=2):
+  """``x`` with ``rows`` entries of ``value`` along ``axis`` (its sequence
+  axis; 3 for bias columns), before or after its own; None for None."""
+  if x is None:
+    return None
   shape = list(x.shape)
   shape[axis] = rows
   fill = jnp.full(shape, value, x.dtype)
   return jnp.concatenate([fill, x] if before else [x, fill], axis)
 
 
-def _block_forward(config, q, k, v, q_seg, kv_seg):
-  out, lse = _api._forward(config, q, k, v, q_seg, kv_seg, None)
+def _block_forward(config, q, k, v, q_seg, kv_seg, bias):
+  out, lse = _api._forward(config, q, k, v, q_seg, kv_seg, bias)
   return out.astype(jnp.float32), lse
 
 
-def _skipped_forward(ring, q, k, v, q_seg, kv_seg):
+def _skipped_forward(ring, q, k, v, q_seg, kv_seg, bias):
   """The (0, -inf) result of a pair with no allowed entry. Under
   ``launches_wait_for_all`` the kernel still runs (every device must launch
   as many kernels as the others) and its result is dropped."""
   if ring.launches_wait_for_all:
-    _block_forward(ring.unmasked, q, k, v, q_seg, kv_seg)
+    _block_forward(ring.unmasked, q, k, v, q_seg, kv_seg, bias)
   return (jnp.zeros(q.shape, jnp.float32),
           jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
 
@@ -337,26 +403,30 @@ def _planned(ring, step, skipped, block, *operands):
   return lax.switch(index, branches, *operands)
 
 
-def _visit_forward(ring, step, q, q_seg, visiting):
-  """(out float32, lse) of the local queries against the visiting slice."""
+def _visit_forward(ring, step, q, q_seg, bias, visiting):
+  """(out float32, lse) of the local queries against the visiting slice;
+  ``bias``: the local bias rows (every column) or None."""
   k, v, kv_seg = visiting
+  bias = ring.bias_columns(bias, step)
   if ring.plan is not None:
     return _planned(ring, step, _skipped_forward, _block_forward, q, k, v,
-                    q_seg, kv_seg)
+                    q_seg, kv_seg, bias)
   if not ring.config.causal:
-    return _block_forward(ring.unmasked, q, k, v, q_seg, kv_seg)
+    return _block_forward(ring.unmasked, q, k, v, q_seg, kv_seg, bias)
   half = q.shape[2] // 2
 
   def earlier():   # every query, the first visiting chunk
     return _block_forward(ring.unmasked, q, _rows_from(k, 0, half),
                           _rows_from(v, 0, half), q_seg,
-                          _rows_from(kv_seg, 0, half))
+                          _rows_from(kv_seg, 0, half),
+                          _columns_from(bias, 0, half))
 
   def later():     # the second query chunk, both visiting chunks
     out, lse = _block_forward(ring.unmasked, _rows_from(q, half), k, v,
-                              _rows_from(q_seg, half), kv_seg)
-    return (_pad_rows(out, half, 0, before=True),
-            _pad_rows(lse, half, -jnp.inf, before=True))
+                              _rows_from(q_seg, half), kv_seg,
+                              _rows_from(bias, half))
+    return (_pad(out, half, 0, before=True),
+            _pad(lse, half, -jnp.inf, before=True))
 
   return lax.cond(ring.is_earlier(step), earlier, later)
 
@@ -373,45 +443,55 @@ def _merge(acc, part):
   return out_a * weight(lse_a) + out_b * weight(lse_b), lse
 
 
-def _block_backward(config, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
-  dq, dk, dv, _ = _api._backward(config, q, k, v, q_seg, kv_seg, None, out,
-                                 lse, d_out, d_lse)
-  return tuple(g.astype(jnp.float32) for g in (dq, dk, dv))
+def _block_backward(config, q, k, v, q_seg, kv_seg, bias, out, lse, d_out,
+                    d_lse):
+  """float32 (dq, dk, dv) and d bias (bias dtype, None without bias)."""
+  dq, dk, dv, d_bias = _api._backward(config, q, k, v, q_seg, kv_seg, bias,
+                                      out, lse, d_out, d_lse)
+  return (tuple(g.astype(jnp.float32) for g in (dq, dk, dv))
+          + (None if bias is None else d_bias.astype(bias.dtype),))
 
 
-def _skipped_backward(ring, q, k, v, *operands):
+def _skipped_backward(ring, q, k, v, q_seg, kv_seg, bias, *operands):
   """Zero gradients of a pair with no allowed entry (see
   ``_skipped_forward``)."""
   if ring.launches_wait_for_all:
-    _block_backward(ring.unmasked, q, k, v, *operands)
+    _block_backward(ring.unmasked, q, k, v, q_seg, kv_seg, bias, *operands)
   return (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
-          jnp.zeros(v.shape, jnp.float32))
+          jnp.zeros(v.shape, jnp.float32),
+          None if bias is None else jnp.zeros(bias.shape, bias.dtype))
 
 
-def _visit_backward(ring, step, q, q_seg, out, lse, d_out, d_lse, visiting):
-  """float32 (dq, dk, dv) of the visiting block at the final (out, lse)."""
+def _visit_backward(ring, step, q, q_seg, bias, out, lse, d_out, d_lse,
+                    visiting):
+  """float32 (dq, dk, dv) and the bias block's gradient of the visiting
+  block at the final (out, lse)."""
   k, v, kv_seg = visiting
+  bias = ring.bias_columns(bias, step)
   if ring.plan is not None:
     return _planned(ring, step, _skipped_backward, _block_backward, q, k, v,
-                    q_seg, kv_seg, out, lse, d_out, d_lse)
+                    q_seg, kv_seg, bias, out, lse, d_out, d_lse)
   if not ring.config.causal:
-    return _block_backward(ring.unmasked, q, k, v, q_seg, kv_seg, out, lse,
-                           d_out, d_lse)
+    return _block_backward(ring.unmasked, q, k, v, q_seg, kv_seg, bias, out,
+                           lse, d_out, d_lse)
   half = q.shape[2] // 2
 
   def earlier():
-    dq, dk, dv = _block_backward(
+    dq, dk, dv, d_bias = _block_backward(
         ring.unmasked, q, _rows_from(k, 0, half), _rows_from(v, 0, half),
-        q_seg, _rows_from(kv_seg, 0, half), out, lse, d_out, d_lse)
-    return (dq, _pad_rows(dk, half, 0, before=False),
-            _pad_rows(dv, half, 0, before=False))
+        q_seg, _rows_from(kv_seg, 0, half), _columns_from(bias, 0, half),
+        out, lse, d_out, d_lse)
+    return (dq, _pad(dk, half, 0, before=False),
+            _pad(dv, half, 0, before=False),
+            _pad(d_bias, half, 0, before=False, axis=3))
 
   def later():
     rows = lambda x: _rows_from(x, half)  # noqa: E731
-    dq, dk, dv = _block_backward(ring.unmasked, rows(q), k, v, rows(q_seg),
-                                 kv_seg, rows(out), rows(lse), rows(d_out),
-                                 rows(d_lse))
-    return _pad_rows(dq, half, 0, before=True), dk, dv
+    dq, dk, dv, d_bias = _block_backward(
+        ring.unmasked, rows(q), k, v, rows(q_seg), kv_seg, rows(bias),
+        rows(out), rows(lse), rows(d_out), rows(d_lse))
+    return (_pad(dq, half, 0, before=True), dk, dv,
+            _pad(d_bias, half, 0, before=True))
 
   return lax.cond(ring.is_earlier(step), earlier, later)
 
@@ -434,98 +514,116 @@ def _around_the_ring(ring, visiting, carry, visit):
   return carry
 
 
-def _ring_forward(ring, q, k, v, q_seg, kv_seg):
-  q, k, v, q_seg, kv_seg = ring.fence((q, k, v, q_seg, kv_seg))
+def _ring_forward(ring, q, k, v, q_seg, kv_seg, bias):
+  q, k, v, q_seg, kv_seg, bias = ring.fence((q, k, v, q_seg, kv_seg, bias))
   local = (k, v, kv_seg)
   visiting = ring.shift(local) if ring.last_step > 0 else None
   # Step 0: the local slice; causal attention of the local slices is the
   # mask of chunks (r, 2N-1-r) against themselves.
   if ring.plan is not None:
-    acc = _visit_forward(ring, 0, q, q_seg, local)
+    acc = _visit_forward(ring, 0, q, q_seg, bias, local)
   else:
-    acc = _block_forward(ring.config, q, k, v, q_seg, kv_seg)
+    acc = _block_forward(ring.config, q, k, v, q_seg, kv_seg,
+                         ring.bias_columns(bias, 0))
 
   def visit(step, current, acc):
-    return _merge(acc, _visit_forward(ring, step, q, q_seg, current))
+    return _merge(acc, _visit_forward(ring, step, q, q_seg, bias, current))
 
   out, lse = _around_the_ring(ring, visiting, acc, visit)
   return ring.fence((out.astype(q.dtype), lse))
 
 
-def _ring_backward(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
-  q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse = ring.fence(
-      (q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse))
+def _ring_backward(ring, q, k, v, q_seg, kv_seg, bias, out, lse, d_out,
+                   d_lse):
+  """(dq, dk, dv, d bias or None). The bias gradient stays local: each step
+  writes the visiting slice's columns of the local rows."""
+  q, k, v, q_seg, kv_seg, bias, out, lse, d_out, d_lse = ring.fence(
+      (q, k, v, q_seg, kv_seg, bias, out, lse, d_out, d_lse))
   local = (k, v, kv_seg)
   visiting = ring.shift(local) if ring.last_step > 0 else None
   if ring.plan is not None:
-    dq, dk, dv = _visit_backward(ring, 0, q, q_seg, out, lse, d_out, d_lse,
-                                 local)
+    dq, dk, dv, d_block = _visit_backward(ring, 0, q, q_seg, bias, out, lse,
+                                          d_out, d_lse, local)
   else:
-    dq, dk, dv = _block_backward(ring.config, q, k, v, q_seg, kv_seg, out,
-                                 lse, d_out, d_lse)
+    dq, dk, dv, d_block = _block_backward(
+        ring.config, q, k, v, q_seg, kv_seg, ring.bias_columns(bias, 0), out,
+        lse, d_out, d_lse)
+  d_bias = None
+  if bias is not None:   # pairs never visited (after last_step) stay 0
+    d_bias = ring.put_bias_columns(jnp.zeros(bias.shape, bias.dtype), 0,
+                                   d_block)
 
   def visit(step, current, carry):
-    dq, travelling = carry
+    dq, d_bias, travelling = carry
     # The visiting slice's accumulators come from the device it just left.
     arriving = ring.shift(travelling)
-    dq_s, dk_s, dv_s = _visit_backward(ring, step, q, q_seg, out, lse, d_out,
-                                       d_lse, current)
-    return dq + dq_s, (arriving[0] + dk_s, arriving[1] + dv_s)
+    dq_s, dk_s, dv_s, d_block = _visit_backward(
+        ring, step, q, q_seg, bias, out, lse, d_out, d_lse, current)
+    if d_bias is not None:
+      d_bias = ring.put_bias_columns(d_bias, step, d_block)
+    return dq + dq_s, d_bias, (arriving[0] + dk_s, arriving[1] + dv_s)
 
-  dq, (dk, dv) = _around_the_ring(ring, visiting, (dq, (dk, dv)), visit)
+  dq, d_bias, (dk, dv) = _around_the_ring(ring, visiting,
+                                          (dq, d_bias, (dk, dv)), visit)
   if ring.last_step > 0:   # they belong to the slice of device r - last
     dk, dv = ring.shift((dk, dv), by=ring.size - ring.last_step)
   return ring.fence((dq.astype(q.dtype), dk.astype(k.dtype),
-                     dv.astype(v.dtype)))
+                     dv.astype(v.dtype), d_bias))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attention(ring, q, k, v, q_seg, kv_seg):
-  return _ring_forward(ring, q, k, v, q_seg, kv_seg)
+def _ring_attention(ring, q, k, v, q_seg, kv_seg, bias):
+  return _ring_forward(ring, q, k, v, q_seg, kv_seg, bias)
 
 
-def _ring_attention_fwd(ring, q, k, v, q_seg, kv_seg):
-  out, lse = _ring_forward(ring, q, k, v, q_seg, kv_seg)
-  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+def _ring_attention_fwd(ring, q, k, v, q_seg, kv_seg, bias):
+  out, lse = _ring_forward(ring, q, k, v, q_seg, kv_seg, bias)
+  return (out, lse), (q, k, v, q_seg, kv_seg, bias, out, lse)
 
 
 def _ring_attention_bwd(ring, residuals, cotangents):
-  q, k, v, q_seg, kv_seg, out, lse = residuals
+  q, k, v, q_seg, kv_seg, bias, out, lse = residuals
   d_out, d_lse = cotangents
   if not ring.config.return_lse:
     d_lse = None
-  dq, dk, dv = _ring_backward(ring, q, k, v, q_seg, kv_seg, out, lse,
-                              d_out.astype(q.dtype), d_lse)
+  dq, dk, dv, d_bias = _ring_backward(ring, q, k, v, q_seg, kv_seg, bias, out,
+                                      lse, d_out.astype(q.dtype), d_lse)
   return (dq, dk, dv, _checks.integer_cotangent(q_seg),
-          _checks.integer_cotangent(kv_seg))
+          _checks.integer_cotangent(kv_seg), d_bias)
 
 
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
 def _local_ring_attention(config, axis_name, num_shards, q, k, v, q_seg=None,
-                          kv_seg=None, *, zigzag_inputs=False, plan=None):
+                          kv_seg=None, bias=None, *, zigzag_inputs=False,
+                          plan=None):
   """Per-device ring attention, called inside ``shard_map``.
 
-  q/k/v ``[b, h, L/N, d]`` and segment ids ``[b, L/N]`` are this device's
-  slices along mesh axis ``axis_name`` (``num_shards`` devices), contiguous
-  unless ``zigzag_inputs``. ``config`` comes from ``api._validate`` of the
-  unsharded call; ``plan`` (``_mask_plan``) splits its window or mask over
-  the pairs. Returns (out, lse) of the local queries, in the layout of the
-  inputs.
+  q ``[b, h, Lq/N, d]``, k/v ``[b, hk, Lk/N, d]`` and segment ids ``[b,
+  Lq/N]``, ``[b, Lk/N]`` are this device's slices along mesh axis
+  ``axis_name`` (``num_shards`` devices), contiguous unless
+  ``zigzag_inputs``; ``bias`` ``[b or 1, h or 1, Lq/N, Lk]`` holds the rows
+  of the local queries and every key column (in the inputs' order).
+  ``config`` comes from ``api._validate`` of the unsharded call; ``plan``
+  (``_mask_plan``) splits its window or mask over the pairs. Returns (out,
+  lse) of the local queries, in the layout of the inputs.
   """
-  rows = _api._rows(config, "forward", q, k, v, q_seg, None)
-  ring = _Ring(config, axis_name, num_shards,
-               launches_wait_for_all=_backend.runs_with_callbacks(
-                   _api.OP, config.backend, rows), plan=plan)
+  rows = _api._rows(config, "forward", q, k, v, q_seg, bias)
   zigzag = config.causal if plan is None else plan.zigzag
   reorder = zigzag and not zigzag_inputs and num_shards > 1
+  ring = _Ring(config, axis_name, num_shards,
+               launches_wait_for_all=_backend.runs_with_callbacks(
+                   _api.OP, config.backend, rows), plan=plan,
+               bias_in_slice_order=not reorder)
   if reorder:
     q, k, v = (to_zigzag(x, axis_name, num_shards, 2) for x in (q, k, v))
     q_seg, kv_seg = (None if s is None else
                      to_zigzag(s, axis_name, num_shards, 1)
                      for s in (q_seg, kv_seg))
-  out, lse = _ring_attention(ring, q, k, v, q_seg, kv_seg)
+    if bias is not None:   # its rows follow the queries
+      bias = to_zigzag(bias, axis_name, num_shards, 2)
+  out, lse = _ring_attention(ring, q, k, v, q_seg, kv_seg, bias)
   if reorder:
     out = from_zigzag(out, axis_name, num_shards, 2)
     lse = from_zigzag(lse, axis_name, num_shards, 2)
@@ -539,9 +637,16 @@ def _check_keywords(kwargs):
   for name in kwargs:
     if name not in taken:
       raise TypeError(f"{_HELPER}: unexpected keyword argument {name!r}")
-    if name not in _RING_KEYWORDS:
-      raise ValueError(f"{_HELPER}: {name} is not supported with "
-                       "sequence_axis (ring attention)")
+
+
+def _check_lengths(q_len, kv_len, n, axis, why_2n):
+  for name, length in (("q_len", q_len), ("kv_len", kv_len)):
+    if length % (2 * n if why_2n else n):
+      raise ValueError(
+          f"{_HELPER}: {name} {length} must be divisible by "
+          + (f"2 x the {n} devices of sequence_axis {axis!r} ({why_2n} ring "
+             f"attention cuts it into {2 * n} chunks)" if why_2n
+             else f"the {n} devices of sequence_axis {axis!r}"))
 
 
 def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
@@ -550,62 +655,65 @@ def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
   """``shard_flash_attention`` with ``sequence_axis`` set (see there)."""
   from jax.sharding import PartitionSpec as P
   _check_keywords(kwargs)
-  if bias is not None:
-    raise ValueError(f"{_HELPER}: bias is not supported with sequence_axis "
-                     "(ring attention); fold it into segment ids or shard "
-                     "batch/heads only")
   if sequence_axis in (batch_axis, head_axis):
     raise ValueError(f"{_HELPER}: sequence_axis {sequence_axis!r} must differ "
                      f"from batch_axis and head_axis")
   if sequence_layout not in SEQUENCE_LAYOUTS:
     raise ValueError(f"{_HELPER}: sequence_layout must be one of "
                      f"{SEQUENCE_LAYOUTS}, got {sequence_layout!r}")
+  sinks = kwargs.pop("sinks", None)
+  return_lse = kwargs.pop("return_lse", False)
   config, q_seg, kv_seg = _api._validate(
       q, k, v, causal=kwargs.get("causal", False),
       sm_scale=kwargs.get("sm_scale"), segment_ids=segment_ids,
       sliding_window=kwargs.get("sliding_window"),
-      logit_soft_cap=kwargs.get("logit_soft_cap"), bias=None,
-      return_lse=kwargs.get("return_lse", False),
-      block_sizes=kwargs.get("block_sizes"), backend=kwargs.get("backend"),
-      mask=kwargs.get("mask"))
+      logit_soft_cap=kwargs.get("logit_soft_cap"), bias=bias,
+      return_lse=return_lse, block_sizes=kwargs.get("block_sizes"),
+      backend=kwargs.get("backend"), mask=kwargs.get("mask"))
+  sinks = _api._check_sinks(sinks, q.shape[1])
+  if sinks is not None:   # the sink enters through lse: its cotangent too
+    config = dataclasses.replace(config, return_lse=True)
   n = mesh.shape[sequence_axis]
-  length = q.shape[2]
-  if k.shape[2] != length:
-    raise ValueError(f"{_HELPER}: with sequence_axis, q_len ({length}) must "
-                     f"equal kv_len ({k.shape[2]})")
+  q_len, kv_len = q.shape[2], k.shape[2]
   zigzag_inputs = sequence_layout == "zigzag"
-  mask = _band_mask(config)
+  mask = _band_mask(config, q_len, kv_len)
   if mask is None:
     why_2n = "causal" if config.causal else None
   else:
     why_2n = "zig-zag masked" if zigzag_inputs else None
-  if length % (2 * n if why_2n else n):
-    raise ValueError(
-        f"{_HELPER}: q_len {length} must be divisible by "
-        + (f"2 x the {n} devices of sequence_axis {sequence_axis!r} ({why_2n} "
-           f"ring attention cuts it into {2 * n} chunks)" if why_2n
-           else f"the {n} devices of sequence_axis {sequence_axis!r}"))
-  if 0 in (q.shape[0], q.shape[1], length):
+  _check_lengths(q_len, kv_len, n, sequence_axis, why_2n)
+  if 0 in (q.shape[0], q.shape[1], q_len, kv_len):
     # Nothing to attend to (flash_attention's zeros and -inf).
     out = jnp.zeros(q.shape, q.dtype)
     lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-    return (out, lse) if config.return_lse else out
-  plan = (None if mask is None
-          else _mask_plan(config, mask, n, length, zigzag_inputs))
+  else:
+    plan = (None if mask is None
+            else _mask_plan(config, mask, n, q_len, kv_len, zigzag_inputs))
+    qkv_spec = P(batch_axis, head_axis, sequence_axis, None)
+    seg_spec = P(batch_axis, sequence_axis)
+    has_segments = q_seg is not None
+    args = [q, k, v] + ([q_seg, kv_seg] if has_segments else [])
+    in_specs = [qkv_spec] * 3 + [seg_spec] * (2 * has_segments)
+    if bias is not None:
+      # Rows split with the queries, every key column local: each step
+      # slices the visiting slice's columns, so the bias never travels.
+      args.append(bias)
+      in_specs.append(P(batch_axis if bias.shape[0] > 1 else None,
+                        head_axis if bias.shape[1] > 1 else None,
+                        sequence_axis, None))
 
-  qkv_spec = P(batch_axis, head_axis, sequence_axis, None)
-  seg_spec = P(batch_axis, sequence_axis)
-  has_segments = q_seg is not None
-  args = [q, k, v] + ([q_seg, kv_seg] if has_segments else [])
-  in_specs = [qkv_spec] * 3 + [seg_spec] * (2 * has_segments)
+    def local(q, k, v, *rest):
+      q_seg, kv_seg = rest[:2] if has_segments else (None, None)
+      local_bias = rest[-1] if bias is not None else None
+      return _local_ring_attention(config, sequence_axis, n, q, k, v, q_seg,
+                                   kv_seg, local_bias,
+                                   zigzag_inputs=zigzag_inputs, plan=plan)
 
-  def local(q, k, v, *segments):
-    q_seg, kv_seg = segments if has_segments else (None, None)
-    return _local_ring_attention(config, sequence_axis, n, q, k, v, q_seg,
-                                 kv_seg, zigzag_inputs=zigzag_inputs,
-                                 plan=plan)
-
-  out, lse = _compat.shard_map(
-      local, mesh=mesh, in_specs=tuple(in_specs),
-      out_specs=(qkv_spec, P(batch_axis, head_axis, sequence_axis)))(*args)
-  return (out, lse) if config.return_lse else out
+    out, lse = _compat.shard_map(
+        local, mesh=mesh, in_specs=tuple(in_specs),
+        out_specs=(qkv_spec, P(batch_axis, head_axis, sequence_axis)))(*args)
+  if sinks is not None:
+    # The sink joins the merged softmax once, on the ring's (out, lse), as
+    # flash_attention applies it after its kernel.
+    out, lse = _reference.with_sinks(out, lse, sinks)
+  return (out, lse) if return_lse else out
