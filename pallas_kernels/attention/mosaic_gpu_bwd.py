@@ -18,11 +18,15 @@ dq (``dq``): the forward's structure; each compute warpgroup owns 64 query
 rows (Q, dO, lse2, delta loaded once) and a float32 dQ accumulator, and the
 memory warpgroup streams K and V blocks; per block ``S = Q K^T`` and
 ``dP = dO V^T`` together, then ``dQ += dS K``.
-Above head_dim 128 (``split_of``) the float32 accumulators would not fit
-the registers, so both compute warpgroups of a CTA share one 64-key (dk/dv)
-or 64-row (dq) block: each forms the full S and dP (summed over the two
-head_dim halves held as separate SMEM tiles) and accumulates one half of
-dK and dV (dQ).
+Above head_dim 128 (``split_of``) one warpgroup's float32 dK and dV
+accumulators would not fit its registers, so both compute warpgroups of a
+CTA share one 64-key (dk/dv) or 64-row (dq) block, K/V/Q/dO held as two
+head_dim halves in SMEM, and split the work by role so that every matmul
+runs once: warpgroup 0 forms S and P and hands P (times 1 - tanh^2 under a
+soft cap) to warpgroup 1 through an SMEM tile per ring slot (an mbarrier
+per slot says it is written; the ring's release orders its reuse);
+warpgroup 1 forms dP, then dS. dk/dv: warpgroup 0 accumulates dV = P^T dO,
+warpgroup 1 dK = dS^T Q. dq: warpgroup 1 accumulates dQ = dS K.
 Rows without keys and padded rows carry lse2 = +inf, so their P is 0. dk/dv
 pads Lk to its keys per CTA and Lq to ``block_size``, dq the other way
 round. Block skipping and static masks as in the forward
