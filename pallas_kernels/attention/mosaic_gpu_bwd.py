@@ -278,17 +278,18 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
                        col0 + iota(0), i, wg * bk, interpreting,
                        check_length=False)
       p, ds = _probs_and_dlogits(s, dp, t, lse2, delta, row_axis=1)
+      p16, ds16 = p.astype(dtype), ds.astype(dtype)
       if interpreting:
         dims_nn = (((1,), (0,)), ((), ()))
-        dv = dv + lax.dot_general(p.astype(dtype), do_slot[...], dims_nn,
+        dv = dv + lax.dot_general(p16, do_slot[...], dims_nn,
                                   preferred_element_type=jnp.float32)
-        dk = dk + lax.dot_general(ds.astype(dtype), q_slot[...], dims_nn,
+        dk = dk + lax.dot_general(ds16, q_slot[...], dims_nn,
                                   preferred_element_type=jnp.float32)
       else:
         def dk_dv_products(refs):
           dk_ref, dv_ref = refs
-          plgpu.wgmma(dv_ref, p.astype(dtype), do_slot)
-          plgpu.wgmma(dk_ref, ds.astype(dtype), q_slot)
+          plgpu.wgmma(dv_ref, p16, do_slot)
+          plgpu.wgmma(dk_ref, ds16, q_slot)
 
         dk, dv = pl.run_state(dk_dv_products)(
             (plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
