@@ -125,7 +125,8 @@ def test_forward_rejects_unsupported_calls():
     (80, 1536, {}),                     # 32-byte swizzle, overlapped steps
     (96, 1500, dict(causal=True)),      # 64-byte swizzle, ping-pong
     (192, 1500, dict(causal=True)),     # 128-byte swizzle, 64-key blocks
-    (256, 1500, dict(causal=True))])
+    (256, 1500, dict(causal=True)),     # rendezvous above 128
+    (256, 1536, {})])                   # overlapped steps, 64-key blocks
 def test_gpu_kernel_lowers_for_cuda_on_a_cpu_host(d, lk, mask):
   # Pallas -> Mosaic GPU lowering of each schedule (wgmma, hardware
   # barriers, accumulator waits); only the PTX compile needs the GPU.
@@ -162,6 +163,13 @@ def test_overlapped_steps_and_lagged_ring(rng):
   _check(rng, 1, 2, 1, 200, 384, 128)
 
 
+@needs_interpreter
+def test_overlapped_steps_above_head_dim_128(rng):
+  # head_dim 256 without a mask: the overlapped schedule on 64-key blocks
+  # (five of them, the ring wrapped twice).
+  _check(rng, 1, 2, 1, 130, 320, 256)
+
+
 def test_default_schedule_by_mask():
   schedule = functools.partial(mosaic_gpu.default_schedule, block_k=128,
                                window_left=None, window_right=None,
@@ -170,6 +178,8 @@ def test_default_schedule_by_mask():
   assert schedule(128, lk=4096, causal=True) == (False, True)
   assert schedule(128, lk=4000, causal=False) == (False, True)  # ragged
   assert schedule(64, lk=4096, causal=False) == (False, False)
+  assert schedule(256, lk=4096, causal=False) == (True, False)
+  assert schedule(256, lk=4096, causal=True) == (False, False)
   assert mosaic_gpu.default_schedule(128, 128, 4096, False, 100, None,
                                      None) == (False, True)
   assert mosaic_gpu.default_schedule(128, 128, 4096, False, None, None,
@@ -375,9 +385,10 @@ def test_native_head_dims_backward(rng, d):
 
 @needs_interpreter
 def test_split_head_dim_backward(rng):
-  # Above head_dim 128 both compute warpgroups share one 64-row block and
-  # each accumulates one half of the head_dim (a two-sided window with a
-  # soft cap: leading and trailing blocks skipped, masked edges).
+  # Above head_dim 128 both compute warpgroups share one 64-row block by
+  # role: one forms P and hands it over through SMEM, the other forms dS (a
+  # GQA group of two; a two-sided window with a soft cap: leading and
+  # trailing blocks skipped, masked edges, P handed over times 1 - tanh^2).
   _check_dkv(rng, 1, 2, 1, 150, 200, 256, causal=True)
   _check_dq(rng, 1, 2, 1, 150, 200, 256, causal=True)
   _check_dkv(rng, 1, 1, 1, 140, 260, 192, left=60, right=20, cap=3.0)

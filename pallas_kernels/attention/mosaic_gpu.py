@@ -10,14 +10,14 @@ and issues ``acc += P V`` with P taken from registers; the epilogue writes
 ``out = acc / l`` and ``lse = (m + log2 l) ln 2`` through SMEM and TMA.
 The compute warpgroups take turns, so that one's softmax overlaps the
 other's matmuls; ``default_schedule`` picks how:
-  rendezvous  a two-arrival barrier both pass together (head_dim 64 and
-              above 128);
+  rendezvous  a two-arrival barrier both pass together (head_dim 64, and
+              above 128 with a masked step);
   named       ping-pong through the hardware barriers ``bar.sync`` /
               ``bar.arrive`` (head_dim 80..128 with a masked step);
   overlap     FlashAttention-3 pipelining within a warpgroup: step c issues
               S_c and P_{c-1} V_{c-1} back to back and runs block c's softmax
               while P V runs; V is released a step after K, so the memory
-              warpgroup loads it a refill later (head_dim 80..128, no
+              warpgroup loads it a refill later (head_dim above 64, no
               mask).
 Block skipping: the memory warpgroup loads the union of the two warpgroups'
 bands; a warpgroup passes over slots outside its own band and masks only
@@ -154,15 +154,17 @@ PING_PONG_BARRIER = 12
 
 def default_schedule(head_dim: int, block_k: int, lk: int, causal: bool,
                      window_left, window_right, soft_cap):
-  """(overlap, named_barriers): for head dims 80..128 the overlapped steps
-  when no step is masked (no causal mask, window or soft cap, Lk a multiple
-  of block_k), else the hardware-barrier ping-pong; the rendezvous schedule
-  at other head dims."""
-  if not 64 < head_dim <= 128:
+  """(overlap, named_barriers): above head_dim 64 the overlapped steps when
+  no step is masked (no causal mask, window or soft cap, Lk a multiple of
+  block_k); with a masked step the hardware-barrier ping-pong at head dims
+  80..128 and the rendezvous above; the rendezvous at head_dim 64."""
+  if head_dim <= 64:
     return False, False
   unmasked = (not causal and window_left is None and window_right is None
               and lk % block_k == 0 and soft_cap is None)
-  return (True, False) if unmasked else (False, True)
+  if unmasked:
+    return True, False
+  return False, head_dim <= 128
 
 
 def supports(q, k, v, q_segment_ids=None, bias=None,

@@ -18,11 +18,15 @@ dq (``dq``): the forward's structure; each compute warpgroup owns 64 query
 rows (Q, dO, lse2, delta loaded once) and a float32 dQ accumulator, and the
 memory warpgroup streams K and V blocks; per block ``S = Q K^T`` and
 ``dP = dO V^T`` together, then ``dQ += dS K``.
-Above head_dim 128 (``split_of``) the float32 accumulators would not fit
-the registers, so both compute warpgroups of a CTA share one 64-key (dk/dv)
-or 64-row (dq) block: each forms the full S and dP (summed over the two
-head_dim halves held as separate SMEM tiles) and accumulates one half of
-dK and dV (dQ).
+Above head_dim 128 (``split_of``) one warpgroup's float32 dK and dV
+accumulators would not fit its registers, so both compute warpgroups of a
+CTA share one 64-key (dk/dv) or 64-row (dq) block, K/V/Q/dO held as two
+head_dim halves in SMEM, and split the work by role so that every matmul
+runs once: warpgroup 0 forms S and P and hands P (times 1 - tanh^2 under a
+soft cap) to warpgroup 1 through an SMEM tile per ring slot (an mbarrier
+per slot says it is written; the ring's release orders its reuse);
+warpgroup 1 forms dP, then dS. dk/dv: warpgroup 0 accumulates dV = P^T dO,
+warpgroup 1 dK = dS^T Q. dq: warpgroup 1 accumulates dQ = dS K.
 Rows without keys and padded rows carry lse2 = +inf, so their P is 0. dk/dv
 pads Lk to its keys per CTA and Lq to ``block_size``, dq the other way
 round. Block skipping and static masks as in the forward
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -58,26 +63,26 @@ STAGES = 2
 SPLIT_ABOVE = 128
 
 
-def _nt_products(terms1, terms2, shape, interpreting):
-  """(sum of lhs @ rhs.T over ``terms1``, the same over ``terms2``) in
-  float32; a term is a pair of shared-memory refs (one head_dim chunk):
-  wgmma on the GPU, plain dots in the interpreter."""
+def _nt_products(term_lists, shape, interpreting):
+  """For each list of terms, the sum of lhs @ rhs.T over it in float32; a
+  term is a pair of shared-memory refs (one head_dim chunk): wgmma on the
+  GPU, plain dots in the interpreter."""
   if interpreting:
     dims_nt = (((1,), (1,)), ((), ()))
     return tuple(
         sum(lax.dot_general(a[...], b[...], dims_nt,
                             preferred_element_type=jnp.float32)
             for a, b in terms)
-        for terms in (terms1, terms2))
+        for terms in term_lists)
 
-  def products(ref1, ref2):
-    for ref, terms in ((ref1, terms1), (ref2, terms2)):
+  def products(*refs):
+    for ref, terms in zip(refs, term_lists):
       for a, b in terms:
         plgpu.wgmma(ref, a, plgpu.transpose_ref(b, (1, 0)))
-    return ref1[...], ref2[...]
+    return tuple(ref[...] for ref in refs)
 
   acc = plgpu.ACC(shape, jnp.float32)
-  return pl.run_scoped(products, acc, acc)
+  return pl.run_scoped(products, *[acc] * len(term_lists))
 
 
 def _chunk(ref, index, split: int):
@@ -193,12 +198,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
             dk_ref, dv_ref, scratch, *, walk, sm_scale, soft_cap, block_q,
             stages, group, split, tiles, interpreting):
   """dk/dv. Not split: K and V as [warpgroup, 64, head_dim], the Q and dO
-  ring as [slot, rows, head_dim]; split: K and V as [half, 64, head_dim / 2]
-  (the CTA's 64 keys), the ring as [slot, half, rows, head_dim / 2], and
-  compute warpgroup w accumulates half w of dK and dV."""
-  (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), barriers = scratch
+  ring as [slot, rows, head_dim], each compute warpgroup on its own 64 keys;
+  split: K and V as [half, 64, head_dim / 2] (the CTA's 64 keys), the ring
+  as [slot, half, rows, head_dim / 2], P^T exchanged through ``p_smem``
+  [slot, 64, rows] (``_dkv_roles``)."""
+  (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem,
+   *p_smem), barriers = scratch
   (k_loaded, v_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded,
-   consumed, *done) = barriers
+   consumed, *p_ready) = barriers
   kv_head = lax.axis_index("heads")
   batch = lax.axis_index("batch")
   program = walk.open(mask_refs, lax.axis_index("kv_tiles"), tiles, False)
@@ -212,8 +219,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
   lo_u, hi_u = walk.cta_bounds(program, cta_col0, tile_k, block_q)
   blocks = hi_u - lo_u
   steps = blocks * group
-  columns = functools.partial(_columns, chunk=chunk, split=split)
-  chunk_of = functools.partial(_chunk, split=split)
 
   def slot_of(t):
     return lax.rem(t, jnp.int32(stages))
@@ -221,28 +226,36 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
     plgpu.set_max_registers(fwd.COMPUTE_REGISTERS, action="increase")
-    # (split is 1 or 2 with two compute warpgroups)
-    key_group, mine = (wg, 0) if split == 1 else (0, wg)
-    k_smem, v_smem = ((k_smem2.at[wg], v_smem2.at[wg]) if split == 1
-                      else (k_smem2, v_smem2))
-    col0 = cta_col0 + key_group * bk
+    if split > 1:
+      _dkv_roles(
+          types.SimpleNamespace(
+              k_ref=k_ref, v_ref=v_ref, dk_ref=dk_ref, dv_ref=dv_ref,
+              k_smem=k_smem2, v_smem=v_smem2, q_smem=q_smem, do_smem=do_smem,
+              lse_smem=lse_smem, delta_smem=delta_smem, p_smem=p_smem[0],
+              k_loaded=k_loaded, v_loaded=v_loaded, q_loaded=q_loaded,
+              do_loaded=do_loaded, lse_loaded=lse_loaded,
+              delta_loaded=delta_loaded, consumed=consumed,
+              p_ready=p_ready[0]),
+          program=program, walk=walk, batch=batch, kv_head=kv_head, wg=wg,
+          col0=cta_col0, block_q=block_q, blocks=blocks, lo_u=lo_u,
+          hi_u=hi_u, group=group, slot_of=slot_of, chunk=chunk, split=split,
+          sm_scale=sm_scale, soft_cap=soft_cap, interpreting=interpreting)
+      return
+    k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+    col0 = cta_col0 + wg * bk
     rows = pl.ds(col0, bk)
-    # Each warpgroup loads its own chunk of its key group's K and V.
-    plgpu.copy_gmem_to_smem(columns(k_ref.at[batch, kv_head, rows], mine),
-                            chunk_of(k_smem, mine), k_loaded.at[wg])
-    plgpu.copy_gmem_to_smem(columns(v_ref.at[batch, kv_head, rows], mine),
-                            chunk_of(v_smem, mine), v_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, rows], k_smem,
+                            k_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, rows], v_smem,
+                            v_loaded.at[wg])
     lo, a, b, hi = walk.bounds(program, col0, bk, block_q, lo_u, hi_u)
     layout = plgpu.Layout.WGMMA
     cast, iota, load_col, _ = fwd.register_tools((bk, block_q), 0,
                                                  interpreting)
 
     def wait_loaded(slot):
-      for c in range(split):
-        plgpu.barrier_wait(q_loaded.at[slot * split + c])
-        plgpu.barrier_wait(do_loaded.at[slot * split + c])
-      plgpu.barrier_wait(lse_loaded.at[slot])
-      plgpu.barrier_wait(delta_loaded.at[slot])
+      for barrier in (q_loaded, do_loaded, lse_loaded, delta_loaded):
+        plgpu.barrier_wait(barrier.at[slot])
 
     def skip(i, carry, g):
       slot = slot_of(g * blocks + (i - lo_u))
@@ -255,32 +268,28 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
       slot = slot_of(g * blocks + (i - lo_u))
       q_slot, do_slot = q_smem.at[slot], do_smem.at[slot]
       wait_loaded(slot)
-      s, dp = _nt_products(
-          [(chunk_of(k_smem, c), chunk_of(q_slot, c)) for c in range(split)],
-          [(chunk_of(v_smem, c), chunk_of(do_slot, c))
-           for c in range(split)],
-          (bk, block_q), interpreting)
+      s, dp = _nt_products([[(k_smem, q_slot)], [(v_smem, do_slot)]],
+                           (bk, block_q), interpreting)
       lse2 = load_col(lse_smem.at[slot])
       delta = load_col(delta_smem.at[slot])
       s, t = _base2_logits(s, sm_scale, soft_cap)
       if masked:  # rows are keys, columns queries; padded keys need no mask
         s = walk.apply(program, s, block_of(i) * block_q + iota(1),
-                       col0 + iota(0), i, key_group * bk, interpreting,
+                       col0 + iota(0), i, wg * bk, interpreting,
                        check_length=False)
       p, ds = _probs_and_dlogits(s, dp, t, lse2, delta, row_axis=1)
       p16, ds16 = p.astype(dtype), ds.astype(dtype)
-      q_mine, do_mine = chunk_of(q_slot, mine), chunk_of(do_slot, mine)
       if interpreting:
         dims_nn = (((1,), (0,)), ((), ()))
-        dv = dv + lax.dot_general(p16, do_mine[...], dims_nn,
+        dv = dv + lax.dot_general(p16, do_slot[...], dims_nn,
                                   preferred_element_type=jnp.float32)
-        dk = dk + lax.dot_general(ds16, q_mine[...], dims_nn,
+        dk = dk + lax.dot_general(ds16, q_slot[...], dims_nn,
                                   preferred_element_type=jnp.float32)
       else:
         def dk_dv_products(refs):
           dk_ref, dv_ref = refs
-          plgpu.wgmma(dv_ref, p16, do_mine)
-          plgpu.wgmma(dk_ref, ds16, q_mine)
+          plgpu.wgmma(dv_ref, p16, do_slot)
+          plgpu.wgmma(dk_ref, ds16, q_slot)
 
         dk, dv = pl.run_state(dk_dv_products)(
             (plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
@@ -288,9 +297,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
       return dk, dv
 
     zeros = cast(jnp.full((bk, chunk), 0.0, jnp.float32), layout)
-    for c in range(split):
-      plgpu.barrier_wait(k_loaded.at[key_group * split + c])
-      plgpu.barrier_wait(v_loaded.at[key_group * split + c])
+    plgpu.barrier_wait(k_loaded.at[wg])
+    plgpu.barrier_wait(v_loaded.at[wg])
 
     def head(g, carry):
       return fwd.band_loop(functools.partial(step, g=g),
@@ -298,17 +306,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
                            (lo_u, lo, a, b, hi, hi_u), carry)
 
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
-    if split > 1:  # the other warpgroup reads every K and V chunk until done
-      plgpu.barrier_arrive(done[0])
-      plgpu.barrier_wait(done[0])
-    k_out, v_out = chunk_of(k_smem, mine), chunk_of(v_smem, mine)
-    k_out[...] = (dk * sm_scale).astype(dtype)
-    v_out[...] = dv.astype(dtype)
+    k_smem[...] = (dk * sm_scale).astype(dtype)
+    v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_out,
-                            columns(dk_ref.at[batch, kv_head, rows], mine))
-    plgpu.copy_smem_to_gmem(v_out,
-                            columns(dv_ref.at[batch, kv_head, rows], mine))
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[batch, kv_head, rows])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[batch, kv_head, rows])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == COMPUTE_WGS)
@@ -334,6 +336,235 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
 
     fwd.stream_ring(jnp.int32(0), steps, stages, load, refill,
                     lambda slot: plgpu.barrier_wait(consumed.at[slot]))
+
+
+def _nn_accumulate(accs, lhs16, rhs, interpreting):
+  """(acc_c + lhs16 @ chunk c of ``rhs`` for each c) in float32: the left
+  operand in registers, the right one a shared-memory tile (one
+  accumulator), or [chunk, rows, cols] (one per head_dim chunk)."""
+  chunk = (lambda c: rhs) if len(accs) == 1 else (lambda c: rhs.at[c])
+  if interpreting:
+    dims_nn = (((1,), (0,)), ((), ()))
+    return tuple(acc + lax.dot_general(lhs16, chunk(c)[...], dims_nn,
+                                       preferred_element_type=jnp.float32)
+                 for c, acc in enumerate(accs))
+
+  def products(acc_refs):  # (chunks indexed here: run_state takes no
+    for c, acc_ref in enumerate(acc_refs):  # constant indices from outside)
+      plgpu.wgmma(acc_ref, lhs16, chunk(c))
+
+  return pl.run_state(products)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+
+def _share_probabilities(p, t, p_smem, p_ready, dtype):
+  """Hands P (times 1 - tanh^2 under a soft cap: all that dS needs of the
+  logits) to the other compute warpgroup through ``p_smem``."""
+  p_smem[...] = (p if t is None else p * (1.0 - t * t)).astype(dtype)
+  plgpu.barrier_arrive(p_ready)
+
+
+def _dkv_roles(r, *, program, walk, batch, kv_head, wg, col0, block_q,
+               blocks, lo_u, hi_u, group, slot_of, chunk, split, sm_scale,
+               soft_cap, interpreting):
+  """dk/dv compute above ``SPLIT_ABOVE``, on the CTA's 64 keys (K, V and the
+  ring in head_dim halves): warpgroup 0 forms ``S^T = K Q^T`` and ``P^T``,
+  hands P^T over through SMEM and accumulates ``dV += P^T dO``; warpgroup 1
+  forms ``dP^T = V dO^T``, takes P^T, forms dS^T and accumulates ``dK +=
+  dS^T Q``. Each matmul runs once (no warpgroup repeats the other's S or
+  dP); each warpgroup writes its gradient through its own K or V tile."""
+  bk = KEYS_PER_WG
+  rows = pl.ds(col0, bk)
+  dtype = r.q_smem.dtype
+  cast, iota, load_col, _ = fwd.register_tools((bk, block_q), 0,
+                                               interpreting)
+  columns = functools.partial(_columns, chunk=chunk, split=split)
+  bounds = (lo_u,) + walk.bounds(program, col0, bk, block_q, lo_u,
+                                 hi_u) + (hi_u,)
+  zeros = cast(jnp.full((bk, chunk), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+  def walk_heads(own, own_loaded, step, vectors_loaded):
+    """Loads ``own`` (K or V) for this warpgroup, walks every query head's
+    blocks with ``step(slot, i, accs, masked)`` and returns the
+    accumulators; ``own`` then holds nothing this warpgroup still reads."""
+    own_ref, own_smem = own
+    for c in range(split):
+      plgpu.copy_gmem_to_smem(
+          columns(own_ref.at[batch, kv_head, rows], c), own_smem.at[c],
+          own_loaded.at[c])
+
+    def wait_loaded(slot):
+      for c in range(split):
+        plgpu.barrier_wait(r.q_loaded.at[slot * split + c])
+        plgpu.barrier_wait(r.do_loaded.at[slot * split + c])
+      plgpu.barrier_wait(vectors_loaded.at[slot])
+
+    def skip(i, carry, g):
+      slot = slot_of(g * blocks + (i - lo_u))
+      wait_loaded(slot)
+      plgpu.barrier_arrive(r.consumed.at[slot])
+      return carry
+
+    def run(i, accs, g, masked):
+      slot = slot_of(g * blocks + (i - lo_u))
+      wait_loaded(slot)
+      accs = step(slot, i, accs, masked)
+      plgpu.barrier_arrive(r.consumed.at[slot])
+      return accs
+
+    for c in range(split):
+      plgpu.barrier_wait(own_loaded.at[c])
+
+    def head(g, accs):
+      return fwd.band_loop(functools.partial(run, g=g),
+                           functools.partial(skip, g=g), bounds, accs)
+
+    return lax.fori_loop(0, group, head, (zeros,) * split)
+
+  def write(accs, smem, out_ref):
+    for c in range(split):
+      smem.at[c][...] = accs[c].astype(dtype)
+    plgpu.commit_smem()
+    for c in range(split):
+      plgpu.copy_smem_to_gmem(smem.at[c],
+                              columns(out_ref.at[batch, kv_head, rows], c))
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 0)
+  def _probabilities():
+    def step(slot, i, dv, masked):
+      q_slot = r.q_smem.at[slot]
+      (s,) = _nt_products(
+          [[(r.k_smem.at[c], q_slot.at[c]) for c in range(split)]],
+          (bk, block_q), interpreting)
+      lse2 = load_col(r.lse_smem.at[slot])
+      s, t = _base2_logits(s, sm_scale, soft_cap)
+      if masked:  # rows are keys, columns queries; padded keys need no mask
+        s = walk.apply(program, s, program.block_of(i) * block_q + iota(1),
+                       col0 + iota(0), i, 0, interpreting,
+                       check_length=False)
+      p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [1]))
+      _share_probabilities(p, t, r.p_smem.at[slot], r.p_ready.at[slot],
+                           dtype)
+      do_slot = r.do_smem.at[slot]
+      return _nn_accumulate(dv, p.astype(dtype), do_slot, interpreting)
+
+    dv = walk_heads((r.k_ref, r.k_smem), r.k_loaded, step, r.lse_loaded)
+    write(dv, r.k_smem, r.dv_ref)
+
+  @pl.when(wg == 1)
+  def _dlogits():
+    def step(slot, i, dk, masked):
+      del i, masked  # P arrives masked
+      do_slot, q_slot = r.do_smem.at[slot], r.q_smem.at[slot]
+      (dp,) = _nt_products(
+          [[(r.v_smem.at[c], do_slot.at[c]) for c in range(split)]],
+          (bk, block_q), interpreting)
+      delta = load_col(r.delta_smem.at[slot])
+      plgpu.barrier_wait(r.p_ready.at[slot])
+      p = fwd.load_vector(r.p_smem.at[slot], plgpu.Layout.WGMMA,
+                          interpreting).astype(jnp.float32)
+      ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [1]))
+      return _nn_accumulate(dk, ds.astype(dtype), q_slot, interpreting)
+
+    dk = walk_heads((r.v_ref, r.v_smem), r.v_loaded, step, r.delta_loaded)
+    write(tuple(x * sm_scale for x in dk), r.v_smem, r.dk_ref)
+
+
+def _dq_roles(r, *, program, walk, batch, head, wg, row0, block_k, lo_u,
+              hi_u, slot_of, chunk, split, sm_scale, soft_cap, interpreting):
+  """dq compute above ``SPLIT_ABOVE``, on the CTA's 64 rows (Q, dO and the
+  ring in head_dim halves): warpgroup 0 forms ``S = Q K^T`` and P and hands
+  P over through SMEM; warpgroup 1 forms ``dP = dO V^T``, takes P, forms dS
+  and accumulates ``dQ += dS K`` (both halves), written through its dO
+  tile. Each matmul runs once."""
+  bq = ROWS_PER_WG
+  rows = pl.ds(row0, bq)
+  dtype = r.q_smem.dtype
+  cast, iota, load_row, _ = fwd.register_tools((bq, block_k), 1,
+                                               interpreting)
+  columns = functools.partial(_columns, chunk=chunk, split=split)
+  bounds = (lo_u,) + walk.bounds(program, row0, bq, block_k, lo_u,
+                                 hi_u) + (hi_u,)
+
+  def walk_blocks(own, vector, ring_loaded, step, carry):
+    """Loads ``own`` (Q or dO, both halves, barriers 0 and 1) and ``vector``
+    (lse or delta, barrier 2) for this warpgroup and walks the tile's key
+    blocks with ``step(slot, c, vector, carry, masked)``, waiting for
+    ``ring_loaded`` (K, or K and V) of each."""
+    (own_ref, own_smem), (vector_ref, vector_smem) = own, vector
+    for c in range(split):
+      plgpu.copy_gmem_to_smem(columns(own_ref.at[batch, head, rows], c),
+                              own_smem.at[c], r.rows_loaded.at[4 * wg + c])
+    plgpu.copy_gmem_to_smem(vector_ref.at[batch, head, rows], vector_smem,
+                            r.rows_loaded.at[4 * wg + 2])
+
+    def wait_loaded(slot):
+      for barrier in ring_loaded:
+        for c in range(split):
+          plgpu.barrier_wait(barrier.at[slot * split + c])
+
+    def skip(c, carry):
+      slot = slot_of(c)
+      wait_loaded(slot)
+      plgpu.barrier_arrive(r.consumed.at[slot])
+      return carry
+
+    def run(c, carry, masked):
+      slot = slot_of(c)
+      wait_loaded(slot)
+      carry = step(slot, c, row_vector, carry, masked)
+      plgpu.barrier_arrive(r.consumed.at[slot])
+      return carry
+
+    for i in range(3):
+      plgpu.barrier_wait(r.rows_loaded.at[4 * wg + i])
+    row_vector = load_row(vector_smem)
+    return fwd.band_loop(run, skip, bounds, carry)
+
+  @pl.when(wg == 0)
+  def _probabilities():
+    def step(slot, c, lse2, carry, masked):
+      k_slot = r.k_smem.at[slot]
+      (s,) = _nt_products(
+          [[(r.q_smem.at[i], k_slot.at[i]) for i in range(split)]],
+          (bq, block_k), interpreting)
+      s, t = _base2_logits(s, sm_scale, soft_cap)
+      if masked:
+        s = walk.apply(program, s, row0 + iota(0),
+                       program.block_of(c) * block_k + iota(1), c, 0,
+                       interpreting)
+      p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0]))
+      _share_probabilities(p, t, r.p_smem.at[slot], r.p_ready.at[slot],
+                           dtype)
+      return carry
+
+    walk_blocks((r.q_ref, r.q_smem), (r.lse_ref, r.lse_smem),
+                (r.k_loaded,), step, None)
+
+  @pl.when(wg == 1)
+  def _dlogits():
+    def step(slot, c, delta, dq, masked):
+      del c, masked  # P arrives masked
+      k_slot, v_slot = r.k_smem.at[slot], r.v_smem.at[slot]
+      (dp,) = _nt_products(
+          [[(r.do_smem.at[i], v_slot.at[i]) for i in range(split)]],
+          (bq, block_k), interpreting)
+      plgpu.barrier_wait(r.p_ready.at[slot])
+      p = fwd.load_vector(r.p_smem.at[slot], plgpu.Layout.WGMMA,
+                          interpreting).astype(jnp.float32)
+      ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+      return _nn_accumulate(dq, ds.astype(dtype), k_slot, interpreting)
+
+    zeros = cast(jnp.full((bq, chunk), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    dq = walk_blocks((r.do_ref, r.do_smem), (r.delta_ref, r.delta_smem),
+                     (r.k_loaded, r.v_loaded), step, (zeros,) * split)
+    for i in range(split):  # dO is no longer read
+      r.do_smem.at[i][...] = (dq[i] * sm_scale).astype(dtype)
+    plgpu.commit_smem()
+    for i in range(split):
+      plgpu.copy_smem_to_gmem(r.do_smem.at[i],
+                              columns(r.dq_ref.at[batch, head, rows], i))
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _row_inputs(lse, delta, lq, lq_pad):
@@ -441,16 +672,18 @@ def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
       fwd.tile_smem(_tile_shape((stages,), bq, head_dim, split), dtype),
       plgpu.SMEM((stages, bq), jnp.float32),
       plgpu.SMEM((stages, bq), jnp.float32),
-  )
+  ) + ((fwd.tile_smem((stages, KEYS_PER_WG, bq), dtype),)  # P^T handed over
+       if split > 1 else ())
   barriers = (
-      plgpu.Barrier(num_barriers=COMPUTE_WGS),  # k loaded (one per chunk)
+      plgpu.Barrier(num_barriers=COMPUTE_WGS),  # k loaded (wg, or chunk)
       plgpu.Barrier(num_barriers=COMPUTE_WGS),  # v loaded
       plgpu.Barrier(num_barriers=stages * split),  # q loaded
       plgpu.Barrier(num_barriers=stages * split),  # dO loaded
       plgpu.Barrier(num_barriers=stages),  # lse loaded
       plgpu.Barrier(num_barriers=stages),  # delta loaded
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-  ) + ((plgpu.Barrier(num_arrivals=COMPUTE_WGS),) if split > 1 else ())
+  ) + ((plgpu.Barrier(num_barriers=stages),)  # P^T ready
+       if split > 1 else ())
   body = functools.partial(
       _kernel, block_q=bq, split=split, tiles=lk_pad // tile_k,
       **_kernel_statics(walk, sm_scale, logit_soft_cap, group,
@@ -472,12 +705,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
                dq_ref, scratch, *, walk, sm_scale, soft_cap, block_k, stages,
                group, nq, reverse_q, split, interpreting):
   """dq. Not split: Q and dO as [warpgroup, 64, head_dim], the K and V ring
-  as [slot, keys, head_dim]; split: Q and dO as [half, 64, head_dim / 2]
-  (the CTA's 64 rows), the ring as [slot, half, keys, head_dim / 2], and
-  compute warpgroup w accumulates half w of dQ."""
-  (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), barriers = (
-      scratch)
-  (rows_loaded, k_loaded, v_loaded, consumed, *done) = barriers
+  as [slot, keys, head_dim], each compute warpgroup on its own 64 rows;
+  split: Q and dO as [half, 64, head_dim / 2] (the CTA's 64 rows), the ring
+  as [slot, half, keys, head_dim / 2], P exchanged through ``p_smem``
+  [slot, 64, keys] (``_dq_roles``)."""
+  (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem,
+   *p_smem), barriers = scratch
+  (rows_loaded, k_loaded, v_loaded, consumed, *p_ready) = barriers
   batch, head, wg = (lax.axis_index("batch"), lax.axis_index("heads"),
                      lax.axis_index("wg"))
   program = walk.open(mask_refs, lax.axis_index("q_tiles"), nq, reverse_q)
@@ -488,8 +722,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
   tile_q = bq * COMPUTE_WGS // split
   cta_row0 = tile * tile_q
   lo_u, hi_u = walk.cta_bounds(program, cta_row0, tile_q, block_k)
-  columns = functools.partial(_columns, chunk=chunk, split=split)
-  chunk_of = functools.partial(_chunk, split=split)
 
   def slot_of(c):
     return lax.rem(c - lo_u, jnp.int32(stages))
@@ -497,19 +729,27 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
     plgpu.set_max_registers(fwd.COMPUTE_REGISTERS, action="increase")
-    # (split is 1 or 2 with two compute warpgroups)
-    row_group, mine = (wg, 0) if split == 1 else (0, wg)
-    q_smem, do_smem = ((q_smem2.at[wg], do_smem2.at[wg]) if split == 1
-                       else (q_smem2, do_smem2))
+    if split > 1:
+      _dq_roles(
+          types.SimpleNamespace(
+              q_ref=q_ref, do_ref=do_ref, lse_ref=lse_ref,
+              delta_ref=delta_ref, dq_ref=dq_ref, q_smem=q_smem2,
+              do_smem=do_smem2, lse_smem=lse_smem2.at[0],
+              delta_smem=delta_smem2.at[0], k_smem=k_smem, v_smem=v_smem,
+              p_smem=p_smem[0], rows_loaded=rows_loaded, k_loaded=k_loaded,
+              v_loaded=v_loaded, consumed=consumed, p_ready=p_ready[0]),
+          program=program, walk=walk, batch=batch, head=head, wg=wg,
+          row0=cta_row0, block_k=block_k, lo_u=lo_u, hi_u=hi_u,
+          slot_of=slot_of, chunk=chunk, split=split, sm_scale=sm_scale,
+          soft_cap=soft_cap, interpreting=interpreting)
+      return
+    q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
-    row0 = cta_row0 + row_group * bq
+    row0 = cta_row0 + wg * bq
     rows = pl.ds(row0, bq)
-    # Each warpgroup loads its own chunk of Q and dO, and its own lse, delta.
-    for ref, smem, i in ((q_ref, chunk_of(q_smem, mine), 0),
-                         (do_ref, chunk_of(do_smem, mine), 1)):
-      plgpu.copy_gmem_to_smem(columns(ref.at[batch, head, rows], mine), smem,
-                              rows_loaded.at[wg * 4 + i])
-    for ref, smem, i in ((lse_ref, lse_smem, 2), (delta_ref, delta_smem, 3)):
+    for i, (ref, smem) in enumerate(((q_ref, q_smem), (do_ref, do_smem),
+                                     (lse_ref, lse_smem),
+                                     (delta_ref, delta_smem))):
       plgpu.copy_gmem_to_smem(ref.at[batch, head, rows], smem,
                               rows_loaded.at[wg * 4 + i])
     lo, a, b, hi = walk.bounds(program, row0, bq, block_k, lo_u, hi_u)
@@ -518,9 +758,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
                                                  interpreting)
 
     def wait_kv(slot):
-      for c in range(split):
-        plgpu.barrier_wait(k_loaded.at[slot * split + c])
-        plgpu.barrier_wait(v_loaded.at[slot * split + c])
+      plgpu.barrier_wait(k_loaded.at[slot])
+      plgpu.barrier_wait(v_loaded.at[slot])
 
     def skip(c, carry):
       slot = slot_of(c)
@@ -532,47 +771,27 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs,
       slot = slot_of(c)
       k_slot, v_slot = k_smem.at[slot], v_smem.at[slot]
       wait_kv(slot)
-      s, dp = _nt_products(
-          [(chunk_of(q_smem, i), chunk_of(k_slot, i)) for i in range(split)],
-          [(chunk_of(do_smem, i), chunk_of(v_slot, i))
-           for i in range(split)],
-          (bq, block_k), interpreting)
+      s, dp = _nt_products([[(q_smem, k_slot)], [(do_smem, v_slot)]],
+                           (bq, block_k), interpreting)
       s, t = _base2_logits(s, sm_scale, soft_cap)
       if masked:
         s = walk.apply(program, s, row0 + iota(0),
-                       block_of(c) * block_k + iota(1), c, row_group * bq,
+                       block_of(c) * block_k + iota(1), c, wg * bq,
                        interpreting)
       _, ds = _probs_and_dlogits(s, dp, t, lse2, delta, row_axis=0)
-      ds16 = ds.astype(dtype)
-      k_mine = chunk_of(k_slot, mine)
-      if interpreting:
-        dq = dq + lax.dot_general(ds16, k_mine[...], (((1,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
-      else:
-        def dq_product(dq_ref):
-          plgpu.wgmma(dq_ref, ds16, k_mine)
-
-        dq = pl.run_state(dq_product)(plgpu.ACC.init(dq))
+      (dq,) = _nn_accumulate((dq,), ds.astype(dtype), k_slot, interpreting)
       plgpu.barrier_arrive(consumed.at[slot])
       return dq
 
-    for w in [wg] if split == 1 else range(COMPUTE_WGS):
-      for i in range(2):  # every chunk of the row group's Q and dO
-        plgpu.barrier_wait(rows_loaded.at[w * 4 + i])
-    for i in range(2, 4):
+    for i in range(4):
       plgpu.barrier_wait(rows_loaded.at[wg * 4 + i])
     lse2 = load_row(lse_smem)
     delta = load_row(delta_smem)
     dq = cast(jnp.full((bq, chunk), 0.0, jnp.float32), layout)
     dq = fwd.band_loop(step, skip, (lo_u, lo, a, b, hi, hi_u), dq)
-    if split > 1:  # the other warpgroup reads every Q and dO chunk until done
-      plgpu.barrier_arrive(done[0])
-      plgpu.barrier_wait(done[0])
-    q_out = chunk_of(q_smem, mine)
-    q_out[...] = (dq * sm_scale).astype(dtype)
+    q_smem[...] = (dq * sm_scale).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_out,
-                            columns(dq_ref.at[batch, head, rows], mine))
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, head, rows])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == COMPUTE_WGS)
@@ -630,13 +849,17 @@ def dq(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
       plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32),
       fwd.tile_smem(_tile_shape((stages,), block_k, head_dim, split), dtype),
       fwd.tile_smem(_tile_shape((stages,), block_k, head_dim, split), dtype),
-  )
+  ) + ((fwd.tile_smem((stages, ROWS_PER_WG, block_k), dtype),)  # P handed over
+       if split > 1 else ())
   barriers = (
-      plgpu.Barrier(num_barriers=4 * COMPUTE_WGS),  # q, dO, lse, delta
+      # q, dO, lse, delta of each warpgroup (split: its Q or dO halves, then
+      # its lse or delta)
+      plgpu.Barrier(num_barriers=4 * COMPUTE_WGS),
       plgpu.Barrier(num_barriers=stages * split),  # k loaded
       plgpu.Barrier(num_barriers=stages * split),  # v loaded
       plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-  ) + ((plgpu.Barrier(num_arrivals=COMPUTE_WGS),) if split > 1 else ())
+  ) + ((plgpu.Barrier(num_barriers=stages),)  # P ready
+       if split > 1 else ())
   body = functools.partial(
       _dq_kernel, block_k=block_k, nq=nq, split=split,
       reverse_q=band.right is not None and band.left is None,
