@@ -70,7 +70,7 @@ OFF = 1 << 20  # PAIR_MIN_MP that pairs no CTAs
 # Round 2: (layout, padded M) -> (name, (tile_k, stages) | None, pairs from
 # padded M, None: the module's PAIR_MIN_MP)
 ROUND2 = {
-    ("nk", 64): [("tk128x4", (128, 4), None), ("tk128x4_pairs", (128, 4), 64),
+    ("nk", 64): [("tk256x2", (256, 2), None), ("pairs", None, 64),
                  ("tk128x3", (128, 3), None)],
     ("kn", 64): [("pairs", None, 64), ("tk128x5_pairs", (128, 5), 64)],
     ("nk", 128): [("no_pairs", None, OFF)],
