@@ -1,24 +1,25 @@
 """Sweep of the Mosaic GPU 8-bit weight-only kernel's plan knobs on a GPU.
 
     python scripts/mgpu_8bit_sweep.py OUT.json [--budget-s S] [--only TEXT]
-        [--defaults-only] [--check]
+        [--defaults-only] [--round2] [--check]
 
 For each (K, N) of bench.quantized_matmul's weight-only shapes, M in 64,
 128, 256, int8 and float8_e4m3fn w in both layouts: the kernel with the
 default plan, then variants (``MgpuBlockSizes`` tile_k/stages, the K split
 through max_split/target_ctas, x multicast pairs on/off through
-``PAIR_MIN_MP``), each against torch bf16 (``torch.matmul``) in the same
-process. ``err``: relative error of the first 16 rows against a float32
-HIGHEST-precision dot of the dequantized w. ``--check``: instead, the
-default plans against float64 numpy at odd and bench shapes (OUT: those
-errors). Rows are written after every config;
-the sweep stops starting configs after ``--budget-s`` seconds. Calls the
-kernel module directly (block sizes are not public for this kernel).
+``PAIR_MIN_MP``; ``pairs_ctas`` decides the rest), each against torch bf16
+(``torch.matmul``) in the same process; ``--round2``: the second round's
+variants (``ROUND2``), each after the default of its case. ``err``:
+relative error of the first 16 rows against a float32 HIGHEST-precision
+dot of the dequantized w. ``--check``: instead, the default plans against
+float64 numpy at odd and bench shapes (OUT: those errors). Rows are
+written after every config; the sweep stops starting configs after
+``--budget-s`` seconds. Calls the kernel module directly (block sizes are
+not public for this kernel).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
