@@ -184,8 +184,7 @@ def plan(m, k, n, sizes: MgpuBlockSizes | None = None,
 def pairs_ctas(mp: int, tiles: int, w_layout: str, bits: int) -> bool:
   """Whether CTAs of adjacent column tiles share (multicast) x tiles: from
   Mp = PAIR_MIN_MP on with an even tile count, except 8-bit w [N, K],
-  whose CTAs run faster uncoupled (a shared x slot is released only when
-  both CTAs' wgmmas are done)."""
+  which measured faster unpaired (docs/design/int8.md)."""
   if mp < PAIR_MIN_MP or tiles % 2:
     return False
   return w_layout == "kn" or bits == 4
