@@ -152,7 +152,7 @@ MATMUL_CASES = [
                weight_only=True, block_sizes=BLOCKS),
     MatmulCase((1, 96), 1, x_dtype="float16", extras=("w_scale_1",),
                layout="nk", weight_only=True),
-    # the Mosaic GPU kernel's range: M 100 -> 128 (CTA pairs), K split
+    # the Mosaic GPU kernel's range: M 100 -> 128, K split
     MatmulCase((100, 384), 256, x_dtype="bfloat16", extras=("w_scale", "bias"),
                layout="nk", weight_only=True),
 ]

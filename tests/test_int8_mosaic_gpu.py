@@ -128,19 +128,38 @@ def test_plan_split_fills_one_wave_and_fuses_unsplit():
       assert p.sizes.tile_k % mosaic_gpu.KN_CHUNK == 0  # whole chunks
 
 
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_8bit_table_rows_fit_smem_as_written(layout):
+  # A row that only fits after plan drops stages would time another ring.
+  for mp, (tile_k, stages) in mosaic_gpu.TILES[8, layout].items():
+    p = mosaic_gpu.plan(mp, 8192, 8192, w_layout=layout)
+    assert p.mp == mp and (p.sizes.tile_k, p.sizes.stages) == (tile_k, stages)
+    assert mosaic_gpu.smem_bytes(p, layout) <= mosaic_gpu.SMEM_BYTES
+    assert tile_k % mosaic_gpu.KN_CHUNK == 0 and stages >= 2
+
+
 def test_plan_pairs_ctas_for_x_multicast_at_mp_128():
-  assert mosaic_gpu.plan(16, 4096, 14336).cluster == 1
-  assert mosaic_gpu.plan(128, 4096, 14336).cluster == 2
-  assert mosaic_gpu.plan(128, 14336, 4096).cluster == 2  # split K too
-  assert mosaic_gpu.plan(128, 4096, 14336 - 128).cluster == 1  # odd tiles
+  def cluster(m, k, n, layout="kn", bits=8):
+    return mosaic_gpu.plan(m, k, n, w_layout=layout, bits=bits).cluster
+  assert cluster(16, 4096, 14336) == 1
+  assert cluster(64, 4096, 14336) == 1
+  assert cluster(128, 4096, 14336) == 2
+  assert cluster(256, 8192, 8192) == 2
+  assert cluster(128, 14336, 4096) == 2  # split K too
+  assert cluster(128, 4096, 14336 - 128) == 1  # odd tiles
+  # 8-bit w [N, K] never pairs; int4 [N, K] does
+  assert cluster(128, 4096, 14336, "nk") == 1
+  assert cluster(256, 8192, 8192, "nk") == 1
+  assert cluster(128, 4096, 14336, "nk", bits=4) == 2
 
 
 @pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
                     reason="no Mosaic GPU Pallas API in this jax")
 @pytest.mark.parametrize("m, k, n, w_layout, w_dtype", [
     (16, 4096, 14336, "nk", jnp.int8),   # fused epilogue: scale and bias
-    (128, 14336, 4096, "nk", jnp.int8),  # split K, XLA sum; x pairs
-    (100, 256, 512, "nk", jnp.int8),     # fused, x pairs
+    (128, 14336, 4096, "nk", jnp.int8),  # split K, XLA sum
+    (100, 256, 512, "nk", jnp.int8),     # fused
+    (100, 256, 512, "kn", jnp.int8),     # fused, x pairs
     # w [K, N]: the bf16 conversion buffers and wgmma from shared memory
     (1, 4096, 1024, "kn", jnp.int8),
     (128, 14336, 4096, "kn", jnp.float8_e4m3fn),

@@ -27,8 +27,9 @@ global memory, one 64-value row piece per chunk.
 One CTA per (column tile of 128 output channels, K piece). A memory
 warpgroup streams w and x tiles with TMA into a ring of ``stages`` slots
 (``plgpu.emit_pipeline_warp_specialized``); a slot is released once the
-wgmma reading it has completed. At Mp = 128 CTAs of adjacent column tiles
-form pairs and each x tile is loaded once for both (TMA multicast).
+wgmma reading it has completed. From Mp = 128 on, except for 8-bit w [N,
+K] (``pairs_ctas``), CTAs of adjacent column tiles form pairs and each x
+tile is loaded once for both (TMA multicast).
 
 K is split over the largest power of two of CTAs (<= ``max_split``) that
 still run in one wave of ``target_ctas``. Unsplit, the epilogue (w_scale,
@@ -114,7 +115,7 @@ class MgpuBlockSizes:
 # for w [K, N], the conversion buffers' 32 KiB fit the H100's 227 KiB of
 # SMEM. int4 rows keep about the 8-bit rows' w bytes per slot.
 TILES = {
-    (8, "nk"): {16: (256, 4), 32: (256, 4), 64: (256, 2), 128: (128, 4),
+    (8, "nk"): {16: (256, 4), 32: (256, 4), 64: (128, 4), 128: (128, 4),
                 192: (64, 4), 256: (64, 4)},
     (8, "kn"): {16: (256, 3), 32: (256, 3), 64: (128, 4), 128: (128, 3),
                 192: (64, 4), 256: (64, 4)},
@@ -171,13 +172,22 @@ def plan(m, k, n, sizes: MgpuBlockSizes | None = None,
          and split * 2 <= min(sizes.max_split, k_tiles)):
     split *= 2
   steps = -(-k_tiles // split)
-  cluster = 2 if mp >= PAIR_MIN_MP and tiles % 2 == 0 else 1
+  cluster = 2 if pairs_ctas(mp, tiles, w_layout, bits) else 1
   p = Plan(mp, np_, steps * split * sizes.tile_k, split, steps, sizes,
            cluster, group_size, tables)
   while p.sizes.stages > 2 and smem_bytes(p, w_layout, bits) > SMEM_BYTES:
     p = dataclasses.replace(p, sizes=dataclasses.replace(
         p.sizes, stages=p.sizes.stages - 1))
   return p
+
+
+def pairs_ctas(mp: int, tiles: int, w_layout: str, bits: int) -> bool:
+  """Whether CTAs of adjacent column tiles share (multicast) x tiles: from
+  Mp = PAIR_MIN_MP on with an even tile count, except 8-bit w [N, K],
+  which measured faster unpaired (docs/design/int8.md)."""
+  if mp < PAIR_MIN_MP or tiles % 2:
+    return False
+  return w_layout == "kn" or bits == 4
 
 
 def k_chunk(tile_k: int, w_layout: str, bits: int,
