@@ -6,8 +6,8 @@ Per-channel ``w_scale`` [N] multiplies the float32 sums; int4 w may instead
 carry group scales (and zero points) [K // g, N] (``group_size`` g, a
 multiple of 64): each K chunk of a w tile lies in one group and is
 dequantized before its wgmma as ``(w - zero) * scale`` in float32, rounded
-to bf16, as the reference does (integer zero points are subtracted in bf16,
-where the difference is exact). Up to M = 128 the time is that of
+to bf16, as the reference does (for w [N, K], integer zero points are
+subtracted in bf16, where the difference is exact). Up to M = 128 the time is that of
 streaming w once.
 
 The product is formed transposed, out^T [N, M] = w [N, K] . x^T, so that w's
@@ -22,10 +22,9 @@ would need it transposed; instead each compute warpgroup converts 64-row
 K chunks of its 64 columns into a bf16 shared-memory buffer (two per
 warpgroup, so converting one chunk overlaps the wgmma of the previous)
 and issues the wgmma with that buffer, transposed, as A from shared
-memory. The group scale and zero tables, stacked into one [T, G, N]
-float32 array (one XLA fusion per call forms it from the caller's tables),
-stream through the ring with w as [T, tile_k // g, 128] tiles; each chunk
-reads its group's 64 values per table and warpgroup.
+memory. Group scale and zero tables ([G, N] float32) stream through the
+ring with w as [tile_k // g, 128] tiles; each chunk reads its group's 64
+values per table and warpgroup.
 
 One CTA per (column tile of 128 output channels, K piece). A memory
 warpgroup streams w and x tiles with TMA into a ring of ``stages`` slots
@@ -204,7 +203,7 @@ def epilogue_cols(mp: int) -> int:
 
 def smem_bytes(p: Plan, w_layout: str = "nk", bits: int = 8) -> int:
   ring = p.sizes.stages * p.sizes.tile_k * (ROWS * bits // 8 + 2 * p.mp)
-  if p.tables:  # [tables, tile_k // g, 128] float32 per slot
+  if p.tables:  # [tile_k // g, 128] float32 per table and slot
     ring += p.sizes.stages * p.sizes.tile_k // p.group_size * ROWS * 4 * (
         p.tables)
   out = COMPUTE_WGS * ROWS_PER_WG * epilogue_cols(p.mp) * 4  # epilogue tiles
@@ -345,12 +344,12 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
   else:  # each K chunk is whole swizzle tiles
     w_spec = plgpu.BlockSpec((ROWS, tk), lambda s: (0, s),
                              transforms=_transforms(kc, bits))
-  tables, table_specs = [], []  # [scale (and zero) [T, G, Np] float32]
-  if groups:  # streamed with w
-    stacked = jnp.stack([t for t in groups[1:3] if t is not None])
-    tables = [_pad_to(stacked, (p.tables, p.kp // group_size, p.np_))]
-    table_specs = [plgpu.BlockSpec((p.tables, tk // group_size, ROWS),
-                                   lambda s: (0, s, 0))]
+  tables, table_specs = [], []  # group scale (and zero) [G, Np] float32
+  if groups:  # streamed with w: [tk // g, 128] per step
+    tables = [_pad_to(t, (p.kp // group_size, p.np_))
+              for t in groups[1:3] if t is not None]
+    table_specs = [plgpu.BlockSpec((tk // group_size, ROWS),
+                                   lambda s: (s, 0))] * len(tables)
   integer_zero = bool(groups) and groups[3]
   cols = epilogue_cols(p.mp)  # accumulator columns per epilogue store
   vectors, is_scale = [], []  # fused: w_scale and/or bias, [Np] float32
@@ -384,7 +383,7 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
 
     def group_tables(table_refs, c, channel_dim):
       """The (scale, zero) [64] of the group holding chunk ``c`` of this
-      step (row c * kc // g of the step's [T, tk // g, 128] table tile)
+      step (row c * kc // g of the step's [tk // g, 128] table tiles)
       for this warpgroup's output channels; (None, None) without groups."""
       if not table_refs:
         return None, None
@@ -392,11 +391,10 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
                        ROWS_PER_WG)
       layout = (plgpu.Layout.WGMMA.reduce(1) if channel_dim == 0 else None)
       out = []
-      for t in range(p.tables):
-        index = (t, c * kc // group_size, channels)
-        out.append(table_refs[0][index] if interpreting else
-                   _compat.mosaic_gpu_load(table_refs[0], index,
-                                           layout=layout, optimized=False))
+      index = (c * kc // group_size, channels)
+      for ref in table_refs:
+        out.append(ref[index] if interpreting else _compat.mosaic_gpu_load(
+            ref, index, layout=layout, optimized=False))
       return out[0], (out[1] if len(out) > 1 else None)
 
     def body_kn(_, w_smem, x_smem, *rest):
@@ -408,7 +406,8 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
       for c in range(tk // KN_CHUNK):
         rows = pl.ds(c * KN_CHUNK, KN_CHUNK)
         scale, zero = group_tables(table_refs, c, 1)
-        w_tile = dequantize(w_smem[rows, cols], scale, zero, 1, integer_zero,
+        # float32 zero subtraction here too (docs/design/quantized.md)
+        w_tile = dequantize(w_smem[rows, cols], scale, zero, 1, False,
                             interpreting)
         if interpreting:  # no transposed views there: transpose the values
           acc = acc + jnp.dot(w_tile.T, x_smem[:, rows].T,
@@ -498,7 +497,7 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
     w_block = ((k_slice, pl.ds(tile * ROWS, ROWS)) if kn
                else (pl.ds(tile * ROWS, ROWS), k_slice))
     groups_per_cta = chunk // group_size if tables else 0
-    table_blocks = [t.at[:, pl.ds(part * groups_per_cta, groups_per_cta),
+    table_blocks = [t.at[pl.ds(part * groups_per_cta, groups_per_cta),
                          pl.ds(tile * ROWS, ROWS)] for t in table_gmems]
     pipeline(w_gmem.at[w_block], x_gmem.at[:, k_slice], *table_blocks)
 
