@@ -438,3 +438,23 @@ def test_quantized_matmul_routes_int4_to_mosaic_on_hopper():
     assert picked(low, 128, layout, capability="8.0") == "triton"
   low, _ = bs.gpu_weight_only_mosaic_m(jnp.int4, "kn")
   assert low > 1 and picked(low - 1, 128, "kn") == "triton"
+
+
+def test_integer_zero_marks_only_zero_points_exact_in_bf16():
+  """int4, uint4 and int8 zero points keep w - zero within bf16's exact
+  integers (|w - zero| <= 135); uint8 (up to 263), wider integers and
+  floats take the float32 subtraction."""
+  from pallas_kernels.quant import operands as quant_operands
+  x = jnp.zeros((4, 256), jnp.bfloat16)
+  w = jnp.zeros((256, 128), jnp.int4)
+  scale = jnp.ones((2, 128), jnp.float32)
+
+  def flag(dtype):
+    return quant_operands.matmul_call(
+        x, w, w_scale=scale, w_zero=jnp.zeros((2, 128), dtype),
+        group_size=128, weight_only=True).integer_zero
+  assert flag(jnp.int4) and flag(jnp.uint4) and flag(jnp.int8)
+  assert not any(flag(d) for d in (jnp.uint8, jnp.int16, jnp.float32,
+                                   jnp.bfloat16))
+  assert not quant_operands.matmul_call(
+      x, w, w_scale=scale, group_size=128, weight_only=True).integer_zero
