@@ -365,6 +365,7 @@ def test_int4_k_chunks_lie_in_one_group():
                     reason="no Mosaic GPU Pallas API in this jax")
 @pytest.mark.parametrize("m, k, n, w_layout, group_size, zero", [
     (16, 4096, 14336, "nk", 128, True),   # register dequantization, fused
+    (8, 4096, 4096, "nk", 64, True),      # four groups per step, split K
     (1, 14336, 4096, "kn", 128, True),    # SMEM buffers, split K
     (128, 8192, 1024, "nk", 64, False),   # 64-wide chunks, x pairs
     (256, 1024, 640, "kn", None, False),  # per-channel int4
@@ -374,7 +375,7 @@ def test_int4_lowers_for_cuda_on_a_cpu_host(m, k, n, w_layout, group_size,
   groups = k // group_size if group_size else 1
   fn = lambda x, w, s, z: mosaic_gpu.matmul(  # noqa: E731
       x, w, None, s, None, mode="weight_only", out_dtype=jnp.bfloat16,
-      w_layout=w_layout, group_size=group_size, w_zero=z)
+      w_layout=w_layout, group_size=group_size, w_zero=z, integer_zero=zero)
   w_shape = (n, k) if w_layout == "nk" else (k, n)
   table = _sds((groups, n), jnp.float32)
   text = _compat.lower_for_cuda(fn, _sds((m, k), jnp.bfloat16),
@@ -394,6 +395,10 @@ def test_int4_lowers_for_cuda_on_a_cpu_host(m, k, n, w_layout, group_size,
     # w [K, N], groups longer than a step, no zeros, fused
     (33, 512, 300, "kn", 256, False, dict(tile_k=128, stages=2,
                                           max_split=1)),
+    # w [N, K], four groups of 64 per step, split K
+    (9, 1024, 200, "nk", 64, True, dict(tile_k=256, stages=2)),
+    # the same with float zero points (subtracted in float32)
+    (9, 1024, 200, "nk", 64, "float", dict(tile_k=256, stages=2)),
     # per-channel int4 (scale in the epilogue), both layouts
     (7, 256, 130, "nk", None, False, dict(tile_k=128, stages=2)),
     (7, 256, 130, "kn", None, False, dict(tile_k=128, stages=2,
@@ -405,9 +410,13 @@ def test_int4_matches_float64(rng, m, k, n, w_layout, group_size, zero,
       rng, m, k, n, w_layout, group_size, zero)
   bias = jnp.asarray(rng.standard_normal((1, n)), jnp.float32)
   out_dtype = jnp.float32 if sizes.get("max_split") else jnp.bfloat16
+  if zero == "float":  # zero points off the integers
+    zeros = zeros + jnp.float32(0.375)
+    api_zero = zeros.T if w_layout == "nk" else zeros
   out = mosaic_gpu.matmul(
       x, w, None, scale, bias, mode="weight_only", out_dtype=out_dtype,
       w_layout=w_layout, group_size=group_size, w_zero=zeros,
+      integer_zero=zero is True,
       block_sizes=mosaic_gpu.MgpuBlockSizes(**sizes), interpret=INTERPRET)
   assert out.shape == (m, n) and out.dtype == out_dtype
   quant_oracle.assert_matmul(out, x, w, jnp.dtype(out_dtype).name,
@@ -448,3 +457,23 @@ def test_quantized_matmul_routes_int4_to_mosaic_on_hopper():
     assert picked(low, 128, layout, capability="8.0") == "triton"
   low, _ = bs.gpu_weight_only_mosaic_m(jnp.int4, "kn")
   assert low > 1 and picked(low - 1, 128, "kn") == "triton"
+
+
+def test_integer_zero_marks_only_zero_points_exact_in_bf16():
+  """int4, uint4 and int8 zero points keep w - zero within bf16's exact
+  integers (|w - zero| <= 135); uint8 (up to 263), wider integers and
+  floats take the float32 subtraction."""
+  from pallas_kernels.quant import operands as quant_operands
+  x = jnp.zeros((4, 256), jnp.bfloat16)
+  w = jnp.zeros((256, 128), jnp.int4)
+  scale = jnp.ones((2, 128), jnp.float32)
+
+  def flag(dtype):
+    return quant_operands.matmul_call(
+        x, w, w_scale=scale, w_zero=jnp.zeros((2, 128), dtype),
+        group_size=128, weight_only=True).integer_zero
+  assert flag(jnp.int4) and flag(jnp.uint4) and flag(jnp.int8)
+  assert not any(flag(d) for d in (jnp.uint8, jnp.int16, jnp.float32,
+                                   jnp.bfloat16))
+  assert not quant_operands.matmul_call(
+      x, w, w_scale=scale, group_size=128, weight_only=True).integer_zero

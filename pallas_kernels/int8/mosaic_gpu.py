@@ -6,7 +6,8 @@ Per-channel ``w_scale`` [N] multiplies the float32 sums; int4 w may instead
 carry group scales (and zero points) [K // g, N] (``group_size`` g, a
 multiple of 64): each K chunk of a w tile lies in one group and is
 dequantized before its wgmma as ``(w - zero) * scale`` in float32, rounded
-to bf16, as the reference does. Up to M = 128 the time is that of
+to bf16, as the reference does (for w [N, K], integer zero points are
+subtracted in bf16, where the difference is exact). Up to M = 128 the time is that of
 streaming w once.
 
 The product is formed transposed, out^T [N, M] = w [N, K] . x^T, so that w's
@@ -21,8 +22,9 @@ would need it transposed; instead each compute warpgroup converts 64-row
 K chunks of its 64 columns into a bf16 shared-memory buffer (two per
 warpgroup, so converting one chunk overlaps the wgmma of the previous)
 and issues the wgmma with that buffer, transposed, as A from shared
-memory. Group scale and zero rows ([G, N] float32 tables) are read from
-global memory, one 64-value row piece per chunk.
+memory. Group scale and zero tables ([G, N] float32) stream through the
+ring with w as [tile_k // g, 128] tiles; each chunk reads its group's 64
+values per table and warpgroup.
 
 One CTA per (column tile of 128 output channels, K piece). A memory
 warpgroup streams w and x tiles with TMA into a ring of ``stages`` slots
@@ -294,16 +296,26 @@ def to_bf16(w_tile, interpreting: bool):
   return w_tile.astype(jnp.float32).astype(jnp.bfloat16)
 
 
-def dequantize(w_tile, scale, zero, interpreting: bool):
-  """bf16 of a w tile: the exact conversion, or with group ``scale`` (and
-  ``zero``) broadcast to the tile ((w - zero) * scale in float32)."""
+def dequantize(w_tile, scale, zero, channel_dim: int, integer_zero: bool,
+               interpreting: bool):
+  """bf16 of a w tile: the exact conversion, or ``(w - zero) * scale`` in
+  float32 rounded to bf16, with the group's ``scale`` (and ``zero``), [64]
+  float32 per output channel, spread along ``channel_dim``.
+  ``integer_zero``: the zero points are integers in [-128, 127], so w -
+  zero is an integer in [-135, 135], exact in bf16: it is formed there, in
+  half the instructions of float32 arithmetic."""
   w_bf16 = to_bf16(w_tile, interpreting)
   if scale is None:
     return w_bf16
-  wf = w_bf16.astype(jnp.float32)  # small integers: exact
+  spread = lambda v: lax.broadcast_in_dim(  # noqa: E731
+      v, w_tile.shape, (channel_dim,))
+  if zero is not None and integer_zero:
+    w_bf16 = w_bf16 - spread(zero.astype(jnp.bfloat16))
+    zero = None
+  wf = w_bf16.astype(jnp.float32)  # exact
   if zero is not None:
-    wf = wf - zero
-  return (wf * scale).astype(jnp.bfloat16)
+    wf = wf - spread(zero)
+  return (wf * spread(scale)).astype(jnp.bfloat16)
 
 
 def _pad_to(a, shape):
@@ -318,7 +330,7 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
   """The kernel: the final [Mp, Np] out_dtype result (``p.fused``), else
   float32 out^T partial sums [split, Np, Mp] (no scale, no bias). ``kn``:
   w is [K, N]. ``groups``: None, or (group_size, scale [G, N], zero [G, N]
-  | None) float32 tables applied while converting w."""
+  | None, integer_zero): float32 tables applied while converting w."""
   tk = p.sizes.tile_k
   chunk = p.steps * tk  # K per CTA
   bits = w_bits(w.dtype)
@@ -345,9 +357,10 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
   tables, table_specs = [], []  # group scale (and zero) [G, Np] float32
   if groups:  # streamed with w: [tk // g, 128] per step
     tables = [_pad_to(t, (p.kp // group_size, p.np_))
-              for t in groups[1:] if t is not None]
+              for t in groups[1:3] if t is not None]
     table_specs = [plgpu.BlockSpec((tk // group_size, ROWS),
                                    lambda s: (s, 0))] * len(tables)
+  integer_zero = bool(groups) and groups[3]
   cols = epilogue_cols(p.mp)  # accumulator columns per epilogue store
   vectors, is_scale = [], []  # fused: w_scale and/or bias, [Np] float32
   if p.fused:
@@ -378,22 +391,20 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
     k_slice = pl.ds(part * chunk, chunk)
     row0 = tile * ROWS + wg * ROWS_PER_WG
 
-    def group_tables(table_refs, c, shape, channel_dim):
-      """The (scale, zero) of the group holding chunk ``c`` of this step
-      (row c * kc // g of the step's [tk // g, 128] table tiles), for this
-      warpgroup's 64 output channels, broadcast to the chunk ``shape``
-      along its output-channel dimension; (None, None) without groups."""
+    def group_tables(table_refs, c, channel_dim):
+      """The (scale, zero) [64] of the group holding chunk ``c`` of this
+      step (row c * kc // g of the step's [tk // g, 128] table tiles)
+      for this warpgroup's output channels; (None, None) without groups."""
       if not table_refs:
         return None, None
-      index = (c * kc // group_size,
-               pl.ds(pl.multiple_of(wg * ROWS_PER_WG, ROWS_PER_WG),
-                     ROWS_PER_WG))
+      channels = pl.ds(pl.multiple_of(wg * ROWS_PER_WG, ROWS_PER_WG),
+                       ROWS_PER_WG)
       layout = (plgpu.Layout.WGMMA.reduce(1) if channel_dim == 0 else None)
       out = []
+      index = (c * kc // group_size, channels)
       for ref in table_refs:
-        v = (ref[index] if interpreting else _compat.mosaic_gpu_load(
+        out.append(ref[index] if interpreting else _compat.mosaic_gpu_load(
             ref, index, layout=layout, optimized=False))
-        out.append(lax.broadcast_in_dim(v, shape, (channel_dim,)))
       return out[0], (out[1] if len(out) > 1 else None)
 
     def body_kn(_, w_smem, x_smem, *rest):
@@ -404,9 +415,10 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
                    ROWS_PER_WG)
       for c in range(tk // KN_CHUNK):
         rows = pl.ds(c * KN_CHUNK, KN_CHUNK)
-        scale, zero = group_tables(table_refs, c, (KN_CHUNK, ROWS_PER_WG),
-                                   1)
-        w_tile = dequantize(w_smem[rows, cols], scale, zero, interpreting)
+        scale, zero = group_tables(table_refs, c, 1)
+        # float32 zero subtraction here too (docs/design/quantized.md)
+        w_tile = dequantize(w_smem[rows, cols], scale, zero, 1, False,
+                            interpreting)
         if interpreting:  # no transposed views there: transpose the values
           acc = acc + jnp.dot(w_tile.T, x_smem[:, rows].T,
                               preferred_element_type=jnp.float32)
@@ -427,8 +439,9 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
       rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
       for c in range(tk // kc):
         ks = pl.ds(c * kc, kc)
-        scale, zero = group_tables(table_refs, c, (ROWS_PER_WG, kc), 0)
-        w_tile = dequantize(w_smem[rows, ks], scale, zero, interpreting)
+        scale, zero = group_tables(table_refs, c, 0)
+        w_tile = dequantize(w_smem[rows, ks], scale, zero, 0, integer_zero,
+                            interpreting)
         if interpreting:  # no transposed views there: transpose the value
           acc = acc + jnp.dot(w_tile, x_smem[:, ks].T,
                               preferred_element_type=jnp.float32)
@@ -521,11 +534,13 @@ def _kernel_call(x2, w, w_scale, bias, groups, p: Plan, out_dtype, interpret,
 
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
-           block_sizes=None, group_size=None, w_zero=None, interpret=False):
+           block_sizes=None, group_size=None, w_zero=None,
+           integer_zero=False, interpret=False):
   """Weight-only x2 [M, K] bf16 @ w ([N, K] or [K, N] by ``w_layout``) ->
   [M, N] out_dtype. ``w_scale``: [1, N] per channel, or with ``group_size``
   (int4 w) [K // g, N], as is ``w_zero`` (float32 tables, as
-  ``quant.operands`` normalizes them).
+  ``quant.operands`` normalizes them); ``integer_zero``: w_zero holds
+  integers in [-128, 127] (it came as int4, uint4 or int8).
 
   Same contract as ``triton.matmul``; call only where ``supports`` is None.
   ``interpret``: False on a GPU, an ``InterpretGPUParams`` (or True) to run
@@ -546,7 +561,8 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
   groups = None
   if group_size is not None:
     groups = (group_size, w_scale.astype(jnp.float32),
-              None if w_zero is None else w_zero.astype(jnp.float32))
+              None if w_zero is None else w_zero.astype(jnp.float32),
+              integer_zero)
     w_scale = None
   if p.fused:
     out = _kernel_call(x2, w, w_scale, bias, groups, p, jnp.dtype(out_dtype),

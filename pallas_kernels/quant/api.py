@@ -243,6 +243,7 @@ def _kernels(call, user_blocks, generation):
                                interpret=interpret or False)
     return int8_mosaic_gpu.matmul(x2, w_, xs, ws, b, **int8_static,
                                   group_size=call.group_size, w_zero=wz,
+                                  integer_zero=call.integer_zero,
                                   interpret=interpret or False)
 
   def mgpu_supports():

@@ -24,6 +24,10 @@ from pallas_kernels.int8.operands import (MAX_INT8_K, check_array, check_bool,
 from pallas_kernels.quant import formats
 
 OP = "quantized_matmul"
+# w_zero dtypes whose values w - zero (int4 w) keeps within bf16's exact
+# integers
+SMALL_INTEGER_ZEROS = tuple(jnp.dtype(d) for d in (jnp.int4, jnp.uint4,
+                                                   jnp.int8))
 
 
 def weight_format(w, op=OP) -> formats.Format:
@@ -88,6 +92,8 @@ class MatmulCall:
   batch: tuple
   k: int
   n: int
+  # w_zero came as int4, uint4 or int8: integers in [-128, 127]
+  integer_zero: bool = False
 
   @property
   def static(self) -> dict:
@@ -157,6 +163,7 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
   the argument) and normalized."""
   check_bool(OP, "weight_only", weight_only)
   group_size = check_group_size(OP, group_size)
+  integer_zero = False
   fmt, x_fmt, batch, k, n = _shapes(x, w, weight_layout)
   m = math.prod(batch)
   if x_scale is not None and is_float(x.dtype):
@@ -197,6 +204,7 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
     if w_zero is not None and x_groups:
       raise ValueError(f"{OP}: w_zero is for weight-only calls (float x); "
                        "quantized x multiplies symmetric group-scaled w")
+    integer_zero = getattr(w_zero, "dtype", None) in SMALL_INTEGER_ZEROS
     w_zero = _zero_array(w_zero, {shape}, described)
     if weight_layout == "nk":
       w_scale = w_scale.T
@@ -230,7 +238,7 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
   if group_size is None:
     w_scale = int8_operands.channel_scale(w_scale, n)
   return MatmulCall((x2, w, x_scale, w_scale, w_zero, bias), mode, out_dtype,
-                    weight_layout, group_size, batch, k, n)
+                    weight_layout, group_size, batch, k, n, integer_zero)
 
 
 def _row_group_scale(x_scale, batch, m, groups):
