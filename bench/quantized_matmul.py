@@ -7,7 +7,8 @@ Cases (M x K x N):
                w_scale [N]) and int4 (groups of 128 along K, w_scale and
                w_zero [K/128, N]) -> bf16 (``pk.quantized_matmul(...,
                weight_only=True)``), M = 1..256 over the (K, N) of Llama-3
-               8B and 70B layers; ``ours_<fmt>_nk``: w stored [N, K]
+               8B and 70B layers, and prefill M = 1024 and 4096 (compute-
+               bound); ``ours_<fmt>_nk``: w stored [N, K]
                (``weight_layout="nk"``, torch's layout; int4 tables [N,
                K/128]). Memory-bound rows report ``hbm_tbs``: the
                HBM bytes the call must move (w, its scales, x, out) per
@@ -39,11 +40,14 @@ from bench import harness, int8_matmul, roofline
 
 SHAPES = [(4096, 14336), (14336, 4096), (8192, 8192), (8192, 28672)]
 MS = (1, 8, 16, 32, 64, 128, 256)
+PREFILL_MS = (1024, 4096)
 FORMATS = ("int8", "float8_e4m3fn", "int4")
 GROUP = 128
 W8A8_MS = (256, 2048)
 CASES = ([dict(m=m, k=k, n=n, mode="weight_only", copies=8)
           for k, n in SHAPES for m in MS]
+         + [dict(m=m, k=k, n=n, mode="weight_only", copies=2)
+            for k, n in SHAPES for m in PREFILL_MS]
          + [dict(m=8192, k=8192, n=8192, mode="w8a8", copies=2)]
          + [dict(m=m, k=8192, n=8192, mode="w8a8", copies=4)
             for m in (16, 64, 128, 512, 1024)]
