@@ -1,9 +1,9 @@
 """The benches' one harness: timing, results files, tables, plots.
 
-``python -m bench.<op> [--quick] [--cases TEXT] [--tag TAG] [--out DIR]
+``python -m bench.<op> [--quick] [--cases REGEX] [--tag TAG] [--out DIR]
 [--roofline]`` times each case of the op's list (``--cases``: those whose
-label contains TEXT; ``--roofline``: none, only the TPU estimates) and
-writes ``<op>[-TAG]-<device>-<date>.json`` (date, device,
+label matches REGEX, e.g. ``"^(1|8)x.*weight_only"``; ``--roofline``:
+none, only the TPU estimates) and writes ``<op>[-TAG]-<device>-<date>.json`` (date, device,
 versions, rows, TPU roofline estimates) after every case, so a run cut
 short keeps what it timed, and a PNG beside it when matplotlib imports.
 
@@ -27,6 +27,7 @@ import functools
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -384,7 +385,8 @@ def main(op: str, cases: Sequence, quick_cases: Sequence,
   parser.add_argument("--quick", action="store_true",
                       help="tiny cases on the CPU, interpreted kernels")
   parser.add_argument("--cases", default="",
-                      help="only cases whose label contains this text")
+                      help="only cases whose label matches this regular "
+                           "expression (plain text: contains it)")
   parser.add_argument("--tag", default="", help="added to the file name")
   parser.add_argument("--out", default=None, help="results directory")
   parser.add_argument("--roofline", action="store_true",
@@ -398,7 +400,7 @@ def main(op: str, cases: Sequence, quick_cases: Sequence,
   import pallas_kernels as pk
 
   chosen = [c for c in (quick_cases if args.quick else cases)
-            if args.cases in label(c)]
+            if re.search(args.cases, label(c))]
   info = device_info()
   name = "-".join(p for p in (op, args.tag, device_slug(info["device"]),
                               info["date"][:10]) if p)

@@ -27,7 +27,10 @@ Peers in the same run: xla_bf16 (``jnp.dot`` of bf16 x and w in the same
 program), torch_bf16 (``torch.matmul``). Each call takes the next of
 ``copies`` copies of its inputs, so no call finds w in L2. ``err``: ours
 against float64 numpy of the dequantized weight, first 16 rows. TPU rows:
-the roofline of each case's minimum HBM traffic.
+the roofline of each case's minimum HBM traffic, per weight format
+(weight-only: bf16 MXU; w8a8: the fp8 MXU of tpu7x, the int8 MXU of the
+generations that have one, and bf16); ``python -m bench.roofline`` adds the
+kernels' dequantization (VPU) and grid-step terms.
 """
 from __future__ import annotations
 
@@ -217,11 +220,14 @@ def tpu_rows(cases):
       rows += roofline.rows(label(case), 2.0 * m * k * n,
                             m * k + k * n + 2 * m * n, "fp8",
                             chips=("tpu7x",))
+      rows += roofline.rows(label(case) + " int8", 2.0 * m * k * n,
+                            m * k + k * n + 2 * m * n, "int8")
       rows += roofline.rows(label(case) + " (bf16 MXU)", 2.0 * m * k * n,
                             m * k + k * n + 2 * m * n, "bf16")
-    else:
-      rows += roofline.rows(label(case) + " int4", 2.0 * m * k * n,
-                            hbm_bytes(m, k, n, "int4"), "bf16")
+    else:   # the weights dequantized to bf16 for the MXU
+      for fmt in FORMATS:
+        rows += roofline.rows(f"{label(case)} {fmt}", 2.0 * m * k * n,
+                              hbm_bytes(m, k, n, fmt), "bf16")
   return rows
 
 

@@ -53,6 +53,8 @@ ATTENTION_VPU = {"fwd": 6, "dq": 8, "dkv": 8}
 DECODE_VPU = 6
 # Weight-only int4: unpack (shift, mask), convert, scale, bf16 cast per w value.
 INT4_UNPACK_VPU = 5
+# Per-channel 8-bit weights: one conversion to the MXU dtype per w value.
+WEIGHT_CONVERT_VPU = 1
 
 
 def roofline(chip: str, flops: float, bytes_moved: float,
@@ -236,13 +238,7 @@ def op_launches(generation: str) -> dict:
         generation, m=m, k=8192, n=8192, tiles=(p.bm, p.bk, p.bn),
         out_bytes=4, mxu_dtype=int8_rate, name="int8_matmul_raw",
         unpack_ops=0 if int8_bs.int8_mxu(generation) else 2)
-  p = quant_bs.plan_tpu(16, 8192, 8192, x_bytes=2, w_bits=4, out_bytes=2,
-                        compute_bytes=2, generation=generation,
-                        group_size=128)
-  out["quantized_matmul int4 M=16"] = matmul(
-      generation, m=16, k=8192, n=8192, tiles=(p.bm, p.bk, p.bn), x_bytes=2,
-      w_bits=4, mxu_dtype="bf16", unpack_ops=INT4_UNPACK_VPU,
-      name="quantized_matmul_weight_only_int4")
+  out.update(quantized_launches(generation))
   boxes = 1 << 20
   flops, trans = _math.ops_per_box("giou", "loss", 1e-7, "xyxy")
   per_step = iou_tpu.FORWARD_BLOCK_ROWS * iou_tpu.LANES
@@ -255,6 +251,45 @@ def op_launches(generation: str) -> dict:
   out["nms"] = elementwise(
       "nms", items=pairs, ops=nms_tpu.iou_test_flops(), transcendentals=0,
       bytes_per_item=0, steps=tiles)
+  return out
+
+
+def quantized_launches(generation: str) -> dict:
+  """``quantized_matmul`` at 8192 x 8192 weights per format and mode, at
+  this package's TPU tiles: weight-only (bf16 x) at M = 16 (decode) and
+  256, per-channel int8 / fp8 (one conversion per w value) and int4 in
+  groups of 128 with zeros; fp8 x fp8 at M = 4096 on the fp8 MXU where the
+  generation has one, else both tiles upcast to bf16."""
+  from pallas_kernels.int8 import block_sizes as int8_bs
+  from pallas_kernels.quant import block_sizes as quant_bs
+  out = {}
+  for fmt, w_bits, unpack in (("int8", 8, WEIGHT_CONVERT_VPU),
+                              ("fp8", 8, WEIGHT_CONVERT_VPU),
+                              ("int4 g128", 4, INT4_UNPACK_VPU)):
+    for m in (16, 256):
+      if fmt == "int8":   # per-channel int8 runs the int8 kernel
+        p = int8_bs.plan_tpu(m, 8192, 8192, x_bytes=2, out_bytes=2,
+                             mode="weight_only", generation=generation)
+      else:
+        grouped = fmt.startswith("int4")
+        p = quant_bs.plan_tpu(m, 8192, 8192, x_bytes=2, w_bits=w_bits,
+                              out_bytes=2, compute_bytes=2,
+                              generation=generation,
+                              group_size=128 if grouped else None,
+                              has_zero=grouped)
+      out[f"quantized_matmul {fmt} weight-only M={m}"] = matmul(
+          generation, m=m, k=8192, n=8192, tiles=(p.bm, p.bk, p.bn),
+          x_bytes=2, w_bits=w_bits, mxu_dtype="bf16", unpack_ops=unpack,
+          name=f"quantized_matmul_weight_only_{fmt.split()[0]}")
+  native = quant_bs.fp8_mxu(generation)
+  p = quant_bs.plan_tpu(4096, 8192, 8192, x_bytes=1, w_bits=8, out_bytes=2,
+                        compute_bytes=0 if native else 2,
+                        generation=generation, x_upcast=not native)
+  out["quantized_matmul fp8 x fp8 M=4096"] = matmul(
+      generation, m=4096, k=8192, n=8192, tiles=(p.bm, p.bk, p.bn),
+      x_bytes=1, w_bits=8, mxu_dtype="fp8" if native else "bf16",
+      unpack_ops=0 if native else 2 * WEIGHT_CONVERT_VPU,
+      name="quantized_matmul_fp8")
   return out
 
 

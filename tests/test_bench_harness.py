@@ -296,6 +296,16 @@ def test_quick_run_torch_bridge(tmp_path):
   assert all(r.get("same", True) and r.get("err", 0) < 1e-3 for r in ours)
 
 
+def test_quick_run_ring_attention(tmp_path):
+  data = _quick("ring_attention", tmp_path)
+  ours = [r for r in data["rows"] if r["impl"] == "ours_ring"]
+  assert sorted({r["devices"] for r in ours}) == [2, 4]
+  for row in ours:
+    assert "vs_head_parallel" in row and "vs_one_device" in row, row
+    assert row["efficiency"] == pytest.approx(row["speedup"] / row["devices"])
+    assert row["err"] < 1e-5, row   # float32 against the unsharded op
+
+
 def test_quick_run_attention_masks(tmp_path):
   data = _quick("attention_masks", tmp_path)
   ours = [r for r in data["rows"] if r["impl"] == "ours"]
