@@ -41,6 +41,11 @@ CASES = [  # (x, kwargs)
     (special((12, 64)).T.copy(), dict(axis=0, group_size=32)),
     (special((6, 40)), dict(symmetric=False)),
     (special((6, 40)), dict(symmetric=False, group_size=8)),
+    # the last group partial (40 = 3 x 12 + 4), its values all of one sign
+    (special((6, 40)), dict(symmetric=False, group_size=12)),
+    (np.abs(special((5, 40))).T.copy(), dict(axis=0, group_size=16,
+                                             symmetric=False)),
+    (special((12, 64)), dict(group_size=24)),
     (np.random.default_rng(1).standard_normal((2, 3, 32)), dict(axis=1)),
     (np.random.default_rng(2).standard_normal((5, 8)), dict(axis=None)),
 ]
@@ -166,8 +171,6 @@ def test_empty_inputs():
     (dict(dtype="float8_e4m3fnuz"), TypeError, "dtype must be one of"),
     (dict(axis=2), ValueError, "axis=2 is out of range"),
     (dict(axis=1.0), TypeError, "axis must be an int"),
-    (dict(group_size=3), ValueError, "length 4, not a multiple of "
-     "group_size=3"),
     (dict(group_size=-1), ValueError, "group_size must be a positive int"),
     (dict(axis=None, group_size=2), ValueError, "group_size needs an axis"),
     (dict(dtype=jnp.float8_e5m2, symmetric=False), ValueError,

@@ -92,7 +92,7 @@ class Case:
     w = weight_values(rng, self.fmt, w_shape)
     kw = {}
     if self.group_size:
-      groups = k // self.group_size
+      groups = -(-k // self.group_size)   # the last group may be partial
       table = (groups, self.n) if self.layout == "kn" else (self.n, groups)
       kw["w_scale"] = rng.uniform(1e-3, 2e-2, table).astype(np.float32)
       if self.zero:
@@ -102,7 +102,7 @@ class Case:
     make = {
         "x_scale": lambda: rng.uniform(0.5, 2, m_shape),
         "x_scale_g": lambda: rng.uniform(
-            0.5, 2, m_shape + (k // self.group_size,)),
+            0.5, 2, m_shape + (-(-k // self.group_size),)),
         "x_scale_1": lambda: np.asarray(rng.uniform(0.5, 2)),
         "w_scale": lambda: rng.uniform(1e-3, 2e-2, (self.n,)),
         "w_scale_1": lambda: np.asarray(rng.uniform(1e-3, 2e-2)),
@@ -214,6 +214,12 @@ CASES = [
          layout="nk", group_size=32, extras=("x_scale_g", "bias")),
     Case("float8_e5m2", (1, 128), 3, kind="dequant",
          x_dtype="float8_e4m3fn", group_size=128, extras=()),
+    # K not a multiple of the group: the last group is partial
+    Case("int4", (5, 200), 48, group_size=64, zero=True, extras=("bias",)),
+    Case("int4", (3, 100), 24, layout="nk", group_size=32, zero=True),
+    Case("float8_e4m3fn", (7, 160), 40, layout="nk", group_size=128),
+    Case("int8", (4, 96), 20, kind="dequant", x_dtype="int8",
+         group_size=64, extras=("x_scale_g",), out_dtype="float32"),
 ]
 
 
@@ -595,8 +601,8 @@ Q8 = dict(x=X8, w=W8, weight_only=False, group_size=32)
     (dict(x=jnp.zeros((4, 64), jnp.int4)), TypeError, "x must be bfloat16"),
     (dict(weight_only=False), ValueError, "int4 w with float x needs "
      "weight_only=True"),
-    (dict(group_size=48), ValueError, "K=64 is not a multiple of "
-     "group_size=48"),
+    (dict(group_size=48), ValueError, r"group_size=48 needs w_scale of shape "
+     r"\(2, 6\)"),
     (dict(group_size=0), ValueError, "group_size must be a positive int"),
     (dict(group_size=32), ValueError, r"group_size=32 needs w_scale of shape "
      r"\(2, 6\)"),
@@ -631,16 +637,17 @@ Q8 = dict(x=X8, w=W8, weight_only=False, group_size=32)
     (dict(Q8, w_scale=jnp.ones((2, 6)), x_scale=jnp.ones((4, 3))),
      ValueError, r"x_scale has shape \(4, 3\); expected a scalar, "
      r"x.shape\[:-1\] = \(4,\) or \(4, 1\), or \(4, 2\) = "
-     r"x.shape\[:-1\] \+ \(K // group_size,\)"),
+     r"x.shape\[:-1\] \+ \(ceil\(K / group_size\),\)"),
     (dict(Q8, group_size=48, w_scale=jnp.ones((1, 6))), ValueError,
-     "K=64 is not a multiple of group_size=48"),
+     r"w_scale has shape \(1, 6\); expected \(2, 6\) = \[ceil\(K / "
+     r"group_size\), N\]"),
     (dict(Q8, w_scale=jnp.ones((6, 2))), ValueError,
-     r"w_scale has shape \(6, 2\); expected \(2, 6\) = \[K // group_size, "
-     r"N\]"),
+     r"w_scale has shape \(6, 2\); expected \(2, 6\) = \[ceil\(K / "
+     r"group_size\), N\]"),
     (dict(Q8, w=jnp.zeros((6, 64), jnp.int8), weight_layout="nk",
           w_scale=jnp.ones((2, 6))), ValueError,
-     r"w_scale has shape \(2, 6\); expected \(6, 2\) = \[N, K // "
-     r"group_size\] for weight_layout='nk'"),
+     r"w_scale has shape \(2, 6\); expected \(6, 2\) = \[N, ceil\(K / "
+     r"group_size\)\] for weight_layout='nk'"),
     (dict(Q8), ValueError, r"group_size=32 needs w_scale of shape \(2, 6\)"),
     (dict(Q8, w_scale=jnp.ones((2, 6)), w_zero=jnp.zeros((2, 6), jnp.int8)),
      ValueError, "w_zero is for weight-only calls"),
@@ -747,3 +754,33 @@ def test_main_job_cases_match_reference():
       out = jax.jit(functools.partial(case.fn, backend="interpret"))(*case.args)
       ref = jax.jit(functools.partial(case.fn, backend="reference"))(*case.args)
       assert case.error(out, ref) <= case.tolerance, case.shape
+
+
+@pytest.mark.parametrize("case", [
+    Case("int8", (300, 512), 384),                       # int8 kernel
+    Case("int4", (300, 512), 384, group_size=128, zero=True),
+    Case("float8_e4m3fn", (300, 512), 384, kind="dequant",
+         x_dtype="float8_e4m3fn", extras=("x_scale", "w_scale")),
+    Case("int8", (300, 512), 384, kind="dequant", x_dtype="int8",
+         group_size=128, extras=("x_scale_g",)),
+], ids=str)
+def test_tpu_grids_split_rows_and_columns_across_cores(monkeypatch, case, rng):
+  # Megacore chips (v4, v5p) split "parallel" grid axes between their two
+  # cores; K carries the running sum, so it must stay "arbitrary".
+  launches = []
+  pallas_call = _compat.pallas_call
+
+  def recording(kernel, **kwargs):
+    launches.append(kwargs)
+    return pallas_call(kernel, **kwargs)
+  monkeypatch.setattr(_compat, "pallas_call", recording)
+  x, w, kw = case.inputs(rng)
+  with force_interpret("generic"):   # the TPU kernel, traced only
+    jax.eval_shape(lambda: pk.quantized_matmul(
+        jnp.asarray(x), jnp.asarray(w),
+        **{k: jnp.asarray(v) for k, v in kw.items()}, **case.options()))
+  assert launches   # the op traces its kernel (once per trace of the op)
+  for launch in launches:
+    assert len(launch["grid"]) == 3 and launch["grid"][0] > 1
+    assert launch["compiler_params"].dimension_semantics == (
+        "parallel", "parallel", "arbitrary")

@@ -25,19 +25,19 @@ CALLS = {
                          [("w_scale", lambda m, k, n, g: (n,))]),
     "int4_g128_zero": (jnp.int4, jnp.bfloat16,
                        dict(weight_only=True, group_size=128),
-                       [("w_scale", lambda m, k, n, g: (k // g, n)),
-                        ("w_zero", lambda m, k, n, g: (k // g, n))]),
+                       [("w_scale", lambda m, k, n, g: (-(-k // g), n)),
+                        ("w_zero", lambda m, k, n, g: (-(-k // g), n))]),
     "int4_g32_f32x": (jnp.int4, jnp.float32,
                       dict(weight_only=True, group_size=32),
-                      [("w_scale", lambda m, k, n, g: (k // g, n))]),
+                      [("w_scale", lambda m, k, n, g: (-(-k // g), n))]),
     "int8_g64": (jnp.int8, jnp.bfloat16, dict(weight_only=True, group_size=64),
-                 [("w_scale", lambda m, k, n, g: (k // g, n))]),
+                 [("w_scale", lambda m, k, n, g: (-(-k // g), n))]),
     "e4m3_per_channel_nk": (jnp.float8_e4m3fn, jnp.bfloat16,
                             dict(weight_only=True, weight_layout="nk"),
                             [("w_scale", lambda m, k, n, g: (n,))]),
     "e5m2_g128": (jnp.float8_e5m2, jnp.bfloat16,
                   dict(weight_only=True, group_size=128),
-                  [("w_scale", lambda m, k, n, g: (k // g, n))]),
+                  [("w_scale", lambda m, k, n, g: (-(-k // g), n))]),
     "e4m3_x_e4m3": (jnp.float8_e4m3fn, jnp.float8_e4m3fn, {},
                     [("x_scale", lambda m, k, n, g: (m,)),
                      ("w_scale", lambda m, k, n, g: (n,)),
@@ -48,32 +48,32 @@ CALLS = {
     "int4_g32_nk_zero": (jnp.int4, jnp.bfloat16,
                          dict(weight_only=True, group_size=32,
                               weight_layout="nk"),
-                         [("w_scale", lambda m, k, n, g: (n, k // g)),
-                          ("w_zero", lambda m, k, n, g: (n, k // g))]),
+                         [("w_scale", lambda m, k, n, g: (n, -(-k // g))),
+                          ("w_zero", lambda m, k, n, g: (n, -(-k // g)))]),
     "int8_g64_nk": (jnp.int8, jnp.bfloat16,
                     dict(weight_only=True, group_size=64, weight_layout="nk"),
-                    [("w_scale", lambda m, k, n, g: (n, k // g))]),
+                    [("w_scale", lambda m, k, n, g: (n, -(-k // g)))]),
     "e4m3_g128_nk": (jnp.float8_e4m3fn, jnp.bfloat16,
                      dict(weight_only=True, group_size=128,
                           weight_layout="nk"),
-                     [("w_scale", lambda m, k, n, g: (n, k // g))]),
+                     [("w_scale", lambda m, k, n, g: (n, -(-k // g)))]),
     # quantized x with group scales: a dot per group
     "int8_x_int8_g32": (jnp.int8, jnp.int8, dict(group_size=32),
-                        [("x_scale", lambda m, k, n, g: (m, k // g)),
-                         ("w_scale", lambda m, k, n, g: (k // g, n)),
+                        [("x_scale", lambda m, k, n, g: (m, -(-k // g))),
+                         ("w_scale", lambda m, k, n, g: (-(-k // g), n)),
                          ("bias", lambda m, k, n, g: (n,))]),
     "int8_x_int8_g128_nk": (jnp.int8, jnp.int8,
                             dict(group_size=128, weight_layout="nk"),
                             [("x_scale", lambda m, k, n, g: (m,)),
-                             ("w_scale", lambda m, k, n, g: (n, k // g))]),
+                             ("w_scale", lambda m, k, n, g: (n, -(-k // g)))]),
     "e4m3_x_e4m3_g64": (jnp.float8_e4m3fn, jnp.float8_e4m3fn,
                         dict(group_size=64),
-                        [("x_scale", lambda m, k, n, g: (m, k // g)),
-                         ("w_scale", lambda m, k, n, g: (k // g, n))]),
+                        [("x_scale", lambda m, k, n, g: (m, -(-k // g))),
+                         ("w_scale", lambda m, k, n, g: (-(-k // g), n))]),
     "e5m2_x_e5m2_g32_nk": (jnp.float8_e5m2, jnp.float8_e5m2,
                            dict(group_size=32, weight_layout="nk"),
-                           [("x_scale", lambda m, k, n, g: (m, k // g)),
-                            ("w_scale", lambda m, k, n, g: (n, k // g)),
+                           [("x_scale", lambda m, k, n, g: (m, -(-k // g))),
+                            ("w_scale", lambda m, k, n, g: (n, -(-k // g))),
                             ("bias", lambda m, k, n, g: (n,))]),
 }
 GROUPED_NEW = ("int4_g32_nk_zero", "int8_g64_nk", "e4m3_g128_nk",
@@ -168,10 +168,11 @@ def test_odd_shapes_compile(tpu_topologies, name, mkn):
   _compile("v5e", tpu_topologies, name, *mkn)
 
 
-@pytest.mark.parametrize("mkn", [(1, 96, 1), (33, 1056, 300)])
+@pytest.mark.parametrize("mkn", [(1, 96, 1), (33, 1056, 300), (5, 1000, 64)])
 @pytest.mark.parametrize("name", ["int4_g32_nk_zero", "int8_x_int8_g32",
                                   "e5m2_x_e5m2_g32_nk"])
 def test_odd_grouped_shapes_compile(tpu_topologies, name, mkn):
-  """Grouped calls at M = 1, N = 1, and K = 1056 (33 groups of 32, padded to
-  the K tile unit of 256 with zero groups)."""
+  """Grouped calls at M = 1, N = 1, K = 1056 (33 groups of 32, padded to
+  the K tile unit of 256 with zero groups) and K = 1000 (a partial last
+  group of 8)."""
   _compile("v5e", tpu_topologies, name, *mkn)

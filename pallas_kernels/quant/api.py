@@ -10,9 +10,9 @@ Modes of ``quantized_matmul(x, w, ...)`` (``operands`` normalizes them):
                w_scale + bias) in float32, cast to out_dtype (default
                bfloat16). int8 sums are exact int32 (K <= MAX_INT8_K); fp8
                products are exact, summed in float32. With group_size g
-               (sub-channel scales on both sides): x_scale [..., K // g]
+               (sub-channel scales on both sides): x_scale [..., G]
                (per row and group; per row or scalar also accepted), w_scale
-               [K // g, N] ([N, K // g] for "nk"), no w_zero; out = sum over
+               [G, N] ([N, G] for "nk"), G = ceil(K / g), no w_zero; out = sum over
                groups j of (x_j @ w_j) * x_scale[:, j] * w_scale[j, :] in
                float32, + bias, where x_j @ w_j is the group's exact int32
                sum (g <= MAX_INT8_K) or its fp8 products summed in float32.
@@ -22,11 +22,13 @@ Modes of ``quantized_matmul(x, w, ...)`` (``operands`` normalizes them):
                with w converted exactly to x's dtype and w_scale after the
                float32 sum; with ``group_size`` g, w_scale (and optional
                w_zero, integer formats: w_real = (w - zero) * scale) are
-               [K // g, N] ([N, K // g] for weight_layout="nk") and w is
+               [G, N] ([N, G] for weight_layout="nk") and w is
                dequantized per group in float32, rounded to x's dtype, then
                multiplied (float32 sums). float16 x computes as float32.
 
-K must be a multiple of group_size (ValueError otherwise). Empty inputs give
+Groups run along K from its start; where g does not divide K, the last
+group holds the remaining K mod g values (x and w are zero-padded along K
+for the kernels, a copy of w per call). Empty inputs give
 empty (or bias-only) outputs. Not differentiable in w; train through
 ``pallas_kernels.nn.quantized_dense``.
 
@@ -76,14 +78,15 @@ def quantize(x, dtype, *, axis=-1, group_size=None, symmetric=True,
     x: bfloat16, float16 or float32 array.
     dtype: jnp.int8, jnp.int4, jnp.float8_e4m3fn or jnp.float8_e5m2.
     axis: the axis reduced (an int), or None for one scale.
-    group_size: values per scale along ``axis``; must divide its length.
+    group_size: values per scale along ``axis`` (the last group holds the
+      remainder when it does not divide the length).
     symmetric: False adds a zero point (integer formats).
     backend: None, "mosaic_tpu", "interpret" or "reference"; the TPU kernel
       takes symmetric int8 along the last axis (``quantize_int8``'s).
   Returns:
     q: ``dtype``, x's shape. scale (float32) and zero (``dtype``): x's shape
-    with ``axis`` of length len // group_size (1 without groups), 0-d for
-    ``axis=None``.
+    with ``axis`` of length ceil(len / group_size) (1 without groups), 0-d
+    for ``axis=None``.
   """
   _backend.check_backend("quantize", backend)
   fmt, axis, group_size = operands.quantize_args(x, dtype, axis, group_size,
@@ -136,13 +139,15 @@ def quantized_matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
     w: [K, N] (or [N, K] with weight_layout="nk") of int8, jnp.int4,
       float8_e4m3fn or float8_e5m2.
     x_scale: quantized x only: a scalar, x.shape[:-1] or x.shape[:-1] + (1,);
-      with group_size also x.shape[:-1] + (K // g,).
-    w_scale: a scalar, [N] or [1, N]; with group_size [K // g, N] ([N, K //
-      g] for "nk").
+      with group_size also x.shape[:-1] + (G,), G = ceil(K / g).
+    w_scale: a scalar, [N] or [1, N]; with group_size [G, N] ([N, G] for
+      "nk").
     w_zero: integer w of a weight-only call with group_size: zero points,
       w_scale's shape.
-    group_size: sub-channel group along K (weight-only or quantized x);
-      divides K.
+    group_size: sub-channel group along K (weight-only or quantized x). If
+      it does not divide K, the last group is partial: x and w are then
+      zero-padded along K on every call (pad w once, ahead, to avoid that
+      copy).
     bias: [N] or [1, N], added after scaling.
     out_dtype: int32 (raw mode) or a float dtype.
     weight_only: float x times the dequantized w.

@@ -4,10 +4,11 @@ normalized into the 2-D operands the reference and every kernel take.
 Operands: ``(x2 [M, K], w, x_scale [M, 1] | None, w_scale, w_zero, bias
 [1, N] | None)``, all scales float32. w keeps its dtype and layout ([K, N],
 or [N, K] for "nk"). w_scale is [1, N] (per channel; a scalar broadcast) or,
-with ``group_size`` g, [K // g, N] in either layout; w_zero (grouped integer
-weights of weight-only calls) the same [K // g, N] or None. Quantized x with
-``group_size``: x_scale is [M, K // g] (per row or scalar broadcast, ones
-when absent). Static: ``mode`` (raw, dequant,
+with ``group_size`` g, [G, N] in either layout, G = ceil(K / g); w_zero
+(grouped integer weights of weight-only calls) the same [G, N] or None.
+Quantized x with ``group_size``: x_scale is [M, G] (per row or scalar
+broadcast, ones when absent). A partial last group (g not dividing K):
+x2 and w are zero-padded along K to G * g. Static: ``mode`` (raw, dequant,
 dynamic, weight_only), ``out_dtype``, ``w_layout``, ``group_size``.
 """
 from __future__ import annotations
@@ -73,9 +74,6 @@ def quantize_args(x, dtype, axis, group_size, symmetric):
                        "it), got axis=None")
     return fmt, None, None
   axis = int8_operands.normalize_axis(op, x, axis)
-  if group_size is not None and x.shape[axis] % group_size:
-    raise ValueError(f"{op}: x's axis {axis} has length {x.shape[axis]}, "
-                     f"not a multiple of group_size={group_size}")
   return fmt, axis, group_size
 
 
@@ -173,10 +171,10 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
   x_groups = group_size is not None and not is_float(x.dtype)
   x_shapes = {(), (1,), batch, batch + (1,), (1,) * x.ndim}
   described = f"a scalar, x.shape[:-1] = {batch} or {batch + (1,)}"
-  if x_groups and k % group_size == 0:
-    x_shapes.add(batch + (k // group_size,))
-    described += (f", or {batch + (k // group_size,)} = x.shape[:-1] + "
-                  "(K // group_size,)")
+  if x_groups:
+    x_shapes.add(batch + (group_count(k, group_size),))
+    described += (f", or {batch + (group_count(k, group_size),)} = "
+                  "x.shape[:-1] + (ceil(K / group_size),)")
   x_scale = _float_array("x_scale", x_scale, x_shapes, described)
   if group_size is None:
     w_scale = _float_array("w_scale", w_scale,
@@ -187,13 +185,12 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
       raise ValueError(f"{OP}: w_zero needs group_size (zero points come "
                        "per group, as AWQ/GPTQ checkpoints store them)")
   else:
-    if k % group_size:
-      raise ValueError(f"{OP}: K={k} is not a multiple of "
-                       f"group_size={group_size}")
-    groups = k // group_size
+    groups = group_count(k, group_size)
     shape = (groups, n) if weight_layout == "kn" else (n, groups)
-    described = (f"{shape} = [K // group_size, N]" if weight_layout == "kn"
-                 else f"{shape} = [N, K // group_size] for weight_layout='nk'")
+    described = (f"{shape} = [ceil(K / group_size), N]"
+                 if weight_layout == "kn" else
+                 f"{shape} = [N, ceil(K / group_size)] for "
+                 "weight_layout='nk'")
     if w_scale is None:
       raise ValueError(f"{OP}: group_size={group_size} needs w_scale of "
                        f"shape {shape}")
@@ -226,8 +223,8 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
   if out_dtype is None:
     out_dtype = int8_operands.default_out_dtype(mode, x.dtype)
   group_x_scale = None
-  if x_groups:  # [M, K // g]: per row and group (ones where absent)
-    groups = k // group_size
+  if x_groups:  # [M, G]: per row and group (ones where absent)
+    groups = group_count(k, group_size)
     group_x_scale = (jnp.ones((m, groups), jnp.float32) if x_scale is None
                      else _row_group_scale(x_scale, batch, m, groups))
     x_scale = None
@@ -237,8 +234,29 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
     x_scale = group_x_scale
   if group_size is None:
     w_scale = int8_operands.channel_scale(w_scale, n)
+  else:
+    x2, w = _pad_to_whole_groups(x2, w, k, group_size, weight_layout)
   return MatmulCall((x2, w, x_scale, w_scale, w_zero, bias), mode, out_dtype,
                     weight_layout, group_size, batch, k, n, integer_zero)
+
+
+def group_count(k: int, group_size: int) -> int:
+  """Groups along a K of ``k``: the last one holds the remainder."""
+  return -(-k // group_size)
+
+
+def _pad_to_whole_groups(x2, w, k, group_size, weight_layout):
+  """x2 [M, K] and w zero-padded along K to whole groups: a partial last
+  group then adds only zero products (a copy of w per call; a model pads
+  its weights once instead)."""
+  pad = group_count(k, group_size) * group_size - k
+  if pad == 0:
+    return x2, w
+  x2 = jnp.pad(x2, ((0, 0), (0, pad)))
+  k_axis = 0 if weight_layout == "kn" else 1
+  widths = [(0, 0), (0, 0)]
+  widths[k_axis] = (0, pad)
+  return x2, jnp.pad(w, widths)
 
 
 def _row_group_scale(x_scale, batch, m, groups):

@@ -4,8 +4,10 @@ kernel matches (the arithmetic itself is ``formats``').
 quantize(x, dtype, axis, group_size, symmetric)
   Groups of ``group_size`` consecutive values along ``axis`` (all of it
   without a group size; every value for ``axis=None``) share a scale (and a
-  zero point); formulas in ``formats``. scale (and zero) have x's shape
-  with ``axis`` of length (its length // group_size), or 1 (0-d for None).
+  zero point; the last group holds the remainder when ``group_size`` does
+  not divide the axis); formulas in ``formats``. scale (and zero) have x's
+  shape with ``axis`` of length ceil(length / group_size), or 1 (0-d for
+  None).
 
 quantized_matmul, after ``operands.matmul_call``:
   raw          int8 x @ int8 w, exact int32.
@@ -37,11 +39,19 @@ def quantize_groups(x, fmt, axis, group_size, symmetric):
   quantize_ = formats.symmetric if symmetric else formats.asymmetric
   if axis is None or group_size is None:
     return quantize_(x, fmt, axis)
-  groups = x.shape[axis] // group_size
-  xg = x.reshape(x.shape[:axis] + (groups, group_size) + x.shape[axis + 1:])
+  length = x.shape[axis]
+  groups = operands.group_count(length, group_size)
+  # A partial last group is padded with copies of its last value, which
+  # leave its max |x|, min and max unchanged.
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, groups * group_size - length)
+  padded = jnp.pad(x, widths, mode="edge")
+  xg = padded.reshape(x.shape[:axis] + (groups, group_size)
+                      + x.shape[axis + 1:])
   q, *rest = quantize_(xg, fmt, axis + 1)
   kept = x.shape[:axis] + (groups,) + x.shape[axis + 1:]
-  return (q.reshape(x.shape), *(r.reshape(kept) for r in rest))
+  q = jax.lax.slice_in_dim(q.reshape(padded.shape), 0, length, axis=axis)
+  return (q, *(r.reshape(kept) for r in rest))
 
 
 def quantize(x, dtype, *, axis=-1, group_size=None, symmetric=True):

@@ -39,23 +39,33 @@ def _f32(x):
   return np.asarray(np.asarray(x).astype(np.float32), np.float32)
 
 
-def _grouped(x, axis, group_size):
-  """x with ``axis`` split into (groups, group_size); the reduced axis."""
-  if axis is None:
-    return x.reshape(1, -1), 1
-  axis %= x.ndim
-  if group_size is None:
-    return x, axis
-  g = group_size
-  shape = x.shape[:axis] + (x.shape[axis] // g, g) + x.shape[axis + 1:]
-  return x.reshape(shape), axis + 1
+def _group_slices(length, group_size):
+  """Slices of consecutive groups along an axis; the last holds the rest."""
+  return [slice(start, min(start + group_size, length))
+          for start in range(0, length, group_size)]
 
 
 def quantize(x, fmt, axis=-1, group_size=None, symmetric=True):
-  """(q, scale[, zero]) as numpy; scale/zero shapes as documented."""
-  integer, qmin, qmax, dtype = FORMATS[fmt]
+  """(q, scale[, zero]) as numpy; scale/zero shapes as documented: one
+  entry per group along ``axis`` (ceil(length / group_size))."""
   x = _f32(x)
-  xg, red = _grouped(x, axis, group_size)
+  if axis is None:
+    q, *rest = _quantize_reduced(x.reshape(1, -1), fmt, 1, symmetric)
+    return (q.reshape(x.shape), *(r.reshape(()) for r in rest))
+  axis %= x.ndim
+  if group_size is None:
+    return _quantize_reduced(x, fmt, axis, symmetric)
+  parts = [_quantize_reduced(x[(slice(None),) * axis + (piece,)], fmt, axis,
+                             symmetric)
+           for piece in _group_slices(x.shape[axis], group_size)]
+  return tuple(np.concatenate(arrays, axis) for arrays in zip(*parts))
+
+
+def _quantize_reduced(x, fmt, red, symmetric):
+  """(q, scale[, zero]) of float32 x with one scale along axis ``red``
+  (kept, length 1)."""
+  integer, qmin, qmax, dtype = FORMATS[fmt]
+  xg = x
   with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
     nan = np.isnan(xg).any(axis=red, keepdims=True)
     if symmetric:
@@ -81,15 +91,9 @@ def quantize(x, fmt, axis=-1, group_size=None, symmetric=True):
       q = np.clip(np.rint(xg * inv) + zero, qmin, qmax)
       q = np.where(np.isnan(q), 0, q).astype(dtype)
       zero = zero.astype(dtype)
-  if axis is None:
-    kept = ()
-  else:
-    axis %= x.ndim
-    groups = x.shape[axis] // group_size if group_size else 1
-    kept = x.shape[:axis] + (groups,) + x.shape[axis + 1:]
-  out = [q.reshape(x.shape), scale.reshape(kept)]
+  out = [q, scale]
   if zero is not None:
-    out.append(zero.reshape(kept))
+    out.append(zero)
   return tuple(out)
 
 
@@ -111,7 +115,8 @@ def dequantized_weight(w, scale, zero, group_size, x_dtype):
   w = np.asarray(w).astype(np.float32)
   if group_size is None:
     return w.astype(np.float64)
-  rep = lambda a: np.repeat(_f32(a), group_size, axis=0)  # noqa: E731
+  group_of_row = np.arange(w.shape[0]) // group_size
+  rep = lambda a: _f32(a)[group_of_row]  # noqa: E731
   if zero is not None:
     w = (w - rep(zero)).astype(np.float32)
   w = (w * rep(scale)).astype(np.float32)
@@ -169,17 +174,15 @@ def matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
 def group_partial_sums(x2, w, group_size):
   """[G, M, N] per-group products x_g @ w_g of numeric arrays x2 [M, K] and
   w [K, N] (int64 arrays give exact integer sums)."""
-  m, k = x2.shape
-  groups = k // group_size
-  return np.einsum("mgk,gkn->gmn", x2.reshape(m, groups, group_size),
-                   w.reshape(groups, group_size, -1))
+  return np.stack([x2[:, piece] @ w[piece]
+                   for piece in _group_slices(x2.shape[1], group_size)])
 
 
 def group_products(x2, w, x_scale, w_scale, group_size, bias, batch):
   """Quantized x with group scales: sum_g (x_g @ w_g) * x_scale[:, g] *
   w_scale[g] + bias in float64, and the bound's magnitude."""
   m, k = x2.shape
-  groups = k // group_size
+  groups = len(_group_slices(k, group_size))
   xs = (np.ones((m, groups)) if x_scale is None else
         np.asarray(_f32(x_scale), np.float64))
   xs = (np.broadcast_to(xs.reshape(1, 1), (m, groups)) if xs.size == 1
