@@ -238,11 +238,13 @@ def test_quantized_matmul_matches_oracle(backend, case, rng):
 @given(m=st.integers(1, 40), groups=st.integers(1, 4), n=st.integers(1, 70),
        fmt=st.sampled_from(["int4", "int8", "float8_e4m3fn", "float8_e5m2"]),
        layout=st.sampled_from(["kn", "nk"]), zero=st.booleans(),
-       seed=st.integers(0, 2**32 - 1))
+       short=st.integers(0, 31), seed=st.integers(0, 2**32 - 1))
 def test_grouped_weight_only_random_shapes(backend, m, groups, n, fmt,
-                                           layout, zero, seed):
+                                           layout, zero, short, seed):
+  # ``short``: values missing from the last group of 32
   integer = fmt in ("int4", "int8")
-  case = Case(fmt, (m, 32 * groups), n + (n % 2 if fmt == "int4" else 0),
+  case = Case(fmt, (m, 32 * groups - short),
+              n + (n % 2 if fmt == "int4" else 0),
               layout=layout, group_size=32, zero=zero and integer)
   x, w, kw = case.inputs(np.random.default_rng(seed))
   check(run_case(backend, case, x, w, kw), case, x, w, kw)
@@ -256,10 +258,12 @@ def test_grouped_weight_only_random_shapes(backend, m, groups, n, fmt,
        group_size=st.sampled_from([32, 64]),
        layout=st.sampled_from(["kn", "nk"]),
        x_scale=st.sampled_from(["x_scale_g", "x_scale", "x_scale_1"]),
-       seed=st.integers(0, 2**32 - 1))
+       short=st.integers(0, 31), seed=st.integers(0, 2**32 - 1))
 def test_group_products_random_shapes(backend, m, groups, n, fmt, group_size,
-                                      layout, x_scale, seed):
-  case = Case(fmt, (m, group_size * groups), n, kind="dequant", x_dtype=fmt,
+                                      layout, x_scale, short, seed):
+  # ``short``: values missing from the last group
+  case = Case(fmt, (m, group_size * groups - short), n, kind="dequant",
+              x_dtype=fmt,
               layout=layout, group_size=group_size,
               extras=(x_scale, "bias"), out_dtype="float32")
   x, w, kw = case.inputs(np.random.default_rng(seed))
