@@ -14,7 +14,8 @@ Cases: H=32, Hkv=8, D=128, bf16, batch 1 and 64, caches 8k..128k (batch 16
 at 128k: two copies of a batch-64 cache do not fit in 80 GB), all
 sequences full, plus a ragged batch (lengths uniform in [1, S]), and
 ``int8 kv`` rows (B1 8k, B64 32k): ours on an int8 cache with per-head scales,
-the peers on its dequantized bfloat16 copy.
+the peers on its dequantized bfloat16 copy; and head_dim 80 and 96 at B1
+32k and B64 8k.
 JAX impls are timed ``COPIES`` (8) calls per jitted program (each on its own
 copy of the inputs, ``Timer.jax``) where K and V take at most 1 GiB (the
 batch-1 cases): the host's dispatch of one program (tens of microseconds)
@@ -45,9 +46,12 @@ CASES = ([dict(batch=1, seq=s, ragged=False) for s in (8192, 32768, 131072)]
             for r in (False, True)]
          + [dict(batch=16, seq=131072, ragged=False),
             dict(batch=1, seq=8192, ragged=False, cache="int8"),
-            dict(batch=64, seq=32768, ragged=False, cache="int8")])
-CASES = [dict(c, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-              dtype="bfloat16", page=PAGE) for c in CASES]
+            dict(batch=64, seq=32768, ragged=False, cache="int8")]
+         # head_dims off the powers of two (the GPU kernel reads pieces)
+         + [dict(batch=b, seq=s, ragged=False, head_dim=d)
+            for b, s in ((1, 32768), (64, 8192)) for d in (80, 96)])
+CASES = [dict(dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                   dtype="bfloat16", page=PAGE), **c) for c in CASES]
 QUICK = [dict(batch=b, seq=256, ragged=r, heads=4, kv_heads=2, head_dim=64,
               dtype="float32", page=32, **extra)
          for b, r, extra in ((1, False, {}), (3, True, {}),

@@ -124,6 +124,10 @@ CASES = {
     "cap_sinks_scale": Case(3, 4, 1, 3, 200, 64, cap=2.5, sm_scale=0.3,
                             sinks=True),
     "bf16_head_dim_96": Case(2, 4, 2, 2, 129, 96, "bfloat16", window=64),
+    "head_dim_80_paged_sinks": Case(3, 4, 2, 2, 6, 80, sinks=True,
+                                    page_size=16, lengths=(96, 0, 41)),
+    "head_dim_112_int8_many_splits": Case(2, 8, 2, 1, 700, 112,
+                                          quant="int8"),
     "bf16_sixteen_tokens": Case(2, 4, 2, 16, 150, 64, "bfloat16",
                                 sinks=True),
     "f16": Case(2, 2, 1, 2, 100, 64, "float16"),
@@ -143,11 +147,11 @@ SLOW_CASES = {"e5m2"}   # by default: test_e5m2_reference_with_scalar_scales
 def _refusal(backend, case) -> bool:
   """Whether ``backend`` must refuse ``case``: Mosaic TPU takes no float16
   (named; ``backend=None`` then runs the reference); Triton needs
-  power-of-two head_dim and page size."""
+  head_dim on the 16 grid and a power-of-two page size."""
   if backend.name == "interpret":
     return case.dtype == "float16"
   if backend.name == "triton":
-    return (case.d & (case.d - 1) != 0
+    return (case.d % 16 != 0
             or (case.page_size or 16) & ((case.page_size or 16) - 1) != 0)
   return False
 
@@ -417,7 +421,7 @@ def test_bad_page_table_raises():
 
 def test_triton_refuses_what_it_cannot_tile():
   q, k, v, lengths = _args(d=24)
-  with pytest.raises(ValueError, match="power of two"):
+  with pytest.raises(ValueError, match="multiple of 16"):
     pk.decode_attention(q, k, v, lengths, backend="triton")
 
 
@@ -545,25 +549,27 @@ def test_vmap_over_a_leading_axis(rng):
     _assert_close(got[i], want, 2e-5)
 
 
-@pytest.mark.parametrize("paged,cache_dtype", [
-    (False, jnp.bfloat16), (True, jnp.bfloat16), (False, jnp.int8),
-    (True, jnp.float8_e4m3fn)])
-def test_cuda_lowering_runs_the_triton_kernel(paged, cache_dtype):
+@pytest.mark.parametrize("paged,cache_dtype,head_dim", [
+    (False, jnp.bfloat16, 128), (True, jnp.bfloat16, 128),
+    (False, jnp.int8, 128), (True, jnp.float8_e4m3fn, 128),
+    (False, jnp.bfloat16, 80), (True, jnp.int8, 112)])
+def test_cuda_lowering_runs_the_triton_kernel(paged, cache_dtype, head_dim):
   """backend=None lowered for CUDA on this host: the Triton kernel (not the
-  reference), with an odd batch and page-table width; 8-bit caches too."""
+  reference), with an odd batch and page-table width; 8-bit caches too, and
+  head_dims off the powers of two (read in pieces: 80 = 64 + 16)."""
   spec = jax.ShapeDtypeStruct
-  q = spec((3, 32, 1, 128), jnp.bfloat16)
+  q = spec((3, 32, 1, head_dim), jnp.bfloat16)
   lengths = spec((3,), jnp.int32)
   scales = {}
   if cache_dtype != jnp.bfloat16:
     scales = dict(k_scale=jnp.full((8,), 0.1), v_scale=0.2)
   if paged:
-    cache = spec((70, 8, 64, 128), cache_dtype)
+    cache = spec((70, 8, 64, head_dim), cache_dtype)
     args = (q, cache, cache, lengths, spec((3, 21), jnp.int32))
     fn = lambda q, k, v, n, t: pk.decode_attention(  # noqa: E731
         q, k, v, n, page_table=t, sliding_window=100, **scales)
   else:
-    cache = spec((3, 8, 1000, 128), cache_dtype)
+    cache = spec((3, 8, 1000, head_dim), cache_dtype)
     args = (q, cache, cache, lengths)
     fn = lambda q, k, v, n: pk.decode_attention(  # noqa: E731
         q, k, v, n, logit_soft_cap=30.0, **scales)

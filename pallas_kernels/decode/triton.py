@@ -23,9 +23,10 @@ The cache is read in place: a contiguous block is ``block`` rows (the last
 one shifted back to end at S, its rows already seen masked out); a paged
 block is one page, found through the page table. Every block masks logits
 by position and zeroes value rows at or past the length (garbage there never
-reaches the output). Triton tiles need power-of-two sizes, so head_dim and
-the page size must be powers of two >= 16 (``supports``); other calls take
-another kernel. 8-bit caches (int8, float8_e4m3fn, float8_e5m2) are loaded
+reaches the output). Triton tiles need power-of-two sizes: the page size
+must be a power of two >= 16, and head_dim a multiple of 16, read and
+summed in power-of-two column pieces (``head_dim_pieces``: 96 = 64 + 32);
+other calls take another kernel. 8-bit caches (int8, float8_e4m3fn, float8_e5m2) are loaded
 as they are and converted to q's dtype in registers; the kv head's
 ``k_scale`` joins ``sm_scale`` and ``v_scale`` multiplies the output. Triton
 has float8_e4m3fn only from sm_89 (Ada) on.
@@ -58,6 +59,19 @@ def _pow2(n: int) -> bool:
   return n >= MIN_TILE and not n & (n - 1)
 
 
+def head_dim_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
+  """(start, width) column pieces of head_dim, powers of two >= MIN_TILE,
+  largest first (96 -> (0, 64), (64, 32)): Triton tiles need power-of-two
+  sizes, so a head_dim on the 16 grid is read and summed piece by piece."""
+  pieces, start = [], 0
+  for bit in reversed(range(head_dim.bit_length())):
+    width = 1 << bit
+    if head_dim - start >= width >= MIN_TILE:
+      pieces.append((start, width))
+      start += width
+  return tuple(pieces)
+
+
 def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
@@ -69,9 +83,9 @@ def _floor_pow2(n: int) -> int:
 def supports(q, k_cache, page_table) -> str | None:
   """Why the kernel cannot run the call, else None."""
   head_dim = q.shape[3]
-  if not _pow2(head_dim):
+  if head_dim % MIN_TILE:
     return (f"the Triton decode kernel reads the cache in place and needs "
-            f"head_dim a power of two >= {MIN_TILE}, got {head_dim}")
+            f"head_dim a multiple of {MIN_TILE}, got {head_dim}")
   if page_table is not None and not _pow2(k_cache.shape[2]):
     return (f"the Triton decode kernel needs page_size a power of two >= "
             f"{MIN_TILE}, got {k_cache.shape[2]}")
@@ -114,8 +128,11 @@ def _attend(lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, *,
   end = jnp.minimum(start + per, hi + 1)
   base = length - queries
   rows_n, head_dim = q_ref.shape
-  row = lax.broadcasted_iota(jnp.int32, (rows_n, head_dim), 0)
-  q = plgpu.load(q_ref, mask=row < row_count, other=0)
+  pieces = head_dim_pieces(head_dim)
+  qs = [plgpu.load(q_ref.at[:, pl.ds(start, width)],
+                   mask=lax.broadcasted_iota(jnp.int32, (rows_n, width), 0)
+                   < row_count, other=0)
+        for start, width in pieces]
   # Row r's query index: r % T (g-major rows).
   query = lax.broadcasted_iota(jnp.int32, (rows_n, block), 0)
   if queries > 1:
@@ -123,23 +140,24 @@ def _attend(lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, *,
   else:
     query = jnp.zeros_like(query)
   key_iota = lax.broadcasted_iota(jnp.int32, (rows_n, block), 1)
-  value_iota = lax.broadcasted_iota(jnp.int32, (block, head_dim), 0)
+  value_iota = lax.broadcasted_iota(jnp.int32, (block, 1), 0)
 
   def body(c, carry):
-    acc, m_prev, l_prev = carry
+    accs, m_prev, l_prev = carry
     if paged:
       page = jnp.clip(pages_ref[c], 0, k_ref.shape[0] - 1)
-      k, v = k_ref[page], v_ref[page]
+      rows_at = (page, slice(None))
       first = c * block
     else:
       # The last block ends at the cache's end; rows before c * block were
       # the previous block's.
       first = jnp.minimum(c * block, capacity - block)
-      k = k_ref[pl.ds(first, block), :]
-      v = v_ref[pl.ds(first, block), :]
-    k, v = k.astype(q.dtype), v.astype(q.dtype)
-    qk = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                         preferred_element_type=jnp.float32)
+      rows_at = (pl.ds(first, block),)
+    ks = [k_ref[rows_at + (pl.ds(start, width),)].astype(qs[0].dtype)
+          for start, width in pieces]
+    qk = sum(lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+             for q, k in zip(qs, ks))
     if cap is None:
       s = qk * (sm_scale * LOG2E)
     else:
@@ -150,27 +168,32 @@ def _attend(lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, *,
       visible &= query <= cols + window - base
     s = jnp.where(visible, s, -jnp.inf)
     value_cols = first + value_iota
-    v = jnp.where((value_cols >= c * block) & (value_cols < length), v,
-                  jnp.zeros_like(v))
+    live_values = (value_cols >= c * block) & (value_cols < length)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
     alpha = jnp.exp2(m_prev - m_shift)
     p = jnp.exp2(s - m_shift[:, None])
     l_next = l_prev * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-        preferred_element_type=jnp.float32)
-    return acc, m_next, l_next
+    p = p.astype(qs[0].dtype)
+    new_accs = []
+    for acc, (start, width) in zip(accs, pieces):
+      v = v_ref[rows_at + (pl.ds(start, width),)].astype(qs[0].dtype)
+      v = jnp.where(live_values, v, jnp.zeros_like(v))
+      new_accs.append(acc * alpha[:, None] + lax.dot_general(
+          p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32))
+    return tuple(new_accs), m_next, l_next
 
-  carry = (jnp.zeros((rows_n, head_dim), jnp.float32),
+  carry = (tuple(jnp.zeros((rows_n, width), jnp.float32)
+                 for _, width in pieces),
            jnp.full((rows_n,), -jnp.inf, jnp.float32),
            jnp.zeros((rows_n,), jnp.float32))
   return lax.fori_loop(start, end, body, carry)
 
 
-def _finish(acc, m, l, sink_ref, v_scale, row_count):
-  """The output rows from the softmax state over all keys (m base 2, acc
-  unnormalized): the sinks join the denominator, v_scale multiplies."""
+def _finish(accs, m, l, sink_ref, v_scale, row_count):
+  """The output rows (per head_dim piece) from the softmax state over all
+  keys (m base 2, accs unnormalized): the sinks join the denominator,
+  v_scale multiplies."""
   if sink_ref is not None:
     rows = lax.broadcasted_iota(jnp.int32, m.shape, 0)
     sink = plgpu.load(sink_ref.at[pl.ds(0, m.shape[0])], mask=rows < row_count,
@@ -178,9 +201,10 @@ def _finish(acc, m, l, sink_ref, v_scale, row_count):
     top = jnp.maximum(m, sink)
     top = jnp.where(top == -jnp.inf, 0.0, top)
     scale = jnp.exp2(m - top)
-    acc, l = acc * scale[:, None], l * scale + jnp.exp2(sink - top)
-  out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
-  return out if v_scale is None else out * v_scale
+    accs = [acc * scale[:, None] for acc in accs]
+    l = l * scale + jnp.exp2(sink - top)
+  outs = [acc / jnp.where(l == 0.0, 1.0, l)[:, None] for acc in accs]
+  return outs if v_scale is None else [out * v_scale for out in outs]
 
 
 def _kernel(lengths_ref, q_ref, k_ref, v_ref, *rest, queries, row_count,
@@ -199,25 +223,23 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, *rest, queries, row_count,
   if quantized:  # the kv head's k_scale joins the logit scale
     sm_scale = sm_scale * k_scale_ref[h]
     v_scale = v_scale_ref[h]
-  acc, m, l = _attend(
+  accs, m, l = _attend(
       lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, queries=queries,
       row_count=row_count, window=window, cap=cap, block=block,
       num_splits=num_splits, paged=paged, capacity=capacity)
-  rows_n, head_dim = acc.shape
-  out_rows = lax.broadcasted_iota(jnp.int32, (rows_n, head_dim), 0) < row_count
+  pieces = head_dim_pieces(q_ref.shape[1])
   if num_splits == 1:
-    out = _finish(acc, m, l, sink_ref, v_scale, row_count)
-    plgpu.store(o_ref, out.astype(o_ref.dtype), mask=out_rows)
+    outs = _finish(accs, m, l, sink_ref, v_scale, row_count)
+    _store_pieces(o_ref, outs, pieces, row_count)
     return
   del tickets_in_ref  # aliased to tickets_ref
   part_o_ref, part_lse_ref, tickets_ref = rest
   split = pl.program_id(2)
   empty = l == 0.0
-  rows = lax.broadcasted_iota(jnp.int32, (rows_n,), 0)
-  plgpu.store(part_o_ref.at[split],
-              acc / jnp.where(empty, 1.0, l)[:, None],
-              mask=lax.broadcasted_iota(jnp.int32, (rows_n, head_dim), 0)
-              < merged_rows)
+  rows = lax.broadcasted_iota(jnp.int32, m.shape, 0)
+  _store_pieces(part_o_ref,
+                [acc / jnp.where(empty, 1.0, l)[:, None] for acc in accs],
+                pieces, merged_rows, lead=(split,))
   plgpu.store(part_lse_ref.at[split],
               jnp.where(empty, -jnp.inf, m + jnp.log2(l)),
               mask=rows < merged_rows)
@@ -233,35 +255,45 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, *rest, queries, row_count,
                   num_splits=num_splits)
 
 
+def _store_pieces(ref, pieces_out, pieces, row_count, lead=()):
+  """Stores the head_dim pieces of rows ``< row_count`` into
+  ``ref[*lead]`` [rows, head_dim] (cast to its dtype)."""
+  for out, (start, width) in zip(pieces_out, pieces):
+    rows = lax.broadcasted_iota(jnp.int32, out.shape, 0)
+    plgpu.store(ref.at[lead + (pl.ds(0, out.shape[0]), pl.ds(start, width))],
+                out.astype(ref.dtype), mask=rows < row_count)
+
+
 def _merge_splits(part_o_ref, part_lse_ref, o_ref, sink_ref, v_scale, *,
                   row_count, merged_rows, num_splits):
   """The last program of a (b, hk): merges the splits' (out, lse) (the
   first ``merged_rows`` rows) in steps of ``chunk`` splits, with loads that
   bypass L1 (other SMs wrote them)."""
   head_dim = part_o_ref.shape[2]
+  pieces = head_dim_pieces(head_dim)
   chunk = min(num_splits, _floor_pow2(MERGE_ELEMENTS // (merged_rows
                                                          * head_dim)))
   top = jnp.full((merged_rows,), -jnp.inf, jnp.float32)
   total = jnp.zeros((merged_rows,), jnp.float32)
-  acc = jnp.zeros((merged_rows, head_dim), jnp.float32)
+  accs = [jnp.zeros((merged_rows, width), jnp.float32) for _, width in pieces]
   for first in range(0, num_splits, chunk):
     lse = plgpu.load(
         part_lse_ref.at[pl.ds(first, chunk), pl.ds(0, merged_rows)],
-        volatile=True)
-    out = plgpu.load(
-        part_o_ref.at[pl.ds(first, chunk), pl.ds(0, merged_rows)],
         volatile=True)
     new_top = jnp.maximum(top, jnp.max(lse, axis=0))
     shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)
     weights = jnp.exp2(lse - shift[None, :])
     alpha = jnp.exp2(top - shift)
     total = total * alpha + jnp.sum(weights, axis=0)
-    acc = acc * alpha[:, None] + jnp.sum(weights[:, :, None] * out, axis=0)
+    for i, (start, width) in enumerate(pieces):
+      out = plgpu.load(
+          part_o_ref.at[pl.ds(first, chunk), pl.ds(0, merged_rows),
+                        pl.ds(start, width)], volatile=True)
+      accs[i] = (accs[i] * alpha[:, None]
+                 + jnp.sum(weights[:, :, None] * out, axis=0))
     top = new_top
-  out = _finish(acc, top, total, sink_ref, v_scale, row_count)
-  rows = lax.broadcasted_iota(jnp.int32, (merged_rows, head_dim), 0)
-  plgpu.store(o_ref.at[pl.ds(0, merged_rows)], out.astype(o_ref.dtype),
-              mask=rows < row_count)
+  outs = _finish(accs, top, total, sink_ref, v_scale, row_count)
+  _store_pieces(o_ref, outs, pieces, row_count)
 
 
 def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
