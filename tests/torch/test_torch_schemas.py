@@ -6,7 +6,8 @@ Python function's results, and ``torch.library.opcheck`` passes on small
 CPU inputs (schema, autograd registration, fake tensors; AOT dispatch for
 one op of each family). Per family, ``torch.compile(fullgraph=True)`` with
 the aot_eager backend traces the op without graph breaks and matches eager;
-one op also compiles with inductor on CPU. The torch functions take every
+one op also compiles with inductor on CPU, and with openxla on XLA tensors
+(with gradients). The torch functions take every
 parameter of the JAX op of the same name (``test_signature_is_the_jax_ops``).
 """
 from __future__ import annotations
@@ -328,3 +329,26 @@ def test_weight_layout_and_block_sizes(torch_gen):
   torch.testing.assert_close(blocked, want)
   dequantized = (x @ (w.float() * w_scale))
   torch.testing.assert_close(want.float(), dequantized, rtol=1e-4, atol=1e-3)
+
+
+def test_compile_openxla(torch_gen, xla_device):
+  """A public op on XLA tensors under the openxla backend, with gradients,
+  against the Python function on CPU tensors."""
+  pred, target = (t.detach() for t in _two_boxes(torch_gen))
+
+  def run(pred, target):
+    return torch.ops.pallas_kernels.giou_loss(pred, target, reduction="sum",
+                                              backend="reference")
+
+  torch._dynamo.reset()
+  compiled = torch.compile(run, fullgraph=True, backend="openxla")
+  on_xla = pred.to(xla_device).requires_grad_()
+  loss = compiled(on_xla, target.to(xla_device))
+  loss.backward()
+  on_cpu = pred.clone().requires_grad_()
+  want = tb.giou_loss(on_cpu, target, reduction="sum", backend="reference")
+  want.backward()
+  torch.testing.assert_close(loss.detach().cpu(), want.detach(), rtol=1e-5,
+                             atol=1e-5)
+  torch.testing.assert_close(on_xla.grad.cpu(), on_cpu.grad, rtol=1e-5,
+                             atol=1e-5)
