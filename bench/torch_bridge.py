@@ -11,7 +11,7 @@ Impls of each case, in one run on the same tensors:
             ``torch.autograd.grad`` to them (the forward saves residuals,
             the backward runs from them).
   ours_op   the same calls through the registered custom ops
-            (``torch.ops.pallas_kernels.*``, what torch.compile and XLA
+            (``torch.ops.pallas_kernels_impl.*``, what torch.compile and XLA
             tensors use), the fast path switched off.
   jax       the jitted ``pallas_kernels`` op on the same buffers (DLPack,
             no copy); fwd+bwd: ``jax.jit(jax.grad)`` of the same sum.
@@ -121,7 +121,7 @@ def thunks(case, torch, device, dtype):
 @contextlib.contextmanager
 def custom_ops_only():
   """The bridge with its eager fast path off: every call dispatches
-  through ``torch.ops.pallas_kernels.*``."""
+  through ``torch.ops.pallas_kernels_impl.*``."""
   from torch_bridge import _eager
   plain_device = _eager.plain_device
   _eager.plain_device = lambda tensors: None

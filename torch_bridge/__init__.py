@@ -2,8 +2,11 @@
 
     from torch_bridge import flash_attention, Int8Linear, GIoULoss
 
-Ops (``torch_bridge.ops``, also ``torch.ops.pallas_kernels.*``), each with
-the arguments of the ``pallas_kernels`` op of the same name:
+Ops (``torch_bridge.ops``), each with the arguments of the
+``pallas_kernels`` op of the same name, and each also a public torch
+operator ``torch.ops.pallas_kernels.<name>`` with a typed schema (tensors and
+static parameters as typed arguments; ``torch_bridge.schemas``, registered
+when ``torch_bridge.ops`` is imported):
 
   attention     flash_attention, decode_attention
   int8          quantize_int8, int8_matmul, int8_dense
@@ -18,8 +21,10 @@ Modules (``torch_bridge.modules``): Attention, Int8Linear, QuantizedLinear
 (frozen int8/float8 weight + LoRA), IoULoss, GIoULoss, DIoULoss, CIoULoss.
 
 How it works (``torch_bridge._core``): every op is a JAX function wrapped
-once, generically, as a ``torch.library`` custom op with a fake (meta)
-implementation and an autograd formula that runs the JAX VJP.
+once, generically, as internal ``torch.library`` custom ops
+(``torch.ops.pallas_kernels_impl.*``, static parameters encoded in a string)
+with a fake (meta) implementation and an autograd formula that runs the JAX
+VJP; the public typed op calls the function, which runs them.
 
   XLA tensors   the JAX op is lowered for torch_xla's platform and spliced
                 into the lazy graph (no host transfer, no extra compile per
@@ -53,7 +58,7 @@ SPMD / FSDP:
 
 Drop-in for torch_xla users: ``torch_bridge.custom_kernel.flash_attention``
 has ``torch_xla.experimental.custom_kernel.flash_attention``'s signature and
-semantics (README: "Migrating from torch_xla's flash_attention").
+semantics (docs/torch.md: "Migrating from torch_xla's flash_attention").
 
 Autograd saves the JAX op's residuals (flash attention: output and
 log-sum-exp), so the backward runs only the backward kernels.

@@ -1,10 +1,12 @@
 """One mechanism that turns any JAX function into a differentiable torch op.
 
-``JaxOp(name, fn)`` registers two ``torch.library`` custom ops:
+``JaxOp(name, fn)`` registers internal ``torch.library`` custom ops in the
+namespace ``pallas_kernels_impl`` (the public, typed ops of
+``torch.ops.pallas_kernels`` are built on them: ``torch_bridge.schemas``):
 
-  pallas_kernels::<name>(str static, Tensor[] arrays) -> Tensor[]
-  pallas_kernels::<name>_vjp(str static, Tensor[] arrays,
-                             Tensor[] cotangents) -> Tensor[]
+  pallas_kernels_impl::<name>(str static, Tensor[] arrays) -> Tensor[]
+  pallas_kernels_impl::<name>_vjp(str static, Tensor[] arrays,
+                                  Tensor[] cotangents) -> Tensor[]
 
 ``fn(*arrays, **static)`` is a JAX function returning an array or a tuple of
 arrays; ``static`` holds the non-array parameters, encoded as a Python
@@ -27,7 +29,7 @@ Where the arrays live decides how ``fn`` runs:
 Autograd keeps the JAX op's own residuals. When a call needs gradients it
 runs a third op,
 
-  pallas_kernels::<name>_save(str static, Tensor[] arrays) -> Tensor[]
+  pallas_kernels_impl::<name>_save(str static, Tensor[] arrays) -> Tensor[]
 
 the forward under ``jax.vjp``: it returns the outputs followed by the
 residual arrays of the VJP closure (the pullback is a pytree whose leaves
@@ -35,8 +37,9 @@ are the residuals: for flash attention the output and the log-sum-exp).
 Leaves that are inputs or outputs are not returned again: the backward
 takes them from the saved inputs and outputs. The backward,
 
-  pallas_kernels::<name>_restore(str static, Tensor[] arrays,
-                                 Tensor[] residuals, Tensor[] cotangents)
+  pallas_kernels_impl::<name>_restore(str static, Tensor[] arrays,
+                                      Tensor[] residuals,
+                                      Tensor[] cotangents)
 
 (``residuals`` there: the outputs, then the save op's residuals)
 rebuilds the pullback from the residuals and applies it, so it runs only the
@@ -68,7 +71,8 @@ import torch
 from pallas_kernels import _backend
 from torch_bridge import _convert, _eager
 
-NAMESPACE = "pallas_kernels"
+# The internal ops' namespace; ``pallas_kernels`` holds the public ones.
+NAMESPACE = "pallas_kernels_impl"
 _OPS: dict[str, "JaxOp"] = {}
 
 
@@ -175,7 +179,7 @@ def _warn_unsharded(name: str) -> None:
 
 @dataclasses.dataclass
 class JaxOp:
-  """A JAX function registered as ``torch.ops.pallas_kernels.<name>``.
+  """A JAX function registered as ``torch.ops.pallas_kernels_impl.<name>``.
 
   ``fn(*arrays, **static)`` takes its arrays positionally (None for absent
   optional ones). ``differentiable`` lists the positions that may receive

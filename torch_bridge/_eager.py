@@ -6,8 +6,8 @@ no functorch transform (vmap, grad), torch dispatch mode (fake tensors,
 make_fx, FlopCounterMode) or forward-mode AD level, and every tensor a plain
 ``torch.Tensor`` or ``nn.Parameter`` on one CPU or CUDA device. Everything
 else (XLA, meta and fake tensors, subclasses, compile) goes through
-``torch.ops.pallas_kernels.*``, whose dispatch costs far more than a small
-op's launch.
+``torch.ops.pallas_kernels_impl.*``, whose dispatch costs far more than a
+small op's launch.
 
   no gradient   ``forward``: DLPack in, the cached jitted forward, DLPack
                 out.
@@ -32,7 +32,7 @@ from torch_bridge import _convert
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _transformed() -> bool:
+def transformed() -> bool:
   """Whether something records or reinterprets torch calls right now."""
   return (torch.compiler.is_compiling()
           or torch._C._are_functorch_transforms_active()
@@ -44,7 +44,7 @@ def _transformed() -> bool:
 def plain_device(tensors) -> torch.device | None:
   """The one CPU/CUDA device of ``tensors`` when the fast path may run
   them, else None (the custom ops take the call)."""
-  if not tensors or _transformed():
+  if not tensors or transformed():
     return None
   device = tensors[0].device
   if device.type not in ("cpu", "cuda"):

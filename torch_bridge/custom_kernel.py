@@ -5,7 +5,8 @@
                           sm_scale, ab=ab, partition_spec=spec, mesh=mesh)
 
 Same positional order, keywords, defaults and results as torch_xla 2.9's
-function (README, "Migrating from torch_xla", lists every argument), running
+function (docs/torch.md, "Migrating from torch_xla's flash_attention",
+lists every argument), running
 ``torch_bridge.ops.flash_attention`` underneath: on XLA tensors it is the
 same lazy-graph kernel (Mosaic on TPU), and it also runs on CPU and CUDA
 tensors. Differences from torch_xla: a query row that no key may attend to

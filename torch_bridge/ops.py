@@ -20,8 +20,12 @@ semantics of the ``pallas_kernels`` op of the same name (see there), plus:
 Where the tensors live picks how the op runs (``torch_bridge._core``): XLA
 tensors embed the JAX op into the torch_xla graph (Mosaic kernel on TPU,
 generic Pallas interpreter on CPU), CPU and CUDA tensors go through DLPack
-to a jitted JAX call. Each op is also ``torch.ops.pallas_kernels.<name>``
-(static parameters encoded in its first, string argument).
+to a jitted JAX call. Each function is also the public torch operator
+``torch.ops.pallas_kernels.<name>``, whose schema has the tensors and static
+parameters as typed arguments (``torch_bridge.schemas``; ``mask``,
+``return_lse``, ``block_sizes``, ``partition_spec`` and ``mesh`` are Python
+function only), and runs on internal ops
+``torch.ops.pallas_kernels_impl.*`` (static parameters encoded in a string).
 
 JAX runs without 64-bit types: ids given as int64 (torch's default;
 segment and class ids) are passed as int32 with equality kept exactly (values
@@ -91,11 +95,16 @@ def _ids_int32(*ids):
   compared for equality; JAX runs without 64-bit types).
 
   int64 values that may not fit int32 are replaced by their rank among all
-  the given ids, on their device (a sort; no host sync on XLA tensors).
+  the given ids, on their device (a sort; no host sync on XLA tensors, and
+  none while tracing: fake tensors, torch.compile, dispatch modes).
   """
+  from torch._subclasses.fake_tensor import is_fake
+
+  from torch_bridge import _eager
   present = [t for t in ids if t is not None]
   wide = [t for t in present if t.dtype == torch.int64]
-  lazy = any(t.device.type in ("xla", "meta") for t in wide)
+  lazy = wide and (_eager.transformed() or any(
+      t.device.type in ("xla", "meta") or is_fake(t) for t in wide))
   if wide and (lazy or any(
       t.numel() and (int(t.min()) < _INT32.min or int(t.max()) > _INT32.max)
       for t in wide)):
@@ -186,6 +195,14 @@ def _plain_block_sizes(block_sizes):
   return block_sizes
 
 
+def _plain_matmul_block_sizes(block_sizes):
+  """A matmul ``BlockSizes`` dataclass as the literal dict of its fields
+  (the JAX matmuls take such a dict); other values unchanged."""
+  if dataclasses.is_dataclass(block_sizes):
+    return dataclasses.asdict(block_sizes)
+  return block_sizes
+
+
 def _block_sizes_from_plain(block_sizes):
   if not isinstance(block_sizes, dict) or "_class" not in block_sizes:
     return block_sizes
@@ -198,17 +215,43 @@ def _block_sizes_from_plain(block_sizes):
 
 # ------------------------------------------------------------- attention --
 
-def _attention_jax(q, k, v, q_segment_ids, kv_segment_ids, bias, **static):
+# Attention masks (``pallas_kernels.attention.masks``) are hashable values
+# but not literals: the static string carries the mask's number in this
+# process (equal masks, the same number) and the JAX side looks it up.
+_MASK_NUMBERS: dict = {}
+_MASKS: list = []
+
+
+def _mask_number(mask) -> int | None:
+  if mask is None:
+    return None
+  from pallas_kernels.attention import masks
+  per_head = isinstance(mask, (tuple, list))
+  if not all(isinstance(m, masks.Mask) for m in (mask if per_head
+                                                 else (mask,))):
+    raise TypeError("flash_attention: mask must be a mask from "
+                    "pallas_kernels.attention.masks or a list of them (one "
+                    f"per query head), got {mask!r}")
+  key = tuple(mask) if per_head else mask
+  if key not in _MASK_NUMBERS:
+    _MASK_NUMBERS[key] = len(_MASKS)
+    _MASKS.append(list(mask) if per_head else mask)
+  return _MASK_NUMBERS[key]
+
+
+def _attention_jax(q, k, v, q_segment_ids, kv_segment_ids, bias, sinks,
+                   *, mask=None, **static):
   import pallas_kernels
   segments = (None if q_segment_ids is None
               else (q_segment_ids, kv_segment_ids))
   static["block_sizes"] = _block_sizes_from_plain(static.get("block_sizes"))
-  return pallas_kernels.flash_attention(q, k, v, segment_ids=segments,
-                                        bias=bias, **static)
+  return pallas_kernels.flash_attention(
+      q, k, v, segment_ids=segments, bias=bias, sinks=sinks,
+      mask=None if mask is None else _MASKS[mask], **static)
 
 
 def _attention_shards(static, spec, arrays, mesh):
-  q, k, _, _, _, bias = arrays
+  q, k, _, _, _, bias, sinks = arrays
   op = "flash_attention"
   _spec_length(op, spec, "q", q.shape, "batch, heads, seq, head_dim")
   _unsplittable(op, spec, "q", {2: "sequence", 3: "head_dim"},
@@ -230,24 +273,30 @@ def _attention_shards(static, spec, arrays, mesh):
       batch_axis if bias.shape[0] > 1 else None,
       head_axis if bias.shape[1] > 1 else None, None, None)
   seg = (batch_axis, None)
-  ins = (spec, spec, spec, seg, seg, bias_spec)
+  ins = (spec, spec, spec, seg, seg, bias_spec,
+         None if sinks is None else (head_axis,))
   outs = (spec, (batch_axis, head_axis, None)) if static.get(
       "return_lse") else (spec,)
   return ins, outs
 
 
 _ATTENTION = JaxOp("flash_attention", _attention_jax,
-                   differentiable=(0, 1, 2, 5), shard_specs=_attention_shards)
+                   differentiable=(0, 1, 2, 5, 6),
+                   shard_specs=_attention_shards)
 
 
 def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
                     sliding_window=None, logit_soft_cap=None, bias=None,
-                    return_lse=False, block_sizes=None, backend=None,
-                    partition_spec=None, mesh=None):
+                    sinks=None, mask=None, return_lse=False, block_sizes=None,
+                    backend=None, partition_spec=None, mesh=None):
   """``pallas_kernels.flash_attention`` on torch tensors ``[B, H, S, D]``.
 
+  ``sinks``: float ``[H]``, one learnable logit per query head that joins
+  each row's softmax denominator (gets a gradient). ``mask``: a static mask
+  from ``pallas_kernels.attention.masks`` (or a list, one per query head).
+
   ``partition_spec``: 4 entries for q's (batch, heads, seq, head_dim); batch
-  and heads may be split (k, v, segment_ids and bias follow q). An odd
+  and heads may be split (k, v, segment_ids, bias and sinks follow q). An odd
   batch, or (for MHA) a head count the axis does not divide, is padded
   inside; grouped-query attention needs the kv heads divisible by the heads'
   axis size.
@@ -267,14 +316,17 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
         _check_tensor(op, "kv_segment_ids", segment_ids[1], dtypes=ints,
                       ndim=2))
   _check_tensor(op, "bias", bias, dtypes=_FLOATS, ndim=4, optional=True)
+  _check_tensor(op, "sinks", sinks, dtypes=_FLOATS, ndim=1, optional=True)
   _check_devices(op, dict(q=q, k=k, v=v, q_segment_ids=q_seg,
-                          kv_segment_ids=kv_seg, bias=bias))
+                          kv_segment_ids=kv_seg, bias=bias, sinks=sinks))
   static = dict(causal=causal, sm_scale=sm_scale,
                 sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
                 return_lse=return_lse,
                 block_sizes=_plain_block_sizes(block_sizes), backend=backend)
+  if mask is not None:  # absent from the static string when unused
+    static["mask"] = _mask_number(mask)
   static = _sharding(static, partition_spec, mesh, op)
-  outs = _ATTENTION([q, k, v, q_seg, kv_seg, bias], **static)
+  outs = _ATTENTION([q, k, v, q_seg, kv_seg, bias, sinks], **static)
   return tuple(outs) if return_lse else outs[0]
 
 
@@ -350,8 +402,10 @@ _MATMUL = JaxOp("int8_matmul", _matmul_jax, differentiable=(),
 
 def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None,
                 out_dtype=None, block_sizes=None, weight_only=False,
-                backend=None, partition_spec=None, mesh=None):
-  """``pallas_kernels.int8_matmul``: int8 ``x [..., K] @ w [K, N]``.
+                weight_layout="kn", backend=None, partition_spec=None,
+                mesh=None):
+  """``pallas_kernels.int8_matmul``: int8 ``x [..., K] @ w [K, N]`` (``[N,
+  K]`` with ``weight_layout="nk"``).
 
   ``partition_spec``: one entry per dim of x; the row dims may be split
   (x_scale follows x), K may not.
@@ -370,8 +424,10 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None,
     from torch_bridge import _convert
     import numpy as np
     out_dtype = np.dtype(_convert.jax_dtype(out_dtype)).name
-  static = dict(out_dtype=out_dtype, block_sizes=_plain_block_sizes(
-      block_sizes), weight_only=weight_only, backend=backend)
+  static = dict(out_dtype=out_dtype,
+                block_sizes=_plain_matmul_block_sizes(block_sizes),
+                weight_only=weight_only, weight_layout=weight_layout,
+                backend=backend)
   static = _sharding(static, partition_spec, mesh, op)
   return _MATMUL([x, w, x_scale, w_scale, bias], **static)[0]
 
@@ -520,8 +576,8 @@ _QUANTIZED_MATMUL = JaxOp("quantized_matmul", _quantized_matmul_jax,
 
 def quantized_matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
                      group_size=None, bias=None, out_dtype=None,
-                     weight_only=False, weight_layout="kn", backend=None,
-                     partition_spec=None, mesh=None):
+                     weight_only=False, weight_layout="kn", block_sizes=None,
+                     backend=None, partition_spec=None, mesh=None):
   """``pallas_kernels.quantized_matmul``: ``x [..., K] @ w`` for int8 or
   float8 ``w`` (``[K, N]``, or ``[N, K]`` with ``weight_layout="nk"``),
   with per-channel or group scales; x float (weight-only / dynamic) or of
@@ -553,6 +609,7 @@ def quantized_matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
   static = dict(x_format=_format_name(x), w_format=w_format,
                 group_size=group_size, out_dtype=out_dtype,
                 weight_only=weight_only, weight_layout=weight_layout,
+                block_sizes=_plain_matmul_block_sizes(block_sizes),
                 backend=backend)
   static = _sharding(static, partition_spec, mesh, op)
   return _QUANTIZED_MATMUL([_bytes_of(x), _bytes_of(w), x_scale, w_scale,
@@ -1081,3 +1138,7 @@ __all__ = ["UnshardedWarning", "flash_attention", "decode_attention",
            "pairwise_iou", "pairwise_giou", "pairwise_diou", "pairwise_ciou",
            "box_iou", "iou_loss", "giou_loss", "diou_loss", "ciou_loss",
            "nms", "batched_nms", "soft_nms"]
+
+# Registers the public typed ops ``torch.ops.pallas_kernels.<name>`` (they
+# call the functions above).
+from torch_bridge import schemas  # noqa: E402,F401

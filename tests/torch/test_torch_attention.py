@@ -154,8 +154,10 @@ def test_meta_shapes():
 
 
 def test_op_registered():
+  """The public typed op, and the internal ops it runs."""
   assert hasattr(torch.ops.pallas_kernels, "flash_attention")
-  assert hasattr(torch.ops.pallas_kernels, "flash_attention_vjp")
+  assert hasattr(torch.ops.pallas_kernels_impl, "flash_attention")
+  assert hasattr(torch.ops.pallas_kernels_impl, "flash_attention_vjp")
 
 
 @pytest.mark.parametrize("bad, error, match", [

@@ -475,19 +475,3 @@ def test_exports_match_the_modules():
   assert set(tb._MODULES) == set(modules.__all__)
   for name in tb._OPS + tb._MODULES:
     assert getattr(tb, name) is not None
-
-
-@pytest.mark.parametrize("name", [
-    "iou", "giou", "diou", "ciou", "pairwise_iou", "pairwise_giou",
-    "pairwise_diou", "pairwise_ciou", "box_iou", "iou_loss", "giou_loss",
-    "diou_loss", "ciou_loss", "nms", "batched_nms", "soft_nms"])
-def test_signature_is_the_jax_ops(name):
-  """The JAX op's parameters (names, kinds, defaults, order), then
-  partition_spec and mesh."""
-  import inspect
-  import pallas_kernels
-  ours = inspect.signature(getattr(tb, name)).parameters
-  theirs = inspect.signature(getattr(pallas_kernels, name)).parameters
-  assert list(ours)[-2:] == ["partition_spec", "mesh"]
-  assert [(p.name, p.kind, p.default) for p in list(ours.values())[:-2]] == [
-      (p.name, p.kind, p.default) for p in theirs.values()]

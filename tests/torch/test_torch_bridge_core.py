@@ -89,9 +89,9 @@ def test_registered_in_torch_library(rng):
   a = torch.tensor(rng.standard_normal((2, 2)), dtype=torch.float32)
   static = _core.encode_static(dict(alpha=1.0, shift=(1.0,),
                                     _layout=(True, True, False)))
-  out = torch.ops.pallas_kernels._test_scale_add(static, [a, a])
+  out = torch.ops.pallas_kernels_impl._test_scale_add(static, [a, a])
   torch.testing.assert_close(out[0], a + torch.sin(a) + 1.0)
-  torch.library.opcheck(torch.ops.pallas_kernels._test_scale_add.default,
+  torch.library.opcheck(torch.ops.pallas_kernels_impl._test_scale_add.default,
                         (static, [a.requires_grad_(), a.detach()]),
                         test_utils=("test_schema", "test_faketensor"))
 

@@ -39,3 +39,9 @@ def test_torch_page_runs(capsys):
     exec(compile(block, "docs/torch.md", "exec"), namespace)  # noqa: S102
   assert namespace["q"].grad.shape == (2, 4, 128, 64)
   assert int(namespace["count"]) == 2
+  # The public typed ops: their schema, NMS keeping one of two overlapping
+  # boxes, GIoU as the function gives it, a compiled attention call.
+  printed = capsys.readouterr().out
+  assert ("pallas_kernels::giou(Tensor boxes1, Tensor boxes2, *, "
+          'str box_format="xyxy", str? backend=None) -> Tensor') in printed
+  assert "\n1 True\nTrue\n" in printed

@@ -1,7 +1,7 @@
 """The eager fast path (``torch_bridge._eager``) against the custom ops.
 
 Plain CPU tensors take the fast path; the same call with it switched off
-(``custom_ops_only``) takes ``torch.ops.pallas_kernels.*``. The two must
+(``custom_ops_only``) takes ``torch.ops.pallas_kernels_impl.*``. The two must
 give the same bits, and match float64 oracles (float32 tolerances below).
 ``fast_path`` records which jitted functions the fast path runs: "forward"
 without gradients; "save" in the forward and "restore" in the backward

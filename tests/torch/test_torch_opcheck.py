@@ -1,6 +1,8 @@
-"""``torch.library.opcheck`` on every op ``torch_bridge.ops`` registers.
+"""``torch.library.opcheck`` on the internal ops ``torch_bridge.ops`` runs.
 
-Each ``JaxOp`` registers four custom ops, all with the generic schema
+Each ``JaxOp`` registers four internal custom ops (namespace
+``pallas_kernels_impl``; the public typed ops are checked in
+``test_torch_schemas.py``), all with the generic schema
 ``(str static, Tensor[] arrays, ...) -> Tensor[]``: ``<name>`` (forward),
 ``<name>_save`` (forward plus the VJP's residuals: what autograd calls when
 an input requires grad), ``<name>_vjp`` and ``<name>_restore`` (the two
@@ -153,7 +155,7 @@ def _cases(monkeypatch, name, gen, stage):
   stage "forward": ``<name>`` and ``<name>_save``; "backward": ``_vjp``
   and ``_restore``."""
   which, static, arrays = _recorded(monkeypatch, name, gen)
-  lib = torch.ops.pallas_kernels
+  lib = torch.ops.pallas_kernels_impl
   if which == "forward_op":  # no gradient: save/vjp/restore are never used
     assert _core.registered_ops()[name].differentiable == ()
     return [(getattr(lib, name).default, (static, arrays))]
@@ -202,5 +204,5 @@ def test_opcheck_can_fail(monkeypatch, torch_gen):
   monkeypatch.setattr(op, "jax_forward",
                       lambda text: lambda *a: (a[0][..., :2],))
   with pytest.raises(Exception, match="test_faketensor"):
-    torch.library.opcheck(torch.ops.pallas_kernels.iou.default,
+    torch.library.opcheck(torch.ops.pallas_kernels_impl.iou.default,
                           (static, arrays), test_utils=("test_faketensor",))

@@ -59,8 +59,8 @@ def test_recomputing_formula_would_show(lowered_for_tpu, xla_device,
   q, k, v = _qkv(xla_device, torch_gen)
   static = dict(causal=True, sm_scale=None, sliding_window=None,
                 logit_soft_cap=None, return_lse=False, block_sizes=None,
-                backend=None, _layout=(True,) * 3 + (False,) * 3)
-  (out,) = torch.ops.pallas_kernels.flash_attention(
+                backend=None, _layout=(True,) * 3 + (False,) * 4)
+  (out,) = torch.ops.pallas_kernels_impl.flash_attention(
       _core.encode_static(static), [q, k, v])
   out.sum().backward()
   assert kernels([out, q.grad, k.grad, v.grad]) == 4
@@ -72,8 +72,8 @@ def test_attention_saves_out_and_lse_once():
   q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
   static = dict(causal=False, sm_scale=None, sliding_window=None,
                 logit_soft_cap=None, return_lse=False, block_sizes=None,
-                backend=None, _layout=(True,) * 3 + (False,) * 3)
-  outs = torch.ops.pallas_kernels.flash_attention_save(
+                backend=None, _layout=(True,) * 3 + (False,) * 4)
+  outs = torch.ops.pallas_kernels_impl.flash_attention_save(
       _core.encode_static(static), [q, k, v])
   assert [tuple(o.shape) for o in outs] == [(1, 2, 16, 8), (1, 2, 16)]
 

@@ -1,0 +1,137 @@
+"""The public ops ``torch.ops.pallas_kernels.<name>``: typed schemas.
+
+Every function of ``torch_bridge.ops`` is also an ordinary torch operator
+whose schema lists its tensors and static parameters as typed arguments,
+in the function's order, with its defaults and keyword-only marker::
+
+  pallas_kernels::iou(Tensor boxes1, Tensor boxes2, *,
+                      str box_format="xyxy", str? backend=None) -> Tensor
+
+The schema is built from the Python function's signature: each parameter's
+type comes from ``_TYPES`` (by name, ``?`` where the default is None),
+its default from the function. Parameters that are pairs of tensors in
+Python become two arguments (``segment_ids`` -> ``q_segment_ids``,
+``kv_segment_ids``; ``lora`` -> ``lora_a``, ``lora_b``); flash attention's
+``sliding_window`` is ``int[1]?`` (``w`` or ``[left, right]``; an
+unbounded side, None in Python, has no schema value). Python
+objects that have no schema type are left out (``PYTHON_ONLY``): attention
+``mask`` objects, ``return_lse`` (it changes the outputs), ``block_sizes``,
+``partition_spec`` and ``mesh``; call the Python function for those.
+
+Each op has one kernel, ``CompositeImplicitAutograd``: it calls the Python
+function, which runs the internal ops (``torch_bridge._core``,
+namespace ``pallas_kernels_impl``). So autograd (the JAX VJP from saved
+residuals), fake/meta tensors, torch.compile (the op decomposes into the
+internal ops, which have fake implementations), XLA tensors and the eager
+fast path behave exactly as for the Python function.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from torch_bridge import ops
+
+NAMESPACE = "pallas_kernels"
+
+# Schema type of each parameter, by name (``?`` is added where the Python
+# default is None).
+_TYPES = {
+    **dict.fromkeys(
+        ("q", "k", "v", "k_cache", "v_cache", "kv_lengths", "x", "w",
+         "weight", "w_q", "w_scale", "x_scale", "w_zero", "bias", "sinks",
+         "page_table", "k_scale", "v_scale", "boxes1", "boxes2", "pred",
+         "target", "boxes", "scores", "class_ids", "q_segment_ids",
+         "kv_segment_ids", "lora_a", "lora_b"), "Tensor"),
+    **dict.fromkeys(("causal", "weight_only", "int8_input_grad",
+                     "symmetric"), "bool"),
+    **dict.fromkeys(("sm_scale", "logit_soft_cap", "eps", "iou_threshold",
+                     "score_threshold", "sigma", "lora_scale"), "float"),
+    **dict.fromkeys(("max_output_size", "group_size", "axis",
+                     "sliding_window"), "int"),
+    **dict.fromkeys(("box_format", "backend", "reduction", "iou_kind",
+                     "method", "weight_layout"), "str"),
+    **dict.fromkeys(("out_dtype", "dtype"), "ScalarType"),
+}
+# Per-op exceptions to ``_TYPES`` (``int[1]`` takes an int or a list).
+_OP_TYPES = {"flash_attention": {"sliding_window": "int[1]"},
+             "quantize_int8": {"axis": "int?"},  # None: one scale
+             "quantize": {"axis": "int?"}}
+# Python parameters that are a pair of tensors: the schema's two arguments.
+_PAIRS = {"segment_ids": ("q_segment_ids", "kv_segment_ids"),
+          "lora": ("lora_a", "lora_b")}
+# Parameters with no schema type: the Python function only.
+PYTHON_ONLY = ("mask", "return_lse", "block_sizes", "partition_spec", "mesh")
+# Outputs of the ops that return more than one tensor (others: Tensor).
+_RETURNS = {"quantize_int8": "(Tensor, Tensor)",
+            "quantize": "Tensor[]",  # (q, scale) or (q, scale, zero)
+            "nms": "(Tensor, Tensor)", "batched_nms": "(Tensor, Tensor)",
+            "soft_nms": "(Tensor, Tensor, Tensor)"}
+
+
+def _default(value) -> str:
+  if isinstance(value, str):
+    return '"' + value + '"'
+  return repr(value)  # None, True/False, ints, floats
+
+
+def _argument(op: str, name: str, default) -> str:
+  kind = _OP_TYPES.get(op, {}).get(name, _TYPES.get(name))
+  if kind is None:
+    raise AssertionError(f"{op}: parameter {name} has no schema type")
+  if default is inspect.Parameter.empty:
+    return f"{kind} {name}"
+  if default is None and not kind.endswith("?"):
+    kind += "?"
+  return f"{kind} {name}={_default(default)}"
+
+
+def schema(name: str) -> str:
+  """The schema of ``pallas_kernels::<name>`` (without the name), from the
+  Python function's signature."""
+  args, keyword_only = [], False
+  for p in inspect.signature(getattr(ops, name)).parameters.values():
+    if p.name in PYTHON_ONLY:
+      continue
+    if p.kind is p.KEYWORD_ONLY and not keyword_only:
+      args.append("*")
+      keyword_only = True
+    for arg in _PAIRS.get(p.name, (p.name,)):
+      args.append(_argument(name, arg, p.default))
+  return f"({', '.join(args)}) -> {_RETURNS.get(name, 'Tensor')}"
+
+
+def _kernel(name: str):
+  """The op's kernel: schema arguments -> the Python function's call."""
+  function = getattr(ops, name)
+  positional = [p.name for p in inspect.signature(function).parameters
+                .values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+  int_or_pair = [arg for arg, kind in _OP_TYPES.get(name, {}).items()
+                 if kind == "int[1]"]
+  returns_list = _RETURNS.get(name) == "Tensor[]"
+
+  def kernel(*args, **kwargs):
+    kwargs.update(zip(positional, args))
+    for python_name, (first, second) in _PAIRS.items():
+      if first in kwargs or second in kwargs:
+        pair = (kwargs.pop(first, None), kwargs.pop(second, None))
+        if any(t is not None for t in pair):
+          kwargs[python_name] = pair
+    for arg in int_or_pair:  # [w] -> w, [left, right] -> a tuple
+      if kwargs.get(arg) is not None:
+        value = kwargs[arg]
+        kwargs[arg] = value[0] if len(value) == 1 else tuple(value)
+    out = function(**kwargs)
+    return list(out) if returns_list else out
+  kernel.__name__ = name
+  return kernel
+
+
+_LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+for _name in ops.__all__:
+  if _name == "UnshardedWarning":
+    continue
+  _LIBRARY.define(_name + schema(_name))
+  _LIBRARY.impl(_name, _kernel(_name), "CompositeImplicitAutograd")
+del _name
