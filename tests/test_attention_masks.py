@@ -140,6 +140,24 @@ CASES = {
                              (prefix_np(lq, lk, 70)
                               & local_np(lq, lk, None, 40))[None]),
         h=4, hk=1, lq=200, lk=330, d=128, dtype="bfloat16"),
+    # Each block-sparse mask kind with segment ids, with sinks, and sinks
+    # with segments: the walk's tables and the segment/sink terms together.
+    "prefix_lm_segments_gqa": Case(
+        lambda lq, lk, rng: (masks.PrefixLM(90), prefix_np(lq, lk, 90)[None]),
+        b=2, lq=270, lk=270, segments=True),
+    "prefix_lm_sinks_gqa": Case(
+        lambda lq, lk, rng: (masks.PrefixLM(150),
+                             prefix_np(lq, lk, 150)[None]),
+        hk=1, lq=190, lk=310, sinks=True),
+    "dense_segments": Case(_dense_random, b=2, lq=260, lk=330, d=48,
+                           segments=True),
+    "per_head_sinks": Case(_per_head, lq=230, lk=290, sinks=True),
+    "per_head_segments_gqa": Case(_per_head, hk=1, lq=290, lk=230,
+                                  segments=True),
+    "chunked_sinks_segments_gqa": Case(
+        lambda lq, lk, rng: (masks.ChunkedCausal(90),
+                             chunked_np(lq, lk, 90)[None]),
+        b=2, hk=1, lq=210, lk=333, sinks=True, segments=True),
 }
 
 
@@ -210,12 +228,15 @@ def _assert_close(actual, expected, tol, what):
 # The TPU-semantics interpreter is the slowest backend: by default it runs
 # the cases that combine the most features; --runslow runs every case.
 _FAST_ON_INTERPRET = {"chunked_sinks_bias_cap", "per_head",
-                      "dense_with_empty_rows", "or_and_window_segments"}
+                      "dense_with_empty_rows", "or_and_window_segments",
+                      "per_head_sinks", "chunked_sinks_segments_gqa",
+                      "prefix_lm_sinks_gqa"}
 # The Mosaic GPU interpreter likewise: a formula walk with empty rows, GQA
 # and padded head_dim, and a Dense walk; the refusals cost nothing.
 _FAST_ON_MOSAIC_GPU = {"or_window_cap_sinks_empty_rows", "prefix_and_local_gqa",
                        "dense_with_empty_rows", "per_head",
-                       "or_and_window_segments", "chunked_sinks_bias_cap"}
+                       "or_and_window_segments", "chunked_sinks_bias_cap",
+                       "prefix_lm_sinks_gqa"}
 
 
 @pytest.mark.parametrize("backend", ALL)
