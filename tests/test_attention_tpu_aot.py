@@ -1,9 +1,10 @@
 """Flash attention's Mosaic kernels through the real TPU compiler (no TPU).
 
 Default: forward + backward at a handful of representative shapes on v5e and
-v6e (each generation with its own table blocks), and one 4-chip sharded case
-through ``shard_flash_attention``. ``--runslow`` sweeps head_dim 64/128/256
-and sequence 512..32k.
+v6e (each generation with its own table blocks), one 4-chip sharded case
+through ``shard_flash_attention``, and masks with sinks on v5p and tpu7x.
+``--runslow`` sweeps head_dim 64/128/256 and sequence 512..32k, and a
+masked call with sinks on four generations up to 128k.
 """
 from __future__ import annotations
 
