@@ -229,14 +229,15 @@ def _assert_close(actual, expected, tol, what):
 # the cases that combine the most features; --runslow runs every case.
 _FAST_ON_INTERPRET = {"chunked_sinks_bias_cap", "per_head",
                       "dense_with_empty_rows", "or_and_window_segments",
-                      "per_head_sinks", "chunked_sinks_segments_gqa",
-                      "prefix_lm_sinks_gqa"}
+                      "chunked_sinks_segments_gqa"}
 # The Mosaic GPU interpreter likewise: a formula walk with empty rows, GQA
 # and padded head_dim, and a Dense walk; the refusals cost nothing.
 _FAST_ON_MOSAIC_GPU = {"or_window_cap_sinks_empty_rows", "prefix_and_local_gqa",
                        "dense_with_empty_rows", "per_head",
                        "or_and_window_segments", "chunked_sinks_bias_cap",
-                       "prefix_lm_sinks_gqa"}
+                       "prefix_lm_segments_gqa", "dense_segments",
+                       "per_head_sinks", "per_head_segments_gqa",
+                       "chunked_sinks_segments_gqa"}
 
 
 @pytest.mark.parametrize("backend", ALL)
