@@ -144,20 +144,20 @@ CASES = {
     # with segments: the walk's tables and the segment/sink terms together.
     "prefix_lm_segments_gqa": Case(
         lambda lq, lk, rng: (masks.PrefixLM(90), prefix_np(lq, lk, 90)[None]),
-        b=2, lq=270, lk=270, segments=True),
+        b=2, lq=200, lk=200, segments=True),
     "prefix_lm_sinks_gqa": Case(
         lambda lq, lk, rng: (masks.PrefixLM(150),
                              prefix_np(lq, lk, 150)[None]),
         hk=1, lq=190, lk=310, sinks=True),
-    "dense_segments": Case(_dense_random, b=2, lq=260, lk=330, d=48,
+    "dense_segments": Case(_dense_random, lq=260, lk=270, d=48,
                            segments=True),
-    "per_head_sinks": Case(_per_head, lq=230, lk=290, sinks=True),
-    "per_head_segments_gqa": Case(_per_head, hk=1, lq=290, lk=230,
+    "per_head_sinks": Case(_per_head, lq=170, lk=230, sinks=True),
+    "per_head_segments_gqa": Case(_per_head, hk=1, lq=230, lk=170,
                                   segments=True),
     "chunked_sinks_segments_gqa": Case(
         lambda lq, lk, rng: (masks.ChunkedCausal(90),
                              chunked_np(lq, lk, 90)[None]),
-        b=2, hk=1, lq=210, lk=333, sinks=True, segments=True),
+        hk=1, lq=190, lk=250, sinks=True, segments=True),
 }
 
 
