@@ -140,6 +140,24 @@ CASES = {
                              (prefix_np(lq, lk, 70)
                               & local_np(lq, lk, None, 40))[None]),
         h=4, hk=1, lq=200, lk=330, d=128, dtype="bfloat16"),
+    # Each block-sparse mask kind with segment ids, with sinks, and sinks
+    # with segments: the walk's tables and the segment/sink terms together.
+    "prefix_lm_segments_gqa": Case(
+        lambda lq, lk, rng: (masks.PrefixLM(90), prefix_np(lq, lk, 90)[None]),
+        b=2, lq=200, lk=200, segments=True),
+    "prefix_lm_sinks_gqa": Case(
+        lambda lq, lk, rng: (masks.PrefixLM(150),
+                             prefix_np(lq, lk, 150)[None]),
+        hk=1, lq=190, lk=310, sinks=True),
+    "dense_segments": Case(_dense_random, lq=260, lk=270, d=48,
+                           segments=True),
+    "per_head_sinks": Case(_per_head, lq=170, lk=230, sinks=True),
+    "per_head_segments_gqa": Case(_per_head, hk=1, lq=230, lk=170,
+                                  segments=True),
+    "chunked_sinks_segments_gqa": Case(
+        lambda lq, lk, rng: (masks.ChunkedCausal(90),
+                             chunked_np(lq, lk, 90)[None]),
+        hk=1, lq=190, lk=250, sinks=True, segments=True),
 }
 
 
@@ -210,12 +228,16 @@ def _assert_close(actual, expected, tol, what):
 # The TPU-semantics interpreter is the slowest backend: by default it runs
 # the cases that combine the most features; --runslow runs every case.
 _FAST_ON_INTERPRET = {"chunked_sinks_bias_cap", "per_head",
-                      "dense_with_empty_rows", "or_and_window_segments"}
+                      "dense_with_empty_rows", "or_and_window_segments",
+                      "chunked_sinks_segments_gqa"}
 # The Mosaic GPU interpreter likewise: a formula walk with empty rows, GQA
 # and padded head_dim, and a Dense walk; the refusals cost nothing.
 _FAST_ON_MOSAIC_GPU = {"or_window_cap_sinks_empty_rows", "prefix_and_local_gqa",
                        "dense_with_empty_rows", "per_head",
-                       "or_and_window_segments", "chunked_sinks_bias_cap"}
+                       "or_and_window_segments", "chunked_sinks_bias_cap",
+                       "prefix_lm_segments_gqa", "dense_segments",
+                       "per_head_sinks", "per_head_segments_gqa",
+                       "chunked_sinks_segments_gqa"}
 
 
 @pytest.mark.parametrize("backend", ALL)

@@ -1,9 +1,10 @@
 """Flash attention's Mosaic kernels through the real TPU compiler (no TPU).
 
 Default: forward + backward at a handful of representative shapes on v5e and
-v6e (each generation with its own table blocks), and one 4-chip sharded case
-through ``shard_flash_attention``. ``--runslow`` sweeps head_dim 64/128/256
-and sequence 512..32k.
+v6e (each generation with its own table blocks), one 4-chip sharded case
+through ``shard_flash_attention``, and masks with sinks on v5p and tpu7x.
+``--runslow`` sweeps head_dim 64/128/256 and sequence 512..32k, and a
+masked call with sinks on four generations up to 128k.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels import _compat, flash_attention, shard_flash_attention
-from pallas_kernels import tpu_aot
+from pallas_kernels import _backend, tpu_aot
 from pallas_kernels.attention import block_sizes, masks, mosaic_tpu
 
 pytestmark = pytest.mark.tpu_aot
@@ -215,3 +216,55 @@ def test_masked_grids_step_only_through_live_blocks(mask, tpu_topologies):
   rectangle = forward.shape[0] * forward.shape[1]
   assert want["forward"][2] == {"causal": 32896, "window": 765,
                                 "chunked": 16 * 136}[kind] < rectangle
+
+
+# ------------------------------------ masks and sinks on each generation --
+
+def _compile_masked(topology, d, length, mask, with_sinks):
+  """Forward + backward of ``flash_attention(q, k, v, mask=mask,
+  sinks=...)`` at B1 H4/2 with the generation's own blocks (dq, dk, dv
+  and, with sinks, dsinks): the forward, dq and dk/dv Mosaic kernels are
+  all there, each within the generation's VMEM."""
+  specs = list(_specs(1, 4, 2, length, length, d))
+  if with_sinks:
+    specs.append(jax.ShapeDtypeStruct((4,), jnp.float32))
+
+  def fn(*args):
+    def loss(q, k, v, sinks=None):
+      out = flash_attention(q, k, v, mask=mask, sinks=sinks,
+                            backend="mosaic_tpu")
+      return jnp.sum(out.astype(jnp.float32))
+    return jax.grad(loss, argnums=tuple(range(len(args))))(*args)
+  result = tpu_aot.compile_for_tpu(fn, *specs, topology=topology)
+  vmem = result.kernel_vmem_bytes
+  for name in ("flash_attention_fwd", "flash_attention_dq",
+               "flash_attention_dkv"):
+    assert any(call.startswith(name) for call in vmem), (name, vmem)
+  limit = _backend.TPU_VMEM_BYTES[tpu_aot.topology_generation(topology)]
+  assert 0 < max(vmem.values()) <= limit, vmem
+
+
+# The generations without a default mask compile elsewhere, at the
+# head_dims other than 128; at L2048 their blocks (1024 x 512) are full
+# size and the chunks leave some empty. Separate programs compile faster
+# than one holding both calls.
+@pytest.mark.parametrize("topology", ["v5p:2x2x1", "tpu7x:2x2x1"])
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("mask,with_sinks", [
+    (masks.ChunkedCausal(512), True), (masks.PrefixLM(700), False)],
+    ids=["chunked_sinks", "prefix_lm"])
+def test_masks_and_sinks_compile_on_v5p_and_tpu7x(topology, d, mask,
+                                                  with_sinks, tpu_topologies):
+  _need(topology, tpu_topologies)
+  _compile_masked(topology, d, 2048, mask, with_sinks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2", "v5p:2x2x1",
+                                      "tpu7x:2x2x1"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("length", [8192, 131072])
+def test_sweep_chunked_with_sinks_to_128k(topology, d, length,
+                                          tpu_topologies):
+  _need(topology, tpu_topologies)
+  _compile_masked(topology, d, length, masks.ChunkedCausal(2048), True)
