@@ -67,9 +67,10 @@ Known limits:
   * Per-call overhead on CPU/CUDA tensors: ``python -m bench.torch_bridge``
     reports it against the jitted JAX op called directly, for the eager
     fast path and for the custom ops (``bench/results/torch_bridge-*``).
-  * ``int8_matmul``, ``quantized_matmul``, ``quantize_int8`` and
-    ``quantize`` have no gradient (``quantized_dense`` has, in x, bias and
-    the LoRA pair; ``decode_attention`` in q and sinks); int4 weights
+  * ``quantize_int8`` and ``quantize`` have no gradient;
+    ``int8_matmul`` and ``quantized_matmul`` have the JAX ops' (float x of
+    weight-only calls, bias), ``quantized_dense`` in x, bias and the LoRA
+    pair, ``decode_attention`` in q and sinks; int4 weights
     stay JAX-only (torch has no 4-bit dtype DLPack carries); ``nms``,
     ``batched_nms`` and ``soft_nms`` return indices (no gradient, also
     none for soft_nms' decayed scores).

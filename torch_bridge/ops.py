@@ -396,7 +396,7 @@ def _matmul_shards(static, spec, arrays, mesh):
   return ins, (spec,)
 
 
-_MATMUL = JaxOp("int8_matmul", _matmul_jax, differentiable=(),
+_MATMUL = JaxOp("int8_matmul", _matmul_jax, differentiable=(0, 4),
                 shard_specs=_matmul_shards)
 
 
@@ -409,7 +409,9 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None,
 
   ``partition_spec``: one entry per dim of x; the row dims may be split
   (x_scale follows x), K may not.
-  No gradient (the JAX op defines none); for a trainable layer use
+  Gradients as the JAX op's: in float x of a weight-only call and in bias;
+  none for w and the scales (frozen), and asking for x's in dynamic mode
+  (float x quantized on the fly) raises. For a trainable int8 layer use
   ``int8_dense`` / ``Int8Linear``.
   """
   op = "int8_matmul"
@@ -570,7 +572,7 @@ def _quantized_matmul_shards(static, spec, arrays, mesh):
 
 
 _QUANTIZED_MATMUL = JaxOp("quantized_matmul", _quantized_matmul_jax,
-                          differentiable=(),
+                          differentiable=(0, 5),
                           shard_specs=_quantized_matmul_shards)
 
 
@@ -584,8 +586,10 @@ def quantized_matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
   w's format with ``x_scale`` (w8a8, fp8 x fp8).
 
   ``partition_spec``: one entry per dim of x; the row dims may be split, K
-  may not. No gradient; for a trainable layer on frozen quantized weights
-  use ``quantized_dense``.
+  may not. Gradients as the JAX op's: in float x of a weight-only call and
+  in bias; none for w, its scales and zeros (frozen), and asking for x's in
+  dynamic mode (float x quantized on the fly) raises. For a trainable layer
+  on frozen quantized weights (a LoRA adapter) use ``quantized_dense``.
   """
   op = "quantized_matmul"
   _check_tensor(op, "x", x, dtypes=tuple(_QUANT_DTYPES) + _FLOATS,

@@ -66,9 +66,11 @@ def test_dequant_matmul(torch_gen):
   want = acc * leaves[0] * leaves[1] + leaves[2]
   torch.testing.assert_close(out.double(), want.detach(), rtol=1e-6,
                              atol=1e-4)
-  # int8_matmul has no gradient (int8_dense is the trainable op)
+  # As the JAX op: bias gets its gradient, the frozen scales none
+  # (int8_dense is the trainable op)
   out.sum().backward()
-  assert x_scale.grad is None and bias.grad is None
+  assert x_scale.grad is None and w_scale.grad is None
+  torch.testing.assert_close(bias.grad, torch.full((10,), 6.0))
 
 
 def _dense_case(gen, device):

@@ -89,6 +89,37 @@ def test_w8a8_matmul_matches_oracle(rng, dtype):
                              w_scale=_np(w_scale).reshape(-1))
 
 
+@pytest.mark.parametrize("op", ["quantized_matmul", "int8_matmul"])
+def test_weight_only_matmul_gradients_match_float64(rng, op):
+  # As the JAX ops: d x and d bias through the frozen, dequantized weight.
+  m, k, n = 6, 40, 9
+  x = torch.tensor(rng.standard_normal((m, k)), dtype=torch.float32,
+                   requires_grad=True)
+  bias = torch.tensor(rng.standard_normal(n), dtype=torch.float32,
+                      requires_grad=True)
+  w_q = torch.tensor(rng.integers(-127, 128, (k, n)), dtype=torch.int8)
+  w_scale = torch.tensor(rng.uniform(1e-3, 2e-2, n), dtype=torch.float32)
+  out = getattr(tb, op)(x, w_q, w_scale=w_scale, bias=bias, weight_only=True)
+  cotangent = rng.standard_normal((m, n))
+  out.backward(torch.tensor(cotangent, dtype=torch.float32))
+  w64 = w_q.numpy().astype(np.float64) * w_scale.numpy().astype(np.float64)
+  np.testing.assert_allclose(x.grad.numpy(), cotangent @ w64.T, rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(bias.grad.numpy(), cotangent.sum(0),
+                             rtol=1e-5, atol=1e-6)
+  assert w_q.grad is None
+
+
+def test_dynamic_quantized_matmul_refuses_a_gradient_in_x():
+  # Raised when the call records its backward (the forward, in eager mode).
+  x = torch.ones((3, 32), requires_grad=True)
+  w_q = torch.ones((32, 4), dtype=torch.int8)
+  with pytest.raises(TypeError, match="dynamic mode"):
+    tb.quantized_matmul(x, w_q, w_scale=torch.ones(4)).sum().backward()
+  with torch.no_grad():   # no gradient asked for: it runs
+    assert tb.quantized_matmul(x, w_q, w_scale=torch.ones(4)).shape == (3, 4)
+
+
 def test_quantized_dense_gradients_match_float64(rng):
   m, k, n, r = 6, 32, 10, 3
   x = torch.tensor(rng.standard_normal((m, k)), dtype=torch.float32,
