@@ -14,6 +14,9 @@ tensors. Differences from torch_xla: a query row that no key may attend to
 unpadded; k/v may have fewer heads than q (grouped-query attention); ``ab``
 may broadcast over batch and heads; and the extra keyword-only arguments
 (sliding window, soft cap, block sizes, backend) of our op are available.
+torch_xla's other kernels (paged and ragged paged attention, the int8
+matmul, grouped matmuls) are not here: importing one raises an ImportError
+that names what serves that need in this package.
 """
 from __future__ import annotations
 
@@ -230,6 +233,30 @@ def flash_attention(q, k, v, causal=False, q_segment_ids=None,
   if pad:
     out = out[:, :, :q_len]
   return out.reshape(q.shape)
+
+
+# torch_xla 2.9's other public kernels: where each need is served here.
+_ELSEWHERE = {
+    **dict.fromkeys(
+        ("paged_attention", "multi_queries_paged_attention",
+         "ragged_paged_attention"),
+        "decode over a (paged) KV cache is torch_bridge.decode_attention(q, "
+        "k_cache, v_cache, kv_lengths, page_table=...): 1-16 new tokens per "
+        "sequence, pages [num_pages, kv_heads, page_size, head_dim]"),
+    "quantized_matmul_int8": (
+        "int8 matmuls are torch_bridge.int8_matmul / quantized_matmul "
+        "(w8a8 or weight-only) and the Int8Linear / QuantizedLinear modules"),
+    **dict.fromkeys(
+        ("gmm", "tgmm", "gmm_backward"),
+        "grouped matmuls (MoE) are not provided by this package"),
+}
+
+
+def __getattr__(name):
+  if name in _ELSEWHERE:
+    raise ImportError(f"torch_bridge.custom_kernel has no {name} (torch_xla's "
+                      f"custom_kernel.{name}): {_ELSEWHERE[name]}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["flash_attention"]

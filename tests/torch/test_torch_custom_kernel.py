@@ -267,3 +267,19 @@ def test_mismatched_batch_dims_raise():
     custom_kernel.flash_attention(q, k, v)
   with pytest.raises(TypeError, match="q must be a torch.Tensor"):
     custom_kernel.flash_attention(None, k, v)
+
+
+@pytest.mark.parametrize("name,points_to", [
+    ("paged_attention", "decode_attention"),
+    ("ragged_paged_attention", "decode_attention"),
+    ("quantized_matmul_int8", "int8_matmul"),
+    ("gmm", "not provided")])
+def test_torch_xla_kernels_not_here_name_their_replacement(name, points_to):
+  import importlib
+
+  import torch_xla.experimental.custom_kernel as theirs
+  assert callable(getattr(theirs, name))   # a kernel torch_xla 2.9 has
+  with pytest.raises(ImportError, match=points_to):
+    exec(f"from torch_bridge.custom_kernel import {name}", {})
+  module = importlib.import_module("torch_bridge.custom_kernel")
+  assert not hasattr(module, "no_such_kernel")
