@@ -330,8 +330,8 @@ def test_chooser_falls_back_to_the_reference_where_kernels_refuse(rng):
                         backend="mosaic_tpu")
   auto = jax.jit(lambda *a: pk.quantized_matmul(*a, **scales,
                                                 **case.options()))(*arrays)
-  ref = pk.quantized_matmul(*arrays, **scales, **case.options(),
-                            backend="reference")
+  ref = jax.jit(lambda *a: pk.quantized_matmul(
+      *a, **scales, **case.options(), backend="reference"))(*arrays)
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
   check(auto, case, x, w, kw)
   from pallas_kernels.quant import api
