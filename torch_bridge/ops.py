@@ -216,13 +216,50 @@ def _block_sizes_from_plain(block_sizes):
 # ------------------------------------------------------------- attention --
 
 # Attention masks (``pallas_kernels.attention.masks``) are hashable values
-# but not literals: the static string carries the mask's number in this
-# process (equal masks, the same number) and the JAX side looks it up.
+# but not literals. Formula masks travel in the static string as literals,
+# ``(class name, *fields)`` (a per-head list: ``("heads", *masks)``), and
+# are rebuilt on the JAX side: under torch.compile a mask may be new to this
+# process, and Dynamo defers the update of a registry until after the graph
+# has run, so the fake and real kernels would not find it there. Other
+# masks (``Dense``: an array) carry their number in a registry of this
+# process (equal masks, the same number); Dynamo cannot hash them, so they
+# do not compile with fullgraph=True.
 _MASK_NUMBERS: dict = {}
 _MASKS: list = []
+_MASK_FIELDS = {"Causal": (), "Local": ("left", "right"),
+                "ChunkedCausal": ("chunk_size",),
+                "PrefixLM": ("prefix_length",), "And": ("a", "b"),
+                "Or": ("a", "b")}
 
 
-def _mask_number(mask) -> int | None:
+def _mask_literal(mask):
+  """``mask`` as a nested literal tuple, or None where it has none."""
+  from pallas_kernels.attention import masks
+  name = type(mask).__name__
+  if name not in _MASK_FIELDS or type(mask) is not getattr(masks, name):
+    return None
+  parts = [name]
+  for field in _MASK_FIELDS[name]:
+    value = getattr(mask, field)
+    if isinstance(value, masks.Mask):
+      value = _mask_literal(value)
+      if value is None:
+        return None
+    parts.append(value)
+  return tuple(parts)
+
+
+def _mask_from_literal(value):
+  from pallas_kernels.attention import masks
+  if value[0] == "heads":
+    return [_mask_from_literal(m) for m in value[1:]]
+  return getattr(masks, value[0])(*(
+      _mask_from_literal(v) if isinstance(v, tuple) else v
+      for v in value[1:]))
+
+
+def _mask_static(mask):
+  """``mask`` for the static string: its literal, or its number."""
   if mask is None:
     return None
   from pallas_kernels.attention import masks
@@ -232,6 +269,9 @@ def _mask_number(mask) -> int | None:
     raise TypeError("flash_attention: mask must be a mask from "
                     "pallas_kernels.attention.masks or a list of them (one "
                     f"per query head), got {mask!r}")
+  literals = [_mask_literal(m) for m in (mask if per_head else (mask,))]
+  if all(lit is not None for lit in literals):
+    return ("heads", *literals) if per_head else literals[0]
   key = tuple(mask) if per_head else mask
   if key not in _MASK_NUMBERS:
     _MASK_NUMBERS[key] = len(_MASKS)
@@ -245,9 +285,13 @@ def _attention_jax(q, k, v, q_segment_ids, kv_segment_ids, bias, sinks,
   segments = (None if q_segment_ids is None
               else (q_segment_ids, kv_segment_ids))
   static["block_sizes"] = _block_sizes_from_plain(static.get("block_sizes"))
+  if isinstance(mask, tuple):
+    mask = _mask_from_literal(mask)
+  elif mask is not None:
+    mask = _MASKS[mask]
   return pallas_kernels.flash_attention(
-      q, k, v, segment_ids=segments, bias=bias, sinks=sinks,
-      mask=None if mask is None else _MASKS[mask], **static)
+      q, k, v, segment_ids=segments, bias=bias, sinks=sinks, mask=mask,
+      **static)
 
 
 def _attention_shards(static, spec, arrays, mesh):
@@ -324,7 +368,7 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
                 return_lse=return_lse,
                 block_sizes=_plain_block_sizes(block_sizes), backend=backend)
   if mask is not None:  # absent from the static string when unused
-    static["mask"] = _mask_number(mask)
+    static["mask"] = _mask_static(mask)
   static = _sharding(static, partition_spec, mesh, op)
   outs = _ATTENTION([q, k, v, q_seg, kv_seg, bias, sinks], **static)
   return tuple(outs) if return_lse else outs[0]

@@ -154,6 +154,81 @@ def test_flash_attention_refuses(dev, spec, heads, kv_heads, match):
     tb.flash_attention(q, kv, kv, partition_spec=spec, mesh=MESHES["grid"])
 
 
+# ---------------------------------- torch_xla's flash_attention drop-in --
+
+def _txla_reference(q, k, v, causal, q_seg, kv_seg, sm_scale, ab):
+  """float64 attention with torch_xla's conventions: the causal diagonal
+  starts at (query 0, key 0); rows with no allowed key are 0."""
+  group = q.shape[-3] // k.shape[-3]
+  k, v = (t.repeat_interleave(group, -3) for t in (k, v))
+  logits = sm_scale * q @ k.transpose(-1, -2) + ab
+  q_len, kv_len = q.shape[-2], k.shape[-2]
+  ok = torch.ones(q_len, kv_len, dtype=torch.bool)
+  if causal:
+    ok = ok.tril()  # j <= i, whatever kv_len - q_len is
+  ok = ok & (q_seg[..., None, :, None] == kv_seg[..., None, None, :])
+  weights = torch.softmax(logits.masked_fill(~ok, float("-inf")), -1)
+  return weights.nan_to_num(0.0) @ v
+
+
+# name: (batch dims, heads, kv_heads, q_len, causal, ab's batch/heads dims
+# (1: broadcast), partition_spec, mesh= (None: left out, the global "flat"
+# mesh)). kv_len is 16.
+TXLA_CASES = {
+    # heads split over "model", mesh given: the grid
+    "grid_tuple": ((ODD,), 2, 2, 16, True, (ODD, 2),
+                   ("fsdp", "model", None, None), "grid"),
+    # the spec as its string, the global mesh; q_len < kv_len (the queries
+    # are padded inside), GQA, ab broadcast over the batch
+    "global_string": ((ODD,), 2, 1, 12, True, (1, 2),
+                      "('fsdp', None, None, None)", None),
+    # two batch dims, one per mesh axis (flattened into one dim split over
+    # both), ab broadcast over the second; the mesh as its string; causal
+    # with q_len > kv_len
+    "five_dims": ((3, 2), 2, 2, 19, True, (3, 1, 2),
+                  ("fsdp", "model", None, None, None), "grid_str"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TXLA_CASES))
+def test_custom_kernel_flash_attention(dev, name, monkeypatch):
+  """torch_bridge.custom_kernel.flash_attention called as torch_xla users
+  do (positional arguments, ab=, partition_spec=, mesh=) on sharded
+  batches the mesh does not divide: out and the gradients of q, k, v, ab."""
+  from torch_bridge import custom_kernel
+  batch, heads, kv_heads, q_len, causal, ab_lead, spec, mesh = (
+      TXLA_CASES[name])
+  gen, kv_len, dim, scale = _gen(16), 16, 8, 0.4
+  rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+  q = rand(*batch, heads, q_len, dim)
+  k, v = (rand(*batch, kv_heads, kv_len, dim) for _ in range(2))
+  ab = rand(*ab_lead, q_len, kv_len)
+  rows = torch.arange(math.prod(batch)).reshape(*batch, 1)
+  # a different segment split per row (with causal, each query still sees
+  # a key), and a last query whose segment no key has: it sees none
+  q_seg = (torch.arange(q_len) >= rows % 4 + 3).int()
+  q_seg[..., -1] = 2
+  kv_seg = (torch.arange(kv_len) >= rows % 4 + 3).int()
+  ct = rand(*q.shape)
+  kwargs = dict(partition_spec=spec)
+  if mesh is not None:
+    kwargs["mesh"] = (str(MESHES["grid"]) if mesh == "grid_str"
+                      else MESHES[mesh])
+  want = _run(lambda q, k, v, ab, qs, ks: _txla_reference(
+      q, k, v, causal, qs, ks, scale, ab), [q, k, v, ab, q_seg, kv_seg],
+              [ct], torch.device("cpu"))
+  monkeypatch.setattr(_core, "_WARNED_UNSHARDED", set())
+  with warnings.catch_warnings():
+    # the spec reaches the op: it runs per shard, not unsharded
+    warnings.simplefilter("error", tb.UnshardedWarning)
+    got = _run(lambda q, k, v, ab, qs, ks: custom_kernel.flash_attention(
+        q, k, v, causal, qs, ks, scale, ab=ab, **kwargs),
+               [t.float() for t in (q, k, v, ab)] + [q_seg, kv_seg],
+               [ct.float()], dev)
+  _assert_same([t.double() for t in got[0]], want[0], rtol=2e-5, atol=2e-5)
+  _assert_same([t.double() for t in got[1]], want[1], rtol=1e-4, atol=1e-4)
+
+
 # ------------------------------------------------------------------ int8 --
 
 def test_quantize_int8(dev):
@@ -363,3 +438,59 @@ def test_unsharded_warning_once_per_op(dev, monkeypatch):
   assert messages[1].startswith("giou:")
   for g, w in zip(first, tb.quantize_int8(x)):  # unsharded, still right
     torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0)
+
+
+def test_public_ops_on_sharded_inputs(dev, monkeypatch):
+  """torch.ops.pallas_kernels.* take no partition_spec: on inputs sharded
+  with xs.mark_sharding they run unsharded, as documented (ops.py), warn
+  UnshardedWarning once per op, and give the right values (and, for
+  flash_attention, gradients)."""
+  monkeypatch.setattr(_core, "_WARNED_UNSHARDED", set())
+  mesh, gen = MESHES["grid"], _gen(17)
+  rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+
+  def sharded(t, spec):  # an XLA tensor split over the mesh
+    t = t.to(dev)
+    xs.mark_sharding(t, mesh, spec)
+    return t
+
+  q, k, v = (rand(ODD, 2, 16, 8) for _ in range(3))
+  ct = rand(ODD, 2, 16, 8)
+  pred, target = _boxes(gen, ODD, 3), _boxes(gen, ODD, 3)
+  x = torch.randint(-127, 128, (ODD, 64), generator=gen, dtype=torch.int8)
+  w = torch.randint(-127, 128, (64, 16), generator=gen, dtype=torch.int8)
+  ops = torch.ops.pallas_kernels
+  attention_spec = ("fsdp", "model", None, None)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    leaves = [sharded(t.float(), attention_spec).requires_grad_()
+              for t in (q, k, v)]
+    out = ops.flash_attention(*leaves, causal=True)
+    grads = torch.autograd.grad(out, leaves, sharded(ct.float(),
+                                                     attention_spec))
+    loss = ops.giou_loss(sharded(pred, ("fsdp", "model", None)),
+                         sharded(target, ("fsdp", "model", None)),
+                         reduction="sum")
+    product = ops.int8_matmul(sharded(x, ("fsdp", None)), w.to(dev))
+    ops.int8_matmul(sharded(x, ("fsdp", None)), w.to(dev))  # warned already
+    torch_xla.sync()
+  messages = [str(m.message) for m in caught
+              if issubclass(m.category, tb.UnshardedWarning)]
+  assert [m.split(":")[0] for m in messages] == [
+      "flash_attention", "giou_loss", "int8_matmul"], messages
+  assert all("runs unsharded" in m for m in messages)
+
+  ref = [t.clone().requires_grad_() for t in (q, k, v)]
+  logits = (ref[0] @ ref[1].transpose(-1, -2) / math.sqrt(8)).masked_fill(
+      ~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
+  want = torch.softmax(logits, -1) @ ref[2]
+  want_grads = torch.autograd.grad(want, ref, ct)
+  torch.testing.assert_close(out.detach().cpu().double(), want.detach(),
+                             rtol=2e-5, atol=2e-5)
+  for g, r in zip(grads, want_grads):
+    torch.testing.assert_close(g.cpu().double(), r, rtol=1e-4, atol=1e-4)
+  torch.testing.assert_close(
+      loss.cpu().double(), tvops.generalized_box_iou_loss(
+          pred.double(), target.double(), reduction="sum"), **TOL)
+  torch.testing.assert_close(product.cpu(), (x.long() @ w.long()).int(),
+                             rtol=0, atol=0)

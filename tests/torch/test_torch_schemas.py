@@ -13,6 +13,7 @@ parameter of the JAX op of the same name (``test_signature_is_the_jax_ops``).
 from __future__ import annotations
 
 import inspect
+import math
 
 import numpy as np
 import pytest
@@ -241,6 +242,93 @@ def test_compile_aot_eager_fullgraph(torch_gen, name, grad):
   assert len(got) == len(want)
   for g, w in zip(got, want):
     torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+# Static masks (a Python-only argument of torch_bridge.flash_attention)
+# under torch.compile: name -> (mask from the masks module, the same rule
+# written out here on query position p = i + kv_len - q_len and key j (one
+# matrix, or one per head), q_len (kv_len is 16), backend). Mask parameters
+# are used by no other test, so the compiled call is the first this process
+# sees of each mask (the eager call comes after it).
+COMPILED_MASKS = {
+    # the kernel (Pallas' interpreter), which skips the blocks a mask empties
+    "prefix_and_local": (
+        lambda m: m.PrefixLM(5) & m.Local(3, None),
+        lambda p, j: ((j < 5) | (j <= p)) & (j >= p - 3), 16, None),
+    "chunked_short_q": (  # ends aligned: query 0 sits at position 6
+        lambda m: m.ChunkedCausal(6),
+        lambda p, j: (j <= p) & (p // 6 == j // 6), 10, "reference"),
+    "per_head_list": (
+        lambda m: [m.ChunkedCausal(8) | m.Local(2, 1),
+                   m.Causal() & m.Local(2, None)],
+        lambda p, j: torch.stack([
+            ((j <= p) & (p // 8 == j // 8)) | ((j >= p - 2) & (j <= p + 1)),
+            (j <= p) & (j >= p - 2)]), 16,
+        "reference"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED_MASKS))
+def test_compile_aot_eager_fullgraph_mask(torch_gen, name):
+  """A mask= inside torch.compile(fullgraph=True): values and q/k/v
+  gradients equal eager's and a float64 attention masked by the rule."""
+  from pallas_kernels.attention import masks
+  build, rule, q_len, backend = COMPILED_MASKS[name]
+  mask, kv_len, dim = build(masks), 16, 8
+  q = torch.randn(2, 2, q_len, dim, generator=torch_gen, dtype=torch.float64)
+  k, v = (torch.randn(2, 2, kv_len, dim, generator=torch_gen,
+                      dtype=torch.float64) for _ in range(2))
+  ct = torch.randn(2, 2, q_len, dim, generator=torch_gen, dtype=torch.float64)
+
+  def run(q, k, v):
+    return tb.flash_attention(q, k, v, mask=mask, backend=backend)
+
+  def with_grads(fn, dtype):
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    return [out] + list(torch.autograd.grad(out, leaves, ct.to(dtype)))
+
+  def oracle(q, k, v, masked=True):
+    p = torch.arange(q_len)[:, None] + (kv_len - q_len)
+    allowed = rule(p, torch.arange(kv_len)[None, :]) | (not masked)
+    assert allowed.any(-1).all()  # every row sees a key: no 0/0 rows
+    logits = (q @ k.transpose(-1, -2) / math.sqrt(dim)).masked_fill(
+        ~allowed, float("-inf"))
+    return torch.softmax(logits, -1) @ v
+
+  torch._dynamo.reset()
+  # Compiled first: the mask is new to the bridge while Dynamo traces it.
+  got = with_grads(torch.compile(run, fullgraph=True, backend="aot_eager"),
+                   torch.float32)
+  eager = with_grads(run, torch.float32)
+  want = with_grads(oracle, torch.float64)
+  for g, e, w in zip(got, eager, want):
+    torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+  # (the mask matters: unmasked attention is far from the oracle)
+  assert not torch.allclose(oracle(q, k, v, masked=False), want[0].detach(),
+                            atol=1e-2)
+
+
+def test_compile_mask_argument_recompiles(torch_gen):
+  """A mask passed to the compiled function: another mask gives its own
+  values, not the first mask's graph (Dynamo guards on the mask)."""
+  from pallas_kernels.attention import masks
+  q, k, v = (torch.randn(1, 2, 16, 8, generator=torch_gen) for _ in range(3))
+
+  def run(q, k, v, mask):
+    return tb.flash_attention(q, k, v, mask=mask, backend="reference")
+
+  torch._dynamo.reset()
+  compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+  # Masks of different types: a changed int field of the same type would
+  # be made a symbolic int on recompile, which no static parameter takes.
+  results = []
+  for mask in (masks.PrefixLM(9), masks.Local(1, 2) | masks.ChunkedCausal(3)):
+    results.append(compiled(q, k, v, mask))
+    torch.testing.assert_close(results[-1], run(q, k, v, mask), rtol=1e-6,
+                               atol=1e-6)
+  assert not torch.allclose(*results, atol=1e-2)
 
 
 def test_compile_inductor_cpu(torch_gen):
