@@ -282,14 +282,13 @@ SLOW_KERNEL_CASES = {"int8_paged", "e4m3_contiguous"}
     (triton, 64, 1)])
 def test_kernel_blocks_and_splits(kernel, block, num_splits, name, rng):
   """Many blocks per split, several splits, ragged lengths: each kernel in
-  Pallas' generic interpreter. A paged TPU block holds several pages."""
+  Pallas' generic interpreter. A paged block holds several pages (Triton:
+  2 or 4 of 16 rows, the table's last entries past its width)."""
   case = KERNEL_CASES[name]
   q, k, v, lengths, kw = case.inputs(rng)
   page_table = kw.pop("page_table", None)
   sinks = kw.pop("sinks", None)
   scales = kw.pop("k_scale", None), kw.pop("v_scale", None)
-  if kernel is triton and page_table is not None:
-    block = None  # a Triton block is one page
   out = kernel.decode(
       q, k, v, lengths, sinks, page_table, *scales,
       sm_scale=kw["sm_scale"] or 1 / np.sqrt(case.d),
@@ -315,6 +314,39 @@ def test_triton_merges_many_splits_in_steps(rng):
   want = oracle.decode_attention(q, k, v, lengths, sinks=kw["sinks"],
                                  sm_scale=0.125)
   _assert_close(out, want, TOLERANCES["float32"])
+
+
+@pytest.mark.parametrize("page_size,programs,want", [
+    (16, 8, 128), (64, 8, 256), (256, 8, 256), (16, 512, 16), (64, 512, 64)])
+def test_triton_paged_steps(page_size, programs, want):
+  # An H100 probe (bench/results/decode_attention-paged-steps-*): split-KV
+  # programs read 8 pages of 16 or 4 of 64 per step; a batch that fills
+  # the GPU without splits, one page.
+  assert triton.block_rows(1 << 17, 128, 2, page_size, programs) == want
+
+
+@pytest.mark.parametrize("head_dim", [16, 80, 128, 256])
+@pytest.mark.parametrize("itemsize", [1, 2, 4])
+@pytest.mark.parametrize("page_size", [16, 32, 128])
+@pytest.mark.parametrize("pages", [1, 3, 64])
+@pytest.mark.parametrize("programs", [1, 200])
+def test_triton_block_is_whole_pages_of_a_power_of_two(
+    head_dim, itemsize, page_size, pages, programs):
+  block = triton.block_rows(page_size * pages, head_dim, itemsize, page_size,
+                            programs)
+  assert block % page_size == 0 and block & (block - 1) == 0
+  assert block <= max(page_size, page_size * pages)
+  contiguous = triton.block_rows(page_size * pages, head_dim, itemsize, None)
+  assert contiguous & (contiguous - 1) == 0 and contiguous >= triton.MIN_TILE
+
+
+def test_triton_refuses_a_block_of_part_pages(rng):
+  q, k, v, lengths, kw = Case(1, 2, 1, 1, 4, 32, page_size=32).inputs(rng)
+  with pytest.raises(ValueError, match="block_kv=48 must be a power-of-two "
+                     "multiple of the page size 32"):
+    triton.decode(q, k, v, lengths, None, kw["page_table"], sm_scale=0.1,
+                  logit_soft_cap=None, sliding_window=None, interpret=True,
+                  block_kv=48)
 
 
 @pytest.mark.parametrize("batch,kv_heads,want", [

@@ -21,7 +21,9 @@ evenly.
 
 The cache is read in place: a contiguous block is ``block`` rows (the last
 one shifted back to end at S, its rows already seen masked out); a paged
-block is one page, found through the page table. Every block masks logits
+block is ``block // page_size`` consecutive entries of the page table (as
+many rows as a contiguous block, so small pages do not shorten the loads in
+flight per step), each page its own dot. Every block masks logits
 by position and zeroes value rows at or past the length (garbage there never
 reaches the output). Triton tiles need power-of-two sizes: the page size
 must be a power of two >= 16, and head_dim a multiple of 16, read and
@@ -105,15 +107,24 @@ def default_splits(batch: int, kv_heads: int) -> int:
 
 
 def block_rows(capacity: int, head_dim: int, itemsize: int,
-               page_size: int | None) -> int:
-  """Keys per loop step: a page, else a power of two of about TILE_BYTES
-  that fits in the cache."""
-  if page_size is not None:
-    return page_size
-  rows = max(MIN_TILE, min(128, TILE_BYTES // (head_dim * itemsize)))
+               page_size: int | None, programs: int = 1) -> int:
+  """Keys per loop step: a power of two of about TILE_BYTES that fits in the
+  cache. With pages, a whole number of pages: one page when ``programs``
+  (``B * Hkv``) already fill the GPU; otherwise (split-KV, about one
+  program per SM, whose own loads in flight set the speed) at least the
+  contiguous tile and up to 4 pages, at most twice the tile."""
+  rows = max(MIN_TILE, min(128, _floor_pow2(TILE_BYTES
+                                            // (head_dim * itemsize))))
   while rows > MIN_TILE and rows > capacity:
     rows //= 2
-  return rows
+  if page_size is None:
+    return rows
+  if programs >= PROGRAMS:
+    return page_size
+  block = max(page_size, rows, min(4 * page_size, 2 * rows))
+  while block > page_size and block > capacity:
+    block //= 2
+  return block
 
 
 def _attend(lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, *,
@@ -133,54 +144,71 @@ def _attend(lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, *,
                    mask=lax.broadcasted_iota(jnp.int32, (rows_n, width), 0)
                    < row_count, other=0)
         for start, width in pieces]
+  # A step's pieces of rows: one contiguous run, or its pages.
+  piece_rows = k_ref.shape[1] if paged else block
   # Row r's query index: r % T (g-major rows).
-  query = lax.broadcasted_iota(jnp.int32, (rows_n, block), 0)
+  query = lax.broadcasted_iota(jnp.int32, (rows_n, piece_rows), 0)
   if queries > 1:
     query = lax.rem(query, jnp.int32(queries))
   else:
     query = jnp.zeros_like(query)
-  key_iota = lax.broadcasted_iota(jnp.int32, (rows_n, block), 1)
-  value_iota = lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+  key_iota = lax.broadcasted_iota(jnp.int32, (rows_n, piece_rows), 1)
+  value_iota = lax.broadcasted_iota(jnp.int32, (piece_rows, 1), 0)
+
+  def row_pieces(c):
+    """(index of the rows in k_ref/v_ref, position of the first) per piece
+    of block c."""
+    if not paged:
+      # The last block ends at the cache's end; rows before c * block were
+      # the previous block's (masked below).
+      first = jnp.minimum(c * block, capacity - block)
+      return [((pl.ds(first, block),), first)]
+    out = []
+    for j in range(block // piece_rows):
+      entry = jnp.minimum(c * (block // piece_rows) + j,
+                          pages_ref.shape[0] - 1)
+      page = jnp.clip(pages_ref[entry], 0, k_ref.shape[0] - 1)
+      out.append(((page, slice(None)), c * block + j * piece_rows))
+    return out
 
   def body(c, carry):
     accs, m_prev, l_prev = carry
-    if paged:
-      page = jnp.clip(pages_ref[c], 0, k_ref.shape[0] - 1)
-      rows_at = (page, slice(None))
-      first = c * block
-    else:
-      # The last block ends at the cache's end; rows before c * block were
-      # the previous block's.
-      first = jnp.minimum(c * block, capacity - block)
-      rows_at = (pl.ds(first, block),)
-    ks = [k_ref[rows_at + (pl.ds(start, width),)].astype(qs[0].dtype)
-          for start, width in pieces]
-    qk = sum(lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-             for q, k in zip(qs, ks))
-    if cap is None:
-      s = qk * (sm_scale * LOG2E)
-    else:
-      s = cap * LOG2E * jnp.tanh(qk * (sm_scale / cap))
-    cols = first + key_iota
-    visible = (cols >= c * block) & (cols < length) & (query >= cols - base)
-    if window is not None:
-      visible &= query <= cols + window - base
-    s = jnp.where(visible, s, -jnp.inf)
-    value_cols = first + value_iota
-    live_values = (value_cols >= c * block) & (value_cols < length)
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    pieces_at = row_pieces(c)
+    scores = []
+    for rows_at, first in pieces_at:
+      ks = [k_ref[rows_at + (pl.ds(start, width),)].astype(qs[0].dtype)
+            for start, width in pieces]
+      qk = sum(lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+               for q, k in zip(qs, ks))
+      if cap is None:
+        s = qk * (sm_scale * LOG2E)
+      else:
+        s = cap * LOG2E * jnp.tanh(qk * (sm_scale / cap))
+      cols = first + key_iota
+      visible = (cols >= c * block) & (cols < length) & (query >= cols - base)
+      if window is not None:
+        visible &= query <= cols + window - base
+      scores.append(jnp.where(visible, s, -jnp.inf))
+    m_next = m_prev
+    for s in scores:
+      m_next = jnp.maximum(m_next, jnp.max(s, axis=1))
     m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
     alpha = jnp.exp2(m_prev - m_shift)
-    p = jnp.exp2(s - m_shift[:, None])
-    l_next = l_prev * alpha + jnp.sum(p, axis=1)
-    p = p.astype(qs[0].dtype)
-    new_accs = []
-    for acc, (start, width) in zip(accs, pieces):
-      v = v_ref[rows_at + (pl.ds(start, width),)].astype(qs[0].dtype)
-      v = jnp.where(live_values, v, jnp.zeros_like(v))
-      new_accs.append(acc * alpha[:, None] + lax.dot_general(
-          p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32))
+    l_next = l_prev * alpha
+    new_accs = [acc * alpha[:, None] for acc in accs]
+    for (rows_at, first), s in zip(pieces_at, scores):
+      p = jnp.exp2(s - m_shift[:, None])
+      l_next += jnp.sum(p, axis=1)
+      p = p.astype(qs[0].dtype)
+      value_cols = first + value_iota
+      live_values = (value_cols >= c * block) & (value_cols < length)
+      for i, (start, width) in enumerate(pieces):
+        v = v_ref[rows_at + (pl.ds(start, width),)].astype(qs[0].dtype)
+        v = jnp.where(live_values, v, jnp.zeros_like(v))
+        new_accs[i] += lax.dot_general(
+            p, v, (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32)
     return tuple(new_accs), m_next, l_next
 
   carry = (tuple(jnp.zeros((rows_n, width), jnp.float32)
@@ -302,7 +330,8 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
            num_stages=NUM_STAGES):
   """``[B, H, T, D]`` in q's dtype (arguments as checked by the API and
   ``supports``, scales ``[Hkv]`` float32 with 8-bit caches;
-  ``block_kv``/``num_splits`` override the defaults of a contiguous cache;
+  ``block_kv`` (keys per step; paged: a multiple of the page size) and
+  ``num_splits`` override the defaults;
   a split count is rounded down to a power of two)."""
   batch, heads, queries, head_dim = q.shape
   paged = page_table is not None
@@ -311,8 +340,11 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
     k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
   kv_heads, group, itemsize, page_size, _, capacity = _splits.cache_layout(
       q, k_cache, page_table)
-  block = page_size if paged else (
-      block_kv or block_rows(capacity, head_dim, itemsize, None))
+  block = block_kv or block_rows(capacity, head_dim, itemsize, page_size,
+                                 programs=batch * kv_heads)
+  if paged and (block % page_size or not _pow2(block)):
+    raise ValueError(f"block_kv={block} must be a power-of-two multiple of "
+                     f"the page size {page_size}")
   num_blocks = -(-capacity // block)
   if num_splits is None:
     num_splits = default_splits(batch, kv_heads)
@@ -327,7 +359,7 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
   in_specs = [pl.BlockSpec((batch,), index_map),
               pl.BlockSpec((None, None, rows, head_dim), head_block)]
   if paged:
-    kv_spec = pl.BlockSpec((k_cache.shape[0], None, block, head_dim),
+    kv_spec = pl.BlockSpec((k_cache.shape[0], None, page_size, head_dim),
                            lambda b, h, s: (0, h, 0, 0))
   else:
     kv_spec = pl.BlockSpec((None, None, capacity, head_dim), head_block)
