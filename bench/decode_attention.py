@@ -14,8 +14,9 @@ Cases: H=32, Hkv=8, D=128, bf16, batch 1 and 64, caches 8k..128k (batch 16
 at 128k: two copies of a batch-64 cache do not fit in 80 GB), all
 sequences full, plus a ragged batch (lengths uniform in [1, S]), and
 ``int8 kv`` rows (B1 8k, B64 32k): ours on an int8 cache with per-head scales,
-the peers on its dequantized bfloat16 copy; and head_dim 80 and 96 at B1
-32k and B64 8k.
+the peers on its dequantized bfloat16 copy; head_dim 80 and 96 at B1
+32k and B64 8k; and ``page 16`` rows (B1 32k, B64 8k): ours_paged on pages
+of 16 rows instead of 64.
 JAX impls are timed ``COPIES`` (8) calls per jitted program (each on its own
 copy of the inputs, ``Timer.jax``) where K and V take at most 1 GiB (the
 batch-1 cases): the host's dispatch of one program (tens of microseconds)
@@ -49,7 +50,10 @@ CASES = ([dict(batch=1, seq=s, ragged=False) for s in (8192, 32768, 131072)]
             dict(batch=64, seq=32768, ragged=False, cache="int8")]
          # head_dims off the powers of two (the GPU kernel reads pieces)
          + [dict(batch=b, seq=s, ragged=False, head_dim=d)
-            for b, s in ((1, 32768), (64, 8192)) for d in (80, 96)])
+            for b, s in ((1, 32768), (64, 8192)) for d in (80, 96)]
+         # pages of 16 rows (vLLM's default) for ours_paged
+         + [dict(batch=b, seq=s, ragged=False, page=16)
+            for b, s in ((1, 32768), (64, 8192))])
 CASES = [dict(dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                    dtype="bfloat16", page=PAGE), **c) for c in CASES]
 QUICK = [dict(batch=b, seq=256, ragged=r, heads=4, kv_heads=2, head_dim=64,
@@ -62,7 +66,8 @@ def label(case):
   return (f"B{case['batch']} S{case['seq']} H{case['heads']}/"
           f"{case['kv_heads']} D{case['head_dim']}"
           + (" ragged" if case["ragged"] else "")
-          + (" int8 kv" if case.get("cache") == "int8" else ""))
+          + (" int8 kv" if case.get("cache") == "int8" else "")
+          + (f" page {case['page']}" if case["page"] != PAGE else ""))
 
 
 def _inputs(case):
