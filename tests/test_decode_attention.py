@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 import backends
 import pallas_kernels as pk
@@ -278,12 +279,12 @@ SLOW_KERNEL_CASES = {"int8_paged", "e4m3_contiguous"}
 
 @pytest.mark.parametrize("name", _names(KERNEL_CASES, SLOW_KERNEL_CASES))
 @pytest.mark.parametrize("kernel,block,num_splits", [
-    (mosaic_tpu, 128, 3), (mosaic_tpu, 256, 1), (triton, 32, 4),
-    (triton, 64, 1)])
+    (mosaic_tpu, 128, 3), (mosaic_tpu, 256, 1), (triton, 16, 2),
+    (triton, 32, 4), (triton, 64, 1)])
 def test_kernel_blocks_and_splits(kernel, block, num_splits, name, rng):
   """Many blocks per split, several splits, ragged lengths: each kernel in
   Pallas' generic interpreter. A paged block holds several pages (Triton:
-  2 or 4 of 16 rows, the table's last entries past its width)."""
+  1, 2 or 4 of 16 rows, the table's last entries past its width)."""
   case = KERNEL_CASES[name]
   q, k, v, lengths, kw = case.inputs(rng)
   page_table = kw.pop("page_table", None)
@@ -325,11 +326,10 @@ def test_triton_paged_steps(page_size, programs, want):
   assert triton.block_rows(1 << 17, 128, 2, page_size, programs) == want
 
 
-@pytest.mark.parametrize("head_dim", [16, 80, 128, 256])
-@pytest.mark.parametrize("itemsize", [1, 2, 4])
-@pytest.mark.parametrize("page_size", [16, 32, 128])
-@pytest.mark.parametrize("pages", [1, 3, 64])
-@pytest.mark.parametrize("programs", [1, 200])
+@given(head_dim=st.integers(1, 32).map(lambda n: 16 * n),
+       itemsize=st.sampled_from([1, 2, 4]),
+       page_size=st.integers(4, 9).map(lambda n: 1 << n),
+       pages=st.integers(1, 300), programs=st.integers(1, 1024))
 def test_triton_block_is_whole_pages_of_a_power_of_two(
     head_dim, itemsize, page_size, pages, programs):
   block = triton.block_rows(page_size * pages, head_dim, itemsize, page_size,
