@@ -35,6 +35,9 @@ def pytest_configure(config):
   config.addinivalue_line(
       "markers", "tpu_aot: AOT-compiles for real TPU topologies (needs libtpu)")
   config.addinivalue_line("markers", "torch: needs the torch/torch_xla stack")
+  config.addinivalue_line(
+      "markers", "compat: the oldest-jax tier (scripts/test.sh runs -m compat "
+      "there): the torch tests and every op on every CPU backend once")
 
 
 def pytest_addoption(parser):
@@ -42,7 +45,21 @@ def pytest_addoption(parser):
                    help="also run tests marked slow")
 
 
+# The oldest-jax environment reruns these files (plus tests/torch): every op
+# on every CPU backend, vmap, empty inputs, sharding and each generation's AOT
+# compile, which is where jax 0.7.1 and libtpu 0.0.21 differ from the newest.
+COMPAT_TIER = frozenset({
+    "test_backends_agree.py", "test_vmap.py", "test_empty_inputs.py",
+    "test_sharding.py", "test_generations_aot.py", "test_kernel_costs_aot.py",
+    "test_package.py",
+})
+
+
 def pytest_collection_modifyitems(config, items):
+  for item in items:
+    path = item.path
+    if path.name in COMPAT_TIER or path.parent.name == "torch":
+      item.add_marker(pytest.mark.compat)
   if config.getoption("--runslow"):
     return
   skip = pytest.mark.skip(reason="slow: pass --runslow")
