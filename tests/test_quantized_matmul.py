@@ -612,7 +612,7 @@ Q8 = dict(x=X8, w=W8, weight_only=False, group_size=32)
      r"\(2, 6\)"),
     (dict(group_size=32, w_scale=jnp.ones((6, 2))), ValueError,
      r"w_scale has shape \(6, 2\); expected \(2, 6\)"),
-    (dict(w_zero=jnp.zeros((2, 6))), ValueError, "w_zero needs group_size"),
+    (dict(w_zero=jnp.zeros((2, 6))), ValueError, "w_zero needs w_scale"),
     (dict(group_size=32, w_scale=jnp.ones((2, 6)),
           w_zero=jnp.zeros((2, 6), jnp.bool_)), TypeError,
      "w_zero must be an integer or float"),
@@ -788,3 +788,193 @@ def test_tpu_grids_split_rows_and_columns_across_cores(monkeypatch, case, rng):
     assert len(launch["grid"]) == 3 and launch["grid"][0] > 1
     assert launch["compiler_params"].dimension_semantics == (
         "parallel", "parallel", "arbitrary")
+
+
+# ----------------------------------------------------------------------------
+# What quantize returns goes into quantized_matmul unchanged
+
+
+def _dequantized(q, scale, zero, axis, group_size):
+  """float64 (q - zero) * scale, scale and zero (one value per group of
+  ``group_size`` along ``axis``, the last group partial) repeated along it."""
+  length = q.shape[axis]
+
+  def spread(a):
+    a = np.asarray(a, np.float64)
+    return np.repeat(a, group_size, axis=axis).take(range(length), axis=axis)
+  q = np.asarray(q).astype(np.float64)
+  zero = 0.0 if zero is None else spread(np.asarray(zero).astype(np.float64))
+  return (q - zero) * spread(scale)
+
+
+def _assert_product(out, x_deq, w_deq):
+  """out (float32) = x_deq @ w_deq ([K, N], float64) within (K + 8) float32
+  roundings of |x_deq| @ |w_deq| (the float32 sums and epilogue)."""
+  want = x_deq @ w_deq
+  bound = (w_deq.shape[0] + 8) * 2.0**-24 * (np.abs(x_deq) @ np.abs(w_deq))
+  got = np.asarray(out, np.float64).reshape(-1, want.shape[1])
+  assert got.shape == want.shape and np.all(np.isfinite(got))
+  excess = np.abs(got - want) - bound
+  assert np.all(excess <= 0), f"max excess {excess.max():.3g}"
+
+
+def _round_trip_params():
+  for fmt in ("int8", "int4", "float8_e4m3fn", "float8_e5m2"):
+    integer = fmt in ("int8", "int4")
+    for mode in ("weight_only", "dynamic", "dequant"):
+      if fmt == "int4" and mode != "weight_only":
+        continue  # int4 w multiplies float x only
+      for symmetric in (True, False) if integer else (True,):
+        for group_size in (None, 16):
+          if mode == "dynamic" and group_size:
+            continue  # float x is quantized per row only
+          for layout in ("kn", "nk"):
+            yield pytest.param(
+                fmt, mode, symmetric, group_size, layout,
+                id=f"{fmt}-{mode}-{'sym' if symmetric else 'asym'}-"
+                   f"g{group_size}-{layout}")
+
+
+@pytest.mark.parametrize("fmt,mode,symmetric,group_size,layout",
+                         list(_round_trip_params()))
+def test_quantize_outputs_go_in_unchanged(fmt, mode, symmetric, group_size,
+                                          layout, rng):
+  """quantize(w, dtype, axis=<K's axis>, group_size=g, symmetric=...)'s
+  (q, scale[, zero]) pass as w, w_scale[, w_zero] as they come, in both
+  layouts ([K, N] scale tables along axis 0, [N, K] along axis 1), and
+  quantize(x, ...)'s (q, scale) as x, x_scale; the product is the float64
+  one of the dequantized operands. Asymmetric w with quantized x is refused
+  naming w_zero (zero points are for weight-only calls)."""
+  m_shape, k, n = (2, 3), 40, 7   # g = 16: the last group holds 8
+  dtype = JNP_DTYPES[fmt]
+  k_axis = 0 if layout == "kn" else 1
+  w_float = rng.standard_normal((k, n) if layout == "kn" else (n, k))
+  x = (rng.standard_normal(m_shape + (k,))
+       * rng.uniform(0.1, 10, m_shape + (1,))).astype(np.float32)
+
+  def quantize_and_multiply(w_float, x):  # one jit: one compile per case
+    w_out = pk.quantize(w_float, dtype, axis=k_axis, group_size=group_size,
+                        symmetric=symmetric)
+    kw = dict(w_scale=w_out[1], w_zero=None if symmetric else w_out[2])
+    x_out = (x,)
+    if mode == "dequant":
+      x_out = pk.quantize(x, dtype, axis=-1, group_size=group_size)
+      kw["x_scale"] = x_out[1]
+    out = pk.quantized_matmul(x_out[0], w_out[0], **kw,
+                              group_size=group_size,
+                              weight_only=mode == "weight_only",
+                              weight_layout=layout, out_dtype=jnp.float32)
+    return out, w_out, x_out
+
+  run = jax.jit(quantize_and_multiply)
+  args = (jnp.asarray(w_float, jnp.float32), jnp.asarray(x))
+  if not symmetric and mode != "weight_only":
+    with pytest.raises(ValueError, match="w_zero is for weight-only calls"):
+      run(*args)
+    return
+  out, w_out, x_out = run(*args)
+  w_deq = _dequantized(w_out[0], w_out[1], None if symmetric else w_out[2],
+                       k_axis, group_size or k)
+  w_deq = w_deq if layout == "kn" else w_deq.T
+  if mode == "weight_only":
+    x_deq = x.astype(np.float64)
+  elif mode == "dynamic":  # x quantized per row into w's format
+    x_deq = _dequantized(*oracle.quantize(x, fmt, axis=-1), None, -1, k)
+  else:
+    x_deq = _dequantized(*x_out, None, -1, group_size or k)
+  assert out.shape == m_shape + (n,)
+  _assert_product(out, x_deq.reshape(-1, k), w_deq)
+
+
+@pytest.mark.parametrize("mode", ["weight_only", "dynamic", "dequant"])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_quantize_int8_outputs_go_into_int8_matmul(mode, layout, rng):
+  """quantize_int8(w, axis=<K's axis>)'s scale ([1, N] for "kn", [N, 1]
+  for "nk") and quantize_int8(x)'s [..., 1] pass as they come."""
+  k, n = 37, 9
+  k_axis = 0 if layout == "kn" else 1
+  w_float = rng.standard_normal((k, n) if layout == "kn" else (n, k))
+  x = rng.standard_normal((5, k)).astype(np.float32)
+
+  @jax.jit
+  def quantize_and_multiply(w_float, x):
+    wq, ws = pk.quantize_int8(w_float, axis=k_axis)
+    x_out = pk.quantize_int8(x) if mode == "dequant" else (x, None)
+    out = pk.int8_matmul(x_out[0], wq, x_scale=x_out[1], w_scale=ws,
+                         weight_only=mode == "weight_only",
+                         weight_layout=layout, out_dtype=jnp.float32)
+    return out, (wq, ws), x_out
+
+  out, w_out, x_out = quantize_and_multiply(
+      jnp.asarray(w_float, jnp.float32), jnp.asarray(x))
+  w_deq = _dequantized(*w_out, None, k_axis, k)
+  w_deq = w_deq if layout == "kn" else w_deq.T
+  if mode == "weight_only":
+    x_deq = x.astype(np.float64)
+  elif mode == "dynamic":
+    x_deq = _dequantized(*oracle.quantize(x, "int8", axis=-1), None, -1, k)
+  else:
+    x_deq = _dequantized(*x_out, None, -1, k)
+  _assert_product(out, x_deq, w_deq)
+
+
+W_SQUARE = jnp.zeros((6, 6), jnp.int8)
+
+
+@pytest.mark.parametrize("op,kwargs,match", [
+    # a scale per K row (quantized along N) is not a channel scale, even
+    # where K == N makes its shape look like [N, 1] / [1, N]
+    ("quantized_matmul", dict(w=W4, w_scale=jnp.ones((64, 1))),
+     r"w_scale has shape \(64, 1\); expected a scalar, \(6,\) or \(1, 6\) "
+     r"\(per output channel: quantize w \[K, N\] along axis=0\)"),
+    ("quantized_matmul", dict(w=W_SQUARE, x=jnp.zeros((4, 6)),
+                              w_scale=jnp.ones((6, 1))),
+     r"w_scale has shape \(6, 1\); expected a scalar, \(6,\) or \(1, 6\)"),
+    ("quantized_matmul", dict(w=jnp.zeros((6, 64), jnp.int4),
+                              weight_layout="nk", w_scale=jnp.ones((1, 64))),
+     r"w_scale has shape \(1, 64\); expected a scalar, \(6,\), \(6, 1\) or "
+     r"\(1, 6\) \(per output channel: quantize w \[N, K\] along axis=1\)"),
+    ("int8_matmul", dict(w=jnp.zeros((6, 64), jnp.int8), weight_layout="nk",
+                         w_scale=jnp.ones((1, 64))),
+     r"int8_matmul: w_scale has shape \(1, 64\); expected a scalar, \(6,\), "
+     r"\(6, 1\) or \(1, 6\)"),
+    ("int8_matmul", dict(w=W8, w_scale=jnp.ones((64, 1))),
+     r"int8_matmul: w_scale has shape \(64, 1\)"),
+    # per-channel zero points: their shape, their partner, their mode
+    ("quantized_matmul", dict(w_scale=jnp.ones(6), w_zero=jnp.zeros((2, 6))),
+     r"w_zero has shape \(2, 6\); expected a scalar, \(6,\) or \(1, 6\)"),
+    ("quantized_matmul", dict(w_scale=jnp.ones((6, 1)),
+                              w_zero=jnp.zeros((1, 6), jnp.int4)),
+     r"w_scale has shape \(6, 1\)"),
+    ("quantized_matmul", dict(w_zero=jnp.zeros((1, 6), jnp.int4)),
+     "w_zero needs w_scale"),
+    ("quantized_matmul", dict(w_scale=jnp.ones(6), w_zero=jnp.zeros(6, bool)),
+     "w_zero must be an integer or float array"),
+    ("quantized_matmul", dict(x=X8, w=W8, weight_only=False,
+                              w_scale=jnp.ones(6), w_zero=jnp.zeros(6)),
+     "w_zero is for weight-only calls"),
+    ("quantized_matmul", dict(w=W8, weight_only=False, w_scale=jnp.ones(6),
+                              w_zero=jnp.zeros(6)),
+     "w_zero is for weight-only calls"),
+    ("quantized_matmul", dict(w=jnp.zeros((64, 6), jnp.float8_e4m3fn),
+                              w_scale=jnp.ones(6), w_zero=jnp.zeros(6)),
+     "w_zero is for int8 and int4 w"),
+])
+def test_channel_tables_of_the_wrong_shape_name_it(op, kwargs, match):
+  kwargs = dict(kwargs)
+  x = kwargs.pop("x", XB)
+  w = kwargs.pop("w", W4)
+  kwargs.setdefault("weight_only", True)
+  with pytest.raises((ValueError, TypeError), match=match):
+    getattr(pk, op)(x, w, **kwargs)
+
+
+def test_channel_zero_points_with_empty_k():
+  """K = 0: the zero points shift no products; the result is the bias."""
+  out = pk.quantized_matmul(jnp.zeros((3, 0)), jnp.zeros((0, 5), jnp.int4),
+                            w_scale=jnp.ones((1, 5)),
+                            w_zero=jnp.ones((1, 5), jnp.int4),
+                            bias=jnp.arange(5.0), weight_only=True,
+                            out_dtype=jnp.float32)
+  np.testing.assert_array_equal(np.asarray(out),
+                                np.broadcast_to(np.arange(5.0), (3, 5)))

@@ -26,6 +26,11 @@ Where the arrays live decides how ``fn`` runs:
   CPU / CUDA    handed to a jitted ``fn`` via DLPack and back (``_convert``).
   meta / fake   ``jax.eval_shape`` gives the output shapes (``register_fake``).
 
+Dynamic shapes (torch.compile(dynamic=True), AOT dispatch): symbolic sizes
+and symbolic int / float static parameters are specialized to their values
+(guarded), since ``jax.eval_shape`` and the JAX function's constants need
+them: the ops trace, but one graph does not serve several sizes or values.
+
 Autograd keeps the JAX op's own residuals. When a call needs gradients it
 runs a third op,
 
@@ -78,19 +83,24 @@ _OPS: dict[str, "JaxOp"] = {}
 
 def _literal(value) -> str:
   # Plain string building (no json module): dynamo traces it as constants.
+  # Symbolic numbers (torch.compile(dynamic=True) makes int and float
+  # arguments symbolic; AOT tracing too) are specialized to their values:
+  # the f-strings make Dynamo guard on them, and int()/float() does so in
+  # plain tracing. A static parameter is a compile-time constant of the JAX
+  # function, so another value recompiles, as for a Python constant.
   if isinstance(value, (tuple, list)):
     return "(" + "".join(_literal(v) + "," for v in value) + ")"
-  if isinstance(value, bool) or value is None:
-    return str(value)
-  if isinstance(value, (int, np.integer)):
-    return str(int(value))
-  if isinstance(value, (float, np.floating)):
+  if isinstance(value, (bool, torch.SymBool)) or value is None:
+    return f"{bool(value)}" if value is not None else "None"
+  if isinstance(value, (int, np.integer, torch.SymInt)):
+    return f"{int(value)}"
+  if isinstance(value, (float, np.floating, torch.SymFloat)):
     value = float(value)
     if value != value:
       raise ValueError("static parameter is NaN")
     if value in (float("inf"), float("-inf")):
       return "1e999" if value > 0 else "-1e999"  # literal_eval reads inf
-    return repr(value)
+    return f"{value!r}"
   if isinstance(value, str):
     return repr(value)
   if isinstance(value, dict):
@@ -262,9 +272,8 @@ class JaxOp:
     wants_grad = torch.is_grad_enabled() and any(
         m and t.requires_grad for m, t in zip(mask, present))
     if wants_grad:
-      n_out = _n_outputs(self.name, static_text, tuple(
-          (tuple(t.shape), t.dtype) for t in present))
-      return list(self.save_op(static_text, present)[:n_out])
+      saved = self.save_op(static_text, present)
+      return list(saved[:_saved_n_outputs(self.name, static_text)])
     return list(self.forward_op(static_text, present))
 
 
@@ -696,7 +705,8 @@ def _mesh_from(text):
 
 
 def _fake_outputs(fn, tensors, device):
-  specs = [_convert.shape_dtype(t) for t in tensors]
+  specs = [jax.ShapeDtypeStruct(_concrete(t.shape),
+                                _convert.jax_dtype(t.dtype)) for t in tensors]
   shapes = jax.eval_shape(fn, *specs)
   return [torch.empty(tuple(s.shape), dtype=_convert.torch_dtype(s.dtype),
                       device=device) for s in shapes]
@@ -798,6 +808,7 @@ def _register_save(op: JaxOp):
                       _shard_for(op, static, arrays, "save"))
     else:
       outs = _run_eager(op.name, static, "save", mask, arrays, device)
+    _record_n_outputs(op, static, arrays)
     return outs
 
   custom = torch.library.custom_op(
@@ -807,6 +818,7 @@ def _register_save(op: JaxOp):
   @custom.register_fake
   def _fake(static, arrays):
     fn = _jax_save(op.name, static, op.grad_mask(static, arrays))
+    _record_n_outputs(op, static, arrays)
     return _fake_outputs(fn, arrays, _device_of(arrays))
 
   def setup_context(ctx, inputs, output):
@@ -860,19 +872,42 @@ def _register_restore(op: JaxOp):
   return custom
 
 
+# The forward's output count per (op name, static text), recorded by the
+# save op's implementations (real and fake): the static parameters fix it.
+_N_OUTPUTS: dict[tuple[str, str], int] = {}
+
+
+def _record_n_outputs(op, static, arrays) -> None:
+  _N_OUTPUTS[(op.name, static)] = len(_float_outputs(op, static, arrays))
+
+
 @torch.compiler.assume_constant_result
+def _saved_n_outputs(name: str, static: str) -> int:
+  """How many of the save op's tensors, just returned, are outputs (the
+  residuals follow them): a constant for torch.compile that takes no sizes,
+  which are symbolic under dynamic shapes."""
+  return _N_OUTPUTS[(name, static)]
+
+
 def _n_outputs(name: str, static: str, shapes: tuple) -> int:
-  """How many outputs the forward has (residuals follow them in the save
-  op's list); a constant for torch.compile."""
+  """How many outputs the forward has on inputs of concrete ``shapes``
+  ((shape, dtype) pairs; residuals follow the outputs in the save op's
+  list)."""
   specs = tuple(jax.ShapeDtypeStruct(s, _convert.jax_dtype(d))
                 for s, d in shapes)
   return len(_float_outputs_cached(name, static, specs))
 
 
+def _concrete(shape) -> tuple[int, ...]:
+  """``shape`` as ints: symbolic sizes (AOT dispatch or torch.compile with
+  dynamic shapes) are specialized to their concrete values, which
+  ``jax.eval_shape`` and the fake implementations need anyway (a SymInt is
+  not hashable, so it cannot key a cache either)."""
+  return tuple(int(n) for n in shape)
+
+
 def _float_outputs(op, static, arrays) -> tuple[bool, ...]:
-  # int(): symbolic sizes (torch.compile with dynamic shapes) are specialized
-  # to the concrete ones, which the fake implementations need anyway.
-  specs = tuple(jax.ShapeDtypeStruct(tuple(int(n) for n in t.shape),
+  specs = tuple(jax.ShapeDtypeStruct(_concrete(t.shape),
                                      _convert.jax_dtype(t.dtype))
                 for t in arrays)
   return _float_outputs_cached(op.name, static, specs)

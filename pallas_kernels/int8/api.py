@@ -20,7 +20,8 @@ Modes of ``int8_matmul(x, w, ...)`` (w is int8 [K, N], or [N, K] with
 
 Scales: x_scale is a scalar (any size-1 array) or x.shape[:-1] + (1,) (as
 ``quantize_int8(x, axis=-1)`` returns); w_scale a scalar, [N] or [1, N] (as
-``quantize_int8(w, axis=0)`` returns); bias [N] or [1, N]. All are used in
+``quantize_int8(w, axis=0)`` returns; for "nk" also [N, 1], as
+``quantize_int8(w, axis=1)`` returns); bias [N] or [1, N]. All are used in
 float32. Float outputs default to bfloat16 for int8 x and to x's dtype for
 float x. Any M, N, K; leading batch dimensions of x are kept. Empty inputs
 give empty (or, for K == 0, bias-only) outputs. ``int8_matmul`` is
@@ -30,7 +31,7 @@ it (``pallas_kernels._frozen``). Train through ``pallas_kernels.nn.int8_dense``.
 
 Weight layout: ``weight_layout="nk"`` takes w as [N, K] (``torch.nn.Linear``
 stores weights so; quantize it per output channel with
-``quantize_int8(w, axis=1)`` and pass that scale reshaped to [N]). The result
+``quantize_int8(w, axis=1)`` and pass its [N, 1] scale as it is). The result
 is the same as with w.T in the default "kn" layout. Store inference weights
 this way on GPUs: Hopper's int8 tensor cores read both operands K-major, so
 a [K, N] weight costs a transpose per call and an [N, K] one none. TPUs read
@@ -137,7 +138,8 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
     x: [..., K] int8, or bfloat16/float16/float32 (dynamic or weight-only).
     w: [K, N] int8, or [N, K] with weight_layout="nk".
     x_scale: scalar or x.shape[:-1] + (1,) float, int8 x only.
-    w_scale: scalar, [N] or [1, N] float (per output channel).
+    w_scale: scalar, [N] or [1, N] float (per output channel; "nk" also
+      [N, 1]).
     bias: [N] or [1, N] float, added after scaling.
     out_dtype: int32 (raw mode only) or a float dtype.
     block_sizes: None (table), BlockSizes / (bm, bk, bn[, warps, stages]),

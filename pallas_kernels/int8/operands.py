@@ -189,8 +189,32 @@ def flatten_operands(x, x_scale, bias, *, mode, m, k, n):
   return x2, x_scale, bias
 
 
+def channel_shapes(n, weight_layout):
+  """(shapes, description) of a per-output-channel operand (w_scale,
+  w_zero) of w [K, N] ("kn") or [N, K] ("nk"): a scalar, [N], or w's shape
+  with K kept as 1, what quantizing w along K returns ([1, N] for "kn",
+  [N, 1] for "nk"; "nk" also takes [1, N]). A [N, 1] table for "kn" (or
+  [1, K] for "nk") would be one value per K row, not per channel."""
+  shapes = {(), (1,), (1, 1), (n,), (1, n)}
+  if weight_layout == "nk":
+    shapes.add((n, 1))
+    return shapes, (f"a scalar, ({n},), ({n}, 1) or (1, {n}) (per output "
+                    "channel: quantize w [N, K] along axis=1)")
+  return shapes, (f"a scalar, ({n},) or (1, {n}) (per output channel: "
+                  "quantize w [K, N] along axis=0)")
+
+
+def channel_operand(op, name, value, n, weight_layout, **kwargs):
+  """A per-channel ``value`` (``channel_shapes``) checked by
+  ``float32_operand`` and as float32 [1, N] (None passes through)."""
+  shapes, described = channel_shapes(n, weight_layout)
+  value = float32_operand(op, name, value, shapes, described, **kwargs)
+  return channel_scale(value, n)
+
+
 def channel_scale(w_scale, n):
-  """A scalar, [N] or [1, N] w_scale as [1, N] (None passes through)."""
+  """A scalar, [N], [1, N] or [N, 1] w_scale as [1, N] (None passes
+  through)."""
   if w_scale is None:
     return None
   return jnp.broadcast_to(w_scale.reshape(1, -1), (1, n))
@@ -208,9 +232,7 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, bias=None,
   x_scale = float32_operand(
       op, "x_scale", x_scale, {(), (1,), batch + (1,)} | {(1,) * x.ndim},
       f"a scalar or x.shape[:-1] + (1,) = {batch + (1,)}")
-  w_scale = float32_operand(op, "w_scale", w_scale,
-                            {(), (1,), (1, 1), (n,), (1, n)},
-                            f"a scalar, ({n},) or (1, {n})")
+  w_scale = channel_operand(op, "w_scale", w_scale, n, weight_layout)
   bias = float32_operand(op, "bias", bias, {(n,), (1, n)},
                          f"({n},) or (1, {n})")
   out_dtype = check_out_dtype(op, out_dtype)
@@ -227,8 +249,8 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, bias=None,
     out_dtype = default_out_dtype(mode, x.dtype)
   x2, x_scale, bias = flatten_operands(x, x_scale, bias, mode=mode, m=m, k=k,
                                        n=n)
-  return MatmulCall((x2, w, x_scale, channel_scale(w_scale, n), bias), mode,
-                    out_dtype, weight_layout, batch, k, n)
+  return MatmulCall((x2, w, x_scale, w_scale, bias), mode, out_dtype,
+                    weight_layout, batch, k, n)
 
 
 def split_refs(refs, present):

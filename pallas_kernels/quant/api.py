@@ -140,10 +140,11 @@ def quantized_matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
       float8_e4m3fn or float8_e5m2.
     x_scale: quantized x only: a scalar, x.shape[:-1] or x.shape[:-1] + (1,);
       with group_size also x.shape[:-1] + (G,), G = ceil(K / g).
-    w_scale: a scalar, [N] or [1, N]; with group_size [G, N] ([N, G] for
-      "nk").
-    w_zero: integer w of a weight-only call with group_size: zero points,
-      w_scale's shape.
+    w_scale: a scalar, [N] or [1, N] ("nk" also [N, 1]: what quantize(w,
+      axis=<K's axis>) returns); with group_size [G, N] ([N, G] for "nk").
+    w_zero: integer w of a weight-only call: zero points, w_scale's shape
+      (per channel: one group of all K; what quantize(..., symmetric=False)
+      returns).
     group_size: sub-channel group along K (weight-only or quantized x). If
       it does not divide K, the last group is partial: x and w are then
       zero-padded along K on every call (pad w once, ahead, to avoid that

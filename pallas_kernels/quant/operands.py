@@ -5,7 +5,9 @@ Operands: ``(x2 [M, K], w, x_scale [M, 1] | None, w_scale, w_zero, bias
 [1, N] | None)``, all scales float32. w keeps its dtype and layout ([K, N],
 or [N, K] for "nk"). w_scale is [1, N] (per channel; a scalar broadcast) or,
 with ``group_size`` g, [G, N] in either layout, G = ceil(K / g); w_zero
-(grouped integer weights of weight-only calls) the same [G, N] or None.
+(integer weights of weight-only calls) the same [G, N] or None. Per-channel
+tables take w's shape with K kept as 1 (quantize's), and per-channel zero
+points make one group of all K (g = K).
 Quantized x with ``group_size``: x_scale is [M, G] (per row or scalar
 broadcast, ones when absent). A partial last group (g not dividing K):
 x2 and w are zero-padded along K to G * g. Static: ``mode`` (raw, dequant,
@@ -176,14 +178,16 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
     described += (f", or {batch + (group_count(k, group_size),)} = "
                   "x.shape[:-1] + (ceil(K / group_size),)")
   x_scale = _float_array("x_scale", x_scale, x_shapes, described)
+  if group_size is None and w_zero is not None:
+    w_scale, w_zero = _channel_zero_as_group(x, fmt, w_scale, w_zero,
+                                             weight_only, n, weight_layout)
+    if k > 0:  # asymmetric per channel: one group of all K
+      group_size = k
+    else:  # no products for the zero points to shift
+      w_zero = None
   if group_size is None:
-    w_scale = _float_array("w_scale", w_scale,
-                           {(), (1,), (1, 1), (n,), (1, n)},
-                           f"a scalar, ({n},) or (1, {n}) (or pass "
-                           "group_size for sub-channel scales)")
-    if w_zero is not None:
-      raise ValueError(f"{OP}: w_zero needs group_size (zero points come "
-                       "per group, as AWQ/GPTQ checkpoints store them)")
+    w_scale = int8_operands.channel_operand(OP, "w_scale", w_scale, n,
+                                            weight_layout)
   else:
     groups = group_count(k, group_size)
     shape = (groups, n) if weight_layout == "kn" else (n, groups)
@@ -238,6 +242,35 @@ def matmul_call(x, w, *, x_scale=None, w_scale=None, w_zero=None,
     x2, w = _pad_to_whole_groups(x2, w, k, group_size, weight_layout)
   return MatmulCall((x2, w, x_scale, w_scale, w_zero, bias), mode, out_dtype,
                     weight_layout, group_size, batch, k, n, integer_zero)
+
+
+def _channel_zero_as_group(x, fmt, w_scale, w_zero, weight_only, n,
+                           weight_layout):
+  """Per-channel (w_scale, w_zero) of asymmetric w, checked, as the tables
+  of one group along K: [1, N] ("kn") or [N, 1] ("nk"); w_zero keeps its
+  dtype."""
+  if not fmt.integer:
+    raise ValueError(f"{OP}: w_zero is for int8 and int4 w; {fmt.name} is "
+                     "symmetric")
+  if not (weight_only and is_float(x.dtype)):
+    raise ValueError(f"{OP}: w_zero is for weight-only calls (float x, "
+                     "weight_only=True); a quantized or dynamically "
+                     "quantized x multiplies symmetric w")
+  if w_scale is None:
+    raise ValueError(f"{OP}: w_zero needs w_scale (x ~= (w - w_zero) * "
+                     "w_scale)")
+  table = (1, n) if weight_layout == "kn" else (n, 1)
+  tables = []
+  for name, value in (("w_scale", w_scale), ("w_zero", w_zero)):
+    ok = is_float if name == "w_scale" else _integer_or_float
+    kind = ("a float array" if name == "w_scale" else
+            "an integer or float array")
+    int8_operands.channel_operand(OP, name, value, n, weight_layout,
+                                  dtype_ok=ok, kind=kind)  # checks only
+    value = jnp.asarray(value)
+    tables.append(jnp.broadcast_to(value.reshape(1, -1), (1, n))
+                  .reshape(table))
+  return tuple(tables)
 
 
 def group_count(k: int, group_size: int) -> int:

@@ -106,6 +106,24 @@ def test_static_encoding_round_trips():
     _core.encode_static({"f": object()})
 
 
+def test_symbolic_statics_are_specialized():
+  """SymInt / SymFloat statics (what dynamic-shape tracing hands a static
+  parameter) encode as their values, each guarded on that value."""
+  from torch._dynamo.source import ConstantSource
+  from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+  env = ShapeEnv()
+  n = env.create_symintnode(env.create_symbol(
+      5, ConstantSource("n"), dynamic_dim=DimDynamic.DYNAMIC), hint=5)
+  f = env.create_symfloatnode(env.create_unspecified_symbol(
+      0.25, ConstantSource("f"), dynamic_dim=DimDynamic.DYNAMIC), hint=0.25)
+  assert isinstance(n, torch.SymInt) and isinstance(f, torch.SymFloat)
+  static = dict(n=n, f=f, pair=(n, 2), flag=True)
+  plain = dict(n=5, f=0.25, pair=(5, 2), flag=True)
+  assert _core.encode_static_cached(static) == _core.encode_static(plain)
+  assert _core.decode_static(_core.encode_static(static)) == plain
+  assert len(env.guards) == 2   # n == 5 and f == 0.25
+
+
 def test_mixed_devices_rejected(xla_device):
   a = torch.randn(2, 2)
   with pytest.raises(ValueError, match="one device"):

@@ -22,6 +22,7 @@ pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.torch
 
 import torch  # noqa: E402
+from torch.testing._internal import optests  # noqa: E402
 
 import torch_bridge as tb  # noqa: E402
 from torch_bridge import _core, ops, schemas  # noqa: E402
@@ -188,18 +189,38 @@ def test_op_is_the_function(torch_gen, name):
       torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-# One op of each family also gets the AOT dispatch checks (slower).
+# One op of each family gets every opcheck utility by default; the others
+# under --runslow (the AOT dispatch checks trace the op's JAX functions
+# again: seconds per op on CPU).
 AOT_DEFAULT = ("giou_loss", "nms", "int8_dense", "flash_attention")
+FAST = ("test_schema", "test_autograd_registration", "test_faketensor")
+# opcheck's defaults (test_schema, test_autograd_registration,
+# test_faketensor, test_aot_dispatch_dynamic) and test_aot_dispatch_static.
+ALL_UTILS = tuple(optests.generate_tests.DEFAULT_TEST_UTILS) + (
+    "test_aot_dispatch_static",)
 
 
-@pytest.mark.parametrize("name", PUBLIC)
-def test_opcheck(torch_gen, name):
+def _opcheck_params():
+  for name in PUBLIC:
+    if name not in AOT_DEFAULT:  # (the others' "all" includes these)
+      yield pytest.param(name, "fast", id=f"{name}-fast")
+    yield pytest.param(name, "all", id=f"{name}-all", marks=() if name in
+                       AOT_DEFAULT else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("name, utils", _opcheck_params())
+def test_opcheck(torch_gen, name, utils):
+  """Every public op passes every opcheck utility, test_aot_dispatch_dynamic
+  (symbolic sizes) included: its fake tensors specialize the sizes, which
+  jax.eval_shape needs (one graph does not serve several sizes)."""
   args, kwargs = _sample(name, torch_gen)
-  utils = ("test_schema", "test_autograd_registration", "test_faketensor")
-  if name in AOT_DEFAULT:
-    utils += ("test_aot_dispatch_static",)
-  torch.library.opcheck(_public(name).default, args, kwargs,
-                        test_utils=utils)
+  if utils == "fast":
+    torch.library.opcheck(_public(name).default, args, kwargs,
+                          test_utils=FAST)
+    return
+  result = torch.library.opcheck(_public(name).default, args, kwargs,
+                                 test_utils=ALL_UTILS)
+  assert result == dict.fromkeys(ALL_UTILS, "SUCCESS")
 
 
 def test_opcheck_can_fail(torch_gen, monkeypatch):
@@ -444,3 +465,47 @@ def test_compile_openxla(torch_gen, xla_device):
                              atol=1e-5)
   torch.testing.assert_close(on_xla.grad.cpu(), on_cpu.grad, rtol=1e-5,
                              atol=1e-5)
+
+
+@pytest.mark.slow  # a process's first dynamic-shape compile: ~25 s here
+def test_compile_dynamic_symbolic_statics(torch_gen):
+  """torch.compile(dynamic=True) makes int and float arguments symbolic from
+  the first call: a static parameter given one (group_size here) is
+  specialized to its value (a constant of the JAX function: another value
+  recompiles) and the result equals eager."""
+  def quantize(x, group_size):
+    return tb.quantize(x, torch.int8, group_size=group_size,
+                       backend="reference")
+
+  torch._dynamo.reset()
+  compiled = torch.compile(quantize, fullgraph=True, backend="aot_eager",
+                           dynamic=True)
+  for group_size in (8, 5):
+    args = (torch.randn(3, 20, generator=torch_gen), group_size)
+    for g, w in zip(compiled(*args), quantize(*args)):
+      torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_compile_dynamic_shapes_with_gradients(torch_gen):
+  """torch.compile(dynamic=True) on the gradient path (which needs the save
+  op's output count, whatever the symbolic sizes) with a symbolic float
+  static (lora_scale): values and gradients equal eager."""
+  def dense(x, w_q, w_scale, a, b, lora_scale):
+    return tb.quantized_dense(x, w_q, w_scale, lora=(a, b),
+                              lora_scale=lora_scale, backend="reference")
+
+  torch._dynamo.reset()
+  compiled = torch.compile(dense, fullgraph=True, backend="aot_eager",
+                           dynamic=True)
+  randn = lambda *s: torch.randn(*s, generator=torch_gen)  # noqa: E731
+  x, a, b = randn(5, 16), randn(16, 2), randn(2, 3)
+  leaves = [t.requires_grad_() for t in (x, a, b)]
+  w_q = torch.randint(-127, 128, (16, 3), generator=torch_gen,
+                      dtype=torch.int8)
+  args = (x, w_q, torch.rand(3, generator=torch_gen), a, b, 0.5)
+  got, want = compiled(*args), dense(*args)
+  torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+  for g, w in zip(torch.autograd.grad(got.sum(), leaves),
+                  torch.autograd.grad(want.sum(), leaves)):
+    torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
