@@ -85,10 +85,10 @@ def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout,
                                  has_b=has_b))
   acc_ref = refs.pop(0) if refs else None
 
-  if int8_via_bf16 and mode != "weight_only":
-    part = _int8_dot_via_bf16(x_ref, w_ref, w_layout)
-  else:
-    part = _dot(x_ref[...], w_ref[...], mode, w_layout)
+  def part():
+    if int8_via_bf16 and mode != "weight_only":
+      return _int8_dot_via_bf16(x_ref, w_ref, w_layout)
+    return _dot(x_ref[...], w_ref[...], mode, w_layout)
 
   def finish(acc):
     if mode == "raw":
@@ -102,25 +102,27 @@ def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout,
 
 
 def accumulate_over_k(part, acc_ref, nk, finish):
-  """Sums this K step's ``part`` into ``acc_ref`` over the grid's K axis
-  (axis 2, ``nk`` steps) and calls ``finish(total)`` at the last step; a
-  single step finishes ``part`` with no accumulator."""
+  """Sums this K step's product ``part()`` into ``acc_ref`` over the grid's
+  K axis (axis 2, ``nk`` steps) and calls ``finish(total)`` at the last
+  step; a single step finishes ``part()`` with no accumulator. The product
+  is formed inside each branch, so Mosaic adds the running sum into the
+  matmul's result as it pops it (no second pass over the tile)."""
   if nk == 1:
-    finish(part)
+    finish(part())
     return
   k = pl.program_id(2)
 
   @pl.when(k == 0)
   def _():
-    acc_ref[...] = part
+    acc_ref[...] = part()
 
   @pl.when(jnp.logical_and(k > 0, k < nk - 1))
   def _():
-    acc_ref[...] += part
+    acc_ref[...] += part()
 
   @pl.when(k == nk - 1)
   def _():
-    finish(acc_ref[...] + part)
+    finish(acc_ref[...] + part())
 
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,

@@ -115,7 +115,7 @@ def _kernel(*refs, nk, has_xs, has_ws, has_zero, has_b, w_layout, grouping,
     o_ref[...] = int8_quant.epilogue_from_refs(acc, xs_ref, ws_ref, b_ref,
                                                o_ref.dtype)
 
-  int8_tpu.accumulate_over_k(part, acc_ref, nk, finish)
+  int8_tpu.accumulate_over_k(lambda: part, acc_ref, nk, finish)
 
 
 def supports(w, group_size, w_layout, mode="weight_only") -> str | None:
