@@ -120,7 +120,8 @@ def _gmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref, rhs_ref,
                      num_groups)
     acc_ref[...] += jnp.where(keep, part, 0.0)
 
-  @pl.when(kk == nk - 1)
+  # Padding items repeat a tile already written: they store nothing.
+  @pl.when((kk == nk - 1) & ((group < num_groups) | first_of_tile))
   def _():
     out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
