@@ -23,7 +23,8 @@ DOCS = ROOT / "docs"
 # The pages whose blocks run here, and what each must define afterwards.
 PAGES = {"attention.md": ("out", "dq"), "int8.md": ("y", "grads"),
          "quantized.md": ("y4", "y8", "grads"),
-         "boxes.md": ("loss", "keep", "per_image")}
+         "boxes.md": ("loss", "keep", "per_image"),
+         "grouped_matmul.md": ("out", "grads")}
 
 
 def page_blocks(page: str) -> list[str]:

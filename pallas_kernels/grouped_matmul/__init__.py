@@ -1,0 +1,4 @@
+"""Grouped matmul for mixtures of experts (``jax.lax.ragged_dot`` semantics)."""
+from pallas_kernels.grouped_matmul.api import grouped_matmul
+
+__all__ = ["grouped_matmul"]

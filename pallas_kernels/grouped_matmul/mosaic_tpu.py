@@ -1,0 +1,249 @@
+"""Mosaic TPU grouped matmul (gmm) and its transpose in rhs (tgmm).
+
+Rows of lhs are cut into tiles of ``tm``. A *work item* is one (group, row
+tile) pair whose rows overlap; items are listed in row order (groups are
+contiguous), then the row tiles no group reaches, then padding items that
+repeat the last one with no rows. Their count is static,
+``tiles_m + G - 1`` at most (a tile boundary inside a group adds one item).
+The lists are computed in XLA from ``group_sizes`` and scalar-prefetched, so
+routing changes never recompile.
+
+gmm grid (N tiles, items, K tiles): each item multiplies its row tile by its
+group's weight tile, keeps the rows of its group (``where``), and adds into
+a float32 [tm, tn] accumulator that lives while consecutive items share a
+row tile; the output tile is written at the last K step of each item and
+flushed when the row tile changes. A tile straddling groups is read once per
+group it holds (the extra read is that tile's lhs block, not the output).
+
+tgmm grid (K tiles, N tiles, items): per item, the group's rows of the lhs
+tile (others zeroed) transposed times the dout tile add into a [tk, tn]
+accumulator that lives while consecutive items share a group; groups with no
+rows are never visited and are zeroed by the caller.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _backend, _compat
+from pallas_kernels._compat import pl, pltpu
+from pallas_kernels.grouped_matmul import reference
+
+# (tm, tk, tn) by generation: v4's 16 MiB of VMEM takes half the tiles.
+DEFAULT_TILES = {"v4": (256, 512, 512)}
+TILES = (512, 1024, 1024)
+
+
+def default_tiles() -> tuple[int, int, int]:
+  return DEFAULT_TILES.get(_backend.target().tpu_generation, TILES)
+
+
+def vmem_limit() -> int:
+  spec = _backend.TPU_SPECS.get(_backend.target().tpu_generation)
+  return min(48 << 20, (spec.vmem if spec else 16 << 20) * 3 // 4)
+
+
+def work_items(group_sizes, m: int, tm: int, *, with_uncovered: bool):
+  """(item_group, item_tile, starts, ends): int32 [W] and [G].
+
+  ``item_group`` >= G marks an item with no rows: G for uncovered tiles and
+  padding (gmm); without ``with_uncovered`` (tgmm), padding is G + the last
+  real item's group on its tile, so it extends that group's run."""
+  num_groups = group_sizes.shape[0]
+  tiles_m = pl.cdiv(m, tm)
+  num_items = tiles_m + num_groups - 1
+  starts, ends = reference.group_bounds(group_sizes, m)
+  nonempty = ends > starts
+  first = starts // tm
+  last = (jnp.maximum(ends, 1) - 1) // tm
+  counts = jnp.where(nonempty, last - first + 1, 0)
+  cum = jnp.cumsum(counts)
+  real = cum[-1]
+  w = jnp.arange(num_items, dtype=jnp.int32)
+  group = jnp.minimum(jnp.searchsorted(cum, w, side="right"),
+                      num_groups - 1).astype(jnp.int32)
+  tile = first[group] + w - (cum[group] - counts[group])
+  is_real = w < real
+  if with_uncovered:
+    covered = pl.cdiv(ends[-1], tm)
+    tile = jnp.where(is_real, tile,
+                     jnp.minimum(covered + (w - real), tiles_m - 1))
+    group = jnp.where(is_real, group, num_groups)
+  else:
+    # Padding: G + the last real group, on its tile (same output block).
+    last_real = jnp.maximum(real - 1, 0)
+    tile = jnp.where(is_real, tile, tile[last_real])
+    group = jnp.where(is_real, group, num_groups + group[last_real])
+  return (group.astype(jnp.int32), tile.astype(jnp.int32),
+          starts.astype(jnp.int32), ends.astype(jnp.int32))
+
+
+def _k_tiling(k: int, tk: int) -> tuple[int, int]:
+  """(K tile, padded K): all of K when it fits, else a multiple of 128."""
+  if k <= tk:
+    return k, k
+  padded = pl.cdiv(k, 128) * 128
+  for tile in range(tk // 128 * 128, 127, -128):
+    if padded % tile == 0 and tile * 4 >= tk:
+      return tile, padded
+  return tk, pl.cdiv(k, tk) * tk
+
+
+def _row_mask(rows, tile, group, starts_ref, ends_ref, num_groups):
+  """[rows, 1] bool: rows of row tile ``tile`` inside ``group``."""
+  safe = jnp.minimum(group, num_groups - 1)
+  start = jnp.where(group < num_groups, starts_ref[safe], 0)
+  end = jnp.where(group < num_groups, ends_ref[safe], 0)
+  row = tile * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+  return (row >= start) & (row < end)
+
+
+def _gmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref, rhs_ref,
+                out_ref, acc_ref, *, num_groups, transpose_rhs):
+  w, kk = pl.program_id(1), pl.program_id(2)
+  nk = pl.num_programs(2)
+  tile, group = tile_ref[w], group_ref[w]
+  first_of_tile = (w == 0) | (tile_ref[jnp.maximum(w - 1, 0)] != tile)
+
+  @pl.when(first_of_tile & (kk == 0))
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  @pl.when(group < num_groups)
+  def _():
+    contract = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
+    part = jax.lax.dot_general(lhs_ref[...], rhs_ref[0], contract,
+                               preferred_element_type=jnp.float32)
+    keep = _row_mask(lhs_ref.shape[0], tile, group, starts_ref, ends_ref,
+                     num_groups)
+    acc_ref[...] += jnp.where(keep, part, 0.0)
+
+  # Padding items repeat a tile already written: they store nothing.
+  @pl.when((kk == nk - 1) & ((group < num_groups) | first_of_tile))
+  def _():
+    out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
+        tiles=None, interpret=False):
+  """lhs [M, K] x rhs [G, K, N] ([G, N, K] transposed) -> [M, N]; see the
+  module docstring. ``tiles`` = (tm, tk, tn), clamped to the problem."""
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  m, k = lhs.shape
+  num_groups = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  tm, tk, tn = tiles or default_tiles()
+  tm = m if m <= tm else tm
+  tn = n if n <= tn else tn
+  tk, k_padded = _k_tiling(k, tk)
+  if k_padded != k:  # K tails must be zeros: they are summed
+    lhs = jnp.pad(lhs, ((0, 0), (0, k_padded - k)))
+    pad = ((0, 0), (0, 0), (0, k_padded - k)) if transpose_rhs else (
+        (0, 0), (0, k_padded - k), (0, 0))
+    rhs = jnp.pad(rhs, pad)
+  group, tile, starts, ends = work_items(group_sizes, m, tm,
+                                         with_uncovered=True)
+  num_items = group.shape[0]
+
+  def rhs_index(j, w, kk, group_ref, tile_ref, starts_ref, ends_ref):
+    g = jnp.minimum(group_ref[w], num_groups - 1)
+    return (g, j, kk) if transpose_rhs else (g, kk, j)
+
+  rhs_block = (1, tn, tk) if transpose_rhs else (1, tk, tn)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=4,
+      grid=(pl.cdiv(n, tn), num_items, k_padded // tk),
+      in_specs=[
+          pl.BlockSpec((tm, tk), lambda j, w, kk, g, t, s, e: (t[w], kk)),
+          pl.BlockSpec(rhs_block, rhs_index),
+      ],
+      out_specs=pl.BlockSpec((tm, tn), lambda j, w, kk, g, t, s, e: (t[w], j)),
+      scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+  )
+  kernel = functools.partial(_gmm_kernel, num_groups=num_groups,
+                             transpose_rhs=transpose_rhs)
+  return _compat.pallas_call(
+      kernel,
+      grid_spec=grid_spec,
+      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      compiler_params=_compat.tpu_compiler_params(
+          dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+          vmem_limit_bytes=vmem_limit()),
+      interpret=interpret,
+      name="grouped_matmul",
+  )(group, tile, starts, ends, lhs, rhs)
+
+
+def _tgmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref,
+                 dout_ref, out_ref, acc_ref, *, num_groups):
+  w = pl.program_id(2)
+  num_items = pl.num_programs(2)
+  tile, group = tile_ref[w], group_ref[w]
+  prev = jnp.maximum(w - 1, 0)
+  nxt = jnp.minimum(w + 1, num_items - 1)
+  same = lambda other: other % num_groups == group % num_groups
+  first_of_group = (w == 0) | jnp.logical_not(same(group_ref[prev]))
+  last_of_group = (w == num_items - 1) | jnp.logical_not(same(group_ref[nxt]))
+
+  @pl.when(first_of_group)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  @pl.when(group < num_groups)
+  def _():
+    keep = _row_mask(lhs_ref.shape[0], tile, group, starts_ref, ends_ref,
+                     num_groups)
+    lhs = jnp.where(keep, lhs_ref[...], jnp.zeros((), lhs_ref.dtype))
+    dout = jnp.where(keep, dout_ref[...], jnp.zeros((), dout_ref.dtype))
+    acc_ref[...] += jax.lax.dot_general(
+        lhs, dout, (((0,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32)
+
+  @pl.when(last_of_group)
+  def _():
+    out_ref[0] = acc_ref[...].astype(out_ref.dtype)
+
+
+def tgmm(lhs, dout, group_sizes, num_groups: int, *, out_dtype=None,
+         tiles=None, interpret=False):
+  """lhs [M, K], dout [M, N] -> [G, K, N] (per group lhs_g^T dout_g; groups
+  with no rows give zeros)."""
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  m, k = lhs.shape
+  n = dout.shape[1]
+  tm, tk, tn = tiles or default_tiles()
+  tm = m if m <= tm else tm
+  tk = k if k <= tk else tk
+  tn = n if n <= tn else tn
+  group, tile, starts, ends = work_items(group_sizes, m, tm,
+                                         with_uncovered=False)
+  num_items = group.shape[0]
+
+  def out_index(i, j, w, group_ref, tile_ref, starts_ref, ends_ref):
+    return (group_ref[w] % num_groups, i, j)
+
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=4,
+      grid=(pl.cdiv(k, tk), pl.cdiv(n, tn), num_items),
+      in_specs=[
+          pl.BlockSpec((tm, tk), lambda i, j, w, g, t, s, e: (t[w], i)),
+          pl.BlockSpec((tm, tn), lambda i, j, w, g, t, s, e: (t[w], j)),
+      ],
+      out_specs=pl.BlockSpec((1, tk, tn), out_index),
+      scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+  )
+  out = _compat.pallas_call(
+      functools.partial(_tgmm_kernel, num_groups=num_groups),
+      grid_spec=grid_spec,
+      out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+      compiler_params=_compat.tpu_compiler_params(
+          dimension_semantics=("parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=vmem_limit()),
+      interpret=interpret,
+      name="grouped_matmul_tgmm",
+  )(group, tile, starts, ends, lhs, dout)
+  visited = (ends > starts)[:, None, None]
+  return jnp.where(visited, out, jnp.zeros((), out_dtype))
