@@ -110,7 +110,7 @@ OPS = {
         _quantized,
         lambda b: lambda x, w, s: (pk.quantized_matmul(
             x, w, w_scale=s, weight_only=True, backend=b),),
-        (DP, P(None, "model"), P("model")), (BOTH,), tol=1e-4),
+        (DP, P(None, "model"), P(None, "model")), (BOTH,), tol=1e-4),
     **{name: Op(lambda rng: _pair(rng, 8), _elementwise(op),
                 (BOXES, BOXES), (BOXES,))
        for name, op in BOX_OPS.items()},
