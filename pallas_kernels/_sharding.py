@@ -8,9 +8,13 @@ a broadcast bias): its per-shard values are added across devices. Given the
 rule, :func:`run` executes the kernel call the way the inputs are sharded:
 
 * inside ``jax.shard_map`` (manual axes): on the local shards. With
-  ``check_vma=True`` the kernel is traced with the check off and its results
-  are typed as varying over every axis its inputs vary over (a Pallas
-  ``out_shape`` carries no such type).
+  ``check_vma=True`` the kernel is traced with the check off on operands
+  retyped as varying over no axis, and its results are retyped as varying
+  over every axis its inputs vary over (``_compat.forget_varying`` /
+  ``remember_varying``: no-op casts, no collectives). A Pallas ``out_shape``
+  carries no such type, and jax traces an interpreted kernel (its grid
+  loop) and a ``custom_vmap`` again at lowering with the check on, where
+  values of both types would meet.
 * inputs sharded over **Explicit** mesh axes: a ``shard_map`` over the mesh
   whose specs follow the inputs' split factors; each device runs the kernel
   on its slice, sums are ``psum``-ed.
@@ -23,6 +27,9 @@ rule, :func:`run` executes the kernel call the way the inputs are sharded:
   kernel. On TPU, where ``custom_partitioning`` does not compile
   (jax-ml/jax#38196), XLA replicates the operands of a Mosaic kernel under
   Auto axes: use Explicit axes, ``shard_map`` or the family's helper there.
+
+The ``shard_*`` helpers run their ``shard_map`` through :func:`shard_map`,
+which first places each input as its spec says (any mesh, plain inputs).
 
 A sharded dimension that is not a split factor (a sequence, head_dim, K of a
 matmul, the boxes of one NMS image) raises ``ValueError`` naming the op, the
