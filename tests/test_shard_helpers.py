@@ -8,7 +8,6 @@ tested); the docstring examples also run the default kernels.
 """
 from __future__ import annotations
 
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +38,6 @@ def _attention(rng):
 def _nms(rng):
   return (sc._boxes(rng, 4, 12),
           jnp.asarray(rng.uniform(size=(4, 12)), jnp.float32))
-
-
-def _int8(rng):
-  x, w, xs, ws, bias = sc._int8_inputs(rng)
-  return x, w, xs, ws, bias
 
 
 def _flash(backend):
@@ -99,19 +93,22 @@ HELPERS = {
                                     max_output_size=6, backend="reference"),
         0),
     "int8_matmul_n": (
-        _int8, lambda b: _matmul(b, row_axis="data", n_axis="model"),
+        sc._int8_inputs,
+        lambda b: _matmul(b, row_axis="data", n_axis="model"),
         [P("data"), P(None, "model"), P("data"), P("model"), P("model")],
         lambda x, w, xs, ws, bias: pk.int8_matmul(
             x, w, x_scale=xs, w_scale=ws, bias=bias, out_dtype=jnp.float32,
             backend="reference"), 1e-4),
     "int8_matmul_k": (
-        _int8, lambda b: _matmul(b, row_axis="data", k_axis="model"),
+        sc._int8_inputs,
+        lambda b: _matmul(b, row_axis="data", k_axis="model"),
         [P("data", "model"), P("model"), P("data"), P(), P()],
         lambda x, w, xs, ws, bias: pk.int8_matmul(
             x, w, x_scale=xs, w_scale=ws, bias=bias, out_dtype=jnp.float32,
             backend="reference"), 1e-4),
     "int8_matmul_k_raw": (
-        _int8, lambda b: _raw_matmul(b, row_axis="data", k_axis="model"),
+        sc._int8_inputs,
+        lambda b: _raw_matmul(b, row_axis="data", k_axis="model"),
         [P("data", "model"), P("model"), P(), P(), P()],
         lambda x, w, *_: pk.int8_matmul(x, w, backend="reference"), 0),
 }
