@@ -281,7 +281,8 @@ def _vary_cast_p():
   from jax.interpreters import ad, batching, mlir
   prim = Primitive("pallas_kernels_vary_cast")
   prim.def_impl(lambda x, *, axes, back: x)
-  prim.def_abstract_eval(lambda aval, *, axes, back: _typed_varying(aval, axes))
+  prim.def_abstract_eval(
+      lambda aval, *, axes, back: _typed_varying(aval, axes))
   mlir.register_lowering(prim, lambda ctx, x, *, axes, back: [x])
   batching.primitive_batchers[prim] = (
       lambda args, dims, **params: (prim.bind(args[0], **params), dims[0]))
@@ -420,7 +421,8 @@ __all__ = [
     "tpu_interpret_params",
     "races_found", "RaceLog", "record_races", "shard_map",
     "mosaic_version_for_aot", "varying_axes",
-    "make_varying", "forget_varying", "remember_varying", "vma_checked", "vma_check_disabled",
+    "make_varying", "forget_varying", "remember_varying", "vma_checked",
+    "vma_check_disabled",
     "in_manual_context",
     "is_explicit_axis", "reshard", "load_tpu_plugin_for_aot",
     "mosaic_gpu_load", "ABSTRACT_GPU_KIND", "abstract_gpu_target",
