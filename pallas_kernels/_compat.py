@@ -256,6 +256,65 @@ def make_varying(x, axes) -> Any:
   return jax.lax.pvary(x, missing)
 
 
+def _typed_varying(aval, axes):
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:                       # jax >= 0.12
+    return aval.update_manual_axis_type(mat.update(varying=frozenset(axes)))
+  if hasattr(aval, "vma"):
+    return aval.update(vma=frozenset(axes))
+  return aval
+
+
+@functools.cache
+def _vary_cast_p():
+  """A no-op cast that retypes a value's varying manual axes to ``axes``.
+
+  ``pvary`` casts an *invariant* value (its transpose sums over the axes);
+  this one only changes the type of a value that varies over ``axes``
+  anyway, both ways, so its transpose is the reverse cast. Its abstract
+  evaluation sets the type whatever ``check_vma`` says, so a jaxpr traced
+  from it stays consistently typed when jax traces it again with the check
+  on (lowering a ``custom_vmap``, or Pallas' generic interpreter lowering a
+  kernel).
+  """
+  from jax.extend.core import Primitive
+  from jax.interpreters import ad, batching, mlir
+  prim = Primitive("pallas_kernels_vary_cast")
+  prim.def_impl(lambda x, *, axes, back: x)
+  prim.def_abstract_eval(
+      lambda aval, *, axes, back: _typed_varying(aval, axes))
+  mlir.register_lowering(prim, lambda ctx, x, *, axes, back: [x])
+  batching.primitive_batchers[prim] = (
+      lambda args, dims, **params: (prim.bind(args[0], **params), dims[0]))
+  ad.deflinear2(prim, lambda ct, x, *, axes, back: [
+      prim.bind(ct, axes=back, back=axes)])
+  return prim
+
+
+def forget_varying(x) -> Any:
+  """``x`` typed as varying over no manual axis (its values unchanged).
+
+  For a computation local to each device (a kernel call) that jax cannot
+  type: its results must get their type back with ``remember_varying``
+  before they meet anything else.
+  """
+  axes = varying_axes(x)
+  if not axes:
+    return x
+  return _vary_cast_p().bind(x, axes=(), back=tuple(sorted(axes)))
+
+
+def remember_varying(x, axes) -> Any:
+  """``x``, computed on each device from values varying over ``axes``,
+  typed as varying over them (the reverse of ``forget_varying``)."""
+  have = varying_axes(x)
+  axes = frozenset(axes) | have
+  if axes == have:
+    return x
+  return _vary_cast_p().bind(x, axes=tuple(sorted(axes)),
+                             back=tuple(sorted(have)))
+
+
 def vma_checked() -> bool:
   """Whether we are tracing inside a shard_map with check_vma=True."""
   from jax._src import config
@@ -362,7 +421,9 @@ __all__ = [
     "tpu_interpret_params",
     "races_found", "RaceLog", "record_races", "shard_map",
     "mosaic_version_for_aot", "varying_axes",
-    "make_varying", "vma_checked", "vma_check_disabled", "in_manual_context",
+    "make_varying", "forget_varying", "remember_varying", "vma_checked",
+    "vma_check_disabled",
+    "in_manual_context",
     "is_explicit_axis", "reshard", "load_tpu_plugin_for_aot",
     "mosaic_gpu_load", "ABSTRACT_GPU_KIND", "abstract_gpu_target",
     "lower_for_cuda",

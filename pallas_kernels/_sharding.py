@@ -8,9 +8,13 @@ a broadcast bias): its per-shard values are added across devices. Given the
 rule, :func:`run` executes the kernel call the way the inputs are sharded:
 
 * inside ``jax.shard_map`` (manual axes): on the local shards. With
-  ``check_vma=True`` the kernel is traced with the check off and its results
-  are typed as varying over every axis its inputs vary over (a Pallas
-  ``out_shape`` carries no such type).
+  ``check_vma=True`` the kernel is traced with the check off on operands
+  retyped as varying over no axis, and its results are retyped as varying
+  over every axis its inputs vary over (``_compat.forget_varying`` /
+  ``remember_varying``: no-op casts, no collectives). A Pallas ``out_shape``
+  carries no such type, and jax traces an interpreted kernel (its grid
+  loop) and a ``custom_vmap`` again at lowering with the check on, where
+  values of both types would meet.
 * inputs sharded over **Explicit** mesh axes: a ``shard_map`` over the mesh
   whose specs follow the inputs' split factors; each device runs the kernel
   on its slice, sums are ``psum``-ed.
@@ -23,6 +27,9 @@ rule, :func:`run` executes the kernel call the way the inputs are sharded:
   kernel. On TPU, where ``custom_partitioning`` does not compile
   (jax-ml/jax#38196), XLA replicates the operands of a Mosaic kernel under
   Auto axes: use Explicit axes, ``shard_map`` or the family's helper there.
+
+The ``shard_*`` helpers run their ``shard_map`` through :func:`shard_map`,
+which first places each input as its spec says (any mesh, plain inputs).
 
 A sharded dimension that is not a split factor (a sequence, head_dim, K of a
 matmul, the boxes of one NMS image) raises ``ValueError`` naming the op, the
@@ -155,14 +162,40 @@ def run(rule: Rule, fn: Callable, *args, auto: bool = True):
 def _in_checked_shard_map(fn, args):
   varying = frozenset().union(
       *(_compat.varying_axes(a) for a in args if a is not None))
-  # Operands typed alike: an interpreted kernel body is evaluated later,
-  # with the check on, and mixes them.
-  args = [None if a is None else _compat.make_varying(a, varying)
-          for a in args]
+  # The kernel sees operands typed as varying over no axis: jax traces an
+  # interpreted kernel (its grid loop, whose carries start from unvarying
+  # buffers) and a custom_vmap again at lowering, with the check on, and
+  # every value there must then be typed alike.
+  args = [None if a is None else _compat.forget_varying(a) for a in args]
   with _compat.vma_check_disabled():
     out = fn(*args)
   return jax.tree_util.tree_map(
-      lambda x: _compat.make_varying(x, varying), out)
+      lambda x: _compat.remember_varying(x, varying), out)
+
+
+def shard_map(fn: Callable, *, mesh, in_specs, out_specs) -> Callable:
+  """``jax.shard_map`` for the ``shard_*`` helpers: each argument is first
+  placed on ``mesh`` as its spec says.
+
+  ``jax.shard_map`` over Explicit axes (what ``jax.make_mesh`` returns on
+  new jax) requires each input to be sharded as its spec already; a
+  helper's caller passes plain or differently placed arrays. ``device_put``
+  places (or reshards) on Explicit and Auto axes alike, eagerly and under
+  ``jit``. Replication checks are off (Pallas results carry no vma). The
+  call is jitted: an eager ``shard_map`` would run its body one operation
+  at a time (seconds for an NMS), and jax 0.7 cannot run every operation
+  eagerly over Explicit axes.
+  """
+  mapped = _compat.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                             out_specs=out_specs)
+
+  @jax.jit
+  def placed(*args):
+    if len(args) != len(in_specs):
+      raise AssertionError(f"{len(args)} arguments for {len(in_specs)} specs")
+    return mapped(*(jax.device_put(a, NamedSharding(mesh, spec))
+                    for a, spec in zip(args, in_specs)))
+  return placed
 
 
 def cotangents_like(primals, cotangents):

@@ -169,6 +169,12 @@ CASES = [
 CASE_NAMES = [c.name for c in CASES]
 
 
+def use_mesh(mesh):
+  """The context that makes ``mesh`` the current mesh (jax.set_mesh)."""
+  return (jax.set_mesh(mesh) if hasattr(jax, "set_mesh")
+          else jax.sharding.use_mesh(mesh))
+
+
 def case(name) -> Case:
   return next(c for c in CASES if c.name == name)
 

@@ -62,15 +62,6 @@ def _local_cases():
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("name", _local_cases())
 def test_inside_user_shard_map(name, check_vma, rng):
-  if check_vma and name.startswith("int8_matmul"):
-    pytest.xfail("jax's generic Pallas interpreter (the CPU path) types the "
-                 "int8 kernel's loop carry as unvarying; the Mosaic kernel "
-                 "and backend='interpret' work (test below)")
-  if check_vma and name.startswith("decode_attention"):
-    pytest.xfail("jax's generic Pallas interpreter (the CPU path) indexes "
-                 "the scalar-prefetched lengths with unvarying grid indices "
-                 "in the index maps; the Mosaic kernel and "
-                 "backend='interpret' work (test below)")
   case = sc.case(name)
   args = case.make(rng)
   want, want_grads = _expected(case, args)

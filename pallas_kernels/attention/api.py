@@ -457,6 +457,7 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
       out = shard_flash_attention(mesh, q, k, v, causal=True)
   """
   from jax.sharding import PartitionSpec as P
+  from pallas_kernels import _sharding
   for name, x in (("q", q), ("k", k), ("v", v)):
     _check_array(name, x, 4)
   def axis_size(axis):
@@ -519,5 +520,5 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
 
   out_spec = P(batch_axis, head_axis, None, None)
   out_specs = (out_spec, P(batch_axis, head_axis, None)) if return_lse else out_spec
-  return _compat.shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
-                           out_specs=out_specs)(*args)
+  return _sharding.shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
+                             out_specs=out_specs)(*args)

@@ -75,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import _backend, _checks, _compat
+from pallas_kernels import _backend, _checks, _sharding
 from pallas_kernels.attention import api as _api
 from pallas_kernels.attention import masks as _masks
 from pallas_kernels.attention import reference as _reference
@@ -709,7 +709,7 @@ def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
                                    kv_seg, local_bias,
                                    zigzag_inputs=zigzag_inputs, plan=plan)
 
-    out, lse = _compat.shard_map(
+    out, lse = _sharding.shard_map(
         local, mesh=mesh, in_specs=tuple(in_specs),
         out_specs=(qkv_spec, P(batch_axis, head_axis, sequence_axis)))(*args)
   if sinks is not None:

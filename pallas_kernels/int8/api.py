@@ -289,7 +289,6 @@ def shard_int8_matmul(mesh, x, w, *, row_axis=None, n_axis=None, k_axis=None,
                             row_axis="data", n_axis="model")
   """
   from jax.sharding import PartitionSpec as P
-  from pallas_kernels import _compat
   operands.check_array("shard_int8_matmul", "x", x)
   operands.check_array("shard_int8_matmul", "w", w)
   if x.ndim != 2:
@@ -300,11 +299,15 @@ def shard_int8_matmul(mesh, x, w, *, row_axis=None, n_axis=None, k_axis=None,
     if axis is not None and axis not in mesh.shape:
       raise ValueError(f"shard_int8_matmul: {name}={axis!r} is not a mesh "
                        f"axis ({tuple(mesh.shape)})")
+  # Shapes only: the operands' own placement (K split) is the helper's job.
+  unplaced = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+              if hasattr(a, "dtype") and hasattr(a, "shape") else a
+              for a in (x, w, x_scale, w_scale, bias)]
   final_dtype = jax.eval_shape(
       lambda *a: int8_matmul(*a[:2], x_scale=a[2], w_scale=a[3], bias=a[4],
                              out_dtype=out_dtype, weight_layout=weight_layout,
                              **kwargs),
-      x, w, x_scale, w_scale, bias).dtype
+      *unplaced).dtype
   w_spec = (P(k_axis, n_axis) if weight_layout == "kn" else P(n_axis, k_axis))
   def vector(v, row_spec=None):
     if v is None:
@@ -338,6 +341,6 @@ def shard_int8_matmul(mesh, x, w, *, row_axis=None, n_axis=None, k_axis=None,
       total = total + jnp.reshape(b, (1, -1)).astype(jnp.float32)
     return total.astype(final_dtype)
 
-  return _compat.shard_map(
+  return _sharding.shard_map(
       local, mesh=mesh, in_specs=tuple(specs[i] for i in present),
       out_specs=P(row_axis, n_axis))(*[args[i] for i in present])

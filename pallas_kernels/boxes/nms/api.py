@@ -368,7 +368,6 @@ def shard_batched_nms(mesh, boxes, scores, *, batch_axis="data",
                                       max_output_size=100)
   """
   from jax.sharding import PartitionSpec as P
-  from pallas_kernels import _compat
   if batch_axis not in mesh.shape:
     raise ValueError(f"shard_batched_nms: batch_axis={batch_axis!r} is not a "
                      f"mesh axis ({tuple(mesh.shape)})")
@@ -382,5 +381,5 @@ def shard_batched_nms(mesh, boxes, scores, *, batch_axis="data",
   def local(boxes, scores, class_ids=None):
     return batched_nms(boxes, scores, class_ids=class_ids, **kwargs)
 
-  return _compat.shard_map(local, mesh=mesh, in_specs=(spec,) * len(args),
-                           out_specs=(spec, spec))(*args)
+  return _sharding.shard_map(local, mesh=mesh, in_specs=(spec,) * len(args),
+                             out_specs=(spec, spec))(*args)

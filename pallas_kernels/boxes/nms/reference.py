@@ -28,6 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _compat
+
 # Rows of the coordinate-plane layout shared by all implementations.
 X1, Y1, X2, Y2, AREA = range(5)
 
@@ -97,7 +99,6 @@ def keep_to_indices(keep, order, max_output_size):
 
 def greedy_keep(planes, classes, valid, iou_threshold, max_output_size):
   """Keep mask over sorted positions: one while-loop step per kept box."""
-  n = valid.shape[0]
 
   def cond(state):
     alive, _, count = state
@@ -113,7 +114,9 @@ def greedy_keep(planes, classes, valid, iou_threshold, max_output_size):
     alive = alive.at[i].set(False)
     return alive, keep.at[i].set(True), count + 1
 
-  keep = jnp.zeros((n,), jnp.bool_)
+  # All False, typed like valid: inside shard_map(check_vma=True) the loop
+  # carry varies over the axes the scores vary over.
+  keep = valid & False
   _, keep, _ = jax.lax.while_loop(cond, body, (valid, keep, jnp.int32(0)))
   return keep
 
@@ -202,8 +205,11 @@ def soft_nms(boxes, scores, *, max_output_size, method="gaussian", sigma=0.5,
     remaining = remaining.at[i].set(False) & (current > score_threshold)
     return remaining, current, out_idx, out_score, count + 1
 
-  out_idx = jnp.full((max_output_size,), -1, jnp.int32)
-  out_score = jnp.zeros((max_output_size,), jnp.float32)
+  # Typed like the scores: inside shard_map(check_vma=True) the loop carry
+  # varies over the axes they vary over.
+  like = lambda x: _compat.make_varying(x, _compat.varying_axes(current))
+  out_idx = like(jnp.full((max_output_size,), -1, jnp.int32))
+  out_score = like(jnp.zeros((max_output_size,), jnp.float32))
   _, _, out_idx, out_score, count = jax.lax.while_loop(
       cond, body, (remaining, current, out_idx, out_score, jnp.int32(0)))
   return out_idx, out_score, count
