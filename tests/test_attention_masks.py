@@ -9,6 +9,7 @@ rules (positions aligned at the ends: p = i + kv_len - q_len), never from
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import hypothesis.strategies as st
 import jax
@@ -20,7 +21,7 @@ from hypothesis import given, settings
 import backends
 import pallas_kernels as pk
 from oracles import attention as oracle
-from pallas_kernels.attention import masks, mosaic_tpu
+from pallas_kernels.attention import masks, mosaic_tpu, triton
 from test_attention import BLOCKS, TOLERANCES
 
 ALL = backends.params()
@@ -94,18 +95,12 @@ def _per_head(lq, lk, rng):
   return heads, np.stack(allowed)
 
 
+# Mask kinds with the other options: the combos below; these cases add
+# what they leave out (bias, soft cap, bf16, four per-head kinds, Dense
+# under a formula, rows without keys).
 CASES = {
-    "chunked_causal": Case(
-        lambda lq, lk, rng: (masks.ChunkedCausal(100),
-                             chunked_np(lq, lk, 100)[None])),
-    "chunked_causal_long_kv": Case(
-        lambda lq, lk, rng: (masks.ChunkedCausal(70),
-                             chunked_np(lq, lk, 70)[None]), lq=130, lk=290),
-    "prefix_lm": Case(
-        lambda lq, lk, rng: (masks.PrefixLM(130),
-                             prefix_np(lq, lk, 130)[None]), hk=4),
-    "dense_with_empty_rows": Case(_dense_random, lq=260, lk=330),
     "per_head": Case(_per_head),
+    "dense_with_empty_rows": Case(_dense_random, lq=260, lk=330),
     "or_and_window_segments": Case(
         lambda lq, lk, rng: (masks.ChunkedCausal(64) | masks.Local(20, None),
                              (chunked_np(lq, lk, 64)
@@ -140,24 +135,6 @@ CASES = {
                              (prefix_np(lq, lk, 70)
                               & local_np(lq, lk, None, 40))[None]),
         h=4, hk=1, lq=200, lk=330, d=128, dtype="bfloat16"),
-    # Each block-sparse mask kind with segment ids, with sinks, and sinks
-    # with segments: the walk's tables and the segment/sink terms together.
-    "prefix_lm_segments_gqa": Case(
-        lambda lq, lk, rng: (masks.PrefixLM(90), prefix_np(lq, lk, 90)[None]),
-        b=2, lq=200, lk=200, segments=True),
-    "prefix_lm_sinks_gqa": Case(
-        lambda lq, lk, rng: (masks.PrefixLM(150),
-                             prefix_np(lq, lk, 150)[None]),
-        hk=1, lq=190, lk=310, sinks=True),
-    "dense_segments": Case(_dense_random, lq=260, lk=270, d=48,
-                           segments=True),
-    "per_head_sinks": Case(_per_head, lq=170, lk=230, sinks=True),
-    "per_head_segments_gqa": Case(_per_head, hk=1, lq=230, lk=170,
-                                  segments=True),
-    "chunked_sinks_segments_gqa": Case(
-        lambda lq, lk, rng: (masks.ChunkedCausal(90),
-                             chunked_np(lq, lk, 90)[None]),
-        hk=1, lq=190, lk=250, sinks=True, segments=True),
 }
 
 
@@ -227,17 +204,13 @@ def _assert_close(actual, expected, tol, what):
 
 # The TPU-semantics interpreter is the slowest backend: by default it runs
 # the cases that combine the most features; --runslow runs every case.
-_FAST_ON_INTERPRET = {"chunked_sinks_bias_cap", "per_head",
-                      "dense_with_empty_rows", "or_and_window_segments",
-                      "chunked_sinks_segments_gqa"}
+_FAST_ON_INTERPRET = {"chunked_sinks_bias_cap", "dense_with_empty_rows",
+                      "or_and_window_segments"}
 # The Mosaic GPU interpreter likewise: a formula walk with empty rows, GQA
 # and padded head_dim, and a Dense walk; the refusals cost nothing.
 _FAST_ON_MOSAIC_GPU = {"or_window_cap_sinks_empty_rows", "prefix_and_local_gqa",
                        "dense_with_empty_rows", "per_head",
-                       "or_and_window_segments", "chunked_sinks_bias_cap",
-                       "prefix_lm_segments_gqa", "dense_segments",
-                       "per_head_sinks", "per_head_segments_gqa",
-                       "chunked_sinks_segments_gqa"}
+                       "or_and_window_segments", "chunked_sinks_bias_cap"}
 
 
 @pytest.mark.parametrize("backend", ALL)
@@ -278,6 +251,179 @@ def test_masks_and_sinks_match_float64(backend, name, rng, request):
     empty_rows = ~np.broadcast_to(allowed, (case.h, case.lq, case.lk)).any(-1)
     assert np.all(np.asarray(out)[:, empty_rows] == 0)
 
+
+# ------------------------------------------- every mask kind x option --
+#
+# Each mask kind with each option (segment ids, sinks, GQA, a sliding
+# window, q_len vs kv_len) at shapes where, at the backend's blocks, the
+# call has full, partial and empty blocks (checked from the oracle's
+# matrix): segment ids must mask the blocks a mask allows whole, too. The
+# default tier runs a representative row per kind (each option on for
+# several kinds; segments with the block-sparse kinds); --runslow runs the
+# full product.
+
+_TILE = 128   # the TPU interpreters' blocks; Triton's (32, 64) divide it
+
+
+def _tiled_dense(lq, lk, rng):
+  """A bool [lq, lk] matrix of 128-tiles each empty, full or random (so
+  every backend's blocks include all three kinds)."""
+  nq, nk = -(-lq // _TILE), -(-lk // _TILE)
+  empty, full, noise = 0, 1, 2
+  kinds = rng.integers(0, 3, (nq, nk))
+  # One of each at least, where the sliding window keeps them so: a full
+  # tile on the ends-aligned diagonal, noise in the padded last kv tile.
+  kinds[-1, -2], kinds[-1, -1], kinds[0, -1] = full, noise, empty
+  kinds = np.repeat(np.repeat(kinds, _TILE, 0), _TILE, 1)[:lq, :lk]
+  return np.where(kinds == noise, rng.random((lq, lk)) < 0.5, kinds == full)
+
+
+# kind -> (lq, lk, rng) -> (mask argument, allowed [H or 1, lq, lk]); the
+# per-head kind serves two query heads.
+MASK_KINDS = {
+    "causal": lambda lq, lk, rng: (masks.Causal(), causal_np(lq, lk)[None]),
+    "local": lambda lq, lk, rng: (masks.Local(220, 20),
+                                  local_np(lq, lk, 220, 20)[None]),
+    "chunked": lambda lq, lk, rng: (masks.ChunkedCausal(256),
+                                    chunked_np(lq, lk, 256)[None]),
+    "prefix_lm": lambda lq, lk, rng: (masks.PrefixLM(100),
+                                      prefix_np(lq, lk, 100)[None]),
+    "dense": lambda lq, lk, rng: (lambda a: (masks.Dense(a), a[None]))(
+        _tiled_dense(lq, lk, rng)),
+    "and": lambda lq, lk, rng: (
+        masks.PrefixLM(60) & masks.Local(None, 30),
+        (prefix_np(lq, lk, 60) & local_np(lq, lk, None, 30))[None]),
+    "or": lambda lq, lk, rng: (
+        masks.ChunkedCausal(256) | masks.Local(100, 0),
+        (chunked_np(lq, lk, 256) | local_np(lq, lk, 100, 0))[None]),
+    "per_head": lambda lq, lk, rng: (
+        [masks.Causal(), masks.PrefixLM(100)],
+        np.stack([causal_np(lq, lk), prefix_np(lq, lk, 100)])),
+}
+# Ends-aligned offsets of +-256 keep chunk and block edges aligned.
+LENGTHS = {"equal": (300, 300), "q_shorter": (200, 456),
+           "q_longer": (456, 200)}
+WINDOW = (300, 60)
+
+
+@dataclasses.dataclass(frozen=True)
+class Combo:
+  kind: str
+  segments: bool
+  sinks: bool
+  gqa: bool
+  window: bool
+  lengths: str
+
+  def __str__(self):
+    on = [n for n in ("segments", "sinks", "gqa", "window") if getattr(self,
+                                                                      n)]
+    return "-".join([self.kind, *on, self.lengths])
+
+
+# Default tier: one row per kind. Segments ride with six kinds (both
+# materialised ones among them); sinks, GQA and the window with four each;
+# every length pairing with two or three.
+DEFAULT_COMBOS = [
+    Combo("causal", True, False, True, False, "q_longer"),
+    Combo("local", False, True, False, True, "q_shorter"),
+    Combo("chunked", True, True, False, True, "equal"),
+    Combo("prefix_lm", True, False, False, True, "q_shorter"),
+    Combo("dense", True, True, True, False, "equal"),
+    Combo("per_head", True, False, True, False, "q_shorter"),
+    Combo("and", False, True, True, False, "q_longer"),
+    Combo("or", True, False, False, True, "q_longer"),
+]
+ALL_COMBOS = [Combo(kind, *flags, lengths) for kind in MASK_KINDS
+              for flags in itertools.product((False, True), repeat=4)
+              for lengths in LENGTHS]
+# The slow interpreters run a few default rows: the TPU-semantics one the
+# materialised (Dense, per-head) masks with segment ids, the Mosaic GPU one
+# a row it does not refuse.
+_DEFAULT_ON = {"interpret": {"dense", "per_head"}, "mosaic_gpu": {"and"}}
+# Triton at 64 (not test_attention's 32): a quarter of the interpreted
+# steps, still several blocks a side.
+_COMBO_BLOCKS = {**BLOCKS, "triton": triton.GpuBlockSizes(
+    block_q=64, block_k=64, block_q_dq=64, block_k_dq=64, block_q_dkv=64,
+    block_k_dkv=64)}
+
+
+def _combo_params():
+  slow = [pytest.mark.slow]
+  out = [pytest.param(c, id=str(c)) for c in DEFAULT_COMBOS]
+  out += [pytest.param(c, id=str(c), marks=slow) for c in ALL_COMBOS
+          if c not in DEFAULT_COMBOS]
+  return out
+
+
+def _block_kinds(allowed, bq, bk):
+  """{0 empty, 1 partial, 2 full} among the (bq, bk) blocks of a bool
+  [lq, lk] matrix (a block with padded keys is never full)."""
+  lq, lk = allowed.shape
+  kinds = set()
+  for r in range(0, lq, bq):
+    for c in range(0, lk, bk):
+      tile = allowed[r:r + bq, c:c + bk]
+      kinds.add(2 if tile.all() and c + bk <= lk else 1 if tile.any() else 0)
+  return kinds
+
+
+def _combo_blocks(backend_name):
+  """The backend's (block_q, block_kv) pairs of the combos' blocks."""
+  if backend_name == "triton":
+    b = _COMBO_BLOCKS["triton"]
+    return [(b.block_q, b.block_k), (b.block_q_dq, b.block_k_dq),
+            (b.block_q_dkv, b.block_k_dkv)]
+  return [(_TILE, _TILE)]
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("combo", _combo_params())
+def test_every_mask_kind_with_every_option_matches_float64(backend, combo,
+                                                           rng, request):
+  default_on = _DEFAULT_ON.get(backend.name)
+  if (default_on is not None and combo.kind not in default_on
+      and not request.config.getoption("--runslow")):
+    pytest.skip(f"slow in the {backend.name} interpreter (--runslow runs it)")
+  lq, lk = LENGTHS[combo.lengths]
+  h, hk = (2, 1) if combo.gqa else (2, 2)
+  dtype, d = ((jnp.bfloat16, 64) if backend.name == "mosaic_gpu"
+              else (jnp.float32, 24))
+  make = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+  q, k, v, d_out = (make(1, h, lq, d), make(1, hk, lk, d), make(1, hk, lk, d),
+                    make(1, h, lq, d))
+  d_lse = jnp.asarray(rng.standard_normal((1, h, lq)), jnp.float32)
+  mask, allowed = MASK_KINDS[combo.kind](lq, lk, rng)
+  sinks = (jnp.asarray(2 * rng.standard_normal(h), jnp.float32)
+           if combo.sinks else None)
+  kw = {}
+  if combo.window:
+    kw["sliding_window"] = WINDOW
+  band = oracle.mask(lq, lk, sliding_window=kw.get("sliding_window"))[0]
+  for bq, bk in _combo_blocks(backend.name):
+    kinds = set().union(*(_block_kinds(a, bq, bk) for a in allowed & band))
+    assert kinds == {0, 1, 2}, (combo, bq, bk, kinds)
+  if combo.segments:
+    q_seg = np.sort(rng.integers(0, 3, (1, lq)), axis=1)
+    kv_seg = (q_seg if lq == lk
+              else np.sort(rng.integers(0, 3, (1, lk)), axis=1))
+    kw["segment_ids"] = (jnp.asarray(q_seg), jnp.asarray(kv_seg))
+  if backend.name == "mosaic_gpu" and (combo.segments
+                                      or isinstance(mask, list)):
+    with pytest.raises(ValueError, match="cannot run this call"):
+      backend.run(pk.flash_attention, q, k, v, mask=mask, sinks=sinks, **kw)
+    return
+  out, lse, grads = backend.run(_run, q, k, v, sinks, None, d_out, d_lse,
+                                blocks=_COMBO_BLOCKS.get(backend.name),
+                                mask=mask, **kw)
+  ref_out, ref_lse, ref_grads = oracle.attention(
+      q, k, v, d_out=d_out, d_lse=d_lse, allowed=allowed, sinks=sinks, **kw)
+  out_tol, lse_tol, grad_tol = TOLERANCES[jnp.dtype(dtype).name]
+  _assert_close(out, ref_out, out_tol, "out")
+  _assert_close(lse, ref_lse, lse_tol, "lse")
+  for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads,
+                             ref_grads[:3] + ref_grads[4:]):
+    _assert_close(got, want, grad_tol, name)
 
 # ------------------------------------------------------ classification --
 

@@ -555,6 +555,45 @@ def test_gradient_matches_flash_attention(rng):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
 
 
+def _garbage_past_lengths(x, rng):
+  """x with its NaN entries (the rows past the lengths, spare pages) set to
+  NaN, +inf or -inf at random."""
+  x = np.asarray(x.astype(jnp.float32))
+  junk = rng.choice(np.array([np.nan, np.inf, -np.inf]), x.shape)
+  return np.where(np.isnan(x), junk, x)
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_nan_and_inf_past_the_lengths_reach_no_value_or_gradient(
+    backend, layout, rng):
+  """Cache rows past kv_lengths may hold anything: NaN, +inf and -inf
+  there leave out, dq, dk, dv and dsinks finite and equal to the float64
+  oracle's (the unused rows' own gradient is 0)."""
+  case = (Case(2, 4, 2, 2, 5, 32, window=40, cap=3.0, sinks=True,
+               page_size=16, lengths=(45, 17)) if layout == "paged"
+          else Case(3, 4, 2, 2, 70, 32, window=40, cap=3.0, sinks=True,
+                    lengths=(70, 23, 1)))
+  q, k, v, lengths, kw = case.inputs(rng)
+  k, v = (jnp.asarray(_garbage_past_lengths(x, rng)) for x in (k, v))
+  d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  sinks = kw.pop("sinks")
+
+  def grads_and_out(q, k, v, sinks, backend):
+    def loss(q, k, v, sinks):
+      out = pk.decode_attention(q, k, v, lengths, sinks=sinks,
+                                backend=backend, **kw)
+      return jnp.sum(out * d_out), out
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, sinks)
+  grads, out = backend.run(grads_and_out, q, k, v, sinks)
+  want_out = oracle.decode_attention(q, k, v, lengths, sinks=sinks, **kw)
+  want = oracle.decode_attention_grads(q, k, v, lengths, d_out, sinks=sinks,
+                                       **kw)
+  _assert_close(out, want_out, 2e-5, "out")
+  for name, got, w in zip(("dq", "dk", "dv", "dsinks"), grads, want):
+    _assert_close(got, w, 1e-4, name)
+
 def test_e5m2_reference_with_scalar_scales(rng):
   """The e5m2 case on the reference (every backend: --runslow), with the
   scales given as scalars."""
@@ -569,12 +608,9 @@ def test_e5m2_reference_with_scalar_scales(rng):
 def test_8bit_gradient_in_q_and_sinks(rng):
   """8-bit caches: the gradient in q and sinks equals the float path's on
   the dequantized caches; one in a cache or a scale is a clear error."""
+  # Rows past the lengths hold NaN (as an fp8 cache's unused bytes may).
   q, k, v, lengths, kw = Case(2, 4, 2, 2, 40, 16, sinks=True, lengths=(40, 9),
                               quant="float8_e4m3fn").inputs(rng)
-  # Finite rows past the lengths: the float path's reference VJP (the
-  # expected value) would turn NaN there into NaN gradients.
-  k, v = (jnp.where(jnp.isnan(x.astype(jnp.float32)), 0, x).astype(x.dtype)
-          for x in (k, v))
   scales = dict(k_scale=kw["k_scale"], v_scale=kw["v_scale"])
   real = [x.astype(jnp.float32) * s[:, None, None]
           for x, s in ((k, kw["k_scale"]), (v, kw["v_scale"]))]
@@ -585,8 +621,12 @@ def test_8bit_gradient_in_q_and_sinks(rng):
   got = jax.grad(loss, argnums=(0, 1))(q, kw["sinks"])
   want = jax.grad(lambda q, s: loss(q, s, *real, scales={}),
                   argnums=(0, 1))(q, kw["sinks"])
-  for g, w in zip(got, want):
+  out64 = oracle.decode_attention(q, k, v, lengths, **kw)
+  dq64, _, _, dsinks64 = oracle.decode_attention_grads(
+      q, k, v, lengths, np.cos(out64), **kw)
+  for g, w, w64 in zip(got, want, (dq64, dsinks64)):
     _assert_close(g, w, 2e-5)
+    _assert_close(g, w64, 1e-4)
   with pytest.raises(TypeError, match="cannot differentiate with respect to "
                      "k_cache: an 8-bit KV cache"):
     jax.grad(lambda k: loss(q, kw["sinks"], k=k))(k)

@@ -66,7 +66,7 @@ class _Step(NamedTuple):
   first: Any       # the row's first step: initialise the accumulators
   last: Any        # the row's last step: write the outputs
   listed: Any      # a listed block (segment ids may still skip it)
-  masked: Any      # needs the element mask
+  masked: Any      # needs the element mask (segment ids apply regardless)
   dense_col: Any   # the dense mask tile's block along the row (or None)
 
 
@@ -108,8 +108,9 @@ class _Geometry:
 
   @property
   def may_mask(self):
-    return (self.has_segments or self.kv_pad != self.kv_len
-            or self.tables is not None)
+    """Whether some step needs the element (band, static or padded-key)
+    mask; segment ids are masked on every step, apart from this."""
+    return self.kv_pad != self.kv_len or self.tables is not None
 
   @property
   def dense(self):
@@ -143,12 +144,12 @@ class _Geometry:
     row, t = ids
     if major == "kv":
       return _Step(h, row, t, t == 0, t == self.num_kv - 1, jnp.bool_(True),
-                   self._padded_keys(t) | self.has_segments, None)
+                   self._padded_keys(t), None)
     steps = self.group * self.num_q
     return _Step(h * self.group + _div(t, self.num_q),
                  lax.rem(t, jnp.int32(self.num_q)), row, t == 0,
-                 t == steps - 1, jnp.bool_(True),
-                 self._padded_keys(row) | self.has_segments, None)
+                 t == steps - 1, jnp.bool_(True), self._padded_keys(row),
+                 None)
 
   def _walk_step(self, major, h, s, table_ref):
     walk = self.walks[major]
@@ -167,7 +168,9 @@ class _Geometry:
     if walk.repeat > 1:
       first &= extra == 0
       last &= extra == walk.repeat - 1
-    masked = bit(_masks.MASKED) | self.has_segments
+    # A full block's dense_col names another (partial) block's tile, so
+    # only MASKED steps may evaluate the element mask.
+    masked = bit(_masks.MASKED)
     if major == "kv":
       return _Step(h, row, col, first, last, bit(_masks.RUNS), masked,
                    dense_col)
@@ -221,14 +224,18 @@ def _row_to_column(row):
 def _query_major_logits(q, k, bias_ref, qseg_ref, kvseg_ref, geom, i, j,
                         masked, sm_scale, cap, dense_ref=None):
   """[block_q, block_kv] logits (and tanh for the soft cap) of block (i, j),
-  with the bias added and, if ``masked``, the band/segment mask as -inf."""
+  with the bias added, and as -inf: the element mask if ``masked``, unequal
+  segment ids always."""
   s, t = _scores(q, k, sm_scale, cap)
   if bias_ref is not None:
     s = s + bias_ref[...].astype(jnp.float32)
+  mask = None
   if masked:
     mask = geom.mask(i, j, s.shape, transposed=False, dense_ref=dense_ref)
-    if geom.has_segments:
-      mask &= qseg_ref[...][:, :1] == kvseg_ref[...]
+  if geom.has_segments:
+    same = qseg_ref[...][:, :1] == kvseg_ref[...]
+    mask = same if mask is None else mask & same
+  if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
   return s, t
 
@@ -394,11 +401,14 @@ def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
     s, th = _scores(k, q, sm_scale, cap)             # [block_kv, block_q]
     if has_bias:
       s = s + bias_ref[...].astype(jnp.float32).T
+    mask = None
     if masked:
       mask = geom.mask(at.q_block, at.kv_block, s.shape, transposed=True,
                        dense_ref=dense_ref)
-      if geom.has_segments:
-        mask &= kvseg_ref[...][:, :1] == qseg_ref[...]
+    if geom.has_segments:
+      same = kvseg_ref[...][:, :1] == qseg_ref[...]
+      mask = same if mask is None else mask & same
+    if mask is not None:
       s = jnp.where(mask, s, -jnp.inf)
     p = jnp.exp(s - lse_ref[...])
     dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _NN,

@@ -51,16 +51,22 @@ def decode_attention_reference(q, k_cache, v_cache, kv_lengths, sinks=None,
   batch, heads, queries, _ = q.shape
   kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
   group = heads // kv_heads
+  lengths = kv_lengths.astype(jnp.int32)
+  cols = jnp.arange(capacity)
+  # Rows past the length may hold anything (NaN, inf): zeroed before the
+  # products with a select, since a zero weight times NaN is NaN in the
+  # values and in the gradients (dq = dS k).
+  written = (cols[None, :] < lengths[:, None])[:, None, :, None]
+  k = jnp.where(written, k_cache.astype(jnp.float32), 0.0)
+  v = jnp.where(written, v_cache.astype(jnp.float32), 0.0)
   # float32 operands: products of bf16/f16 values are exact in float32.
   qg = q.astype(jnp.float32).reshape(batch, kv_heads, group, queries, -1)
-  s = jnp.einsum("bkgtd,bkjd->bkgtj", qg, k_cache.astype(jnp.float32),
+  s = jnp.einsum("bkgtd,bkjd->bkgtj", qg, k,
                  precision=jax.lax.Precision.HIGHEST)
   s = s * sm_scale
   if logit_soft_cap is not None:
     s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
-  lengths = kv_lengths.astype(jnp.int32)
   pos = lengths[:, None] - queries + jnp.arange(queries)[None, :]   # [B, T]
-  cols = jnp.arange(capacity)
   visible = cols[None, None, :] <= pos[:, :, None]                   # [B,T,S]
   if sliding_window is not None:
     visible &= cols[None, None, :] >= pos[:, :, None] - sliding_window
@@ -76,9 +82,6 @@ def decode_attention_reference(q, k_cache, v_cache, kv_lengths, sinks=None,
   if sinks is not None:
     total = total + jnp.exp(sink - row_max)
   p = e / jnp.where(total != 0, total, 1.0)
-  # Rows past the length may hold garbage: 0 * NaN would leak it.
-  written = (cols[None, :] < lengths[:, None])[:, None, :, None]
-  v = jnp.where(written, v_cache.astype(jnp.float32), 0.0)
   out = jnp.einsum("bkgtj,bkjd->bkgtd", p, v,
                    precision=jax.lax.Precision.HIGHEST)
   return out.reshape(batch, heads, queries, -1).astype(q.dtype)
