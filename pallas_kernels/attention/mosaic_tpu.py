@@ -3,11 +3,14 @@
 Forward (online softmax): per (batch, head), the grid's last axes walk
 (query block, kv block) pairs, each query block's kv blocks consecutively.
 Per query block, VMEM scratch keeps the running max ``m``, the running sum
-``l`` (float32, lane-replicated ``[block_q, 128]``) and the float32
-accumulator; the row's last step writes ``acc / l`` and ``lse = m + log l``
-(stored lane-dense as ``[B, H, 1, Lq]``).
+``l`` (float32, lane-replicated ``[block_q, 128]``, kept so: no cross-lane
+broadcasts) and the float32 accumulator; the row's last step writes
+``acc / l`` and ``lse = m + log l`` (stored lane-dense as ``[B, H, 1,
+Lq]``). Without a bias or soft cap the logits stay unscaled and sm_scale
+joins exp2's multiply by log2(e) (``p = exp2(c (s - m))``).
 Backward: ``di = rowsum(dO * O) - d_lse`` in XLA; two kernels recompute the
-probabilities from lse. dq walks like the forward, ``ds = p * (dO V^T -
+probabilities from lse (passed as ``log2(e) lse``: ``p = exp2(c s -
+lse2)``), sm_scale applied to dq and dk once at the row's end. dq walks like the forward, ``ds = p * (dO V^T -
 di)``, ``dq += ds K``, plus ``dbias = ds`` blocks with a bias. dk/dv: per
 (batch, kv head), each kv block's row walks the query blocks of every query
 head sharing the kv head (GQA gradients sum in VMEM), on transposed logits
@@ -47,6 +50,7 @@ LANES = _bs.LANES
 _SQ = pl.Squeezed() if hasattr(pl, "Squeezed") else None
 _NT = (((1,), (1,)), ((), ()))   # a @ b^T
 _NN = (((1,), (0,)), ((), ()))   # a @ b
+_LOG2E = float(np.log2(np.e))     # exp(x) = exp2(log2(e) x)
 
 
 def _round_up(x, m):
@@ -191,14 +195,25 @@ class _Geometry:
     return heads * self.num_q * self.num_kv
 
   def mask(self, i, j, shape, transposed, dense_ref=None):
-    """Allowed-entry mask of block (i, j); rows are keys when transposed.
-    ``dense_ref``: the block's tile of a dense mask (tables without a
-    formula)."""
+    """Allowed-entry mask of block (i, j), broadcastable to ``shape``; rows
+    are keys when transposed. ``dense_ref``: the block's tile of a dense
+    mask (tables without a formula). None: every entry is allowed.
+    Positions are ``[n, 1]`` and ``[1, n]`` iotas so that only the final
+    compares run over the whole block."""
     q_axis, kv_axis = (1, 0) if transposed else (0, 1)
-    rows = i * self.block_q + lax.broadcasted_iota(jnp.int32, shape, q_axis)
-    cols = j * self.block_kv + lax.broadcasted_iota(jnp.int32, shape, kv_axis)
+
+    def iota(axis, start):
+      dims = [1, 1]
+      dims[axis] = shape[axis]
+      return start + lax.broadcasted_iota(jnp.int32, tuple(dims), axis)
+    rows = iota(q_axis, i * self.block_q)
+    cols = iota(kv_axis, j * self.block_kv)
+    padded = self.kv_pad != self.kv_len
     if self.tables is None:
-      return cols < self.kv_len
+      return cols < self.kv_len if padded else None
+    if dense_ref is None and not padded:   # no key to drop past kv_len
+      offset = self.tables.kv_len - self.tables.q_len
+      return self.tables.formula.allowed(rows + offset, cols)
     tile = None if dense_ref is None else dense_ref[...].astype(jnp.int32)
     return _masks.element_mask(self.tables, rows, cols, tile)
 
@@ -206,11 +221,26 @@ class _Geometry:
 def _scores(a, b, sm_scale, cap):
   """Scaled (and soft-capped) a @ b^T in float32; returns (s, tanh or None)."""
   s = lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
-  s = s * sm_scale
+  if sm_scale != 1.0:
+    s = s * sm_scale
   if cap is None:
     return s, None
   t = jnp.tanh(s / cap)
   return cap * t, t
+
+
+_reciprocal = getattr(pltpu, "reciprocal", None) or pl.reciprocal
+# Generations whose f32 division compiles to a guarded refinement sequence
+# (final bundles of the forward's row finish, 1024 rows: v5e 742 -> 459,
+# v5p -280); v6e divides with one vrcp, where a Newton step adds ~100.
+_NEWTON_RECIPROCAL = ("v5e", "v5p")
+
+
+def _folded_scale(sm_scale, cap, has_bias):
+  """The part of sm_scale the kernels leave out of the logits and fold into
+  the exp2 argument's multiply by log2(e) (and the dq/dk finish): all of it
+  unless a bias or soft cap needs scaled logits."""
+  return sm_scale if cap is None and not has_bias and sm_scale else 1.0
 
 
 def _row_to_column(row):
@@ -233,30 +263,52 @@ def _query_major_logits(q, k, bias_ref, qseg_ref, kvseg_ref, geom, i, j,
   if masked:
     mask = geom.mask(i, j, s.shape, transposed=False, dense_ref=dense_ref)
   if geom.has_segments:
-    same = qseg_ref[...][:, :1] == kvseg_ref[...]
+    same = _lanes_to(qseg_ref[...], s.shape[1]) == kvseg_ref[...]
     mask = same if mask is None else mask & same
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
   return s, t
 
 
-def online_softmax_step(s, v, m_ref, l_ref, acc_ref):
-  """One online-softmax update with logits ``s [rows, n]`` (float32, -inf
-  where masked) and values ``v [n, D]``: rescales the running sum ``l``
-  and accumulator by ``exp(m_old - m_new)`` and adds this block. ``m_ref``
-  and ``l_ref`` are lane-replicated ``[rows, 128]``; a row whose max is
-  still -inf keeps l = 0."""
-  m_prev, l_prev = m_ref[...][:, :1], l_ref[...][:, :1]
-  m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+def _lanes_to(x, n):
+  """Lane-replicated ``x [rows, 128]`` as ``[rows, n]``: whole vregs reused
+  (no cross-lane broadcast) when n is a multiple of 128 or below it."""
+  if n == LANES:
+    return x
+  if n < LANES:
+    return x[:, :n]
+  if n % LANES:
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], n))
+  if hasattr(pltpu, "repeat"):      # jax < 0.8 (equal to a tile here)
+    return pltpu.repeat(x, n // LANES, axis=1)
+  return jnp.tile(x, (1, n // LANES))
+
+
+def online_softmax_step(s, v, m_ref, l_ref, acc_ref, scale=1.0):
+  """One online-softmax update with logits ``scale * s`` (``s [rows, n]``
+  float32, -inf where masked) and values ``v [n, D]``: rescales the running
+  sum ``l`` and accumulator by ``exp(scale (m_old - m_new))`` and adds this
+  block. ``m_ref`` (the running max of ``s``, unscaled) and ``l_ref`` are
+  lane-replicated ``[rows, 128]`` and stay so: the row reductions land in
+  all lanes and whole vregs are reused across the block's lanes, so no
+  cross-lane broadcast is issued. ``scale`` is folded into the exp2
+  argument (one multiply per logit in all). A row whose max is still -inf
+  keeps l = 0."""
+  m_prev, l_prev = m_ref[...], l_ref[...]
+  rows = m_prev.shape
+  m_new = jnp.maximum(m_prev, lax.broadcast_in_dim(jnp.max(s, axis=1), rows,
+                                                   (0,)))
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  p = jnp.exp(s - m_safe)
-  alpha = jnp.exp(m_prev - m_safe)
-  l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+  c = scale * _LOG2E
+  p = jnp.exp2((s - _lanes_to(m_safe, s.shape[1])) * c)
+  alpha = jnp.exp2((m_prev - m_safe) * c)
+  l_new = alpha * l_prev + lax.broadcast_in_dim(jnp.sum(p, axis=1), rows,
+                                                (0,))
   pv = lax.dot_general(p.astype(v.dtype), v, _NN,
                        preferred_element_type=jnp.float32)
-  acc_ref[...] = alpha * acc_ref[...] + pv
-  m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
-  l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+  acc_ref[...] = _lanes_to(alpha, acc_ref.shape[1]) * acc_ref[...] + pv
+  m_ref[...] = m_new
+  l_ref[...] = l_new
 
 
 def _run_block(step, at: _Step, geom, ranges_ref):
@@ -301,22 +353,39 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
+  # Without a bias or soft cap, m holds the max of the unscaled logits and
+  # sm_scale joins the exp2 argument's multiply (no pass scaling the block).
+  fold = _folded_scale(sm_scale, cap, bias_ref is not None)
+
   def step(masked):
     s, _ = _query_major_logits(q_ref[...], k_ref[...], bias_ref, qseg_ref,
                                kvseg_ref, geom, at.q_block, at.kv_block,
-                               masked, sm_scale, cap, dense_ref)
-    online_softmax_step(s, v_ref[...], m_ref, l_ref, acc_ref)
+                               masked, sm_scale / fold, cap, dense_ref)
+    online_softmax_step(s, v_ref[...], m_ref, l_ref, acc_ref, scale=fold)
 
   _run_block(step, at, geom, ranges_ref)
 
   @pl.when(at.last)
   def _finish():
-    l = l_ref[...][:, :1]
+    l = l_ref[...]             # lane-replicated [block_q, 128]
     has_keys = l != 0          # NaN inputs stay NaN rather than "empty"
-    safe_l = jnp.where(has_keys, l, 1.0)
-    o_ref[...] = jnp.where(has_keys, acc_ref[...] / safe_l, 0.0).astype(
-        o_ref.dtype)
-    lse = jnp.where(has_keys, m_ref[...] + jnp.log(safe_l), -jnp.inf)
+    # A row with keys has l >= 1 (its max term is exp2(0)): max() makes
+    # empty rows safe.
+    safe_l = jnp.maximum(l, 1.0)
+    if _backend.target().tpu_generation in _NEWTON_RECIPROCAL:
+      # There f32 division is a long guarded sequence; on [1, block_kv] two
+      # Newton steps take an approximate reciprocal good to 2^-8 (the
+      # interpreter's) to f32 rounding.
+      inv = _reciprocal(safe_l, approx=True)
+      inv = inv * (2.0 - safe_l * inv)
+      inv = inv * (2.0 - safe_l * inv)
+    else:
+      inv = 1.0 / safe_l
+    width = acc_ref.shape[1]
+    o_ref[...] = jnp.where(_lanes_to(l, width) != 0,
+                           acc_ref[...] * _lanes_to(inv, width),
+                           0.0).astype(o_ref.dtype)
+    lse = jnp.where(has_keys, m_ref[...] * fold + jnp.log(safe_l), -jnp.inf)
     lse_ref[...] = lse.T[:1, :]
 
 
@@ -346,20 +415,23 @@ def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
     lse_col[...] = _row_to_column(lse_ref[...])
     di_col[...] = _row_to_column(di_ref[...])
 
+  fold = _folded_scale(sm_scale, cap, has_bias)
+
   def step(masked):
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
     s, th = _query_major_logits(q, k, bias_ref, qseg_ref, kvseg_ref, geom,
-                                at.q_block, at.kv_block, masked, sm_scale,
-                                cap, dense_ref)
-    p = jnp.exp(s - lse_col[...][:, :1])
+                                at.q_block, at.kv_block, masked,
+                                sm_scale / fold, cap, dense_ref)
+    width = s.shape[1]
+    p = jnp.exp2(s * (fold * _LOG2E) - _lanes_to(lse_col[...], width))
     dp = lax.dot_general(do_ref[...], v, _NT,
                          preferred_element_type=jnp.float32)
-    ds = p * (dp - di_col[...][:, :1])
+    ds = p * (dp - _lanes_to(di_col[...], width))
     if has_bias:
       dbias_ref[...] = ds.astype(dbias_ref.dtype)
     if cap is not None:
       ds = ds * (1.0 - th * th)
-    dq_acc[...] += lax.dot_general((ds * sm_scale).astype(k.dtype), k, _NN,
+    dq_acc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN,
                                    preferred_element_type=jnp.float32)
 
   run = _run_block(step, at, geom, ranges_ref)
@@ -373,7 +445,7 @@ def _dq_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
 
   @pl.when(at.last)
   def _finish():
-    dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+    dq_ref[...] = (dq_acc[...] * sm_scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
@@ -396,9 +468,11 @@ def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
+  fold = _folded_scale(sm_scale, cap, has_bias)
+
   def step(masked):
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    s, th = _scores(k, q, sm_scale, cap)             # [block_kv, block_q]
+    s, th = _scores(k, q, sm_scale / fold, cap)      # [block_kv, block_q]
     if has_bias:
       s = s + bias_ref[...].astype(jnp.float32).T
     mask = None
@@ -406,25 +480,25 @@ def _dkv_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
       mask = geom.mask(at.q_block, at.kv_block, s.shape, transposed=True,
                        dense_ref=dense_ref)
     if geom.has_segments:
-      same = kvseg_ref[...][:, :1] == qseg_ref[...]
+      same = _lanes_to(kvseg_ref[...], s.shape[1]) == qseg_ref[...]
       mask = same if mask is None else mask & same
     if mask is not None:
       s = jnp.where(mask, s, -jnp.inf)
-    p = jnp.exp(s - lse_ref[...])
+    p = jnp.exp2(s * (fold * _LOG2E) - lse_ref[...])
     dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _NN,
                                    preferred_element_type=jnp.float32)
     dp = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
     ds = p * (dp - di_ref[...])
     if cap is not None:
       ds = ds * (1.0 - th * th)
-    dk_acc[...] += lax.dot_general((ds * sm_scale).astype(q.dtype), q, _NN,
+    dk_acc[...] += lax.dot_general(ds.astype(q.dtype), q, _NN,
                                    preferred_element_type=jnp.float32)
 
   _run_block(step, at, geom, ranges_ref)
 
   @pl.when(at.last)
   def _finish():
-    dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+    dk_ref[...] = (dk_acc[...] * sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
@@ -791,7 +865,8 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   if d_lse is not None:
     di = di - d_lse.astype(jnp.float32)
   # lse = +inf turns p into 0 for empty rows and padded queries.
-  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32))
+  # In log2 units: the kernels take p = exp2(log2(e) s - lse2).
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * _LOG2E)
   lse_row = _pad_axis(lse, 2, geom.q_pad, value=jnp.inf)[:, :, None, :]
   di_row = _pad_axis(di, 2, geom.q_pad)[:, :, None, :]
   qp = _pad_head_dim(_pad_axis(q, 2, geom.q_pad), dim)
