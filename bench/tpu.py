@@ -312,6 +312,19 @@ def compile_and_walk(case: str, generation: str, quick: bool = False) -> dict:
   return out
 
 
+def _rewalk(row: dict, quick: bool) -> dict:
+  """``row`` walked again from its kept dump (BENCH_TPU_KEEP_DUMP=1)."""
+  from bench import tpu_bundles
+  if "dump" not in row or not os.path.isdir(row["dump"]):
+    return row
+  params = cases((_family(row["group"]),), quick)[row["case"]][2]
+  out = summarize(tpu_bundles.program_path(row["dump"], params),
+                  row["generation"], row.get("compile_s", 0.0))
+  keep = {k: row[k] for k in ("case", "group", "impl", "generation", "dump",
+                              "wall_s") if k in row}
+  return dict(out, **keep)
+
+
 def _family(op: str) -> str:
   if op.startswith("budget "):
     return "budget"
@@ -402,9 +415,13 @@ def versions() -> dict:
 def add_ratios(rows: list[dict]) -> None:
   """``ratio`` = ours' bundle path / the best anchor's, per group and
   generation; ``best`` marks that anchor."""
+  from pallas_kernels import _backend
   groups = {}
   for r in rows:
     if "bundles" in r:
+      r["hbm_us"] = (r["mix"]["dma_bytes"]
+                     / _backend.TPU_SPECS[r["generation"]].hbm * 1e6)
+      r["bound_us"] = max(r["time_us"], r["hbm_us"])
       groups.setdefault((r["group"], r["generation"]), []).append(r)
   for rs in groups.values():
     anchors = [r for r in rs if not r["impl"].startswith("ours")]
@@ -417,6 +434,8 @@ def add_ratios(rows: list[dict]) -> None:
     for r in rs:
       if r["impl"].startswith("ours"):
         r["ratio"] = r["bundles"] / best["bundles"]
+        best_bound = min(a["bound_us"] for a in anchors)
+        r["bound_ratio"] = r["bound_us"] / best_bound
         r["anchor"] = best["impl"]
 
 
@@ -428,27 +447,36 @@ def markdown(rows: list[dict], meta: dict) -> str:
          "(v4 1.05, v5e 1.5, v5p/v6e/tpu7x 1.75 GHz; only v5e's is "
          "published); steady = bundles per grid-loop trip in the steady "
          "state; ratio = ours / the best anchor (marked *) of the group. "
-         "Not counted: DMA waits, MXU result stalls, HBM contention.", "",
+         "Not counted: DMA waits, MXU result stalls, HBM contention. "
+         "HBM us = the kernels' DMA bytes at the generation's peak HBM rate "
+         "(a floor the bundle path does not show; on tpu7x XLA copies "
+         "inputs to VMEM outside the kernel, uncounted here). max ratio = "
+         "max(us, HBM us) of ours / the smallest of the anchors'.", "",
          "unres: branches of the kernels whose predicate the walk could not "
          "evaluate (runtime data it was not given); it fell through them, "
          "so such a path is approximate.", "",
          "| op | gen | impl | grid | first | steady | last | bundles | us "
-         "| ratio | MXU mm | VALU | XLU | vld | vst | DMAs | DMA MB | unres |",
+         "| ratio | HBM us | max ratio | MXU mm | VALU | XLU | vld | vst | DMAs | DMA MB "
+         "| unres |",
          "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: "
-         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+         "| ---: |"]
+  from pallas_kernels import _backend
   for r in rows:
     if "error" in r:
       out.append(f"| {r['group']} | {r['generation']} | {r['impl']} | "
-                 f"error: {r['error'][-120:].replace('|', '/')} |" + " |" * 14)
+                 f"error: {r['error'][-120:].replace('|', '/')} |" + " |" * 16)
       continue
     m = r["mix"]
     grid = "x".join(map(str, r["grid"])) if r.get("grid") else "-"
     ratio = f"{r['ratio']:.2f}" if "ratio" in r else ""
     star = " *" if r.get("best") else ""
+    hbm = m["dma_bytes"] / _backend.TPU_SPECS[r["generation"]].hbm * 1e6
+    bound = f"{r['bound_ratio']:.2f}" if "bound_ratio" in r else ""
     out.append(
         f"| {r['group']} | {r['generation']} | {r['impl']}{star} | {grid} | "
         f"{r['first'] or ''} | {r['steady'] or ''} | {r['last'] or ''} | "
-        f"{r['bundles']} | {r['time_us']:.1f} | {ratio} | "
+        f"{r['bundles']} | {r['time_us']:.1f} | {ratio} | {hbm:.1f} | {bound} | "
         f"{m['mxu_matmul']} | {m['valu']} | {m['xlu']} | {m['vld']} | "
         f"{m['vst']} | {m['dma']} | {m['dma_bytes'] / 1e6:.2f} | "
         f"{r['kernel_unresolved'] or ''} |")
@@ -491,6 +519,12 @@ def main(argv=None) -> int:
   parser.add_argument("--resume", metavar="JSONL",
                       help="append each row here; rows already there are "
                       "not compiled again")
+  parser.add_argument("--rewalk", action="store_true",
+                      help="with --resume: walk the kept dumps of its rows "
+                      "again (after a change to bench/tpu_bundles.py)")
+  parser.add_argument("--report", action="store_true",
+                      help="with --resume: compile nothing, tabulate every "
+                      "row of the file")
   parser.add_argument("--ours-only", action="store_true",
                       help="skip the anchors (e.g. for v4 and tpu7x)")
   parser.add_argument("--one", nargs=2, metavar=("CASE", "GEN"),
@@ -512,7 +546,12 @@ def main(argv=None) -> int:
   if args.resume and os.path.exists(args.resume):
     with open(args.resume) as f:
       done = [json.loads(l) for l in f if l.strip()]
-    keep = {(r["case"], r["generation"]): r for r in done}
+    keep = {(r["case"], r["generation"]): r for r in done
+            if "error" not in r}      # errors are tried again
+    if args.rewalk:
+      keep = {k: _rewalk(r, args.quick) for k, r in keep.items()}
+    if args.report:
+      work = list(keep)
     rows = [keep[w] for w in work if w in keep]
     work_left = [w for w in work if w not in keep]
   else:
@@ -534,7 +573,7 @@ def main(argv=None) -> int:
           f" ({r['wall_s']} s)" if "bundles" in r else
           "ERROR " + r["error"]), flush=True)
   order = {c: i for i, (c, _) in enumerate(work)}
-  gens = {g: i for i, g in enumerate(args.generations)}
+  gens = {g: i for i, g in enumerate(("v5e", "v6e", "v5p", "v4", "tpu7x"))}
   rows.sort(key=lambda r: (r["group"], gens.get(r["generation"], 0),
                            order[r["case"]]))
   add_ratios(rows)

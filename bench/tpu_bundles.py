@@ -41,6 +41,7 @@ _DESCRIPTOR = re.compile(r"window_bounds: \(([\d, ]+)\).*?element_size_in_bytes:
 _OP = re.compile(r"^(?:(%[\w.]+)\s*=\s*)?([\w.]+)\s*(.*)$", re.S)
 _GRANULE = re.compile(r"size_in_granules=\*/\s*(%?\w+)")
 MASK = 0xFFFFFFFF
+ARG_TABLE = 0x7F000000
 MAX_BUNDLES = 400_000_000
 
 
@@ -338,11 +339,18 @@ def bundle_path(text: str, smem_operands: dict | None = None,
     if c in ("smov", "pmov") or c.startswith("int_to_ptr"):
       return val(a[-1])
     if c.startswith("inlined_call_operand"):
-      k = int(re.search(r"index: (\d+)", op.raw).group(1))
+      m = re.search(r"index: (-?\d+)", op.raw)
+      if m and m.group(1) == "-1":
+        return ARG_TABLE       # a table in SMEM of the operands' addresses
+      k = int(m.group(1)) if m else 1000 + len(operands)
       operands[(k + 1) << 20] = k
       return (k + 1) << 20
     if c == "sld":
       ad = addr_of(a[0])
+      if ad is not None and ARG_TABLE <= ad < ARG_TABLE + 4096:
+        k = ad - ARG_TABLE
+        operands[(k + 1) << 20] = k
+        return (k + 1) << 20
       return None if ad is None else smem.get(ad)
     if c == "scalar_select":
       p, x, y = (val(t) for t in a[:3])
@@ -495,6 +503,8 @@ def bundle_path(text: str, smem_operands: dict | None = None,
     if p is None:
       unresolved += 1
       unresolved_at.add(bundles[pc].addr)
+      if _DEBUG and len(unresolved_at) == 1 and unresolved == 1:
+        _explain(bundles, vals, op.pred)
       p = False
     # Delay slots issue whatever the branch does.
     for k in range(1, delay + 1):
@@ -536,6 +546,27 @@ def bundle_path(text: str, smem_operands: dict | None = None,
               mix={k: mix.get(k, 0) for k in MIX},
               unresolved_branches=unresolved, delay_slots=delay,
               unresolved_at=sorted(unresolved_at))
+
+
+_DEBUG = bool(os.environ.get("TPU_BUNDLES_DEBUG"))
+
+
+def _explain(bundles, vals, name, depth=0, seen=None):
+  """Prints the unknown inputs behind ``name`` (TPU_BUNDLES_DEBUG=1)."""
+  seen = set() if seen is None else seen
+  name = name.lstrip("!")
+  if name in seen or depth > 12:
+    return
+  seen.add(name)
+  for b in bundles:
+    for o in b.scalar:
+      if o.dest == name:
+        print("  " * depth + f"{hex(b.addr)} {name} = {o.opcode} {o.args} "
+              f"pred={o.pred} -> {vals.get(name)}")
+        for t in _tokens(o):
+          if vals.get(t.lstrip("!")) is None:
+            _explain(bundles, vals, t, depth + 1, seen)
+        return
 
 
 _TOKEN = re.compile(r"!?%[sp][\w.]+")
@@ -594,6 +625,8 @@ def _tiled(values: list, body: str) -> list:
   return out
 
 
+_CLAMPS = {"parameter", "constant", "broadcast", "clamp", "minimum",
+           "maximum", "bitcast", "copy", "reshape"}
 _HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(.*)$")
 
 
@@ -603,10 +636,21 @@ def hlo_operand_values(hlo_text: str, params: dict | None = None) -> dict:
   given in ``params`` (parameter number -> values), possibly through
   bitcasts, copies and reshapes."""
   defs = {}
+  bodies = {}         # computation -> its instructions' opcodes
+  current = None
   for line in hlo_text.splitlines():
+    head = re.match(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s*\(.*\{\s*$", line)
+    if head:
+      current = bodies.setdefault(head.group(1), set())
+      continue
+    if line.startswith("}"):
+      current = None
     m = _HLO_DEF.match(line)
     if m:
       defs.setdefault(m.group(1), m.group(2))
+      if current is not None:
+        op = re.search(r"\s([a-z][\w\-]*)\(", " " + m.group(2))
+        current.add(op.group(1) if op else "?")
 
   def values(name, depth=0):
     body = defs.get(name)
@@ -615,14 +659,11 @@ def hlo_operand_values(hlo_text: str, params: dict | None = None) -> dict:
     m = re.search(r"\bconstant\((.*)\)", body)
     t = re.match(r"([su])(\d+)\[|pred\[", body)
     if m and t:
-      flat = [int(x) for x in re.findall(r"-?\d+", re.sub(
+      return [int(x) for x in re.findall(r"-?\d+", re.sub(
           r"true", "1", re.sub(r"false", "0", m.group(1))))]
-      return _words(flat, int(t.group(2)) if t.group(2) else 8)
     m = re.search(r"\bparameter\((\d+)\)", body)
     if m and params and int(m.group(1)) in params:
-      bits = re.match(r"[su](\d+)\[", body)
-      return _words(_tiled([int(x) for x in params[int(m.group(1))]], body),
-                    int(bits.group(1)) if bits else 32)
+      return [int(x) for x in params[int(m.group(1))]]
     m = re.search(r"\bbroadcast\((%[\w.\-]+)\)", body)
     if m:
       v = values(m.group(1), depth + 1)
@@ -631,6 +672,10 @@ def hlo_operand_values(hlo_text: str, params: dict | None = None) -> dict:
       for x in (dims.group(1).split(",") if dims and dims.group(1) else []):
         n *= int(x)
       return None if v is None or len(v) != 1 else v * n
+    # A clamp fusion (jnp.clip of lengths): the bench's values are in range.
+    m = re.search(r"\bfusion\((%[\w.\-]+)\).*calls=(%[\w.\-]+)", body)
+    if m and bodies.get(m.group(2), {"?"}) <= _CLAMPS:
+      return values(m.group(1), depth + 1)
     m = re.search(r"\b(?:bitcast|copy|reshape|copy-done|copy-start)\((%[\w.\-]+)\)", body)
     if m:
       return values(m.group(1), depth + 1)
@@ -647,7 +692,10 @@ def hlo_operand_values(hlo_text: str, params: dict | None = None) -> dict:
     for k, op in enumerate(ops):
       v = values(op)
       if v is not None:
-        known[k] = v
+        # As the operand is laid out: its tiling, its element width.
+        bits = re.match(r"[su](\d+)\[", defs[op])
+        known[k] = _words(_tiled(v, defs[op]),
+                          int(bits.group(1)) if bits else 8)
     if known:
       out[name.lstrip("%")] = known
   return out
