@@ -62,6 +62,7 @@ class Bundle:
   scalar: list            # ops the walk interprets
   regions: list           # regions starting at this bundle
   has_end: bool
+  marker: str | None = None   # LB, LH, LE, PB, PF, CT
 
 
 def _split_top(text: str, sep: str) -> list[str]:
@@ -99,6 +100,11 @@ def _parse_op(raw: str) -> Op:
     pred = inner[0]
     default = inner[1] if len(inner) > 1 else None
     rest = rest[close + 1:].lstrip(", ").strip()
+  if pred is None:      # a predicate after the address: op [addr] (p), x
+    m = re.search(r"\]\s*\((!?%p[\w.]+)(?:,\s*([^)]*))?\)\s*,?", rest)
+    if m:
+      pred, default = m.group(1), m.group(2)
+      rest = rest[:m.start() + 1] + " " + rest[m.end():]
   if opcode == "sst":   # sst [smem:[addr]] value
     close = rest.index("]]") + 2
     args = [rest[:close], rest[close:].strip()]
@@ -120,12 +126,12 @@ def parse(text: str) -> list[Bundle]:
   for line in text.split("\n"):
     m = _BUNDLE.match(line)
     if m:
-      cur = [int(m.group(1), 16), [line]]
+      cur = [int(m.group(1), 16), [line], m.group(2)]
       chunks.append(cur)
     elif cur is not None:
       cur[1].append(line)
   out = []
-  for addr, lines in chunks:
+  for addr, lines, marker in chunks:
     body = "\n".join(lines)
     start = body.index("{") + 1
     # The bundle's ops end at the last "}" outside comments.
@@ -136,7 +142,7 @@ def parse(text: str) -> list[Bundle]:
     ops = [_parse_op(r) for r in raws]
     out.append(Bundle(addr, ops, [o for o in ops if _scalar(o)],
                       [int(r) for r in _REGION_START.findall(tail)],
-                      "End region" in tail))
+                      "End region" in tail, marker))
   return out
 
 
@@ -513,7 +519,13 @@ def bundle_path(text: str, smem_operands: dict | None = None,
         issued += 1
         run(pc + k, False)
     if p:
-      target = region_at[int(op.args[-1].split("$region")[-1])]
+      target = region_at.get(int(op.args[-1].split("$region")[-1]))
+      if target is None:
+        # A region with no start marker: the next control target or
+        # fall-through (a loop's exit) after the delay slots.
+        target = next((j for j in range(pc + delay + 1, len(bundles))
+                       if bundles[j].marker in ("PF", "CT", "LE")),
+                      len(bundles))
       came_back = target <= pc
       if pc == loop_branch and not came_back:
         loop_exit = issued
