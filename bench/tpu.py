@@ -589,7 +589,8 @@ def main(argv=None) -> int:
       stem += f"-{args.tag}"
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / f"{stem}.json", "w") as f:
-      json.dump(dict(meta, rows=rows), f, indent=1)
+      json.dump(dict(meta, rows=[{k: v for k, v in r.items() if k != "dump"}
+                                 for r in rows]), f, indent=1)
     with open(RESULTS / f"{stem}.md", "w") as f:
       f.write(md_text)
     print("wrote", RESULTS / f"{stem}.json")

@@ -352,6 +352,8 @@ def bundle_path(text: str, smem_operands: dict | None = None,
       operands[(k + 1) << 20] = k
       return (k + 1) << 20
     if c == "sld":
+      if "core id" in op.raw:     # megacore: the walk follows ``core``
+        return core
       ad = addr_of(a[0])
       if ad is not None and ARG_TABLE <= ad < ARG_TABLE + 4096:
         k = ad - ARG_TABLE
