@@ -9,7 +9,7 @@ subprocess AOT-compiles one program with libtpu's final-bundles dump
 (``LIBTPU_INIT_ARGS``, read once per process) and walks its listings
 (``bench.tpu_bundles``): grid, bundles per grid-loop trip (first / steady /
 last), the bundle path (bundles issued, skipped branches not counted), the
-time it implies at the generation's clock (``_backend.TPU_SPECS``), and the
+time it implies at the generation's clock (``bench.roofline.SPECS``), and the
 op mix. A row's ``ratio`` is ours / the best anchor of its group.
 
 Writes ``bench/results/tpu-bundles-<libtpu>-<date>.json`` and ``.md``
@@ -125,7 +125,7 @@ def _on_target(fn, *args, **kwargs):
   read the chip's kind from the default device, absent on a CPU host)."""
   import jax
   from jax._src import mesh as mesh_lib
-  from pallas_kernels import tpu_aot
+  import pallas_kernels.tpu_aot as tpu_aot
   dev = tpu_aot.topology_devices(TOPOLOGY)[0]
   abstract = mesh_lib.AbstractMesh(
       (1,), ("_",), abstract_device=mesh_lib.AbstractDevice(
@@ -282,15 +282,13 @@ def cases(ops=tuple(OPS), quick=False) -> dict:
 
 
 # ----------------------------------------------------------- one compile
-def compile_and_walk(case: str, generation: str, quick: bool = False) -> dict:
-  """In a fresh process (the dump flags are set here, before libtpu
-  loads): compiles ``case`` for ``generation`` and walks its listings."""
+def compile_and_walk(case: str, generation: str, dump: str,
+                     quick: bool = False) -> dict:
+  """In a process started with the dump flags for ``dump`` in
+  ``LIBTPU_INIT_ARGS`` (``run_one_subprocess``): compiles ``case`` for
+  ``generation`` and walks its listings."""
   from bench import tpu_bundles
-  dump = tempfile.mkdtemp(prefix="tpubundles-")
-  os.environ["LIBTPU_INIT_ARGS"] = (
-      os.environ.get("LIBTPU_INIT_ARGS", "") + " "
-      + DUMP_FLAGS.format(dir=dump)).strip()
-  from pallas_kernels import _backend, tpu_aot
+  import pallas_kernels.tpu_aot as tpu_aot
   op = case.split("|")[0]
   table = cases((_family(op),), quick)
   fn, args, params = table[case]
@@ -339,8 +337,8 @@ def summarize(paths: dict, generation: str, compile_s: float = 0.0) -> dict:
   """One program's figures from its walked listings (``program_path``):
   kernels = listings with a grid loop or that are not the program's
   start-up/finalization; the path sums every listing once."""
-  from pallas_kernels import _backend
-  clock = _backend.TPU_SPECS[generation].clock_hz
+  from bench import roofline
+  clock = roofline.SPECS[generation]["clock_hz"]
   kernels = {}
   total = 0
   mix = {}
@@ -380,9 +378,13 @@ def _prod(grid):
 
 def run_one_subprocess(case: str, generation: str, quick: bool,
                        timeout: float = 300) -> dict:
+  dump = tempfile.mkdtemp(prefix="tpubundles-")
   env = dict(os.environ)
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-  cmd = [sys.executable, "-m", "bench.tpu", "--one", case, generation]
+  # libtpu reads its flags once, when it loads: set them for the child.
+  env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + " "
+                             + DUMP_FLAGS.format(dir=dump)).strip()
+  cmd = [sys.executable, "-m", "bench.tpu", "--one", case, generation, dump]
   if quick:
     cmd.append("--quick")
   t0 = time.time()
@@ -391,6 +393,10 @@ def run_one_subprocess(case: str, generation: str, quick: bool,
                           timeout=timeout, cwd=str(ROOT))
   except subprocess.TimeoutExpired:
     return dict(generation=generation, error=f"timed out after {timeout} s")
+  finally:
+    if not os.environ.get("BENCH_TPU_KEEP_DUMP"):
+      import shutil
+      shutil.rmtree(dump, ignore_errors=True)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   if proc.returncode or not lines:
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -415,12 +421,12 @@ def versions() -> dict:
 def add_ratios(rows: list[dict]) -> None:
   """``ratio`` = ours' bundle path / the best anchor's, per group and
   generation; ``best`` marks that anchor."""
-  from pallas_kernels import _backend
+  from bench import roofline
   groups = {}
   for r in rows:
     if "bundles" in r:
       r["hbm_us"] = (r["mix"]["dma_bytes"]
-                     / _backend.TPU_SPECS[r["generation"]].hbm * 1e6)
+                     / roofline.SPECS[r["generation"]]["hbm"] * 1e6)
       r["bound_us"] = max(r["time_us"], r["hbm_us"])
       groups.setdefault((r["group"], r["generation"]), []).append(r)
   for rs in groups.values():
@@ -461,7 +467,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
          "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: "
          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
          "| ---: |"]
-  from pallas_kernels import _backend
+  from bench import roofline
   for r in rows:
     if "error" in r:
       out.append(f"| {r['group']} | {r['generation']} | {r['impl']} | "
@@ -471,7 +477,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     grid = "x".join(map(str, r["grid"])) if r.get("grid") else "-"
     ratio = f"{r['ratio']:.2f}" if "ratio" in r else ""
     star = " *" if r.get("best") else ""
-    hbm = m["dma_bytes"] / _backend.TPU_SPECS[r["generation"]].hbm * 1e6
+    hbm = m["dma_bytes"] / roofline.SPECS[r["generation"]]["hbm"] * 1e6
     bound = f"{r['bound_ratio']:.2f}" if "bound_ratio" in r else ""
     out.append(
         f"| {r['group']} | {r['generation']} | {r['impl']}{star} | {grid} | "
@@ -527,7 +533,7 @@ def main(argv=None) -> int:
                       "row of the file")
   parser.add_argument("--ours-only", action="store_true",
                       help="skip the anchors (e.g. for v4 and tpu7x)")
-  parser.add_argument("--one", nargs=2, metavar=("CASE", "GEN"),
+  parser.add_argument("--one", nargs=3, metavar=("CASE", "GEN", "DUMP"),
                       help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.one:
