@@ -36,6 +36,7 @@ MiB = 2**20
 
 SPECS = {
     g: dict(bf16=s.bf16, hbm=s.hbm, vmem=s.vmem, vpu=s.vpu, eup=s.eup,
+            clock_hz=s.clock_hz,
             **({"int8": s.int8} if s.int8 else {}),
             **({"fp8": s.fp8} if s.fp8 else {}))
     for g, s in _backend.TPU_SPECS.items()}

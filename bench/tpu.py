@@ -1,0 +1,607 @@
+"""TPU speed from the compiler's final bundle listings (no TPU needed).
+
+    python -m bench.tpu [--ops OP ...] [--generations G ...] [--quick]
+                        [--jobs N] [--tag TAG] [--write-budget]
+
+For each case (an op of this package at one shape, or an anchor: JAX's own
+Pallas TPU kernels or XLA at the same shape) and TPU generation, one
+subprocess AOT-compiles one program with libtpu's final-bundles dump
+(``LIBTPU_INIT_ARGS``, read once per process) and walks its listings
+(``bench.tpu_bundles``): grid, bundles per grid-loop trip (first / steady /
+last), the bundle path (bundles issued, skipped branches not counted), the
+time it implies at the generation's clock (``bench.roofline.SPECS``), and the
+op mix. A row's ``ratio`` is ours / the best anchor of its group.
+
+Writes ``bench/results/tpu-bundles-<libtpu>-<date>.json`` and ``.md``
+(``--tag`` adds to the name). ``--write-budget`` (re)writes
+``tests/tpu_bundles_budget.json`` from the budget cases (the CI test
+``tests/test_tpu_bundles_budget.py`` compiles the same programs).
+Not counted: DMA waits, MXU result stalls, HBM contention (see
+docs/benchmarks.md, "Bundle paths").
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+BUDGET = ROOT / "tests" / "tpu_bundles_budget.json"
+DUMP_FLAGS = ("--xla_jf_dump_to={dir} --xla_jf_dump_llo_text=true "
+              "--xla_jf_dump_llo_pass_label_regex=final_bundles")
+DEFAULT_GENERATIONS = ("v5e", "v6e", "v5p")
+# Budget: bundles per steady step may grow this much before the test fails.
+BUDGET_SLACK = 1.05
+# Cases the CI budget test compiles (small shapes, a few seconds each).
+BUDGET_CASES = ("budget flash_attention fwd causal|ours",
+                "budget decode_attention|ours",
+                "budget int8_matmul M=256|ours", "budget giou_loss|ours")
+BUDGET_GENERATION = "v5e"
+
+
+# ------------------------------------------------------------------ cases
+def _S(shape, dtype):
+  import jax
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+TOPOLOGY = None                    # set by compile_and_walk
+ATTN = (1, 8, 2048, 128)          # batch, heads, length, head_dim
+DECODE = dict(batch=8, heads=32, kv_heads=8, length=4096, head_dim=128,
+              page=64)
+MM = dict(k=4096, n=4096)
+
+
+def _attention_cases(quick):
+  import jax
+  import jax.numpy as jnp
+  import pallas_kernels as pk
+  from jax.experimental.pallas.ops.tpu import flash_attention as jfa
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+      splash_attention_kernel as sk, splash_attention_mask as sm)
+  b, h, l, d = ATTN
+  qkv = [_S(ATTN, jnp.bfloat16)] * 3
+  scale = d ** -0.5
+  out = {}
+  group = "flash_attention fwd causal"
+  out[f"{group}|ours"] = (lambda q, k, v: pk.flash_attention(
+      q, k, v, causal=True), qkv, None)
+  # 128 (both kernels' default) ran ~3.5x slower than 512 here: not rerun.
+  blocks = (1024,) if quick else (512, 1024)
+  for bs in blocks:
+    sizes = jfa.BlockSizes(block_q=bs, block_k_major=bs, block_k=bs,
+                           block_b=1, block_q_major_dkv=bs,
+                           block_k_major_dkv=bs, block_k_dkv=bs,
+                           block_q_dkv=bs, block_k_major_dq=bs,
+                           block_k_dq=bs, block_q_dq=bs)
+    out[f"{group}|jax flash_attention {bs}"] = (functools.partial(
+        lambda q, k, v, sizes: jfa.flash_attention(
+            q, k, v, causal=True, sm_scale=scale, block_sizes=sizes),
+        sizes=sizes), qkv, None)
+
+    def splash(q, k, v, bs=bs):
+      mask = sm.MultiHeadMask([sm.CausalMask((l, l))] * h)
+      kernel = sk.make_splash_mha(
+          mask, head_shards=1, q_seq_shards=1,
+          block_sizes=sk.BlockSizes(block_q=bs, block_kv=bs,
+                                    block_kv_compute=bs, block_q_dkv=bs,
+                                    block_kv_dkv=bs, block_kv_dkv_compute=bs,
+                                    block_q_dq=bs, block_kv_dq=bs))
+      return jax.vmap(kernel)(q * scale, k, v)
+    out[f"{group}|splash_attention {bs}"] = (splash, qkv, None)
+
+  group = "flash_attention fwd+bwd causal"
+
+  def ours_bwd(q, k, v):
+    return jax.grad(lambda *a: pk.flash_attention(*a, causal=True).astype(
+        jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+  out[f"{group}|ours"] = (ours_bwd, qkv, None)
+  for bs in (512,):
+    sizes = jfa.BlockSizes(block_q=bs, block_k_major=bs, block_k=bs,
+                           block_b=1, block_q_major_dkv=bs,
+                           block_k_major_dkv=bs, block_k_dkv=bs,
+                           block_q_dkv=bs, block_k_major_dq=bs,
+                           block_k_dq=bs, block_q_dq=bs)
+
+    def jax_bwd(q, k, v, sizes=sizes):
+      return jax.grad(lambda *a: jfa.flash_attention(
+          *a, causal=True, sm_scale=scale, block_sizes=sizes).astype(
+              jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+    out[f"{group}|jax flash_attention {bs}"] = (jax_bwd, qkv, None)
+  return out
+
+
+def _on_target(fn, *args, **kwargs):
+  """Calls ``fn`` under an abstract mesh of the target TPU (kernels that
+  read the chip's kind from the default device, absent on a CPU host)."""
+  import jax
+  from jax._src import mesh as mesh_lib
+  import pallas_kernels.tpu_aot as tpu_aot
+  dev = tpu_aot.topology_devices(TOPOLOGY)[0]
+  abstract = mesh_lib.AbstractMesh(
+      (1,), ("_",), abstract_device=mesh_lib.AbstractDevice(
+          device_kind=dev.device_kind, num_cores=getattr(dev, "num_cores", 1),
+          platform="tpu"))
+  with jax.sharding.use_abstract_mesh(abstract):
+    return fn(*args, **kwargs)
+
+
+def _decode_cases(quick):
+  import jax.numpy as jnp
+  import numpy as np
+  import pallas_kernels as pk
+  from jax.experimental.pallas.ops.tpu.paged_attention import (
+      paged_attention_kernel as pak)
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+      kernel as rpa)
+  c = DECODE
+  b, h, hk, s, d, page = (c["batch"], c["heads"], c["kv_heads"], c["length"],
+                          c["head_dim"], c["page"])
+  pps = s // page
+  lengths = [s] * b
+  table = np.arange(b * pps).reshape(b, pps).tolist()
+  flat_table = sum(table, [])
+  out = {}
+  group = "decode_attention"
+  out[f"{group}|ours"] = (
+      lambda q, k, v, n: pk.decode_attention(q, k, v, n),
+      [_S((b, h, 1, d), jnp.bfloat16), _S((b, hk, s, d), jnp.bfloat16),
+       _S((b, hk, s, d), jnp.bfloat16), _S((b,), jnp.int32)], {3: lengths})
+  out[f"{group}|ours paged {page}"] = (
+      lambda q, k, v, n, t: pk.decode_attention(q, k, v, n, page_table=t),
+      [_S((b, h, 1, d), jnp.bfloat16), _S((b * pps, hk, page, d),
+                                          jnp.bfloat16),
+       _S((b * pps, hk, page, d), jnp.bfloat16), _S((b,), jnp.int32),
+       _S((b, pps), jnp.int32)], {3: lengths, 4: flat_table})
+  for ppcb in (16,) if quick else (8, 16):
+    out[f"{group}|jax paged_attention {ppcb}x{page}"] = (
+        functools.partial(lambda q, k, v, n, t, p: pak.paged_attention(
+            q, k, v, n, t, pages_per_compute_block=p), p=ppcb),
+        [_S((b, h, d), jnp.bfloat16), _S((hk, b * pps, page, d),
+                                         jnp.bfloat16),
+         _S((hk, b * pps, page, d), jnp.bfloat16), _S((b,), jnp.int32),
+         _S((b, pps), jnp.int32)], {3: lengths, 4: flat_table})
+  # Explicit blocks: its tuned table needs an attached TPU to look up.
+  for kvp in () if quick else (16,):
+    out[f"{group}|jax ragged_paged_attention {kvp}x{page}"] = (
+        functools.partial(
+            lambda q, kv, n, t, cu, ns, p: _on_target(
+                rpa.ragged_paged_attention, q, kv, n, t, cu, ns,
+                sm_scale=d ** -0.5, num_kv_pages_per_block=p,
+                num_queries_per_block=8), p=kvp),
+        [_S((b, h, d), jnp.bfloat16),
+         _S((b * pps, page, 2 * hk, d), jnp.bfloat16), _S((b,), jnp.int32),
+         _S((b, pps), jnp.int32), _S((b + 1,), jnp.int32),
+         _S((1,), jnp.int32)],
+        {2: lengths, 3: flat_table, 4: list(range(b + 1)), 5: [b]})
+  return out
+
+
+def _matmul_cases(quick):
+  import jax
+  import jax.numpy as jnp
+  import pallas_kernels as pk
+  k, n = MM["k"], MM["n"]
+  out = {}
+  for m in (16,) if quick else (16, 2048):
+    group = f"int8_matmul M={m}"
+    xw = [_S((m, k), jnp.int8), _S((k, n), jnp.int8)]
+    out[f"{group}|ours"] = (pk.int8_matmul, xw, None)
+    out[f"{group}|xla int8 dot_general"] = (
+        lambda x, w: jax.lax.dot_general(
+            x, w, (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.int32), xw, None)
+  for m in (16,):
+    for fmt in ("int8",) if quick else ("int8", "int4 g128"):
+      group = f"quantized_matmul {fmt} weight-only M={m}"
+      if fmt == "int8":
+        args = [_S((m, k), jnp.bfloat16), _S((k, n), jnp.int8),
+                _S((n,), jnp.float32)]
+        ours = lambda x, w, s: pk.quantized_matmul(x, w, w_scale=s,
+                                                   weight_only=True)
+        xla = lambda x, w, s: (jnp.dot(x, w.astype(jnp.bfloat16),
+                                       preferred_element_type=jnp.float32)
+                               * s).astype(jnp.bfloat16)
+      else:
+        args = [_S((m, k), jnp.bfloat16), _S((k, n), jnp.int4),
+                _S((k // 128, n), jnp.float32)]
+        ours = lambda x, w, s: pk.quantized_matmul(
+            x, w, w_scale=s, group_size=128, weight_only=True)
+        xla = lambda x, w, s: jnp.dot(
+            x, (w.astype(jnp.float32).reshape(k // 128, 128, n)
+                * s[:, None, :]).reshape(k, n).astype(jnp.bfloat16),
+            preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+      out[f"{group}|ours"] = (ours, args, None)
+      out[f"{group}|xla bf16 dot (dequantized w)"] = (xla, args, None)
+  return out
+
+
+def _box_cases(quick):
+  import jax.numpy as jnp
+  import pallas_kernels as pk
+  out = {}
+  n = 1 << 16
+  pair = [_S((n, 4), jnp.float32)] * 2
+  for backend, label in ((None, "ours"), ("reference", "xla reference")):
+    out[f"giou_loss|{label}"] = (functools.partial(
+        lambda a, b, be: pk.giou_loss(a, b, reduction="mean", backend=be),
+        be=backend), pair, None)
+    out[f"box_iou 1024x1024|{label}"] = (functools.partial(
+        lambda a, b, be: pk.box_iou(a, b, backend=be), be=backend),
+        [_S((1024, 4), jnp.float32)] * 2, None)
+    out[f"nms 4096|{label}"] = (functools.partial(
+        lambda bx, sc, be: pk.nms(bx, sc, iou_threshold=0.5,
+                                  max_output_size=100, backend=be),
+        be=backend), [_S((4096, 4), jnp.float32), _S((4096,), jnp.float32)],
+        None)
+  return out
+
+
+def _budget_cases(quick):
+  """Small shapes of four kernels for tests/test_tpu_bundles_budget.py."""
+  import jax.numpy as jnp
+  import pallas_kernels as pk
+  qkv = [_S((1, 2, 1024, 128), jnp.bfloat16)] * 3
+  return {
+      "budget flash_attention fwd causal|ours": (
+          lambda q, k, v: pk.flash_attention(q, k, v, causal=True), qkv,
+          None),
+      "budget decode_attention|ours": (
+          lambda q, k, v, n: pk.decode_attention(q, k, v, n),
+          [_S((2, 8, 1, 128), jnp.bfloat16),
+           _S((2, 2, 1024, 128), jnp.bfloat16),
+           _S((2, 2, 1024, 128), jnp.bfloat16), _S((2,), jnp.int32)],
+          {3: [1024, 1024]}),
+      "budget int8_matmul M=256|ours": (
+          pk.int8_matmul, [_S((256, 1024), jnp.int8),
+                           _S((1024, 1024), jnp.int8)], None),
+      "budget giou_loss|ours": (
+          lambda a, b: pk.giou_loss(a, b, reduction="mean"),
+          [_S((4096, 4), jnp.float32)] * 2, None),
+  }
+
+
+OPS = {"attention": _attention_cases, "decode": _decode_cases,
+       "matmul": _matmul_cases, "boxes": _box_cases}
+
+
+def cases(ops=tuple(OPS), quick=False) -> dict:
+  out = {}
+  for op in ops:
+    out.update(OPS[op](quick) if op in OPS else _budget_cases(quick))
+  return out
+
+
+# ----------------------------------------------------------- one compile
+def compile_and_walk(case: str, generation: str, dump: str,
+                     quick: bool = False) -> dict:
+  """In a process started with the dump flags for ``dump`` in
+  ``LIBTPU_INIT_ARGS`` (``run_one_subprocess``): compiles ``case`` for
+  ``generation`` and walks its listings."""
+  from bench import tpu_bundles
+  import pallas_kernels.tpu_aot as tpu_aot
+  op = case.split("|")[0]
+  table = cases((_family(op),), quick)
+  fn, args, params = table[case]
+  global TOPOLOGY
+  TOPOLOGY = tpu_aot.GENERATION_TOPOLOGY[generation]
+  t0 = time.time()
+  tpu_aot.compile_for_tpu(fn, *args,
+                          topology=tpu_aot.GENERATION_TOPOLOGY[generation])
+  compile_s = time.time() - t0
+  paths = tpu_bundles.program_path(dump, params)
+  import shutil
+  if not os.environ.get("BENCH_TPU_KEEP_DUMP"):
+    shutil.rmtree(dump, ignore_errors=True)
+  else:
+    print("dump kept in", dump, file=sys.stderr)
+  out = summarize(paths, generation, compile_s)
+  if os.environ.get("BENCH_TPU_KEEP_DUMP"):
+    out["dump"] = dump
+  return out
+
+
+def _rewalk(row: dict, quick: bool) -> dict:
+  """``row`` walked again from its kept dump (BENCH_TPU_KEEP_DUMP=1)."""
+  from bench import tpu_bundles
+  if "dump" not in row or not os.path.isdir(row["dump"]):
+    return row
+  params = cases((_family(row["group"]),), quick)[row["case"]][2]
+  out = summarize(tpu_bundles.program_path(row["dump"], params),
+                  row["generation"], row.get("compile_s", 0.0))
+  keep = {k: row[k] for k in ("case", "group", "impl", "generation", "dump",
+                              "wall_s") if k in row}
+  return dict(out, **keep)
+
+
+def _family(op: str) -> str:
+  if op.startswith("budget "):
+    return "budget"
+  for fam, fn in (("attention", "flash_attention"), ("decode", "decode"),
+                  ("matmul", "matmul"), ("boxes", "")):
+    if fn and fn in op:
+      return fam
+  return "boxes"
+
+
+def summarize(paths: dict, generation: str, compile_s: float = 0.0) -> dict:
+  """One program's figures from its walked listings (``program_path``):
+  kernels = listings with a grid loop or that are not the program's
+  start-up/finalization; the path sums every listing once."""
+  from bench import roofline
+  clock = roofline.SPECS[generation]["clock_hz"]
+  kernels = {}
+  total = 0
+  mix = {}
+  unresolved = 0
+  for name, p in paths.items():
+    total += p.total
+    unresolved += p.unresolved_branches
+    for k, v in p.mix.items():
+      mix[k] = mix.get(k, 0) + v
+    if name in ("TLP",) or name.startswith("<"):
+      continue
+    kernels[name] = dict(grid=p.grid, trips=len(p.iterations),
+                         first=p.first, steady=p.steady, last=p.last,
+                         total=p.total, static=p.static,
+                         unresolved=p.unresolved_branches,
+                         dma=p.mix["dma"], dma_bytes=p.mix["dma_bytes"])
+  main = max(kernels.items(), key=lambda kv: kv[1]["total"],
+             default=(None, {}))
+  kernel_unresolved = sum(k["unresolved"] for k in kernels.values())
+  return dict(generation=generation, bundles=total, time_us=total / clock * 1e6,
+              clock_ghz=clock / 1e9, main_kernel=main[0],
+              grid=main[1].get("grid"), steps=_prod(main[1].get("grid")),
+              first=main[1].get("first"), steady=main[1].get("steady"),
+              last=main[1].get("last"), mix=mix, unresolved=unresolved,
+              kernel_unresolved=kernel_unresolved,
+              kernels=kernels, compile_s=round(compile_s, 2))
+
+
+def _prod(grid):
+  if not grid:
+    return None
+  n = 1
+  for g in grid:
+    n *= g
+  return n
+
+
+def run_one_subprocess(case: str, generation: str, quick: bool,
+                       timeout: float = 300) -> dict:
+  dump = tempfile.mkdtemp(prefix="tpubundles-")
+  env = dict(os.environ)
+  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+  # libtpu reads its flags once, when it loads: set them for the child.
+  env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + " "
+                             + DUMP_FLAGS.format(dir=dump)).strip()
+  cmd = [sys.executable, "-m", "bench.tpu", "--one", case, generation, dump]
+  if quick:
+    cmd.append("--quick")
+  t0 = time.time()
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=str(ROOT))
+  except subprocess.TimeoutExpired:
+    return dict(generation=generation, error=f"timed out after {timeout} s")
+  finally:
+    if not os.environ.get("BENCH_TPU_KEEP_DUMP"):
+      import shutil
+      shutil.rmtree(dump, ignore_errors=True)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+  if proc.returncode or not lines:
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return dict(generation=generation, error=" / ".join(tail)[-400:])
+  out = json.loads(lines[-1])
+  out["wall_s"] = round(time.time() - t0, 1)
+  return out
+
+
+# ------------------------------------------------------------------ table
+def versions() -> dict:
+  import importlib.metadata as md
+  out = {}
+  for pkg in ("jax", "jaxlib", "libtpu"):
+    try:
+      out[pkg] = md.version(pkg)
+    except md.PackageNotFoundError:
+      out[pkg] = None
+  return out
+
+
+def add_ratios(rows: list[dict]) -> None:
+  """``ratio`` = ours' bundle path / the best anchor's, per group and
+  generation; ``best`` marks that anchor."""
+  from bench import roofline
+  groups = {}
+  for r in rows:
+    if "bundles" in r:
+      r["hbm_us"] = (r["mix"]["dma_bytes"]
+                     / roofline.SPECS[r["generation"]]["hbm"] * 1e6)
+      r["bound_us"] = max(r["time_us"], r["hbm_us"])
+      groups.setdefault((r["group"], r["generation"]), []).append(r)
+  for rs in groups.values():
+    anchors = [r for r in rs if not r["impl"].startswith("ours")]
+    if not anchors:
+      continue
+    # A walk with unresolved branches is approximate: prefer exact ones.
+    anchors = [r for r in anchors if not r["kernel_unresolved"]] or anchors
+    best = min(anchors, key=lambda r: r["bundles"])
+    best["best"] = True
+    for r in rs:
+      if r["impl"].startswith("ours"):
+        r["ratio"] = r["bundles"] / best["bundles"]
+        best_bound = min(a["bound_us"] for a in anchors)
+        r["bound_ratio"] = r["bound_us"] / best_bound
+        r["anchor"] = best["impl"]
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+  out = [f"# Bundle paths ({meta['date']})", "",
+         f"jax {meta['jax']}, libtpu {meta['libtpu']}; "
+         "`python -m bench.tpu` (docs/benchmarks.md, \"Bundle paths\"). "
+         "Bundles issued along the walked path; us = bundles / clock "
+         "(v4 1.05, v5e 1.5, v5p/v6e/tpu7x 1.75 GHz; only v5e's is "
+         "published); steady = bundles per grid-loop trip in the steady "
+         "state; ratio = ours / the best anchor (marked *) of the group. "
+         "Not counted: DMA waits, MXU result stalls, HBM contention. "
+         "HBM us = the kernels' DMA bytes at the generation's peak HBM rate "
+         "(a floor the bundle path does not show; on tpu7x XLA copies "
+         "inputs to VMEM outside the kernel, uncounted here). max ratio = "
+         "max(us, HBM us) of ours / the smallest of the anchors'.", "",
+         "unres: branches of the kernels whose predicate the walk could not "
+         "evaluate (runtime data it was not given); it fell through them, "
+         "so such a path is approximate.", "",
+         "| op | gen | impl | grid | first | steady | last | bundles | us "
+         "| ratio | HBM us | max ratio | MXU mm | VALU | XLU | vld | vst | DMAs | DMA MB "
+         "| unres |",
+         "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: "
+         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+         "| ---: |"]
+  from bench import roofline
+  for r in rows:
+    if "error" in r:
+      out.append(f"| {r['group']} | {r['generation']} | {r['impl']} | "
+                 f"error: {r['error'][-120:].replace('|', '/')} |" + " |" * 16)
+      continue
+    m = r["mix"]
+    grid = "x".join(map(str, r["grid"])) if r.get("grid") else "-"
+    ratio = f"{r['ratio']:.2f}" if "ratio" in r else ""
+    star = " *" if r.get("best") else ""
+    hbm = m["dma_bytes"] / roofline.SPECS[r["generation"]]["hbm"] * 1e6
+    bound = f"{r['bound_ratio']:.2f}" if "bound_ratio" in r else ""
+    out.append(
+        f"| {r['group']} | {r['generation']} | {r['impl']}{star} | {grid} | "
+        f"{r['first'] or ''} | {r['steady'] or ''} | {r['last'] or ''} | "
+        f"{r['bundles']} | {r['time_us']:.1f} | {ratio} | {hbm:.1f} | {bound} | "
+        f"{m['mxu_matmul']} | {m['valu']} | {m['xlu']} | {m['vld']} | "
+        f"{m['vst']} | {m['dma']} | {m['dma_bytes'] / 1e6:.2f} | "
+        f"{r['kernel_unresolved'] or ''} |")
+  return "\n".join(out) + "\n"
+
+
+def write_budget(rows: list[dict], meta: dict, path=BUDGET) -> None:
+  budget = {r["case"]: dict(steady=r["steady"], bundles=r["bundles"],
+                            grid=r["grid"])
+            for r in rows if r["case"] in BUDGET_CASES
+            and r["generation"] == BUDGET_GENERATION and "bundles" in r}
+  missing = set(BUDGET_CASES) - set(budget)
+  if missing:
+    raise SystemExit(f"--write-budget: no figures for {sorted(missing)}")
+  data = dict(libtpu=meta["libtpu"], jax=meta["jax"],
+              generation=BUDGET_GENERATION, slack=BUDGET_SLACK,
+              date=meta["date"], note="python -m bench.tpu --write-budget",
+              cases=budget)
+  with open(path, "w") as f:
+    json.dump(data, f, indent=1)
+    f.write("\n")
+  print("wrote", path)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--ops", nargs="+", choices=sorted(OPS),
+                      default=list(OPS))
+  parser.add_argument("--generations", nargs="+",
+                      default=list(DEFAULT_GENERATIONS))
+  parser.add_argument("--quick", action="store_true",
+                      help="fewer shapes and anchor block sizes")
+  parser.add_argument("--jobs", type=int, default=2)
+  parser.add_argument("--tag", default="")
+  parser.add_argument("--cases", nargs="+", help="only these case names")
+  parser.add_argument("--write-budget", action="store_true",
+                      help=f"compile only the budget cases on "
+                      f"{BUDGET_GENERATION} and rewrite {BUDGET.name}")
+  parser.add_argument("--no-save", action="store_true")
+  parser.add_argument("--resume", metavar="JSONL",
+                      help="append each row here; rows already there are "
+                      "not compiled again")
+  parser.add_argument("--rewalk", action="store_true",
+                      help="with --resume: walk the kept dumps of its rows "
+                      "again (after a change to bench/tpu_bundles.py)")
+  parser.add_argument("--report", action="store_true",
+                      help="with --resume: compile nothing, tabulate every "
+                      "row of the file")
+  parser.add_argument("--ours-only", action="store_true",
+                      help="skip the anchors (e.g. for v4 and tpu7x)")
+  parser.add_argument("--one", nargs=3, metavar=("CASE", "GEN", "DUMP"),
+                      help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.one:
+    print(json.dumps(compile_and_walk(*args.one, quick=args.quick)))
+    return 0
+  meta = dict(versions(), date=datetime.date.today().isoformat())
+  if args.write_budget:
+    work = [(c, BUDGET_GENERATION) for c in BUDGET_CASES]
+  else:
+    names = args.cases or [c for c in cases(tuple(args.ops), args.quick)
+                           if not args.ours_only or "|ours" in c]
+    work = [(c, g) for g in args.generations for c in names]
+  print(f"{len(work)} compiles, {args.jobs} at a time; jax {meta['jax']}, "
+        f"libtpu {meta['libtpu']}", flush=True)
+  rows = []
+  if args.resume and os.path.exists(args.resume):
+    with open(args.resume) as f:
+      done = [json.loads(l) for l in f if l.strip()]
+    keep = {(r["case"], r["generation"]): r for r in done
+            if "error" not in r}      # errors are tried again
+    if args.rewalk:
+      keep = {k: _rewalk(r, args.quick) for k, r in keep.items()}
+    if args.report:
+      work = list(keep)
+    rows = [keep[w] for w in work if w in keep]
+    work_left = [w for w in work if w not in keep]
+  else:
+    work_left = work
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    futures = {pool.submit(run_one_subprocess, c, g, args.quick): (c, g)
+               for c, g in work_left}
+    for fut in concurrent.futures.as_completed(futures):
+      case, gen = futures[fut]
+      r = fut.result()
+      group, impl = case.split("|")
+      r.update(case=case, group=group, impl=impl, generation=gen)
+      rows.append(r)
+      if args.resume:
+        with open(args.resume, "a") as f:
+          f.write(json.dumps(r) + "\n")
+      print(f"  {gen:5s} {case:60s} " + (
+          f"{r['bundles']:>10d} bundles {r['time_us']:9.1f} us"
+          f" ({r['wall_s']} s)" if "bundles" in r else
+          "ERROR " + r["error"]), flush=True)
+  order = {c: i for i, (c, _) in enumerate(work)}
+  gens = {g: i for i, g in enumerate(("v5e", "v6e", "v5p", "v4", "tpu7x"))}
+  rows.sort(key=lambda r: (r["group"], gens.get(r["generation"], 0),
+                           order[r["case"]]))
+  add_ratios(rows)
+  if args.write_budget:
+    write_budget(rows, meta)
+    return 0
+  print()
+  md_text = markdown(rows, meta)
+  print(md_text)
+  if not args.no_save:
+    stem = f"tpu-bundles-{meta['libtpu']}-{meta['date']}"
+    if args.tag:
+      stem += f"-{args.tag}"
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / f"{stem}.json", "w") as f:
+      json.dump(dict(meta, rows=[{k: v for k, v in r.items() if k != "dump"}
+                                 for r in rows]), f, indent=1)
+    with open(RESULTS / f"{stem}.md", "w") as f:
+      f.write(md_text)
+    print("wrote", RESULTS / f"{stem}.json")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
