@@ -302,6 +302,26 @@ def test_kernel_blocks_and_splits(kernel, block, num_splits, name, rng):
   _assert_close(out, want, TOLERANCES[case.dtype], name)
 
 
+def test_tpu_paged_page_dmas_are_race_free(rng):
+  """The paged path issues its own page DMAs (two slots, the next block's
+  in flight while this one computes): 3-page blocks over 11 pages with a
+  window, ragged lengths and 3 splits, in the race-detecting TPU
+  interpreter."""
+  case = KERNEL_CASES["paged"]
+  q, k, v, lengths, kw = case.inputs(rng)
+  table = kw.pop("page_table")
+  sm_scale = 1 / np.sqrt(case.d)
+  out, log = _backend.find_races(lambda: mosaic_tpu.decode(
+      q, k, v, lengths, None, table, sm_scale=sm_scale, logit_soft_cap=None,
+      sliding_window=kw["sliding_window"],
+      interpret=_backend.interpret_value("races"), block_kv=48,
+      num_splits=3))
+  assert log.launches == 1 and not log.found, log
+  want = oracle.decode_attention(q, k, v, lengths, page_table=table,
+                                 **dict(kw, sm_scale=sm_scale))
+  _assert_close(out, want, TOLERANCES[case.dtype])
+
+
 def test_triton_merges_many_splits_in_steps(rng):
   """16 splits of 16 rows at head_dim 64: the last program of each kv head
   merges them in two steps of 8 (``MERGE_ELEMENTS``), with the sinks."""
@@ -367,10 +387,15 @@ def test_tpu_plan_fits_and_splits():
   assert plan.steps * plan.num_splits >= plan.num_blocks
   one_head = mosaic_tpu.make_plan(1, 1, 4, 131072, 128, 2)
   assert one_head.num_splits == mosaic_tpu.PARALLEL_ITEMS
+  # A paged step reads its block's pages of every kv head: 2 MiB of K on
+  # v5e is 64 pages of 16 rows for 8 heads, and the page cap for one.
   paged = mosaic_tpu.make_plan(2, 8, 8, 4096, 128, 2, page_size=16,
-                               pages_per_seq=256)
-  assert paged.chunks == mosaic_tpu.MAX_PAGES_PER_BLOCK
-  assert paged.block == 16 * paged.chunks
+                               pages_per_seq=256, generation="v5e")
+  assert paged.heads == 8 and paged.chunks == 64
+  assert paged.block == 16 * paged.chunks and paged.num_splits == 1
+  one_head = mosaic_tpu.make_plan(2, 1, 8, 4096, 128, 2, page_size=16,
+                                  pages_per_seq=256, generation="v5e")
+  assert one_head.chunks == mosaic_tpu.MAX_PAGES_PER_BLOCK
 
 
 @pytest.mark.parametrize("generation", _backend.TPU_GENERATIONS)

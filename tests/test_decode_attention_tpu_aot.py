@@ -72,6 +72,9 @@ def _compile(topology, b, h, hk, t, length, d, page_size=None,
 def test_compiles_within_vmem(topology, b, h, hk, t, length, d, page_size, kw,
                               tpu_topologies):
   _need(topology, tpu_topologies)
+  if page_size and d % 128 and _compat.JAX_VERSION < (0, 12):
+    pytest.xfail("the paged kernel's page DMAs need head_dim % 128 == 0 "
+                 "with the Mosaic of jax < 0.12 (docs/design/decode.md)")
   _compile(topology, b, h, hk, t, length, d, page_size, **kw)
 
 

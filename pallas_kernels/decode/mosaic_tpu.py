@@ -1,26 +1,36 @@
 """Mosaic TPU decode attention: split-KV flash decoding over a KV cache.
 
-Grid ``(B, Hkv, splits, steps)``, the last axis sequential. One step reads
-one block of keys and values of kv head ``hk`` of sequence ``b`` (contiguous
-cache: ``block`` rows; paged cache: ``chunks`` pages, one BlockSpec each,
-pipelined together) and multiplies it with all ``T * G`` query rows of that
-kv head at once (``splits.pack_queries``), keeping the online-softmax state
-(running max and sum, lane-replicated ``[rows, 128]``, float32 accumulator)
-in VMEM. Split ``s`` walks its run of the sequence's visible blocks
-(``splits.split_range``) and writes its normalized ``(out, lse)``; XLA merges
-the splits and the sinks (``splits.finish``).
+Contiguous cache: grid ``(B, Hkv, splits, steps)``, the last axis
+sequential. One step reads one block of ``block`` keys and values of kv head
+``hk`` of sequence ``b`` (BlockSpecs, pipelined by Pallas) and multiplies
+it with all ``T * G`` query rows of that kv head at once
+(``splits.pack_queries``), keeping the online-softmax state (running max
+and sum, lane-replicated ``[rows, 128]``, float32 accumulator) in VMEM.
+Split ``s`` walks its run of the sequence's visible blocks
+(``splits.split_range``) and writes its normalized ``(out, lse)``; XLA
+merges the splits and the sinks (``splits.finish``). The K/V index maps
+clamp the block index into the split's visible run, so steps past it
+repeat the previous block index (no DMA) and run nothing (``pl.when``).
+
+Paged cache: grid ``(B, splits, steps)``, one step = one block of
+``chunks`` pages of every kv head (a page ``[Hkv, page_size, D]`` is one
+DMA for K and one for V). The caches stay in HBM; the kernel issues the
+page DMAs itself into two VMEM slots, the next block's while it computes
+this one, chaining through a sequence's splits (so only the batch axis is
+parallel). Per-step scalars are shifts (power-of-two sizes) and one
+page-table load per page; the table is clipped into the pool outside the
+kernel. A block's pages past the length are not read; their rows are
+masked like the rest.
 
 ``kv_lengths`` (and the flattened page table) are scalar-prefetched into
-SMEM. The K/V index maps clamp the block index into the split's visible run,
-so steps past it repeat the previous block index (no DMA) and run nothing
-(``pl.when``). Blocks that every query sees whole skip the mask; the others
-mask logits by position and zero value rows at or past the length, so
-garbage there (NaN included) never reaches the output. The cache is read in
-place (no padding): a partial last block reads rows past the array that are
+SMEM. Blocks that every query sees whole skip the mask; the others mask
+logits by position and zero value rows at or past the length, so garbage
+there (NaN included) never reaches the output. The cache is read in place
+(no padding): a partial last block reads rows past the array that are
 masked the same way. The page table lives in SMEM (1 MiB on v5e), so a
-paged call whose table exceeds ``PAGE_TABLE_BYTES`` runs as several launches
-over slices of the batch. float16 is refused: Mosaic cannot load float16
-vectors on v5e/v6e.
+paged call whose table exceeds ``PAGE_TABLE_BYTES`` runs as several
+launches over slices of the batch. float16 is refused: Mosaic cannot load
+float16 vectors on v5e/v6e.
 
 8-bit caches (int8, float8_e4m3fn, float8_e5m2): the blocks are DMA'd as
 they are (half the bytes of bfloat16) and converted to q's dtype in VMEM;
@@ -44,15 +54,17 @@ from pallas_kernels.decode import splits as _splits
 LANES = 128
 _SQ = pl.Squeezed() if hasattr(pl, "Squeezed") else None
 _NT = (((1,), (1,)), ((), ()))   # a @ b^T
-# Bytes of one K block in VMEM (V the same) per generation: a step's K and V
-# DMA takes ~5 us at the generation's HBM rate per TensorCore (tpu7x ~2.3),
-# so the ~0.35 us fixed cost of a grid step stays under ~15%; v4 keeps 1 MiB
-# of its 16 MiB VMEM (bench/roofline.py, docs/design/decode.md).
+# Bytes of one K block in VMEM (V the same; paged: the block's pages of all
+# kv heads) per generation: a step's K and V DMA takes ~5 us at the
+# generation's HBM rate per TensorCore (tpu7x ~2.3), so the ~0.35 us fixed
+# cost of a grid step stays under ~15%; v4 keeps 1 MiB of its 16 MiB VMEM
+# (bench/roofline.py, docs/design/decode.md).
 BLOCK_BYTES = {"v4": 1 << 20, "v5e": 2 << 20, "v5p": 2 << 20,
                "v6e": 4 << 20, "tpu7x": 4 << 20}
 # Bytes of one step's float32 logits (rows x block).
 SCORE_BYTES = 1 << 20
-MAX_PAGES_PER_BLOCK = 32
+# Pages per paged block: each is one unrolled K and one V DMA in the code.
+MAX_PAGES_PER_BLOCK = 128
 # SMEM bytes of the prefetched page table per launch.
 PAGE_TABLE_BYTES = 256 << 10
 # VMEM bytes per element of an 8-bit block's converted copy: float32, since
@@ -74,6 +86,7 @@ class Plan:
   num_splits: int
   steps: int         # blocks per split
   paged: bool
+  heads: int = 1     # kv heads per step (paged: all of them)
 
 
 def supports(q, k_cache, page_table) -> str | None:
@@ -105,12 +118,15 @@ def make_plan(batch, kv_heads, row_count, capacity, head_dim, itemsize, *,
   generation = generation or _backend.target().tpu_generation
   block_bytes = BLOCK_BYTES.get(generation, BLOCK_BYTES["v5e"])
   compute_itemsize = compute_itemsize or itemsize
+  heads = kv_heads if page_size is not None else 1
   rows = _splits.round_up(row_count, _sublanes(compute_itemsize))
   lanes = _splits.round_up(head_dim, LANES)
-  by_bytes = min(block_bytes // (lanes * itemsize), SCORE_BYTES // (rows * 4))
+  by_bytes = min(block_bytes // (heads * lanes * itemsize),
+                 SCORE_BYTES // (rows * 4))
   if compute_itemsize != itemsize:
     vmem = _backend.TPU_VMEM_BYTES.get(generation, 16 << 20)
-    per_key = lanes * (4 * itemsize + 2 * CONVERTED_ITEMSIZE) + 16 * rows
+    per_key = (heads * lanes * 4 * itemsize + lanes * 2 * CONVERTED_ITEMSIZE
+               + 16 * rows)
     by_bytes = min(by_bytes, vmem // 2 // per_key)
   target = max(LANES, by_bytes // LANES * LANES)
   if block_kv is not None:
@@ -124,12 +140,14 @@ def make_plan(batch, kv_heads, row_count, capacity, head_dim, itemsize, *,
     page, block = page_size, chunks * page_size
   num_blocks = -(-capacity // block)
   if num_splits is None:
-    num_splits = -(-PARALLEL_ITEMS // max(1, batch * kv_heads))
+    # Paged: a sequence's splits run in order (one DMA chain), so one.
+    num_splits = (1 if page_size is not None
+                  else -(-PARALLEL_ITEMS // max(1, batch * kv_heads)))
   num_splits = max(1, min(num_splits, num_blocks))
   return Plan(rows=rows, block=block, page_size=page, chunks=chunks,
               num_blocks=num_blocks, num_splits=num_splits,
               steps=-(-num_blocks // num_splits),
-              paged=page_size is not None)
+              paged=page_size is not None, heads=heads)
 
 
 def vmem_bytes(plan: Plan, head_dim: int, itemsize: int,
@@ -140,13 +158,13 @@ def vmem_bytes(plan: Plan, head_dim: int, itemsize: int,
   ``compute_itemsize``: q's, default the cache's."""
   compute_itemsize = compute_itemsize or itemsize
   lanes = _splits.round_up(head_dim, LANES)
-  kv = 2 * 2 * plan.block * lanes * itemsize
-  if compute_itemsize != itemsize:
+  kv = 2 * 2 * plan.heads * plan.block * lanes * itemsize
+  if compute_itemsize != itemsize:   # one head's block at a time
     kv += 2 * plan.block * lanes * CONVERTED_ITEMSIZE
-  q = 2 * plan.rows * lanes * compute_itemsize
-  outs = 2 * plan.rows * (lanes + LANES) * 4
-  scratch = plan.rows * (2 * LANES + lanes) * 4
-  temps = 4 * plan.rows * _splits.round_up(plan.page_size, LANES) * 4
+  q = 2 * plan.heads * plan.rows * lanes * compute_itemsize
+  outs = 2 * plan.heads * plan.rows * (lanes + LANES) * 4
+  scratch = plan.heads * plan.rows * (2 * LANES + lanes) * 4
+  temps = 4 * plan.rows * _splits.round_up(plan.block, LANES) * 4
   return kv + q + outs + scratch + temps
 
 
@@ -239,6 +257,147 @@ def _kernel(*refs, plan: Plan, queries, group, window, sm_scale, cap,
     lse_ref[...] = jnp.where(has_keys, m_ref[...] + jnp.log(safe), -jnp.inf)
 
 
+def _shift_div(x, d: int):
+  """x // d for x >= 0: a shift when d is a power of two (no scalar divide)."""
+  if d & (d - 1) == 0:
+    return lax.shift_right_logical(x, jnp.int32(d.bit_length() - 1))
+  return lax.div(x, jnp.int32(d))
+
+
+def _paged_kernel(*refs, plan: Plan, queries, group, window, sm_scale, cap,
+                  quantized, pages_per_seq):
+  """One step of the paged path: block ``block`` of every kv head of
+  sequence b. Its pages arrive by DMAs this kernel issues one step ahead
+  (one DMA per page and K/V: a page holds all kv heads)."""
+  lengths_ref, pages_ref = refs[0], refs[1]
+  prefetched = 2 + quantized
+  (q_ref, k_hbm, v_hbm, o_ref, lse_ref, m_ref, l_ref, acc_ref, k_buf, v_buf,
+   sems) = refs[prefetched:]
+  b, split, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  page_size, chunks = plan.page_size, plan.chunks
+  length = lengths_ref[b]
+  first_key = jnp.int32(0)
+  if window is not None:
+    first_key = jnp.maximum(length - queries - window, 0)
+  lo = _shift_div(first_key, plan.block)
+  hi = _shift_div(length + (plan.block - 1), plan.block) - 1
+  per = jnp.maximum(hi - lo + 1, 0)   # visible blocks
+  if plan.num_splits > 1:
+    per = lax.div(per + (plan.num_splits - 1), jnp.int32(plan.num_splits))
+  block = lo + split * per + j
+  run = (j < per) & (block <= hi)
+  used_pages = _shift_div(length + (page_size - 1), page_size)
+  table = b * pages_per_seq
+
+  def copies(blk, slot, c):
+    page = pages_ref[table + blk * chunks + c]   # clipped by the caller
+    rows = pl.ds(pl.multiple_of(c * page_size, page_size), page_size)
+    return [pltpu.make_async_copy(src.at[page], buf.at[slot, :, rows],
+                                  sems.at[kv, slot])
+            for kv, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
+
+  def loaded(blk):  # pages of block blk that hold keys below the length
+    return jnp.minimum(used_pages - blk * chunks, chunks)
+
+  def start(blk, slot):
+    n = loaded(blk)
+
+    @pl.when(n == chunks)
+    def _whole():
+      for c in range(chunks):
+        for copy in copies(blk, slot, c):
+          copy.start()
+
+    @pl.when(n < chunks)
+    def _part():
+      def body(c, carry):
+        for copy in copies(blk, slot, c):
+          copy.start()
+        return carry
+      lax.fori_loop(0, n, body, 0)
+
+  def wait(kv, buf, blk, slot):
+    n = loaded(blk)
+    sem = sems.at[kv, slot]
+
+    @pl.when(n == chunks)
+    def _whole():
+      pltpu.make_async_copy(buf.at[slot], buf.at[slot], sem).wait()
+
+    @pl.when(n < chunks)
+    def _part():
+      page = buf.at[slot, :, pl.ds(0, page_size)]
+
+      def body(c, carry):
+        pltpu.make_async_copy(page, page, sem).wait()
+        return carry
+      lax.fori_loop(0, n, body, 0)
+
+  # The steps that run, in grid order, read blocks lo..hi: block i uses
+  # buffer slot (i - lo) % 2, and each running step starts the next one's
+  # DMAs.
+  slot = lax.rem(block - lo, 2)
+
+  @pl.when(run & (block == lo))
+  def _first():
+    start(block, slot)
+
+  @pl.when(run & (block < hi))
+  def _next():
+    start(block + 1, 1 - slot)
+
+  @pl.when(j == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  base = length - queries          # position of the first query
+  key0 = block * plan.block
+  whole = key0 + plan.block - 1 <= base
+  if window is not None:
+    whole &= key0 >= length - 1 - window
+
+  def step(masked):
+    wait(0, k_buf, block, slot)
+    wait(1, v_buf, block, slot)
+    if masked:  # also hides the rows of pages not loaded (garbage)
+      shape = (plan.rows, plan.block)
+      cols = key0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+      rows = lax.broadcasted_iota(jnp.int32, shape, 0)
+      visible = (rows >= (cols - base) * group) & (cols < length)
+      if window is not None:
+        visible &= rows < (cols + window - base + 1) * group
+      written = key0 + lax.broadcasted_iota(
+          jnp.int32, (plan.block, 1), 0) < length
+    for head in range(plan.heads):
+      q = q_ref[head]
+      scale = sm_scale * refs[2][head] if quantized else sm_scale
+      k = k_buf[slot, head].astype(q.dtype)
+      s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+      s = s * scale
+      if cap is not None:
+        s = cap * jnp.tanh(s / cap)
+      v = v_buf[slot, head].astype(q.dtype)
+      if masked:
+        s = jnp.where(visible, s, -jnp.inf)
+        v = jnp.where(written, v, jnp.zeros_like(v))
+      online_softmax_step(s, v, m_ref.at[head], l_ref.at[head],
+                          acc_ref.at[head])
+
+  pl.when(run & whole)(lambda: step(False))
+  pl.when(run & jnp.logical_not(whole))(lambda: step(True))
+
+  @pl.when(j == plan.steps - 1)
+  def _finish():
+    l_rep = l_ref[...]
+    has_keys = l_rep != 0
+    safe = jnp.where(has_keys, l_rep, 1.0)
+    o_ref[...] = jnp.where(has_keys[..., :1], acc_ref[...] / safe[..., :1],
+                           0.0)
+    lse_ref[...] = jnp.where(has_keys, m_ref[...] + jnp.log(safe), -jnp.inf)
+
+
 # -------------------------------------------------------------- host side --
 
 def _visible_block(lengths_ref, b, split, j, plan, queries, window):
@@ -289,22 +448,11 @@ def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale,
                               window=window)
 
   if paged:
-    num_pages = k_cache.shape[0]
-
-    def chunk_spec(chunk):
-      def index(b, h, split, j, lengths_ref, pages_ref, *_):
-        page = visible(lengths_ref, b, split, j) * plan.chunks + chunk
-        last = lax.div(jnp.maximum(lengths_ref[b] - 1, 0),
-                       jnp.int32(plan.page_size))
-        page = jnp.clip(page, 0, jnp.minimum(last, pages_per_seq - 1))
-        page_id = pages_ref[b * pages_per_seq + page]
-        return jnp.clip(page_id, 0, num_pages - 1), h, 0, 0
-      return pl.BlockSpec((_SQ, _SQ, plan.page_size, head_dim), index)
-
-    kv_specs = [spec for c in range(plan.chunks)
-                for spec in (chunk_spec(c), chunk_spec(c))]
-    kv_args = [x for _ in range(plan.chunks) for x in (k_cache, v_cache)]
-    prefetch = [kv_lengths, page_table.reshape(-1)]
+    kv_specs = [pl.BlockSpec(memory_space=pl.ANY)] * 2
+    kv_args = [k_cache, v_cache]
+    # Clipped here (fused into the table's copy), not per DMA in the kernel.
+    prefetch = [kv_lengths,
+                jnp.clip(page_table, 0, k_cache.shape[0] - 1).reshape(-1)]
   else:
     def index(b, h, split, j, lengths_ref, *_):
       return b, h, visible(lengths_ref, b, split, j), 0
@@ -314,35 +462,62 @@ def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale,
   if k_scale is not None:
     prefetch.append(k_scale)
 
-  q_spec = pl.BlockSpec((_SQ, _SQ, plan.rows, head_dim),
-                        lambda b, h, split, j, *_: (b, h, 0, 0))
   out_shape = [
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, plan.rows,
                             head_dim), jnp.float32),
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, plan.rows,
                             LANES), jnp.float32)]
-  out_specs = [
-      pl.BlockSpec((_SQ, _SQ, _SQ, plan.rows, head_dim),
-                   lambda b, h, split, j, *_: (b, h, split, 0, 0)),
-      pl.BlockSpec((_SQ, _SQ, _SQ, plan.rows, LANES),
-                   lambda b, h, split, j, *_: (b, h, split, 0, 0))]
+  kw = dict(plan=plan, queries=queries, group=group, window=window,
+            sm_scale=sm_scale, cap=logit_soft_cap,
+            quantized=k_scale is not None)
+  if paged:
+    # All kv heads per step: a page's DMA brings every head. Two slots of
+    # one block of K and V, filled by the kernel's own DMAs; the DMA chain
+    # runs through a sequence's splits, so only the batch axis is parallel.
+    heads_ = plan.heads
+    q_spec = pl.BlockSpec((_SQ, heads_, plan.rows, head_dim),
+                          lambda b, split, j, *_: (b, 0, 0, 0))
+    out_specs = [
+        pl.BlockSpec((_SQ, heads_, _SQ, plan.rows, head_dim),
+                     lambda b, split, j, *_: (b, 0, split, 0, 0)),
+        pl.BlockSpec((_SQ, heads_, _SQ, plan.rows, LANES),
+                     lambda b, split, j, *_: (b, 0, split, 0, 0))]
+    scratch = [pltpu.VMEM((heads_, plan.rows, LANES), jnp.float32),
+               pltpu.VMEM((heads_, plan.rows, LANES), jnp.float32),
+               pltpu.VMEM((heads_, plan.rows, head_dim), jnp.float32),
+               pltpu.VMEM((2, heads_, plan.block, head_dim), k_cache.dtype),
+               pltpu.VMEM((2, heads_, plan.block, head_dim), k_cache.dtype),
+               pltpu.SemaphoreType.DMA((2, 2))]
+    kernel = functools.partial(_paged_kernel, pages_per_seq=pages_per_seq,
+                               **kw)
+    grid = (batch, plan.num_splits, plan.steps)
+    semantics = ("parallel", "arbitrary", "arbitrary")
+  else:
+    q_spec = pl.BlockSpec((_SQ, _SQ, plan.rows, head_dim),
+                          lambda b, h, split, j, *_: (b, h, 0, 0))
+    out_specs = [
+        pl.BlockSpec((_SQ, _SQ, _SQ, plan.rows, head_dim),
+                     lambda b, h, split, j, *_: (b, h, split, 0, 0)),
+        pl.BlockSpec((_SQ, _SQ, _SQ, plan.rows, LANES),
+                     lambda b, h, split, j, *_: (b, h, split, 0, 0))]
+    scratch = [pltpu.VMEM((plan.rows, LANES), jnp.float32),
+               pltpu.VMEM((plan.rows, LANES), jnp.float32),
+               pltpu.VMEM((plan.rows, head_dim), jnp.float32)]
+    kernel = functools.partial(_kernel, **kw)
+    grid = (batch, kv_heads, plan.num_splits, plan.steps)
+    semantics = ("parallel", "parallel", "parallel", "arbitrary")
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=len(prefetch),
-      grid=(batch, kv_heads, plan.num_splits, plan.steps),
+      num_scalar_prefetch=len(prefetch), grid=grid,
       in_specs=[q_spec] + kv_specs, out_specs=out_specs,
-      scratch_shapes=[pltpu.VMEM((plan.rows, LANES), jnp.float32),
-                      pltpu.VMEM((plan.rows, LANES), jnp.float32),
-                      pltpu.VMEM((plan.rows, head_dim), jnp.float32)])
-  kernel = functools.partial(_kernel, plan=plan, queries=queries, group=group,
-                             window=window, sm_scale=sm_scale,
-                             cap=logit_soft_cap, quantized=k_scale is not None)
+      scratch_shapes=scratch)
   work = cost(batch, kv_heads, plan, head_dim, itemsize, capacity,
               compute_itemsize=sizes[1])
   out, lse = _compat.pallas_call(
       kernel, grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=_compat.tpu_compiler_params(
-          dimension_semantics=("parallel", "parallel", "parallel",
-                               "arbitrary"),
+          dimension_semantics=semantics,
+          # The paged path's DMA addresses are clamped into range already.
+          disable_bounds_checks=paged,
           vmem_limit_bytes=vmem_limit_bytes(plan, head_dim, *sizes)),
       interpret=interpret, cost_estimate=_cost.estimate(**work),
       name="decode_attention_paged" if paged else "decode_attention",
