@@ -68,7 +68,9 @@ def _rows(config, q, k_cache, page_table):
       _backend.Kernel(
           "mosaic_tpu", _kernel_run(config, "mosaic_tpu"),
           supports=lambda: _module("mosaic_tpu").supports(q, k_cache,
-                                                          page_table)),
+                                                          page_table),
+          hardware=lambda target: _module("mosaic_tpu").hardware(
+              q, page_table, target)),
       _backend.Kernel(
           "triton", _kernel_run(config, "triton"),
           supports=lambda: _module("triton").supports(q, k_cache, page_table)),

@@ -100,6 +100,17 @@ def supports(q, k_cache, page_table) -> str | None:
   return None
 
 
+def hardware(q, page_table, target) -> str | None:
+  """Why the chip's compiler cannot take the call (interpreters can)."""
+  del target
+  if (page_table is not None and q.shape[-1] % 128
+      and _compat.JAX_VERSION < (0, 12)):
+    return (f"paged caches with head_dim {q.shape[-1]} (not a multiple of "
+            "128) need jax >= 0.12 for the page DMAs; this jax's Mosaic "
+            "rejects them")
+  return None
+
+
 def _sublanes(itemsize: int) -> int:
   return 8 * max(1, 4 // itemsize)
 
