@@ -74,7 +74,7 @@ def test_compiles_within_vmem(topology, b, h, hk, t, length, d, page_size, kw,
   _need(topology, tpu_topologies)
   if page_size and d % 128 and _compat.JAX_VERSION < (0, 12):
     # The chooser refuses with the reason (backend=None takes the reference).
-    with pytest.raises(ValueError, match="need jax >= 0.12"):
+    with pytest.raises(tpu_aot.TpuCompileError, match="need jax >= 0.12"):
       _compile(topology, b, h, hk, t, length, d, page_size, **kw)
     return
   _compile(topology, b, h, hk, t, length, d, page_size, **kw)
