@@ -57,10 +57,10 @@ _EXPORTS = {
     "batched_nms": "pallas_kernels.boxes.nms",
     "shard_batched_nms": "pallas_kernels.boxes.nms",
     "soft_nms": "pallas_kernels.boxes.nms",
-    "grouped_matmul": "pallas_kernels.grouped_matmul",
+    "grouped_matmul": "pallas_kernels.gmm",
 }
 _SUBMODULES = ("reference", "nn", "tpu_aot", "attention", "decode", "int8",
-               "quant", "boxes", "grouped_matmul")
+               "quant", "boxes", "gmm")
 
 __all__ = sorted(_EXPORTS) + ["BACKENDS", "force_interpret"] + list(_SUBMODULES)
 

@@ -20,6 +20,7 @@ FAMILIES = {
     "quant": "pallas_kernels.quant",
     "iou": "pallas_kernels.boxes.iou",
     "nms": "pallas_kernels.boxes.nms",
+    "gmm": "pallas_kernels.gmm",
 }
 SIZES = ("small", "medium", "large")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-FAMILIES = ("attention", "decode", "int8", "quant", "iou", "nms")
+FAMILIES = ("attention", "decode", "int8", "quant", "iou", "nms", "gmm")
 SIZES = ("small", "medium", "large")
 BACKENDS = ("mosaic_tpu", "triton", "mosaic_gpu", "gpu", "interpret")
 # Every op the main job has cases for (tests/test_main_job.py keeps this
@@ -19,7 +19,8 @@ OPS = ("flash_attention", "decode_attention", "quantize_int8", "int8_matmul",
        "int8_dense", "quantize", "quantized_matmul", "quantized_dense",
        "iou", "giou", "diou", "ciou", "iou_loss", "giou_loss", "diou_loss",
        "ciou_loss", "pairwise_iou", "pairwise_giou", "pairwise_diou",
-       "pairwise_ciou", "box_iou", "nms", "batched_nms", "soft_nms")
+       "pairwise_ciou", "box_iou", "nms", "batched_nms", "soft_nms",
+       "grouped_matmul")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -30,7 +30,7 @@ _EXPORTS = {
     "nms": "pallas_kernels.boxes.nms.reference",
     "batched_nms": "pallas_kernels.boxes.nms.reference",
     "soft_nms": "pallas_kernels.boxes.nms.reference",
-    "grouped_matmul": "pallas_kernels.grouped_matmul.reference",
+    "grouped_matmul": "pallas_kernels.gmm.reference",
 }
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _backend, _compat
 from pallas_kernels._compat import pl, pltpu
-from pallas_kernels.grouped_matmul import reference
+from pallas_kernels.gmm import reference
 
 # (tm, tk, tn) by generation: v4's 16 MiB of VMEM takes half the tiles.
 DEFAULT_TILES = {"v4": (256, 512, 512)}

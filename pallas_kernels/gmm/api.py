@@ -1,6 +1,6 @@
 """Public op: ``grouped_matmul``, ``jax.lax.ragged_dot``'s semantics.
 
-Kernels (``backend=``): "mosaic_tpu" (``grouped_matmul.mosaic_tpu``),
+Kernels (``backend=``): "mosaic_tpu" (``gmm.mosaic_tpu``),
 "reference" (``jax.lax.ragged_dot``). Gradients: d lhs by the same kernel
 on the transposed weights, d rhs by the transposed grouped matmul (tgmm).
 """
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _backend
-from pallas_kernels.grouped_matmul import mosaic_tpu, reference
+from pallas_kernels.gmm import mosaic_tpu, reference
 
 OP = "grouped_matmul"
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
