@@ -89,49 +89,33 @@ def _check(lhs, rhs, group_sizes, transpose_rhs):
   return lhs, rhs, group_sizes.astype(jnp.int32)
 
 
-def _rows(forward, backend):
-  """The op's kernel rows for one call; ``forward`` maps (kernel name,
-  interpret) to the callable."""
-  empty = None
+def _dispatch(name, backend, tiles, args, **static):
+  """``reference.<name>`` or ``mosaic_tpu.<name>`` (gmm or tgmm) on
+  ``args``, chosen by ``backend``; ``static`` goes to both."""
+  def tpu(*a, interpret=None):
+    return getattr(mosaic_tpu, name)(*a, tiles=tiles,
+                                     interpret=interpret or False, **static)
 
-  def tpu(*args, interpret=None):
-    return forward("mosaic_tpu", interpret)(*args)
+  def ref(*a):
+    return getattr(reference, name)(*a, **static)
 
-  return [_backend.Kernel("mosaic_tpu", tpu, supports=lambda: empty),
-          _backend.Kernel("reference", lambda *a: forward("reference", None)(*a))]
+  rows = [_backend.Kernel("mosaic_tpu", tpu), _backend.Kernel("reference", ref)]
+  return _backend.dispatch(OP, backend, rows, *args)
 
 
 def _run_gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, tiles, backend):
   if 0 in lhs.shape or 0 in rhs.shape:
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     return jnp.zeros((lhs.shape[0], n), out_dtype)
-
-  def forward(name, interpret):
-    if name == "reference":
-      return functools.partial(reference.gmm, transpose_rhs=transpose_rhs,
-                               out_dtype=out_dtype)
-    return functools.partial(mosaic_tpu.gmm, transpose_rhs=transpose_rhs,
-                             out_dtype=out_dtype, tiles=tiles,
-                             interpret=interpret or False)
-
-  return _backend.dispatch(OP, backend, _rows(forward, backend), lhs, rhs,
-                           group_sizes)
+  return _dispatch("gmm", backend, tiles, (lhs, rhs, group_sizes),
+                   transpose_rhs=transpose_rhs, out_dtype=out_dtype)
 
 
 def _run_tgmm(lhs, dout, group_sizes, num_groups, out_dtype, tiles, backend):
   if 0 in lhs.shape or 0 in dout.shape:
     return jnp.zeros((num_groups, lhs.shape[1], dout.shape[1]), out_dtype)
-
-  def forward(name, interpret):
-    if name == "reference":
-      return functools.partial(reference.tgmm, num_groups=num_groups,
-                               out_dtype=out_dtype)
-    return functools.partial(mosaic_tpu.tgmm, num_groups=num_groups,
-                             out_dtype=out_dtype, tiles=tiles,
-                             interpret=interpret or False)
-
-  return _backend.dispatch(OP, backend, _rows(forward, backend), lhs, dout,
-                           group_sizes)
+  return _dispatch("tgmm", backend, tiles, (lhs, dout, group_sizes),
+                   num_groups=num_groups, out_dtype=out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))

@@ -45,6 +45,14 @@ def vmem_limit() -> int:
   return min(48 << 20, (spec.vmem if spec else 16 << 20) * 3 // 4)
 
 
+def _launch(kernel, grid_spec, out_shape, semantics, name, interpret):
+  return _compat.pallas_call(
+      kernel, grid_spec=grid_spec, out_shape=out_shape,
+      compiler_params=_compat.tpu_compiler_params(
+          dimension_semantics=semantics, vmem_limit_bytes=vmem_limit()),
+      interpret=interpret, name=name)
+
+
 def work_items(group_sizes, m: int, tm: int, *, with_uncovered: bool):
   """(item_group, item_tile, starts, ends): int32 [W] and [G].
 
@@ -165,16 +173,9 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
   )
   kernel = functools.partial(_gmm_kernel, num_groups=num_groups,
                              transpose_rhs=transpose_rhs)
-  return _compat.pallas_call(
-      kernel,
-      grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-      compiler_params=_compat.tpu_compiler_params(
-          dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-          vmem_limit_bytes=vmem_limit()),
-      interpret=interpret,
-      name="grouped_matmul",
-  )(group, tile, starts, ends, lhs, rhs)
+  return _launch(kernel, grid_spec, jax.ShapeDtypeStruct((m, n), out_dtype),
+                 ("parallel", "arbitrary", "arbitrary"), "grouped_matmul",
+                 interpret)(group, tile, starts, ends, lhs, rhs)
 
 
 def _tgmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref,
@@ -235,15 +236,10 @@ def tgmm(lhs, dout, group_sizes, num_groups: int, *, out_dtype=None,
       out_specs=pl.BlockSpec((1, tk, tn), out_index),
       scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
   )
-  out = _compat.pallas_call(
-      functools.partial(_tgmm_kernel, num_groups=num_groups),
-      grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
-      compiler_params=_compat.tpu_compiler_params(
-          dimension_semantics=("parallel", "parallel", "arbitrary"),
-          vmem_limit_bytes=vmem_limit()),
-      interpret=interpret,
-      name="grouped_matmul_tgmm",
-  )(group, tile, starts, ends, lhs, dout)
+  out = _launch(functools.partial(_tgmm_kernel, num_groups=num_groups),
+                grid_spec,
+                jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+                ("parallel", "parallel", "arbitrary"), "grouped_matmul_tgmm",
+                interpret)(group, tile, starts, ends, lhs, dout)
   visited = (ends > starts)[:, None, None]
   return jnp.where(visited, out, jnp.zeros((), out_dtype))
