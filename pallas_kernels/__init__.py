@@ -58,6 +58,7 @@ _EXPORTS = {
     "shard_batched_nms": "pallas_kernels.boxes.nms",
     "soft_nms": "pallas_kernels.boxes.nms",
     "grouped_matmul": "pallas_kernels.gmm",
+    "shard_grouped_matmul": "pallas_kernels.gmm",
 }
 _SUBMODULES = ("reference", "nn", "tpu_aot", "attention", "decode", "int8",
                "quant", "boxes", "gmm")

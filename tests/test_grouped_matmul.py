@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import backends
+import sharding_cases
 import pallas_kernels as pk
 
 BACKENDS = backends.params(["interpret", "interpret_generic", "reference"])
@@ -22,33 +23,36 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 SMALL_TILES = (32, 128, 128)  # several row tiles, groups straddling them
 
 
-def _oracle(lhs, rhs, sizes, transpose_rhs=False):
+def _local_rows(sizes, m, offset, num_local):
+  """(local group, row range) of rhs[0 .. num_local - 1] = groups offset..."""
+  start = 0
+  for g, size in enumerate(np.asarray(sizes)):
+    end = min(start + max(int(size), 0), m)
+    if offset <= g < offset + num_local:
+      yield g - offset, slice(start, end)
+    start = end
+
+
+def _oracle(lhs, rhs, sizes, transpose_rhs=False, offset=0):
   lhs = np.asarray(lhs, np.float64)
   rhs = np.asarray(rhs, np.float64)
   if transpose_rhs:
     rhs = np.swapaxes(rhs, 1, 2)
-  m = lhs.shape[0]
-  out = np.zeros((m, rhs.shape[2]))
-  start = 0
-  for g, size in enumerate(np.asarray(sizes)):
-    end = min(start + max(int(size), 0), m)
-    out[start:end] = lhs[start:end] @ rhs[g]
-    start = end
+  out = np.zeros((lhs.shape[0], rhs.shape[2]))
+  for g, rows in _local_rows(sizes, lhs.shape[0], offset, rhs.shape[0]):
+    out[rows] = lhs[rows] @ rhs[g]
   return out
 
 
-def _oracle_grads(lhs, rhs, sizes, dout, transpose_rhs=False):
+def _oracle_grads(lhs, rhs, sizes, dout, transpose_rhs=False, offset=0):
   lhs = np.asarray(lhs, np.float64)
   rhs = np.asarray(rhs, np.float64)
   dout = np.asarray(dout, np.float64)
   r = np.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
   dlhs, drhs = np.zeros_like(lhs), np.zeros_like(r)
-  start = 0
-  for g, size in enumerate(np.asarray(sizes)):
-    end = min(start + max(int(size), 0), lhs.shape[0])
-    dlhs[start:end] = dout[start:end] @ r[g].T
-    drhs[g] = lhs[start:end].T @ dout[start:end]
-    start = end
+  for g, rows in _local_rows(sizes, lhs.shape[0], offset, r.shape[0]):
+    dlhs[rows] = dout[rows] @ r[g].T
+    drhs[g] = lhs[rows].T @ dout[rows]
   return dlhs, (np.swapaxes(drhs, 1, 2) if transpose_rhs else drhs)
 
 
@@ -120,6 +124,66 @@ def test_gradients_match_float64_oracle(backend, transpose_rhs, rng):
   assert not np.asarray(drhs)[empty].any()  # empty groups: zero gradient
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("offset", [0, 2, 5])
+def test_group_offset_matches_float64_oracle(backend, offset, rng):
+  """rhs holds 3 of 8 groups: the local groups' rows, zeros elsewhere
+  (rows before and after them, including whole row tiles), and gradients."""
+  m, k, n, total, local = 150, 72, 40, 8, 3
+  lhs, rhs = _inputs(rng, m, k, n, local, jnp.float32)
+  sizes = _sizes(rng, m, total, "short")
+  dout = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+
+  def loss(lhs, rhs, offset):
+    out = pk.grouped_matmul(lhs, rhs, sizes, group_offset=offset,
+                            block_sizes=SMALL_TILES, backend=backend.backend)
+    return (out * dout).sum(), out
+
+  with backend.context():  # the offset traced, as a device's would be
+    (_, out), (dlhs, drhs) = jax.jit(jax.value_and_grad(
+        loss, (0, 1), has_aux=True))(lhs, rhs, jnp.int32(offset))
+  _close(out, _oracle(lhs, rhs, sizes, offset=offset), jnp.float32)
+  want_lhs, want_rhs = _oracle_grads(lhs, rhs, sizes, dout, offset=offset)
+  _close(dlhs, want_lhs, jnp.float32)
+  _close(drhs, want_rhs, jnp.float32)
+
+
+@pytest.mark.parametrize("axes", [
+    {"expert_axis": "x"}, {"n_axis": "x"}, {"k_axis": "x"},
+    {"expert_axis": "x", "n_axis": "y"}])
+def test_shard_grouped_matmul_matches_oracle(axes, rng):
+  """Experts, N or K split over the mesh (psum of the partial products),
+  forward and gradients, against the unsplit oracle."""
+  m, k, n, total = 96, 256, 256, 8
+  lhs, rhs = _inputs(rng, m, k, n, total, jnp.float32)
+  sizes = _sizes(rng, m, total, "short")
+  dout = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  mesh = jax.make_mesh((4, 2), ("x", "y"))
+
+  def loss(lhs, rhs):
+    out = pk.shard_grouped_matmul(mesh, lhs, rhs, sizes,
+                                  block_sizes=SMALL_TILES, **axes)
+    return (out * dout).sum(), out
+
+  with pk.force_interpret("generic"), sharding_cases.use_mesh(mesh):
+    (_, out), (dlhs, drhs) = jax.jit(jax.value_and_grad(
+        loss, (0, 1), has_aux=True))(lhs, rhs)
+  _close(out, _oracle(lhs, rhs, sizes), jnp.float32)
+  want_lhs, want_rhs = _oracle_grads(lhs, rhs, sizes, dout)
+  _close(dlhs, want_lhs, jnp.float32)
+  _close(drhs, want_rhs, jnp.float32)
+
+
+def test_shard_grouped_matmul_bad_axes():
+  mesh = jax.make_mesh((8,), ("x",))
+  lhs, rhs = jnp.ones((8, 16)), jnp.ones((3, 16, 8))
+  sizes = jnp.array([2, 3, 3], jnp.int32)
+  with pytest.raises(ValueError, match="expert_axis='z' is not a mesh axis"):
+    pk.shard_grouped_matmul(mesh, lhs, rhs, sizes, expert_axis="z")
+  with pytest.raises(ValueError, match="3 groups must divide evenly"):
+    pk.shard_grouped_matmul(mesh, lhs, rhs, sizes, expert_axis="x")
+
+
 @given(data=st.data())
 def test_group_sizes_property(data):
   """Any sizes, including negative and sums past M (clamped, documented),
@@ -166,6 +230,13 @@ def test_one_compile_for_every_routing(rng):
     (lambda l, r, s: pk.grouped_matmul(l, r, s, block_sizes=(30, 128, 128)),
      "block_sizes"),
     (lambda l, r, s: pk.grouped_matmul(l, r, s, backend="cuda"), "backend"),
+    (lambda l, r, s: pk.grouped_matmul(l, r[:2], s, group_offset=2),
+     r"group_offset=2 must be in \[0, 1\]"),
+    (lambda l, r, s: pk.grouped_matmul(l, r, s[:2], group_offset=0),
+     "G_total >= rhs's group count 3"),
+    (lambda l, r, s: pk.grouped_matmul(l, r, s, group_offset=jnp.ones(2,
+                                                                    int)),
+     "group_offset must be an integer scalar"),
     (lambda l, r, s: pk.grouped_matmul(l, r, s, backend="triton"),
      "no triton kernel"),
 ])

@@ -20,8 +20,8 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = False,
-                   preferred_element_type=None, block_sizes=None,
-                   backend: str | None = None):
+                   preferred_element_type=None, group_offset=None,
+                   block_sizes=None, backend: str | None = None):
   """Rows of lhs in consecutive groups, each times its group's matrix.
 
   Args:
@@ -30,9 +30,15 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = False,
     group_sizes: [G] integer (traced: changing it does not recompile).
       Group g owns rows ``[sum(group_sizes[:g]), sum(group_sizes[:g+1]))``;
       sizes are clamped to rows that exist (negative sizes count as 0, a
-      running sum past M stops at M).
+      running sum past M stops at M). With ``group_offset``, [G_total] with
+      G_total >= G.
     transpose_rhs: rhs is [G, N, K].
     preferred_element_type: output dtype (default lhs's); sums are float32.
+    group_offset: expert parallelism: rhs holds groups ``group_offset ..
+      group_offset + G - 1`` of group_sizes; rows of other groups give
+      zeros (and zero gradients). An int or int32 scalar (traced: a
+      device's offset, e.g. ``axis_index * G``); values past
+      ``G_total - G`` are clamped to it.
     block_sizes: (tm, tk, tn) tiles of the TPU kernel (tm a multiple of 8,
       tk and tn of 128); None: the generation's default.
     backend: None (the best kernel for the platform), "mosaic_tpu",
@@ -42,11 +48,13 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = False,
     [M, N]: ``lhs[rows_g] @ rhs[g]`` on each group's rows; zeros on rows
     past the last group. Differentiable in lhs and rhs.
   """
-  lhs, rhs, group_sizes = _check(lhs, rhs, group_sizes, transpose_rhs)
+  lhs, rhs, group_sizes, group_offset = _check(
+      lhs, rhs, group_sizes, transpose_rhs, group_offset)
   out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
   _backend.check_backend(OP, backend)
   tiles = _check_tiles(block_sizes)
-  return _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, tiles, backend)
+  return _gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype,
+              tiles, backend)
 
 
 def _check_tiles(block_sizes):
@@ -61,7 +69,7 @@ def _check_tiles(block_sizes):
   return tiles
 
 
-def _check(lhs, rhs, group_sizes, transpose_rhs):
+def _check(lhs, rhs, group_sizes, transpose_rhs, group_offset):
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   group_sizes = jnp.asarray(group_sizes)
   if lhs.ndim != 2:
@@ -74,9 +82,24 @@ def _check(lhs, rhs, group_sizes, transpose_rhs):
     raise ValueError(
         f"{OP}: rhs.shape[{k_axis}]={rhs.shape[k_axis]} must equal lhs's K="
         f"{lhs.shape[1]} (transpose_rhs={transpose_rhs})")
-  if group_sizes.shape != (rhs.shape[0],):
+  if group_offset is None and group_sizes.shape != (rhs.shape[0],):
     raise ValueError(f"{OP}: group_sizes must be [G] = [{rhs.shape[0]}] "
                      f"(rhs's group count), got shape {group_sizes.shape}")
+  if group_offset is not None and (
+      group_sizes.ndim != 1 or group_sizes.shape[0] < rhs.shape[0]):
+    raise ValueError(
+        f"{OP}: with group_offset, group_sizes must be [G_total] with "
+        f"G_total >= rhs's group count {rhs.shape[0]}, got shape "
+        f"{group_sizes.shape}")
+  offset = jnp.asarray(0 if group_offset is None else group_offset)
+  if offset.shape != () or not jnp.issubdtype(offset.dtype, jnp.integer):
+    raise ValueError(f"{OP}: group_offset must be an integer scalar, got "
+                     f"{offset.dtype} of shape {offset.shape}")
+  if not isinstance(offset, jax.core.Tracer):
+    limit = group_sizes.shape[0] - rhs.shape[0]
+    if not 0 <= int(offset) <= limit:
+      raise ValueError(f"{OP}: group_offset={int(offset)} must be in [0, "
+                       f"{limit}] (G_total - G)")
   if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
     raise ValueError(f"{OP}: group_sizes must be integers, got "
                      f"{group_sizes.dtype}")
@@ -86,63 +109,123 @@ def _check(lhs, rhs, group_sizes, transpose_rhs):
                        f"got {x.dtype}")
   if rhs.shape[0] == 0:
     raise ValueError(f"{OP}: rhs needs at least one group (G >= 1)")
-  return lhs, rhs, group_sizes.astype(jnp.int32)
+  return lhs, rhs, group_sizes.astype(jnp.int32), offset.astype(jnp.int32)
 
 
 def _dispatch(name, backend, tiles, args, **static):
   """``reference.<name>`` or ``mosaic_tpu.<name>`` (gmm or tgmm) on
   ``args``, chosen by ``backend``; ``static`` goes to both."""
   def tpu(*a, interpret=None):
-    return getattr(mosaic_tpu, name)(*a, tiles=tiles,
+    *a, offset = a
+    return getattr(mosaic_tpu, name)(*a, group_offset=offset, tiles=tiles,
                                      interpret=interpret or False, **static)
 
   def ref(*a):
-    return getattr(reference, name)(*a, **static)
+    *a, offset = a
+    return getattr(reference, name)(*a, group_offset=offset, **static)
 
   rows = [_backend.Kernel("mosaic_tpu", tpu), _backend.Kernel("reference", ref)]
   return _backend.dispatch(OP, backend, rows, *args)
 
 
-def _run_gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, tiles, backend):
+def _run_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype,
+             tiles, backend):
   if 0 in lhs.shape or 0 in rhs.shape:
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     return jnp.zeros((lhs.shape[0], n), out_dtype)
-  return _dispatch("gmm", backend, tiles, (lhs, rhs, group_sizes),
+  return _dispatch("gmm", backend, tiles,
+                   (lhs, rhs, group_sizes, group_offset),
                    transpose_rhs=transpose_rhs, out_dtype=out_dtype)
 
 
-def _run_tgmm(lhs, dout, group_sizes, num_groups, out_dtype, tiles, backend):
+def _run_tgmm(lhs, dout, group_sizes, group_offset, num_groups, out_dtype,
+              tiles, backend):
   if 0 in lhs.shape or 0 in dout.shape:
     return jnp.zeros((num_groups, lhs.shape[1], dout.shape[1]), out_dtype)
-  return _dispatch("tgmm", backend, tiles, (lhs, dout, group_sizes),
+  return _dispatch("tgmm", backend, tiles,
+                   (lhs, dout, group_sizes, group_offset),
                    num_groups=num_groups, out_dtype=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, tiles, backend):
-  return _run_gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, tiles,
-                  backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, tiles,
+         backend):
+  return _run_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs,
+                  out_dtype, tiles, backend)
 
 
-def _gmm_fwd(lhs, rhs, group_sizes, transpose_rhs, out_dtype, tiles, backend):
-  out = _run_gmm(lhs, rhs, group_sizes, transpose_rhs, out_dtype, tiles,
-                 backend)
-  return out, (lhs, rhs, group_sizes)
+def _gmm_fwd(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype,
+             tiles, backend):
+  out = _run_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs,
+                 out_dtype, tiles, backend)
+  return out, (lhs, rhs, group_sizes, group_offset)
 
 
 def _gmm_bwd(transpose_rhs, out_dtype, tiles, backend, residuals, dout):
   del out_dtype
-  lhs, rhs, group_sizes = residuals
+  lhs, rhs, group_sizes, group_offset = residuals
   dout = dout.astype(lhs.dtype)
   # d lhs = dout @ rhs_g^T: the same kernel with rhs's layout flipped.
-  dlhs = _run_gmm(dout, rhs, group_sizes, not transpose_rhs, lhs.dtype,
-                  tiles, backend)
-  drhs = _run_tgmm(lhs, dout, group_sizes, rhs.shape[0], rhs.dtype, tiles,
-                   backend)
+  dlhs = _run_gmm(dout, rhs, group_sizes, group_offset, not transpose_rhs,
+                  lhs.dtype, tiles, backend)
+  drhs = _run_tgmm(lhs, dout, group_sizes, group_offset, rhs.shape[0],
+                   rhs.dtype, tiles, backend)
   if transpose_rhs:
     drhs = jnp.swapaxes(drhs, 1, 2)
-  dsizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
-  return dlhs, drhs, dsizes
+  return (dlhs, drhs, np.zeros(group_sizes.shape, jax.dtypes.float0),
+          np.zeros((), jax.dtypes.float0))
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def shard_grouped_matmul(mesh, lhs, rhs, group_sizes, *, expert_axis=None,
+                         n_axis=None, k_axis=None, transpose_rhs=False,
+                         **kwargs):
+  """``grouped_matmul`` with the experts, N and/or K split over mesh axes.
+
+  ``expert_axis``: rhs's groups are split over it (each device holds
+  ``G / axis size`` experts and every token); each device multiplies the
+  rows of its own experts (``group_offset``) and the partial results, zero
+  on other experts' rows, are summed (``psum``). ``n_axis``: rhs's N split
+  (column parallel), the result split likewise. ``k_axis``: lhs's and rhs's
+  K split (row parallel), partial products summed. group_sizes is
+  replicated. Returns [M, N] split as ``(None, n_axis)``; differentiable.
+  Other keyword arguments go to ``grouped_matmul``.
+
+  Example::
+
+      mesh = jax.make_mesh((4,), ("expert",))
+      out = shard_grouped_matmul(mesh, tokens, w_experts, sizes,
+                                 expert_axis="expert")
+  """
+  from jax.sharding import PartitionSpec as P
+  from pallas_kernels import _sharding
+  name = "shard_grouped_matmul"
+  for arg, axis in (("expert_axis", expert_axis), ("n_axis", n_axis),
+                    ("k_axis", k_axis)):
+    if axis is not None and axis not in mesh.shape:
+      raise ValueError(f"{name}: {arg}={axis!r} is not a mesh axis "
+                       f"({tuple(mesh.shape)})")
+  lhs, rhs, group_sizes, _ = _check(lhs, rhs, group_sizes, transpose_rhs,
+                                    None)
+  num_groups = rhs.shape[0]
+  if expert_axis is not None and num_groups % mesh.shape[expert_axis]:
+    raise ValueError(
+        f"{name}: rhs's {num_groups} groups must divide evenly over "
+        f"expert_axis={expert_axis!r} of size {mesh.shape[expert_axis]}")
+  local = num_groups // (mesh.shape[expert_axis] if expert_axis else 1)
+  summed = tuple(a for a in (expert_axis, k_axis) if a is not None)
+  rhs_spec = (P(expert_axis, n_axis, k_axis) if transpose_rhs
+              else P(expert_axis, k_axis, n_axis))
+
+  def per_device(lhs, rhs, group_sizes):
+    offset = (jax.lax.axis_index(expert_axis) * local if expert_axis
+              else None)
+    out = grouped_matmul(lhs, rhs, group_sizes, group_offset=offset,
+                         transpose_rhs=transpose_rhs, **kwargs)
+    return jax.lax.psum(out, summed) if summed else out
+
+  return _sharding.shard_map(
+      per_device, mesh=mesh, in_specs=(P(None, k_axis), rhs_spec, P()),
+      out_specs=P(None, n_axis))(lhs, rhs, group_sizes)

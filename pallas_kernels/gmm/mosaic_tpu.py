@@ -2,8 +2,8 @@
 
 Rows of lhs are cut into tiles of ``tm``. A *work item* is one (group, row
 tile) pair whose rows overlap; items are listed in row order (groups are
-contiguous), then the row tiles no group reaches, then padding items that
-repeat the last one with no rows. Their count is static,
+contiguous; row tiles no group reaches are items with no group), then
+padding items that repeat the last one with no rows. Their count is static,
 ``tiles_m + G - 1`` at most (a tile boundary inside a group adds one item).
 The lists are computed in XLA from ``group_sizes`` and scalar-prefetched, so
 routing changes never recompile.
@@ -53,16 +53,16 @@ def _launch(kernel, grid_spec, out_shape, semantics, name, interpret):
       interpret=interpret, name=name)
 
 
-def work_items(group_sizes, m: int, tm: int, *, with_uncovered: bool):
-  """(item_group, item_tile, starts, ends): int32 [W] and [G].
+def work_items(starts, ends, m: int, tm: int, *, with_uncovered: bool):
+  """(item_group, item_tile): int32 [W] for groups with row bounds
+  ``starts``/``ends`` [G] (contiguous, clamped to [0, m]).
 
   ``item_group`` >= G marks an item with no rows: G for uncovered tiles and
   padding (gmm); without ``with_uncovered`` (tgmm), padding is G + the last
   real item's group on its tile, so it extends that group's run."""
-  num_groups = group_sizes.shape[0]
+  num_groups = starts.shape[0]
   tiles_m = pl.cdiv(m, tm)
   num_items = tiles_m + num_groups - 1
-  starts, ends = reference.group_bounds(group_sizes, m)
   nonempty = ends > starts
   first = starts // tm
   last = (jnp.maximum(ends, 1) - 1) // tm
@@ -70,22 +70,27 @@ def work_items(group_sizes, m: int, tm: int, *, with_uncovered: bool):
   cum = jnp.cumsum(counts)
   real = cum[-1]
   w = jnp.arange(num_items, dtype=jnp.int32)
-  group = jnp.minimum(jnp.searchsorted(cum, w, side="right"),
-                      num_groups - 1).astype(jnp.int32)
-  tile = first[group] + w - (cum[group] - counts[group])
-  is_real = w < real
+  # gmm lists the tiles before the groups' rows first, tgmm none.
+  lead = (jnp.where(real > 0, starts[0] // tm, tiles_m) if with_uncovered
+          else 0)
+  r = w - lead
+  group = jnp.clip(jnp.searchsorted(cum, r, side="right"), 0,
+                   num_groups - 1).astype(jnp.int32)
+  tile = first[group] + r - (cum[group] - counts[group])
+  is_real = (r >= 0) & (r < real)
   if with_uncovered:
-    covered = pl.cdiv(ends[-1], tm)
-    tile = jnp.where(is_real, tile,
-                     jnp.minimum(covered + (w - real), tiles_m - 1))
+    # Then the real items, then the tiles after the rows, then padding that
+    # repeats the last tile (consecutive, so it is written once).
+    tail = jnp.where(real > 0, pl.cdiv(ends[-1], tm), tiles_m)
+    uncovered = jnp.where(r < 0, w, tail + (r - real))
+    tile = jnp.where(is_real, tile, jnp.minimum(uncovered, tiles_m - 1))
     group = jnp.where(is_real, group, num_groups)
   else:
     # Padding: G + the last real group, on its tile (same output block).
     last_real = jnp.maximum(real - 1, 0)
     tile = jnp.where(is_real, tile, tile[last_real])
     group = jnp.where(is_real, group, num_groups + group[last_real])
-  return (group.astype(jnp.int32), tile.astype(jnp.int32),
-          starts.astype(jnp.int32), ends.astype(jnp.int32))
+  return group.astype(jnp.int32), tile.astype(jnp.int32)
 
 
 def _k_tiling(k: int, tk: int) -> tuple[int, int]:
@@ -136,9 +141,10 @@ def _gmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref, rhs_ref,
 
 
 def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
-        tiles=None, interpret=False):
+        group_offset=0, tiles=None, interpret=False):
   """lhs [M, K] x rhs [G, K, N] ([G, N, K] transposed) -> [M, N]; see the
-  module docstring. ``tiles`` = (tm, tk, tn), clamped to the problem."""
+  module docstring. rhs[g] is group ``group_offset + g`` of group_sizes.
+  ``tiles`` = (tm, tk, tn), clamped to the problem."""
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   m, k = lhs.shape
   num_groups = rhs.shape[0]
@@ -152,8 +158,9 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
     pad = ((0, 0), (0, 0), (0, k_padded - k)) if transpose_rhs else (
         (0, 0), (0, k_padded - k), (0, 0))
     rhs = jnp.pad(rhs, pad)
-  group, tile, starts, ends = work_items(group_sizes, m, tm,
-                                         with_uncovered=True)
+  starts, ends = reference.group_bounds(group_sizes, m, num_groups,
+                                        group_offset)
+  group, tile = work_items(starts, ends, m, tm, with_uncovered=True)
   num_items = group.shape[0]
 
   def rhs_index(j, w, kk, group_ref, tile_ref, starts_ref, ends_ref):
@@ -209,9 +216,10 @@ def _tgmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref,
 
 
 def tgmm(lhs, dout, group_sizes, num_groups: int, *, out_dtype=None,
-         tiles=None, interpret=False):
-  """lhs [M, K], dout [M, N] -> [G, K, N] (per group lhs_g^T dout_g; groups
-  with no rows give zeros)."""
+         group_offset=0, tiles=None, interpret=False):
+  """lhs [M, K], dout [M, N] -> [num_groups, K, N]: per local group g
+  (group ``group_offset + g`` of group_sizes) lhs_g^T dout_g; groups with no
+  rows give zeros."""
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   m, k = lhs.shape
   n = dout.shape[1]
@@ -219,8 +227,9 @@ def tgmm(lhs, dout, group_sizes, num_groups: int, *, out_dtype=None,
   tm = m if m <= tm else tm
   tk = k if k <= tk else tk
   tn = n if n <= tn else tn
-  group, tile, starts, ends = work_items(group_sizes, m, tm,
-                                         with_uncovered=False)
+  starts, ends = reference.group_bounds(group_sizes, m, num_groups,
+                                        group_offset)
+  group, tile = work_items(starts, ends, m, tm, with_uncovered=False)
   num_items = group.shape[0]
 
   def out_index(i, j, w, group_ref, tile_ref, starts_ref, ends_ref):
