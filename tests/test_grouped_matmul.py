@@ -184,6 +184,68 @@ def test_shard_grouped_matmul_bad_axes():
     pk.shard_grouped_matmul(mesh, lhs, rhs, sizes, expert_axis="x")
 
 
+QUANTIZED = [  # format, group size (None: per channel), lhs dtype, transpose
+    (jnp.int8, None, jnp.bfloat16, False),
+    (jnp.int8, 64, jnp.float32, True),
+    (jnp.int4, 128, jnp.bfloat16, False),
+    (jnp.float8_e4m3fn, None, jnp.bfloat16, True),
+    (jnp.float8_e5m2, 64, jnp.bfloat16, False),
+]
+
+
+def _quantized_rhs(rng, g, k, n, fmt, group_size, transpose_rhs):
+  """(codes, scale) from ``pk.quantize`` along K, and the weight they mean
+  in float64, [G, K, N] (or [G, N, K])."""
+  shape = (g, n, k) if transpose_rhs else (g, k, n)
+  w = jnp.asarray(rng.standard_normal(shape) / np.sqrt(k), jnp.float32)
+  axis = 2 if transpose_rhs else 1
+  codes, scale = pk.quantize(w, fmt, axis=axis, group_size=group_size,
+                             backend="reference")
+  per = k // scale.shape[axis]
+  weight = (np.asarray(codes.astype(jnp.float32), np.float64)
+            * np.repeat(np.asarray(scale, np.float64), per, axis=axis))
+  return codes, scale, weight
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", QUANTIZED, ids=lambda c: "-".join(
+    str(getattr(x, "__name__", x)) for x in c))
+def test_quantized_rhs_matches_float64_oracle(backend, case, rng):
+  """Codes times scales, per channel or per K group, both layouts, against
+  the float64 product with the dequantized weight; gradients in lhs and the
+  scales."""
+  fmt, group_size, dtype, transpose_rhs = case
+  m, k, n, g = 83, 256, 136, 4
+  lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  codes, scale, weight = _quantized_rhs(rng, g, k, n, fmt, group_size,
+                                        transpose_rhs)
+  sizes = _sizes(rng, m, g, "short")
+  dout = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+
+  def loss(lhs, scale):
+    out = pk.grouped_matmul(lhs, codes, sizes, rhs_scale=scale,
+                            transpose_rhs=transpose_rhs,
+                            block_sizes=(32, 128, 128),
+                            backend=backend.backend)
+    return (out.astype(jnp.float32) * dout).sum(), out
+
+  with backend.context():
+    (_, out), (dlhs, dscale) = jax.jit(jax.value_and_grad(
+        loss, (0, 1), has_aux=True))(lhs, scale)
+  assert out.shape == (m, n) and out.dtype == dtype
+  _close(out, _oracle(lhs, weight, sizes, transpose_rhs), dtype)
+  want_lhs, want_w = _oracle_grads(lhs, weight, sizes, dout, transpose_rhs)
+  _close(dlhs, want_lhs, dtype)
+  # d scale = sum over each scale's K group of codes * d weight.
+  axis = 2 if transpose_rhs else 1
+  per = k // scale.shape[axis]
+  prod = np.asarray(codes.astype(jnp.float32), np.float64) * want_w
+  prod = np.moveaxis(prod, axis, -1)
+  want_scale = np.moveaxis(
+      prod.reshape(prod.shape[:-1] + (k // per, per)).sum(-1), -1, axis)
+  _close(dscale, want_scale, dtype)
+
+
 @given(data=st.data())
 def test_group_sizes_property(data):
   """Any sizes, including negative and sums past M (clamped, documented),
@@ -230,6 +292,13 @@ def test_one_compile_for_every_routing(rng):
     (lambda l, r, s: pk.grouped_matmul(l, r, s, block_sizes=(30, 128, 128)),
      "block_sizes"),
     (lambda l, r, s: pk.grouped_matmul(l, r, s, backend="cuda"), "backend"),
+    (lambda l, r, s: pk.grouped_matmul(l, r.astype(jnp.int8), s),
+     "quantized codes need rhs_scale"),
+    (lambda l, r, s: pk.grouped_matmul(l, r, s, rhs_scale=jnp.ones((3, 1, 8))),
+     "with rhs_scale, rhs must hold int8"),
+    (lambda l, r, s: pk.grouped_matmul(l, r.astype(jnp.int8), s,
+                                       rhs_scale=jnp.ones((3, 3, 8))),
+     r"rhs_scale must be \[G, S, N\] = \(3, None, 8\) with S dividing K=16"),
     (lambda l, r, s: pk.grouped_matmul(l, r[:2], s, group_offset=2),
      r"group_offset=2 must be in \[0, 1\]"),
     (lambda l, r, s: pk.grouped_matmul(l, r, s[:2], group_offset=0),
@@ -267,3 +336,24 @@ def test_compiles_for_tpu_forward_and_backward(topology, tpu_topologies):
           jax.ShapeDtypeStruct((8, 4096, 14336), jnp.bfloat16),
           jax.ShapeDtypeStruct((8,), jnp.int32))
   tpu_aot.compile_for_tpu(train, *args, topology=topology)
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+@pytest.mark.parametrize("fmt, groups, transpose_rhs", [
+    (jnp.int8, 1, False), (jnp.int4, 32, False),
+    (jnp.float8_e4m3fn, 1, True), (jnp.int8, 32, True)])
+def test_quantized_compiles_for_tpu(topology, fmt, groups, transpose_rhs,
+                                    tpu_topologies):
+  """Quantized experts (per channel and 128-wide K groups, both layouts)."""
+  from pallas_kernels import tpu_aot
+  g, k, n = 8, 4096, 2048
+  args = (jax.ShapeDtypeStruct((4096, k), jnp.bfloat16),
+          jax.ShapeDtypeStruct((g, n, k) if transpose_rhs else (g, k, n), fmt),
+          jax.ShapeDtypeStruct((g,), jnp.int32),
+          jax.ShapeDtypeStruct((g, n, groups) if transpose_rhs
+                               else (g, groups, n), jnp.float32))
+  tpu_aot.compile_for_tpu(
+      lambda lhs, rhs, sizes, scale: pk.grouped_matmul(
+          lhs, rhs, sizes, rhs_scale=scale, transpose_rhs=transpose_rhs),
+      *args, topology=topology)

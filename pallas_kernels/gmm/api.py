@@ -17,11 +17,13 @@ from pallas_kernels.gmm import mosaic_tpu, reference
 
 OP = "grouped_matmul"
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+QUANTIZED_DTYPES = (jnp.int8, jnp.int4, jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = False,
                    preferred_element_type=None, group_offset=None,
-                   block_sizes=None, backend: str | None = None):
+                   rhs_scale=None, block_sizes=None,
+                   backend: str | None = None):
   """Rows of lhs in consecutive groups, each times its group's matrix.
 
   Args:
@@ -39,6 +41,12 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = False,
       zeros (and zero gradients). An int or int32 scalar (traced: a
       device's offset, e.g. ``axis_index * G``); values past
       ``G_total - G`` are clamped to it.
+    rhs_scale: with a quantized rhs (int8, int4, float8_e4m3fn,
+      float8_e5m2 codes, e.g. from ``quantize(w, dtype, axis=K axis,
+      group_size=...)``): float scales [G, S, N] ([G, N, S] with
+      transpose_rhs), S = 1 (per output channel) or K / group size; the
+      weight is ``codes * scale``. Gradients flow to lhs, rhs_scale and (fp8)
+      rhs; integer codes have none.
     block_sizes: (tm, tk, tn) tiles of the TPU kernel (tm a multiple of 8,
       tk and tn of 128); None: the generation's default.
     backend: None (the best kernel for the platform), "mosaic_tpu",
@@ -49,12 +57,36 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = False,
     past the last group. Differentiable in lhs and rhs.
   """
   lhs, rhs, group_sizes, group_offset = _check(
-      lhs, rhs, group_sizes, transpose_rhs, group_offset)
+      lhs, rhs, group_sizes, transpose_rhs, group_offset,
+      quantized=rhs_scale is not None)
+  rhs_scale = _check_scale(rhs, rhs_scale, lhs.shape[1], transpose_rhs)
   out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
   _backend.check_backend(OP, backend)
   tiles = _check_tiles(block_sizes)
-  return _gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype,
-              tiles, backend)
+  return _gmm(lhs, rhs, group_sizes, group_offset, rhs_scale, transpose_rhs,
+              out_dtype, tiles, backend)
+
+
+def _check_scale(rhs, rhs_scale, k, transpose_rhs):
+  """rhs_scale as float32 [G, S, N] (the [G, K, N] layout), or None."""
+  if rhs_scale is None:
+    return None
+  scale = jnp.asarray(rhs_scale)
+  g = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  layout = "[G, N, S]" if transpose_rhs else "[G, S, N]"
+  s_axis = 2 if transpose_rhs else 1
+  want = (g, n, None) if transpose_rhs else (g, None, n)
+  if (scale.ndim != 3 or any(w is not None and d != w
+                             for d, w in zip(scale.shape, want))
+      or scale.shape[s_axis] == 0 or k % scale.shape[s_axis]):
+    raise ValueError(
+        f"{OP}: rhs_scale must be {layout} = {want} with S dividing K={k} "
+        f"(1 per channel, K / group size), got shape {scale.shape}")
+  if not jnp.issubdtype(scale.dtype, jnp.floating):
+    raise ValueError(f"{OP}: rhs_scale must be float, got {scale.dtype}")
+  scale = scale.astype(jnp.float32)
+  return jnp.swapaxes(scale, 1, 2) if transpose_rhs else scale
 
 
 def _check_tiles(block_sizes):
@@ -69,7 +101,8 @@ def _check_tiles(block_sizes):
   return tiles
 
 
-def _check(lhs, rhs, group_sizes, transpose_rhs, group_offset):
+def _check(lhs, rhs, group_sizes, transpose_rhs, group_offset, *,
+           quantized=False):
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   group_sizes = jnp.asarray(group_sizes)
   if lhs.ndim != 2:
@@ -103,10 +136,16 @@ def _check(lhs, rhs, group_sizes, transpose_rhs, group_offset):
   if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
     raise ValueError(f"{OP}: group_sizes must be integers, got "
                      f"{group_sizes.dtype}")
-  for name, x in (("lhs", lhs), ("rhs", rhs)):
-    if x.dtype not in FLOAT_DTYPES:
-      raise ValueError(f"{OP}: {name} must be float32, bfloat16 or float16, "
-                       f"got {x.dtype}")
+  if lhs.dtype not in FLOAT_DTYPES:
+    raise ValueError(f"{OP}: lhs must be float32, bfloat16 or float16, "
+                     f"got {lhs.dtype}")
+  if quantized and rhs.dtype not in QUANTIZED_DTYPES:
+    raise ValueError(f"{OP}: with rhs_scale, rhs must hold int8, int4, "
+                     f"float8_e4m3fn or float8_e5m2 codes, got {rhs.dtype}")
+  if not quantized and rhs.dtype not in FLOAT_DTYPES:
+    raise ValueError(
+        f"{OP}: rhs must be float32, bfloat16 or float16 (quantized codes "
+        f"need rhs_scale), got {rhs.dtype}")
   if rhs.shape[0] == 0:
     raise ValueError(f"{OP}: rhs needs at least one group (G >= 1)")
   return lhs, rhs, group_sizes.astype(jnp.int32), offset.astype(jnp.int32)
@@ -114,7 +153,8 @@ def _check(lhs, rhs, group_sizes, transpose_rhs, group_offset):
 
 def _dispatch(name, backend, tiles, args, **static):
   """``reference.<name>`` or ``mosaic_tpu.<name>`` (gmm or tgmm) on
-  ``args``, chosen by ``backend``; ``static`` goes to both."""
+  ``args`` (the last is group_offset), chosen by ``backend``; ``static`` goes
+  to both."""
   def tpu(*a, interpret=None):
     *a, offset = a
     return getattr(mosaic_tpu, name)(*a, group_offset=offset, tiles=tiles,
@@ -128,13 +168,13 @@ def _dispatch(name, backend, tiles, args, **static):
   return _backend.dispatch(OP, backend, rows, *args)
 
 
-def _run_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype,
-             tiles, backend):
+def _run_gmm(lhs, rhs, group_sizes, group_offset, rhs_scale, transpose_rhs,
+             out_dtype, tiles, backend):
   if 0 in lhs.shape or 0 in rhs.shape:
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     return jnp.zeros((lhs.shape[0], n), out_dtype)
-  return _dispatch("gmm", backend, tiles,
-                   (lhs, rhs, group_sizes, group_offset),
+  args = (lhs, rhs, group_sizes) + (() if rhs_scale is None else (rhs_scale,))
+  return _dispatch("gmm", backend, tiles, args + (group_offset,),
                    transpose_rhs=transpose_rhs, out_dtype=out_dtype)
 
 
@@ -147,33 +187,51 @@ def _run_tgmm(lhs, dout, group_sizes, group_offset, num_groups, out_dtype,
                    num_groups=num_groups, out_dtype=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, tiles,
-         backend):
-  return _run_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs,
-                  out_dtype, tiles, backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _gmm(lhs, rhs, group_sizes, group_offset, rhs_scale, transpose_rhs,
+         out_dtype, tiles, backend):
+  return _run_gmm(lhs, rhs, group_sizes, group_offset, rhs_scale,
+                  transpose_rhs, out_dtype, tiles, backend)
 
 
-def _gmm_fwd(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype,
-             tiles, backend):
-  out = _run_gmm(lhs, rhs, group_sizes, group_offset, transpose_rhs,
-                 out_dtype, tiles, backend)
-  return out, (lhs, rhs, group_sizes, group_offset)
+def _gmm_fwd(lhs, rhs, group_sizes, group_offset, rhs_scale, transpose_rhs,
+             out_dtype, tiles, backend):
+  out = _run_gmm(lhs, rhs, group_sizes, group_offset, rhs_scale,
+                 transpose_rhs, out_dtype, tiles, backend)
+  return out, (lhs, rhs, group_sizes, group_offset, rhs_scale)
 
 
 def _gmm_bwd(transpose_rhs, out_dtype, tiles, backend, residuals, dout):
   del out_dtype
-  lhs, rhs, group_sizes, group_offset = residuals
+  lhs, rhs, group_sizes, group_offset, rhs_scale = residuals
   dout = dout.astype(lhs.dtype)
+  weights = rhs
+  if rhs_scale is not None:  # d lhs from the dequantized weight
+    kn = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    weights = reference.dequantize(kn, rhs_scale, lhs.dtype)
+    weights = jnp.swapaxes(weights, 1, 2) if transpose_rhs else weights
   # d lhs = dout @ rhs_g^T: the same kernel with rhs's layout flipped.
-  dlhs = _run_gmm(dout, rhs, group_sizes, group_offset, not transpose_rhs,
-                  lhs.dtype, tiles, backend)
-  drhs = _run_tgmm(lhs, dout, group_sizes, group_offset, rhs.shape[0],
-                   rhs.dtype, tiles, backend)
+  dlhs = _run_gmm(dout, weights, group_sizes, group_offset, None,
+                  not transpose_rhs, lhs.dtype, tiles, backend)
+  dweights = _run_tgmm(lhs, dout, group_sizes, group_offset, rhs.shape[0],
+                       jnp.float32 if rhs_scale is not None else rhs.dtype,
+                       tiles, backend)  # [G, K, N]
+  dscale = None
+  if rhs_scale is not None:
+    codes = (jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs).astype(
+        jnp.float32)
+    g, k, n = codes.shape
+    s = rhs_scale.shape[1]
+    dscale = (dweights * codes).reshape(g, s, k // s, n).sum(2)
+    dweights = dweights * jnp.repeat(rhs_scale, k // s, axis=1)
   if transpose_rhs:
-    drhs = jnp.swapaxes(drhs, 1, 2)
+    dweights = jnp.swapaxes(dweights, 1, 2)
+  if jnp.issubdtype(rhs.dtype, jnp.integer):
+    drhs = np.zeros(rhs.shape, jax.dtypes.float0)
+  else:
+    drhs = dweights.astype(rhs.dtype)
   return (dlhs, drhs, np.zeros(group_sizes.shape, jax.dtypes.float0),
-          np.zeros((), jax.dtypes.float0))
+          np.zeros((), jax.dtypes.float0), dscale)
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -181,7 +239,7 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 def shard_grouped_matmul(mesh, lhs, rhs, group_sizes, *, expert_axis=None,
                          n_axis=None, k_axis=None, transpose_rhs=False,
-                         **kwargs):
+                         rhs_scale=None, **kwargs):
   """``grouped_matmul`` with the experts, N and/or K split over mesh axes.
 
   ``expert_axis``: rhs's groups are split over it (each device holds
@@ -190,7 +248,8 @@ def shard_grouped_matmul(mesh, lhs, rhs, group_sizes, *, expert_axis=None,
   on other experts' rows, are summed (``psum``). ``n_axis``: rhs's N split
   (column parallel), the result split likewise. ``k_axis``: lhs's and rhs's
   K split (row parallel), partial products summed. group_sizes is
-  replicated. Returns [M, N] split as ``(None, n_axis)``; differentiable.
+  replicated; rhs_scale follows rhs. Returns [M, N] split as
+  ``(None, n_axis)``; differentiable.
   Other keyword arguments go to ``grouped_matmul``.
 
   Example::
@@ -208,7 +267,8 @@ def shard_grouped_matmul(mesh, lhs, rhs, group_sizes, *, expert_axis=None,
       raise ValueError(f"{name}: {arg}={axis!r} is not a mesh axis "
                        f"({tuple(mesh.shape)})")
   lhs, rhs, group_sizes, _ = _check(lhs, rhs, group_sizes, transpose_rhs,
-                                    None)
+                                    None, quantized=rhs_scale is not None)
+  _check_scale(rhs, rhs_scale, lhs.shape[1], transpose_rhs)
   num_groups = rhs.shape[0]
   if expert_axis is not None and num_groups % mesh.shape[expert_axis]:
     raise ValueError(
@@ -218,14 +278,21 @@ def shard_grouped_matmul(mesh, lhs, rhs, group_sizes, *, expert_axis=None,
   summed = tuple(a for a in (expert_axis, k_axis) if a is not None)
   rhs_spec = (P(expert_axis, n_axis, k_axis) if transpose_rhs
               else P(expert_axis, k_axis, n_axis))
+  specs, args = [P(None, k_axis), rhs_spec, P()], [lhs, rhs, group_sizes]
+  if rhs_scale is not None:
+    s_axis = 2 if transpose_rhs else 1
+    scale_k = k_axis if jnp.shape(rhs_scale)[s_axis] > 1 else None
+    specs.append(P(expert_axis, n_axis, scale_k) if transpose_rhs
+                 else P(expert_axis, scale_k, n_axis))
+    args.append(rhs_scale)
 
-  def per_device(lhs, rhs, group_sizes):
+  def per_device(lhs, rhs, group_sizes, rhs_scale=None):
     offset = (jax.lax.axis_index(expert_axis) * local if expert_axis
               else None)
     out = grouped_matmul(lhs, rhs, group_sizes, group_offset=offset,
-                         transpose_rhs=transpose_rhs, **kwargs)
+                         transpose_rhs=transpose_rhs, rhs_scale=rhs_scale,
+                         **kwargs)
     return jax.lax.psum(out, summed) if summed else out
 
-  return _sharding.shard_map(
-      per_device, mesh=mesh, in_specs=(P(None, k_axis), rhs_spec, P()),
-      out_specs=P(None, n_axis))(lhs, rhs, group_sizes)
+  return _sharding.shard_map(per_device, mesh=mesh, in_specs=tuple(specs),
+                             out_specs=P(None, n_axis))(*args)

@@ -23,6 +23,7 @@ rows are never visited and are zeroed by the caller.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -93,15 +94,17 @@ def work_items(starts, ends, m: int, tm: int, *, with_uncovered: bool):
   return group.astype(jnp.int32), tile.astype(jnp.int32)
 
 
-def _k_tiling(k: int, tk: int) -> tuple[int, int]:
-  """(K tile, padded K): all of K when it fits, else a multiple of 128."""
+def _k_tiling(k: int, tk: int, unit: int = 128) -> tuple[int, int]:
+  """(K tile, padded K): all of K when it fits, else a multiple of ``unit``
+  (128, or a multiple of a scale group) dividing the padded K."""
   if k <= tk:
     return k, k
-  padded = pl.cdiv(k, 128) * 128
-  for tile in range(tk // 128 * 128, 127, -128):
+  padded = pl.cdiv(k, unit) * unit
+  for tile in range(tk // unit * unit, unit - 1, -unit):
     if padded % tile == 0 and tile * 4 >= tk:
       return tile, padded
-  return tk, pl.cdiv(k, tk) * tk
+  tile = max(tk // unit, 1) * unit
+  return tile, pl.cdiv(k, tile) * tile
 
 
 def _row_mask(rows, tile, group, starts_ref, ends_ref, num_groups):
@@ -113,8 +116,26 @@ def _row_mask(rows, tile, group, starts_ref, ends_ref, num_groups):
   return (row >= start) & (row < end)
 
 
+def _weight_tile(rhs_ref, scale_ref, *, scaling, transpose_rhs, dtype):
+  """The step's rhs tile as ``dtype``, [tk, tn] ([tn, tk] transposed);
+  K-group scales (scale tile [groups in the tile, tn]) applied in float32."""
+  w = rhs_ref[0]
+  if scaling != "groups":
+    return w if w.dtype == dtype else w.astype(jnp.float32).astype(dtype)
+  wf = w.astype(jnp.float32)
+  if transpose_rhs:
+    wf = wf.T
+  scale = scale_ref[...]
+  rows, cols = wf.shape
+  per = rows // scale.shape[0]
+  expanded = jnp.broadcast_to(scale[:, None, :], (scale.shape[0], per, cols))
+  return (wf * expanded.reshape(rows, cols)).astype(dtype)
+
+
 def _gmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref, rhs_ref,
-                out_ref, acc_ref, *, num_groups, transpose_rhs):
+                *refs, num_groups, transpose_rhs, scaling):
+  scale_ref = refs[0] if scaling else None
+  out_ref, acc_ref = refs[-2:]
   w, kk = pl.program_id(1), pl.program_id(2)
   nk = pl.num_programs(2)
   tile, group = tile_ref[w], group_ref[w]
@@ -126,9 +147,17 @@ def _gmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref, rhs_ref,
 
   @pl.when(group < num_groups)
   def _():
-    contract = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
-    part = jax.lax.dot_general(lhs_ref[...], rhs_ref[0], contract,
+    lhs = lhs_ref[...]
+    rhs = _weight_tile(rhs_ref, scale_ref, scaling=scaling,
+                       transpose_rhs=transpose_rhs, dtype=lhs.dtype)
+    n_major = transpose_rhs and scaling != "groups"
+    contract = (((1,), (1 if n_major else 0,)), ((), ()))
+    precision = (jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32
+                 else None)
+    part = jax.lax.dot_general(lhs, rhs, contract, precision=precision,
                                preferred_element_type=jnp.float32)
+    if scaling == "channel":
+      part = part * scale_ref[...]
     keep = _row_mask(lhs_ref.shape[0], tile, group, starts_ref, ends_ref,
                      num_groups)
     acc_ref[...] += jnp.where(keep, part, 0.0)
@@ -139,25 +168,35 @@ def _gmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref, rhs_ref,
     out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
 
-
-def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
-        group_offset=0, tiles=None, interpret=False):
+def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False,
+        out_dtype=None, group_offset=0, tiles=None, interpret=False):
   """lhs [M, K] x rhs [G, K, N] ([G, N, K] transposed) -> [M, N]; see the
   module docstring. rhs[g] is group ``group_offset + g`` of group_sizes.
+  A quantized rhs (int8, int4, fp8) comes with ``rhs_scale`` [G, S, N]
+  float32, S = 1 (per channel, applied to the products) or K / group size
+  (applied to the weight tile, which is then cast to lhs's dtype).
   ``tiles`` = (tm, tk, tn), clamped to the problem."""
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   m, k = lhs.shape
   num_groups = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  scaling = (None if rhs_scale is None else
+             "channel" if rhs_scale.shape[1] == 1 else "groups")
+  group_size = k // rhs_scale.shape[1] if scaling == "groups" else None
   tm, tk, tn = tiles or default_tiles()
   tm = m if m <= tm else tm
   tn = n if n <= tn else tn
-  tk, k_padded = _k_tiling(k, tk)
+  unit = 128 if group_size is None else math.lcm(group_size, 128)
+  tk, k_padded = _k_tiling(k, tk, unit)
   if k_padded != k:  # K tails must be zeros: they are summed
     lhs = jnp.pad(lhs, ((0, 0), (0, k_padded - k)))
     pad = ((0, 0), (0, 0), (0, k_padded - k)) if transpose_rhs else (
         (0, 0), (0, k_padded - k), (0, 0))
     rhs = jnp.pad(rhs, pad)
+    if scaling == "groups":
+      rhs_scale = jnp.pad(rhs_scale,
+                          ((0, 0), (0, (k_padded - k) // group_size), (0, 0)))
+  nk = k_padded // tk
   starts, ends = reference.group_bounds(group_sizes, m, num_groups,
                                         group_offset)
   group, tile = work_items(starts, ends, m, tm, with_uncovered=True)
@@ -167,22 +206,34 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
     g = jnp.minimum(group_ref[w], num_groups - 1)
     return (g, j, kk) if transpose_rhs else (g, kk, j)
 
+  def scale_index(j, w, kk, group_ref, *_):
+    g = jnp.minimum(group_ref[w], num_groups - 1)
+    return (g, kk if scaling == "groups" else 0, 0, j)
+
   rhs_block = (1, tn, tk) if transpose_rhs else (1, tk, tn)
+  in_specs = [
+      pl.BlockSpec((tm, tk), lambda j, w, kk, g, t, s, e: (t[w], kk)),
+      pl.BlockSpec(rhs_block, rhs_index),
+  ]
+  operands = [lhs, rhs]
+  if scaling:
+    # [G, K steps, groups per step, N]: the step's scales are whole trailing
+    # dimensions, which keeps Mosaic's tile rules for any group count.
+    per_step = 1 if scaling == "channel" else tk // group_size
+    operands.append(rhs_scale.reshape(num_groups, -1, per_step, n))
+    in_specs.append(pl.BlockSpec((None, None, per_step, tn), scale_index))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=4,
-      grid=(pl.cdiv(n, tn), num_items, k_padded // tk),
-      in_specs=[
-          pl.BlockSpec((tm, tk), lambda j, w, kk, g, t, s, e: (t[w], kk)),
-          pl.BlockSpec(rhs_block, rhs_index),
-      ],
+      grid=(pl.cdiv(n, tn), num_items, nk),
+      in_specs=in_specs,
       out_specs=pl.BlockSpec((tm, tn), lambda j, w, kk, g, t, s, e: (t[w], j)),
       scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
   )
   kernel = functools.partial(_gmm_kernel, num_groups=num_groups,
-                             transpose_rhs=transpose_rhs)
+                             transpose_rhs=transpose_rhs, scaling=scaling)
   return _launch(kernel, grid_spec, jax.ShapeDtypeStruct((m, n), out_dtype),
                  ("parallel", "arbitrary", "arbitrary"), "grouped_matmul",
-                 interpret)(group, tile, starts, ends, lhs, rhs)
+                 interpret)(group, tile, starts, ends, *operands)
 
 
 def _tgmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref,

@@ -20,15 +20,26 @@ def group_bounds(group_sizes, m: int, num_local: int | None = None,
           jax.lax.dynamic_slice(ends, (offset,), (num_local,)))
 
 
-def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
-        group_offset=0):
+def dequantize(rhs, rhs_scale, dtype):
+  """rhs [G, K, N] codes and scale [G, S, N] (S divides K) -> ``dtype``,
+  computed as codes * scale in float32."""
+  per = rhs.shape[1] // rhs_scale.shape[1]
+  return (rhs.astype(jnp.float32)
+          * jnp.repeat(rhs_scale, per, axis=1)).astype(dtype)
+
+
+def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False,
+        out_dtype=None, group_offset=0):
   """lhs [M, K], rhs [G, K, N] ([G, N, K] transposed) -> [M, N].
 
   ``group_sizes`` may list more groups than rhs holds: rhs[g] is group
-  ``group_offset + g`` and rows of the other groups give zeros."""
+  ``group_offset + g`` and rows of the other groups give zeros. Quantized
+  rhs: dequantized with ``rhs_scale`` [G, S, N] to lhs's dtype first."""
   out_dtype = out_dtype or lhs.dtype
   if transpose_rhs:
     rhs = jnp.swapaxes(rhs, 1, 2)
+  if rhs_scale is not None:
+    rhs = dequantize(rhs, rhs_scale, lhs.dtype)
   m, (num_local, k, n) = lhs.shape[0], rhs.shape
   starts, ends = group_bounds(group_sizes, m, num_local, group_offset)
   # A zero weight before and after the local groups takes the other rows.
@@ -56,8 +67,12 @@ def tgmm(lhs, dout, group_sizes, num_groups: int, *, out_dtype=None,
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs=False,
-                   preferred_element_type=None, group_offset=None):
-  """``pallas_kernels.grouped_matmul`` in plain JAX (``jax.lax.ragged_dot``)."""
-  return gmm(lhs, rhs, jnp.asarray(group_sizes), transpose_rhs=transpose_rhs,
-             out_dtype=preferred_element_type,
+                   preferred_element_type=None, group_offset=None,
+                   rhs_scale=None):
+  """``pallas_kernels.grouped_matmul`` in plain JAX (``jax.lax.ragged_dot``;
+  a quantized rhs dequantized first)."""
+  if rhs_scale is not None and transpose_rhs:  # [G, N, S] -> [G, S, N]
+    rhs_scale = jnp.swapaxes(jnp.asarray(rhs_scale, jnp.float32), 1, 2)
+  return gmm(lhs, rhs, jnp.asarray(group_sizes), rhs_scale,
+             transpose_rhs=transpose_rhs, out_dtype=preferred_element_type,
              group_offset=0 if group_offset is None else group_offset)
