@@ -246,6 +246,98 @@ def _box_cases(quick):
   return out
 
 
+# Per-device MoE projections: (tokens, d_model, d_expert, experts, top_k).
+MOE = {"mixtral-8x7b": (2048, 4096, 14336, 8, 2),
+       "deepseek-v3": (2048, 7168, 2048, 256, 8),
+       "qwen3-30b-a3b": (2048, 2048, 768, 128, 8)}
+
+
+def moe_group_sizes(rows: int, experts: int, routing: str):
+  """Rows per expert: "balanced" (equal) or "skewed" (Zipf-like, a quarter
+  of the experts empty), summing to ``rows``."""
+  import numpy as np
+  if routing == "balanced":
+    sizes = np.full(experts, rows // experts)
+    sizes[: rows % experts] += 1
+    return sizes.astype(np.int32)
+  weights = 1.0 / np.arange(1, experts + 1)
+  weights[experts - experts // 4:] = 0
+  sizes = np.floor(rows * weights / weights.sum()).astype(np.int32)
+  sizes[0] += rows - sizes.sum()
+  return sizes
+
+
+GMM_TILES = (512, 1024, 1024)  # ours' default on v5e, v6e, v5p
+
+
+def _gmm_cases(quick):
+  """The up-projection (lhs [rows, D] x [E, D, F]) forward and its weight
+  gradient (tgmm), ours against megablox at two tilings. Each kernel's
+  group metadata (its scalar-prefetched work list and dynamic grid bound)
+  is an entry parameter whose values, computed here from the routing, the
+  walker is given: the data-dependent steps are followed exactly."""
+  import importlib
+  import jax.numpy as jnp
+  import numpy as np
+  from pallas_kernels.gmm import mosaic_tpu
+  # The module (its package exports the function under the same name).
+  mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+  def ours(kernel, rows, e, sizes, tgmm):
+    items = mosaic_tpu.metadata(jnp.asarray(sizes), rows,
+                                min(GMM_TILES[0], rows), e,
+                                with_uncovered=not tgmm)
+    params = {2 + i: np.ravel(np.asarray(v)) for i, v in enumerate(items)}
+    shapes = [_S(np.shape(v), jnp.int32) for v in items]
+
+    def fn(a, b, *items):
+      if tgmm:
+        return mosaic_tpu.tgmm(a, b, None, e, tiles=GMM_TILES, items=items)
+      return mosaic_tpu.gmm(a, b, None, tiles=GMM_TILES, items=items)
+    return fn, shapes, params
+
+  def megablox(rows, e, sizes, tiling, tgmm):
+    (offsets, ids, tile_ids), count = mb.make_group_metadata(
+        group_sizes=jnp.asarray(sizes), m=rows, tm=min(tiling[0], rows),
+        start_group=jnp.int32(0), num_nonzero_groups=e,
+        visit_empty_groups=tgmm)
+    values = (offsets, ids, tile_ids, count)
+    params = {2 + i: np.ravel(np.asarray(v)) for i, v in enumerate(values)}
+    shapes = [_S(np.shape(v), jnp.int32) for v in values]
+
+    def fn(a, b, *meta):
+      original = mb.make_group_metadata
+      mb.make_group_metadata = lambda **_: (tuple(meta[:3]), meta[3])
+      try:
+        if tgmm:
+          return mb.tgmm(a.T, b, jnp.asarray(sizes),
+                         preferred_element_type=jnp.bfloat16, tiling=tiling)
+        return mb.gmm(a, b, jnp.asarray(sizes),
+                      preferred_element_type=jnp.bfloat16, tiling=tiling)
+      finally:
+        mb.make_group_metadata = original
+    return fn, shapes, params
+
+  out = {}
+  models = ("mixtral-8x7b",) if quick else tuple(MOE)
+  for model in models:
+    tokens, d, f, e, top_k = MOE[model]
+    rows = tokens * top_k
+    for routing in ("balanced",) if quick else ("balanced", "skewed"):
+      sizes = moe_group_sizes(rows, e, routing)
+      for tgmm in (False, True):
+        group = f"grouped_matmul {'tgmm ' if tgmm else ''}{model} {routing}"
+        args = [_S((rows, d), jnp.bfloat16),
+                _S((rows, f) if tgmm else (e, d, f), jnp.bfloat16)]
+        fn, shapes, params = ours(mosaic_tpu, rows, e, sizes, tgmm)
+        out[f"{group}|ours"] = (fn, args + shapes, params)
+        for tiling in ((128, 128, 128), (512, 1024, 1024)):
+          fn, shapes, params = megablox(rows, e, sizes, tiling, tgmm)
+          name = f"megablox {'tgmm' if tgmm else 'gmm'} {tiling}"
+          out[f"{group}|{name}"] = (fn, args + shapes, params)
+  return out
+
+
 def _budget_cases(quick):
   """Small shapes of four kernels for tests/test_tpu_bundles_budget.py."""
   import jax.numpy as jnp
@@ -271,7 +363,7 @@ def _budget_cases(quick):
 
 
 OPS = {"attention": _attention_cases, "decode": _decode_cases,
-       "matmul": _matmul_cases, "boxes": _box_cases}
+       "matmul": _matmul_cases, "boxes": _box_cases, "gmm": _gmm_cases}
 
 
 def cases(ops=tuple(OPS), quick=False) -> dict:
@@ -327,7 +419,8 @@ def _family(op: str) -> str:
   if op.startswith("budget "):
     return "budget"
   for fam, fn in (("attention", "flash_attention"), ("decode", "decode"),
-                  ("matmul", "matmul"), ("boxes", "")):
+                  ("gmm", "grouped_matmul"), ("matmul", "matmul"),
+                  ("boxes", "")):
     if fn and fn in op:
       return fam
   return "boxes"

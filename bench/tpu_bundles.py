@@ -349,6 +349,11 @@ def bundle_path(text: str, smem_operands: dict | None = None,
       if m and m.group(1) == "-1":
         return ARG_TABLE       # a table in SMEM of the operands' addresses
       k = int(m.group(1)) if m else 1000 + len(operands)
+      if "<no memory space>" in op.raw and re.search(r"shape: [su]32\[\]",
+                                                op.raw):
+        # A scalar passed by value (a dynamic grid bound): its value.
+        data = smem_operands.get(k)
+        return None if not data else int(data[0]) & MASK
       operands[(k + 1) << 20] = k
       return (k + 1) << 20
     if c == "sld":

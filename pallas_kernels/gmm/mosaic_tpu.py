@@ -1,12 +1,12 @@
 """Mosaic TPU grouped matmul (gmm) and its transpose in rhs (tgmm).
 
 Rows of lhs are cut into tiles of ``tm``. A *work item* is one (group, row
-tile) pair whose rows overlap; items are listed in row order (groups are
-contiguous; row tiles no group reaches are items with no group), then
-padding items that repeat the last one with no rows. Their count is static,
-``tiles_m + G - 1`` at most (a tile boundary inside a group adds one item).
-The lists are computed in XLA from ``group_sizes`` and scalar-prefetched, so
-routing changes never recompile.
+tile) pair whose rows overlap, listed in row order (groups are contiguous).
+gmm also lists the row tiles no group reaches (items with no group, which
+write zeros); tgmm lists each empty group once (it writes the group's zero
+gradient). The lists, at most ``tiles_m + G`` long, are computed in XLA from
+``group_sizes`` and scalar-prefetched with their used length, the grid's
+dynamic bound: routing changes never recompile and padding costs no steps.
 
 gmm grid (N tiles, items, K tiles): each item multiplies its row tile by its
 group's weight tile, keeps the rows of its group (``where``), and adds into
@@ -17,8 +17,8 @@ group it holds (the extra read is that tile's lhs block, not the output).
 
 tgmm grid (K tiles, N tiles, items): per item, the group's rows of the lhs
 tile (others zeroed) transposed times the dout tile add into a [tk, tn]
-accumulator that lives while consecutive items share a group; groups with no
-rows are never visited and are zeroed by the caller.
+accumulator that lives while consecutive items share a group, written at
+the group's last item.
 """
 from __future__ import annotations
 
@@ -55,19 +55,22 @@ def _launch(kernel, grid_spec, out_shape, semantics, name, interpret):
 
 
 def work_items(starts, ends, m: int, tm: int, *, with_uncovered: bool):
-  """(item_group, item_tile): int32 [W] for groups with row bounds
-  ``starts``/``ends`` [G] (contiguous, clamped to [0, m]).
+  """(item_group, item_tile, used): int32 [W], [W] and [] for groups with
+  row bounds ``starts``/``ends`` [G] (contiguous, clamped to [0, m]).
 
-  ``item_group`` >= G marks an item with no rows: G for uncovered tiles and
-  padding (gmm); without ``with_uncovered`` (tgmm), padding is G + the last
-  real item's group on its tile, so it extends that group's run."""
+  The grid visits the first ``used`` items (a dynamic grid bound); the rest
+  are padding. ``item_group`` >= G marks an item with no rows: G for
+  uncovered tiles and padding (gmm); without ``with_uncovered`` (tgmm),
+  padding is G + the last real item's group on its tile, so it extends that
+  group's run."""
   num_groups = starts.shape[0]
   tiles_m = pl.cdiv(m, tm)
-  num_items = tiles_m + num_groups - 1
+  num_items = tiles_m + num_groups - (1 if with_uncovered else 0)
   nonempty = ends > starts
-  first = starts // tm
+  first = jnp.minimum(starts // tm, tiles_m - 1)
   last = (jnp.maximum(ends, 1) - 1) // tm
-  counts = jnp.where(nonempty, last - first + 1, 0)
+  # tgmm visits an empty group once (on its start's tile) to write zeros.
+  counts = jnp.where(nonempty, last - first + 1, 0 if with_uncovered else 1)
   cum = jnp.cumsum(counts)
   real = cum[-1]
   w = jnp.arange(num_items, dtype=jnp.int32)
@@ -75,7 +78,8 @@ def work_items(starts, ends, m: int, tm: int, *, with_uncovered: bool):
   lead = (jnp.where(real > 0, starts[0] // tm, tiles_m) if with_uncovered
           else 0)
   r = w - lead
-  group = jnp.clip(jnp.searchsorted(cum, r, side="right"), 0,
+  group = jnp.clip(jnp.searchsorted(cum, r, side="right",
+                                    method="compare_all"), 0,
                    num_groups - 1).astype(jnp.int32)
   tile = first[group] + r - (cum[group] - counts[group])
   is_real = (r >= 0) & (r < real)
@@ -86,12 +90,26 @@ def work_items(starts, ends, m: int, tm: int, *, with_uncovered: bool):
     uncovered = jnp.where(r < 0, w, tail + (r - real))
     tile = jnp.where(is_real, tile, jnp.minimum(uncovered, tiles_m - 1))
     group = jnp.where(is_real, group, num_groups)
+    used = lead + real + tiles_m - tail
   else:
     # Padding: G + the last real group, on its tile (same output block).
     last_real = jnp.maximum(real - 1, 0)
     tile = jnp.where(is_real, tile, tile[last_real])
     group = jnp.where(is_real, group, num_groups + group[last_real])
-  return group.astype(jnp.int32), tile.astype(jnp.int32)
+    used = jnp.maximum(real, 1)
+  return (group.astype(jnp.int32), tile.astype(jnp.int32),
+          used.astype(jnp.int32))
+
+
+def metadata(group_sizes, m: int, tm: int, num_groups: int, group_offset=0,
+             *, with_uncovered: bool):
+  """(item_group, item_tile, starts, ends, used): the scalar-prefetched
+  work list of gmm (``with_uncovered``) or tgmm for these sizes."""
+  starts, ends = reference.group_bounds(group_sizes, m, num_groups,
+                                        group_offset)
+  group, tile, used = work_items(starts, ends, m, tm,
+                                 with_uncovered=with_uncovered)
+  return group, tile, starts, ends, used
 
 
 def _k_tiling(k: int, tk: int, unit: int = 128) -> tuple[int, int]:
@@ -169,13 +187,15 @@ def _gmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref, rhs_ref,
 
 
 def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False,
-        out_dtype=None, group_offset=0, tiles=None, interpret=False):
+        out_dtype=None, group_offset=0, tiles=None, items=None,
+        interpret=False):
   """lhs [M, K] x rhs [G, K, N] ([G, N, K] transposed) -> [M, N]; see the
   module docstring. rhs[g] is group ``group_offset + g`` of group_sizes.
   A quantized rhs (int8, int4, fp8) comes with ``rhs_scale`` [G, S, N]
   float32, S = 1 (per channel, applied to the products) or K / group size
   (applied to the weight tile, which is then cast to lhs's dtype).
-  ``tiles`` = (tm, tk, tn), clamped to the problem."""
+  ``tiles`` = (tm, tk, tn), clamped to the problem; ``items``: this call's
+  ``metadata(...)``, computed once for calls that share the routing."""
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   m, k = lhs.shape
   num_groups = rhs.shape[0]
@@ -197,10 +217,8 @@ def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False,
       rhs_scale = jnp.pad(rhs_scale,
                           ((0, 0), (0, (k_padded - k) // group_size), (0, 0)))
   nk = k_padded // tk
-  starts, ends = reference.group_bounds(group_sizes, m, num_groups,
-                                        group_offset)
-  group, tile = work_items(starts, ends, m, tm, with_uncovered=True)
-  num_items = group.shape[0]
+  group, tile, starts, ends, used = items or metadata(
+      group_sizes, m, tm, num_groups, group_offset, with_uncovered=True)
 
   def rhs_index(j, w, kk, group_ref, tile_ref, starts_ref, ends_ref):
     g = jnp.minimum(group_ref[w], num_groups - 1)
@@ -224,7 +242,7 @@ def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False,
     in_specs.append(pl.BlockSpec((None, None, per_step, tn), scale_index))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=4,
-      grid=(pl.cdiv(n, tn), num_items, nk),
+      grid=(pl.cdiv(n, tn), used, nk),
       in_specs=in_specs,
       out_specs=pl.BlockSpec((tm, tn), lambda j, w, kk, g, t, s, e: (t[w], j)),
       scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
@@ -251,7 +269,8 @@ def _tgmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref,
   def _():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  @pl.when(group < num_groups)
+  @pl.when((group < num_groups)
+           & (starts_ref[group % num_groups] < ends_ref[group % num_groups]))
   def _():
     keep = _row_mask(lhs_ref.shape[0], tile, group, starts_ref, ends_ref,
                      num_groups)
@@ -267,7 +286,7 @@ def _tgmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref,
 
 
 def tgmm(lhs, dout, group_sizes, num_groups: int, *, out_dtype=None,
-         group_offset=0, tiles=None, interpret=False):
+         group_offset=0, tiles=None, items=None, interpret=False):
   """lhs [M, K], dout [M, N] -> [num_groups, K, N]: per local group g
   (group ``group_offset + g`` of group_sizes) lhs_g^T dout_g; groups with no
   rows give zeros."""
@@ -278,17 +297,15 @@ def tgmm(lhs, dout, group_sizes, num_groups: int, *, out_dtype=None,
   tm = m if m <= tm else tm
   tk = k if k <= tk else tk
   tn = n if n <= tn else tn
-  starts, ends = reference.group_bounds(group_sizes, m, num_groups,
-                                        group_offset)
-  group, tile = work_items(starts, ends, m, tm, with_uncovered=False)
-  num_items = group.shape[0]
+  group, tile, starts, ends, used = items or metadata(
+      group_sizes, m, tm, num_groups, group_offset, with_uncovered=False)
 
   def out_index(i, j, w, group_ref, tile_ref, starts_ref, ends_ref):
     return (group_ref[w] % num_groups, i, j)
 
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=4,
-      grid=(pl.cdiv(k, tk), pl.cdiv(n, tn), num_items),
+      grid=(pl.cdiv(k, tk), pl.cdiv(n, tn), used),
       in_specs=[
           pl.BlockSpec((tm, tk), lambda i, j, w, g, t, s, e: (t[w], i)),
           pl.BlockSpec((tm, tn), lambda i, j, w, g, t, s, e: (t[w], j)),
@@ -301,5 +318,4 @@ def tgmm(lhs, dout, group_sizes, num_groups: int, *, out_dtype=None,
                 jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
                 ("parallel", "parallel", "arbitrary"), "grouped_matmul_tgmm",
                 interpret)(group, tile, starts, ends, lhs, dout)
-  visited = (ends > starts)[:, None, None]
-  return jnp.where(visited, out, jnp.zeros((), out_dtype))
+  return out
