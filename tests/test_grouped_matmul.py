@@ -18,7 +18,8 @@ import backends
 import sharding_cases
 import pallas_kernels as pk
 
-BACKENDS = backends.params(["interpret", "interpret_generic", "reference"])
+BACKENDS = backends.params(["interpret", "interpret_generic", "triton",
+                            "reference"])
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 SMALL_TILES = (32, 128, 128)  # several row tiles, groups straddling them
 
@@ -323,8 +324,8 @@ def test_one_compile_for_every_routing(rng):
     (lambda l, r, s: pk.grouped_matmul(l, r, s, group_offset=jnp.ones(2,
                                                                     int)),
      "group_offset must be an integer scalar"),
-    (lambda l, r, s: pk.grouped_matmul(l, r, s, backend="triton"),
-     "no triton kernel"),
+    (lambda l, r, s: pk.grouped_matmul(l, r, s, backend="mosaic_gpu"),
+     "no mosaic_gpu kernel"),
 ])
 def test_bad_inputs_raise(call, match):
   lhs, rhs = jnp.ones((8, 16)), jnp.ones((3, 16, 8))

@@ -1,7 +1,7 @@
 """Public op: ``grouped_matmul``, ``jax.lax.ragged_dot``'s semantics.
 
-Kernels (``backend=``): "mosaic_tpu" (``gmm.mosaic_tpu``),
-"reference" (``jax.lax.ragged_dot``). Gradients: d lhs by the same kernel
+Kernels (``backend=``): "mosaic_tpu" (``gmm.mosaic_tpu``), "triton"
+(``gmm.triton``, forward), "reference" (``jax.lax.ragged_dot``). Gradients: d lhs by the same kernel
 on the transposed weights, d rhs by the transposed grouped matmul (tgmm).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import _backend
-from pallas_kernels.gmm import mosaic_tpu, reference
+from pallas_kernels.gmm import mosaic_tpu, reference, triton
 
 OP = "grouped_matmul"
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -164,7 +164,17 @@ def _dispatch(name, backend, tiles, args, **static):
     *a, offset = a
     return getattr(reference, name)(*a, group_offset=offset, **static)
 
-  rows = [_backend.Kernel("mosaic_tpu", tpu), _backend.Kernel("reference", ref)]
+  def gpu(*a, interpret=None):
+    *a, offset = a
+    return triton.gmm(*a, group_offset=offset, interpret=interpret or False,
+                      **static)
+
+  rows = [_backend.Kernel("mosaic_tpu", tpu)]
+  if name == "gmm":
+    scale = args[3] if len(args) == 5 else None
+    rows.append(_backend.Kernel("triton", gpu,
+                                supports=lambda: triton.supports(scale, args[0].shape[1])))
+  rows.append(_backend.Kernel("reference", ref))
   return _backend.dispatch(OP, backend, rows, *args)
 
 
@@ -213,9 +223,10 @@ def _gmm_bwd(transpose_rhs, out_dtype, tiles, backend, residuals, dout):
   # d lhs = dout @ rhs_g^T: the same kernel with rhs's layout flipped.
   dlhs = _run_gmm(dout, weights, group_sizes, group_offset, None,
                   not transpose_rhs, lhs.dtype, tiles, backend)
+  # No GPU tgmm kernel: there XLA's ragged_dot transpose computes d rhs.
   dweights = _run_tgmm(lhs, dout, group_sizes, group_offset, rhs.shape[0],
                        jnp.float32 if rhs_scale is not None else rhs.dtype,
-                       tiles, backend)  # [G, K, N]
+                       tiles, "reference" if backend == "triton" else backend)
   dscale = None
   if rhs_scale is not None:
     codes = (jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs).astype(

@@ -1,0 +1,168 @@
+"""Grouped matmul (gmm) for NVIDIA GPUs: Pallas lowered through Triton.
+
+Work items are tiles of ``bm`` rows *within one group* (a group of s rows
+has ceil(s / bm) items starting at its first row), then tiles of the rows
+past the last group, which are written as zeros. Every output row belongs
+to exactly one item, so no row is computed twice and no tile is shared:
+a group's last, partial tile loads and stores under a row mask. The list is
+computed in XLA (``metadata``) and read by each program; its length is
+static, ``cdiv(M, bm) + G``, and programs past the used items exit at once.
+
+Grid (items, N tiles); each program walks K in a ``fori_loop`` (Triton
+pipelines it), float32 accumulation, masked loads for the K and N tails.
+Quantized rhs is upcast in registers; per-channel scales multiply the
+accumulator once, K-group scales each K step's product (bk divides the
+group size).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _compat
+from pallas_kernels._compat import pl
+from pallas_kernels.gmm import reference
+
+FIELDS = 3  # group, first row, end row
+
+
+def default_tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
+  """(bm, bk, bn): 128-row tiles, 64 for short groups' many small tiles."""
+  del k
+  bm = 64 if m <= 4096 else 128
+  bn = 128 if n >= 128 else 64
+  return bm, 64, bn
+
+
+def metadata(group_sizes, m: int, bm: int, num_groups: int, group_offset=0):
+  """int32 [W, 3]: (group, first row, end row) of each item, group = G for
+  rows past the groups; items past the used ones have end row = first."""
+  starts, ends = reference.group_bounds(group_sizes, m, num_groups,
+                                        group_offset)
+  num_items = pl.cdiv(m, bm) + num_groups + 2
+  counts = pl.cdiv(ends - starts, bm)
+  cum = jnp.cumsum(counts)
+  real = cum[-1]
+  w = jnp.arange(num_items, dtype=jnp.int32)
+  group = jnp.minimum(jnp.searchsorted(cum, w, side="right",
+                                       method="compare_all"),
+                      num_groups - 1).astype(jnp.int32)
+  first = starts[group] + (w - (cum[group] - counts[group])) * bm
+  end = jnp.minimum(first + bm, ends[group])
+  # Rows before the local groups (group_offset) and after them: zeros.
+  lead_rows, tail_start = starts[0], ends[-1]
+  lead = pl.cdiv(lead_rows, bm)
+  u = w - real
+  zero_first = jnp.where(u < lead, u * bm, tail_start + (u - lead) * bm)
+  zero_end = jnp.where(u < lead, jnp.minimum(zero_first + bm, lead_rows),
+                       jnp.minimum(zero_first + bm, m))
+  is_real = w < real
+  group = jnp.where(is_real, group, num_groups)
+  first = jnp.where(is_real, first, zero_first)
+  end = jnp.where(is_real, end, jnp.maximum(zero_end, zero_first))
+  first = jnp.minimum(first, m)
+  end = jnp.clip(end, first, m)
+  return jnp.stack([group, first, end], axis=1).astype(jnp.int32)
+
+
+def _kernel(items_ref, lhs_ref, rhs_ref, *refs, num_groups, k, n, bm, bk, bn,
+            scaling, group_size, transpose_rhs):
+  from jax.experimental.pallas import triton as pltriton
+  scale_ref = refs[0] if scaling else None
+  out_ref = refs[-1]
+  w, j = pl.program_id(0), pl.program_id(1)
+  group = items_ref[w, 0]
+  first = items_ref[w, 1]
+  end = items_ref[w, 2]
+  rows = first + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+  cols = j * bn + jax.lax.broadcasted_iota(jnp.int32, (1, bn), 1)
+  row_ok = rows < end
+  col_ok = cols < n
+
+  @pl.when((group < num_groups) & (end > first))
+  def _():
+    g = jnp.minimum(group, num_groups - 1)
+
+    def step(kk, acc):
+      start = kk * bk
+      ks = start + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+      x = pltriton.load(lhs_ref.at[pl.ds(first, bm), pl.ds(start, bk)],
+                        mask=row_ok & (ks < k), other=0)
+      if transpose_rhs:  # [N, K] tile, contracted on its last axis
+        wt = pltriton.load(
+            rhs_ref.at[g, pl.ds(j * bn, bn), pl.ds(start, bk)],
+            mask=col_ok.reshape(bn, 1) & (ks < k), other=0)
+        dims = (((1,), (1,)), ((), ()))
+      else:
+        wt = pltriton.load(
+            rhs_ref.at[g, pl.ds(start, bk), pl.ds(j * bn, bn)],
+            mask=(ks.reshape(bk, 1) < k) & col_ok, other=0)
+        dims = (((1,), (0,)), ((), ()))
+      precision = (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
+                   else jax.lax.Precision.DEFAULT)
+      part = jax.lax.dot_general(x, wt.astype(x.dtype), dims,
+                                 precision=precision,
+                                 preferred_element_type=jnp.float32)
+      if scaling == "groups":
+        part = part * pltriton.load(
+            scale_ref.at[g, pl.ds(start // group_size, 1), pl.ds(j * bn, bn)],
+            mask=col_ok, other=0)
+      return acc + part
+
+    acc = jax.lax.fori_loop(0, pl.cdiv(k, bk), step,
+                            jnp.zeros((bm, bn), jnp.float32))
+    if scaling == "channel":
+      acc = acc * pltriton.load(scale_ref.at[g, pl.ds(0, 1), pl.ds(j * bn, bn)],
+                                mask=col_ok, other=0)
+    pltriton.store(out_ref.at[pl.ds(first, bm), pl.ds(j * bn, bn)],
+                   acc.astype(out_ref.dtype), mask=row_ok & col_ok)
+
+  @pl.when((group >= num_groups) & (end > first))
+  def _():
+    pltriton.store(out_ref.at[pl.ds(first, bm), pl.ds(j * bn, bn)],
+                   jnp.zeros((bm, bn), out_ref.dtype), mask=row_ok & col_ok)
+
+
+def supports(rhs_scale, k: int) -> str | None:
+  """Why this kernel cannot take the call, else None."""
+  if rhs_scale is not None and rhs_scale.shape[1] > 1:
+    if (k // rhs_scale.shape[1]) % 16:
+      return ("the Triton kernel takes K groups of a multiple of 16 values, "
+              f"not {k // rhs_scale.shape[1]}")
+  return None
+
+
+def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False,
+        out_dtype=None, group_offset=0, tiles=None, interpret=False):
+  """lhs [M, K] x rhs [G, K, N] ([G, N, K] transposed) -> [M, N]; rhs[g] is
+  group ``group_offset + g``; quantized rhs with ``rhs_scale`` [G, S, N].
+  ``tiles`` = (bm, bk, bn), powers of two."""
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  m, k = lhs.shape
+  num_groups = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  bm, bk, bn = tiles or default_tiles(m, n, k)
+  scaling = (None if rhs_scale is None else
+             "channel" if rhs_scale.shape[1] == 1 else "groups")
+  group_size = k // rhs_scale.shape[1] if scaling == "groups" else 0
+  while group_size and group_size % bk:
+    bk //= 2
+  items = metadata(group_sizes, m, bm, num_groups, group_offset)
+  operands = [items, lhs, rhs]
+  specs = [pl.BlockSpec(items.shape, lambda w, j: (0, 0)),
+           pl.BlockSpec(lhs.shape, lambda w, j: (0, 0)),
+           pl.BlockSpec(rhs.shape, lambda w, j: (0, 0, 0))]
+  if rhs_scale is not None:
+    operands.append(rhs_scale)
+    specs.append(pl.BlockSpec(rhs_scale.shape, lambda w, j: (0, 0, 0)))
+  kernel = functools.partial(
+      _kernel, num_groups=num_groups, k=k, n=n, bm=bm, bk=bk, bn=bn,
+      scaling=scaling, group_size=group_size, transpose_rhs=transpose_rhs)
+  return _compat.pallas_call(
+      kernel, grid=(items.shape[0], pl.cdiv(n, bn)), in_specs=specs,
+      out_specs=pl.BlockSpec((m, n), lambda w, j: (0, 0)),
+      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      compiler_params=_compat.gpu_compiler_params(num_warps=4, num_stages=3),
+      interpret=interpret, name="grouped_matmul_gpu")(*operands)
