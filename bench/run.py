@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 OPS = ("attention", "attention_masks", "decode_attention", "int8_matmul",
-       "quantized_matmul", "giou", "nms", "torch_bridge")
+       "quantized_matmul", "grouped_matmul", "giou", "nms", "torch_bridge")
 
 
 def main(argv=None) -> int:
