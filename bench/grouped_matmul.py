@@ -40,9 +40,11 @@ def label(case):
 
 
 def _loss(op):
+  """value_and_grad: the loss value keeps the forward product alive (a
+  plain grad lets XLA drop it, the gradients not needing it)."""
   def fwd_bwd(x, w, sizes):
-    return jax.grad(lambda a, b: op(a, b, sizes).astype(jnp.float32).sum(),
-                    (0, 1))(x, w)
+    return jax.value_and_grad(
+        lambda a, b: op(a, b, sizes).astype(jnp.float32).sum(), (0, 1))(x, w)
   return fwd_bwd
 
 

@@ -1,7 +1,7 @@
 """Public op: ``grouped_matmul``, ``jax.lax.ragged_dot``'s semantics.
 
 Kernels (``backend=``): "mosaic_tpu" (``gmm.mosaic_tpu``), "triton"
-(``gmm.triton``, forward), "reference" (``jax.lax.ragged_dot``). Gradients: d lhs by the same kernel
+(``gmm.triton``), "reference" (``jax.lax.ragged_dot``). Gradients: d lhs by the same kernel
 on the transposed weights, d rhs by the transposed grouped matmul (tgmm).
 """
 from __future__ import annotations
@@ -152,9 +152,8 @@ def _check(lhs, rhs, group_sizes, transpose_rhs, group_offset, *,
 
 
 def _dispatch(name, backend, tiles, args, **static):
-  """``reference.<name>`` or ``mosaic_tpu.<name>`` (gmm or tgmm) on
-  ``args`` (the last is group_offset), chosen by ``backend``; ``static`` goes
-  to both."""
+  """``<kernel module>.<name>`` (gmm or tgmm) on ``args`` (the last is
+  group_offset), the module chosen by ``backend``; ``static`` goes to all."""
   def tpu(*a, interpret=None):
     *a, offset = a
     return getattr(mosaic_tpu, name)(*a, group_offset=offset, tiles=tiles,
@@ -166,15 +165,14 @@ def _dispatch(name, backend, tiles, args, **static):
 
   def gpu(*a, interpret=None):
     *a, offset = a
-    return triton.gmm(*a, group_offset=offset, interpret=interpret or False,
-                      **static)
+    return getattr(triton, name)(*a, group_offset=offset,
+                                 interpret=interpret or False, **static)
 
-  rows = [_backend.Kernel("mosaic_tpu", tpu)]
-  if name == "gmm":
-    scale = args[3] if len(args) == 5 else None
-    rows.append(_backend.Kernel("triton", gpu,
-                                supports=lambda: triton.supports(scale, args[0].shape[1])))
-  rows.append(_backend.Kernel("reference", ref))
+  scale = args[3] if name == "gmm" and len(args) == 5 else None
+  rows = [_backend.Kernel("mosaic_tpu", tpu),
+          _backend.Kernel("triton", gpu, supports=lambda: triton.supports(
+              scale, args[0].shape[1])),
+          _backend.Kernel("reference", ref)]
   return _backend.dispatch(OP, backend, rows, *args)
 
 
@@ -223,10 +221,9 @@ def _gmm_bwd(transpose_rhs, out_dtype, tiles, backend, residuals, dout):
   # d lhs = dout @ rhs_g^T: the same kernel with rhs's layout flipped.
   dlhs = _run_gmm(dout, weights, group_sizes, group_offset, None,
                   not transpose_rhs, lhs.dtype, tiles, backend)
-  # No GPU tgmm kernel: there XLA's ragged_dot transpose computes d rhs.
   dweights = _run_tgmm(lhs, dout, group_sizes, group_offset, rhs.shape[0],
                        jnp.float32 if rhs_scale is not None else rhs.dtype,
-                       tiles, "reference" if backend == "triton" else backend)
+                       tiles, backend)  # [G, K, N]
   dscale = None
   if rhs_scale is not None:
     codes = (jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs).astype(

@@ -8,7 +8,8 @@ a group's last, partial tile loads and stores under a row mask. The list is
 computed in XLA (``metadata``) and read by each program; its length is
 static, ``cdiv(M, bm) + G``, and programs past the used items exit at once.
 
-Grid (items, N tiles); each program walks K in a ``fori_loop`` (Triton
+tgmm (d rhs): a program per (group, K tile, N tile) sums the group's row
+chunks. Grid of gmm (items, N tiles); each program walks K in a ``fori_loop`` (Triton
 pipelines it), float32 accumulation, masked loads for the K and N tails.
 Quantized rhs is upcast in registers; per-channel scales multiply the
 accumulator once, K-group scales each K step's product (bk divides the
@@ -28,12 +29,25 @@ from pallas_kernels.gmm import reference
 FIELDS = 3  # group, first row, end row
 
 
-def default_tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
-  """(bm, bk, bn): 128-row tiles, 64 for short groups' many small tiles."""
-  del k
-  bm = 64 if m <= 4096 else 128
-  bn = 128 if n >= 128 else 64
-  return bm, 64, bn
+def default_tiles(m: int, num_groups: int, quantized: bool = False):
+  """(bm, bk, bn, warps, stages) of gmm: bm near the mean group's rows (16
+  to 128, so short groups waste little of their one tile). The 128 x 256
+  config won ``bench.gmm_gpu_tiles`` on the H200 at every MoE shape; with
+  quantized experts (upcast in registers) 128 x 128 ran faster."""
+  mean_rows = max(1, m // num_groups)
+  bm = min(128, max(16, 1 << (mean_rows - 1).bit_length()))
+  if bm == 128 and not quantized:
+    return 128, 64, 256, 8, 3
+  return bm, 64, 128, 4, 3
+
+
+def default_tgmm_tiles(m: int, num_groups: int):
+  """(bm, bk, bn, warps, stages) of tgmm: wider N tiles for long groups
+  (``bench.gmm_gpu_tiles``: Mixtral's 4096-row groups), narrower for short
+  ones (DeepSeek-V3's and Qwen3's 128 and 256)."""
+  if m // max(num_groups, 1) >= 1024:
+    return 64, 128, 256, 8, 3
+  return 32, 128, 128, 4, 4
 
 
 def metadata(group_sizes, m: int, bm: int, num_groups: int, group_offset=0):
@@ -135,7 +149,8 @@ def supports(rhs_scale, k: int) -> str | None:
 
 
 def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False,
-        out_dtype=None, group_offset=0, tiles=None, interpret=False):
+        out_dtype=None, group_offset=0, tiles=None, num_warps=None,
+        num_stages=None, interpret=False):
   """lhs [M, K] x rhs [G, K, N] ([G, N, K] transposed) -> [M, N]; rhs[g] is
   group ``group_offset + g``; quantized rhs with ``rhs_scale`` [G, S, N].
   ``tiles`` = (bm, bk, bn), powers of two."""
@@ -143,7 +158,9 @@ def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False,
   m, k = lhs.shape
   num_groups = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  bm, bk, bn = tiles or default_tiles(m, n, k)
+  bm, bk, bn, warps, stages = default_tiles(m, num_groups,
+                                            rhs_scale is not None)
+  bm, bk, bn = tiles or (bm, bk, bn)
   scaling = (None if rhs_scale is None else
              "channel" if rhs_scale.shape[1] == 1 else "groups")
   group_size = k // rhs_scale.shape[1] if scaling == "groups" else 0
@@ -164,5 +181,62 @@ def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False,
       kernel, grid=(items.shape[0], pl.cdiv(n, bn)), in_specs=specs,
       out_specs=pl.BlockSpec((m, n), lambda w, j: (0, 0)),
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-      compiler_params=_compat.gpu_compiler_params(num_warps=4, num_stages=3),
+      compiler_params=_compat.gpu_compiler_params(
+          num_warps=num_warps or warps, num_stages=num_stages or stages),
       interpret=interpret, name="grouped_matmul_gpu")(*operands)
+
+
+def _tgmm_kernel(starts_ref, ends_ref, lhs_ref, dout_ref, out_ref, *, k, n,
+                 bm, bk, bn):
+  from jax.experimental.pallas import triton as pltriton
+  g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  start, end = starts_ref[g], ends_ref[g]
+  ks = i * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+  ns = j * bn + jax.lax.broadcasted_iota(jnp.int32, (1, bn), 1)
+
+  def step(c, acc):
+    first = start + c * bm
+    rows = first + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+    x = pltriton.load(lhs_ref.at[pl.ds(first, bm), pl.ds(i * bk, bk)],
+                      mask=(rows < end) & (ks < k), other=0)
+    dy = pltriton.load(dout_ref.at[pl.ds(first, bm), pl.ds(j * bn, bn)],
+                       mask=(rows < end) & (ns < n), other=0)
+    precision = (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
+                 else jax.lax.Precision.DEFAULT)
+    return acc + jax.lax.dot_general(x.T, dy, (((1,), (0,)), ((), ())),
+                                     precision=precision,
+                                     preferred_element_type=jnp.float32)
+
+  acc = jax.lax.fori_loop(0, pl.cdiv(end - start, bm), step,
+                          jnp.zeros((bk, bn), jnp.float32))
+  pltriton.store(out_ref.at[g, pl.ds(i * bk, bk), pl.ds(j * bn, bn)],
+                 acc.astype(out_ref.dtype), mask=(ks.reshape(bk, 1) < k)
+                 & (ns < n))
+
+
+def tgmm(lhs, dout, group_sizes, num_groups: int, *, out_dtype=None,
+         group_offset=0, tiles=None, num_warps=None, num_stages=None,
+         interpret=False):
+  """lhs [M, K], dout [M, N] -> [num_groups, K, N]: per local group g
+  (group ``group_offset + g``), lhs_g^T dout_g; a program per (group, K
+  tile, N tile) walks the group's rows in chunks of ``bm``, so an empty
+  group writes zeros. ``tiles`` = (bm, bk, bn), powers of two."""
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  m, k = lhs.shape
+  n = dout.shape[1]
+  bm, bk, bn, warps, stages = default_tgmm_tiles(m, num_groups)
+  bm, bk, bn = tiles or (bm, bk, bn)
+  starts, ends = reference.group_bounds(group_sizes, m, num_groups,
+                                        group_offset)
+  whole = lambda a: pl.BlockSpec(a.shape, lambda g, i, j: (0,) * a.ndim)
+  kernel = functools.partial(_tgmm_kernel, k=k, n=n, bm=bm, bk=bk, bn=bn)
+  out_shape = jax.ShapeDtypeStruct((num_groups, k, n), out_dtype)
+  return _compat.pallas_call(
+      kernel, grid=(num_groups, pl.cdiv(k, bk), pl.cdiv(n, bn)),
+      in_specs=[whole(starts), whole(ends), whole(lhs), whole(dout)],
+      out_specs=whole(out_shape),
+      out_shape=out_shape,
+      compiler_params=_compat.gpu_compiler_params(
+          num_warps=num_warps or warps, num_stages=num_stages or stages),
+      interpret=interpret, name="grouped_matmul_tgmm_gpu")(
+          starts, ends, lhs, dout)
