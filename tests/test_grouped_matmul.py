@@ -208,9 +208,21 @@ def _quantized_rhs(rng, g, k, n, fmt, group_size, transpose_rhs):
   return codes, scale, weight
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", QUANTIZED, ids=lambda c: "-".join(
-    str(getattr(x, "__name__", x)) for x in c))
+def _rotated(cases, backends_):
+  """Each case once on a rotating backend; the full product under
+  --runslow."""
+  out = []
+  for i, case in enumerate(cases):
+    for j, b in enumerate(backends_):
+      marks = list(b.marks) + ([] if j == i % len(backends_)
+                               else [pytest.mark.slow])
+      out.append(pytest.param(case, b.values[0], marks=marks,
+                              id="-".join(str(getattr(x, "__name__", x))
+                                          for x in case) + f"-{b.id}"))
+  return out
+
+
+@pytest.mark.parametrize("case, backend", _rotated(QUANTIZED, BACKENDS))
 def test_quantized_rhs_matches_float64_oracle(backend, case, rng):
   """Codes times scales, per channel or per K group, both layouts, against
   the float64 product with the dequantized weight; gradients in lhs and the
