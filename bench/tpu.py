@@ -44,7 +44,8 @@ BUDGET_SLACK = 1.05
 # Cases the CI budget test compiles (small shapes, a few seconds each).
 BUDGET_CASES = ("budget flash_attention fwd causal|ours",
                 "budget decode_attention|ours",
-                "budget int8_matmul M=256|ours", "budget giou_loss|ours")
+                "budget int8_matmul M=256|ours", "budget giou_loss|ours",
+                "budget grouped_matmul|ours")
 BUDGET_GENERATION = "v5e"
 
 
@@ -270,6 +271,24 @@ def moe_group_sizes(rows: int, experts: int, routing: str):
 GMM_TILES = (512, 1024, 1024)  # ours' default on v5e, v6e, v5p
 
 
+def _gmm_ours(rows, e, sizes, tgmm, tiles=GMM_TILES):
+  """(fn, metadata shapes, walker params): ours' gmm or tgmm with its work
+  list as entry parameters 2.. (values computed here from ``sizes``)."""
+  import jax.numpy as jnp
+  import numpy as np
+  from pallas_kernels.gmm import mosaic_tpu
+  items = mosaic_tpu.metadata(jnp.asarray(sizes), rows, min(tiles[0], rows),
+                              e, with_uncovered=not tgmm)
+  params = {2 + i: np.ravel(np.asarray(v)) for i, v in enumerate(items)}
+  shapes = [_S(np.shape(v), jnp.int32) for v in items]
+
+  def fn(a, b, *items):
+    if tgmm:
+      return mosaic_tpu.tgmm(a, b, None, e, tiles=tiles, items=items)
+    return mosaic_tpu.gmm(a, b, None, tiles=tiles, items=items)
+  return fn, shapes, params
+
+
 def _gmm_cases(quick):
   """The up-projection (lhs [rows, D] x [E, D, F]) forward and its weight
   gradient (tgmm), ours against megablox at two tilings. Each kernel's
@@ -279,22 +298,8 @@ def _gmm_cases(quick):
   import importlib
   import jax.numpy as jnp
   import numpy as np
-  from pallas_kernels.gmm import mosaic_tpu
   # The module (its package exports the function under the same name).
   mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
-
-  def ours(kernel, rows, e, sizes, tgmm):
-    items = mosaic_tpu.metadata(jnp.asarray(sizes), rows,
-                                min(GMM_TILES[0], rows), e,
-                                with_uncovered=not tgmm)
-    params = {2 + i: np.ravel(np.asarray(v)) for i, v in enumerate(items)}
-    shapes = [_S(np.shape(v), jnp.int32) for v in items]
-
-    def fn(a, b, *items):
-      if tgmm:
-        return mosaic_tpu.tgmm(a, b, None, e, tiles=GMM_TILES, items=items)
-      return mosaic_tpu.gmm(a, b, None, tiles=GMM_TILES, items=items)
-    return fn, shapes, params
 
   def megablox(rows, e, sizes, tiling, tgmm):
     (offsets, ids, tile_ids), count = mb.make_group_metadata(
@@ -329,7 +334,7 @@ def _gmm_cases(quick):
         group = f"grouped_matmul {'tgmm ' if tgmm else ''}{model} {routing}"
         args = [_S((rows, d), jnp.bfloat16),
                 _S((rows, f) if tgmm else (e, d, f), jnp.bfloat16)]
-        fn, shapes, params = ours(mosaic_tpu, rows, e, sizes, tgmm)
+        fn, shapes, params = _gmm_ours(rows, e, sizes, tgmm)
         out[f"{group}|ours"] = (fn, args + shapes, params)
         # megablox's default tiling, and the one MaxText passes (faster).
         tilings = ((128, 128, 128), (512, 1024, 1024))
@@ -338,6 +343,14 @@ def _gmm_cases(quick):
           name = f"megablox {'tgmm' if tgmm else 'gmm'} {tiling}"
           out[f"{group}|{name}"] = (fn, args + shapes, params)
   return out
+
+
+def _gmm_budget():
+  import jax.numpy as jnp
+  sizes = moe_group_sizes(1000, 4, "skewed")
+  fn, shapes, params = _gmm_ours(1024, 4, sizes, False, (256, 512, 512))
+  return (fn, [_S((1024, 512), jnp.bfloat16), _S((4, 512, 512), jnp.bfloat16)]
+          + shapes, params)
 
 
 def _budget_cases(quick):
@@ -358,6 +371,7 @@ def _budget_cases(quick):
       "budget int8_matmul M=256|ours": (
           pk.int8_matmul, [_S((256, 1024), jnp.int8),
                            _S((1024, 1024), jnp.int8)], None),
+      "budget grouped_matmul|ours": _gmm_budget(),
       "budget giou_loss|ours": (
           lambda a, b: pk.giou_loss(a, b, reduction="mean"),
           [_S((4096, 4), jnp.float32)] * 2, None),
