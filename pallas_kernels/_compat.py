@@ -256,6 +256,17 @@ def make_varying(x, axes) -> Any:
   return jax.lax.pvary(x, missing)
 
 
+def cotangent_like(ct, primal) -> Any:
+  """A cotangent typed as its primal varies: summed (psum) over the manual
+  axes the primal is replicated over (a replicated weight's gradient adds
+  every device's part), marked varying over the axes the primal varies
+  over."""
+  extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+  if extra:
+    ct = jax.lax.psum(ct, extra)
+  return make_varying(ct, varying_axes(primal))
+
+
 def _typed_varying(aval, axes):
   mat = getattr(aval, "manual_axis_type", None)
   if mat is not None:                       # jax >= 0.12

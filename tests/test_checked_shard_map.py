@@ -111,6 +111,11 @@ OPS = {
         lambda b: lambda x, w, s: (pk.quantized_matmul(
             x, w, w_scale=s, weight_only=True, backend=b),),
         (DP, P(None, "model"), P(None, "model")), (BOTH,), tol=1e-4),
+    "grouped_matmul": Op(
+        lambda rng: (_f(rng, 24, 16), _f(rng, 3, 16, 8),
+                     jnp.asarray([4, 0, 6], jnp.int32)),
+        lambda b: lambda x, w, g: (pk.grouped_matmul(x, w, g, backend=b),),
+        (DP, P(), P()), (DP,), grad=(0, 1), tol=2e-5),
     **{name: Op(lambda rng: _pair(rng, 8), _elementwise(op),
                 (BOXES, BOXES), (BOXES,))
        for name, op in BOX_OPS.items()},
@@ -176,7 +181,8 @@ def _check(name, flavour, rng, monkeypatch):
 # op per remaining flavour; the whole table is the slow test below.
 FAST = [("int8_matmul", None), ("decode_attention", None),
         ("flash_attention", "generic"), ("giou_loss", "generic"),
-        ("quantize_int8", "tpu"), ("pairwise_iou", "races")]
+        ("quantize_int8", "tpu"), ("pairwise_iou", "races"),
+        ("grouped_matmul", "generic")]
 
 
 @pytest.mark.parametrize("name,flavour", FAST)

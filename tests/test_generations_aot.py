@@ -59,6 +59,13 @@ def _ops(length, mkn, boxes, pairs):
           [S((m, k), jnp.float8_e4m3fn), S((k, n), jnp.float8_e4m3fn),
            S((m,), jnp.float32), S((n,), jnp.float32)],
           ("quantized_matmul_dequant_float8_e4m3fn",)),
+      "grouped_matmul": (
+          lambda x, w, g: jax.value_and_grad(
+              lambda a, b: pk.grouped_matmul(a, b, g).astype(
+                  jnp.float32).sum(), (0, 1))(x, w),
+          [S((m, k), jnp.bfloat16), S((8, k, n), jnp.bfloat16),
+           S((8,), jnp.int32)],
+          ("grouped_matmul", "grouped_matmul_tgmm")),
       "giou_loss": (_giou_loss, [S((boxes, 4), jnp.float32)] * 2,
                     ("giou_loss_sum", "giou_grad")),
       "pairwise_iou": (pk.pairwise_iou, [S((pairs, 4), jnp.float32)] * 2,

@@ -124,6 +124,18 @@ def test_quantized_matmul(backend, rng):
 
 
 @pytest.mark.parametrize("backend", ALL)
+def test_grouped_matmul(backend, rng):
+  """Mapped tokens and routing (each slice its own group sizes), and mapped
+  experts too."""
+  lhs = jnp.asarray(rng.standard_normal((MAPPED, 40, 32)), jnp.float32)
+  rhs = jnp.asarray(rng.standard_normal((MAPPED, 3, 32, 16)), jnp.float32)
+  sizes = jnp.asarray([[10, 0, 25], [5, 30, 5]], jnp.int32)
+  check(backend, pk.grouped_matmul, (lhs, rhs[0], sizes),
+        in_axes=(0, None, 0), rtol=1e-4)
+  check(backend, pk.grouped_matmul, (lhs, rhs, sizes), rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ALL)
 def test_nms(backend, rng):
   b = boxes(rng, MAPPED, 2, 9)
   s = jnp.asarray(rng.random((MAPPED, 2, 9)), jnp.float32)

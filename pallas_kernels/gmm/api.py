@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _backend
+from pallas_kernels import _backend, _compat
 from pallas_kernels.gmm import mosaic_tpu, reference, triton
 
 OP = "grouped_matmul"
@@ -173,7 +173,26 @@ def _dispatch(name, backend, tiles, args, **static):
           _backend.Kernel("triton", gpu, supports=lambda: triton.supports(
               scale, args[0].shape[1])),
           _backend.Kernel("reference", ref)]
-  return _backend.dispatch(OP, backend, rows, *args)
+  return _backend.dispatch(OP, backend, rows, *args,
+                           rule=_rule(name, args, static))
+
+
+def _rule(name, args, static):
+  """N and K split freely (a K split sums the partial products); rows and
+  groups do not (a shard's rows need their own group sizes: the
+  ``group_offset`` helpers)."""
+  from pallas_kernels import _sharding
+  if name == "tgmm":
+    return _sharding.make_rule(
+        "tgmm", [("lhs", "m k"), ("dout", "m n"), ("group_sizes", "t"),
+                 ("group_offset", "")], ["g k n"], split="k n")
+  rhs = "g n k" if static["transpose_rhs"] else "g k n"
+  operands = [("lhs", "m k"), ("rhs", rhs), ("group_sizes", "t")]
+  if len(args) == 5:
+    scale = _sharding.broadcast_factors(args[3].shape, "g k n", "s")
+    operands.append(("rhs_scale", scale))
+  operands.append(("group_offset", ""))
+  return _sharding.make_rule(OP, operands, ["m n"], split="n k", sums=["k"])
 
 
 def _run_gmm(lhs, rhs, group_sizes, group_offset, rhs_scale, transpose_rhs,
@@ -238,7 +257,12 @@ def _gmm_bwd(transpose_rhs, out_dtype, tiles, backend, residuals, dout):
     drhs = np.zeros(rhs.shape, jax.dtypes.float0)
   else:
     drhs = dweights.astype(rhs.dtype)
-  return (dlhs, drhs, np.zeros(group_sizes.shape, jax.dtypes.float0),
+  if not isinstance(drhs, np.ndarray):
+    drhs = _compat.cotangent_like(drhs, rhs)
+  if dscale is not None:
+    dscale = _compat.cotangent_like(dscale, rhs_scale)
+  return (_compat.cotangent_like(dlhs, lhs), drhs,
+          np.zeros(group_sizes.shape, jax.dtypes.float0),
           np.zeros((), jax.dtypes.float0), dscale)
 
 
