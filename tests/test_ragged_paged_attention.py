@@ -21,7 +21,7 @@ import pallas_kernels as pk
 from oracles import ragged as oracle
 from pallas_kernels import _compat, tpu_aot
 
-KERNELS = backends.params(["interpret", "reference"])
+KERNELS = backends.params(["interpret", "interpret_generic", "reference"])
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 
 

@@ -154,9 +154,10 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
 
   def copy(page, c, ch, s):
     size = page_size * channels
-    rows = pl.ds(pl.multiple_of(c * size, size), size)
-    return pltpu.make_async_copy(kv_hbm.at[page], buf.at[s, rows],
-                                 sems.at[s])
+    at = s * (plan.block * channels) + c * size
+    return pltpu.make_async_copy(
+        kv_hbm.at[page], buf.at[pl.ds(pl.multiple_of(at, size), size)],
+        sems.at[s])
 
   def start(b, s):
     base = seq * pages_per_seq + b * plan.chunks
@@ -171,7 +172,8 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
 
     @pl.when(n == plan.chunks)
     def _whole():   # one wait for the slot's bytes
-      pltpu.make_async_copy(buf.at[s], buf.at[s], sems.at[s]).wait()
+      whole = buf.at[pl.ds(0, plan.block * channels)]
+      pltpu.make_async_copy(whole, whole, sems.at[s]).wait()
 
     @pl.when(n < plan.chunks)
     def _part():
@@ -213,10 +215,11 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
           jnp.int32, (plan.block, 1), 0) < length
     for h in range(kv_heads):
       q = q_ref[h]
-      # Keys of head h are rows 2h, 2h + C, ... of the slot.
-      # (a static slot: Mosaic's strided loads of packed types need it)
-      k = buf[sl, pl.ds(2 * h, plan.block, stride=channels)]
-      v = buf[sl, pl.ds(2 * h + 1, plan.block, stride=channels)]
+      # Keys of head h are rows 2h, 2h + C, ... of the slot (a static
+      # start: Mosaic's strided loads of packed types need one).
+      at = sl * plan.block * channels + 2 * h
+      k = buf[pl.ds(at, plan.block, stride=channels)]
+      v = buf[pl.ds(at + 1, plan.block, stride=channels)]
       k, v = k.astype(q.dtype), v.astype(q.dtype)
       s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
       s = s * sm_scale
@@ -305,7 +308,7 @@ def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
           pltpu.VMEM((kv_heads, plan.rows, LANES), jnp.float32),
           pltpu.VMEM((kv_heads, plan.rows, LANES), jnp.float32),
           pltpu.VMEM((kv_heads, plan.rows, head_dim), jnp.float32),
-          pltpu.VMEM((2, plan.block * combined, head_dim), kv_pages.dtype),
+          pltpu.VMEM((2 * plan.block * combined, head_dim), kv_pages.dtype),
           pltpu.SemaphoreType.DMA((2,))])
   sizes = (kv_heads, head_dim, q.dtype.itemsize, kv_pages.dtype.itemsize)
   if vmem_limit_bytes is None:
