@@ -250,3 +250,18 @@ def test_compiles_for_tpu(topology, t, h, hk, d, page, pages, s, dtype, kw,
   assert vmem, "no Mosaic kernel in the program"
   limit = pk._backend.TPU_VMEM_BYTES[tpu_aot.topology_generation(topology)]
   assert max(vmem.values()) <= limit, vmem
+
+
+def test_kernel_refuses_a_table_beyond_smem():
+  q = jax.ShapeDtypeStruct((8, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((16, 16, 4, 128), jnp.bfloat16)
+  big = jax.ShapeDtypeStruct((1024, 256), jnp.int32)
+  lens = jax.ShapeDtypeStruct((1024,), jnp.int32)
+  cu = jax.ShapeDtypeStruct((1025,), jnp.int32)
+  one = jax.ShapeDtypeStruct((1,), jnp.int32)
+  with pytest.raises(ValueError, match="KiB of SMEM"):
+    jax.eval_shape(lambda *a: pk.ragged_paged_attention(
+        *a, backend="interpret"), q, kv, lens, big, cu, one)
+  out = jax.eval_shape(lambda *a: pk.ragged_paged_attention(*a), q, kv, lens,
+                       big, cu, one)   # backend=None: the reference
+  assert out.shape == q.shape

@@ -72,9 +72,11 @@ def supports(q, kv_pages, page_indices) -> str | None:
   if jnp.float16 in (q.dtype, kv_pages.dtype):
     return ("Mosaic cannot load float16 vectors on TPU v5e/v6e: use "
             "bfloat16 or float32")
-  if page_indices.size * 4 > SMEM_TABLE_BYTES:
-    return (f"the page table ({page_indices.size} entries) exceeds the "
-            f"{SMEM_TABLE_BYTES >> 10} KiB of SMEM it may use")
+  # The table, the lengths and at most T work items of 3 scalars.
+  entries = page_indices.size + page_indices.shape[0] + 3 * q.shape[0]
+  if entries * 4 > SMEM_TABLE_BYTES:
+    return (f"the page table and metadata ({entries} int32) exceed the "
+            f"{SMEM_TABLE_BYTES >> 10} KiB of SMEM they may use")
   return None
 
 
