@@ -2,7 +2,7 @@
 on the reference and the TPU kernel in interpret mode: mixed prefill and
 decode batches with empty sequences, GQA at ratios 1-3, page tables in any
 order whose unused entries hold garbage (out-of-range ids), NaN in cache
-rows past each length and in unused pages, sliding window, soft cap,
+rows past each length and in unused pages, sliding window, soft cap, sinks,
 8-bit caches, ``num_seqs`` below the table's rows; bad inputs; AOT compiles
 for v5e and v6e. ``--runslow``: a random sweep.
 
@@ -73,7 +73,8 @@ def _check(backend, args, tol, **kw):
   cu, lens, table = (np.asarray(a) for a in (args[4], args[2], args[3]))
   want = oracle.ragged_paged_attention(
       np.asarray(args[0], np.float64), np.asarray(args[1], np.float64),
-      lens, table, cu, [n], **{k: v for k, v in kw.items()
+      lens, table, cu, [n], **{k: np.asarray(v) if k == "sinks" else v
+                               for k, v in kw.items()
                                if not k.startswith("num_")})
   got = np.asarray(got, np.float64)
   assert np.isfinite(got).all()
@@ -88,10 +89,11 @@ CASES = {
                   kv_heads=2, head_dim=128, page_size=4, pages_per_seq=4,
                   kw=dict(sm_scale=0.3, num_kv_pages_per_block=2,
                           num_queries_per_block=3)),
-    # GQA 3, window and soft cap, rows over several kv blocks
+    # GQA 3, window, soft cap and sinks, rows over several kv blocks
     "window_cap": dict(q_lens=[5, 2], kv_lens=[21, 9], heads=6, kv_heads=2,
                        head_dim=128, page_size=8, pages_per_seq=3,
                        kw=dict(sm_scale=0.2, sliding_window=6, soft_cap=2.5,
+                               sinks=jnp.linspace(-1.0, 2.0, 6),
                                num_kv_pages_per_block=1,
                                num_queries_per_block=2)),
     # decode only, bfloat16, MHA, two garbage table rows past num_seqs
@@ -156,6 +158,7 @@ def test_one_trace_serves_other_batches():
     (dict(soft_cap=0.0), "soft_cap"),
     (dict(num_queries_per_block=0), "num_queries_per_block"),
     (dict(k_scale=jnp.ones(2)), "k_scale"),
+    (dict(sinks=jnp.ones(3)), "sinks must be"),
 ])
 def test_bad_inputs(bad, match):
   args = dict(q=jnp.zeros((4, 4, 128)), kv_pages=jnp.zeros((3, 4, 4, 128)),
@@ -188,6 +191,9 @@ def test_random_sweep(backend, seed):
     kw["sliding_window"] = int(rng.integers(1, 20))
   if seed % 4 == 1:
     kw["soft_cap"] = 3.0
+  if seed % 3 == 1:
+    kw["sinks"] = jnp.asarray(rng.standard_normal(kv_heads * group),
+                              jnp.float32)
   if rng.random() < 0.5:
     kw["num_queries_per_block"] = int(rng.integers(1, 9))
     kw["num_kv_pages_per_block"] = int(rng.integers(1, pages_per_seq + 1))
@@ -207,7 +213,7 @@ def _spec(*shape, dtype=jnp.int32):
 AOT_CASES = [  # (t, h, hk, d, page, pages, s, cache dtype, kwargs)
     (512, 32, 8, 128, 16, 128, 64, jnp.bfloat16, {}),
     (256, 8, 2, 128, 32, 64, 16, jnp.bfloat16,
-     dict(sliding_window=128, soft_cap=30.0)),
+     dict(sliding_window=128, soft_cap=30.0, sinks=jnp.zeros(8))),
     (64, 12, 4, 128, 24, 10, 8, jnp.float32, {}),
     (128, 16, 2, 128, 16, 32, 8, jnp.float8_e4m3fn,
      dict(k_scale=0.5, v_scale=0.25)),

@@ -30,7 +30,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
                            num_kv_pages_per_block: int | None = None,
                            num_queries_per_block: int | None = None,
                            vmem_limit_bytes: int | None = None,
-                           backend: str | None = None):
+                           sinks=None, backend: str | None = None):
   """Attention of a batch of ragged sequences (prefill and decode mixed)
   over a paged KV cache.
 
@@ -56,6 +56,8 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
     num_kv_pages_per_block: pages per kv step of the kernel.
     num_queries_per_block: query tokens per kernel work item.
     vmem_limit_bytes: the kernel's scoped VMEM (default: what it needs).
+    sinks: None or [H] float: per query head, ``exp(sinks[h])`` joins the
+      softmax denominator (attention sinks; not scaled or capped).
     backend: None (the best kernel for the platform), "mosaic_tpu",
       "interpret" or "reference".
 
@@ -81,6 +83,13 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
       vmem_limit_bytes=_positive_int("vmem_limit_bytes", vmem_limit_bytes))
   _backend.check_backend(OP, backend)
   args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+  if sinks is not None:
+    sinks = jnp.asarray(sinks)
+    if sinks.shape != (q.shape[1],) or not jnp.issubdtype(sinks.dtype,
+                                                          jnp.floating):
+      raise ValueError(f"{OP}: sinks must be [H] = [{q.shape[1]}] float, "
+                       f"got shape {sinks.shape} {sinks.dtype}")
+    args += (sinks.astype(jnp.float32),)
   if q.shape[0] == 0 or page_indices.shape[0] == 0:
     return jnp.zeros(q.shape, q.dtype)
 

@@ -132,9 +132,10 @@ def vmem_bytes(plan: Plan, kv_heads, head_dim, q_itemsize, kv_itemsize):
 # ----------------------------------------------------------------- kernel --
 
 def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
-            o_ref, m_ref, l_ref, acc_ref, buf, sems, *, plan: Plan, group,
-            kv_heads, page_size, pages_per_seq, window, sm_scale, cap,
-            v_scale):
+            *refs, plan: Plan, group, kv_heads, page_size, pages_per_seq,
+            window, sm_scale, cap, v_scale, sinks):
+  sinks_ref = refs[0] if sinks else None
+  o_ref, m_ref, l_ref, acc_ref, buf, sems = refs[sinks:]
   w, j = pl.program_id(0), pl.program_id(1)
   seq, pos0, nq = seq_ref[w], pos_ref[w], nq_ref[w]
   length = lens_ref[seq]
@@ -242,7 +243,14 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
     l = l_ref[...]
     has_keys = l[..., :1] != 0
     scale = 1.0 if v_scale is None else v_scale
-    out = acc_ref[...] * (scale / jnp.where(has_keys, l[..., :1], 1.0))
+    acc = acc_ref[...]
+    if sinks:  # exp(sink) joins the denominator
+      m, sink = m_ref[...], sinks_ref[...]
+      top = jnp.maximum(m, sink)
+      keep = jnp.exp(m - top)
+      l = l * keep + jnp.exp(sink - top)
+      acc = acc * keep[..., :1]
+    out = acc * (scale / jnp.where(has_keys, l[..., :1], 1.0))
     o_ref[...] = jnp.where(has_keys, out, 0.0).astype(o_ref.dtype)
 
 
@@ -265,8 +273,8 @@ def work_items(bounds, kv_lens, plan: Plan):
   return seq, pos0.astype(jnp.int32), nq.astype(jnp.int32), starts, qoff
 
 
-def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-           sm_scale, sliding_window, soft_cap, k_scale, v_scale,
+def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+           sinks=None, *, sm_scale, sliding_window, soft_cap, k_scale, v_scale,
            num_queries_per_block, num_kv_pages_per_block, vmem_limit_bytes,
            interpret):
   """[T, H, D] in q's dtype (arguments as checked by the API)."""
@@ -300,12 +308,22 @@ def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
   kernel = functools.partial(
       _kernel, plan=plan, group=group, kv_heads=kv_heads, page_size=page_size,
       pages_per_seq=pages_per_seq, window=sliding_window, sm_scale=scale,
-      cap=soft_cap, v_scale=v_scale)
+      cap=soft_cap, v_scale=v_scale, sinks=sinks is not None)
   spec = pl.BlockSpec((_SQ, kv_heads, plan.rows, head_dim),
                       lambda w, j, *_: (w, 0, 0, 0))
+  in_specs = [spec, pl.BlockSpec(memory_space=pl.ANY)]
+  extra = []
+  if sinks is not None:   # [Hkv, rows, 128]: row r holds head r % G's sink
+    rows_sink = sinks.astype(jnp.float32).reshape(kv_heads, 1, group)
+    rows_sink = jnp.tile(rows_sink, (1, tq, 1)).reshape(kv_heads, tq * group)
+    rows_sink = jnp.pad(rows_sink, ((0, 0), (0, plan.rows - tq * group)))
+    extra = [jnp.broadcast_to(rows_sink[..., None],
+                              (kv_heads, plan.rows, LANES))]
+    in_specs.append(pl.BlockSpec((kv_heads, plan.rows, LANES),
+                                 lambda w, j, *_: (0, 0, 0)))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=5, grid=(w_items, plan.num_blocks),
-      in_specs=[spec, pl.BlockSpec(memory_space=pl.ANY)], out_specs=spec,
+      in_specs=in_specs, out_specs=spec,
       scratch_shapes=[
           pltpu.VMEM((kv_heads, plan.rows, LANES), jnp.float32),
           pltpu.VMEM((kv_heads, plan.rows, LANES), jnp.float32),
@@ -332,7 +350,7 @@ def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
       interpret=interpret, cost_estimate=_cost.estimate(**work),
       name="ragged_paged_attention",
   )(seq, pos0, nq, lens, table, qi,
-    kv_pages.reshape(num_pages, page_size * combined, head_dim))
+    kv_pages.reshape(num_pages, page_size * combined, head_dim), *extra)
 
   # Scatter back: token t of sequence i is row (t - c_i) % tq of item
   # first_item[i] + (t - c_i) // tq.

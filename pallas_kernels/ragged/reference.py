@@ -30,9 +30,9 @@ def token_seqs(bounds, tokens: int):
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
-                           num_seqs, *, sm_scale=1.0, sliding_window=None,
-                           soft_cap=None, k_scale=None, v_scale=None,
-                           **unused):
+                           num_seqs, sinks=None, *, sm_scale=1.0,
+                           sliding_window=None, soft_cap=None, k_scale=None,
+                           v_scale=None, **unused):
   """``pallas_kernels.ragged_paged_attention`` in plain JAX: per sequence,
   its pages gathered and every token attends to them (float32 softmax),
   masked to the sequence's own tokens. Arguments as the op's (checked)."""
@@ -50,6 +50,8 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
   qf = q.astype(jnp.float32).reshape(tokens, kv_heads, group, head_dim)
   t_idx = jnp.arange(tokens, dtype=jnp.int32)
   keys = jnp.arange(capacity, dtype=jnp.int32)
+  if sinks is not None:
+    sink = sinks.astype(jnp.float32).reshape(1, kv_heads, group, 1)
 
   def one(i):
     pages = kv_pages[table[i]].reshape(capacity, combined, head_dim)
@@ -71,11 +73,18 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
       logits = soft_cap * jnp.tanh(logits / soft_cap)
     logits = jnp.where(visible[:, None, None], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+      m = jnp.maximum(m, sink)
     p = jnp.exp(logits - jnp.where(m == -jnp.inf, 0.0, m))
     l = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:   # exp(sink) joins the denominator
+      l = l + jnp.exp(sink - m)
     v = jnp.where((keys < length)[:, None, None], v, 0.0)  # garbage past it
     out = jnp.einsum("tkgc,ckd->tkgd", p, v, precision=lax.Precision.HIGHEST)
-    return jnp.where(l > 0, out / jnp.where(l > 0, l, 1.0), 0.0)
+    # Only sequence i's tokens: another's (or one past num_seqs, whose
+    # pages may hold anything) must not leak 0 * NaN in.
+    mine = (owner == i)[:, None, None, None] & (l > 0)
+    return jnp.where(mine, out / jnp.where(l > 0, l, 1.0), 0.0)
 
   def body(i, acc):
     return acc + one(i)

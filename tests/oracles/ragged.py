@@ -5,9 +5,11 @@ import numpy as np
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
-                           num_seqs, *, sm_scale=1.0, sliding_window=None,
-                           soft_cap=None, k_scale=None, v_scale=None):
-  """[T, H, D] float64; tokens outside the first ``num_seqs`` sequences and
+                           num_seqs, sinks=None, *, sm_scale=1.0,
+                           sliding_window=None, soft_cap=None, k_scale=None,
+                           v_scale=None):
+  """[T, H, D] float64 (``sinks [H]``: exp(sink) joins each softmax's
+  denominator); tokens outside the first ``num_seqs`` sequences and
   tokens that see no key give zeros. Inputs must be valid (monotone
   ``cu_q_lens``, ``kv_lens`` within the page table)."""
   q = np.asarray(q, np.float64)
@@ -39,6 +41,8 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
         s = k[lo:hi, kh] @ q[t, h] * sm_scale
         if soft_cap is not None:
           s = soft_cap * np.tanh(s / soft_cap)
-        p = np.exp(s - s.max())
-        out[t, h] = p @ v[lo:hi, kh] / p.sum()
+        top = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+        p = np.exp(s - top)
+        total = p.sum() + (0 if sinks is None else np.exp(sinks[h] - top))
+        out[t, h] = p @ v[lo:hi, kh] / total
   return out
