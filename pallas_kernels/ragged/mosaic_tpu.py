@@ -13,13 +13,22 @@ Grid ``(W, kv blocks)``, the last axis sequential. A kv block is
 ``chunks`` pages (``num_kv_pages_per_block``). Step ``j`` of item ``w``
 reads block ``lo + j`` of the item's visible run ``lo..hi`` (from the
 window's first key to the item's last query position): the cache stays in
-HBM and the kernel DMAs the block's pages itself, one DMA per page and
-combined head (``kv_pages[page, :, c]``, so K of head h lands apart from
-its V), into two VMEM slots: the next block's while this one computes.
-Steps past ``hi`` do nothing. Online softmax per kv head (float32 state in
-VMEM); blocks that every query of the item sees whole skip the mask, the
-others mask by position and zero value rows at or past the length (pages
-past it are not read; garbage there never reaches the output).
+HBM and the kernel DMAs the block's pages itself, one DMA per page (a page
+``[page_size, 2 * Hkv, D]`` is contiguous; the cache is passed as
+``[num_pages, page_size * 2 * Hkv, D]``), into two VMEM slots: the next
+block's while this one computes. Per-slice DMAs of one combined head
+(``kv_pages[page, :, c]``) do not lower: Mosaic wants tile-aligned slices of
+the tiled head axis. K of head h is then rows ``2h, 2h + 2Hkv, ...`` of the
+slot: a strided load with a static start (Mosaic takes strided loads of
+16- and 8-bit data only at static offsets, and from jax 0.12 on), hence one
+code path per slot. Steps past ``hi`` do nothing; the item axis is
+parallel (each item's DMA chain is its own, nothing is prefetched across
+items). Online softmax per kv head (float32 state in VMEM); blocks that
+every query of the item sees whole skip the mask, the others mask by
+position and zero value rows at or past the length (pages past it are not
+read; garbage there never reaches the output). ``sinks`` join the
+denominator at the end; ``k_scale`` joins the logit scale and ``v_scale``
+the final normalization.
 
 Scalar-prefetched: the items' (sequence, first position, tokens), the
 clipped lengths and the clipped, flattened page table.
