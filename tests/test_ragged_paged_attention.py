@@ -274,3 +274,24 @@ def test_kernel_refuses_a_table_beyond_smem():
   out = jax.eval_shape(lambda *a: pk.ragged_paged_attention(*a), q, kv, lens,
                        big, cu, one)   # backend=None: the reference
   assert out.shape == q.shape
+
+
+def test_same_semantics_as_jax_reference():
+  """Migration check: JAX's own reference (where this jax ships it) gives
+  the same outputs on valid inputs (no NaN in the cache: it masks by
+  adding mask_value)."""
+  try:
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+        kernel as jax_rpa)
+  except ImportError:
+    pytest.skip("this jax has no ragged_paged_attention")
+  rng = np.random.default_rng(3)
+  args = make_batch(rng, [6, 1, 2], [9, 12, 2], heads=6, kv_heads=2,
+                    head_dim=128, page_size=4, pages_per_seq=3)
+  args = (args[0], jnp.nan_to_num(args[1], nan=7.0)) + args[2:]
+  kw = dict(sm_scale=0.2, sliding_window=5, soft_cap=4.0)
+  want = jax_rpa.ref_ragged_paged_attention(
+      *args[:3], jnp.clip(args[3], 0, args[1].shape[0] - 1), *args[4:], **kw)
+  got = pk.ragged_paged_attention(*args, backend="reference", **kw)
+  np.testing.assert_allclose(np.asarray(got[:want.shape[0]]),
+                             np.asarray(want), atol=2e-5)
