@@ -59,9 +59,10 @@ _EXPORTS = {
     "soft_nms": "pallas_kernels.boxes.nms",
     "grouped_matmul": "pallas_kernels.gmm",
     "shard_grouped_matmul": "pallas_kernels.gmm",
+    "ragged_paged_attention": "pallas_kernels.ragged",
 }
 _SUBMODULES = ("reference", "nn", "tpu_aot", "attention", "decode", "int8",
-               "quant", "boxes", "gmm")
+               "quant", "boxes", "gmm", "ragged")
 
 __all__ = sorted(_EXPORTS) + ["BACKENDS", "force_interpret"] + list(_SUBMODULES)
 

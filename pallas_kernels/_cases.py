@@ -21,6 +21,7 @@ FAMILIES = {
     "iou": "pallas_kernels.boxes.iou",
     "nms": "pallas_kernels.boxes.nms",
     "gmm": "pallas_kernels.gmm",
+    "ragged": "pallas_kernels.ragged",
 }
 SIZES = ("small", "medium", "large")
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-FAMILIES = ("attention", "decode", "int8", "quant", "iou", "nms", "gmm")
+FAMILIES = ("attention", "decode", "int8", "quant", "iou", "nms", "gmm",
+            "ragged")
 SIZES = ("small", "medium", "large")
 BACKENDS = ("mosaic_tpu", "triton", "mosaic_gpu", "gpu", "interpret")
 # Every op the main job has cases for (tests/test_main_job.py keeps this
@@ -20,7 +21,7 @@ OPS = ("flash_attention", "decode_attention", "quantize_int8", "int8_matmul",
        "iou", "giou", "diou", "ciou", "iou_loss", "giou_loss", "diou_loss",
        "ciou_loss", "pairwise_iou", "pairwise_giou", "pairwise_diou",
        "pairwise_ciou", "box_iou", "nms", "batched_nms", "soft_nms",
-       "grouped_matmul")
+       "grouped_matmul", "ragged_paged_attention")
 
 
 def parser() -> argparse.ArgumentParser:

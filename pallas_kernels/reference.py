@@ -31,6 +31,7 @@ _EXPORTS = {
     "batched_nms": "pallas_kernels.boxes.nms.reference",
     "soft_nms": "pallas_kernels.boxes.nms.reference",
     "grouped_matmul": "pallas_kernels.gmm.reference",
+    "ragged_paged_attention": "pallas_kernels.ragged.reference",
 }
 
 

@@ -24,7 +24,8 @@ DOCS = ROOT / "docs"
 PAGES = {"attention.md": ("out", "dq"), "int8.md": ("y", "grads"),
          "quantized.md": ("y4", "y8", "grads"),
          "boxes.md": ("loss", "keep", "per_image"),
-         "grouped_matmul.md": ("out", "grads")}
+         "grouped_matmul.md": ("out", "grads"),
+         "serving.md": ("out", "windowed")}
 
 
 def page_blocks(page: str) -> list[str]:

@@ -1,0 +1,183 @@
+"""Public op: ``ragged_paged_attention``, JAX's calling convention
+(``jax.experimental.pallas.ops.tpu.ragged_paged_attention``).
+
+Kernels (``backend=``): "mosaic_tpu" (``ragged.mosaic_tpu``), "reference"
+(``ragged.reference``). Forward only.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+
+from pallas_kernels import _backend
+from pallas_kernels.ragged import mosaic_tpu, reference
+
+OP = "ragged_paged_attention"
+Q_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+KV_DTYPES = Q_DTYPES + (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+# JAX's default; masked logits are excluded exactly here, so it is unused.
+DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+                           num_seqs, *, sm_scale: float = 1.0,
+                           sliding_window: int | None = None,
+                           soft_cap: float | None = None,
+                           mask_value: float | None = DEFAULT_MASK_VALUE,
+                           k_scale: float | None = None,
+                           v_scale: float | None = None,
+                           num_kv_pages_per_block: int | None = None,
+                           num_queries_per_block: int | None = None,
+                           vmem_limit_bytes: int | None = None,
+                           sinks=None, backend: str | None = None):
+  """Attention of a batch of ragged sequences (prefill and decode mixed)
+  over a paged KV cache.
+
+  Args:
+    q: [T, H, D] float: the query tokens of all sequences, concatenated.
+    kv_pages: [num_pages, page_size, 2 * Hkv, D]: K of kv head h at combined
+      head 2h, its V at 2h + 1. float, or int8/float8 with scales.
+    kv_lens: [S] int32: tokens in each sequence's cache (including its
+      new tokens), clipped to ``pages_per_seq * page_size``.
+    page_indices: [S, pages_per_seq] int32: sequence i's position p is
+      row ``p % page_size`` of page ``page_indices[i, p // page_size]``.
+      Entries past a sequence's length are not read (any value).
+    cu_q_lens: [S + 1] int32: sequence i owns tokens
+      ``cu_q_lens[i]:cu_q_lens[i+1]`` (clipped to [0, T], made
+      non-decreasing).
+    num_seqs: [1] int32: sequences at or past it are ignored.
+    sm_scale: logit scale. sliding_window: a query at position p sees keys
+      ``p - sliding_window < j <= p``. soft_cap: logits become
+      ``soft_cap * tanh(s / soft_cap)``.
+    mask_value: accepted for JAX's signature; masked logits are excluded
+      exactly, so a query with no visible key gives zeros.
+    k_scale, v_scale: float multipliers of the stored K and V (8-bit).
+    num_kv_pages_per_block: pages per kv step of the kernel.
+    num_queries_per_block: query tokens per kernel work item.
+    vmem_limit_bytes: the kernel's scoped VMEM (default: what it needs).
+    sinks: None or [H] float: per query head, ``exp(sinks[h])`` joins the
+      softmax denominator (attention sinks; not scaled or capped).
+    backend: None (the best kernel for the platform), "mosaic_tpu",
+      "interpret" or "reference".
+
+  Returns:
+    [T, H, D] in q's dtype. Token t of sequence i sits at position
+    ``kv_lens[i] - q_len_i + (t - cu_q_lens[i])`` and attends causally to
+    its sequence's cache positions up to it (H / Hkv query heads per kv
+    head). Tokens outside the first ``num_seqs`` sequences give zeros.
+  """
+  del mask_value
+  q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = _check(
+      q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+  static = dict(
+      sm_scale=float(sm_scale),
+      sliding_window=_positive_int("sliding_window", sliding_window),
+      soft_cap=_soft_cap(soft_cap),
+      k_scale=_scale("k_scale", k_scale), v_scale=_scale("v_scale", v_scale))
+  blocks = dict(
+      num_kv_pages_per_block=_positive_int("num_kv_pages_per_block",
+                                           num_kv_pages_per_block),
+      num_queries_per_block=_positive_int("num_queries_per_block",
+                                          num_queries_per_block),
+      vmem_limit_bytes=_positive_int("vmem_limit_bytes", vmem_limit_bytes))
+  _backend.check_backend(OP, backend)
+  args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+  if sinks is not None:
+    sinks = jnp.asarray(sinks)
+    if sinks.shape != (q.shape[1],) or not jnp.issubdtype(sinks.dtype,
+                                                          jnp.floating):
+      raise ValueError(f"{OP}: sinks must be [H] = [{q.shape[1]}] float, "
+                       f"got shape {sinks.shape} {sinks.dtype}")
+    args += (sinks.astype(jnp.float32),)
+  if q.shape[0] == 0 or page_indices.shape[0] == 0:
+    return jnp.zeros(q.shape, q.dtype)
+
+  def tpu(*a, interpret=None):
+    return mosaic_tpu.ragged(*a, interpret=interpret or False, **static,
+                             **blocks)
+
+  rows = [
+      _backend.Kernel(
+          "mosaic_tpu", tpu,
+          supports=lambda: mosaic_tpu.supports(q, kv_pages, page_indices),
+          hardware=lambda target: mosaic_tpu.hardware(kv_pages, target)),
+      _backend.Kernel("reference", functools.partial(
+          reference.ragged_paged_attention, **static)),
+  ]
+  return _backend.dispatch(OP, backend, rows, *args)
+
+
+def _positive_int(name, value):
+  if value is None:
+    return None
+  if isinstance(value, bool) or int(value) != value or value <= 0:
+    raise ValueError(f"{OP}: {name}={value!r} must be a positive integer "
+                     "or None")
+  return int(value)
+
+
+def _soft_cap(value):
+  if value is None:
+    return None
+  if not float(value) > 0:
+    raise ValueError(f"{OP}: soft_cap={value!r} must be positive or None")
+  return float(value)
+
+
+def _scale(name, value):
+  if value is None:
+    return None
+  try:
+    return float(value)
+  except TypeError:
+    raise ValueError(f"{OP}: {name} must be a Python float or None (a "
+                     f"static scale, as JAX's), got {type(value).__name__}"
+                     ) from None
+
+
+def _check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+  q, kv_pages = jnp.asarray(q), jnp.asarray(kv_pages)
+  kv_lens, page_indices = jnp.asarray(kv_lens), jnp.asarray(page_indices)
+  cu_q_lens, num_seqs = jnp.asarray(cu_q_lens), jnp.asarray(num_seqs)
+  if q.ndim != 3:
+    raise ValueError(f"{OP}: q must be [T, H, D], got shape {q.shape}")
+  if kv_pages.ndim != 4 or kv_pages.shape[2] % 2:
+    raise ValueError(f"{OP}: kv_pages must be [num_pages, page_size, 2 * "
+                     f"Hkv, D] (K and V heads interleaved), got shape "
+                     f"{kv_pages.shape}")
+  if kv_pages.shape[3] != q.shape[2]:
+    raise ValueError(f"{OP}: kv_pages head_dim {kv_pages.shape[3]} must "
+                     f"equal q's {q.shape[2]}")
+  if 0 in kv_pages.shape:
+    raise ValueError(f"{OP}: kv_pages needs at least one page, row and "
+                     f"head, got shape {kv_pages.shape}")
+  kv_heads = kv_pages.shape[2] // 2
+  if q.shape[1] % kv_heads:
+    raise ValueError(f"{OP}: q's heads H={q.shape[1]} must be a multiple "
+                     f"of the kv heads Hkv={kv_heads} (kv_pages.shape[2] / 2)")
+  if page_indices.ndim != 2 or page_indices.shape[1] == 0:
+    raise ValueError(f"{OP}: page_indices must be [S, pages_per_seq] with "
+                     f"pages_per_seq >= 1, got shape {page_indices.shape}")
+  s = page_indices.shape[0]
+  if kv_lens.shape != (s,):
+    raise ValueError(f"{OP}: kv_lens must be [S] = [{s}] (page_indices' "
+                     f"rows), got shape {kv_lens.shape}")
+  if cu_q_lens.shape != (s + 1,):
+    raise ValueError(f"{OP}: cu_q_lens must be [S + 1] = [{s + 1}], got "
+                     f"shape {cu_q_lens.shape}")
+  if num_seqs.shape != (1,):
+    raise ValueError(f"{OP}: num_seqs must be [1], got shape "
+                     f"{num_seqs.shape}")
+  for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices),
+                  ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+    if x.dtype != jnp.int32:
+      raise ValueError(f"{OP}: {name} must be int32, got {x.dtype}")
+  if q.dtype not in Q_DTYPES:
+    raise ValueError(f"{OP}: q must be float32, bfloat16 or float16, got "
+                     f"{q.dtype}")
+  if kv_pages.dtype not in KV_DTYPES:
+    raise ValueError(f"{OP}: kv_pages must be float32, bfloat16, float16, "
+                     f"int8, float8_e4m3fn or float8_e5m2, got "
+                     f"{kv_pages.dtype}")
+  return q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs

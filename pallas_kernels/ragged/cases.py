@@ -1,0 +1,47 @@
+"""Main-job cases for ragged paged attention (``python -m pallas_kernels``)."""
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_kernels._cases import Case
+from pallas_kernels.attention.cases import relative_error
+from pallas_kernels.ragged import api
+
+# (prefill tokens per prefill, prefills, decodes, heads, kv_heads, page
+# size, pages per sequence, dtype name) per size.
+SHAPES = {
+    "small": (40, 1, 5, 4, 2, 16, 8, "float32"),
+    "medium": (256, 1, 31, 32, 8, 16, 128, "bfloat16"),
+    "large": (1024, 2, 62, 32, 8, 16, 512, "bfloat16"),
+}
+
+
+def main_job_cases(size):
+  import jax.numpy as jnp
+  prefill, n_prefill, n_decode, h, hk, page, pages, dtype = SHAPES[size]
+  dtype = jnp.dtype(dtype)
+  d = 128
+  rng = np.random.default_rng(0)
+  s = n_prefill + n_decode
+  capacity = page * pages
+  # A vLLM-style step: chunked prefills (cache partly filled before) and
+  # decodes of one token, in one call; the page pool dealt at random.
+  q_lens = [prefill] * n_prefill + [1] * n_decode
+  kv_lens = rng.integers(np.array(q_lens), capacity + 1)
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  table = rng.permutation(s * pages).reshape(s, pages).astype(np.int32)
+  q = jnp.asarray(rng.standard_normal((int(cu[-1]), h, d)), dtype)
+  kv = jnp.asarray(rng.standard_normal((s * pages, page, 2 * hk, d)), dtype)
+  args = (q, kv, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(table),
+          jnp.asarray(cu), jnp.asarray([s], jnp.int32))
+
+  def ragged_paged_attention(*a, backend=None):
+    return api.ragged_paged_attention(*a, sm_scale=d ** -0.5,
+                                      backend=backend)
+
+  exact = dtype == jnp.float32
+  return [Case(op="ragged_paged_attention",
+               shape=(f"{n_prefill}x{prefill}+{n_decode}x1 tokens H{h}/{hk} "
+                      f"D{d} page{page}x{pages} {dtype.name}"),
+               fn=ragged_paged_attention, args=args,
+               tolerance=2e-5 if exact else 2e-2, error=relative_error)]

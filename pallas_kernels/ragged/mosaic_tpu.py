@@ -1,0 +1,374 @@
+"""Mosaic TPU ragged paged attention: work items over a paged KV cache.
+
+The ragged token axis is cut into work items outside the kernel (XLA, on
+traced metadata): each sequence's query tokens in runs of ``tq``
+(``num_queries_per_block``), so a decode token is one item and a long
+prefill several. The number of items is bounded statically,
+``W = (T + min(S, T) * (tq - 1)) // tq``; items past the real ones are
+empty. Each item's queries are gathered into ``[Hkv, rows, D]`` (its
+``tq`` tokens times the ``G = H / Hkv`` query heads of each kv head, padded
+to the sublane tile) and the outputs scattered back to their tokens.
+
+Grid ``(W, kv blocks)``, the last axis sequential. A kv block is
+``chunks`` pages (``num_kv_pages_per_block``). Step ``j`` of item ``w``
+reads block ``lo + j`` of the item's visible run ``lo..hi`` (from the
+window's first key to the item's last query position): the cache stays in
+HBM and the kernel DMAs the block's pages itself, one DMA per page (a page
+``[page_size, 2 * Hkv, D]`` is contiguous; the cache is passed as
+``[num_pages, page_size * 2 * Hkv, D]``), into two VMEM slots: the next
+block's while this one computes. Per-slice DMAs of one combined head
+(``kv_pages[page, :, c]``) do not lower: Mosaic wants tile-aligned slices of
+the tiled head axis. K of head h is then rows ``2h, 2h + 2Hkv, ...`` of the
+slot: a strided load with a static start (Mosaic takes strided loads of
+16- and 8-bit data only at static offsets, and from jax 0.12 on), hence one
+code path per slot. Steps past ``hi`` do nothing; the item axis is
+parallel (each item's DMA chain is its own, nothing is prefetched across
+items). Online softmax per kv head (float32 state in VMEM); blocks that
+every query of the item sees whole skip the mask, the others mask by
+position and zero value rows at or past the length (pages past it are not
+read; garbage there never reaches the output). ``sinks`` join the
+denominator at the end; ``k_scale`` joins the logit scale and ``v_scale``
+the final normalization.
+
+Scalar-prefetched: the items' (sequence, first position, tokens), the
+clipped lengths and the clipped, flattened page table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _backend, _compat, _cost
+from pallas_kernels._compat import pl, pltpu
+from pallas_kernels.attention.mosaic_tpu import online_softmax_step
+from pallas_kernels.ragged import reference as _ref
+
+LANES = 128
+_SQ = pl.Squeezed() if hasattr(pl, "Squeezed") else None
+_NT = (((1,), (1,)), ((), ()))   # a @ b^T
+# Bytes of one step's K and V pages in VMEM per generation (as decode's).
+BLOCK_BYTES = {"v4": 1 << 20, "v5e": 2 << 20, "v5p": 2 << 20,
+               "v6e": 4 << 20, "tpu7x": 4 << 20}
+SCORE_BYTES = 1 << 20          # one step's float32 logits (rows x block)
+ROWS = 128                     # default query rows per item (tq * G)
+SMEM_TABLE_BYTES = 512 << 10   # page table + metadata prefetched to SMEM
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  tq: int            # query tokens per item
+  rows: int          # tq * G padded to the sublane tile
+  chunks: int        # pages per kv block
+  block: int         # keys per kv block
+  num_blocks: int    # kv blocks covering pages_per_seq
+  items: int         # W, the static bound on work items
+
+
+def _sublanes(itemsize: int) -> int:
+  return 8 * max(1, 4 // itemsize)
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def supports(q, kv_pages, page_indices) -> str | None:
+  """Why the kernel cannot run the call, else None."""
+  if jnp.float16 in (q.dtype, kv_pages.dtype):
+    return ("Mosaic cannot load float16 vectors on TPU v5e/v6e: use "
+            "bfloat16 or float32")
+  # The table, the lengths and at most T work items of 3 scalars.
+  entries = page_indices.size + page_indices.shape[0] + 3 * q.shape[0]
+  if entries * 4 > SMEM_TABLE_BYTES:
+    return (f"the page table and metadata ({entries} int32) exceed the "
+            f"{SMEM_TABLE_BYTES >> 10} KiB of SMEM they may use")
+  return None
+
+
+def hardware(kv_pages, target) -> str | None:
+  """Why the chip's compiler cannot take the call (interpreters can)."""
+  del target
+  if kv_pages.dtype.itemsize != 4 and _compat.JAX_VERSION < (0, 12):
+    return (f"a {kv_pages.dtype} cache needs jax >= 0.12: this jax's Mosaic "
+            "has no strided loads of 16- or 8-bit data (the K and V heads "
+            "are interleaved in a page)")
+  if kv_pages.shape[-1] % 128 and _compat.JAX_VERSION < (0, 12):
+    return (f"head_dim {kv_pages.shape[-1]} (not a multiple of 128) needs "
+            "jax >= 0.12 for the page DMAs; this jax's Mosaic rejects them")
+  return None
+
+
+def make_plan(tokens, heads, kv_heads, head_dim, max_seqs, page_size,
+              pages_per_seq, q_itemsize, kv_itemsize, *,
+              num_queries_per_block=None, num_kv_pages_per_block=None,
+              generation=None) -> Plan:
+  group = heads // kv_heads
+  tq = num_queries_per_block or max(1, ROWS // group)
+  tq = max(1, min(tq, max(tokens, 1)))
+  rows = _round_up(tq * group, _sublanes(q_itemsize))
+  if num_kv_pages_per_block is None:
+    generation = generation or _backend.target().tpu_generation
+    block_bytes = BLOCK_BYTES.get(generation, BLOCK_BYTES["v5e"])
+    lanes = _round_up(head_dim, LANES)
+    keys = min(block_bytes // (2 * kv_heads * lanes * kv_itemsize),
+               SCORE_BYTES // (rows * 4))
+    chunks = max(1, keys // page_size)
+  else:
+    chunks = num_kv_pages_per_block
+  chunks = max(1, min(chunks, pages_per_seq))
+  items = (tokens + min(max_seqs, tokens) * (tq - 1)) // tq
+  return Plan(tq=tq, rows=rows, chunks=chunks, block=chunks * page_size,
+              num_blocks=-(-pages_per_seq // chunks), items=max(items, 1))
+
+
+def vmem_bytes(plan: Plan, kv_heads, head_dim, q_itemsize, kv_itemsize):
+  """Double-buffered q and out, the K/V slots, the float32 state and the
+  step's temporaries (logits, probabilities, mask)."""
+  lanes = _round_up(head_dim, LANES)
+  qo = 2 * 2 * kv_heads * plan.rows * lanes * q_itemsize
+  kv = 2 * 2 * kv_heads * plan.block * lanes * kv_itemsize
+  if kv_itemsize != q_itemsize:   # one head's K and V converted at a time
+    kv += 2 * plan.block * lanes * 4
+  state = kv_heads * plan.rows * (2 * LANES + lanes) * 4
+  temps = 4 * plan.rows * _round_up(plan.block, LANES) * 4
+  return qo + kv + state + temps
+
+
+# ----------------------------------------------------------------- kernel --
+
+def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
+            *refs, plan: Plan, group, kv_heads, page_size, pages_per_seq,
+            window, sm_scale, cap, v_scale, sinks):
+  sinks_ref = refs[0] if sinks else None
+  o_ref, m_ref, l_ref, acc_ref, buf, sems = refs[sinks:]
+  w, j = pl.program_id(0), pl.program_id(1)
+  seq, pos0, nq = seq_ref[w], pos_ref[w], nq_ref[w]
+  length = lens_ref[seq]
+  last = jnp.minimum(length, pos0 + nq) - 1     # the item's last key
+  first = jnp.int32(0)
+  if window is not None:
+    first = jnp.maximum(pos0 - (window - 1), 0)
+  live = (nq > 0) & (last >= first)
+  lo = lax.div(first, jnp.int32(plan.block))
+  hi = lax.div(jnp.maximum(last, 0), jnp.int32(plan.block))
+  blk = lo + j
+  run = live & (blk <= hi)
+  slot = lax.rem(j, 2)
+  used_pages = lax.div(length + (page_size - 1), jnp.int32(page_size))
+  channels = 2 * kv_heads
+
+  def loaded(b):  # pages of block b holding keys below the length
+    return jnp.clip(used_pages - b * plan.chunks, 0, plan.chunks)
+
+  def copy(page, c, ch, s):
+    size = page_size * channels
+    at = s * (plan.block * channels) + c * size
+    return pltpu.make_async_copy(
+        kv_hbm.at[page], buf.at[pl.ds(pl.multiple_of(at, size), size)],
+        sems.at[s])
+
+  def start(b, s):
+    base = seq * pages_per_seq + b * plan.chunks
+
+    def body(c, carry):
+      copy(table_ref[base + c], c, 0, s).start()
+      return carry
+    lax.fori_loop(0, loaded(b), body, 0)
+
+  def wait(b, s):
+    n = loaded(b)
+
+    @pl.when(n == plan.chunks)
+    def _whole():   # one wait for the slot's bytes
+      whole = buf.at[pl.ds(0, plan.block * channels)]
+      pltpu.make_async_copy(whole, whole, sems.at[s]).wait()
+
+    @pl.when(n < plan.chunks)
+    def _part():
+      def body(c, carry):
+        copy(0, 0, 0, s).wait()
+        return carry
+      lax.fori_loop(0, n, body, 0)
+
+  @pl.when(j == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  @pl.when(run & (j == 0))
+  def _first():
+    start(blk, slot)
+
+  @pl.when(run & (blk < hi))
+  def _next():
+    start(blk + 1, 1 - slot)
+
+  key0 = blk * plan.block
+  whole = (key0 + plan.block - 1 <= pos0) & (key0 + plan.block <= length)
+  if window is not None:
+    whole &= key0 > pos0 + nq - 1 - window
+
+  def step(masked, sl):
+    wait(blk, sl)
+    if masked:
+      shape = (plan.rows, plan.block)
+      cols = key0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+      r = lax.broadcasted_iota(jnp.int32, shape, 0)
+      # Row r is token r // G at position pos0 + r // G.
+      visible = (r >= (cols - pos0) * group) & (cols < length)
+      if window is not None:
+        visible &= r < (cols + window - pos0) * group
+      written = key0 + lax.broadcasted_iota(
+          jnp.int32, (plan.block, 1), 0) < length
+    for h in range(kv_heads):
+      q = q_ref[h]
+      # Keys of head h are rows 2h, 2h + C, ... of the slot (a static
+      # start: Mosaic's strided loads of packed types need one).
+      at = sl * plan.block * channels + 2 * h
+      k = buf[pl.ds(at, plan.block, stride=channels)]
+      v = buf[pl.ds(at + 1, plan.block, stride=channels)]
+      k, v = k.astype(q.dtype), v.astype(q.dtype)
+      s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+      s = s * sm_scale
+      if cap is not None:
+        s = cap * jnp.tanh(s / cap)
+      if masked:
+        s = jnp.where(visible, s, -jnp.inf)
+        v = jnp.where(written, v, jnp.zeros_like(v))
+      online_softmax_step(s, v, m_ref.at[h], l_ref.at[h], acc_ref.at[h])
+
+  for sl in (0, 1):
+    here = run & (slot == sl)
+    pl.when(here & whole)(functools.partial(step, False, sl))
+    pl.when(here & jnp.logical_not(whole))(functools.partial(step, True, sl))
+
+  @pl.when(j == plan.num_blocks - 1)
+  def _finish():
+    l = l_ref[...]
+    has_keys = l[..., :1] != 0
+    scale = 1.0 if v_scale is None else v_scale
+    acc = acc_ref[...]
+    if sinks:  # exp(sink) joins the denominator
+      m, sink = m_ref[...], sinks_ref[...]
+      top = jnp.maximum(m, sink)
+      keep = jnp.exp(m - top)
+      l = l * keep + jnp.exp(sink - top)
+      acc = acc * keep[..., :1]
+    out = acc * (scale / jnp.where(has_keys, l[..., :1], 1.0))
+    o_ref[...] = jnp.where(has_keys, out, 0.0).astype(o_ref.dtype)
+
+
+# -------------------------------------------------------------- host side --
+
+def work_items(bounds, kv_lens, plan: Plan):
+  """Per item (sequence, position of its first query, query count) [W]
+  int32 each, and per sequence its first item [S]."""
+  s = bounds.shape[0] - 1
+  qlens = bounds[1:] - bounds[:-1]
+  counts = -(-qlens // plan.tq)
+  ends = jnp.cumsum(counts)
+  starts = ends - counts
+  w = jnp.arange(plan.items, dtype=jnp.int32)
+  seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), s - 1)
+  seq = seq.astype(jnp.int32)
+  qoff = (w - starts[seq]) * plan.tq
+  nq = jnp.where(w < ends[-1], jnp.clip(qlens[seq] - qoff, 0, plan.tq), 0)
+  pos0 = kv_lens[seq] - qlens[seq] + qoff
+  return seq, pos0.astype(jnp.int32), nq.astype(jnp.int32), starts, qoff
+
+
+def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+           sinks=None, *, sm_scale, sliding_window, soft_cap, k_scale, v_scale,
+           num_queries_per_block, num_kv_pages_per_block, vmem_limit_bytes,
+           interpret):
+  """[T, H, D] in q's dtype (arguments as checked by the API)."""
+  tokens, heads, head_dim = q.shape
+  num_pages, page_size, combined, _ = kv_pages.shape
+  kv_heads = combined // 2
+  group = heads // kv_heads
+  max_seqs, pages_per_seq = page_indices.shape
+  plan = make_plan(tokens, heads, kv_heads, head_dim, max_seqs, page_size,
+                   pages_per_seq, q.dtype.itemsize, kv_pages.dtype.itemsize,
+                   num_queries_per_block=num_queries_per_block,
+                   num_kv_pages_per_block=num_kv_pages_per_block)
+  bounds = _ref.seq_bounds(cu_q_lens, num_seqs, tokens)
+  lens = jnp.clip(kv_lens.astype(jnp.int32), 0, pages_per_seq * page_size)
+  seq, pos0, nq, first_item, qoff = work_items(bounds, lens, plan)
+
+  # Gather each item's queries: [W, tq, H, D] -> [W, Hkv, tq * G, D].
+  tq, w_items = plan.tq, plan.items
+  r = jnp.arange(tq, dtype=jnp.int32)
+  idx = (bounds[seq] + qoff)[:, None] + r
+  rows_live = r[None] < nq[:, None]
+  qi = jnp.where(rows_live[..., None, None],
+                 q[jnp.clip(idx, 0, tokens - 1)], jnp.zeros((), q.dtype))
+  qi = qi.reshape(w_items, tq, kv_heads, group, head_dim)
+  qi = qi.transpose(0, 2, 1, 3, 4).reshape(w_items, kv_heads, tq * group,
+                                           head_dim)
+  qi = jnp.pad(qi, ((0, 0), (0, 0), (0, plan.rows - tq * group), (0, 0)))
+
+  table = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
+  scale = sm_scale * (1.0 if k_scale is None else k_scale)
+  kernel = functools.partial(
+      _kernel, plan=plan, group=group, kv_heads=kv_heads, page_size=page_size,
+      pages_per_seq=pages_per_seq, window=sliding_window, sm_scale=scale,
+      cap=soft_cap, v_scale=v_scale, sinks=sinks is not None)
+  spec = pl.BlockSpec((_SQ, kv_heads, plan.rows, head_dim),
+                      lambda w, j, *_: (w, 0, 0, 0))
+  in_specs = [spec, pl.BlockSpec(memory_space=pl.ANY)]
+  extra = []
+  if sinks is not None:   # [Hkv, rows, 128]: row r holds head r % G's sink
+    rows_sink = sinks.astype(jnp.float32).reshape(kv_heads, 1, group)
+    rows_sink = jnp.tile(rows_sink, (1, tq, 1)).reshape(kv_heads, tq * group)
+    rows_sink = jnp.pad(rows_sink, ((0, 0), (0, plan.rows - tq * group)))
+    extra = [jnp.broadcast_to(rows_sink[..., None],
+                              (kv_heads, plan.rows, LANES))]
+    in_specs.append(pl.BlockSpec((kv_heads, plan.rows, LANES),
+                                 lambda w, j, *_: (0, 0, 0)))
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=5, grid=(w_items, plan.num_blocks),
+      in_specs=in_specs, out_specs=spec,
+      scratch_shapes=[
+          pltpu.VMEM((kv_heads, plan.rows, LANES), jnp.float32),
+          pltpu.VMEM((kv_heads, plan.rows, LANES), jnp.float32),
+          pltpu.VMEM((kv_heads, plan.rows, head_dim), jnp.float32),
+          pltpu.VMEM((2 * plan.block * combined, head_dim), kv_pages.dtype),
+          pltpu.SemaphoreType.DMA((2,))])
+  sizes = (kv_heads, head_dim, q.dtype.itemsize, kv_pages.dtype.itemsize)
+  if vmem_limit_bytes is None:
+    need = vmem_bytes(plan, *sizes) * 5 // 4
+    vmem_limit_bytes = max(16 << 20, _round_up(need, 1 << 20))
+  pairs = w_items * heads * tq * pages_per_seq * page_size
+  work = dict(flops=4 * pairs * head_dim, transcendentals=pairs,
+              bytes_accessed=(2 * max_seqs * pages_per_seq * page_size
+                              * kv_heads * head_dim * kv_pages.dtype.itemsize
+                              + 2 * qi.size * q.dtype.itemsize))
+  out = _compat.pallas_call(
+      kernel, grid_spec=grid_spec,
+      out_shape=jax.ShapeDtypeStruct(qi.shape, q.dtype),
+      compiler_params=_compat.tpu_compiler_params(
+          # Items are independent (each item's DMA chain is its own).
+          dimension_semantics=("parallel", "arbitrary"),
+          disable_bounds_checks=True,   # page ids clipped above
+          vmem_limit_bytes=vmem_limit_bytes),
+      interpret=interpret, cost_estimate=_cost.estimate(**work),
+      name="ragged_paged_attention",
+  )(seq, pos0, nq, lens, table, qi,
+    kv_pages.reshape(num_pages, page_size * combined, head_dim), *extra)
+
+  # Scatter back: token t of sequence i is row (t - c_i) % tq of item
+  # first_item[i] + (t - c_i) // tq.
+  out = out[:, :, :tq * group].reshape(w_items, kv_heads, tq, group, head_dim)
+  out = out.transpose(0, 2, 1, 3, 4).reshape(w_items * tq, heads, head_dim)
+  owner = _ref.token_seqs(bounds, tokens)
+  live = owner < max_seqs
+  owner = jnp.minimum(owner, max_seqs - 1)
+  rel = jnp.arange(tokens, dtype=jnp.int32) - bounds[owner]
+  src = (first_item[owner] + rel // tq) * tq + rel % tq
+  src = jnp.clip(src, 0, w_items * tq - 1)
+  return jnp.where(live[:, None, None], out[src], jnp.zeros((), q.dtype))

@@ -1,0 +1,93 @@
+"""Pure-JAX ragged paged attention (gathers each sequence's pages).
+
+Shared definitions: ``seq_bounds`` (which tokens belong to which sequence)
+is the normalization the kernel uses too.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def seq_bounds(cu_q_lens, num_seqs, tokens: int):
+  """[S + 1] int32 token boundaries: sequence i owns tokens
+  ``[c[i], c[i+1])``. ``cu_q_lens`` clipped to [0, tokens] and made
+  non-decreasing; sequences at or past ``num_seqs`` are empty."""
+  s = cu_q_lens.shape[0] - 1
+  n = jnp.clip(num_seqs.reshape(-1)[0], 0, s)
+  c = lax.cummax(jnp.clip(cu_q_lens.astype(jnp.int32), 0, tokens), axis=0)
+  last = c[n]
+  return jnp.where(jnp.arange(s + 1) > n, last, c)
+
+
+def token_seqs(bounds, tokens: int):
+  """[T] int32: each token's sequence, S for tokens outside every one."""
+  t = jnp.arange(tokens, dtype=jnp.int32)
+  seq = jnp.searchsorted(bounds[1:], t, side="right").astype(jnp.int32)
+  s = bounds.shape[0] - 1
+  return jnp.where(t < bounds[0], s, seq)
+
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+                           num_seqs, sinks=None, *, sm_scale=1.0,
+                           sliding_window=None, soft_cap=None, k_scale=None,
+                           v_scale=None, **unused):
+  """``pallas_kernels.ragged_paged_attention`` in plain JAX: per sequence,
+  its pages gathered and every token attends to them (float32 softmax),
+  masked to the sequence's own tokens. Arguments as the op's (checked)."""
+  del unused
+  tokens, heads, head_dim = q.shape
+  num_pages, page_size, combined, _ = kv_pages.shape
+  kv_heads = combined // 2
+  group = heads // kv_heads
+  s, pages_per_seq = page_indices.shape
+  capacity = pages_per_seq * page_size
+  bounds = seq_bounds(cu_q_lens, num_seqs, tokens)
+  owner = token_seqs(bounds, tokens)
+  lens = jnp.clip(kv_lens.astype(jnp.int32), 0, capacity)
+  table = jnp.clip(page_indices, 0, num_pages - 1)
+  qf = q.astype(jnp.float32).reshape(tokens, kv_heads, group, head_dim)
+  t_idx = jnp.arange(tokens, dtype=jnp.int32)
+  keys = jnp.arange(capacity, dtype=jnp.int32)
+  if sinks is not None:
+    sink = sinks.astype(jnp.float32).reshape(1, kv_heads, group, 1)
+
+  def one(i):
+    pages = kv_pages[table[i]].reshape(capacity, combined, head_dim)
+    k = pages[:, 0::2].astype(jnp.float32)   # [C, Hkv, D]
+    v = pages[:, 1::2].astype(jnp.float32)
+    if k_scale is not None:
+      k = k * k_scale
+    if v_scale is not None:
+      v = v * v_scale
+    length = lens[i]
+    pos = length - (bounds[i + 1] - bounds[i]) + (t_idx - bounds[i])  # [T]
+    visible = (keys[None] <= pos[:, None]) & (keys[None] < length)
+    if sliding_window is not None:
+      visible &= keys[None] > pos[:, None] - sliding_window
+    visible &= (owner == i)[:, None]
+    logits = jnp.einsum("tkgd,ckd->tkgc", qf, k,
+                        precision=lax.Precision.HIGHEST) * sm_scale
+    if soft_cap is not None:
+      logits = soft_cap * jnp.tanh(logits / soft_cap)
+    logits = jnp.where(visible[:, None, None], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+      m = jnp.maximum(m, sink)
+    p = jnp.exp(logits - jnp.where(m == -jnp.inf, 0.0, m))
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:   # exp(sink) joins the denominator
+      l = l + jnp.exp(sink - m)
+    v = jnp.where((keys < length)[:, None, None], v, 0.0)  # garbage past it
+    out = jnp.einsum("tkgc,ckd->tkgd", p, v, precision=lax.Precision.HIGHEST)
+    # Only sequence i's tokens: another's (or one past num_seqs, whose
+    # pages may hold anything) must not leak 0 * NaN in.
+    mine = (owner == i)[:, None, None, None] & (l > 0)
+    return jnp.where(mine, out / jnp.where(l > 0, l, 1.0), 0.0)
+
+  def body(i, acc):
+    return acc + one(i)
+
+  out = lax.fori_loop(0, s, body, jnp.zeros(qf.shape, jnp.float32))
+  return out.reshape(tokens, heads, head_dim).astype(q.dtype)

@@ -1,0 +1,297 @@
+"""ragged_paged_attention against the float64 oracle (tests/oracles/ragged.py)
+on the reference and the TPU kernel in interpret mode: mixed prefill and
+decode batches with empty sequences, GQA at ratios 1-3, page tables in any
+order whose unused entries hold garbage (out-of-range ids), NaN in cache
+rows past each length and in unused pages, sliding window, soft cap, sinks,
+8-bit caches, ``num_seqs`` below the table's rows; bad inputs; AOT compiles
+for v5e and v6e. ``--runslow``: a random sweep.
+
+Tolerances (max |error| over outputs of magnitude <= 1-ish): float32 2e-5;
+bfloat16 and 8-bit caches 3e-2 (bfloat16 probabilities and output).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import backends
+import pallas_kernels as pk
+from oracles import ragged as oracle
+from pallas_kernels import _compat, tpu_aot
+
+KERNELS = backends.params(["interpret", "interpret_generic", "reference"])
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
+
+
+def make_batch(rng, q_lens, kv_lens, *, heads, kv_heads, head_dim, page_size,
+               pages_per_seq, dtype=jnp.float32, cache_dtype=None,
+               extra_tokens=2, extra_seqs=0, spare_pages=3):
+  """Inputs of one call: sequences with the given query and cache lengths
+  (``extra_seqs`` more table rows past ``num_seqs`` holding garbage), pages
+  dealt at random from a pool with spare pages; unused table entries are
+  garbage ids, unused cache rows NaN (float caches)."""
+  n = len(q_lens)
+  s = n + extra_seqs
+  used = [-(-k // page_size) for k in kv_lens]
+  num_pages = sum(used) + spare_pages
+  perm = rng.permutation(num_pages)
+  table = rng.integers(-5, 10 * num_pages, (s, pages_per_seq)).astype(np.int32)
+  cache_dtype = cache_dtype or dtype
+  is_float = jnp.issubdtype(cache_dtype, jnp.floating)
+  if is_float and jnp.dtype(cache_dtype).itemsize >= 2:
+    pool = rng.standard_normal((num_pages, page_size, 2 * kv_heads, head_dim))
+    pool[:] = np.nan    # rows never written
+  else:
+    pool = np.zeros((num_pages, page_size, 2 * kv_heads, head_dim))
+  at = 0
+  for i, (k, u) in enumerate(zip(kv_lens, used)):
+    table[i, :u] = perm[at:at + u]
+    for p in range(u):
+      rows = min(page_size, k - p * page_size)
+      data = rng.standard_normal((rows, 2 * kv_heads, head_dim))
+      if not is_float or jnp.dtype(cache_dtype).itemsize == 1:
+        data = np.round(data * 30) if not is_float else data * 4
+      pool[perm[at + p], :rows] = data
+    at += u
+  pool = jnp.asarray(pool, cache_dtype)
+  cu = np.zeros(s + 1, np.int32)
+  cu[1:n + 1] = np.cumsum(q_lens)
+  cu[n + 1:] = rng.integers(0, 1000, extra_seqs)   # ignored
+  lens = np.concatenate([kv_lens, rng.integers(0, 10**6, extra_seqs)])
+  tokens = int(cu[n]) + extra_tokens
+  q = jnp.asarray(rng.standard_normal((tokens, heads, head_dim)), dtype)
+  return (q, pool, jnp.asarray(lens, jnp.int32), jnp.asarray(table),
+          jnp.asarray(cu), jnp.asarray([n], jnp.int32))
+
+
+def _check(backend, args, tol, **kw):
+  got = backend.run(pk.ragged_paged_attention, *args, **kw)
+  assert got.shape == args[0].shape and got.dtype == args[0].dtype
+  n = int(args[5][0])
+  cu, lens, table = (np.asarray(a) for a in (args[4], args[2], args[3]))
+  want = oracle.ragged_paged_attention(
+      np.asarray(args[0], np.float64), np.asarray(args[1], np.float64),
+      lens, table, cu, [n], **{k: np.asarray(v) if k == "sinks" else v
+                               for k, v in kw.items()
+                               if not k.startswith("num_")})
+  got = np.asarray(got, np.float64)
+  assert np.isfinite(got).all()
+  np.testing.assert_allclose(got, want, atol=tol, rtol=0)
+  assert not got[cu[n]:].any()   # tokens past the sequences
+
+
+CASES = {
+    # prefill (chunked: its cache already holds 4 tokens), decode, an empty
+    # sequence, a decode whose page is partly written; GQA 2
+    "mixed": dict(q_lens=[7, 1, 0, 1], kv_lens=[11, 13, 5, 1], heads=4,
+                  kv_heads=2, head_dim=128, page_size=4, pages_per_seq=4,
+                  kw=dict(sm_scale=0.3, num_kv_pages_per_block=2,
+                          num_queries_per_block=3)),
+    # GQA 3, window, soft cap and sinks, rows over several kv blocks
+    "window_cap": dict(q_lens=[5, 2], kv_lens=[21, 9], heads=6, kv_heads=2,
+                       head_dim=128, page_size=8, pages_per_seq=3,
+                       kw=dict(sm_scale=0.2, sliding_window=6, soft_cap=2.5,
+                               sinks=jnp.linspace(-1.0, 2.0, 6),
+                               num_kv_pages_per_block=1,
+                               num_queries_per_block=2)),
+    # decode only, bfloat16, MHA, two garbage table rows past num_seqs
+    "decode_bf16": dict(q_lens=[1, 1, 1], kv_lens=[3, 17, 9], heads=2,
+                        kv_heads=2, head_dim=128, page_size=8,
+                        pages_per_seq=3, dtype=jnp.bfloat16, extra_seqs=2,
+                        kw=dict(sm_scale=0.1)),
+}
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_against_oracle(backend, name):
+  case = dict(CASES[name])
+  kw = case.pop("kw")
+  dtype = case.get("dtype", jnp.float32)
+  args = make_batch(np.random.default_rng(len(name)), **case)
+  _check(backend, args, TOL[dtype], **kw)
+
+
+@pytest.mark.parametrize("backend",
+                         backends.params(["interpret", "reference"]))
+def test_int8_cache_with_scales(backend):
+  args = make_batch(np.random.default_rng(1), [3, 1], [6, 10], heads=4,
+                    kv_heads=1, head_dim=128, page_size=8, pages_per_seq=2,
+                    dtype=jnp.bfloat16, cache_dtype=jnp.int8)
+  _check(backend, args, TOL[jnp.bfloat16], sm_scale=0.5, k_scale=0.01,
+         v_scale=0.02)
+
+
+def test_one_trace_serves_other_batches():
+  """Lengths, boundaries and page tables are traced: a second batch of the
+  same shapes reuses the first's trace."""
+  rng = np.random.default_rng(5)
+  shape = dict(heads=4, kv_heads=1, head_dim=128, page_size=4,
+               pages_per_seq=4)
+  a = make_batch(rng, [4, 2], [9, 2], **shape)            # 4 pages used
+  b = make_batch(rng, [2, 4], [5, 16], spare_pages=1, **shape)
+  traces = []
+
+  @jax.jit
+  def fn(*x):
+    traces.append(1)
+    return pk.ragged_paged_attention(*x, sm_scale=0.3, backend="reference")
+
+  for args in (a, b):
+    want = oracle.ragged_paged_attention(*args, sm_scale=0.3)
+    np.testing.assert_allclose(np.asarray(fn(*args)), want, atol=2e-5)
+  assert len(traces) == 1
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(q=jnp.zeros((4, 4))), "q must be"),
+    (dict(kv_pages=jnp.zeros((3, 4, 3, 128))), "kv_pages must be"),
+    (dict(kv_pages=jnp.zeros((3, 4, 6, 128))), "multiple of the kv heads"),
+    (dict(kv_pages=jnp.zeros((3, 4, 4, 64))), "head_dim"),
+    (dict(kv_lens=jnp.zeros((3,), jnp.int32)), "kv_lens must be"),
+    (dict(kv_lens=jnp.zeros((2,), jnp.float32)), "kv_lens must be int32"),
+    (dict(cu_q_lens=jnp.zeros((2,), jnp.int32)), "cu_q_lens must be"),
+    (dict(num_seqs=jnp.int32(1)), "num_seqs must be"),
+    (dict(page_indices=jnp.zeros((2, 0), jnp.int32)), "page_indices must"),
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(soft_cap=0.0), "soft_cap"),
+    (dict(num_queries_per_block=0), "num_queries_per_block"),
+    (dict(k_scale=jnp.ones(2)), "k_scale"),
+    (dict(sinks=jnp.ones(3)), "sinks must be"),
+])
+def test_bad_inputs(bad, match):
+  args = dict(q=jnp.zeros((4, 4, 128)), kv_pages=jnp.zeros((3, 4, 4, 128)),
+              kv_lens=jnp.zeros((2,), jnp.int32),
+              page_indices=jnp.zeros((2, 2), jnp.int32),
+              cu_q_lens=jnp.zeros((3,), jnp.int32),
+              num_seqs=jnp.ones((1,), jnp.int32))
+  kw = {k: bad.pop(k) for k in list(bad) if k not in args}
+  args.update(bad)
+  with pytest.raises(ValueError, match=match):
+    pk.ragged_paged_attention(*args.values(), backend="reference", **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("seed", range(12))
+def test_random_sweep(backend, seed):
+  rng = np.random.default_rng(100 + seed)
+  kv_heads = int(rng.choice([1, 2]))
+  group = int(rng.choice([1, 2, 3, 4]))
+  page_size = int(rng.choice([4, 8, 16]))
+  pages_per_seq = int(rng.integers(1, 5))
+  n = int(rng.integers(1, 6))
+  kv_lens = rng.integers(0, pages_per_seq * page_size + 1, n)
+  q_lens = [int(rng.integers(0, k + 1)) if rng.random() < 0.4
+            else min(int(k), 1) for k in kv_lens]
+  dtype = jnp.bfloat16 if seed % 3 == 0 else jnp.float32
+  kw = dict(sm_scale=float(rng.uniform(0.05, 0.3)))
+  if seed % 2:
+    kw["sliding_window"] = int(rng.integers(1, 20))
+  if seed % 4 == 1:
+    kw["soft_cap"] = 3.0
+  if seed % 3 == 1:
+    kw["sinks"] = jnp.asarray(rng.standard_normal(kv_heads * group),
+                              jnp.float32)
+  if rng.random() < 0.5:
+    kw["num_queries_per_block"] = int(rng.integers(1, 9))
+    kw["num_kv_pages_per_block"] = int(rng.integers(1, pages_per_seq + 1))
+  args = make_batch(rng, q_lens, kv_lens, heads=kv_heads * group,
+                    kv_heads=kv_heads, head_dim=128, page_size=page_size,
+                    pages_per_seq=pages_per_seq, dtype=dtype,
+                    extra_seqs=int(rng.integers(0, 3)))
+  _check(backend, args, TOL[dtype], **kw)
+
+
+# ------------------------------------------------------------------- AOT --
+
+def _spec(*shape, dtype=jnp.int32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+AOT_CASES = [  # (t, h, hk, d, page, pages, s, cache dtype, kwargs)
+    (512, 32, 8, 128, 16, 128, 64, jnp.bfloat16, {}),
+    (256, 8, 2, 128, 32, 64, 16, jnp.bfloat16,
+     dict(sliding_window=128, soft_cap=30.0, sinks=jnp.zeros(8))),
+    (64, 12, 4, 128, 24, 10, 8, jnp.float32, {}),
+    (128, 16, 2, 128, 16, 32, 8, jnp.float8_e4m3fn,
+     dict(k_scale=0.5, v_scale=0.25)),
+]
+
+
+def _aot_params():
+  """Default: the bfloat16 cases on v5e, the fp8 one on v6e; --runslow:
+  every case on both."""
+  out = []
+  for i, case in enumerate(AOT_CASES):
+    for topology in ("v5e:2x2", "v6e:2x2"):
+      default = ((topology == "v6e:2x2") == (case[7] == jnp.float8_e4m3fn)
+                 and case[7] != jnp.float32)
+      marks = () if default else (pytest.mark.slow,)
+      out.append(pytest.param(topology, *case, marks=marks,
+                              id=f"{topology}-{i}"))
+  return out
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("topology,t,h,hk,d,page,pages,s,dtype,kw",
+                         _aot_params())
+def test_compiles_for_tpu(topology, t, h, hk, d, page, pages, s, dtype, kw,
+                          tpu_topologies):
+  if topology not in tpu_topologies:
+    pytest.skip(f"libtpu lacks {topology}")
+  q_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+  args = (_spec(t, h, d, dtype=q_dtype),
+          _spec(s * pages + 3, page, 2 * hk, d, dtype=dtype),
+          _spec(s), _spec(s, pages), _spec(s + 1), _spec(1))
+
+  def fn(*a):
+    return pk.ragged_paged_attention(*a, backend="mosaic_tpu", **kw)
+
+  if jnp.dtype(dtype).itemsize != 4 and _compat.JAX_VERSION < (0, 12):
+    with pytest.raises(tpu_aot.TpuCompileError, match="needs jax >= 0.12"):
+      tpu_aot.compile_for_tpu(fn, *args, topology=topology)
+    return
+  result = tpu_aot.compile_for_tpu(fn, *args, topology=topology)
+  vmem = result.kernel_vmem_bytes
+  assert vmem, "no Mosaic kernel in the program"
+  limit = pk._backend.TPU_VMEM_BYTES[tpu_aot.topology_generation(topology)]
+  assert max(vmem.values()) <= limit, vmem
+
+
+def test_kernel_refuses_a_table_beyond_smem():
+  q = jax.ShapeDtypeStruct((8, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((16, 16, 4, 128), jnp.bfloat16)
+  big = jax.ShapeDtypeStruct((1024, 256), jnp.int32)
+  lens = jax.ShapeDtypeStruct((1024,), jnp.int32)
+  cu = jax.ShapeDtypeStruct((1025,), jnp.int32)
+  one = jax.ShapeDtypeStruct((1,), jnp.int32)
+  with pytest.raises(ValueError, match="KiB of SMEM"):
+    jax.eval_shape(lambda *a: pk.ragged_paged_attention(
+        *a, backend="interpret"), q, kv, lens, big, cu, one)
+  out = jax.eval_shape(lambda *a: pk.ragged_paged_attention(*a), q, kv, lens,
+                       big, cu, one)   # backend=None: the reference
+  assert out.shape == q.shape
+
+
+def test_same_semantics_as_jax_reference():
+  """Migration check: JAX's own reference (where this jax ships it) gives
+  the same outputs on valid inputs (no NaN in the cache: it masks by
+  adding mask_value)."""
+  try:
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+        kernel as jax_rpa)
+  except ImportError:
+    pytest.skip("this jax has no ragged_paged_attention")
+  rng = np.random.default_rng(3)
+  args = make_batch(rng, [6, 1, 2], [9, 12, 2], heads=6, kv_heads=2,
+                    head_dim=128, page_size=4, pages_per_seq=3)
+  args = (args[0], jnp.nan_to_num(args[1], nan=7.0)) + args[2:]
+  kw = dict(sm_scale=0.2, sliding_window=5, soft_cap=4.0)
+  want = jax_rpa.ref_ragged_paged_attention(
+      *args[:3], jnp.clip(args[3], 0, args[1].shape[0] - 1), *args[4:], **kw)
+  got = pk.ragged_paged_attention(*args, backend="reference", **kw)
+  np.testing.assert_allclose(np.asarray(got[:want.shape[0]]),
+                             np.asarray(want), atol=2e-5)
