@@ -265,10 +265,65 @@ def _box_cases():
   ]
 
 
+def _gmm_cases():
+  def call(fmt=None, group=None, transpose=False, offset=None, grad=False):
+    m, k, n, g = 1000, 512, 384, 8
+    rhs = _spec((g, n, k) if transpose else (g, k, n), fmt or jnp.bfloat16)
+    operands = [_spec((m, k)), rhs, _spec((g,), jnp.int32)]
+    if fmt is not None:
+      s = k // group if group else 1
+      operands.append(_spec((g, n, s) if transpose else (g, s, n),
+                            jnp.float32))
+
+    def run(backend):
+      def f(lhs, rhs, sizes, *scale):
+        out = pk.grouped_matmul(lhs, rhs, sizes, transpose_rhs=transpose,
+                                group_offset=offset,
+                                rhs_scale=scale[0] if scale else None,
+                                backend=backend)
+        return out.astype(jnp.float32).sum()
+      if grad:
+        return jax.eval_shape(jax.grad(f, (0, 1)), *operands)
+      return jax.eval_shape(f, *operands)
+    return run
+
+  return [
+      ("bf16 experts", call()),
+      ("bf16 experts, rhs [G, N, K]", call(transpose=True)),
+      ("forward and backward (tgmm)", call(grad=True)),
+      ("expert-parallel shard (group_offset)", call(offset=0)),
+      ("int8 experts, per channel", call(jnp.int8)),
+      ("int4 experts, group 128", call(jnp.int4, 128)),
+      ("fp8 e4m3 experts, per channel, rhs [G, N, K]",
+       call(jnp.float8_e4m3fn, transpose=True)),
+  ]
+
+
+def _ragged_cases():
+  def call(dtype=jnp.bfloat16, d=128, kv_heads=2):
+    q = _spec((64, 8, d), dtype)
+    pages = _spec((32, 16, 2 * kv_heads, d), dtype)
+    ints = [_spec((4,), jnp.int32), _spec((4, 8), jnp.int32),
+            _spec((5,), jnp.int32), _spec((1,), jnp.int32)]
+
+    def run(backend):
+      return jax.eval_shape(
+          lambda *a: pk.ragged_paged_attention(*a, backend=backend), q,
+          pages, *ints)
+    return run
+
+  return [
+      ("bf16 cache, head_dim 128, GQA 4", call()),
+      ("float32 cache, head_dim 64", call(jnp.float32, 64)),
+  ]
+
+
 FAMILIES = (("flash_attention", _attention_cases),
             ("decode_attention", _decode_cases),
             ("int8_matmul", _int8_cases),
             ("quantized_matmul", _quantized_cases),
+            ("grouped_matmul", _gmm_cases),
+            ("ragged_paged_attention", _ragged_cases),
             ("IoU family and NMS", _box_cases))
 
 
