@@ -60,6 +60,7 @@ _EXPORTS = {
     "grouped_matmul": "pallas_kernels.gmm",
     "shard_grouped_matmul": "pallas_kernels.gmm",
     "ragged_paged_attention": "pallas_kernels.ragged",
+    "write_kv_pages": "pallas_kernels.ragged",
 }
 _SUBMODULES = ("reference", "nn", "tpu_aot", "attention", "decode", "int8",
                "quant", "boxes", "gmm", "ragged")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _backend
-from pallas_kernels.ragged import mosaic_tpu, reference
+from pallas_kernels.ragged import cache_mosaic_tpu, mosaic_tpu, reference
 
 OP = "ragged_paged_attention"
 Q_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -108,6 +109,54 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
   return _backend.dispatch(OP, backend, rows, *args)
 
 
+def write_kv_pages(kv_pages, new_kv, kv_lens, page_indices, cu_q_lens,
+                   num_seqs, *, backend: str | None = None):
+  """Writes each sequence's new K/V rows into their cache pages (the step
+  before ``ragged_paged_attention``, same metadata).
+
+  Args:
+    kv_pages: [num_pages, page_size, 2 * Hkv, D] cache (K of kv head h at
+      combined head 2h, V at 2h + 1).
+    new_kv: [T, 2 * Hkv, D]: the new tokens' K and V, interleaved the same
+      way (``jnp.stack([k, v], 2).reshape(T, 2 * Hkv, D)``), in the order of
+      ``cu_q_lens``; cast to the cache's dtype.
+    kv_lens, page_indices, cu_q_lens, num_seqs: as in
+      ``ragged_paged_attention`` (kv_lens include the new tokens).
+    backend: None, "mosaic_tpu", "interpret" or "reference".
+
+  Returns:
+    kv_pages with token t of sequence i written at position
+    ``kv_lens[i] - q_len_i + (t - cu_q_lens[i])``. Tokens outside the first
+    ``num_seqs`` sequences, or whose slot is past the page table or names
+    no page, are not written. The TPU kernel aliases the cache to the
+    result: under ``jax.jit(..., donate_argnums=...)`` it is updated in
+    place (no copy); the reference is an XLA scatter, in place likewise.
+  """
+  # The shared checks, with a stand-in q of the cache's heads.
+  shape = jnp.shape(kv_pages)
+  q_like = jax.ShapeDtypeStruct(
+      (jnp.shape(new_kv)[0], max(shape[2] // 2, 1) if len(shape) == 4 else 1,
+       shape[-1] if shape else 1), jnp.float32)
+  _, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs = _check(
+      q_like, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+      op="write_kv_pages")
+  new_kv = jnp.asarray(new_kv)
+  if new_kv.ndim != 3 or new_kv.shape[1:] != kv_pages.shape[2:]:
+    raise ValueError(
+        f"write_kv_pages: new_kv must be [T, 2 * Hkv, D] = [T, "
+        f"{kv_pages.shape[2]}, {kv_pages.shape[3]}] (kv_pages' heads and "
+        f"head_dim), got shape {new_kv.shape}")
+  _backend.check_backend("write_kv_pages", backend)
+  if new_kv.shape[0] == 0:
+    return kv_pages
+  rows = [_backend.Kernel("mosaic_tpu", lambda *a, interpret=None:
+                          cache_mosaic_tpu.write(
+                              *a, interpret=interpret or False)),
+          _backend.Kernel("reference", reference.write_kv_pages)]
+  return _backend.dispatch("write_kv_pages", backend, rows, kv_pages, new_kv,
+                           kv_lens, page_indices, cu_q_lens, num_seqs)
+
+
 def _positive_int(name, value):
   if value is None:
     return None
@@ -136,48 +185,51 @@ def _scale(name, value):
                      ) from None
 
 
-def _check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
-  q, kv_pages = jnp.asarray(q), jnp.asarray(kv_pages)
+def _check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+           op=OP):
+  if not isinstance(q, jax.ShapeDtypeStruct):  # write_kv_pages' stand-in
+    q = jnp.asarray(q)
+  kv_pages = jnp.asarray(kv_pages)
   kv_lens, page_indices = jnp.asarray(kv_lens), jnp.asarray(page_indices)
   cu_q_lens, num_seqs = jnp.asarray(cu_q_lens), jnp.asarray(num_seqs)
   if q.ndim != 3:
-    raise ValueError(f"{OP}: q must be [T, H, D], got shape {q.shape}")
+    raise ValueError(f"{op}: q must be [T, H, D], got shape {q.shape}")
   if kv_pages.ndim != 4 or kv_pages.shape[2] % 2:
-    raise ValueError(f"{OP}: kv_pages must be [num_pages, page_size, 2 * "
+    raise ValueError(f"{op}: kv_pages must be [num_pages, page_size, 2 * "
                      f"Hkv, D] (K and V heads interleaved), got shape "
                      f"{kv_pages.shape}")
   if kv_pages.shape[3] != q.shape[2]:
-    raise ValueError(f"{OP}: kv_pages head_dim {kv_pages.shape[3]} must "
+    raise ValueError(f"{op}: kv_pages head_dim {kv_pages.shape[3]} must "
                      f"equal q's {q.shape[2]}")
   if 0 in kv_pages.shape:
-    raise ValueError(f"{OP}: kv_pages needs at least one page, row and "
+    raise ValueError(f"{op}: kv_pages needs at least one page, row and "
                      f"head, got shape {kv_pages.shape}")
   kv_heads = kv_pages.shape[2] // 2
   if q.shape[1] % kv_heads:
-    raise ValueError(f"{OP}: q's heads H={q.shape[1]} must be a multiple "
+    raise ValueError(f"{op}: q's heads H={q.shape[1]} must be a multiple "
                      f"of the kv heads Hkv={kv_heads} (kv_pages.shape[2] / 2)")
   if page_indices.ndim != 2 or page_indices.shape[1] == 0:
-    raise ValueError(f"{OP}: page_indices must be [S, pages_per_seq] with "
+    raise ValueError(f"{op}: page_indices must be [S, pages_per_seq] with "
                      f"pages_per_seq >= 1, got shape {page_indices.shape}")
   s = page_indices.shape[0]
   if kv_lens.shape != (s,):
-    raise ValueError(f"{OP}: kv_lens must be [S] = [{s}] (page_indices' "
+    raise ValueError(f"{op}: kv_lens must be [S] = [{s}] (page_indices' "
                      f"rows), got shape {kv_lens.shape}")
   if cu_q_lens.shape != (s + 1,):
-    raise ValueError(f"{OP}: cu_q_lens must be [S + 1] = [{s + 1}], got "
+    raise ValueError(f"{op}: cu_q_lens must be [S + 1] = [{s + 1}], got "
                      f"shape {cu_q_lens.shape}")
   if num_seqs.shape != (1,):
-    raise ValueError(f"{OP}: num_seqs must be [1], got shape "
+    raise ValueError(f"{op}: num_seqs must be [1], got shape "
                      f"{num_seqs.shape}")
   for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices),
                   ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
     if x.dtype != jnp.int32:
-      raise ValueError(f"{OP}: {name} must be int32, got {x.dtype}")
+      raise ValueError(f"{op}: {name} must be int32, got {x.dtype}")
   if q.dtype not in Q_DTYPES:
-    raise ValueError(f"{OP}: q must be float32, bfloat16 or float16, got "
+    raise ValueError(f"{op}: q must be float32, bfloat16 or float16, got "
                      f"{q.dtype}")
   if kv_pages.dtype not in KV_DTYPES:
-    raise ValueError(f"{OP}: kv_pages must be float32, bfloat16, float16, "
+    raise ValueError(f"{op}: kv_pages must be float32, bfloat16, float16, "
                      f"int8, float8_e4m3fn or float8_e5m2, got "
                      f"{kv_pages.dtype}")
   return q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs

@@ -91,3 +91,35 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
 
   out = lax.fori_loop(0, s, body, jnp.zeros(qf.shape, jnp.float32))
   return out.reshape(tokens, heads, head_dim).astype(q.dtype)
+
+
+def token_slots(kv_lens, page_indices, cu_q_lens, num_seqs, tokens: int,
+                num_pages: int, page_size: int):
+  """(page, row) [T] int32 of each new token's cache slot; page = num_pages
+  (out of range: not written) for tokens outside the first ``num_seqs``
+  sequences, past the page table, or whose table entry is not a page."""
+  s, pages_per_seq = page_indices.shape
+  capacity = pages_per_seq * page_size
+  bounds = seq_bounds(cu_q_lens, num_seqs, tokens)
+  owner = token_seqs(bounds, tokens)
+  seq = jnp.minimum(owner, s - 1)
+  t = jnp.arange(tokens, dtype=jnp.int32)
+  lens = jnp.clip(kv_lens.astype(jnp.int32), 0, capacity)
+  pos = lens[seq] - (bounds[seq + 1] - bounds[seq]) + (t - bounds[seq])
+  ok = (owner < s) & (pos >= 0) & (pos < capacity)
+  slot = jnp.clip(pos, 0, capacity - 1)
+  page = page_indices[seq, slot // page_size]
+  ok &= (page >= 0) & (page < num_pages)
+  return (jnp.where(ok, page, num_pages).astype(jnp.int32),
+          (slot % page_size).astype(jnp.int32))
+
+
+def write_kv_pages(kv_pages, new_kv, kv_lens, page_indices, cu_q_lens,
+                   num_seqs):
+  """``pallas_kernels.write_kv_pages`` in plain JAX: one scatter (in place
+  when the caller donates kv_pages)."""
+  num_pages, page_size = kv_pages.shape[:2]
+  page, row = token_slots(kv_lens, page_indices, cu_q_lens, num_seqs,
+                          new_kv.shape[0], num_pages, page_size)
+  return kv_pages.at[page, row].set(new_kv.astype(kv_pages.dtype),
+                                    mode="drop")
