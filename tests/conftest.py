@@ -53,6 +53,7 @@ COMPAT_TIER = frozenset({
     "test_sharding.py", "test_generations_aot.py", "test_kernel_costs_aot.py",
     "test_package.py", "test_shard_helpers.py", "test_checked_shard_map.py",
     "test_grouped_matmul.py", "test_ragged_paged_attention.py",
+    "test_write_kv_pages.py",
 })
 
 
