@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import custom_batching
 
-from pallas_kernels import _backend
+from pallas_kernels import _interpret
 
 
 def fold_factor(rule) -> str | None:
@@ -111,7 +111,7 @@ def _per_index(call, args, batched, size):
     it = iter(slices)
     return call(*(next(it) if b else a for a, b in zip(args, batched)))
 
-  if _backend.forced_interpret_flavour() in ("tpu", "races"):
+  if _interpret.forced_interpret_flavour() in ("tpu", "races"):
     # The TPU-semantics interpreter's ordered callbacks cannot be lowered
     # inside a loop by every jax (0.7): one call per index, unrolled.
     outs = [one([a[i] for a in mapped]) for i in range(size)]
