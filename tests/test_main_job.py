@@ -79,7 +79,8 @@ def test_cli_ops_are_the_main_job_cases():
   import inspect
   import pallas_kernels as pk
   exported = {name for name in dir(pk) if inspect.isfunction(getattr(pk, name))
-              and not name.startswith(("shard_", "force_"))}
+              and not name.startswith(("shard_", "force_"))
+              and name != "write_kv_pages"}  # a cache update, not a case
   assert exported | {"int8_dense", "quantized_dense"} == set(_cli.OPS), \
       "every exported op is a main-job case"
   assert tuple(_cli.FAMILIES) == tuple(_cases.FAMILIES)
