@@ -72,8 +72,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def rng(request):
-  """A fresh numpy Generator per test; the seed is printed on failure."""
-  seed = int.from_bytes(os.urandom(4), "little")
+  """A fresh numpy Generator per test; the seed is printed on failure and
+  ``PK_TEST_SEED=<seed>`` replays it."""
+  seed = int(os.environ.get("PK_TEST_SEED") or
+             int.from_bytes(os.urandom(4), "little"))
   request.node.user_properties.append(("seed", seed))
   print(f"numpy seed: {seed}")
   return np.random.default_rng(seed)
