@@ -232,3 +232,17 @@ def _bad(**changes):
 def test_bad_arguments(call, error, match):
   with pytest.raises(error, match=match):
     call()
+
+
+def test_training_example_loss_decreases(capsys):
+  """examples/moe_train.py: a few SGD steps of a toy MoE classifier."""
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / (
+      "moe_train.py")
+  spec = importlib.util.spec_from_file_location("moe_train", path)
+  example = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(example)
+  summary = example.main(["--steps", "8", "--backend", "reference"])
+  assert summary["ok"] and summary["losses"][-1] < summary["losses"][0]
+  assert "decreased" in capsys.readouterr().out
