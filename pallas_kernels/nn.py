@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -209,8 +210,9 @@ def _check_moe(x, w_router, w_gate, w_up, w_down, top_k, renormalize,
   values = (x, w_router, w_gate, w_up, w_down)
   for name, value in zip(names, values):
     if not hasattr(value, "dtype") or not _operands.is_float(value.dtype):
+      got = getattr(value, "dtype", type(value).__name__)
       raise TypeError(f"{MOE}: {name} must be a bfloat16, float16 or float32 "
-                      f"array, got {getattr(value, 'dtype', type(value).__name__)}")
+                      f"array, got {got}")
   if x.ndim < 1:
     raise ValueError(f"{MOE}: x must be [..., D], got a scalar")
   d = x.shape[-1]
@@ -232,8 +234,8 @@ def _check_moe(x, w_router, w_gate, w_up, w_down, top_k, renormalize,
   if w_down.shape != (e, f, d):
     raise ValueError(f"{MOE}: w_down must be [E, F, D] = {(e, f, d)}, got "
                      f"shape {w_down.shape}")
-  if not isinstance(top_k, int) or isinstance(top_k, bool) or not (
-      1 <= top_k <= e):
+  if (isinstance(top_k, bool) or not hasattr(top_k, "__index__")
+      or not 1 <= operator.index(top_k) <= e):
     raise ValueError(f"{MOE}: top_k must be an int in [1, E] with E = {e} "
                      f"experts (w_router.shape[1]), got {top_k!r}")
   for name, value in (("renormalize", renormalize),
@@ -290,6 +292,7 @@ def moe_feed_forward(x, w_router, w_gate, w_up, w_down, *, top_k: int,
   _check_moe(x, w_router, w_gate, w_up, w_down, top_k, renormalize,
              return_aux_loss)
   _backend.check_backend(MOE, backend)
+  top_k = operator.index(top_k)
   d = x.shape[-1]
   e = w_router.shape[1]
   tokens = math.prod(x.shape[:-1])

@@ -186,7 +186,7 @@ def test_top1_renormalized_weights_are_one(rng):
 
 def test_no_tokens():
   w = nn.init_moe_feed_forward(jax.random.key(0), 8, 16, 4)
-  out, aux = nn.moe_feed_forward(jnp.zeros((0, 3, 8)), **w, top_k=2,
+  out, aux = nn.moe_feed_forward(jnp.zeros((0, 3, 8)), **w, top_k=np.int32(2),
                                  return_aux_loss=True, backend="reference")
   assert out.shape == (0, 3, 8) and float(aux) == 0.0
 
@@ -214,7 +214,9 @@ def _bad(**changes):
     (_bad(top_k=0), ValueError, "top_k must be"),
     (_bad(top_k=2.0), ValueError, "top_k must be an int"),
     (_bad(top_k=True), ValueError, "top_k must be an int"),
-    (_bad(x=jnp.zeros((5, 7))), ValueError, "w_router must be .D, E. with D = 7"),
+    (_bad(top_k=np.int64(7)), ValueError, "top_k must be an int"),
+    (_bad(x=jnp.zeros((5, 7))), ValueError,
+     "w_router must be .D, E. with D = 7"),
     (_bad(x=jnp.zeros((5, 8), jnp.int32)), TypeError, "x must be"),
     (_bad(w_router=jnp.zeros((8,))), ValueError, "w_router must be"),
     (_bad(w_router=jnp.zeros((8, 0))), ValueError, "at least one expert"),
