@@ -6,6 +6,7 @@ Public ops (each takes ``backend=None | "mosaic_tpu" | "gpu" | "interpret" |
   attention:   flash_attention, shard_flash_attention; decode_attention
   int8 matmul: quantize_int8, int8_matmul, shard_int8_matmul, nn.int8_dense
   quantized:   quantize, quantized_matmul (int8, int4, fp8), nn.quantized_dense
+  experts:     grouped_matmul, nn.moe_feed_forward
   boxes:       giou, pairwise_giou, giou_loss, box_iou, ... ; nms, batched_nms,
                shard_batched_nms
 
