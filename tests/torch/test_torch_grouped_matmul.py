@@ -22,10 +22,10 @@ import torch  # noqa: E402
 import torch_bridge as tb  # noqa: E402
 from torch_bridge import custom_kernel  # noqa: E402
 
-# float32 kernels (float32 sums) against float64 oracles.
-TOL = dict(rtol=2e-5, atol=2e-5)
-# bfloat16 inputs (8-bit mantissas), float32 sums.
-BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+# float32 sums against float64 oracles: the error of a float32 sum is
+# bounded relative to the sum of its terms' magnitudes (the oracle on |x|),
+# whatever the summation order; 1e-5 is ~170 float32 ulps of that.
+SUM_RTOL, SUM_ATOL = 1e-5, 1e-6
 
 
 def _bounds(sizes, m):
@@ -92,9 +92,25 @@ def _inputs(rng, m, k, n, g, transpose_rhs=False):
           rng.standard_normal((m, n)))
 
 
-def _assert_all_close(got, want, tol=TOL):
-  for name, g, w in zip(("out", "d lhs", "d rhs"), got, want):
-    np.testing.assert_allclose(g, w, err_msg=name, **tol)
+def _bound(lhs, rhs, sizes, dout, transpose_rhs=False):
+  """The oracle on magnitudes: each result's sum of |terms|."""
+  return _oracle(*(np.abs(a) for a in (lhs, rhs)), sizes, np.abs(dout),
+                 transpose_rhs)
+
+
+def _close(got, want, magnitude, what, scale=1.0):
+  """|got - want| <= scale * (SUM_RTOL * magnitude + SUM_ATOL)."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  excess = np.abs(got - want) - scale * (SUM_RTOL * magnitude + SUM_ATOL)
+  assert excess.max(initial=0) <= 0, (
+      f"{what}: max error {np.abs(got - want).max()} exceeds the bound by "
+      f"{excess.max()}")
+
+
+def _assert_all_close(got, want, bound):
+  for name, g, w, b in zip(("out", "d lhs", "d rhs"), got, want, bound):
+    _close(g, w, b, name)
 
 
 # -------------------------------------------------- torch_bridge op --
@@ -102,7 +118,8 @@ def _assert_all_close(got, want, tol=TOL):
 KINDS = ("cover", "one_group", "short", "clamped")
 
 
-@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("transpose_rhs", [
+    False, pytest.param(True, marks=pytest.mark.slow)])  # (d lhs flips it)
 def test_kernel_matches_float64_oracle(rng, transpose_rhs):
   """The TPU kernel (Pallas' interpreter on CPU tensors) at odd sizes, small
   tiles (row tiles straddle groups), every kind of group sizes: values and
@@ -114,25 +131,20 @@ def test_kernel_matches_float64_oracle(rng, transpose_rhs):
     got = _run(tb.grouped_matmul, lhs, rhs, sizes, dout, "cpu",
                transpose_rhs=transpose_rhs, block_sizes=(8, 128, 128),
                backend="interpret")
-    _assert_all_close(got, _oracle(lhs, rhs, sizes, dout, transpose_rhs))
-
-
-def test_default_backend_and_int32_sizes(rng):
-  m, k, n, g = 21, 9, 6, 4
-  lhs, rhs, dout = _inputs(rng, m, k, n, g)
-  sizes = _sizes(rng, "short", m, g).astype(np.int32)
-  got = _run(tb.grouped_matmul, lhs, rhs, sizes, dout, "cpu")
-  _assert_all_close(got, _oracle(lhs, rhs, sizes, dout))
+    _assert_all_close(got, _oracle(lhs, rhs, sizes, dout, transpose_rhs),
+                      _bound(lhs, rhs, sizes, dout, transpose_rhs))
 
 
 def test_xla_tensors_match_float64_oracle(rng, xla_device):
   """On XLA tensors the kernel runs inside the torch_xla graph (the generic
-  interpreter on PJRT_DEVICE=CPU), gradients from its saved inputs."""
+  interpreter on PJRT_DEVICE=CPU), gradients from its saved inputs; int32
+  sizes summing below M."""
   m, k, n, g = 29, 13, 7, 4
   lhs, rhs, dout = _inputs(rng, m, k, n, g)
-  sizes = _sizes(rng, "cover", m, g)
+  sizes = _sizes(rng, "short", m, g).astype(np.int32)
   got = _run(tb.grouped_matmul, lhs, rhs, sizes, dout, xla_device)
-  _assert_all_close(got, _oracle(lhs, rhs, sizes, dout))
+  _assert_all_close(got, _oracle(lhs, rhs, sizes, dout),
+                    _bound(lhs, rhs, sizes, dout))
 
 
 def test_bfloat16_and_preferred_element_type(rng):
@@ -140,16 +152,17 @@ def test_bfloat16_and_preferred_element_type(rng):
   lhs, rhs, dout = _inputs(rng, m, k, n, g)
   sizes = _sizes(rng, "cover", m, g)
   lhs_bf, rhs_bf = (torch.tensor(a, dtype=torch.bfloat16) for a in (lhs, rhs))
-  want = _oracle(lhs_bf.double().numpy(), rhs_bf.double().numpy(), sizes,
-                 dout)[0]
+  exact = (lhs_bf.double().numpy(), rhs_bf.double().numpy(), sizes, dout)
+  want, bound = _oracle(*exact)[0], _bound(*exact)[0]
   out = tb.grouped_matmul(lhs_bf, rhs_bf, torch.tensor(sizes),
                           preferred_element_type=torch.float32)
   assert out.dtype == torch.float32
-  np.testing.assert_allclose(out.double().numpy(), want, rtol=1e-5,
-                             atol=1e-5)  # float32 sums of exact products
+  _close(out.numpy(), want, bound, "out")  # float32 sums of exact products
   same = tb.grouped_matmul(lhs_bf, rhs_bf, torch.tensor(sizes))
   assert same.dtype == torch.bfloat16
-  np.testing.assert_allclose(same.double().numpy(), want, **BF16_TOL)
+  # (rounded to bfloat16: 2**-9 of the value, relative)
+  np.testing.assert_allclose(same.double().numpy(), want, rtol=2 ** -8,
+                             atol=SUM_ATOL)
 
 
 def test_group_sizes_take_no_gradient(rng):
@@ -206,10 +219,6 @@ BAD = {
     "backend": ((torch.zeros(3, 4), torch.zeros(2, 4, 5),
                  torch.tensor([1, 2])), dict(backend="cuda"), ValueError,
                 "backend='cuda'"),
-    "spec_rows": ((torch.zeros(3, 4), torch.zeros(2, 4, 5),
-                   torch.tensor([1, 2])), dict(partition_spec=("fsdp", None)),
-                  ValueError, "splits the output's dim 0 \\(rows\\) over "
-                  "mesh axis 'fsdp'"),
     "spec_length": ((torch.zeros(3, 4), torch.zeros(2, 4, 5),
                      torch.tensor([1, 2])),
                     dict(partition_spec=(None, None, "model")), ValueError,
@@ -222,14 +231,6 @@ def test_bad_arguments(name):
   args, kwargs, error, match = BAD[name]
   with pytest.raises(error, match="grouped_matmul: .*" + match):
     tb.grouped_matmul(*args, **kwargs)
-
-
-def test_spec_changes_no_result_off_spmd(rng):
-  lhs, rhs = torch.randn(5, 3), torch.randn(2, 3, 4)
-  sizes = torch.tensor([2, 3])
-  torch.testing.assert_close(
-      tb.grouped_matmul(lhs, rhs, sizes, partition_spec=(None, "model")),
-      tb.grouped_matmul(lhs, rhs, sizes), rtol=0, atol=0)
 
 
 # ------------------------------------------------ custom_kernel drop-ins --
@@ -266,11 +267,13 @@ def _torch_xla_case(rng, monkeypatch, device, m, k, n, g, transpose_rhs):
       row.append(module.tgmm(t(lhs).t(), t(dout), gs))
       row.extend(module.gmm_backward(t(dout), t(lhs), t(rhs), gs))
     results.append([r.cpu().double().numpy() for r in row])
-  for theirs, ours in zip(*results):
-    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
-  want, dlhs, drhs = _oracle(lhs, rhs, sizes, dout, transpose_rhs)
-  for got, w in zip(results[1], [want, drhs, dlhs, drhs]):
-    np.testing.assert_allclose(got, w, **TOL)
+  want = _oracle(lhs, rhs, sizes, dout, transpose_rhs)
+  bound = _bound(lhs, rhs, sizes, dout, transpose_rhs)
+  order = (0, 2, 1, 2)  # out; tgmm = d rhs; gmm_backward: d lhs, d rhs
+  for i, (theirs, ours) in enumerate(zip(*results)):
+    # (both float32: twice the bound of one against the exact value)
+    _close(ours, theirs, bound[order[i]], f"vs torch_xla {i}", scale=2)
+    _close(ours, want[order[i]], bound[order[i]], f"vs oracle {i}")
 
 
 def test_matches_torch_xla(rng, monkeypatch, xla_device):
@@ -281,11 +284,30 @@ def test_matches_torch_xla(rng, monkeypatch, xla_device):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("m, k, n, g, transpose_rhs", [
-    (256, 128, 256, 4, True), (512, 256, 128, 3, False),
+    (256, 128, 256, 4, True), (512, 256, 128, 4, False),
     (384, 128, 384, 6, False)])
 def test_matches_torch_xla_sweep(rng, monkeypatch, xla_device, m, k, n, g,
                                  transpose_rhs):
   _torch_xla_case(rng, monkeypatch, xla_device, m, k, n, g, transpose_rhs)
+
+
+@pytest.mark.slow
+def test_runs_where_torch_xla_default_tiling_fails(rng, monkeypatch,
+                                                   xla_device):
+  """torch_xla's default row tile for m=512, 3 groups is 384, which does
+  not divide m: its gmm raises; ours runs (any m)."""
+  import txla_interpret
+  ck = txla_interpret.install(monkeypatch)
+  m, k, n, g = 512, 128, 128, 3
+  lhs, rhs, dout = _inputs(rng, m, k, n, g)
+  sizes = _txla_sizes(rng, m, g)
+  args = [torch.tensor(a, dtype=torch.float32).to(xla_device)
+          for a in (lhs, rhs)] + [torch.tensor(sizes).to(xla_device)]
+  with pytest.raises(ValueError, match="divisible by x-dimension tile"):
+    ck.gmm(*args)
+  _close(custom_kernel.gmm(*args).cpu().numpy(),
+         _oracle(lhs, rhs, sizes, dout)[0],
+         _bound(lhs, rhs, sizes, dout)[0], "out")
 
 
 def test_drop_ins_match_float64_oracle_at_odd_sizes(rng):
@@ -296,19 +318,20 @@ def test_drop_ins_match_float64_oracle_at_odd_sizes(rng):
   lhs, rhs, dout = _inputs(rng, m, k, n, g)
   sizes = _sizes(rng, "clamped", m, g)
   want, dlhs, drhs = _oracle(lhs, rhs, sizes, dout)
+  bound = _bound(lhs, rhs, sizes, dout)
   got = _run(custom_kernel.gmm, lhs, rhs, sizes, dout, "cpu")
-  _assert_all_close(got, (want, dlhs, drhs))
+  _assert_all_close(got, (want, dlhs, drhs), bound)
   t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
   gs = torch.tensor(sizes)
   tg = custom_kernel.tgmm(t(lhs).t(), t(dout), gs, (8, 128, 128), None, 3)
   assert tg.shape == (3, k, n)
-  np.testing.assert_allclose(tg.double().numpy(), drhs[:3], **TOL)
+  _close(tg.numpy(), drhs[:3], bound[2][:3], "tgmm")
   back = custom_kernel.gmm_backward(t(dout), t(lhs), t(rhs), gs, None)
-  for got, w in zip(back, (dlhs, drhs)):
-    np.testing.assert_allclose(got.double().numpy(), w, **TOL)
+  for got, w, b in zip(back, (dlhs, drhs), bound[1:]):
+    _close(got.numpy(), w, b, "gmm_backward")
   out = custom_kernel.gmm(t(lhs), t(rhs).transpose(1, 2).contiguous(), gs,
                           [16, 128, 256], None, True)
-  np.testing.assert_allclose(out.double().numpy(), want, **TOL)
+  _close(out.numpy(), want, bound[0], "gmm transposed")
 
 
 _A, _W = torch.zeros(8, 4), torch.zeros(2, 4, 3)
@@ -361,4 +384,5 @@ def test_sweep_matches_float64_oracle(seed, backend):
     got = _run(tb.grouped_matmul, lhs, rhs, sizes, dout, "cpu",
                transpose_rhs=transpose_rhs, backend=backend,
                block_sizes=(8, 128, 128) if seed % 2 else None)
-    _assert_all_close(got, _oracle(lhs, rhs, sizes, dout, transpose_rhs))
+    _assert_all_close(got, _oracle(lhs, rhs, sizes, dout, transpose_rhs),
+                      _bound(lhs, rhs, sizes, dout, transpose_rhs))
