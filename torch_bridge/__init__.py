@@ -12,6 +12,8 @@ when ``torch_bridge.ops`` is imported):
   int8          quantize_int8, int8_matmul, int8_dense
   quantized     quantize, quantized_matmul, quantized_dense (int8, float8;
                 float8 crosses DLPack as bytes)
+  MoE           grouped_matmul (jax.lax.ragged_dot's semantics; gradients
+                in lhs and rhs)
   boxes         iou, giou, diou, ciou (matching boxes); pairwise_iou,
                 pairwise_giou, pairwise_diou, pairwise_ciou, box_iou (every
                 pair); iou_loss, giou_loss, diou_loss, ciou_loss
@@ -56,9 +58,11 @@ SPMD / FSDP:
     (one replica per device); ``train_vit_fsdp.py --fsdp v1``. Unverified:
     it cannot run on the CPU PJRT client here (see that script).
 
-Drop-in for torch_xla users: ``torch_bridge.custom_kernel.flash_attention``
-has ``torch_xla.experimental.custom_kernel.flash_attention``'s signature and
-semantics (docs/torch.md: "Migrating from torch_xla's flash_attention").
+Drop-in for torch_xla users: ``torch_bridge.custom_kernel.flash_attention``,
+``gmm``, ``tgmm`` and ``gmm_backward`` have
+``torch_xla.experimental.custom_kernel``'s signatures and semantics
+(docs/torch.md: "Migrating from torch_xla's flash_attention" and "... gmm,
+tgmm, gmm_backward").
 
 Autograd saves the JAX op's residuals (flash attention: output and
 log-sum-exp), so the backward runs only the backward kernels.
@@ -89,7 +93,7 @@ import importlib
 
 _OPS = ("flash_attention", "decode_attention", "quantize_int8",
         "int8_matmul", "int8_dense", "quantize", "quantized_matmul",
-        "quantized_dense",
+        "quantized_dense", "grouped_matmul",
         "iou", "giou", "diou", "ciou", "pairwise_iou", "pairwise_giou",
         "pairwise_diou", "pairwise_ciou", "box_iou", "iou_loss", "giou_loss",
         "diou_loss", "ciou_loss", "nms", "batched_nms", "soft_nms",

@@ -1,22 +1,36 @@
-"""Drop-in for ``torch_xla.experimental.custom_kernel.flash_attention``.
+"""Drop-ins for ``torch_xla.experimental.custom_kernel``: flash_attention,
+gmm, tgmm, gmm_backward.
 
-    from torch_bridge.custom_kernel import flash_attention
+    from torch_bridge.custom_kernel import flash_attention, gmm
     out = flash_attention(q, k, v, causal, q_segment_ids, kv_segment_ids,
                           sm_scale, ab=ab, partition_spec=spec, mesh=mesh)
+    y = gmm(x_sorted_by_expert, w, group_sizes)
 
 Same positional order, keywords, defaults and results as torch_xla 2.9's
-function (docs/torch.md, "Migrating from torch_xla's flash_attention",
-lists every argument), running
-``torch_bridge.ops.flash_attention`` underneath: on XLA tensors it is the
-same lazy-graph kernel (Mosaic on TPU), and it also runs on CPU and CUDA
-tensors. Differences from torch_xla: a query row that no key may attend to
-(different segment ids everywhere) gets zeros here; any sequence lengths work
-unpadded; k/v may have fewer heads than q (grouped-query attention); ``ab``
-may broadcast over batch and heads; and the extra keyword-only arguments
-(sliding window, soft cap, block sizes, backend) of our op are available.
+functions (docs/torch.md, "Migrating from torch_xla's flash_attention" and
+"... gmm, tgmm, gmm_backward", list every argument), running
+``torch_bridge.ops.flash_attention`` / ``grouped_matmul`` underneath: on XLA
+tensors it is the same lazy-graph kernel (Mosaic on TPU), and it also runs
+on CPU and CUDA tensors.
+
+flash_attention, differences from torch_xla: a query row that no key may
+attend to (different segment ids everywhere) gets zeros here; any sequence
+lengths work unpadded; k/v may have fewer heads than q (grouped-query
+attention); ``ab`` may broadcast over batch and heads; and the extra
+keyword-only arguments (sliding window, soft cap, block sizes, backend) of
+our op are available.
+
+gmm / tgmm / gmm_backward, differences: any M, K, N and group sizes (sums
+below M: the rows past the last group are zeros, torch_xla leaves them
+unwritten); group_sizes of any integer dtype; ``gmm`` is differentiable;
+``tiling`` is passed on as the kernel's ``block_sizes`` (tm a multiple of
+8, tk and tn of 128; clamped to the problem), None lets the kernel choose.
+``group_offset`` (rhs holding a shard of the groups) is not supported yet:
+passing one raises NotImplementedError.
+
 torch_xla's other kernels (paged and ragged paged attention, the int8
-matmul, grouped matmuls) are not here: importing one raises an ImportError
-that names what serves that need in this package.
+matmul) are not here: importing one raises an ImportError that names what
+serves that need in this package.
 """
 from __future__ import annotations
 
@@ -235,6 +249,113 @@ def flash_attention(q, k, v, causal=False, q_segment_ids=None,
   return out.reshape(q.shape)
 
 
+# ------------------------------------------------------ grouped matmuls --
+
+def _tiling(op, tiling):
+  """torch_xla's ``tiling`` as the kernel's ``block_sizes`` (None: the
+  kernel's own tiles)."""
+  if tiling is None:
+    return None
+  if (not isinstance(tiling, (tuple, list)) or len(tiling) != 3 or not all(
+      isinstance(t, numbers.Integral) and not isinstance(t, bool)
+      for t in tiling)):
+    raise ValueError(f"{op}: tiling must be None or three ints (tm, tk, "
+                     f"tn), got {tiling!r}")
+  tm, tk, tn = (int(t) for t in tiling)
+  if tm <= 0 or tm % 8 or tk <= 0 or tk % 128 or tn <= 0 or tn % 128:
+    raise ValueError(f"{op}: tiling={tuple(tiling)!r}: the kernel's tiles "
+                     "(tm, tk, tn) must be a positive multiple of 8 and "
+                     "positive multiples of 128 (they are clamped to the "
+                     "problem, so large tiles fit small inputs)")
+  return tm, tk, tn
+
+
+def _no_group_offset(op, group_offset):
+  if group_offset is not None:
+    raise NotImplementedError(
+        f"{op}: group_offset is not supported yet (rhs holding only the "
+        "groups from group_offset on, for expert-parallel sharding); pass "
+        "all groups' weights with group_offset=None")
+
+
+def gmm(lhs, rhs, group_sizes, tiling=None, group_offset=None,
+        transpose_rhs=False):
+  """``out[rows of group g] = lhs[rows of g] @ rhs[g]`` with torch_xla's API.
+
+  Args:
+    lhs: ``[m, k]`` float32/bfloat16/float16, rows sorted by group.
+    rhs: ``[num_groups, k, n]`` (``[num_groups, n, k]`` with
+      ``transpose_rhs``).
+    group_sizes: integer ``[num_groups]``: group g owns the next
+      ``group_sizes[g]`` rows (clamped to the rows that exist).
+    tiling: ``(tm, tk, tn)``, the kernel's ``block_sizes``; None: its own.
+    group_offset: must be None (NotImplementedError otherwise).
+    transpose_rhs: rhs is ``[num_groups, n, k]``.
+
+  Returns:
+    ``[m, n]`` in lhs's dtype; zeros on rows past the last group.
+    Differentiable in lhs and rhs (``torch_bridge.grouped_matmul``).
+  """
+  _no_group_offset("gmm", group_offset)
+  return ops.grouped_matmul(lhs, rhs, group_sizes,
+                            transpose_rhs=transpose_rhs,
+                            block_sizes=_tiling("gmm", tiling))
+
+
+def tgmm(lhs, rhs, group_sizes, tiling=(512, 512, 512), group_offset=None,
+         num_actual_groups=None):
+  """``out[g] = lhs[:, rows of g] @ rhs[rows of g, :]`` with torch_xla's API.
+
+  Args:
+    lhs: ``[k, m]`` float (the transpose of gmm's lhs).
+    rhs: ``[m, n]`` float (gmm's output gradient; computed in lhs's dtype).
+    group_sizes: integer ``[num_groups]``, as for ``gmm``.
+    tiling: ``(tm, tk, tn)``, the kernel's ``block_sizes``; None: its own.
+    group_offset: must be None (NotImplementedError otherwise).
+    num_actual_groups: compute only the first ``num_actual_groups`` groups
+      (default all).
+
+  Returns:
+    ``[num_actual_groups, k, n]`` in lhs's dtype; zeros for a group with no
+    rows. No gradient.
+  """
+  _no_group_offset("tgmm", group_offset)
+  for name, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)):
+    if not isinstance(t, torch.Tensor):
+      raise TypeError(f"tgmm: {name} must be a torch.Tensor, got "
+                      f"{type(t).__name__}")
+  if lhs.dim() != 2:
+    raise ValueError(f"tgmm: lhs must be [k, m] (2 dims), got shape "
+                     f"{tuple(lhs.shape)}")
+  if num_actual_groups is not None:
+    groups = group_sizes.shape[0] if group_sizes.dim() == 1 else None
+    if (isinstance(num_actual_groups, bool) or not isinstance(
+        num_actual_groups, numbers.Integral) or groups is None
+        or not 1 <= num_actual_groups <= groups):
+      raise ValueError(f"tgmm: num_actual_groups must be None or an int in "
+                       f"[1, {groups}] (the groups of group_sizes), got "
+                       f"{num_actual_groups!r}")
+    group_sizes = group_sizes[:int(num_actual_groups)]
+  return ops._grouped_matmul_tgmm(lhs.t(), rhs, group_sizes,
+                                  out_dtype=lhs.dtype,
+                                  block_sizes=_tiling("tgmm", tiling))
+
+
+def gmm_backward(grad, lhs, rhs, group_sizes, tiling=(512, 512, 512)):
+  """``(grad_lhs [m, k], grad_rhs [num_groups, k, n])`` of ``gmm(lhs, rhs,
+  group_sizes)`` (rhs ``[num_groups, k, n]``) for the output gradient
+  ``grad [m, n]``: ``grad_lhs`` by gmm on rhs's transpose (no copy: the
+  kernel's ``transpose_rhs``), in grad's dtype; ``grad_rhs`` by tgmm, in
+  lhs's dtype. ``tiling`` as for ``gmm``."""
+  block_sizes = _tiling("gmm_backward", tiling)
+  grad_lhs = ops.grouped_matmul(grad, rhs, group_sizes, transpose_rhs=True,
+                                block_sizes=block_sizes)
+  grad_rhs = ops._grouped_matmul_tgmm(lhs, grad, group_sizes,
+                                      out_dtype=lhs.dtype,
+                                      block_sizes=block_sizes)
+  return grad_lhs, grad_rhs
+
+
 # torch_xla 2.9's other public kernels: where each need is served here.
 _ELSEWHERE = {
     **dict.fromkeys(
@@ -246,9 +367,6 @@ _ELSEWHERE = {
     "quantized_matmul_int8": (
         "int8 matmuls are torch_bridge.int8_matmul / quantized_matmul "
         "(w8a8 or weight-only) and the Int8Linear / QuantizedLinear modules"),
-    **dict.fromkeys(
-        ("gmm", "tgmm", "gmm_backward"),
-        "grouped matmuls (MoE) are not provided by this package"),
 }
 
 
@@ -259,4 +377,4 @@ def __getattr__(name):
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["flash_attention"]
+__all__ = ["flash_attention", "gmm", "tgmm", "gmm_backward"]

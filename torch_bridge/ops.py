@@ -791,6 +791,154 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
                   sinks, page_table, k_scale, v_scale], **static)[0]
 
 
+# -------------------------------------------------------- grouped matmul --
+
+def _grouped_matmul_jax(lhs, rhs, group_sizes, *, out_dtype, **static):
+  import pallas_kernels
+  return pallas_kernels.grouped_matmul(
+      lhs, rhs, group_sizes, preferred_element_type=out_dtype, **static)
+
+
+def _grouped_matmul_shards(static, spec, arrays, mesh):
+  lhs, rhs, _ = arrays
+  op = "grouped_matmul"
+  n = rhs.shape[1] if static["transpose_rhs"] else rhs.shape[2]
+  _spec_length(op, spec, "the output", (lhs.shape[0], n), "[M, N]")
+  _unsplittable(op, spec, "the output", {0: "rows"},
+                "group_sizes count rows of all of lhs (each group a "
+                "consecutive range); only N (dim 1) can be split")
+  rhs_spec = ((None, spec[1], None) if static["transpose_rhs"]
+              else (None, None, spec[1]))
+  return ((None, None), rhs_spec, (None,)), (spec,)
+
+
+_GROUPED_MATMUL = JaxOp("grouped_matmul", _grouped_matmul_jax,
+                        differentiable=(0, 1),
+                        shard_specs=_grouped_matmul_shards)
+
+
+def _group_sizes_int32(group_sizes, m: int):
+  """int32 sizes with the op's result kept: int64 values are first clamped
+  to [0, M] (negative sizes count as 0, a running sum stops at M)."""
+  if group_sizes.dtype == torch.int64:
+    group_sizes = group_sizes.clamp(0, m)
+  return group_sizes.to(torch.int32)
+
+
+def _float_dtype_name(op: str, name: str, dtype):
+  """A torch float dtype (or None) as the JAX dtype's name."""
+  if dtype is None:
+    return None
+  if dtype not in _FLOATS:
+    raise TypeError(f"{op}: {name} must be None or one of float32, "
+                    f"bfloat16, float16, got {dtype!r}")
+  return str(dtype).replace("torch.", "")
+
+
+def _tiles(op: str, name: str, tiles):
+  """``(tm, tk, tn)`` as a tuple of ints, or None (the JAX op checks what
+  the kernel needs of them)."""
+  if tiles is None:
+    return None
+  if (not isinstance(tiles, (tuple, list)) or len(tiles) != 3 or not all(
+      isinstance(t, int) and not isinstance(t, bool) for t in tiles)):
+    raise ValueError(f"{op}: {name} must be None or three ints (tm, tk, "
+                     f"tn), got {tiles!r}")
+  return tuple(tiles)
+
+
+def _grouped_checks(op, lhs, second, group_sizes, second_name, second_ndim):
+  _check_tensor(op, "lhs", lhs, dtypes=_FLOATS, ndim=2)
+  _check_tensor(op, second_name, second, dtypes=_FLOATS, ndim=second_ndim)
+  _check_tensor(op, "group_sizes", group_sizes, dtypes=_INTS, ndim=1)
+  _check_devices(op, {"lhs": lhs, second_name: second,
+                      "group_sizes": group_sizes})
+  if group_sizes.shape[0] == 0:
+    raise ValueError(f"{op}: group_sizes must have at least one group "
+                     "(G >= 1), got shape (0,)")
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs=False,
+                   preferred_element_type=None, block_sizes=None,
+                   backend=None, partition_spec=None, mesh=None):
+  """``pallas_kernels.grouped_matmul`` (``jax.lax.ragged_dot``): the rows of
+  ``lhs [M, K]`` come in consecutive groups of ``group_sizes [G]`` (an
+  integer tensor; changing it does not recompile) and group ``g``'s rows
+  are multiplied by ``rhs[g]`` (``rhs [G, K, N]``, ``[G, N, K]`` with
+  ``transpose_rhs``) -> ``[M, N]``; rows past the last group are zeros.
+  Sizes are clamped to the rows that exist (negative ones count as 0).
+
+  ``preferred_element_type``: the output dtype (a torch float dtype;
+  default lhs's); sums are float32. Gradients in lhs and rhs (d lhs by the
+  same kernel on the transposed weights, d rhs by the transposed grouped
+  matmul); group_sizes takes none.
+
+  ``partition_spec``: 2 entries for the output ``[M, N]``; only N may be
+  split (rhs's N dimension follows it, lhs and group_sizes are replicated
+  and d lhs is summed over the N shards). Rows cannot be split: the group
+  sizes count rows of all of lhs.
+  """
+  op = "grouped_matmul"
+  _grouped_checks(op, lhs, rhs, group_sizes, "rhs", 3)
+  if not isinstance(transpose_rhs, bool):
+    raise TypeError(f"{op}: transpose_rhs must be a bool, got "
+                    f"{transpose_rhs!r}")
+  k_axis = 2 if transpose_rhs else 1
+  if rhs.shape[k_axis] != lhs.shape[1]:
+    raise ValueError(f"{op}: rhs.shape[{k_axis}]={rhs.shape[k_axis]} must "
+                     f"equal lhs's K={lhs.shape[1]} (rhs is "
+                     f"{'[G, N, K]' if transpose_rhs else '[G, K, N]'} with "
+                     f"transpose_rhs={transpose_rhs})")
+  if group_sizes.shape[0] != rhs.shape[0]:
+    raise ValueError(f"{op}: group_sizes must have shape ({rhs.shape[0]},) "
+                     f"(one size per group of rhs), got "
+                     f"{tuple(group_sizes.shape)}")
+  static = dict(transpose_rhs=transpose_rhs,
+                out_dtype=_float_dtype_name(op, "preferred_element_type",
+                                            preferred_element_type),
+                block_sizes=_tiles(op, "block_sizes", block_sizes),
+                backend=backend)
+  static = _sharding(static, partition_spec, mesh, op)
+  return _GROUPED_MATMUL([lhs, rhs, _group_sizes_int32(
+      group_sizes, lhs.shape[0])], **static)[0]
+
+
+def _tgmm_jax(lhs, dout, group_sizes, *, out_dtype, block_sizes, backend):
+  import jax.numpy as jnp
+
+  from pallas_kernels import _backend
+  from pallas_kernels.gmm import api
+  _backend.check_backend(api.OP, backend)
+  return api._run_tgmm(lhs, dout.astype(lhs.dtype), group_sizes,
+                       group_sizes.shape[0],
+                       jnp.dtype(out_dtype or lhs.dtype),
+                       api._check_tiles(block_sizes), backend)
+
+
+# No gradient: torch_xla's tgmm has none, and the kernels have no VJP.
+_TGMM = JaxOp("grouped_matmul_tgmm", _tgmm_jax, differentiable=())
+
+
+def _grouped_matmul_tgmm(lhs, dout, group_sizes, *, out_dtype=None,
+                         block_sizes=None, backend=None):
+  """The transposed grouped matmul, ``grouped_matmul``'s d rhs: ``lhs [M,
+  K]``, ``dout [M, N]`` -> ``[G, K, N]`` with ``out[g] = lhs_g^T @ dout_g``
+  over group ``g``'s rows (grouped as by ``grouped_matmul``; rows past the
+  last group add nothing, a group with no rows gives zeros). dout is cast
+  to lhs's dtype, sums are float32, the output is ``out_dtype`` (default
+  lhs's). No gradient."""
+  op = "tgmm"
+  _grouped_checks(op, lhs, dout, group_sizes, "dout", 2)
+  if dout.shape[0] != lhs.shape[0]:
+    raise ValueError(f"{op}: dout has {dout.shape[0]} rows, lhs has "
+                     f"{lhs.shape[0]}; they must be equal (M)")
+  static = dict(out_dtype=_float_dtype_name(op, "out_dtype", out_dtype),
+                block_sizes=_tiles(op, "block_sizes", block_sizes),
+                backend=backend)
+  return _TGMM([lhs, dout, _group_sizes_int32(group_sizes, lhs.shape[0])],
+               **static)[0]
+
+
 # ------------------------------------------------------------ IoU family --
 
 # pallas_kernels.boxes.iou's DEFAULT_EPS (not imported: that would load JAX
@@ -1182,9 +1330,9 @@ def _run_nms(jax_op, op, boxes, scores, class_ids, partition_spec, mesh,
 
 __all__ = ["UnshardedWarning", "flash_attention", "decode_attention",
            "quantize_int8", "int8_matmul", "int8_dense", "quantize",
-           "quantized_matmul", "quantized_dense", "iou", "giou", "diou", "ciou",
-           "pairwise_iou", "pairwise_giou", "pairwise_diou", "pairwise_ciou",
-           "box_iou", "iou_loss", "giou_loss", "diou_loss", "ciou_loss",
+           "quantized_matmul", "quantized_dense", "grouped_matmul", "iou",
+           "giou", "diou", "ciou", "pairwise_iou", "pairwise_giou",
+           "pairwise_diou", "pairwise_ciou", "box_iou", "iou_loss", "giou_loss", "diou_loss", "ciou_loss",
            "nms", "batched_nms", "soft_nms"]
 
 # Registers the public typed ops ``torch.ops.pallas_kernels.<name>`` (they

@@ -290,6 +290,41 @@ def test_int8_linear(dev, mesh, shape, kwargs):
     torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-4, atol=1e-4)
 
 
+# -------------------------------------------------------- grouped matmul --
+
+@pytest.mark.parametrize("mesh, axis, transpose_rhs", [
+    ("grid", "model", False), ("flat", "fsdp", True)])
+def test_grouped_matmul(dev, mesh, axis, transpose_rhs):
+  """N split (a size the axis does not divide: padded); d lhs is summed
+  over the N shards, d rhs stays split. Groups: one empty, rows past the
+  last."""
+  gen = _gen(18)
+  m, k, n, g = 13, 6, ODD, 3
+  rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+  lhs = rand(m, k)
+  rhs = rand(g, n, k) if transpose_rhs else rand(g, k, n)
+  sizes = torch.tensor([4, 0, 7])
+  ct = rand(m, n)
+
+  def reference(lhs, rhs):
+    w = rhs.transpose(1, 2) if transpose_rhs else rhs
+    rows = torch.cat([torch.full((int(s),), i) for i, s in enumerate(sizes)])
+    out = torch.einsum("mk,mkn->mn", lhs[:len(rows)], w[rows])
+    return torch.cat([out, out.new_zeros(m - len(rows), n)])
+
+  want = _run(reference, [lhs, rhs], [ct], torch.device("cpu"))
+  got = _run(lambda a, b: tb.grouped_matmul(
+      a, b, sizes.to(dev), transpose_rhs=transpose_rhs,
+      partition_spec=(None, axis), mesh=MESHES[mesh]),
+      [lhs.float(), rhs.float()], [ct.float()], dev)
+  for g_list, w_list in zip(got, want):
+    _assert_same([t.double() for t in g_list], w_list, rtol=1e-4, atol=1e-4)
+  with pytest.raises(ValueError, match="dim 0 \\(rows\\) over mesh axis"):
+    tb.grouped_matmul(lhs.float().to(dev), rhs.float().to(dev),
+                      sizes.to(dev), transpose_rhs=transpose_rhs,
+                      partition_spec=(axis, None), mesh=MESHES[mesh])
+
+
 # ----------------------------------------------------------------- boxes --
 
 def test_giou_broadcast_and_pairwise(dev):

@@ -1,4 +1,5 @@
-"""torch_bridge.custom_kernel.flash_attention, the torch_xla drop-in.
+"""torch_bridge.custom_kernel.flash_attention, the torch_xla drop-in
+(gmm, tgmm, gmm_backward: test_torch_grouped_matmul.py).
 
 Two oracles: torch_xla's own ``custom_kernel.flash_attention`` (its Python
 code and JAX's Pallas TPU kernels, run in Pallas' interpreter through
@@ -272,8 +273,7 @@ def test_mismatched_batch_dims_raise():
 @pytest.mark.parametrize("name,points_to", [
     ("paged_attention", "decode_attention"),
     ("ragged_paged_attention", "decode_attention"),
-    ("quantized_matmul_int8", "int8_matmul"),
-    ("gmm", "not provided")])
+    ("quantized_matmul_int8", "int8_matmul")])
 def test_torch_xla_kernels_not_here_name_their_replacement(name, points_to):
   import importlib
 

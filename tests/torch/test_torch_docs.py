@@ -45,3 +45,5 @@ def test_torch_page_runs(capsys):
   assert ("pallas_kernels::giou(Tensor boxes1, Tensor boxes2, *, "
           'str box_format="xyxy", str? backend=None) -> Tensor') in printed
   assert "\n1 True\nTrue\n" in printed
+  # The grouped matmul drop-ins: values and the op's d rhs.
+  assert "\nTrue True\n" in printed

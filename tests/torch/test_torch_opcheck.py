@@ -27,8 +27,8 @@ on CPU and several for the box ops' backward):
   The backward ops (``_vjp``, ``_restore``) have no autograd formula of
   their own (no double backward), so they are checked on inputs that do not
   require grad. Ops with no gradient (NMS family, ``quantize_int8``,
-  ``int8_matmul``) never call their save/vjp/restore ops; only the forward
-  is checked.
+  ``int8_matmul``, ``grouped_matmul_tgmm``: ``custom_kernel.tgmm``) never
+  call their save/vjp/restore ops; only the forward is checked.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.torch
 import torch  # noqa: E402
 
 import torch_bridge as tb  # noqa: E402
-from torch_bridge import _core, _eager, ops  # noqa: E402
+from torch_bridge import _core, _eager, custom_kernel, ops  # noqa: E402
 
 FAST = ("test_schema", "test_autograd_registration", "test_faketensor")
 AOT = ("test_aot_dispatch_static", "test_aot_dispatch_dynamic")
@@ -121,10 +121,18 @@ CALLS = {
         torch.rand(3, generator=g),
         lora=(torch.randn(16, 2, generator=g).requires_grad_(),
               torch.randn(2, 3, generator=g).requires_grad_())),
+    "grouped_matmul": lambda g: tb.grouped_matmul(
+        torch.randn(11, 6, generator=g).requires_grad_(),
+        torch.randn(3, 5, 6, generator=g).requires_grad_(),
+        torch.tensor([4, 0, 5]), transpose_rhs=True),
+    "grouped_matmul_tgmm": lambda g: custom_kernel.tgmm(
+        torch.randn(6, 11, generator=g), torch.randn(11, 5, generator=g),
+        torch.tensor([4, 0, 5], dtype=torch.int32)),
 }
 # Checked by default (the others under --runslow): one op of each kind.
 DEFAULT = ("diou", "pairwise_iou", "ciou_loss", "soft_nms", "int8_dense",
-           "quantize_int8", "decode_attention", "quantized_matmul")
+           "quantize_int8", "decode_attention", "quantized_matmul",
+           "grouped_matmul")
 AOT_DEFAULT = ("diou", "soft_nms")
 
 

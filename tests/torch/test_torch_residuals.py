@@ -9,7 +9,8 @@ Flash attention forward: 1 kernel; forward + backward: 3 (forward, dq,
 dk/dv), where recomputing the forward (the plain op's autograd formula)
 gives 4. Ops whose backward needs no kernel of its own (GIoU loss: the
 forward kernel fuses value and gradient; int8_dense: straight-through
-float matmuls) add none.
+float matmuls) add none. Grouped matmul: 1, then 3 (d lhs by gmm, d rhs by
+tgmm).
 """
 from __future__ import annotations
 
@@ -102,3 +103,19 @@ def test_backward_adds_no_kernel(op, lowered_for_tpu, xla_device, torch_gen):
   assert forward >= 1
   y.backward()
   assert kernels([y] + [t.grad for t in leaves]) == forward
+
+
+def test_grouped_matmul_backward_runs_two_kernels(lowered_for_tpu, xla_device,
+                                                  torch_gen):
+  """Forward 1 kernel (gmm); with the backward 3: d lhs (gmm, transposed
+  rhs) and d rhs (tgmm) from the saved inputs, the forward not rerun."""
+  kernels = lowered_for_tpu
+  lhs = torch.randn(256, 128, generator=torch_gen).to(
+      xla_device).requires_grad_()
+  rhs = torch.randn(4, 128, 256, generator=torch_gen).to(
+      xla_device).requires_grad_()
+  sizes = torch.tensor([100, 0, 120, 36], dtype=torch.int32).to(xla_device)
+  out = tb.grouped_matmul(lhs, rhs, sizes)
+  assert kernels([out]) == 1
+  out.sum().backward()
+  assert kernels([out, lhs.grad, rhs.grad]) == 3

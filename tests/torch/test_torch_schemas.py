@@ -102,6 +102,10 @@ def _sample_arguments(name, gen):
             torch.rand(3, generator=gen)), dict(
                 lora_a=randn(16, 2).requires_grad_(),
                 lora_b=randn(2, 3).requires_grad_(), lora_scale=0.5)
+  if name == "grouped_matmul":
+    return (randn(11, 6).requires_grad_(), randn(3, 6, 5).requires_grad_(),
+            torch.tensor([4, 0, 5])), dict(
+                preferred_element_type=torch.float32)
   raise AssertionError(f"no sample for {name}")
 
 
@@ -141,6 +145,9 @@ def test_every_op_is_public():
      "int? group_size=None, Tensor? lora_a=None, Tensor? lora_b=None, "
      'float lora_scale=1., str weight_layout="kn", str? backend=None) '
      "-> Tensor"),
+    ("grouped_matmul", "pallas_kernels::grouped_matmul(Tensor lhs, "
+     "Tensor rhs, Tensor group_sizes, *, bool transpose_rhs=False, "
+     "ScalarType? preferred_element_type=None, str? backend=None) -> Tensor"),
 ])
 def test_schema_examples(name, want):
   assert str(_public(name).default._schema) == want
@@ -238,6 +245,7 @@ def test_opcheck_can_fail(torch_gen, monkeypatch):
 # torch.compile, per family: (op, whether to differentiate).
 COMPILED = [("flash_attention", True), ("decode_attention", False),
             ("int8_dense", True), ("quantized_matmul", False),
+            ("grouped_matmul", True),
             ("giou_loss", True), ("pairwise_diou", False), ("nms", False),
             ("soft_nms", False)]
 

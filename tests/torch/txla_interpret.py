@@ -12,6 +12,12 @@ torch_xla prepared. Everything else (block sizes, padding, segment-id
 layout, the l/m residuals, the backward's kernels) is torch_xla's own code.
 The custom call runs eagerly (operands copied to host and back), so it is
 for tests only.
+
+Kernels torch_xla hands to ``xla_builder.call_jax`` instead (``gmm``,
+``tgmm``: JAX's megablox kernels) are run the same way: ``call_jax`` is
+replaced by a host call of the same JAX function with ``interpret=True``
+(the real one lowers for the XLA device, where a Pallas TPU kernel needs
+Mosaic, and needs torchax, which this environment cannot import).
 """
 from __future__ import annotations
 
@@ -71,12 +77,46 @@ def _tpu_custom_call(args, payload, shapes, dtypes):
           for o, s, d in zip(outs, shapes, dtypes)]
 
 
+def _host_value(a):
+  import jax.numpy as jnp
+  from torch_bridge import _convert
+  if torch.is_tensor(a):
+    host = a.detach().cpu()
+    if host.dtype == torch.bfloat16:  # numpy has no bfloat16
+      return jnp.asarray(host.float().numpy()).astype(jnp.bfloat16)
+    return jnp.asarray(host.numpy())
+  if isinstance(a, torch.dtype):
+    return _convert.jax_dtype(a)
+  return a
+
+
+def _call_jax(jax_func, args, kwargs=None, name=None, override_hash=None):
+  """``xla_builder.call_jax``: ``jax_func`` (a Pallas TPU kernel's wrapper)
+  interpreted on the host, results back on the first tensor's device."""
+  import jax
+  import jax.numpy as jnp
+  from torch_bridge import _convert
+  del name, override_hash
+  device = next(a.device for a in args if torch.is_tensor(a))
+  outs = jax_func(*[_host_value(a) for a in args],
+                  **{k: _host_value(v) for k, v in (kwargs or {}).items()},
+                  interpret=True)
+
+  def back(o):
+    dtype = _convert.torch_dtype(o.dtype)
+    host = np.array(o.astype(jnp.float32) if dtype == torch.bfloat16 else o)
+    return torch.from_numpy(host).to(device=device, dtype=dtype)
+  return jax.tree.map(back, outs)
+
+
 def install(monkeypatch):
   """torch_xla's custom kernels run in Pallas' interpreter until
   ``monkeypatch`` undoes it; returns ``torch_xla...custom_kernel``."""
   import torch_xla
+  import torch_xla.core.xla_builder as xb
   from torch_xla.experimental import custom_kernel as ck
   monkeypatch.setattr(ck, "trace_pallas", _trace_pallas)
   monkeypatch.setattr(torch_xla._XLAC, "_xla_tpu_custom_call",
                       _tpu_custom_call)
+  monkeypatch.setattr(xb, "call_jax", _call_jax)
   return ck
