@@ -909,7 +909,8 @@ def _tgmm_jax(lhs, dout, group_sizes, *, out_dtype, block_sizes, backend):
   from pallas_kernels import _backend
   from pallas_kernels.gmm import api
   _backend.check_backend(api.OP, backend)
-  return api._run_tgmm(lhs, dout.astype(lhs.dtype), group_sizes,
+  no_offset = jnp.zeros((), jnp.int32)
+  return api._run_tgmm(lhs, dout.astype(lhs.dtype), group_sizes, no_offset,
                        group_sizes.shape[0],
                        jnp.dtype(out_dtype or lhs.dtype),
                        api._check_tiles(block_sizes), backend)
