@@ -151,20 +151,24 @@ def _weight_tile(rhs_ref, scale_ref, *, scaling, transpose_rhs, dtype):
 
 
 def _gmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref, rhs_ref,
-                *refs, num_groups, transpose_rhs, scaling):
+                *refs, num_groups, nk, transpose_rhs, scaling):
   scale_ref = refs[0] if scaling else None
   out_ref, acc_ref = refs[-2:]
   w, kk = pl.program_id(1), pl.program_id(2)
-  nk = pl.num_programs(2)
   tile, group = tile_ref[w], group_ref[w]
   first_of_tile = (w == 0) | (tile_ref[jnp.maximum(w - 1, 0)] != tile)
 
+  is_item = group < num_groups
+  last_k = kk == nk - 1
+
+  # The output tile stays in VMEM while consecutive items share it: zeroed
+  # by the tile's first item, each item then stores its own rows under the
+  # row mask, once, at its last K step (padding items store nothing).
   @pl.when(first_of_tile & (kk == 0))
   def _():
-    acc_ref[...] = jnp.zeros_like(acc_ref)
+    out_ref[...] = jnp.zeros_like(out_ref)
 
-  @pl.when(group < num_groups)
-  def _():
+  def product():
     lhs = lhs_ref[...]
     rhs = _weight_tile(rhs_ref, scale_ref, scaling=scaling,
                        transpose_rhs=transpose_rhs, dtype=lhs.dtype)
@@ -174,16 +178,27 @@ def _gmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref, rhs_ref,
                  else None)
     part = jax.lax.dot_general(lhs, rhs, contract, precision=precision,
                                preferred_element_type=jnp.float32)
-    if scaling == "channel":
-      part = part * scale_ref[...]
+    return part * scale_ref[...] if scaling == "channel" else part
+
+  def store(total):
     keep = _row_mask(lhs_ref.shape[0], tile, group, starts_ref, ends_ref,
                      num_groups)
-    acc_ref[...] += jnp.where(keep, part, 0.0)
+    out_ref[...] = jnp.where(keep, total.astype(out_ref.dtype), out_ref[...])
 
-  # Padding items repeat a tile already written: they store nothing.
-  @pl.when((kk == nk - 1) & ((group < num_groups) | first_of_tile))
-  def _():
-    out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+  if nk == 1:
+    pl.when(is_item)(lambda: store(product()))
+  else:
+    @pl.when(is_item & (kk == 0))
+    def _():
+      acc_ref[...] = product()
+
+    @pl.when(is_item & (kk > 0) & jnp.logical_not(last_k))
+    def _():
+      acc_ref[...] += product()
+
+    @pl.when(is_item & last_k)
+    def _():
+      store(acc_ref[...] + product())
 
 
 def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False,
@@ -247,7 +262,7 @@ def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False,
       out_specs=pl.BlockSpec((tm, tn), lambda j, w, kk, g, t, s, e: (t[w], j)),
       scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
   )
-  kernel = functools.partial(_gmm_kernel, num_groups=num_groups,
+  kernel = functools.partial(_gmm_kernel, num_groups=num_groups, nk=nk,
                              transpose_rhs=transpose_rhs, scaling=scaling)
   return _launch(kernel, grid_spec, jax.ShapeDtypeStruct((m, n), out_dtype),
                  ("parallel", "arbitrary", "arbitrary"), "grouped_matmul",
