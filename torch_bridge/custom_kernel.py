@@ -25,8 +25,8 @@ below M: the rows past the last group are zeros, torch_xla leaves them
 unwritten); group_sizes of any integer dtype; ``gmm`` is differentiable;
 ``tiling`` is passed on as the kernel's ``block_sizes`` (tm a multiple of
 8, tk and tn of 128; clamped to the problem), None lets the kernel choose.
-``group_offset`` (rhs holding a shard of the groups) is not supported yet:
-passing one raises NotImplementedError.
+``group_offset`` (rhs holding a shard of the groups, expert parallelism)
+may also be a plain int.
 
 torch_xla's other kernels (paged and ragged paged attention, the int8
 matmul) are not here: importing one raises an ImportError that names what
@@ -270,14 +270,6 @@ def _tiling(op, tiling):
   return tm, tk, tn
 
 
-def _no_group_offset(op, group_offset):
-  if group_offset is not None:
-    raise NotImplementedError(
-        f"{op}: group_offset is not supported yet (rhs holding only the "
-        "groups from group_offset on, for expert-parallel sharding); pass "
-        "all groups' weights with group_offset=None")
-
-
 def gmm(lhs, rhs, group_sizes, tiling=None, group_offset=None,
         transpose_rhs=False):
   """``out[rows of group g] = lhs[rows of g] @ rhs[g]`` with torch_xla's API.
@@ -289,16 +281,19 @@ def gmm(lhs, rhs, group_sizes, tiling=None, group_offset=None,
     group_sizes: integer ``[num_groups]``: group g owns the next
       ``group_sizes[g]`` rows (clamped to the rows that exist).
     tiling: ``(tm, tk, tn)``, the kernel's ``block_sizes``; None: its own.
-    group_offset: must be None (NotImplementedError otherwise).
+    group_offset: None, or an integer tensor ``[1]`` (or an int): rhs then
+      holds groups ``group_offset .. group_offset + num_groups - 1`` of
+      ``group_sizes [total_groups]`` (expert parallelism); rows of other
+      groups give zeros.
     transpose_rhs: rhs is ``[num_groups, n, k]``.
 
   Returns:
     ``[m, n]`` in lhs's dtype; zeros on rows past the last group.
     Differentiable in lhs and rhs (``torch_bridge.grouped_matmul``).
   """
-  _no_group_offset("gmm", group_offset)
   return ops.grouped_matmul(lhs, rhs, group_sizes,
                             transpose_rhs=transpose_rhs,
+                            group_offset=group_offset,
                             block_sizes=_tiling("gmm", tiling))
 
 
@@ -311,15 +306,15 @@ def tgmm(lhs, rhs, group_sizes, tiling=(512, 512, 512), group_offset=None,
     rhs: ``[m, n]`` float (gmm's output gradient; computed in lhs's dtype).
     group_sizes: integer ``[num_groups]``, as for ``gmm``.
     tiling: ``(tm, tk, tn)``, the kernel's ``block_sizes``; None: its own.
-    group_offset: must be None (NotImplementedError otherwise).
-    num_actual_groups: compute only the first ``num_actual_groups`` groups
-      (default all).
+    group_offset: None, or an integer tensor ``[1]`` (or an int): the
+      output's first group is group ``group_offset`` of group_sizes.
+    num_actual_groups: the output's groups (default all of group_sizes,
+      or those from an int group_offset on).
 
   Returns:
     ``[num_actual_groups, k, n]`` in lhs's dtype; zeros for a group with no
     rows. No gradient.
   """
-  _no_group_offset("tgmm", group_offset)
   for name, t in (("lhs", lhs), ("rhs", rhs), ("group_sizes", group_sizes)):
     if not isinstance(t, torch.Tensor):
       raise TypeError(f"tgmm: {name} must be a torch.Tensor, got "
@@ -327,18 +322,11 @@ def tgmm(lhs, rhs, group_sizes, tiling=(512, 512, 512), group_offset=None,
   if lhs.dim() != 2:
     raise ValueError(f"tgmm: lhs must be [k, m] (2 dims), got shape "
                      f"{tuple(lhs.shape)}")
-  if num_actual_groups is not None:
-    groups = group_sizes.shape[0] if group_sizes.dim() == 1 else None
-    if (isinstance(num_actual_groups, bool) or not isinstance(
-        num_actual_groups, numbers.Integral) or groups is None
-        or not 1 <= num_actual_groups <= groups):
-      raise ValueError(f"tgmm: num_actual_groups must be None or an int in "
-                       f"[1, {groups}] (the groups of group_sizes), got "
-                       f"{num_actual_groups!r}")
-    group_sizes = group_sizes[:int(num_actual_groups)]
   return ops._grouped_matmul_tgmm(lhs.t(), rhs, group_sizes,
                                   out_dtype=lhs.dtype,
-                                  block_sizes=_tiling("tgmm", tiling))
+                                  block_sizes=_tiling("tgmm", tiling),
+                                  group_offset=group_offset,
+                                  num_groups=num_actual_groups)
 
 
 def gmm_backward(grad, lhs, rhs, group_sizes, tiling=(512, 512, 512)):

@@ -175,6 +175,40 @@ def test_group_sizes_take_no_gradient(rng):
   assert dl.shape == lhs.shape and dr.shape == rhs.shape
 
 
+@pytest.mark.parametrize("dtype, group", [
+    (torch.int8, None), (torch.float8_e4m3fn, 8)])
+def test_quantized_rhs_matches_float64_oracle(rng, dtype, group):
+  """int8 codes with per-channel scales, fp8 codes with per-K-group scales:
+  values and the gradients in lhs and rhs_scale against the dequantized
+  float64 oracle (d scale = sum over its K group of codes * d weight)."""
+  m, k, n, g = 29, 16, 9, 3
+  lhs, _, dout = _inputs(rng, m, k, n, g)
+  if dtype == torch.int8:
+    codes = torch.tensor(rng.integers(-127, 128, (g, k, n)), dtype=dtype)
+  else:
+    codes = torch.tensor(rng.standard_normal((g, k, n)) * 4).to(dtype)
+  groups = 1 if group is None else k // group
+  scale = rng.uniform(0.01, 0.1, (g, groups, n))
+  exact = codes.double().numpy()
+  weight = exact * np.repeat(scale, k // groups, axis=1)
+  sizes = _sizes(rng, "short", m, g)
+  want, dlhs, dw = _oracle(lhs, weight, sizes, dout)
+  bound = _bound(lhs, weight, sizes, dout)
+  dscale = (dw * exact).reshape(g, groups, k // groups, n).sum(2)
+  dscale_bound = (bound[2] * np.abs(exact)).reshape(
+      g, groups, k // groups, n).sum(2)
+  leaves = [torch.tensor(a, dtype=torch.float32).requires_grad_()
+            for a in (lhs, scale)]
+  out = tb.grouped_matmul(leaves[0], codes, torch.tensor(sizes),
+                          rhs_scale=leaves[1], backend="interpret",
+                          block_sizes=(8, 128, 128))
+  got = torch.autograd.grad(out, leaves, torch.tensor(dout,
+                                                      dtype=torch.float32))
+  _close(out.detach().numpy(), want, bound[0], "out")
+  _close(got[0].numpy(), dlhs, bound[1], "d lhs")
+  _close(got[1].numpy(), dscale, dscale_bound, "d rhs_scale")
+
+
 BAD = {
     "lhs_rank": ((torch.zeros(2, 3, 4), torch.zeros(2, 4, 5),
                   torch.tensor([1, 1])), {}, ValueError,
@@ -194,6 +228,14 @@ BAD = {
     "no_groups": ((torch.zeros(3, 4), torch.zeros(0, 4, 5),
                    torch.zeros(0, dtype=torch.long)), {}, ValueError,
                   "at least one group"),
+    "codes_without_scale": ((torch.zeros(3, 4),
+                             torch.zeros(2, 4, 5, dtype=torch.int8),
+                             torch.tensor([1, 2])), {}, TypeError,
+                            "rhs must have dtype float32"),
+    "float_rhs_with_scale": ((torch.zeros(3, 4), torch.zeros(2, 4, 5),
+                              torch.tensor([1, 2])),
+                             dict(rhs_scale=torch.ones(2, 1, 5)), TypeError,
+                             "rhs must have dtype int8"),
     "float_sizes": ((torch.zeros(3, 4), torch.zeros(2, 4, 5),
                      torch.tensor([1.0, 2.0])), {}, TypeError,
                     "group_sizes must have dtype"),
@@ -337,12 +379,18 @@ def test_drop_ins_match_float64_oracle_at_odd_sizes(rng):
 _A, _W = torch.zeros(8, 4), torch.zeros(2, 4, 3)
 _S = torch.tensor([3, 5], dtype=torch.int32)
 DROP_IN_BAD = {
-    "gmm_group_offset": (lambda: custom_kernel.gmm(
-        _A, _W, _S, group_offset=torch.tensor(1, dtype=torch.int32)),
-        NotImplementedError, "gmm: group_offset is not supported"),
-    "tgmm_group_offset": (lambda: custom_kernel.tgmm(
-        _A.t(), torch.zeros(8, 3), _S, group_offset=torch.tensor(0)),
-        NotImplementedError, "tgmm: group_offset is not supported"),
+    "gmm_group_offset_range": (lambda: custom_kernel.gmm(
+        _A, _W[:1], _S, group_offset=2), ValueError,
+        "grouped_matmul: group_offset=2 must be in \\[0, 1\\]"),
+    "gmm_group_offset_float": (lambda: custom_kernel.gmm(
+        _A, _W[:1], _S, group_offset=torch.tensor([1.0])), ValueError,
+        "grouped_matmul: group_offset must be an int or an integer tensor"),
+    "gmm_group_offset_shape": (lambda: custom_kernel.gmm(
+        _A, _W[:1], _S, group_offset=torch.tensor([0, 1])), ValueError,
+        "group_offset must be an int or an integer tensor of one element"),
+    "gmm_offset_sizes": (lambda: custom_kernel.gmm(
+        _A, torch.zeros(3, 4, 3), _S, group_offset=0), ValueError,
+        "with group_offset, group_sizes \\[G_total\\] must have at least"),
     "gmm_tiling_length": (lambda: custom_kernel.gmm(_A, _W, _S, (128, 128)),
                           ValueError, "gmm: tiling must be"),
     "gmm_tiling_multiple": (lambda: custom_kernel.gmm(_A, _W, _S,
@@ -353,12 +401,41 @@ DROP_IN_BAD = {
         "gmm_backward: tiling="),
     "tgmm_groups": (lambda: custom_kernel.tgmm(
         _A.t(), torch.zeros(8, 3), _S, num_actual_groups=3), ValueError,
-        "num_actual_groups must be None or an int in \\[1, 2\\]"),
+        "num_groups must be an int in \\[1, 2\\]"),
     "tgmm_rows": (lambda: custom_kernel.tgmm(_A.t(), torch.zeros(7, 3), _S),
                   ValueError, "tgmm: dout has 7 rows, lhs has 8"),
     "tgmm_lhs_rank": (lambda: custom_kernel.tgmm(_W, torch.zeros(8, 3), _S),
                       ValueError, "tgmm: lhs must be \\[k, m\\]"),
 }
+
+
+def _offset_oracle(lhs, rhs, sizes, dout, offset):
+  """The oracle for rhs holding groups offset .. offset + G - 1 of sizes:
+  the full problem with zero weights elsewhere, d rhs of the held groups."""
+  full = np.zeros((len(sizes),) + rhs.shape[1:])
+  full[offset:offset + rhs.shape[0]] = rhs
+  out, dlhs, dw = _oracle(lhs, full, sizes, dout)
+  return out, dlhs, dw[offset:offset + rhs.shape[0]]
+
+
+def test_group_offset_matches_float64_oracle(rng):
+  """Expert parallelism: rhs holds 2 of 5 groups, the offset an int, then
+  a tensor (same compile for any value); rows of other groups give zeros;
+  tgmm's num_actual_groups groups from the offset."""
+  m, k, n, g_total, g = 33, 12, 9, 5, 2
+  lhs, rhs, dout = _inputs(rng, m, k, n, g)
+  sizes = _sizes(rng, "cover", m, g_total)
+  for offset in (3, torch.tensor([1], dtype=torch.int32)):
+    at = int(offset)
+    want = _offset_oracle(lhs, rhs, sizes, dout, at)
+    bound = _offset_oracle(np.abs(lhs), np.abs(rhs), sizes, np.abs(dout), at)
+    got = _run(custom_kernel.gmm, lhs, rhs, sizes, dout, "cpu",
+               group_offset=offset, tiling=(8, 128, 128))
+    _assert_all_close(got, want, bound)
+    t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    tg = custom_kernel.tgmm(t(lhs).t(), t(dout), torch.tensor(sizes),
+                            (8, 128, 128), offset, g)
+    _close(tg.numpy(), want[2], bound[2], f"tgmm offset {at}")
 
 
 @pytest.mark.parametrize("name", sorted(DROP_IN_BAD))

@@ -147,7 +147,8 @@ def test_every_op_is_public():
      "-> Tensor"),
     ("grouped_matmul", "pallas_kernels::grouped_matmul(Tensor lhs, "
      "Tensor rhs, Tensor group_sizes, *, bool transpose_rhs=False, "
-     "ScalarType? preferred_element_type=None, str? backend=None) -> Tensor"),
+     "ScalarType? preferred_element_type=None, Tensor? group_offset=None, "
+     "Tensor? rhs_scale=None, str? backend=None) -> Tensor"),
 ])
 def test_schema_examples(name, want):
   assert str(_public(name).default._schema) == want
