@@ -898,6 +898,9 @@ def _n_outputs(name: str, static: str, shapes: tuple) -> int:
   return len(_float_outputs_cached(name, static, specs))
 
 
+_eager.use_programs(_jitted, _n_outputs)
+
+
 def _concrete(shape) -> tuple[int, ...]:
   """``shape`` as ints: symbolic sizes (AOT dispatch or torch.compile with
   dynamic shapes) are specialized to their concrete values, which

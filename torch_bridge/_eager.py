@@ -18,7 +18,8 @@ small op's launch.
                 runs only the op's backward, never the forward again.
 
 Both run the jitted functions the custom ops run on CPU/CUDA tensors
-(``_core._jitted``), so the two paths give the same bits.
+(``_core._jitted``, handed over by ``use_programs``), so the two paths give
+the same bits.
 """
 from __future__ import annotations
 
@@ -55,9 +56,19 @@ def plain_device(tensors) -> torch.device | None:
   return device
 
 
+# The jitted JAX functions of the ops and their output counts, from the
+# module that builds them (``_core`` sets these when it is imported).
+_programs: dict = {}
+
+
+def use_programs(jitted, n_outputs) -> None:
+  """``jitted(name, static_text, flavour, kind, mask)`` -> the jitted
+  function; ``n_outputs(name, static_text, shapes)`` -> how many outputs."""
+  _programs.update(jitted=jitted, n_outputs=n_outputs)
+
+
 def _jitted(name, static_text, flavour, kind, mask):
-  from torch_bridge import _core
-  return _core._jitted(name, static_text, flavour, kind, mask)
+  return _programs["jitted"](name, static_text, flavour, kind, mask)
 
 
 def forward(name: str, static_text: str, flavour, tensors, device) -> list:
@@ -70,8 +81,7 @@ def forward(name: str, static_text: str, flavour, tensors, device) -> list:
 
 @functools.lru_cache(maxsize=None)
 def _n_outputs(name: str, static_text: str, signature: tuple) -> int:
-  from torch_bridge import _core
-  return _core._n_outputs(name, static_text, signature)
+  return _programs["n_outputs"](name, static_text, signature)
 
 
 def _save(ctx, tensors) -> list:

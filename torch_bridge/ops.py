@@ -40,6 +40,7 @@ import functools
 
 import torch
 
+from torch_bridge import schemas
 from torch_bridge._core import JaxOp, UnshardedWarning
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -1404,6 +1405,7 @@ __all__ = ["UnshardedWarning", "flash_attention", "decode_attention",
            "pairwise_diou", "pairwise_ciou", "box_iou", "iou_loss", "giou_loss", "diou_loss", "ciou_loss",
            "nms", "batched_nms", "soft_nms"]
 
-# Registers the public typed ops ``torch.ops.pallas_kernels.<name>`` (they
-# call the functions above).
-from torch_bridge import schemas  # noqa: E402,F401
+# The public typed ops ``torch.ops.pallas_kernels.<name>`` (they call the
+# functions above).
+schemas.register({name: globals()[name] for name in __all__
+                  if name != "UnshardedWarning"})

@@ -31,8 +31,6 @@ import inspect
 
 import torch
 
-from torch_bridge import ops
-
 NAMESPACE = "pallas_kernels"
 
 # Schema type of each parameter, by name (``?`` is added where the Python
@@ -90,11 +88,11 @@ def _argument(op: str, name: str, default) -> str:
   return f"{kind} {name}={_default(default)}"
 
 
-def schema(name: str) -> str:
+def schema(name: str, function) -> str:
   """The schema of ``pallas_kernels::<name>`` (without the name), from the
-  Python function's signature."""
+  signature of its Python ``function``."""
   args, keyword_only = [], False
-  for p in inspect.signature(getattr(ops, name)).parameters.values():
+  for p in inspect.signature(function).parameters.values():
     if p.name in PYTHON_ONLY:
       continue
     if p.kind is p.KEYWORD_ONLY and not keyword_only:
@@ -105,9 +103,8 @@ def schema(name: str) -> str:
   return f"({', '.join(args)}) -> {_RETURNS.get(name, 'Tensor')}"
 
 
-def _kernel(name: str):
+def _kernel(name: str, function):
   """The op's kernel: schema arguments -> the Python function's call."""
-  function = getattr(ops, name)
   positional = [p.name for p in inspect.signature(function).parameters
                 .values() if p.kind is p.POSITIONAL_OR_KEYWORD]
   int_or_pair = [arg for arg, kind in _OP_TYPES.get(name, {}).items()
@@ -132,9 +129,11 @@ def _kernel(name: str):
 
 
 _LIBRARY = torch.library.Library(NAMESPACE, "DEF")
-for _name in ops.__all__:
-  if _name == "UnshardedWarning":
-    continue
-  _LIBRARY.define(_name + schema(_name))
-  _LIBRARY.impl(_name, _kernel(_name), "CompositeImplicitAutograd")
-del _name
+
+
+def register(functions: dict) -> None:
+  """Defines ``torch.ops.pallas_kernels.<name>`` for each Python function
+  (``torch_bridge.ops`` passes its public ones when it is imported)."""
+  for name, function in functions.items():
+    _LIBRARY.define(name + schema(name, function))
+    _LIBRARY.impl(name, _kernel(name, function), "CompositeImplicitAutograd")
