@@ -4,7 +4,9 @@ decode batches with empty sequences, GQA at ratios 1-3, page tables in any
 order whose unused entries hold garbage (out-of-range ids), NaN in cache
 rows past each length and in unused pages, sliding window, soft cap, sinks,
 8-bit caches, ``num_seqs`` below the table's rows; bad inputs; AOT compiles
-for v5e and v6e. ``--runslow``: a random sweep.
+for v5e and v6e; under shard_map split over heads (tensor parallel) and over
+sequences (each device its own batch and cache). ``--runslow``: a random
+sweep.
 
 Tolerances (max |error| over outputs of magnitude <= 1-ish): float32 2e-5;
 bfloat16 and 8-bit caches 3e-2 (bfloat16 probabilities and output).
@@ -295,3 +297,68 @@ def test_same_semantics_as_jax_reference():
   got = pk.ragged_paged_attention(*args, backend="reference", **kw)
   np.testing.assert_allclose(np.asarray(got[:want.shape[0]]),
                              np.asarray(want), atol=2e-5)
+
+
+# ----------------------------------------------------------- sharding --
+
+def _mesh(axis):
+  return jax.sharding.Mesh(np.array(jax.devices()[:2]), (axis,))
+
+
+@pytest.mark.parametrize("backend", backends.params(["interpret",
+                                                     "reference"]))
+def test_sharded_over_heads(backend, rng):
+  """Tensor parallel: each device holds half the kv heads (a contiguous
+  run of the combined K/V head axis keeps each K beside its V) and their
+  query heads; the result matches the oracle of the whole call."""
+  args = make_batch(rng, [5, 1, 0, 3], [9, 6, 2, 12], heads=4, kv_heads=2,
+                    head_dim=128, page_size=4, pages_per_seq=4)
+  P = jax.sharding.PartitionSpec
+  split = (P(None, "model"), P(None, None, "model"), P(), P(), P(), P())
+  run = lambda *a: backend.run(pk.ragged_paged_attention, *a, sm_scale=0.2,
+                               num_kv_pages_per_block=2)
+  sharded = jax.jit(_compat.shard_map(run, mesh=_mesh("model"),
+                                      in_specs=split,
+                                      out_specs=P(None, "model")))
+  _check(_Fixed(sharded(*args)), args, TOL[jnp.float32], sm_scale=0.2)
+
+
+@pytest.mark.parametrize("backend", backends.params(["interpret",
+                                                     "reference"]))
+def test_sharded_over_sequences(backend, rng):
+  """Data parallel: each device serves its own batch over its own cache
+  (every argument stacked on a leading device axis); each shard matches
+  the oracle of its batch."""
+  shape = dict(heads=2, kv_heads=1, head_dim=128, page_size=4,
+               pages_per_seq=3, spare_pages=2)
+  batches = [make_batch(rng, [4, 1], [7, 10], **shape),
+             make_batch(rng, [1, 2], [3, 12], **shape)]
+  tokens = max(b[0].shape[0] for b in batches)
+  pages = max(b[1].shape[0] for b in batches)
+  padded = [(jnp.pad(b[0], ((0, tokens - b[0].shape[0]), (0, 0), (0, 0))),
+             jnp.pad(b[1], ((0, pages - b[1].shape[0]),) + ((0, 0),) * 3))
+            + b[2:] for b in batches]
+  stacked = [jnp.stack(parts) for parts in zip(*padded)]
+  P = jax.sharding.PartitionSpec
+
+  def run(*a):
+    out = backend.run(pk.ragged_paged_attention, *(x[0] for x in a),
+                      sm_scale=0.3)
+    return out[None]
+  sharded = jax.jit(_compat.shard_map(run, mesh=_mesh("data"),
+                                      in_specs=(P("data"),) * 6,
+                                      out_specs=P("data")))
+  out = sharded(*stacked)
+  for i, parts in enumerate(padded):
+    _check(_Fixed(out[i]), parts, TOL[jnp.float32], sm_scale=0.3)
+
+
+class _Fixed:
+  """A backend whose op returns a given result (to check a shard's output
+  with ``_check``)."""
+
+  def __init__(self, result):
+    self.result = result
+
+  def run(self, op, *args, **kwargs):
+    return self.result
