@@ -8,12 +8,13 @@ gradient). The lists, at most ``tiles_m + G`` long, are computed in XLA from
 ``group_sizes`` and scalar-prefetched with their used length, the grid's
 dynamic bound: routing changes never recompile and padding costs no steps.
 
-gmm grid (N tiles, items, K tiles): each item multiplies its row tile by its
-group's weight tile, keeps the rows of its group (``where``), and adds into
-a float32 [tm, tn] accumulator that lives while consecutive items share a
-row tile; the output tile is written at the last K step of each item and
-flushed when the row tile changes. A tile straddling groups is read once per
-group it holds (the extra read is that tile's lhs block, not the output).
+gmm grid (N tiles, items, K tiles): each item sums its row tile times its
+group's weight tile over K in a float32 [tm, tn] accumulator and, at its
+last K step, stores the rows of its group (``where``) into the output tile,
+which stays in VMEM while consecutive items share a row tile (zeroed by the
+first) and is flushed when the row tile changes. A tile straddling groups is
+read once per group it holds (the extra read is that tile's lhs block, not
+the output).
 
 tgmm grid (K tiles, N tiles, items): per item, the group's rows of the lhs
 tile (others zeroed) transposed times the dout tile add into a [tk, tn]
