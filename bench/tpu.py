@@ -491,7 +491,7 @@ def _prod(grid):
 
 
 def run_one_subprocess(case: str, generation: str, quick: bool,
-                       timeout: float = 300) -> dict:
+                       timeout: float = 900) -> dict:
   dump = tempfile.mkdtemp(prefix="tpubundles-")
   env = dict(os.environ)
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
