@@ -97,6 +97,11 @@ class Case:
   segments: bool = False
   bias: object = None
   lse: bool = True      # return_lse, with an lse cotangent
+  dv: int | None = None  # v's head dim (MLA), None: d
+
+  @property
+  def v_dim(self):
+    return self.d if self.dv is None else self.dv
 
   def inputs(self, rng):
     """(q, k, v, bias, d_out, d_lse, flash_attention kwargs)."""
@@ -104,8 +109,8 @@ class Case:
     make = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
     q, k, v = (make(self.b, self.h, self.lq, self.d),
                make(self.b, self.hk, self.lk, self.d),
-               make(self.b, self.hk, self.lk, self.d))
-    d_out = make(self.b, self.h, self.lq, self.d)
+               make(self.b, self.hk, self.lk, self.v_dim))
+    d_out = make(self.b, self.h, self.lq, self.v_dim)
     d_lse = (jnp.asarray(rng.standard_normal((self.b, self.h, self.lq)),
                          jnp.float32) if self.lse else None)
     bias = None
@@ -150,6 +155,14 @@ CASES = {
     # above 128: the Mosaic GPU backward splits head_dim over warpgroups
     "bf16_d160_causal_gqa": Case(1, 2, 1, 140, 200, 160, "bfloat16",
                                  causal=True),
+    # MLA: v's head dim differs from q's and k's, smaller and larger
+    "mla_causal_segments_gqa": Case(2, 4, 2, 150, 200, 24, dv=40, causal=True,
+                                    segments=True),
+    "mla_wide_v_window_cap_bias": Case(1, 2, 1, 130, 170, 16, dv=72,
+                                       window=(50, 10), cap=2.0, bias=(1, 2),
+                                       lse=False),
+    "bf16_mla_d192_dv128_causal": Case(1, 2, 1, 140, 200, 192, "bfloat16",
+                                       dv=128, causal=True),
 }
 
 
@@ -158,7 +171,7 @@ def _refusal(backend, case) -> bool:
   if backend.name != "mosaic_gpu":
     return False
   return (case.dtype == "float32" or case.bias is not None or case.segments
-          or not 64 <= case.d <= 256)
+          or not 64 <= case.d <= 256 or case.v_dim != case.d)
 
 
 def _run(q, k, v, bias, d_out, d_lse, *, backend, blocks, **kw):
@@ -193,7 +206,7 @@ def check(backend, case, rng):
   ref_out, ref_lse, ref_grads = oracle.attention(
       q, k, v, bias=bias, d_out=d_out, d_lse=d_lse, **kw)
   out_tol, lse_tol, grad_tol = TOLERANCES[case.dtype]
-  assert out.shape == q.shape and out.dtype == q.dtype
+  assert out.shape == q.shape[:3] + v.shape[3:] and out.dtype == q.dtype
   _assert_close(out, ref_out, out_tol * _scale(ref_out), "out")
   empty = np.isneginf(ref_lse)
   np.testing.assert_array_equal(np.asarray(out)[empty], 0.0)
