@@ -138,7 +138,8 @@ CASES = {
     "causal_window_cap": Case(1, 4, 1, 130, 260, 40, causal=True, window=50,
                               cap=2.5, sm_scale=0.3),
     "segments": Case(2, 2, 1, 150, 200, 16, segments=True),
-    "bias_per_batch_head": Case(2, 2, 2, 100, 140, 16, bias=(2, 2)),
+    # v wider than q and k (MLA's Dv > D)
+    "bias_per_batch_head": Case(2, 2, 2, 100, 140, 16, bias=(2, 2), dv=40),
     "bias_broadcast": Case(1, 4, 2, 100, 140, 16, bias=(1, 1), lse=False),
     "bias_extreme": Case(1, 2, 1, 20, 150, 16, bias="extreme"),
     "everything": Case(1, 4, 2, 150, 200, 24, causal=True, window=(90, 0),
@@ -156,7 +157,7 @@ CASES = {
     "bf16_d160_causal_gqa": Case(1, 2, 1, 140, 200, 160, "bfloat16",
                                  causal=True),
     # MLA: v's head dim differs from q's and k's, smaller and larger
-    "mla_causal_segments_gqa": Case(2, 4, 2, 150, 200, 24, dv=40, causal=True,
+    "mla_causal_segments_gqa": Case(1, 2, 1, 150, 200, 24, dv=40, causal=True,
                                     segments=True),
     "mla_wide_v_window_cap_bias": Case(1, 2, 1, 130, 170, 16, dv=72,
                                        window=(50, 10), cap=2.0, bias=(1, 2),
@@ -225,8 +226,13 @@ def check(backend, case, rng):
 
 # ------------------------------------------------------------ the suite --
 
+SLOW_CASES = {"mla_wide_v_window_cap_bias"}
+
+
 @pytest.mark.parametrize("backend", ALL)
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_CASES else [])
+    for n in sorted(CASES)])
 def test_forward_and_gradients_match_float64(backend, name, rng):
   empty = check(backend, CASES[name], rng)
   if name in ("causal_long_query", "segments", "bias_extreme",
@@ -372,6 +378,17 @@ def test_named_kernels_check_the_chip():
                          bias=jnp.zeros((1, 1, 128, 128)))
 
 
+def test_mosaic_gpu_refuses_a_different_v_head_dim_naming_v():
+  q, k, _ = _qkv((1, 2, 128, 64), (1, 1, 128, 64), dtype=jnp.bfloat16)
+  v = jnp.ones((1, 1, 128, 128), jnp.bfloat16)
+  with force_interpret("generic"):
+    with pytest.raises(ValueError, match="cannot run this call: .*(v's "
+                       "head_dim equal to q's, got 128 and 64|jax >= 0.10)"):
+      pk.flash_attention(q, k, v, backend="mosaic_gpu")
+    # The default GPU choice passes it to the Triton kernel.
+    assert pk.flash_attention(q, k, v, backend="gpu").shape == (1, 2, 128, 128)
+
+
 def test_reference_and_kernels_import_neither_api_nor_bench():
   code = ("import sys; import pallas_kernels.attention.reference; "
           "assert 'pallas_kernels.attention.api' not in sys.modules; "
@@ -392,7 +409,11 @@ def _ones(lq=8, lk=8, h=2, hk=1, d=8, dtype=jnp.float32):
      "q must have 4 dimensions"),
     (lambda: _ones(h=3, hk=2), {}, ValueError, "multiple of kv_heads"),
     (lambda: _ones()[:2] + (jnp.ones((1, 1, 9, 8)),), {}, ValueError,
-     "same shape"),
+     r"k and v must have the same \[batch, kv_heads, kv_len\]"),
+    (lambda: _ones()[:2] + (jnp.ones((1, 1, 8, 0)),), {}, ValueError,
+     "v's head_dim must be >= 1"),
+    (lambda: (_ones()[0], jnp.ones((1, 1, 8, 6)), _ones()[2]), {}, ValueError,
+     r"head_dim of k \(6\) != head_dim of q \(8\)"),
     (lambda: (jnp.ones((1, 2, 8, 4)),) + _ones()[1:], {}, ValueError,
      "head_dim"),
     (lambda: (jnp.ones((2, 2, 8, 8)),) + _ones()[1:], {}, ValueError, "batch"),
@@ -551,6 +572,15 @@ def test_cost_model_counts_skipped_blocks():
   assert geom.grid("kv", 1, 1) == (1, 1, 765)
   backward = mosaic_tpu.cost(4, 16, 4096, 4096, 128, 2, backward=True)
   assert backward["flops"] == 3.5 * full["flops"]
+  # MLA (D 192 padded to 256, Dv 128): the QK^T matmuls at D, P V at Dv.
+  mla = mosaic_tpu.cost(4, 16, 4096, 4096, 192, 2, block_q=256,
+                        block_kv=256, value_dim=128)
+  assert mla["flops"] == 2 * 4 * 16 * 4096 * 4096 * (256 + 128)
+  mla_bwd = mosaic_tpu.cost(4, 16, 4096, 4096, 192, 2, backward=True,
+                            value_dim=128)
+  assert mla_bwd["flops"] == 2 * 4 * 16 * 4096 * 4096 * (4 * 256 + 3 * 128)
+  assert mla_bwd["vmem_bytes"] < mosaic_tpu.cost(
+      4, 16, 4096, 4096, 256, 2, backward=True)["vmem_bytes"]
   # The table's VMEM per generation: tests/test_tile_tables.py.
 
 
