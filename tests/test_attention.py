@@ -268,7 +268,8 @@ def _problems(draw):
               lq=draw(st.integers(1, 260)), lk=draw(st.integers(1, 260)),
               d=d, dtype=dtype, causal=draw(st.booleans()), window=window,
               cap=draw(st.sampled_from([None, 1.5])),
-              segments=draw(st.booleans()), lse=draw(st.booleans()))
+              segments=draw(st.booleans()), lse=draw(st.booleans()),
+              dv=draw(st.sampled_from([None, None, 20, 72])))
 
 
 @pytest.mark.parametrize("backend", ALL)
