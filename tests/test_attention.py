@@ -305,6 +305,9 @@ def test_empty_sequences():
   assert np.all(np.isneginf(lse))
   grads = jax.grad(lambda q: pk.flash_attention(q, k, v).sum())(q)
   np.testing.assert_array_equal(grads, 0)
+  # MLA: v's head dim
+  out = pk.flash_attention(q, k, jnp.ones((1, 1, 0, 5)))
+  assert out.shape == (1, 2, 3, 5)
 
 
 def _qkv(shape_q=(1, 2, 100, 16), shape_kv=(1, 1, 100, 16), rng=None,
