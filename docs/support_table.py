@@ -48,9 +48,11 @@ def _masks():
 
 
 def _attention_cases():
-  def call(d=128, dtype=jnp.bfloat16, kv_heads=4, grad=False, **kw):
+  def call(d=128, dtype=jnp.bfloat16, kv_heads=4, grad=False, dv=None,
+           **kw):
     q = _spec((2, 4, 256, d), dtype)
     kv = _spec((2, kv_heads, 256, d), dtype)
+    v = kv if dv is None else _spec((2, kv_heads, 256, dv), dtype)
 
     def run(backend):
       def f(q, k, v, *extra):
@@ -71,9 +73,9 @@ def _attention_cases():
         extra.append(_spec((4,), jnp.float32))
       if grad:
         loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))  # noqa: E731
-        return jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv,
+        return jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, v,
                               *extra)
-      return jax.eval_shape(f, q, kv, kv, *extra)
+      return jax.eval_shape(f, q, kv, v, *extra)
     return run
 
   return [
@@ -90,9 +92,11 @@ def _attention_cases():
       ("mask=ChunkedCausal(64)", call(mask=_masks().ChunkedCausal(64))),
       ("sinks", call(sinks=True)),
       ("GQA (4 q heads, 2 kv heads)", call(kv_heads=2)),
+      ("MLA (q/k head_dim 192, v 128)", call(d=192, dv=128)),
       ("backward, head_dim 128", call(grad=True)),
       ("backward, head_dim 256", call(d=256, grad=True)),
       ("backward, causal", call(causal=True, grad=True)),
+      ("backward, MLA (192, v 128)", call(d=192, dv=128, grad=True)),
   ]
 
 

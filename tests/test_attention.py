@@ -97,6 +97,11 @@ class Case:
   segments: bool = False
   bias: object = None
   lse: bool = True      # return_lse, with an lse cotangent
+  dv: int | None = None  # v's head dim (MLA), None: d
+
+  @property
+  def v_dim(self):
+    return self.d if self.dv is None else self.dv
 
   def inputs(self, rng):
     """(q, k, v, bias, d_out, d_lse, flash_attention kwargs)."""
@@ -104,8 +109,8 @@ class Case:
     make = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
     q, k, v = (make(self.b, self.h, self.lq, self.d),
                make(self.b, self.hk, self.lk, self.d),
-               make(self.b, self.hk, self.lk, self.d))
-    d_out = make(self.b, self.h, self.lq, self.d)
+               make(self.b, self.hk, self.lk, self.v_dim))
+    d_out = make(self.b, self.h, self.lq, self.v_dim)
     d_lse = (jnp.asarray(rng.standard_normal((self.b, self.h, self.lq)),
                          jnp.float32) if self.lse else None)
     bias = None
@@ -133,7 +138,8 @@ CASES = {
     "causal_window_cap": Case(1, 4, 1, 130, 260, 40, causal=True, window=50,
                               cap=2.5, sm_scale=0.3),
     "segments": Case(2, 2, 1, 150, 200, 16, segments=True),
-    "bias_per_batch_head": Case(2, 2, 2, 100, 140, 16, bias=(2, 2)),
+    # v wider than q and k (MLA's Dv > D)
+    "bias_per_batch_head": Case(2, 2, 2, 100, 140, 16, bias=(2, 2), dv=40),
     "bias_broadcast": Case(1, 4, 2, 100, 140, 16, bias=(1, 1), lse=False),
     "bias_extreme": Case(1, 2, 1, 20, 150, 16, bias="extreme"),
     "everything": Case(1, 4, 2, 150, 200, 24, causal=True, window=(90, 0),
@@ -150,6 +156,14 @@ CASES = {
     # above 128: the Mosaic GPU backward splits head_dim over warpgroups
     "bf16_d160_causal_gqa": Case(1, 2, 1, 140, 200, 160, "bfloat16",
                                  causal=True),
+    # MLA: v's head dim differs from q's and k's, smaller and larger
+    "mla_causal_segments_gqa": Case(1, 2, 1, 150, 200, 24, dv=40, causal=True,
+                                    segments=True),
+    "mla_wide_v_window_cap_bias": Case(1, 2, 1, 130, 170, 16, dv=72,
+                                       window=(50, 10), cap=2.0, bias=(1, 2),
+                                       lse=False),
+    "bf16_mla_d192_dv128_causal": Case(1, 2, 1, 140, 200, 192, "bfloat16",
+                                       dv=128, causal=True),
 }
 
 
@@ -158,7 +172,7 @@ def _refusal(backend, case) -> bool:
   if backend.name != "mosaic_gpu":
     return False
   return (case.dtype == "float32" or case.bias is not None or case.segments
-          or not 64 <= case.d <= 256)
+          or not 64 <= case.d <= 256 or case.v_dim != case.d)
 
 
 def _run(q, k, v, bias, d_out, d_lse, *, backend, blocks, **kw):
@@ -193,7 +207,7 @@ def check(backend, case, rng):
   ref_out, ref_lse, ref_grads = oracle.attention(
       q, k, v, bias=bias, d_out=d_out, d_lse=d_lse, **kw)
   out_tol, lse_tol, grad_tol = TOLERANCES[case.dtype]
-  assert out.shape == q.shape and out.dtype == q.dtype
+  assert out.shape == q.shape[:3] + v.shape[3:] and out.dtype == q.dtype
   _assert_close(out, ref_out, out_tol * _scale(ref_out), "out")
   empty = np.isneginf(ref_lse)
   np.testing.assert_array_equal(np.asarray(out)[empty], 0.0)
@@ -212,8 +226,13 @@ def check(backend, case, rng):
 
 # ------------------------------------------------------------ the suite --
 
+SLOW_CASES = {"mla_wide_v_window_cap_bias"}
+
+
 @pytest.mark.parametrize("backend", ALL)
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_CASES else [])
+    for n in sorted(CASES)])
 def test_forward_and_gradients_match_float64(backend, name, rng):
   empty = check(backend, CASES[name], rng)
   if name in ("causal_long_query", "segments", "bias_extreme",
@@ -249,7 +268,8 @@ def _problems(draw):
               lq=draw(st.integers(1, 260)), lk=draw(st.integers(1, 260)),
               d=d, dtype=dtype, causal=draw(st.booleans()), window=window,
               cap=draw(st.sampled_from([None, 1.5])),
-              segments=draw(st.booleans()), lse=draw(st.booleans()))
+              segments=draw(st.booleans()), lse=draw(st.booleans()),
+              dv=draw(st.sampled_from([None, None, 20, 72])))
 
 
 @pytest.mark.parametrize("backend", ALL)
@@ -285,6 +305,9 @@ def test_empty_sequences():
   assert np.all(np.isneginf(lse))
   grads = jax.grad(lambda q: pk.flash_attention(q, k, v).sum())(q)
   np.testing.assert_array_equal(grads, 0)
+  # MLA: v's head dim
+  out = pk.flash_attention(q, k, jnp.ones((1, 1, 0, 5)))
+  assert out.shape == (1, 2, 3, 5)
 
 
 def _qkv(shape_q=(1, 2, 100, 16), shape_kv=(1, 1, 100, 16), rng=None,
@@ -359,6 +382,17 @@ def test_named_kernels_check_the_chip():
                          bias=jnp.zeros((1, 1, 128, 128)))
 
 
+def test_mosaic_gpu_refuses_a_different_v_head_dim_naming_v():
+  q, k, _ = _qkv((1, 2, 128, 64), (1, 1, 128, 64), dtype=jnp.bfloat16)
+  v = jnp.ones((1, 1, 128, 128), jnp.bfloat16)
+  with force_interpret("generic"):
+    with pytest.raises(ValueError, match="cannot run this call: .*(v's "
+                       "head_dim equal to q's, got 128 and 64|jax >= 0.10)"):
+      pk.flash_attention(q, k, v, backend="mosaic_gpu")
+    # The default GPU choice passes it to the Triton kernel.
+    assert pk.flash_attention(q, k, v, backend="gpu").shape == (1, 2, 128, 128)
+
+
 def test_reference_and_kernels_import_neither_api_nor_bench():
   code = ("import sys; import pallas_kernels.attention.reference; "
           "assert 'pallas_kernels.attention.api' not in sys.modules; "
@@ -379,7 +413,11 @@ def _ones(lq=8, lk=8, h=2, hk=1, d=8, dtype=jnp.float32):
      "q must have 4 dimensions"),
     (lambda: _ones(h=3, hk=2), {}, ValueError, "multiple of kv_heads"),
     (lambda: _ones()[:2] + (jnp.ones((1, 1, 9, 8)),), {}, ValueError,
-     "same shape"),
+     r"k and v must have the same \[batch, kv_heads, kv_len\]"),
+    (lambda: _ones()[:2] + (jnp.ones((1, 1, 8, 0)),), {}, ValueError,
+     "v's head_dim must be >= 1"),
+    (lambda: (_ones()[0], jnp.ones((1, 1, 8, 6)), _ones()[2]), {}, ValueError,
+     r"head_dim of k \(6\) != head_dim of q \(8\)"),
     (lambda: (jnp.ones((1, 2, 8, 4)),) + _ones()[1:], {}, ValueError,
      "head_dim"),
     (lambda: (jnp.ones((2, 2, 8, 8)),) + _ones()[1:], {}, ValueError, "batch"),
@@ -538,6 +576,15 @@ def test_cost_model_counts_skipped_blocks():
   assert geom.grid("kv", 1, 1) == (1, 1, 765)
   backward = mosaic_tpu.cost(4, 16, 4096, 4096, 128, 2, backward=True)
   assert backward["flops"] == 3.5 * full["flops"]
+  # MLA (D 192 padded to 256, Dv 128): the QK^T matmuls at D, P V at Dv.
+  mla = mosaic_tpu.cost(4, 16, 4096, 4096, 192, 2, block_q=256,
+                        block_kv=256, value_dim=128)
+  assert mla["flops"] == 2 * 4 * 16 * 4096 * 4096 * (256 + 128)
+  mla_bwd = mosaic_tpu.cost(4, 16, 4096, 4096, 192, 2, backward=True,
+                            value_dim=128)
+  assert mla_bwd["flops"] == 2 * 4 * 16 * 4096 * 4096 * (4 * 256 + 3 * 128)
+  assert mla_bwd["vmem_bytes"] < mosaic_tpu.cost(
+      4, 16, 4096, 4096, 256, 2, backward=True)["vmem_bytes"]
   # The table's VMEM per generation: tests/test_tile_tables.py.
 
 

@@ -73,6 +73,7 @@ class Case:
   bias: bool = False
   segments: bool = False
   kw: tuple = ()
+  dv: int | None = None   # v's head dim (MLA), None: d
 
 
 def _dense_random(lq, lk, rng):
@@ -99,7 +100,7 @@ def _per_head(lq, lk, rng):
 # what they leave out (bias, soft cap, bf16, four per-head kinds, Dense
 # under a formula, rows without keys).
 CASES = {
-    "per_head": Case(_per_head),
+    "per_head": Case(_per_head, dv=24),   # v's head dim != q's (MLA)
     "dense_with_empty_rows": Case(_dense_random, lq=260, lk=330),
     "or_and_window_segments": Case(
         lambda lq, lk, rng: (masks.ChunkedCausal(64) | masks.Local(20, None),
@@ -110,10 +111,11 @@ CASES = {
         lambda lq, lk, rng: (
             masks.Dense(rng.random((lq, lk)) < 0.5) & masks.Causal(),
             None), lq=200, lk=200),
+    # v's head dim 48 != q's 32 (MLA)
     "chunked_sinks_bias_cap": Case(
         lambda lq, lk, rng: (masks.ChunkedCausal(129),
                              chunked_np(lq, lk, 129)[None]),
-        sinks=True, bias=True, kw=(("logit_soft_cap", 3.0),)),
+        sinks=True, bias=True, kw=(("logit_soft_cap", 3.0),), dv=48),
     "sinks_only_causal": Case(None, sinks=True, hk=1,
                               kw=(("causal", True),)),
     "sinks_empty_rows": Case(_dense_random, sinks=True, lq=140, lk=270),
@@ -145,9 +147,10 @@ def _mosaic_gpu_case(case: Case) -> Case:
 
 
 def _mosaic_gpu_refuses(mask, case: Case) -> bool:
-  """What the Mosaic GPU kernels lack: bias, segment ids and per-head
-  mask lists."""
-  return case.bias or case.segments or isinstance(mask, list)
+  """What the Mosaic GPU kernels lack: bias, segment ids, per-head mask
+  lists and a v head dim other than q's."""
+  return (case.bias or case.segments or isinstance(mask, list)
+          or case.dv not in (None, case.d))
 
 
 def _inputs(case, rng):
@@ -155,8 +158,9 @@ def _inputs(case, rng):
   make = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
   q = make(case.b, case.h, case.lq, case.d)
   k = make(case.b, case.hk, case.lk, case.d)
-  v = make(case.b, case.hk, case.lk, case.d)
-  d_out = make(case.b, case.h, case.lq, case.d)
+  dv = case.d if case.dv is None else case.dv
+  v = make(case.b, case.hk, case.lk, dv)
+  d_out = make(case.b, case.h, case.lq, dv)
   d_lse = jnp.asarray(rng.standard_normal((case.b, case.h, case.lq)),
                       jnp.float32)
   mask = allowed = None

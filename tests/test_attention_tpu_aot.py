@@ -4,7 +4,9 @@ Default: forward + backward at a handful of representative shapes on v5e and
 v6e (each generation with its own table blocks), one 4-chip sharded case
 through ``shard_flash_attention``, and masks with sinks on v5p and tpu7x.
 ``--runslow`` sweeps head_dim 64/128/256 and sequence 512..32k, and a
-masked call with sinks on four generations up to 128k.
+masked call with sinks on four generations up to 128k. MLA (v's head_dim
+192 -> 128): a short causal case on v5e and v6e by default; full blocks,
+Dv > D and four generations with --runslow.
 """
 from __future__ import annotations
 
@@ -268,3 +270,56 @@ def test_sweep_chunked_with_sinks_to_128k(topology, d, length,
                                           tpu_topologies):
   _need(topology, tpu_topologies)
   _compile_masked(topology, d, length, masks.ChunkedCausal(2048), True)
+
+
+# ------------------------------------------ MLA: v's head_dim != q's --
+
+def _compile_mla(topology, d, dv, length, dtype=jnp.bfloat16, **kw):
+  """Forward + backward at B1 H4/2 with q/k of head_dim ``d`` and v of
+  ``dv`` and the generation's own blocks: the three kernels, each within
+  the generation's VMEM; out and dv have ``dv`` columns."""
+  q, k, _ = _specs(1, 4, 2, length, length, d, dtype)
+  v = jax.ShapeDtypeStruct((1, 2, length, dv), dtype)
+
+  def fn(q, k, v):
+    def loss(q, k, v):
+      out = flash_attention(q, k, v, backend="mosaic_tpu", **kw)
+      return jnp.sum(out.astype(jnp.float32)), out
+    return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  (dq, dk, dv_), out = jax.eval_shape(fn, q, k, v)
+  assert out.shape == (1, 4, length, dv)
+  assert (dq.shape, dk.shape, dv_.shape) == (q.shape, k.shape, v.shape)
+  result = tpu_aot.compile_for_tpu(fn, q, k, v, topology=topology)
+  vmem = result.kernel_vmem_bytes
+  for name in ("flash_attention_fwd", "flash_attention_dq",
+               "flash_attention_dkv"):
+    assert any(call.startswith(name) for call in vmem), (name, vmem)
+  limit = _backend.TPU_VMEM_BYTES[tpu_aot.topology_generation(topology)]
+  assert 0 < max(vmem.values()) <= limit, vmem
+
+
+@pytest.mark.parametrize("topology", sorted(GENERATIONS))
+@pytest.mark.parametrize("length", [
+    256, pytest.param(1024, marks=pytest.mark.slow)])
+def test_mla_deepseek_head_dims_compile(topology, length, tpu_topologies):
+  """DeepSeek-V3's q/k head_dim 192 and v head_dim 128, causal; at 1024
+  the generation's full table blocks."""
+  _need(topology, tpu_topologies)
+  _compile_mla(topology, 192, 128, length, causal=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2", "v5p:2x2x1",
+                                      "tpu7x:2x2x1"])
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 256), (64, 512)])
+@pytest.mark.parametrize("length", [4096, 32768])
+def test_sweep_mla_head_dims(topology, d, dv, length, tpu_topologies):
+  _need(topology, tpu_topologies)
+  _compile_mla(topology, d, dv, length, causal=True, sliding_window=2048)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", sorted(GENERATIONS))
+def test_mla_float32_soft_cap_compile(topology, tpu_topologies):
+  _need(topology, tpu_topologies)
+  _compile_mla(topology, 192, 128, 2048, jnp.float32, logit_soft_cap=30.0)

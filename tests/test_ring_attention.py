@@ -3,7 +3,7 @@
 the unsharded ``flash_attention``: forward, lse and the gradients of q, k, v,
 bias and sinks (with cotangents for both out and lse), causal and not, GQA,
 segment ids, soft cap, bias (full and broadcast), sinks, q_len != kv_len
-(both ways), sliding windows and static masks (each kind, combined, per
+(both ways), v's head dim != q's (MLA), sliding windows and static masks (each kind, combined, per
 head, with segment ids; the oracle's mask is built here with NumPy from the
 definitions, not from ``masks``), both sequence layouts, with the sequence
 axis alone and beside batch/head axes.
@@ -62,6 +62,7 @@ class Case:
   kv_length: int | None = None   # None: length
   bias: tuple | None = None   # (batch or 1, heads or 1) of a bias
   sinks: bool = False
+  v_dim: int = 16   # v's head dim (MLA when not q's 16)
 
   @property
   def kv_len(self):
@@ -123,8 +124,10 @@ CASES = {
     "causal_zigzag_8": Case((1, 8), True, 32, layout="zigzag"),
     "causal_bf16_4": Case((1, 4), True, 40, dtype="bfloat16"),
     # Windows and static masks at global positions.
+    # v's head dim 24 != q's 16 (MLA): the pairs the window empties give
+    # zeros of v's width
     "window_causal_segments_4": Case((1, 4), True, 40, window=7,
-                                     segments=True),
+                                     segments=True, v_dim=24),
     "window_bidirectional_zigzag_8": Case((1, 8), False, 32, window=(3, 6),
                                           layout="zigzag", kv_heads=4),
     "window_wide_batch_x_seq": Case((2, 4), True, 48, window=30,
@@ -178,6 +181,8 @@ CASES = {
                                       mask="combined", layout="zigzag"),
     "more_queries_causal_8": Case((1, 8), True, 64, kv_length=32,
                                   segments=True),
+    "mla_prefill_wide_v_bias_8": Case((1, 8), False, 16, kv_length=48,
+                                      bias=(2, 4), v_dim=40),
     "prefill_bf16_4": Case((1, 4), True, 16, kv_length=48, bias=(2, 4),
                            sinks=True, dtype="bfloat16"),
 }
@@ -197,7 +202,8 @@ def _inputs(case, rng):
   b, length, kv_len, d = 2, case.length, case.kv_len, 16
   f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
   q = f(b, case.heads, length, d)
-  k, v = f(b, case.kv_heads, kv_len, d), f(b, case.kv_heads, kv_len, d)
+  k, v = f(b, case.kv_heads, kv_len, d), f(b, case.kv_heads, kv_len,
+                                          case.v_dim)
   segs = None
   if case.segments:
     q_seg = np.sort(rng.integers(0, 3, (b, length)), axis=1)
@@ -206,7 +212,7 @@ def _inputs(case, rng):
     segs = (jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32))
   bias = None if case.bias is None else f(*case.bias, length, kv_len)
   sinks = f(case.heads) if case.sinks else None
-  d_out = rng.standard_normal(q.shape)
+  d_out = rng.standard_normal(q.shape[:3] + v.shape[3:])
   d_lse = rng.standard_normal(q.shape[:3])
   return q, k, v, segs, bias, sinks, d_out, d_lse
 
@@ -337,7 +343,7 @@ def test_ring_matches_oracle_reference(name, rng):
               "per_head_segments_4", "prefill_causal_bias_4",
               "sinks_mask_bias_batch_x_seq", "prefill_window_zigzag_8",
               "prefill_dense_heads_x_seq", "more_queries_causal_8",
-              "prefill_bf16_4")])
+              "prefill_bf16_4", "mla_prefill_wide_v_bias_8")])
 def test_ring_matches_oracle_generic_interpreter(name, rng):
   """backend=None on a CPU: the TPU kernel in Pallas' generic interpreter."""
   _check(CASES[name], None, rng)

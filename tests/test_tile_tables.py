@@ -51,6 +51,23 @@ def test_attention_rows_fit(generation, head_dim, itemsize, bias):
     assert _fits(generation, used, params.vmem_limit_bytes), (bq, bk, used)
 
 
+@pytest.mark.parametrize("generation", GENERATIONS)
+@pytest.mark.parametrize("head_dim,v_head_dim", [(192, 128), (64, 256),
+                                                 (256, 64)])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_attention_rows_fit_mla(generation, head_dim, v_head_dim, itemsize):
+  """v's head dim != q's (MLA): the row of the wider one, q/k tiles at D
+  and v/dO/out tiles at Dv."""
+  table = attn_bs.table_block_sizes(generation, max(head_dim, v_head_dim))
+  dim, dim_v = (attn_bs.padded_head_dim(d) for d in (head_dim, v_head_dim))
+  for bq, bk in ((table.block_q, table.block_kv),
+                 (table.block_q_bwd, table.block_kv_bwd)):
+    used = attn_tpu.vmem_bytes(bq, bk, dim, itemsize, False, dim_v)
+    with _backend.target_override(tpu_generation=generation):
+      params = attn_tpu._compiler_params(("parallel",), used)
+    assert _fits(generation, used, params.vmem_limit_bytes), (bq, bk, used)
+
+
 def test_attention_table_has_every_generation():
   assert set(attn_bs.TABLE) == set(GENERATIONS)
 

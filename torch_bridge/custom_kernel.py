@@ -123,7 +123,8 @@ def flash_attention(q, k, v, causal=False, q_segment_ids=None,
     q: ``[*batch, heads, q_len, head_dim]`` (one or more batch dims, or
       none), float32/bfloat16/float16.
     k, v: ``[*batch, kv_heads, kv_len, head_dim]``; ``heads % kv_heads == 0``
-      (query head ``h`` uses kv head ``h // (heads // kv_heads)``).
+      (query head ``h`` uses kv head ``h // (heads // kv_heads)``). v's
+      head_dim may differ from q's and k's (MLA; an extension).
     causal: query ``i`` sees keys ``j <= i`` (the diagonal starts at the
       first query and the first key, as in torch_xla, also when q_len !=
       kv_len).
@@ -146,7 +147,8 @@ def flash_attention(q, k, v, causal=False, q_segment_ids=None,
       ``torch_bridge.flash_attention``.
 
   Returns:
-    ``out`` with q's shape and dtype. Rows that see no key are zero.
+    ``out`` with q's shape (v's head_dim last) and dtype. Rows that see no
+    key are zero.
 
   Algorithm: leading batch dims are flattened into one, then
   ``torch_bridge.ops.flash_attention`` runs (its ``causal`` aligns the
@@ -246,7 +248,7 @@ def flash_attention(q, k, v, causal=False, q_segment_ids=None,
       backend=backend, partition_spec=spec, mesh=mesh)
   if pad:
     out = out[:, :, :q_len]
-  return out.reshape(q.shape)
+  return out.reshape(*q.shape[:-1], v.shape[-1])
 
 
 # ------------------------------------------------------ grouped matmuls --

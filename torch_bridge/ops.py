@@ -334,7 +334,8 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
                     sliding_window=None, logit_soft_cap=None, bias=None,
                     sinks=None, mask=None, return_lse=False, block_sizes=None,
                     backend=None, partition_spec=None, mesh=None):
-  """``pallas_kernels.flash_attention`` on torch tensors ``[B, H, S, D]``.
+  """``pallas_kernels.flash_attention`` on torch tensors ``[B, H, S, D]``
+  (v's D may differ from q's and k's: MLA; out has v's).
 
   ``sinks``: float ``[H]``, one learnable logit per query head that joins
   each row's softmax denominator (gets a gradient). ``mask``: a static mask

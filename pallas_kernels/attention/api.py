@@ -7,7 +7,7 @@ the query and key sequences, as in decoding: with ``q_len < kv_len`` query
 their kernel (``_backend.dispatch``) from the rows, best first:
 ``mosaic_tpu`` (TPU), ``mosaic_gpu`` (Hopper; bf16/fp16 without bias,
 segment ids or per-head mask lists; head_dim 64..256, native at multiples
-of 16, zero-padded to the next one otherwise), ``triton`` (any GPU, every
+of 16, zero-padded to the next one otherwise; v's head_dim equal to q's), ``triton`` (any GPU, every
 feature), ``reference`` (autodiff of the plain-JAX reference).
 """
 from __future__ import annotations
@@ -140,7 +140,7 @@ def _rows(config, function, q, k, v, q_seg, bias):
 
 
 _FACTOR_NAMES = {"b": "batch", "h": "heads", "g": "kv_heads", "l": "q_len",
-                 "m": "kv_len", "d": "head_dim"}
+                 "m": "kv_len", "d": "head_dim", "e": "v_head_dim"}
 
 
 def _sharding_rule(q_seg, kv_seg, bias, forward: bool, d_lse=None):
@@ -149,15 +149,15 @@ def _sharding_rule(q_seg, kv_seg, bias, forward: bool, d_lse=None):
   seg = lambda x, f: f if x is not None else None
   bias_factors = (None if bias is None else
                   _sharding.broadcast_factors(bias.shape, "b h l m", "bias"))
-  operands = [("q", "b h l d"), ("k", "b g m d"), ("v", "b g m d"),
+  operands = [("q", "b h l d"), ("k", "b g m d"), ("v", "b g m e"),
               ("q_segment_ids", seg(q_seg, "b l")),
               ("kv_segment_ids", seg(kv_seg, "b m")), ("bias", bias_factors)]
   if forward:
-    results, sums = ["b h l d", "b h l"], None
+    results, sums = ["b h l e", "b h l"], None
   else:
-    operands += [("out", "b h l d"), ("lse", "b h l"), ("d_out", "b h l d"),
+    operands += [("out", "b h l e"), ("lse", "b h l"), ("d_out", "b h l e"),
                  ("d_lse", seg(d_lse, "b h l"))]
-    results = ["b h l d", "b g m d", "b g m d"]
+    results = ["b h l d", "b g m d", "b g m e"]
     sums = ["", "", ""]
     if bias is not None:
       results.append(bias_factors)
@@ -293,14 +293,17 @@ def _validate(q, k, v, causal, sm_scale, segment_ids, sliding_window,
     raise TypeError(f"{OP}: q, k and v must share a dtype, got {q.dtype}, "
                     f"{k.dtype}, {v.dtype}")
   batch, heads, q_len, head_dim = q.shape
-  if k.shape != v.shape:
-    raise ValueError(f"{OP}: k and v must have the same shape, got "
-                     f"{tuple(k.shape)} and {tuple(v.shape)}")
+  if k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"{OP}: k and v must have the same [batch, kv_heads, "
+                     f"kv_len], got {tuple(k.shape)} and {tuple(v.shape)}")
+  if v.shape[3] < 1:
+    raise ValueError(f"{OP}: v's head_dim must be >= 1, got "
+                     f"{tuple(v.shape)}")
   if k.shape[0] != batch:
     raise ValueError(f"{OP}: batch of k/v ({k.shape[0]}) != batch of q "
                      f"({batch})")
   if k.shape[3] != head_dim:
-    raise ValueError(f"{OP}: head_dim of k/v ({k.shape[3]}) != head_dim of q "
+    raise ValueError(f"{OP}: head_dim of k ({k.shape[3]}) != head_dim of q "
                      f"({head_dim})")
   if head_dim < 1:
     raise ValueError(f"{OP}: head_dim must be >= 1")
@@ -359,9 +362,12 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
 
   Args:
     q: ``[batch, heads, q_len, head_dim]``, bfloat16/float16/float32.
-    k, v: ``[batch, kv_heads, kv_len, head_dim]`` with ``heads % kv_heads ==
+    k: ``[batch, kv_heads, kv_len, head_dim]`` with ``heads % kv_heads ==
       0`` (MHA, GQA, MQA); query head ``h`` uses kv head
       ``h // (heads // kv_heads)``.
+    v: ``[batch, kv_heads, kv_len, v_head_dim]``; ``v_head_dim`` may differ
+      from ``head_dim`` (MLA, e.g. DeepSeek-V3's 192 and 128; the Mosaic
+      GPU kernels need them equal).
     causal: query ``i`` sees keys ``j <= i + kv_len - q_len`` (ends aligned).
     sm_scale: logit scale, default ``1 / sqrt(head_dim)``.
     segment_ids: ``(q_segment_ids [batch, q_len], kv_segment_ids [batch,
@@ -395,7 +401,8 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
       named kernel that cannot run the call raises ValueError.
 
   Returns:
-    ``out`` with q's shape and dtype, or ``(out, lse)``. A query row with no
+    ``out [batch, heads, q_len, v_head_dim]`` in q's dtype, or ``(out,
+    lse)``. A query row with no
     allowed key gets ``out = 0``, ``lse = -inf`` and zero gradients.
   """
   config, q_seg, kv_seg = _validate(
@@ -405,7 +412,7 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
   sinks = _check_sinks(sinks, heads)
   if 0 in (batch, heads, q_len, k.shape[2]):
     # Nothing to attend to: zero output, -inf lse, zero gradients.
-    out = jnp.zeros(q.shape, q.dtype)
+    out = jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
     lse = jnp.full((batch, heads, q_len), -jnp.inf, jnp.float32)
   else:
     if sinks is not None:   # the sink enters through lse: its cotangent too

@@ -19,6 +19,10 @@ stays within the generation's VMEM per core for bf16 and float32 inputs:
 v5e/v6e have 128 MiB, v5p and tpu7x 64 MiB (a 1024 x 1024 block with a bias
 would ask for more), v4 16 MiB. docs/design/attention.md has the numbers.
 
+With v's head_dim different from q's (MLA), rows are looked up by the wider
+of the two and the VMEM counts q/k tiles at one and v/dO/out tiles and
+accumulators at the other, so the equal-dims rows bound it.
+
 A block never exceeds the sequence rounded up to 128, and it is halved (down
 to 128) while rounding the sequence up to it would pad more than 1/8 of it.
 Sequences are computed as if rounded up to their block, head_dim as if

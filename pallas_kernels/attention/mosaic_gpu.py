@@ -122,6 +122,9 @@ def call_refusal(kernel: str, q, k, v, q_segment_ids, bias, max_head_dim):
                                               jnp.dtype(jnp.float16)):
     return f"the Mosaic GPU {kernel} kernel needs q, k, v all bf16 or all fp16"
   head_dim = q.shape[-1]
+  if v.shape[-1] != head_dim:
+    return (f"the Mosaic GPU {kernel} kernel needs v's head_dim equal to "
+            f"q's, got {v.shape[-1]} and {head_dim}")
   if kernel_head_dim(head_dim, max_head_dim) is None:
     return (f"the Mosaic GPU {kernel} kernel needs {MIN_HEAD_DIM} <= "
             f"head_dim <= {max_head_dim}, got {head_dim}")

@@ -25,7 +25,8 @@ row revisit its output block, which stays in VMEM until the row ends.
 Segment ids are data: each block's min/max id (scalar prefetch) skips, in
 the grid, blocks whose id ranges are disjoint.
 Layout: GQA reads kv head ``h // group`` (no repeat in HBM); sequences are
-padded to block multiples and head_dim to a multiple of 128 (64 kept);
+padded to block multiples and head_dim (q/k's and v's, which may differ:
+MLA) each to a multiple of 128 (64 kept);
 padded queries get lse = +inf in the backward. float16 runs as float32 (no
 float16 matmul in Mosaic on v5e/v6e). Index maps divide with ``lax.div``:
 Python ``//`` lowers through ``sign``, which Mosaic lowers only on a TPU.
@@ -678,65 +679,77 @@ def _bias_index(bias, b, h, i, j):
   return (b if bias.shape[0] > 1 else 0, h if bias.shape[1] > 1 else 0, i, j)
 
 
-def vmem_bytes(block_q, block_kv, head_dim, itemsize, has_bias=False):
-  """Rough VMEM use of the backward step (the largest of the three)."""
-  tiles = 4 * 2 * max(block_q, block_kv) * head_dim * itemsize  # q k v dO x2
+def vmem_bytes(block_q, block_kv, head_dim, itemsize, has_bias=False,
+               value_dim=None):
+  """Rough VMEM use of the backward step (the largest of the three);
+  ``value_dim``: v's (padded) head dim, default ``head_dim``."""
+  dims = head_dim + (head_dim if value_dim is None else value_dim)
+  tiles = 2 * 2 * max(block_q, block_kv) * dims * itemsize  # q k v dO x2
   temps = 5 * block_q * block_kv * 4
-  accs = 2 * block_kv * head_dim * 4 + 3 * block_q * LANES * 4
+  accs = block_kv * dims * 4 + 3 * block_q * LANES * 4
   bias = 2 * 2 * block_q * block_kv * 4 if has_bias else 0
   return tiles + temps + accs + bias
 
 
 def cost(batch, heads, q_len, kv_len, head_dim, itemsize, *, kv_heads=None,
          causal=False, window_left=None, window_right=None, block_q=512,
-         block_kv=512, backward=False, bias_itemsize=0):
+         block_kv=512, backward=False, bias_itemsize=0, value_dim=None):
   """Work of the kernels as they run (skipped blocks excluded).
 
   Returns dict(flops, transcendentals, bytes_accessed, visited_blocks,
-  total_blocks, vmem_bytes): matmul flops are 4 * bq * bk * D per visited
-  block forward, 14 * bq * bk * D backward (dq: 3 matmuls, dk/dv: 4). HBM
-  bytes count the k/v (or q/dO) blocks streamed per visited block plus one
-  pass over the other operands and the outputs.
+  total_blocks, vmem_bytes): matmul flops are 2 * bq * bk * (D + Dv) per
+  visited block forward, 2 * bq * bk * (4 D + 3 Dv) backward (dq: 3
+  matmuls, dk/dv: 4; Dv = ``value_dim``, default D). HBM bytes count the
+  k/v (or q/dO) blocks streamed per visited block plus one pass over the
+  other operands and the outputs.
   """
   kv_heads = kv_heads or heads
   geom = _geometry(q_len, kv_len, block_q, block_kv, False, causal,
                    window_left, window_right)
   dim = _bs.padded_head_dim(head_dim)
+  dim_v = dim if value_dim is None else _bs.padded_head_dim(value_dim)
   visited = geom.visited_blocks()
   per_block = block_q * block_kv
   n = batch * heads
   q_bytes = batch * heads * geom.q_pad * dim * itemsize
-  kv_bytes = batch * kv_heads * geom.kv_pad * dim * itemsize
+  o_bytes = batch * heads * geom.q_pad * dim_v * itemsize
+  k_bytes = batch * kv_heads * geom.kv_pad * dim * itemsize
+  v_bytes = batch * kv_heads * geom.kv_pad * dim_v * itemsize
   bias_stream = bias_itemsize * per_block
   if backward:
-    flops = n * visited * 14 * per_block * dim
+    flops = n * visited * 2 * per_block * (4 * dim + 3 * dim_v)
     trans = n * visited * 2 * per_block
-    streamed = n * visited * (2 * block_kv * dim * itemsize
-                              + 2 * block_q * dim * itemsize + 2 * bias_stream)
-    bytes_accessed = streamed + 3 * q_bytes + 4 * kv_bytes
+    streamed = n * visited * ((block_kv + block_q) * (dim + dim_v) * itemsize
+                              + 2 * bias_stream)
+    bytes_accessed = (streamed + 2 * q_bytes + o_bytes + 2 * k_bytes
+                      + 2 * v_bytes)
   else:
-    flops = n * visited * 4 * per_block * dim
+    flops = n * visited * 2 * per_block * (dim + dim_v)
     trans = n * visited * per_block
-    streamed = n * visited * (2 * block_kv * dim * itemsize + bias_stream)
-    bytes_accessed = streamed + 2 * q_bytes + 4 * n * geom.q_pad
+    streamed = n * visited * (block_kv * (dim + dim_v) * itemsize
+                              + bias_stream)
+    bytes_accessed = streamed + q_bytes + o_bytes + 4 * n * geom.q_pad
   return dict(flops=int(flops), transcendentals=int(trans),
               bytes_accessed=int(bytes_accessed), visited_blocks=visited,
               total_blocks=geom.num_q * geom.num_kv,
               vmem_bytes=vmem_bytes(block_q, block_kv, dim, itemsize,
-                                    bias_itemsize > 0))
+                                    bias_itemsize > 0, dim_v))
 
 
-def _cost_estimate(batch, heads, geom, dim, itemsize, matmuls, has_bias):
-  """pl.CostEstimate so XLA can schedule around the kernel."""
+def _cost_estimate(batch, heads, geom, dims, itemsize, has_bias):
+  """pl.CostEstimate so XLA can schedule around the kernel; ``dims``: the
+  (padded) q/k and v head dims, and per matmul of a block the dim it
+  contracts or produces besides the block's two."""
+  (dim, dim_v), matmul_dims = dims[:2], dims[2:]
   visited = geom.visited_blocks(heads)       # over all heads
   per_block = geom.block_q * geom.block_kv
-  streamed = visited * (2 * geom.block_kv * dim * itemsize
+  streamed = visited * (geom.block_kv * (dim + dim_v) * itemsize
                         + (4 * per_block if has_bias else 0))
   return pl.CostEstimate(
-      flops=int(batch * visited * 2 * matmuls * per_block * dim),
+      flops=int(batch * visited * 2 * per_block * sum(matmul_dims)),
       transcendentals=int(batch * visited * per_block),
-      bytes_accessed=int(batch * (streamed + 3 * heads * geom.q_pad * dim
-                                  * itemsize)))
+      bytes_accessed=int(batch * (streamed + heads * geom.q_pad
+                                  * (dim + 2 * dim_v) * itemsize)))
 
 
 def _compiler_params(semantics, estimate):
@@ -753,8 +766,9 @@ def _compiler_params(semantics, estimate):
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
             window_left, window_right, logit_soft_cap, block_sizes, interpret,
             mask=None):
-  """(out [B, H, Lq, D] q.dtype, lse [B, H, Lq] float32); ``mask``: a
-  static mask (``masks``) or per-head tuple, walked as block tables."""
+  """(out [B, H, Lq, Dv] q.dtype, lse [B, H, Lq] float32) of q [B, H, Lq,
+  D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]; ``mask``: a static mask
+  (``masks``) or per-head tuple, walked as block tables."""
   if q.dtype == jnp.float16 or (bias is not None and bias.dtype == jnp.float16):
     # Mosaic has no float16 matmul on v5e/v6e: run float16 as float32.
     out, lse = forward(
@@ -765,23 +779,26 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
         interpret=interpret, mask=mask)
     return out.astype(q.dtype), lse
   batch, heads, q_len, head_dim = q.shape
-  kv_heads = k.shape[1]
+  kv_heads, v_dim = k.shape[1], v.shape[3]
   group = heads // kv_heads
-  geom, _ = _geometries(q_len, k.shape[2], head_dim, group,
+  geom, _ = _geometries(q_len, k.shape[2], max(head_dim, v_dim), group,
                         q_segment_ids is not None, causal, window_left,
                         window_right, mask, block_sizes)
-  dim = _bs.padded_head_dim(head_dim)
+  dim, dim_v = _bs.padded_head_dim(head_dim), _bs.padded_head_dim(v_dim)
   bq, bk = geom.block_q, geom.block_kv
   qp = _pad_head_dim(_pad_axis(q, 2, geom.q_pad), dim)
   kp = _pad_head_dim(_pad_axis(k, 2, geom.kv_pad), dim)
-  vp = _pad_head_dim(_pad_axis(v, 2, geom.kv_pad), dim)
+  vp = _pad_head_dim(_pad_axis(v, 2, geom.kv_pad), dim_v)
   walk = functools.partial(_index_map, geom, "kv")
 
-  q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim), walk(
-      lambda b, at: (b, at.head, at.q_block, 0)))
-  kv_spec = pl.BlockSpec((_SQ, _SQ, bk, dim), walk(
-      lambda b, at: (b, _div(at.head, group), at.kv_block, 0)))
-  in_specs = [q_spec, kv_spec, kv_spec]
+  def q_spec(d):
+    return pl.BlockSpec((_SQ, _SQ, bq, d), walk(
+        lambda b, at: (b, at.head, at.q_block, 0)))
+
+  def kv_spec(d):
+    return pl.BlockSpec((_SQ, _SQ, bk, d), walk(
+        lambda b, at: (b, _div(at.head, group), at.kv_block, 0)))
+  in_specs = [q_spec(dim), kv_spec(dim), kv_spec(dim_v)]
   args = [qp, kp, vp]
   prefetch = _prefetch(geom, q_segment_ids, kv_segment_ids, "kv")
   if geom.has_segments:
@@ -805,30 +822,32 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
 
   kernel = functools.partial(_forward_kernel, geom=geom, sm_scale=sm_scale,
                              cap=logit_soft_cap, has_bias=bias is not None)
-  estimate = vmem_bytes(bq, bk, dim, q.dtype.itemsize, bias is not None)
+  estimate = vmem_bytes(bq, bk, dim, q.dtype.itemsize, bias is not None,
+                        dim_v)
   grid = geom.grid("kv", batch, heads)
   out, lse = _pallas_call(
       kernel, prefetch, args,
       grid=grid,
       in_specs=in_specs,
       out_specs=[
-          q_spec,
+          q_spec(dim_v),
           pl.BlockSpec((_SQ, _SQ, 1, bq), walk(
               lambda b, at: (b, at.head, 0, at.q_block))),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((batch, heads, geom.q_pad, dim), q.dtype),
+          jax.ShapeDtypeStruct((batch, heads, geom.q_pad, dim_v), q.dtype),
           jax.ShapeDtypeStruct((batch, heads, 1, geom.q_pad), jnp.float32),
       ],
       scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
                       pltpu.VMEM((bq, LANES), jnp.float32),
-                      pltpu.VMEM((bq, dim), jnp.float32)],
+                      pltpu.VMEM((bq, dim_v), jnp.float32)],
       compiler_params=_compiler_params(_semantics(grid), estimate),
       interpret=interpret,
-      cost_estimate=_cost_estimate(batch, heads, geom, dim, q.dtype.itemsize,
-                                   2, bias is not None),
+      cost_estimate=_cost_estimate(batch, heads, geom, (dim, dim_v, dim,
+                                                        dim_v),
+                                   q.dtype.itemsize, bias is not None),
       name="flash_attention_fwd")
-  return out[:, :, :q_len, :head_dim], lse[:, :, 0, :q_len]
+  return out[:, :, :q_len, :v_dim], lse[:, :, 0, :q_len]
 
 
 def _semantics(grid):
@@ -853,12 +872,12 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None if dbias is None else dbias.astype(bias.dtype))
   batch, heads, q_len, head_dim = q.shape
-  kv_heads, kv_len = k.shape[1], k.shape[2]
+  kv_heads, kv_len, v_dim = k.shape[1], k.shape[2], v.shape[3]
   group = heads // kv_heads
-  _, geom = _geometries(q_len, kv_len, head_dim, group,
+  _, geom = _geometries(q_len, kv_len, max(head_dim, v_dim), group,
                         q_segment_ids is not None, causal, window_left,
                         window_right, mask, block_sizes)
-  dim = _bs.padded_head_dim(head_dim)
+  dim, dim_v = _bs.padded_head_dim(head_dim), _bs.padded_head_dim(v_dim)
   bq, bk = geom.block_q, geom.block_kv
 
   di = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)
@@ -870,9 +889,9 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   lse_row = _pad_axis(lse, 2, geom.q_pad, value=jnp.inf)[:, :, None, :]
   di_row = _pad_axis(di, 2, geom.q_pad)[:, :, None, :]
   qp = _pad_head_dim(_pad_axis(q, 2, geom.q_pad), dim)
-  dop = _pad_head_dim(_pad_axis(d_out.astype(q.dtype), 2, geom.q_pad), dim)
+  dop = _pad_head_dim(_pad_axis(d_out.astype(q.dtype), 2, geom.q_pad), dim_v)
   kp = _pad_head_dim(_pad_axis(k, 2, geom.kv_pad), dim)
-  vp = _pad_head_dim(_pad_axis(v, 2, geom.kv_pad), dim)
+  vp = _pad_head_dim(_pad_axis(v, 2, geom.kv_pad), dim_v)
   has_bias = bias is not None
   bias_p = None
   if has_bias:
@@ -881,7 +900,7 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   if geom.has_segments:
     segs = (_segment_layouts(q_segment_ids, geom.q_pad),
             _segment_layouts(kv_segment_ids, geom.kv_pad))
-  estimate = vmem_bytes(bq, bk, dim, q.dtype.itemsize, has_bias)
+  estimate = vmem_bytes(bq, bk, dim, q.dtype.itemsize, has_bias, dim_v)
   statics = dict(geom=geom, sm_scale=sm_scale, cap=logit_soft_cap,
                  has_bias=has_bias)
 
@@ -889,13 +908,18 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
     """In-specs and args of both walks: q, k, v, dO, lse, di, segment ids,
     bias, dense mask; ``major`` picks the walk decoding the grid."""
     walk = functools.partial(_index_map, geom, major)
-    q_spec = pl.BlockSpec((_SQ, _SQ, bq, dim), walk(
-        lambda b, at: (b, at.head, at.q_block, 0)))
-    kv_spec = pl.BlockSpec((_SQ, _SQ, bk, dim), walk(
-        lambda b, at: (b, _div(at.head, group), at.kv_block, 0)))
+
+    def q_spec(d):
+      return pl.BlockSpec((_SQ, _SQ, bq, d), walk(
+          lambda b, at: (b, at.head, at.q_block, 0)))
+
+    def kv_spec(d):
+      return pl.BlockSpec((_SQ, _SQ, bk, d), walk(
+          lambda b, at: (b, _div(at.head, group), at.kv_block, 0)))
     row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), walk(
         lambda b, at: (b, at.head, 0, at.q_block)))
-    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    in_specs = [q_spec(dim), kv_spec(dim), kv_spec(dim_v), q_spec(dim_v),
+                row_spec, row_spec]
     args = [qp, kp, vp, dop, lse_row, di_row]
     if segs is not None:
       (q_col, q_row), (kv_col, kv_row) = segs
@@ -922,7 +946,7 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
       spec, dense = _dense_input(geom, major)
       in_specs.append(spec)
       args.append(dense)
-    return in_specs, args, q_spec, kv_spec
+    return in_specs, args, q_spec(dim), (kv_spec(dim), kv_spec(dim_v))
 
   # dq (and dbias): query-block rows.
   in_specs, args, q_spec, _ = specs("kv")
@@ -943,8 +967,9 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
                       pltpu.VMEM((bq, LANES), jnp.float32)],
       compiler_params=_compiler_params(_semantics(grid), estimate),
       interpret=interpret,
-      cost_estimate=_cost_estimate(batch, heads, geom, dim, q.dtype.itemsize,
-                                   3, has_bias),
+      cost_estimate=_cost_estimate(batch, heads, geom,
+                                   (dim, dim_v, dim, dim_v, dim),
+                                   q.dtype.itemsize, has_bias),
       name="flash_attention_dq")
   dq = results[0][:, :, :q_len, :head_dim]
   dbias = None
@@ -961,21 +986,22 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
     dbias = dbias.astype(bias.dtype)
 
   # dk, dv: kv-block rows over the query blocks of the kv head's group.
-  in_specs, args, _, kv_spec = specs("q")
+  in_specs, args, _, (k_spec, v_spec) = specs("q")
   grid = geom.grid("q", batch, kv_heads)
   dk, dv = _pallas_call(
       functools.partial(_dkv_kernel, **statics),
       _prefetch(geom, q_segment_ids, kv_segment_ids, "q"), args, grid=grid,
       in_specs=in_specs,
-      out_specs=[kv_spec, kv_spec],
+      out_specs=[k_spec, v_spec],
       out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype),
                  jax.ShapeDtypeStruct(vp.shape, v.dtype)],
       scratch_shapes=[pltpu.VMEM((bk, dim), jnp.float32),
-                      pltpu.VMEM((bk, dim), jnp.float32)],
+                      pltpu.VMEM((bk, dim_v), jnp.float32)],
       compiler_params=_compiler_params(_semantics(grid), estimate),
       interpret=interpret,
-      cost_estimate=_cost_estimate(batch, heads, geom, dim, q.dtype.itemsize,
-                                   4, has_bias),
+      cost_estimate=_cost_estimate(batch, heads, geom,
+                                   (dim, dim_v, dim, dim_v, dim_v, dim),
+                                   q.dtype.itemsize, has_bias),
       name="flash_attention_dkv")
-  return (dq, dk[:, :, :kv_len, :head_dim], dv[:, :, :kv_len, :head_dim],
+  return (dq, dk[:, :, :kv_len, :head_dim], dv[:, :, :kv_len, :v_dim],
           dbias)

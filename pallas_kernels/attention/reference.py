@@ -1,7 +1,8 @@
 """Plain-JAX attention with exactly the semantics of the flash kernels.
 
-Shapes: q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` with ``H % Hkv == 0``;
-query head ``h`` reads kv head ``h // (H // Hkv)``.
+Shapes: q/k ``[B, H or Hkv, Lq or Lk, D]``, v ``[B, Hkv, Lk, Dv]`` (Dv may
+differ from D, as in MLA), out ``[B, H, Lq, Dv]``; ``H % Hkv == 0``, query
+head ``h`` reads kv head ``h // (H // Hkv)``.
 
     s[i, j] = sm_scale * q_i . k_j                      (float32)
     s = cap * tanh(s / cap)                             (logit_soft_cap)

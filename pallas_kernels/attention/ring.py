@@ -387,7 +387,7 @@ def _skipped_forward(ring, q, k, v, q_seg, kv_seg, bias):
   as many kernels as the others) and its result is dropped."""
   if ring.launches_wait_for_all:
     _block_forward(ring.unmasked, q, k, v, q_seg, kv_seg, bias)
-  return (jnp.zeros(q.shape, jnp.float32),
+  return (jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32),
           jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
 
 
@@ -684,7 +684,7 @@ def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
   _check_lengths(q_len, kv_len, n, sequence_axis, why_2n)
   if 0 in (q.shape[0], q.shape[1], q_len, kv_len):
     # Nothing to attend to (flash_attention's zeros and -inf).
-    out = jnp.zeros(q.shape, q.dtype)
+    out = jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
     lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
   else:
     plan = (None if mask is None

@@ -21,7 +21,8 @@ Padding: Triton tiles need power-of-two sizes >= 16: Lq and Lk are padded to
 block multiples, head_dim to the next power of two (padded keys masked,
 padded queries dropped, padded features zero).
 Tiles (``GpuBlockSizes``: block_q, block_k, warps, stages) by the bytes of a
-q/k/v row (head_dim * itemsize); "banded": causal or sliding window:
+q/k/v row (head_dim * itemsize, the wider of q/k's and v's); "banded": causal
+or sliding window:
   row bytes   forward                          dq           dk/dv
   <= 128      128,64,4,3                       64,64,4,2    64,64,4,2
   256         256,64,8,3; banded/bias 128,..   64,64,4,2    64,64,4,2
@@ -161,16 +162,17 @@ def _band_entries(mask: _Mask) -> int:
   return int(np.maximum(last - first + 1, 0).sum())
 
 
-def _cost_estimate(mask, batch, heads, dim, matmuls, arrays, tables=None):
-  """``matmuls`` [band x dim] products per head plus one exp per entry
-  (a static mask: its listed blocks); ``arrays`` (inputs and outputs) read
-  or written once."""
+def _cost_estimate(mask, batch, heads, matmul_dims, arrays, tables=None):
+  """Per head, one [band x d] product for each d of ``matmul_dims`` (the
+  head dim each matmul contracts or produces) plus one exp per entry (a
+  static mask: its listed blocks); ``arrays`` (inputs and outputs) read or
+  written once."""
   if tables is None:
     entries = batch * heads * _band_entries(mask)
   else:
     entries = (batch * tables.visited_blocks(heads) * tables.block_q
                * tables.block_kv)
-  return _cost.estimate(flops=2 * matmuls * entries * dim,
+  return _cost.estimate(flops=2 * sum(matmul_dims) * entries,
                         transcendentals=entries,
                         bytes_accessed=_cost.nbytes(*arrays))
 
@@ -436,7 +438,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
                     order: _LaunchOrder):
   row0 = order.block_id() * block_q
   q = q_ref[...]
-  dim = q.shape[-1]
+  dim = v_ref.shape[-1]
   rows = row0 + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
   qseg = None if qseg_ref is None else qseg_ref[...]
 
@@ -478,12 +480,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref,
 
 
 def _prepare(q, k, v, q_segment_ids, kv_segment_ids, bias, bq, bk, dp):
-  """Pads sequences to tile multiples and head_dim to ``dp`` (zeros)."""
+  """Pads sequences to tile multiples and the head dims to ``dp`` (q/k's,
+  v's; zeros)."""
   lq_pad = _round_up(q.shape[2], bq)
   lk_pad = _round_up(k.shape[2], bk)
-  q = _pad_axis(_pad_axis(q, 2, lq_pad), 3, dp)
-  k = _pad_axis(_pad_axis(k, 2, lk_pad), 3, dp)
-  v = _pad_axis(_pad_axis(v, 2, lk_pad), 3, dp)
+  q = _pad_axis(_pad_axis(q, 2, lq_pad), 3, dp[0])
+  k = _pad_axis(_pad_axis(k, 2, lk_pad), 3, dp[0])
+  v = _pad_axis(_pad_axis(v, 2, lk_pad), 3, dp[1])
   if q_segment_ids is not None:
     q_segment_ids = _pad_axis(q_segment_ids.astype(jnp.int32), 1, lq_pad)
     kv_segment_ids = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, lk_pad)
@@ -513,15 +516,16 @@ def _crop(x, shape):
   return x[tuple(slice(0, n) for n in shape)]
 
 
-def _geometry(q, k, q_segment_ids, bias, *, causal, window_left,
+def _geometry(q, k, v, q_segment_ids, bias, *, causal, window_left,
               window_right, block_sizes):
-  """(group, padded head_dim, has segments, mask, block sizes) of a call."""
+  """(group, padded head dims (q/k's, v's), has segments, mask, block
+  sizes) of a call; the tiles fit the wider head dim."""
   (_, heads, lq, dim), (kv_heads, lk) = q.shape, k.shape[1:3]
-  dp = _head_dim_padded(dim)
+  dp = (_head_dim_padded(dim), _head_dim_padded(v.shape[3]))
   segments = q_segment_ids is not None
   mask = _make_mask(lq, lk, causal, window_left, window_right, segments)
   return (heads // kv_heads, dp, segments, mask,
-          _sizes(block_sizes, dp, q.dtype, mask, bias))
+          _sizes(block_sizes, max(dp), q.dtype, mask, bias))
 
 
 def _table_inputs(order, tables, *, bq, kv_major, group=1):
@@ -551,11 +555,14 @@ def _table_inputs(order, tables, *, bq, kv_major, group=1):
 def _q_major_inputs(order, q, k, v, qseg, kvseg, bias, *, bq, group):
   """(in_specs, args) of the kernels gridded over q blocks: a q block, the
   whole (padded) k and v of its kv head, segment ids and the bias rows."""
-  lk_pad, dp = k.shape[2], k.shape[3]
-  kv_full = order.spec((None, None, lk_pad, dp),
-                       lambda i, b, h: (b, h // group, 0, 0))
-  in_specs = [order.spec((None, None, bq, dp), lambda i, b, h: (b, h, i, 0)),
-              kv_full, kv_full]
+  lk_pad = k.shape[2]
+
+  def kv_full(dp):
+    return order.spec((None, None, lk_pad, dp),
+                      lambda i, b, h: (b, h // group, 0, 0))
+  in_specs = [order.spec((None, None, bq, q.shape[3]),
+                         lambda i, b, h: (b, h, i, 0)),
+              kv_full(k.shape[3]), kv_full(v.shape[3])]
   args = [q, k, v]
   if qseg is not None:
     in_specs += [order.spec((None, bq), lambda i, b, h: (b, i)),
@@ -573,9 +580,9 @@ def _q_major_inputs(order, q, k, v, qseg, kvseg, bias, *, bq, group):
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
             causal, window_left, window_right, logit_soft_cap, block_sizes,
             interpret, mask=None):
-  """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32).
+  """Attention forward. Returns (out [B,H,Lq,Dv] q.dtype, lse [B,H,Lq] f32).
 
-  q [B, H, Lq, D]; k, v [B, Hk, Lk, D]; segment ids [B, Lq] / [B, Lk] or
+  q [B, H, Lq, D]; k [B, Hk, Lk, D]; v [B, Hk, Lk, Dv]; segment ids [B, Lq] / [B, Lk] or
   None; bias [B or 1, H or 1, Lq, Lk] or None; the window already split into
   ``window_left``/``window_right`` (None: unbounded); no dimension empty
   (``flash_attention`` answers those itself). ``block_sizes``: a
@@ -584,10 +591,10 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
   tuple, walked as block tables.
   """
   batch, heads, lq, dim = q.shape
-  lk = k.shape[2]
+  lk, dim_v = k.shape[2], v.shape[3]
   static_mask = mask
   group, dp, segments, mask, sizes = _geometry(
-      q, k, q_segment_ids, bias, causal=causal, window_left=window_left,
+      q, k, v, q_segment_ids, bias, causal=causal, window_left=window_left,
       window_right=window_right, block_sizes=block_sizes)
   bq = _fit_block(sizes.block_q, lq)
   bk = _fit_block(sizes.block_k, lk)
@@ -613,25 +620,25 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
                     soft_cap=logit_soft_cap, mask=mask, tables=tables,
                     block_q=bq, block_k=bk, order=order)
 
-  out_shape = [jax.ShapeDtypeStruct((batch, heads, lq_pad, dp), q.dtype),
+  out_shape = [jax.ShapeDtypeStruct((batch, heads, lq_pad, dp[1]), q.dtype),
                jax.ShapeDtypeStruct((batch, heads, lq_pad), jnp.float32)]
   out, lse = _compat.pallas_call(
       kernel,
       grid=order.grid(batch),
       in_specs=in_specs,
       out_specs=[
-          order.spec((None, None, bq, dp), lambda i, b, h: (b, h, i, 0)),
+          order.spec((None, None, bq, dp[1]), lambda i, b, h: (b, h, i, 0)),
           order.spec((None, None, bq), lambda i, b, h: (b, h, i)),
       ],
       out_shape=out_shape,
       compiler_params=_compat.gpu_compiler_params(
           num_warps=sizes.num_warps, num_stages=sizes.num_stages),
       interpret=interpret,
-      cost_estimate=_cost_estimate(mask, batch, heads, dim, 2,
+      cost_estimate=_cost_estimate(mask, batch, heads, (dim, dim_v),
                                    [*args, *out_shape], tables),
       name="flash_attention_fwd_gpu",
   )(*args)
-  return _crop(out, (batch, heads, lq, dim)), _crop(lse, (batch, heads, lq))
+  return _crop(out, (batch, heads, lq, dim_v)), _crop(lse, (batch, heads, lq))
 
 
 # ---------------------------------------------------------------------------
@@ -748,8 +755,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
       return _walk_listed(
           table_row, lambda i, carry, masked: body(i, carry, g, masked), carry,
           kvseg_ref is not None)
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dk, dv = lax.fori_loop(0, group, head, zeros)
     dk_ref[...] = (dk * sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
     return
@@ -763,8 +770,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bias_ref, do_ref,
                           carry)
     return lax.fori_loop(b, hi, masked_body, carry)
 
-  zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+  zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  dk, dv = lax.fori_loop(0, group, head, zeros)
   dk_ref[...] = (dk * sm_scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -780,11 +787,11 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   (ds = p * (dp - delta + d_lse)).
   """
   batch, heads, lq, dim = q.shape
-  kv_heads, lk = k.shape[1], k.shape[2]
+  kv_heads, lk, dim_v = k.shape[1], k.shape[2], v.shape[3]
   dbias_wanted = bias is not None
   static_mask = mask
   group, dp, segments, mask, sizes = _geometry(
-      q, k, q_segment_ids, bias, causal=causal, window_left=window_left,
+      q, k, v, q_segment_ids, bias, causal=causal, window_left=window_left,
       window_right=window_right, block_sizes=block_sizes)
   bq_dq = _fit_block(sizes.block_q_dq, lq)
   bk_dq = _fit_block(sizes.block_k_dq, lk)
@@ -797,8 +804,8 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
       q, k, v, q_segment_ids, kv_segment_ids, bias, max(bq_dq, bq_kv),
       max(bk_dq, bk_kv), dp)
   lq_pad, lk_pad = q.shape[2], k.shape[2]
-  d_out = _pad_axis(_pad_axis(d_out.astype(q.dtype), 2, lq_pad), 3, dp)
-  out = _pad_axis(_pad_axis(out, 2, lq_pad), 3, dp)
+  d_out = _pad_axis(_pad_axis(d_out.astype(q.dtype), 2, lq_pad), 3, dp[1])
+  out = _pad_axis(_pad_axis(out, 2, lq_pad), 3, dp[1])
   lse = _pad_axis(lse.astype(jnp.float32), 2, lq_pad, jnp.inf)
   if d_lse is not None:
     d_lse = _pad_axis(d_lse.astype(jnp.float32), 2, lq_pad)
@@ -816,12 +823,14 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
   # dk, dv: grid over kv blocks and kv heads; loops over the group's q heads.
   order = _launch_order(lk_pad // bk_kv, batch, kv_heads, mask, sizes,
                         heavy_last=False)
-  kv_block = order.spec((None, None, bk_kv, dp),
-                        lambda j, b, hk: (b, hk, j, 0))
-  q_group = order.spec((None, group, lq_pad, dp),
-                       lambda j, b, hk: (b, hk, 0, 0))
+  def kv_block(d):
+    return order.spec((None, None, bk_kv, d), lambda j, b, hk: (b, hk, j, 0))
+
+  def q_group(d):
+    return order.spec((None, group, lq_pad, d),
+                      lambda j, b, hk: (b, hk, 0, 0))
   rows_group = order.spec((None, group, lq_pad), lambda j, b, hk: (b, hk, 0))
-  in_specs = [q_group, kv_block, kv_block]
+  in_specs = [q_group(dp[0]), kv_block(dp[0]), kv_block(dp[1])]
   args = [q, k, v]
   if segments:
     in_specs += [order.spec((None, lq_pad), lambda j, b, hk: (b, 0)),
@@ -832,7 +841,7 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
         (None, group if per_head else 1, lq_pad, bk_kv),
         lambda j, b, hk: (b if per_batch else 0, hk if per_head else 0, 0, j)))
     args.append(bias)
-  in_specs += [q_group, rows_group, rows_group]
+  in_specs += [q_group(dp[1]), rows_group, rows_group]
   args += [d_out, lse, delta]
   table_specs, table_args = _table_inputs(order, dkv_tables, bq=bk_kv,
                                           kv_major=True, group=group)
@@ -854,20 +863,21 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
                jax.ShapeDtypeStruct(v.shape, v.dtype)]
   dk, dv = _compat.pallas_call(
       dkv_kernel, grid=order.grid(batch), in_specs=in_specs,
-      out_specs=[kv_block, kv_block],
+      out_specs=[kv_block(dp[0]), kv_block(dp[1])],
       out_shape=dkv_shape,
       compiler_params=_compat.gpu_compiler_params(
           num_warps=sizes.num_warps_dkv, num_stages=sizes.num_stages_dkv),
       interpret=interpret,
       # Recomputes s and dp, forms dv and dk: four matmuls.
-      cost_estimate=_cost_estimate(mask, batch, heads, dim, 4,
+      cost_estimate=_cost_estimate(mask, batch, heads,
+                                   (dim, dim_v, dim_v, dim),
                                    [*args, *dkv_shape], dkv_tables),
       name="flash_attention_dkv_gpu",
   )(*args)
 
   dq = _crop(dq, (batch, heads, lq, dim))
   dk = _crop(dk, (batch, kv_heads, lk, dim))
-  dv = _crop(dv, (batch, kv_heads, lk, dim))
+  dv = _crop(dv, (batch, kv_heads, lk, dim_v))
   if dbias is not None:
     if dq_tables is not None:
       dbias = _zero_unlisted(dbias, dq_tables, bq_dq, bk_dq)
@@ -889,10 +899,12 @@ def _dq_call(q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, *, sizes,
   segments = qseg is not None
   order = _launch_order(nq, batch, heads, mask, sizes, heavy_last=True)
   q_block = order.spec((None, None, bq, dp), lambda i, b, h: (b, h, i, 0))
+  o_block = order.spec((None, None, bq, v.shape[3]),
+                       lambda i, b, h: (b, h, i, 0))
   row_block = order.spec((None, None, bq), lambda i, b, h: (b, h, i))
   in_specs, args = _q_major_inputs(order, q, k, v, qseg, kvseg, bias, bq=bq,
                                    group=group)
-  in_specs += [q_block, q_block, row_block]
+  in_specs += [o_block, o_block, row_block]
   args += [d_out, out, lse]
   if d_lse is not None:
     in_specs.append(row_block)
@@ -930,7 +942,7 @@ def _dq_call(q, k, v, qseg, kvseg, bias, d_out, out, lse, d_lse, *, sizes,
           num_warps=sizes.num_warps_dq, num_stages=sizes.num_stages_dq),
       interpret=interpret,
       # Recomputes s and dp, forms dq: three matmuls.
-      cost_estimate=_cost_estimate(mask, batch, heads, q.shape[3], 3,
+      cost_estimate=_cost_estimate(mask, batch, heads, (dp, v.shape[3], dp),
                                    [*args, *out_shape], tables),
       name="flash_attention_dq_gpu",
   )(*args)

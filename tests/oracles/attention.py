@@ -6,7 +6,8 @@ keys allowed where the causal/window band (ends aligned: offset = Lk - Lq)
 and equal segment ids allow them; ``out = softmax(s) v``, ``lse = log sum
 exp s`` over the allowed keys. A row with no allowed key (or whose allowed
 logits are all -inf) gets ``out = 0`` and ``lse = -inf``. Query head ``h``
-reads kv head ``h // (H // Hkv)``.
+reads kv head ``h // (H // Hkv)``. v's head dim may differ from q's and k's
+(MLA): out and dv have v's, dq and dk q's.
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def attention(q, k, v, *, causal=False, sm_scale=None, segment_ids=None,
                    keepdims=True)
   if tanh is not None:
     ds = ds * (1 - tanh ** 2)
-  fold = lambda a: a.reshape(b, hk, group, lk, d).sum(2)  # noqa: E731
+  fold = lambda a: a.reshape(b, hk, group, lk, a.shape[-1]).sum(2)  # noqa: E731
   dq = np.einsum("bhqk,bhkd->bhqd", ds, kr) * scale
   dk = fold(np.einsum("bhqk,bhqd->bhkd", ds, q)) * scale
   dv = fold(np.einsum("bhqk,bhqd->bhkd", p, do))

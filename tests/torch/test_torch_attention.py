@@ -51,14 +51,18 @@ CASES = {
     "causal_mha": (2, 2, 2, 16, 16, 16, True, None, False, False),
     "gqa_bias_cross": (1, 4, 2, 8, 24, 8, False, None, False, True),
     "segments_window": (2, 2, 1, 24, 24, 16, True, (5, 0), True, False),
+    # v's head dim (last entry) != q's: MLA
+    "mla_gqa_segments_causal": (2, 4, 2, 19, 27, 16, True, None, True, False,
+                                24),
 }
 
 
 def _inputs(gen, case, device, dtype=torch.float32):
-  b, h, kvh, sq, skv, d, causal, window, segments, bias = case
+  b, h, kvh, sq, skv, d, causal, window, segments, bias, *dv = case
   def rand(*shape):
     return torch.randn(*shape, generator=gen, dtype=torch.float64)
-  q, k, v = rand(b, h, sq, d), rand(b, kvh, skv, d), rand(b, kvh, skv, d)
+  q, k, v = rand(b, h, sq, d), rand(b, kvh, skv, d), rand(b, kvh, skv,
+                                                          *(dv or [d]))
   q_seg = kv_seg = None
   if segments:  # two segments per row, split at different points
     q_seg = (torch.arange(sq)[None] >= torch.tensor([[sq // 3], [sq // 2]])[
@@ -151,6 +155,11 @@ def test_meta_shapes():
   assert out.device.type == "meta"
   assert out.shape == q.shape and out.dtype == torch.bfloat16
   assert lse.shape == (2, 8, 128) and lse.dtype == torch.float32
+  # MLA: out takes v's head dim
+  q = torch.empty(2, 8, 128, 192, device="meta", dtype=torch.bfloat16)
+  k = torch.empty(2, 2, 256, 192, device="meta", dtype=torch.bfloat16)
+  v = torch.empty(2, 2, 256, 128, device="meta", dtype=torch.bfloat16)
+  assert tb.flash_attention(q, k, v, causal=True).shape == (2, 8, 128, 128)
 
 
 def test_op_registered():

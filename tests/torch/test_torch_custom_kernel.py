@@ -153,6 +153,9 @@ ORACLE_CASES = {
                                                  sliding_window=3)),
     "window_pair_long_q": ((1,), 1, 1, 20, 12, 8,
                            dict(sliding_window=(9, 2))),
+    # v's head dim != q's (MLA), q_len < kv_len (queries padded inside)
+    "mla_causal_q_shorter": ((2,), 4, 2, 13, 21, 24, dict(causal=True,
+                                                         v_dim=40)),
 }
 
 
@@ -160,7 +163,8 @@ def _oracle_check(case, gen, device):
   batch, h, kvh, sq, skv, d, kw = case
   kw = dict(kw)
   q = _rand(gen, *batch, h, sq, d)
-  k, v = (_rand(gen, *batch, kvh, skv, d) for _ in range(2))
+  k = _rand(gen, *batch, kvh, skv, d)
+  v = _rand(gen, *batch, kvh, skv, kw.pop("v_dim", d))
   ab = _rand(gen, *batch, h, sq, skv) if kw.pop("ab", False) else None
   q_seg = kv_seg = None
   if kw.pop("segments", False):
@@ -175,7 +179,8 @@ def _oracle_check(case, gen, device):
       *leaves, q_segment_ids=None if q_seg is None else q_seg.to(device),
       kv_segment_ids=None if kv_seg is None else kv_seg.to(device),
       ab=ab_leaf, **kw)
-  assert out.shape == q.shape and out.dtype == torch.float32
+  assert out.shape == q.shape[:-1] + v.shape[-1:]
+  assert out.dtype == torch.float32
   ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
   ref_ab = None if ab is None else ab.clone().requires_grad_()
   want = _reference(*ref_leaves, kw.get("causal", False), q_seg, kv_seg,
