@@ -3,7 +3,8 @@ reference.
 
     from pallas_kernels import flash_attention, shard_flash_attention
 
-``api`` holds the arguments and the kernel choice, ``reference`` the exact
+``api`` holds the arguments and the kernel choice, ``sharded`` the
+``shard_map`` wrapper (and ``ring`` its sequence-parallel ring), ``reference`` the exact
 semantics, ``mosaic_tpu``/``mosaic_gpu``/``mosaic_gpu_bwd``/``triton`` the
 kernels and ``block_sizes`` the TPU block table. Names load on first use, so
 importing ``reference`` does not import the API.
@@ -14,7 +15,7 @@ import importlib
 
 _EXPORTS = {
     "flash_attention": "pallas_kernels.attention.api",
-    "shard_flash_attention": "pallas_kernels.attention.api",
+    "shard_flash_attention": "pallas_kernels.attention.sharded",
     "BlockSizes": "pallas_kernels.attention.block_sizes",
 }
 
