@@ -46,6 +46,23 @@ def test_smem_words_pack_narrow_types_and_follow_tiling():
   assert tiled[:3] == [0, 1, 2] and tiled[128:131] == [3, 4, 5]
 
 
+def test_hlo_operand_values_follow_unfused_clips_of_parameters():
+  # ragged_paged_attention's jnp.clip of [1] lengths stays unfused:
+  # minimum(constant, maximum(constant, parameter)).
+  hlo = """
+ENTRY %main (p: s32[1]) -> f32[8] {
+  %lens = s32[1]{0} parameter(2)
+  %lo = s32[1]{0} constant({0})
+  %hi = s32[1]{0} constant({8192})
+  %max.1 = s32[1]{0} maximum(%lo, %lens)
+  %min.1 = s32[1]{0} minimum(%hi, %max.1)
+  ROOT %k = f32[8]{0} custom-call(%min.1, %lens), custom_call_target="tpu_custom_call"
+}
+"""
+  assert tpu_bundles.hlo_operand_values(hlo, {2: [4097]}) == {
+      "k": {0: [4097], 1: [4097]}}
+
+
 def _budget():
   return json.loads((HERE / "tpu_bundles_budget.json").read_text())
 
