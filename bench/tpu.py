@@ -187,6 +187,102 @@ def _decode_cases(quick):
   return out
 
 
+# vLLM-like ragged batches (Llama-3-8B attention: 32 q heads, 8 kv heads,
+# head_dim 128, bf16 cache of 32-token pages, 256 pages per sequence):
+# name -> (new tokens per sequence, cache length per sequence).
+# The cache has at least 8192 pages (1 GiB): a cache that fits VMEM is put
+# there by XLA, which no serving cache is.
+RAGGED = dict(heads=32, kv_heads=8, head_dim=128, page=32, pages_per_seq=256,
+              min_pages=8192)
+RAGGED_BATCHES = {
+    "mixed 2048+127x1 kv8k": ([2048] + [1] * 127, [8192] * 128),
+    "decode 256x1 kv4k-8k": ([1] * 256,
+                             [4096 + (i * 4096) // 256 for i in range(256)]),
+    "prefill chunk 2048 of kv8k": ([2048], [8192]),
+}
+# JAX's (num_kv_pages_per_block, num_queries_per_block): its tuned table's
+# choice at this key (8, 32) and larger blocks.
+RAGGED_JAX_BLOCKS = ((8, 32), (16, 32), (16, 64), (32, 64), (16, 128))
+
+
+def ragged_metadata(q_lens, kv_lens):
+  """Concrete (kv_lens, flat page table, cu_q_lens, num_seqs) of a batch:
+  pages in order, sequence i's pages after sequence i - 1's."""
+  import numpy as np
+  pps = RAGGED["pages_per_seq"]
+  s = len(q_lens)
+  table = np.arange(s * pps, dtype=np.int32).reshape(s, pps)
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  return (np.asarray(kv_lens, np.int32), table, cu,
+          np.asarray([s], np.int32))
+
+
+def _ragged_cases(quick):
+  """``ragged_paged_attention`` at the ``RAGGED_BATCHES``: ours against
+  JAX's kernel at explicit blocks (its tuned table needs an attached TPU).
+  Ours' work items (XLA fusions from the metadata) are entry parameters
+  with the values those fusions compute, so the walk follows its data-
+  dependent steps exactly; the XLA work that computes them is not
+  counted (a few small fusions over S and T)."""
+  import jax.numpy as jnp
+  import numpy as np
+  import pallas_kernels as pk
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+      kernel as rpa)
+  from pallas_kernels.ragged import mosaic_tpu, reference
+  c = RAGGED
+  h, hk, d, page, pps = (c["heads"], c["kv_heads"], c["head_dim"], c["page"],
+                         c["pages_per_seq"])
+  out = {}
+  batches = list(RAGGED_BATCHES.items())[:1] if quick else RAGGED_BATCHES.items()
+  for name, (q_lens, kv_lens) in batches:
+    group = f"ragged_paged_attention {name}"
+    t, s = sum(q_lens), len(q_lens)
+    lens, table, cu, ns = ragged_metadata(q_lens, kv_lens)
+    base = [_S((t, h, d), jnp.bfloat16),
+            _S((max(s * pps, c["min_pages"]), page, 2 * hk, d),
+               jnp.bfloat16),
+            _S((s,), jnp.int32), _S((s, pps), jnp.int32),
+            _S((s + 1,), jnp.int32), _S((1,), jnp.int32)]
+    params = {2: lens.tolist(), 3: table.ravel().tolist(), 4: cu.tolist(),
+              5: ns.tolist()}
+    bounds = reference.seq_bounds(jnp.asarray(cu), jnp.asarray(ns), t)
+    # Ours at its default query block, and at the one that suits the
+    # batch (1 token per item for decodes, 128 for prefill).
+    for nq in (None, 1 if max(q_lens) == 1 else 128):
+      plan = mosaic_tpu.make_plan(t, h, hk, d, s, page, pps, 2, 2,
+                                  num_queries_per_block=nq,
+                                  generation="v5e")  # items: any generation
+      items = [np.asarray(v, np.int32) for v in mosaic_tpu.work_items(
+          bounds, jnp.asarray(lens), plan)]
+
+      def ours(q, kv, n, tb, cu_, ns_, *items, nq=nq):
+        original = mosaic_tpu.work_items
+        mosaic_tpu.work_items = lambda *_: tuple(items)
+        try:
+          return pk.ragged_paged_attention(q, kv, n, tb, cu_, ns_,
+                                           sm_scale=d ** -0.5,
+                                           num_queries_per_block=nq)
+        finally:
+          mosaic_tpu.work_items = original
+      out[f"{group}|ours{'' if nq is None else f' q{nq}'}"] = (
+          ours, base + [_S(v.shape, jnp.int32) for v in items],
+          {**params, **{6 + i: v.ravel().tolist()
+                        for i, v in enumerate(items)}})
+    for kvp, nq in RAGGED_JAX_BLOCKS[:1] if quick else RAGGED_JAX_BLOCKS:
+      out[f"{group}|jax ragged_paged_attention {kvp}x{page} q{nq}"] = (
+          functools.partial(
+              lambda q, kv, n, tb, cu_, ns_, p, b: _on_target(
+                  rpa.ragged_paged_attention, q, kv, n, tb, cu_, ns_,
+                  sm_scale=d ** -0.5, num_kv_pages_per_block=p,
+                  num_queries_per_block=b,
+                  # Larger blocks overflow the default 16 MiB scope.
+                  vmem_limit_bytes=None if p * b <= 1024 else 64 << 20),
+              p=kvp, b=nq),
+          base, params)
+  return out
+
+
 def _matmul_cases(quick):
   import jax
   import jax.numpy as jnp
@@ -384,7 +480,7 @@ def _budget_cases(quick):
 
 
 OPS = {"attention": _attention_cases, "decode": _decode_cases,
-       "matmul": _matmul_cases, "boxes": _box_cases, "gmm": _gmm_cases}
+       "ragged": _ragged_cases, "matmul": _matmul_cases, "boxes": _box_cases, "gmm": _gmm_cases}
 
 
 def cases(ops=tuple(OPS), quick=False) -> dict:
@@ -439,7 +535,8 @@ def _rewalk(row: dict, quick: bool) -> dict:
 def _family(op: str) -> str:
   if op.startswith("budget "):
     return "budget"
-  for fam, fn in (("attention", "flash_attention"), ("decode", "decode"),
+  for fam, fn in (("attention", "flash_attention"),
+                  ("ragged", "ragged_paged_attention"), ("decode", "decode"),
                   ("gmm", "grouped_matmul"), ("matmul", "matmul"),
                   ("boxes", "")):
     if fn and fn in op:

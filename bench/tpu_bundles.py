@@ -349,9 +349,10 @@ def bundle_path(text: str, smem_operands: dict | None = None,
       if m and m.group(1) == "-1":
         return ARG_TABLE       # a table in SMEM of the operands' addresses
       k = int(m.group(1)) if m else 1000 + len(operands)
-      if "<no memory space>" in op.raw and re.search(r"shape: [su]32\[\]",
-                                                op.raw):
-        # A scalar passed by value (a dynamic grid bound): its value.
+      if "<no memory space>" in op.raw and re.search(
+          r"shape: [su]32\[1?\]", op.raw):
+        # A scalar passed by value (a dynamic grid bound, or a [1] array
+        # such as ragged_paged_attention's num_seqs): its value.
         data = smem_operands.get(k)
         return None if not data else int(data[0]) & MASK
       operands[(k + 1) << 20] = k
@@ -691,6 +692,14 @@ def hlo_operand_values(hlo_text: str, params: dict | None = None) -> dict:
       for x in (dims.group(1).split(",") if dims and dims.group(1) else []):
         n *= int(x)
       return None if v is None or len(v) != 1 else v * n
+    # An unfused clip (minimum/maximum/clamp against constants): the
+    # bench's values are in range, as for a clamp fusion.
+    m = re.search(r"\b(?:minimum|maximum|clamp)\(([^)]*)\)", body)
+    if m:
+      ops = [_COMMENT.sub("", t).strip() for t in m.group(1).split(",")]
+      live = [t for t in ops if not re.search(r"\bconstant\(",
+                                              defs.get(t, ""))]
+      return values(live[0], depth + 1) if len(live) == 1 else None
     # A clamp fusion (jnp.clip of lengths): the bench's values are in range.
     m = re.search(r"\bfusion\((%[\w.\-]+)\).*calls=(%[\w.\-]+)", body)
     if m and bodies.get(m.group(2), {"?"}) <= _CLAMPS:

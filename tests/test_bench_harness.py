@@ -234,7 +234,9 @@ def test_benches_use_only_the_public_api():
              "pallas_kernels.decode", "pallas_kernels.tpu_aot",
              "pallas_kernels.boxes.nms",
              # tile searches and the bundle walk call the gmm kernels
-             "pallas_kernels.gmm"}
+             "pallas_kernels.gmm",
+             # the bundle walk gives ragged attention's work items
+             "pallas_kernels.ragged"}
   # The roofline models the kernels from their own tile tables.
   models = {"roofline.py"}
   for path in BENCH.glob("*.py"):

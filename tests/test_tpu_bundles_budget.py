@@ -46,6 +46,42 @@ def test_smem_words_pack_narrow_types_and_follow_tiling():
   assert tiled[:3] == [0, 1, 2] and tiled[128:131] == [3, 4, 5]
 
 
+def test_hlo_operand_values_follow_unfused_clips_of_parameters():
+  # ragged_paged_attention's jnp.clip of [1] lengths stays unfused:
+  # minimum(constant, maximum(constant, parameter)).
+  hlo = """
+ENTRY %main (p: s32[1]) -> f32[8] {
+  %lens = s32[1]{0} parameter(2)
+  %lo = s32[1]{0} constant({0})
+  %hi = s32[1]{0} constant({8192})
+  %max.1 = s32[1]{0} maximum(%lo, %lens)
+  %min.1 = s32[1]{0} minimum(%hi, %max.1)
+  ROOT %k = f32[8]{0} custom-call(%min.1, %lens), custom_call_target="tpu_custom_call"
+}
+"""
+  assert tpu_bundles.hlo_operand_values(hlo, {2: [4097]}) == {
+      "k": {0: [4097], 1: [4097]}}
+
+
+def test_ragged_cases_give_the_walk_every_token_once():
+  # The walk follows ours' work items from these entry parameters: they
+  # must cover each batch's tokens exactly (quick: the mixed batch).
+  pytest.importorskip(
+      "jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel")
+  table = tpu.cases(("ragged",), quick=True)
+  ours = [k for k in table if k.endswith("|ours")]
+  assert ours and any("|jax ragged_paged_attention" in k for k in table)
+  for name in ours:
+    batch = name.split("|")[0][len("ragged_paged_attention "):]
+    q_lens, kv_lens = tpu.RAGGED_BATCHES[batch]
+    params = table[name][2]
+    seq, pos0, nq = (params[6 + i] for i in range(3))
+    assert sum(nq) == sum(q_lens)
+    for s, p, n in zip(seq, pos0, nq):
+      if n:   # a live item lies inside its sequence's new tokens
+        assert kv_lens[s] - q_lens[s] <= p and p + n <= kv_lens[s]
+
+
 def _budget():
   return json.loads((HERE / "tpu_bundles_budget.json").read_text())
 
