@@ -392,7 +392,6 @@ def _gmm_cases(quick):
   is an entry parameter whose values, computed here from the routing, the
   walker is given: the data-dependent steps are followed exactly."""
   import importlib
-  import jax
   import jax.numpy as jnp
   import numpy as np
   # The module (its package exports the function under the same name).
@@ -433,10 +432,6 @@ def _gmm_cases(quick):
                 _S((rows, f) if tgmm else (e, d, f), jnp.bfloat16)]
         fn, shapes, params = _gmm_ours(rows, e, sizes, tgmm)
         out[f"{group}|ours"] = (fn, args + shapes, params)
-        if not tgmm:  # XLA's own lowering of ragged_dot
-          out[f"{group}|xla ragged_dot"] = (
-              lambda a, b, s: jax.lax.ragged_dot(a, b, s),
-              args + [_S((e,), jnp.int32)], {2: np.asarray(sizes).ravel()})
         # megablox's default tiling, and the one MaxText passes (faster).
         tilings = ((128, 128, 128), (512, 1024, 1024))
         for tiling in tilings if model == "mixtral-8x7b" else tilings[1:]:
