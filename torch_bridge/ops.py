@@ -909,8 +909,9 @@ def _tgmm_jax(lhs, dout, group_sizes, *, out_dtype, block_sizes, backend):
   from pallas_kernels import _backend
   from pallas_kernels.gmm import api
   _backend.check_backend(api.OP, backend)
+  # group_offset 0 (all groups), as api._check makes of None.
   return api._run_tgmm(lhs, dout.astype(lhs.dtype), group_sizes,
-                       group_sizes.shape[0],
+                       jnp.zeros((), jnp.int32), group_sizes.shape[0],
                        jnp.dtype(out_dtype or lhs.dtype),
                        api._check_tiles(block_sizes), backend)
 
