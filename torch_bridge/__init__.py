@@ -8,7 +8,8 @@ operator ``torch.ops.pallas_kernels.<name>`` with a typed schema (tensors and
 static parameters as typed arguments; ``torch_bridge.schemas``, registered
 when ``torch_bridge.ops`` is imported):
 
-  attention     flash_attention, decode_attention
+  attention     flash_attention, decode_attention, ragged_paged_attention
+                (serving: ragged prefill + decode over a paged KV cache)
   int8          quantize_int8, int8_matmul, int8_dense
   quantized     quantize, quantized_matmul, quantized_dense (int8, float8;
                 float8 crosses DLPack as bytes)
@@ -59,7 +60,7 @@ SPMD / FSDP:
     it cannot run on the CPU PJRT client here (see that script).
 
 Drop-in for torch_xla users: ``torch_bridge.custom_kernel.flash_attention``,
-``gmm``, ``tgmm`` and ``gmm_backward`` have
+``gmm``, ``tgmm``, ``gmm_backward`` and ``ragged_paged_attention`` have
 ``torch_xla.experimental.custom_kernel``'s signatures and semantics
 (docs/torch.md: "Migrating from torch_xla's flash_attention" and "... gmm,
 tgmm, gmm_backward").
@@ -93,7 +94,7 @@ import importlib
 
 _OPS = ("flash_attention", "decode_attention", "quantize_int8",
         "int8_matmul", "int8_dense", "quantize", "quantized_matmul",
-        "quantized_dense", "grouped_matmul",
+        "quantized_dense", "grouped_matmul", "ragged_paged_attention",
         "iou", "giou", "diou", "ciou", "pairwise_iou", "pairwise_giou",
         "pairwise_diou", "pairwise_ciou", "box_iou", "iou_loss", "giou_loss",
         "diou_loss", "ciou_loss", "nms", "batched_nms", "soft_nms",

@@ -1,5 +1,5 @@
 """Drop-ins for ``torch_xla.experimental.custom_kernel``: flash_attention,
-gmm, tgmm, gmm_backward.
+gmm, tgmm, gmm_backward, ragged_paged_attention.
 
     from torch_bridge.custom_kernel import flash_attention, gmm
     out = flash_attention(q, k, v, causal, q_segment_ids, kv_segment_ids,
@@ -28,8 +28,13 @@ unwritten); group_sizes of any integer dtype; ``gmm`` is differentiable;
 ``group_offset`` (rhs holding a shard of the groups, expert parallelism)
 may also be a plain int.
 
-torch_xla's other kernels (paged and ragged paged attention, the int8
-matmul) are not here: importing one raises an ImportError that names what
+ragged_paged_attention, differences: a token that sees no key gets zeros;
+``use_kernel=False`` runs our reference (torch_xla: its non-kernel torch
+code); ``vmem_limit_bytes=None`` lets the kernel size its VMEM (torch_xla:
+120 MiB); ``mask_value`` is accepted and unused (masked logits are excluded
+exactly); runs on CPU and CUDA tensors too.
+
+torch_xla's other kernels (paged attention, the int8 matmul) are not here: importing one raises an ImportError that names what
 serves that need in this package.
 """
 from __future__ import annotations
@@ -346,11 +351,39 @@ def gmm_backward(grad, lhs, rhs, group_sizes, tiling=(512, 512, 512)):
   return grad_lhs, grad_rhs
 
 
+# ------------------------------------------------ ragged paged attention --
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+                           num_seqs, *, sm_scale=1.0, sliding_window=None,
+                           soft_cap=None, mask_value=None, k_scale=None,
+                           v_scale=None, use_kernel=True,
+                           num_kv_pages_per_block=None,
+                           num_queries_per_block=None,
+                           vmem_limit_bytes=None):
+  """torch_xla's ``ragged_paged_attention`` (its v2 kernel's convention):
+  ``q [T, H, D]``, ``kv_pages [num_pages, page_size, 2 * Hkv, D]`` (K and
+  V heads interleaved), ``kv_lens [S]``, ``page_indices [S,
+  pages_per_seq]``, ``cu_q_lens [S + 1]``, ``num_seqs [1]`` -> ``[T, H,
+  D]`` in q's dtype, by ``torch_bridge.ragged_paged_attention``.
+  ``use_kernel=False``: the reference implementation. No gradient.
+  """
+  if not isinstance(use_kernel, bool):
+    raise TypeError(f"ragged_paged_attention: use_kernel must be a bool, "
+                    f"got {use_kernel!r}")
+  return ops.ragged_paged_attention(
+      q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+      sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+      mask_value=mask_value, k_scale=k_scale, v_scale=v_scale,
+      num_kv_pages_per_block=num_kv_pages_per_block,
+      num_queries_per_block=num_queries_per_block,
+      vmem_limit_bytes=vmem_limit_bytes,
+      backend=None if use_kernel else "reference")
+
+
 # torch_xla 2.9's other public kernels: where each need is served here.
 _ELSEWHERE = {
     **dict.fromkeys(
-        ("paged_attention", "multi_queries_paged_attention",
-         "ragged_paged_attention"),
+        ("paged_attention", "multi_queries_paged_attention"),
         "decode over a (paged) KV cache is torch_bridge.decode_attention(q, "
         "k_cache, v_cache, kv_lengths, page_table=...): 1-16 new tokens per "
         "sequence, pages [num_pages, kv_heads, page_size, head_dim]"),
@@ -367,4 +400,5 @@ def __getattr__(name):
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["flash_attention", "gmm", "tgmm", "gmm_backward"]
+__all__ = ["flash_attention", "gmm", "tgmm", "gmm_backward",
+           "ragged_paged_attention"]

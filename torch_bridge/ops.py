@@ -1010,6 +1010,82 @@ def _grouped_matmul_tgmm(lhs, dout, group_sizes, *, out_dtype=None,
                 offset], **static)[0]
 
 
+# ----------------------------------------------- ragged paged attention --
+
+def _ragged_jax(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                sinks, *, cache_format, **static):
+  import pallas_kernels
+  return pallas_kernels.ragged_paged_attention(
+      q, _from_bytes(kv_pages, cache_format), kv_lens, page_indices,
+      cu_q_lens, num_seqs, sinks=sinks, **static)
+
+
+# pallas_kernels.ragged's (JAX's) default, computed without importing JAX.
+_RAGGED_MASK_VALUE = -0.7 * float(torch.finfo(torch.float32).max)
+# Forward only (serving): the kernel has no VJP.
+_RAGGED = JaxOp("ragged_paged_attention", _ragged_jax, differentiable=())
+
+
+def _static_float(op: str, name: str, value):
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise TypeError(f"{op}: {name} must be a Python float or None, got "
+                    f"{type(value).__name__}")
+  return float(value)
+
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+                           num_seqs, *, sm_scale=1.0, sliding_window=None,
+                           soft_cap=None, mask_value=_RAGGED_MASK_VALUE,
+                           k_scale=None, v_scale=None,
+                           num_kv_pages_per_block=None,
+                           num_queries_per_block=None, vmem_limit_bytes=None,
+                           sinks=None, backend=None):
+  """``pallas_kernels.ragged_paged_attention`` (JAX's convention): the
+  query tokens ``q [T, H, D]`` of ragged sequences (``cu_q_lens [S + 1]``;
+  prefill and decode mixed) attend causally to their paged KV cache
+  ``kv_pages [num_pages, page_size, 2 * Hkv, D]`` (K of kv head h at
+  combined head 2h, V at 2h + 1; float, or int8/float8 with the float
+  ``k_scale``/``v_scale``) of ``kv_lens [S]`` tokens through
+  ``page_indices [S, pages_per_seq]``; only the first ``num_seqs [1]``
+  sequences count. Token t of sequence i sits at position ``kv_lens[i] -
+  q_len_i + (t - cu_q_lens[i])``. ``sinks [H]``: attention sinks.
+  ``mask_value`` is accepted and unused (masked logits are excluded
+  exactly). Returns ``[T, H, D]`` in q's dtype (zeros for tokens outside
+  the sequences). Forward only: no gradient. No ``partition_spec`` (under
+  SPMD it runs unsharded).
+  """
+  op = "ragged_paged_attention"
+  _check_tensor(op, "q", q, dtypes=_FLOATS, ndim=3)
+  _check_tensor(op, "kv_pages", kv_pages,
+                dtypes=_FLOATS + tuple(_QUANT_DTYPES), ndim=4)
+  _check_tensor(op, "kv_lens", kv_lens, dtypes=_INTS, ndim=1)
+  _check_tensor(op, "page_indices", page_indices, dtypes=_INTS, ndim=2)
+  _check_tensor(op, "cu_q_lens", cu_q_lens, dtypes=_INTS, ndim=1)
+  _check_tensor(op, "num_seqs", num_seqs, dtypes=_INTS, ndim=1)
+  _check_tensor(op, "sinks", sinks, dtypes=_FLOATS, ndim=1, optional=True)
+  _check_devices(op, dict(q=q, kv_pages=kv_pages, kv_lens=kv_lens,
+                          page_indices=page_indices, cu_q_lens=cu_q_lens,
+                          num_seqs=num_seqs, sinks=sinks))
+  # Lengths and page numbers are int32 in JAX (no 64-bit types there).
+  kv_lens, page_indices, cu_q_lens, num_seqs = (
+      t if t.dtype == torch.int32 else t.to(torch.int32)
+      for t in (kv_lens, page_indices, cu_q_lens, num_seqs))
+  static = dict(cache_format=_format_name(kv_pages),
+                sm_scale=_static_float(op, "sm_scale", sm_scale),
+                sliding_window=sliding_window,
+                soft_cap=_static_float(op, "soft_cap", soft_cap),
+                k_scale=_static_float(op, "k_scale", k_scale),
+                v_scale=_static_float(op, "v_scale", v_scale),
+                num_kv_pages_per_block=num_kv_pages_per_block,
+                num_queries_per_block=num_queries_per_block,
+                vmem_limit_bytes=vmem_limit_bytes, backend=backend)
+  del mask_value
+  return _RAGGED([q, _bytes_of(kv_pages), kv_lens, page_indices, cu_q_lens,
+                  num_seqs, sinks], **static)[0]
+
+
 # ------------------------------------------------------------ IoU family --
 
 # pallas_kernels.boxes.iou's DEFAULT_EPS (not imported: that would load JAX
@@ -1401,7 +1477,8 @@ def _run_nms(jax_op, op, boxes, scores, class_ids, partition_spec, mesh,
 
 __all__ = ["UnshardedWarning", "flash_attention", "decode_attention",
            "quantize_int8", "int8_matmul", "int8_dense", "quantize",
-           "quantized_matmul", "quantized_dense", "grouped_matmul", "iou",
+           "quantized_matmul", "quantized_dense", "grouped_matmul",
+           "ragged_paged_attention", "iou",
            "giou", "diou", "ciou", "pairwise_iou", "pairwise_giou",
            "pairwise_diou", "pairwise_ciou", "box_iou", "iou_loss", "giou_loss", "diou_loss", "ciou_loss",
            "nms", "batched_nms", "soft_nms"]

@@ -42,14 +42,17 @@ _TYPES = {
          "page_table", "k_scale", "v_scale", "boxes1", "boxes2", "pred",
          "target", "boxes", "scores", "class_ids", "q_segment_ids",
          "kv_segment_ids", "lora_a", "lora_b", "lhs", "rhs", "group_sizes",
-         "group_offset", "rhs_scale"),
+         "group_offset", "rhs_scale", "kv_pages", "kv_lens", "page_indices",
+         "cu_q_lens", "num_seqs"),
         "Tensor"),
     **dict.fromkeys(("causal", "weight_only", "int8_input_grad",
                      "symmetric", "transpose_rhs"), "bool"),
     **dict.fromkeys(("sm_scale", "logit_soft_cap", "eps", "iou_threshold",
-                     "score_threshold", "sigma", "lora_scale"), "float"),
+                     "score_threshold", "sigma", "lora_scale", "soft_cap",
+                     "mask_value"), "float"),
     **dict.fromkeys(("max_output_size", "group_size", "axis",
-                     "sliding_window"), "int"),
+                     "sliding_window", "num_kv_pages_per_block",
+                     "num_queries_per_block", "vmem_limit_bytes"), "int"),
     **dict.fromkeys(("box_format", "backend", "reduction", "iou_kind",
                      "method", "weight_layout"), "str"),
     **dict.fromkeys(("out_dtype", "dtype", "preferred_element_type"),
@@ -58,7 +61,10 @@ _TYPES = {
 # Per-op exceptions to ``_TYPES`` (``int[1]`` takes an int or a list).
 _OP_TYPES = {"flash_attention": {"sliding_window": "int[1]"},
              "quantize_int8": {"axis": "int?"},  # None: one scale
-             "quantize": {"axis": "int?"}}
+             "quantize": {"axis": "int?"},
+             # Static float scales (JAX's), not decode_attention's tensors.
+             "ragged_paged_attention": {"k_scale": "float?",
+                                        "v_scale": "float?"}}
 # Python parameters that are a pair of tensors: the schema's two arguments.
 _PAIRS = {"segment_ids": ("q_segment_ids", "kv_segment_ids"),
           "lora": ("lora_a", "lora_b")}

@@ -277,7 +277,6 @@ def test_mismatched_batch_dims_raise():
 
 @pytest.mark.parametrize("name,points_to", [
     ("paged_attention", "decode_attention"),
-    ("ragged_paged_attention", "decode_attention"),
     ("quantized_matmul_int8", "int8_matmul")])
 def test_torch_xla_kernels_not_here_name_their_replacement(name, points_to):
   import importlib

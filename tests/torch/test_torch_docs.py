@@ -47,3 +47,5 @@ def test_torch_page_runs(capsys):
   assert "\n1 True\nTrue\n" in printed
   # The grouped matmul drop-ins: values and the op's d rhs.
   assert "\nTrue True\n" in printed
+  # The ragged paged attention drop-in: padding tokens get zeros.
+  assert "torch.Size([12, 4, 128]) True" in printed

@@ -27,7 +27,8 @@ on CPU and several for the box ops' backward):
   The backward ops (``_vjp``, ``_restore``) have no autograd formula of
   their own (no double backward), so they are checked on inputs that do not
   require grad. Ops with no gradient (NMS family, ``quantize_int8``,
-  ``int8_matmul``, ``grouped_matmul_tgmm``: ``custom_kernel.tgmm``) never
+  ``int8_matmul``, ``grouped_matmul_tgmm``: ``custom_kernel.tgmm``,
+  ``ragged_paged_attention``) never
   call their save/vjp/restore ops; only the forward is checked.
 """
 from __future__ import annotations
@@ -125,10 +126,21 @@ CALLS = {
         torch.randn(11, 6, generator=g).requires_grad_(),
         torch.randn(3, 5, 6, generator=g).requires_grad_(),
         torch.tensor([4, 0, 5]), transpose_rhs=True),
+    "ragged_paged_attention": lambda g: tb.ragged_paged_attention(
+        *_ragged_sample(g), sliding_window=5, soft_cap=20.0),
     "grouped_matmul_tgmm": lambda g: custom_kernel.tgmm(
         torch.randn(6, 11, generator=g), torch.randn(11, 5, generator=g),
         torch.tensor([4, 0, 5], dtype=torch.int32)),
 }
+def _ragged_sample(g):
+  """q [5, 4, 8], kv_pages [6, 4, 4, 8] (Hkv 2), 2 sequences (1 and 4 new
+  tokens, 3 and 7 cached) on shuffled pages."""
+  return (torch.randn(5, 4, 8, generator=g),
+          torch.randn(6, 4, 4, 8, generator=g), torch.tensor([3, 7]),
+          torch.randperm(6, generator=g).reshape(2, 3),
+          torch.tensor([0, 1, 5]), torch.tensor([2]))
+
+
 # Checked by default (the others under --runslow): one op of each kind.
 DEFAULT = ("diou", "pairwise_iou", "ciou_loss", "soft_nms", "int8_dense",
            "quantize_int8", "decode_attention", "quantized_matmul",

@@ -106,6 +106,11 @@ def _sample_arguments(name, gen):
     return (randn(11, 6).requires_grad_(), randn(3, 6, 5).requires_grad_(),
             torch.tensor([4, 0, 5])), dict(
                 preferred_element_type=torch.float32)
+  if name == "ragged_paged_attention":
+    return (randn(5, 4, 8), randn(6, 4, 4, 8), torch.tensor([3, 7]),
+            torch.randperm(6, generator=gen).reshape(2, 3),
+            torch.tensor([0, 1, 5]), torch.tensor([2])), dict(
+                sliding_window=5, soft_cap=20.0, k_scale=0.5)
   raise AssertionError(f"no sample for {name}")
 
 
@@ -149,6 +154,14 @@ def test_every_op_is_public():
      "Tensor rhs, Tensor group_sizes, *, bool transpose_rhs=False, "
      "ScalarType? preferred_element_type=None, Tensor? group_offset=None, "
      "Tensor? rhs_scale=None, str? backend=None) -> Tensor"),
+    ("ragged_paged_attention", "pallas_kernels::ragged_paged_attention("
+     "Tensor q, Tensor kv_pages, Tensor kv_lens, Tensor page_indices, "
+     "Tensor cu_q_lens, Tensor num_seqs, *, float sm_scale=1., "
+     "int? sliding_window=None, float? soft_cap=None, "
+     "float mask_value=-2.381976426469702e+38, float? k_scale=None, "
+     "float? v_scale=None, int? num_kv_pages_per_block=None, "
+     "int? num_queries_per_block=None, int? vmem_limit_bytes=None, "
+     "Tensor? sinks=None, str? backend=None) -> Tensor"),
 ])
 def test_schema_examples(name, want):
   assert str(_public(name).default._schema) == want
@@ -246,7 +259,7 @@ def test_opcheck_can_fail(torch_gen, monkeypatch):
 # torch.compile, per family: (op, whether to differentiate).
 COMPILED = [("flash_attention", True), ("decode_attention", False),
             ("int8_dense", True), ("quantized_matmul", False),
-            ("grouped_matmul", True),
+            ("grouped_matmul", True), ("ragged_paged_attention", False),
             ("giou_loss", True), ("pairwise_diou", False), ("nms", False),
             ("soft_nms", False)]
 
@@ -375,7 +388,8 @@ def test_compile_inductor_cpu(torch_gen):
 @pytest.mark.parametrize("name", PUBLIC)
 def test_signature_is_the_jax_ops(name):
   """The JAX op's parameters (names, kinds, defaults, order), then
-  partition_spec and mesh (except ``quantize``, which takes no spec).
+  partition_spec and mesh (except ``quantize`` and
+  ``ragged_paged_attention``, which take no spec).
   ``int8_dense`` takes nn.Linear's ``weight [out, in]`` where the JAX op
   takes ``w [in, out]``."""
   import pallas_kernels
@@ -383,7 +397,7 @@ def test_signature_is_the_jax_ops(name):
   jax_op = getattr(pallas_kernels, name, None) or getattr(nn, name)
   ours = list(inspect.signature(getattr(tb, name)).parameters.values())
   theirs = inspect.signature(jax_op).parameters.values()
-  if name != "quantize":
+  if name not in ("quantize", "ragged_paged_attention"):
     assert [p.name for p in ours[-2:]] == ["partition_spec", "mesh"]
     ours = ours[:-2]
   renamed = {"weight": "w"} if name == "int8_dense" else {}
