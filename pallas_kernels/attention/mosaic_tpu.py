@@ -601,6 +601,20 @@ def _prefetch(geom, q_segment_ids, kv_segment_ids, major):
   return prefetch
 
 
+def _head_dim_specs(walk, bq, bk, group):
+  """(q_spec(d), kv_spec(d)): BlockSpecs of a q-row tile and of a kv tile
+  (kv head = q head // group) of ``d`` columns, on the grid ``walk``
+  decodes."""
+  def q_spec(d):
+    return pl.BlockSpec((_SQ, _SQ, bq, d), walk(
+        lambda b, at: (b, at.head, at.q_block, 0)))
+
+  def kv_spec(d):
+    return pl.BlockSpec((_SQ, _SQ, bk, d), walk(
+        lambda b, at: (b, _div(at.head, group), at.kv_block, 0)))
+  return q_spec, kv_spec
+
+
 def _index_map(geom, major, block_index):
   """A BlockSpec index map of the ``major`` walk: ``block_index(b, step)``
   with the grid position decoded (``_Step``)."""
@@ -790,14 +804,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
   kp = _pad_head_dim(_pad_axis(k, 2, geom.kv_pad), dim)
   vp = _pad_head_dim(_pad_axis(v, 2, geom.kv_pad), dim_v)
   walk = functools.partial(_index_map, geom, "kv")
-
-  def q_spec(d):
-    return pl.BlockSpec((_SQ, _SQ, bq, d), walk(
-        lambda b, at: (b, at.head, at.q_block, 0)))
-
-  def kv_spec(d):
-    return pl.BlockSpec((_SQ, _SQ, bk, d), walk(
-        lambda b, at: (b, _div(at.head, group), at.kv_block, 0)))
+  q_spec, kv_spec = _head_dim_specs(walk, bq, bk, group)
   in_specs = [q_spec(dim), kv_spec(dim), kv_spec(dim_v)]
   args = [qp, kp, vp]
   prefetch = _prefetch(geom, q_segment_ids, kv_segment_ids, "kv")
@@ -908,14 +915,7 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
     """In-specs and args of both walks: q, k, v, dO, lse, di, segment ids,
     bias, dense mask; ``major`` picks the walk decoding the grid."""
     walk = functools.partial(_index_map, geom, major)
-
-    def q_spec(d):
-      return pl.BlockSpec((_SQ, _SQ, bq, d), walk(
-          lambda b, at: (b, at.head, at.q_block, 0)))
-
-    def kv_spec(d):
-      return pl.BlockSpec((_SQ, _SQ, bk, d), walk(
-          lambda b, at: (b, _div(at.head, group), at.kv_block, 0)))
+    q_spec, kv_spec = _head_dim_specs(walk, bq, bk, group)
     row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), walk(
         lambda b, at: (b, at.head, 0, at.q_block)))
     in_specs = [q_spec(dim), kv_spec(dim), kv_spec(dim_v), q_spec(dim_v),
