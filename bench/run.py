@@ -2,8 +2,7 @@
 
     python -m bench.run [OP ...] [-- ARGS]
 
-OP: attention, attention_masks, decode_attention, int8_matmul,
-quantized_matmul, giou, nms, torch_bridge (default: all). ARGS go to every
+OP: a bench of ``pallas_kernels._registry`` (default: all). ARGS go to every
 bench, e.g. ``-- --quick`` or ``-- --tag before``. The exit status is 1 if
 any bench failed to finish.
 """
@@ -12,8 +11,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-OPS = ("attention", "attention_masks", "decode_attention", "int8_matmul",
-       "quantized_matmul", "grouped_matmul", "giou", "nms", "torch_bridge")
+from pallas_kernels import _registry
+
+OPS = _registry.benches()
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 
-from pallas_kernels import _quiet
+from pallas_kernels import _quiet, _registry
 
 # On a host with libtpu installed but no accelerator, JAX would probe for a TPU
 # and libtpu would print start-up errors: select the CPU (AOT TPU compiles
@@ -30,39 +30,10 @@ from pallas_kernels._backend import BACKENDS, force_interpret  # noqa: E402,F401
 
 __version__ = "0.1.0"
 
-# Public name -> module that defines it. Families load on first use, so
-# ``import pallas_kernels`` stays cheap and one family never breaks another.
-_EXPORTS = {
-    "flash_attention": "pallas_kernels.attention",
-    "shard_flash_attention": "pallas_kernels.attention",
-    "decode_attention": "pallas_kernels.decode",
-    "quantize_int8": "pallas_kernels.int8",
-    "int8_matmul": "pallas_kernels.int8",
-    "shard_int8_matmul": "pallas_kernels.int8",
-    "quantize": "pallas_kernels.quant",
-    "quantized_matmul": "pallas_kernels.quant",
-    "giou": "pallas_kernels.boxes.iou",
-    "pairwise_giou": "pallas_kernels.boxes.iou",
-    "giou_loss": "pallas_kernels.boxes.iou",
-    "box_iou": "pallas_kernels.boxes.iou",
-    "iou": "pallas_kernels.boxes.iou",
-    "diou": "pallas_kernels.boxes.iou",
-    "ciou": "pallas_kernels.boxes.iou",
-    "pairwise_iou": "pallas_kernels.boxes.iou",
-    "pairwise_diou": "pallas_kernels.boxes.iou",
-    "pairwise_ciou": "pallas_kernels.boxes.iou",
-    "iou_loss": "pallas_kernels.boxes.iou",
-    "diou_loss": "pallas_kernels.boxes.iou",
-    "ciou_loss": "pallas_kernels.boxes.iou",
-    "nms": "pallas_kernels.boxes.nms",
-    "batched_nms": "pallas_kernels.boxes.nms",
-    "shard_batched_nms": "pallas_kernels.boxes.nms",
-    "soft_nms": "pallas_kernels.boxes.nms",
-    "grouped_matmul": "pallas_kernels.gmm",
-    "shard_grouped_matmul": "pallas_kernels.gmm",
-    "ragged_paged_attention": "pallas_kernels.ragged",
-    "write_kv_pages": "pallas_kernels.ragged",
-}
+# Public name -> module that defines it (the op registry). Families load on
+# first use, so ``import pallas_kernels`` stays cheap and one family never
+# breaks another.
+_EXPORTS = _registry.exports()
 _SUBMODULES = ("reference", "nn", "tpu_aot", "attention", "decode", "int8",
                "quant", "boxes", "gmm", "ragged")
 

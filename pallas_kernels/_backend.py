@@ -333,7 +333,8 @@ def only_reference(backend: str | None, kernels: Sequence[Kernel]) -> bool:
 
 
 def dispatch(op: str, backend: str | None, kernels: Sequence[Kernel], *args,
-             rule: Any = None, auto_partition: bool = True) -> Any:
+             rule: Any = None, auto_partition: bool = True,
+             batch_reference: bool = False) -> Any:
   """Runs ``op`` on ``args`` (arrays only) with the kernel ``backend`` picks.
 
   ``kernels`` lists the op's rows, best first; static parameters belong in
@@ -341,14 +342,19 @@ def dispatch(op: str, backend: str | None, kernels: Sequence[Kernel], *args,
   ``_sharding.Rule``) makes a kernel call compose with sharding
   (``pallas_kernels._sharding``) and with ``jax.vmap``
   (``pallas_kernels._batching``); the reference needs none (XLA partitions
-  and batches it). ``auto_partition=False``: under Auto mesh axes XLA places
+  and batches it) unless ``batch_reference``: its XLA ops do not batch
+  every mapped operand (``ragged_dot``), so it takes the rule's batching. ``auto_partition=False``: under Auto mesh axes XLA places
   the operands itself (for calls whose static parameters are per-split
   values, such as one attention mask per head).
   """
   check_backend(op, backend)
   table = _table(op, kernels)
   if only_reference(backend, kernels):
-    return table["reference"].call(args)
+    reference = table["reference"].call
+    if batch_reference and rule is not None and _batched(args):
+      from pallas_kernels import _batching
+      return _batching.vmappable(rule, lambda *a: reference(a))(*args)
+    return reference(args)
   if rule is None or (_effects_outlive_custom_vmap(op, backend, kernels)
                       and not _batched(args)):
     return _dispatch_kernel(op, backend, kernels, table, rule, args,

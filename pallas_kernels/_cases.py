@@ -5,6 +5,7 @@ Each kernel family lists its cases in ``<family>/cases.py`` as
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 from typing import Any, Callable
@@ -12,17 +13,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from pallas_kernels import _registry
+
 # Family name (as given to --families) -> its package.
-FAMILIES = {
-    "attention": "pallas_kernels.attention",
-    "decode": "pallas_kernels.decode",
-    "int8": "pallas_kernels.int8",
-    "quant": "pallas_kernels.quant",
-    "iou": "pallas_kernels.boxes.iou",
-    "nms": "pallas_kernels.boxes.nms",
-    "gmm": "pallas_kernels.gmm",
-    "ragged": "pallas_kernels.ragged",
-}
+FAMILIES = {f.name: f.package for f in _registry.FAMILIES}
 SIZES = ("small", "medium", "large")
 
 
@@ -50,6 +44,22 @@ class Case:
   args: tuple                      # concrete inputs
   tolerance: float                 # accepted max error vs the reference
   error: Callable[[Any, Any], float] = max_abs_error
+
+
+def abstract(shape, dtype=None) -> jax.ShapeDtypeStruct:
+  """An abstract array (bfloat16 unless ``dtype``) for ``jax.eval_shape``."""
+  return jax.ShapeDtypeStruct(shape, dtype or jax.numpy.bfloat16)
+
+
+def x64(enabled: bool):
+  """float64 inside the block when ``enabled`` (jax < 0.8:
+  ``jax.experimental.enable_x64``)."""
+  if not enabled:
+    return contextlib.nullcontext()
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(True)
+  from jax.experimental import enable_x64
+  return enable_x64()
 
 
 def _broken_family(family: str, error: Exception) -> Case:

@@ -10,18 +10,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-FAMILIES = ("attention", "decode", "int8", "quant", "iou", "nms", "gmm",
-            "ragged")
+if __package__:
+  from pallas_kernels import _registry
+else:  # run as a script (scripts/main.sh), before any environment exists
+  import _registry
+
+FAMILIES = _registry.FAMILY_NAMES
 SIZES = ("small", "medium", "large")
 BACKENDS = ("mosaic_tpu", "triton", "mosaic_gpu", "gpu", "interpret")
 # Every op the main job has cases for (tests/test_main_job.py keeps this
 # equal to the families' cases).
-OPS = ("flash_attention", "decode_attention", "quantize_int8", "int8_matmul",
-       "int8_dense", "quantize", "quantized_matmul", "quantized_dense",
-       "iou", "giou", "diou", "ciou", "iou_loss", "giou_loss", "diou_loss",
-       "ciou_loss", "pairwise_iou", "pairwise_giou", "pairwise_diou",
-       "pairwise_ciou", "box_iou", "nms", "batched_nms", "soft_nms",
-       "grouped_matmul", "ragged_paged_attention")
+OPS = _registry.main_job_ops()
 
 
 def parser() -> argparse.ArgumentParser:

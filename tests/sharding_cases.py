@@ -100,6 +100,31 @@ def _quantize(backend):
   return lambda x: pk.quantize_int8(x, backend=backend)
 
 
+def _quantized_inputs(rng):
+  x = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
+  w = jnp.asarray(rng.integers(-8, 8, (64, 48)), jnp.int4)
+  ws = jnp.asarray(rng.uniform(0.01, 0.1, (2, 48)), jnp.float32)
+  return x, w, ws
+
+
+def _quantized(backend):
+  def fn(x, w, ws):
+    return (pk.quantized_matmul(x, w, w_scale=ws, group_size=32,
+                                weight_only=True, backend=backend),)
+  return fn
+
+
+def _grouped_inputs(rng):
+  lhs = jnp.asarray(rng.standard_normal((24, 32)), jnp.float32)
+  rhs = jnp.asarray(rng.standard_normal((3, 32, 16)), jnp.float32)
+  return lhs, rhs, jnp.asarray([7, 0, 15], jnp.int32)
+
+
+def _grouped(backend):
+  return lambda lhs, rhs, sizes: (pk.grouped_matmul(lhs, rhs, sizes,
+                                                    backend=backend),)
+
+
 def _loss(reduction):
   def make_fn(backend):
     return lambda p, t: (pk.giou_loss(p, t, reduction=reduction,
@@ -148,6 +173,13 @@ CASES = [
                                   jnp.float32),),
          _quantize, specs=(P("data", "model"),),
          out_specs=(P("data", "model"), P("data", "model"))),
+    Case("quantized_matmul", _quantized_inputs, _quantized,
+         specs=(P("data"), P(None, "model"), P(None, "model")),
+         out_specs=(P("data", "model"),), grad=(0,), atol=1e-4),
+    # rows follow their groups: N splits, not M
+    Case("grouped_matmul", _grouped_inputs, _grouped,
+         specs=(P(), P(None, None, ("data", "model")), P()),
+         out_specs=(P(None, ("data", "model")),), grad=(0, 1), atol=1e-4),
     Case("giou_loss_none", lambda rng: (_boxes(rng, 40), _boxes(rng, 40)),
          _loss("none"), specs=(BOX_SPEC, BOX_SPEC),
          out_specs=(P(("data", "model")),), grad=(0, 1)),

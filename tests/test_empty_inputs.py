@@ -151,3 +151,63 @@ def test_nms(backend, images, boxes, keep):
     indices, scores, count = backend.run(pk.soft_nms, b[0], s[0],
                                          max_output_size=keep)
     assert indices.shape == scores.shape == (keep,) and int(count) == 0
+
+
+@pytest.mark.parametrize("q_shape,cache_shape", [
+    ((0, 4, 1, 16), (0, 2, 8, 16)),    # no sequences
+    ((2, 4, 0, 16), (2, 2, 8, 16)),    # no new tokens
+    ((2, 4, 1, 16), (2, 2, 0, 16)),    # an empty cache: no key to see
+], ids=str)
+@pytest.mark.parametrize("backend", ALL)
+def test_decode(backend, q_shape, cache_shape):
+  cache = jnp.ones(cache_shape)
+  lengths = jnp.zeros((q_shape[0],), jnp.int32)
+  out = backend.run(pk.decode_attention, jnp.ones(q_shape), cache, cache,
+                    lengths)
+  assert out.shape == q_shape and out.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(out), 0)
+
+
+@pytest.mark.parametrize("x_shape", [(0, 256), (3, 0)], ids=str)
+@pytest.mark.parametrize("backend", ALL)
+def test_quantized_matmul(backend, x_shape):
+  k = x_shape[1]
+  w = jnp.ones((k, 128), jnp.int8)
+  bias = jnp.arange(128, dtype=jnp.float32)
+  out = backend.run(pk.quantized_matmul, jnp.ones(x_shape, jnp.bfloat16), w,
+                    w_scale=jnp.ones((128,)), bias=bias, weight_only=True)
+  assert out.shape == (x_shape[0], 128)
+  np.testing.assert_array_equal(  # K == 0: the bias remains
+      np.asarray(out, np.float32),
+      np.broadcast_to(np.asarray(bias), out.shape))
+
+
+@pytest.mark.parametrize("m", [0, 5])
+@pytest.mark.parametrize("backend", ALL)
+def test_grouped_matmul(backend, m):
+  """No rows at all, and groups of no rows: zeros, and zero gradients for
+  the experts that saw no token."""
+  sizes = jnp.asarray([0, m, 0], jnp.int32)
+  lhs, rhs = jnp.ones((m, 32)), jnp.ones((3, 32, 16))
+  out = backend.run(pk.grouped_matmul, lhs, rhs, sizes)
+  assert out.shape == (m, 16)
+  d_lhs, d_rhs = grads_of(
+      lambda a, b: backend.run(pk.grouped_matmul, a, b, sizes), lhs, rhs)
+  assert d_lhs.shape == lhs.shape and d_rhs.shape == rhs.shape
+  np.testing.assert_array_equal(np.asarray(d_rhs[0::2]), 0)
+  np.testing.assert_array_equal(np.asarray(d_rhs[1]), m)
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_ragged_paged_attention(backend):
+  """A step with no new token and no live sequence: an empty output, and a
+  cache write that leaves the pages as they were."""
+  pages = jnp.ones((8, 4, 4, 16))
+  metadata = (jnp.zeros((2,), jnp.int32), jnp.zeros((2, 2), jnp.int32),
+              jnp.zeros((3,), jnp.int32), jnp.zeros((1,), jnp.int32))
+  out = backend.run(pk.ragged_paged_attention, jnp.ones((0, 4, 16)), pages,
+                    *metadata)
+  assert out.shape == (0, 4, 16)
+  written = backend.run(pk.write_kv_pages, pages, jnp.ones((0, 4, 16)),
+                        *metadata)
+  np.testing.assert_array_equal(np.asarray(written), np.asarray(pages))

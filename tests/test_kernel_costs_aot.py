@@ -28,6 +28,9 @@ N = 512         # boxes of pairwise IoU and NMS
 MKN = (256, 512, 256)
 
 
+PAGES, PAGE, SEQS, CACHE = 64, 16, 4, 256  # paged caches: 4 x 256 tokens
+
+
 def _ciou_loss(a, b):
   return jax.vjp(lambda a, b: pk.ciou_loss(a, b), a, b)[0]
 
@@ -60,6 +63,52 @@ OPS = {
         functools.partial(pk.nms, iou_threshold=0.5, max_output_size=64),
         [S((N, 4), jnp.float32), S((N,), jnp.float32)], ["nms_keep_mask"],
         8 * N * N, 0),
+    "decode_attention": (
+        pk.decode_attention,
+        [S((SEQS, 8, 1, D), jnp.bfloat16),
+         *[S((SEQS, 2, CACHE, D), jnp.bfloat16)] * 2, S((SEQS,), jnp.int32)],
+        ["decode_attention"], 4 * SEQS * 8 * CACHE * D // 2, 0),
+    "quantized_matmul": (
+        lambda x, w, s: pk.quantized_matmul(x, w, w_scale=s, group_size=128,
+                                            weight_only=True),
+        [S(MKN[:2], jnp.bfloat16), S(MKN[1:], jnp.int4),
+         S((MKN[1] // 128, MKN[2]), jnp.float32)],
+        ["quantized_matmul"], 2 * MKN[0] * MKN[1] * MKN[2], 0),
+    "grouped_matmul": (
+        lambda x, w, g: jax.vjp(lambda x, w: pk.grouped_matmul(x, w, g),
+                                x, w)[0],
+        [S(MKN[:2], jnp.bfloat16), S((4,) + MKN[1:], jnp.bfloat16),
+         S((4,), jnp.int32)],
+        ["grouped_matmul"], 2 * MKN[0] * MKN[1] * MKN[2], 0),
+    "ragged_paged_attention": (
+        pk.ragged_paged_attention,
+        [S((SEQS, 8, D), jnp.bfloat16),
+         S((PAGES, PAGE, 2 * 2, D), jnp.bfloat16), S((SEQS,), jnp.int32),
+         S((SEQS, CACHE // PAGE), jnp.int32), S((SEQS + 1,), jnp.int32),
+         S((1,), jnp.int32)],
+        # Counted for full caches: one token per sequence over 256 keys.
+        ["ragged_paged_attention"], 4 * SEQS * 8 * CACHE * D // 2, 0),
+    "write_kv_pages": (
+        pk.write_kv_pages,
+        [S((PAGES, PAGE, 2 * 2, D), jnp.bfloat16),
+         S((SEQS, 2 * 2, D), jnp.bfloat16), S((SEQS,), jnp.int32),
+         S((SEQS, CACHE // PAGE), jnp.int32), S((SEQS + 1,), jnp.int32),
+         S((1,), jnp.int32)],
+        ["write_kv_pages"], 0, 0),
+}
+# Registered kernel ops this module leaves to another's costs test.
+COVERED_ELSEWHERE = {
+    "quantize_int8": "int8_matmul_dynamic quantizes x in its own kernel",
+    "quantize": "symmetric int8 runs quantize_int8's kernel; the other "
+                "formats are plain XLA",
+    "iou": "ciou_loss and giou_loss cover the elementwise kernels",
+    "giou": "as iou", "diou": "as iou", "ciou": "as iou",
+    "iou_loss": "as iou", "diou_loss": "as iou",
+    "pairwise_giou": "pairwise_iou covers the pairwise kernel",
+    "pairwise_diou": "as pairwise_giou", "pairwise_ciou": "as pairwise_giou",
+    "box_iou": "as pairwise_giou",
+    "batched_nms": "nms covers the kernel",
+    "soft_nms": "reference only: no kernel exists",
 }
 
 

@@ -92,13 +92,9 @@ from __future__ import annotations
 
 import importlib
 
-_OPS = ("flash_attention", "decode_attention", "quantize_int8",
-        "int8_matmul", "int8_dense", "quantize", "quantized_matmul",
-        "quantized_dense", "grouped_matmul", "ragged_paged_attention",
-        "iou", "giou", "diou", "ciou", "pairwise_iou", "pairwise_giou",
-        "pairwise_diou", "pairwise_ciou", "box_iou", "iou_loss", "giou_loss",
-        "diou_loss", "ciou_loss", "nms", "batched_nms", "soft_nms",
-        "UnshardedWarning")
+from pallas_kernels import _registry
+
+_OPS = tuple(op.name for op in _registry.torch_ops()) + ("UnshardedWarning",)
 _MODULES = ("Attention", "Int8Linear", "QuantizedLinear", "IoULoss",
             "GIoULoss", "DIoULoss", "CIoULoss")
 _EXPORTS = {**{name: "torch_bridge.ops" for name in _OPS},

@@ -40,6 +40,7 @@ import functools
 
 import torch
 
+from pallas_kernels import _registry
 from torch_bridge import schemas
 from torch_bridge._core import JaxOp, UnshardedWarning
 
@@ -1475,15 +1476,9 @@ def _run_nms(jax_op, op, boxes, scores, class_ids, partition_spec, mesh,
   return jax_op([boxes, scores, _ids_int32(class_ids)[0]], **static)
 
 
-__all__ = ["UnshardedWarning", "flash_attention", "decode_attention",
-           "quantize_int8", "int8_matmul", "int8_dense", "quantize",
-           "quantized_matmul", "quantized_dense", "grouped_matmul",
-           "ragged_paged_attention", "iou",
-           "giou", "diou", "ciou", "pairwise_iou", "pairwise_giou",
-           "pairwise_diou", "pairwise_ciou", "box_iou", "iou_loss", "giou_loss", "diou_loss", "ciou_loss",
-           "nms", "batched_nms", "soft_nms"]
+__all__ = ["UnshardedWarning"] + [op.name for op in _registry.torch_ops()]
 
 # The public typed ops ``torch.ops.pallas_kernels.<name>`` (they call the
 # functions above).
-schemas.register({name: globals()[name] for name in __all__
-                  if name != "UnshardedWarning"})
+schemas.register({op.name: globals()[op.name]
+                  for op in _registry.torch_ops()})

@@ -31,6 +31,8 @@ import inspect
 
 import torch
 
+from pallas_kernels import _registry
+
 NAMESPACE = "pallas_kernels"
 
 # Schema type of each parameter, by name (``?`` is added where the Python
@@ -58,23 +60,15 @@ _TYPES = {
     **dict.fromkeys(("out_dtype", "dtype", "preferred_element_type"),
                     "ScalarType"),
 }
-# Per-op exceptions to ``_TYPES`` (``int[1]`` takes an int or a list).
-_OP_TYPES = {"flash_attention": {"sliding_window": "int[1]"},
-             "quantize_int8": {"axis": "int?"},  # None: one scale
-             "quantize": {"axis": "int?"},
-             # Static float scales (JAX's), not decode_attention's tensors.
-             "ragged_paged_attention": {"k_scale": "float?",
-                                        "v_scale": "float?"}}
+# Per-op exceptions to ``_TYPES`` (``int[1]`` takes an int or a list) and
+# outputs, from the op registry.
+_OP_TYPES = {op.name: dict(op.torch_types) for op in _registry.torch_ops()}
+_RETURNS = {op.name: op.torch_returns for op in _registry.torch_ops()}
 # Python parameters that are a pair of tensors: the schema's two arguments.
 _PAIRS = {"segment_ids": ("q_segment_ids", "kv_segment_ids"),
           "lora": ("lora_a", "lora_b")}
 # Parameters with no schema type: the Python function only.
 PYTHON_ONLY = ("mask", "return_lse", "block_sizes", "partition_spec", "mesh")
-# Outputs of the ops that return more than one tensor (others: Tensor).
-_RETURNS = {"quantize_int8": "(Tensor, Tensor)",
-            "quantize": "Tensor[]",  # (q, scale) or (q, scale, zero)
-            "nms": "(Tensor, Tensor)", "batched_nms": "(Tensor, Tensor)",
-            "soft_nms": "(Tensor, Tensor, Tensor)"}
 
 
 def _default(value) -> str:

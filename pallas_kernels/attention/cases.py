@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._cases import Case, max_abs_error
+from pallas_kernels._cases import Case, abstract, max_abs_error
+from pallas_kernels.attention import masks
 from pallas_kernels.attention.api import flash_attention
 
 # (batch, heads, kv_heads, seq, head_dim, dtype) per size.
@@ -62,4 +63,59 @@ def main_job_cases(size: str) -> list[Case]:
            tolerance=2e-5 if exact else 2e-2, error=relative_error),
       Case("flash_attention", f"grad causal {shape}", _gradients, (q, k, v),
            tolerance=1e-4 if exact else 5e-2, error=relative_error),
+  ]
+
+
+def support_cases():
+  """(label, run(backend)) rows of the docs' backend-support table: each run
+  traces one call with ``jax.eval_shape``."""
+  def call(d=128, dtype=jnp.bfloat16, kv_heads=4, grad=False, dv=None,
+           **kw):
+    q = abstract((2, 4, 256, d), dtype)
+    kv = abstract((2, kv_heads, 256, d), dtype)
+    v = kv if dv is None else abstract((2, kv_heads, 256, dv), dtype)
+
+    def run(backend):
+      def f(q, k, v, *extra):
+        options = dict(kw)
+        if "segment_ids" in options:
+          options["segment_ids"] = (extra[0], extra[0])
+        if "bias" in options:
+          options["bias"] = extra[-1]
+        if "sinks" in options:
+          options["sinks"] = extra[-1]
+        return flash_attention(q, k, v, backend=backend, **options)
+      extra = []
+      if "segment_ids" in kw:
+        extra.append(abstract((2, 256), jnp.int32))
+      if "bias" in kw:
+        extra.append(abstract((2, 4, 256, 256), jnp.float32))
+      if "sinks" in kw:
+        extra.append(abstract((4,), jnp.float32))
+      if grad:
+        loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))  # noqa: E731
+        return jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, v,
+                              *extra)
+      return jax.eval_shape(f, q, kv, v, *extra)
+    return run
+
+  return [
+      ("bf16, head_dim 128", call()),
+      ("head_dim 64", call(d=64)),
+      ("head_dim 96", call(d=96)),
+      ("head_dim 256", call(d=256)),
+      ("float32", call(dtype=jnp.float32)),
+      ("causal", call(causal=True)),
+      ("sliding_window", call(sliding_window=(64, 0))),
+      ("segment_ids", call(segment_ids=True)),
+      ("bias", call(bias=True)),
+      ("logit_soft_cap", call(logit_soft_cap=30.0)),
+      ("mask=ChunkedCausal(64)", call(mask=masks.ChunkedCausal(64))),
+      ("sinks", call(sinks=True)),
+      ("GQA (4 q heads, 2 kv heads)", call(kv_heads=2)),
+      ("MLA (q/k head_dim 192, v 128)", call(d=192, dv=128)),
+      ("backward, head_dim 128", call(grad=True)),
+      ("backward, head_dim 256", call(d=256, grad=True)),
+      ("backward, causal", call(causal=True, grad=True)),
+      ("backward, MLA (192, v 128)", call(d=192, dv=128, grad=True)),
   ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._cases import Case
+from pallas_kernels._cases import Case, abstract
 from pallas_kernels.attention.cases import relative_error
 from pallas_kernels.decode.api import decode_attention
 
@@ -52,4 +52,60 @@ def main_job_cases(size: str) -> list[Case]:
       Case("decode_attention", f"paged{page}+window+cap {shape}", _paged,
            (q, k_pages, v_pages, lengths, jnp.asarray(table, jnp.int32)),
            tolerance=2e-5 if exact else 2e-2, error=relative_error),
+  ]
+
+
+def support_cases():
+  """(label, run(backend)) rows of the docs' backend-support table: each run
+  traces one call with ``jax.eval_shape``."""
+  import jax
+  import jax.numpy as jnp
+  def call(d=128, dtype=jnp.bfloat16, t=1, page_size=None, cache_dtype=None,
+           **kw):
+    q = abstract((2, 8, t, d), dtype)
+    lengths = abstract((2,), jnp.int32)
+    cache_dtype = cache_dtype or dtype
+    if page_size is None:
+      cache = abstract((2, 2, 1024, d), cache_dtype)
+      extra = []
+    else:
+      cache = abstract((64, 2, page_size, d), cache_dtype)
+      extra = [abstract((2, 1024 // page_size), jnp.int32)]
+    if "sinks" in kw:
+      extra.append(abstract((8,), jnp.float32))
+    if cache_dtype != dtype:   # 8-bit: per-head scales
+      kw.update(k_scale=jnp.ones((2,)), v_scale=jnp.ones((2,)))
+
+    def run(backend):
+      def f(q, k, v, n, *rest):
+        options = dict(kw)
+        rest = list(rest)
+        if page_size is not None:
+          options["page_table"] = rest.pop(0)
+        if "sinks" in options:
+          options["sinks"] = rest.pop(0)
+        return decode_attention(q, k, v, n, backend=backend, **options)
+      return jax.eval_shape(f, q, cache, cache, lengths, *extra)
+    return run
+
+  return [
+      ("bf16, head_dim 128, GQA 8/2", call()),
+      ("head_dim 64", call(d=64)),
+      ("head_dim 96", call(d=96)),
+      ("head_dim 256", call(d=256)),
+      ("float32", call(dtype=jnp.float32)),
+      ("float16", call(dtype=jnp.float16)),
+      ("16 new tokens", call(t=16)),
+      ("sliding_window", call(sliding_window=256)),
+      ("logit_soft_cap", call(logit_soft_cap=30.0)),
+      ("sinks", call(sinks=True)),
+      ("paged, page_size 16", call(page_size=16)),
+      ("paged, page_size 128", call(page_size=128)),
+      ("paged, page_size 24", call(page_size=24)),
+      ("int8 cache (k_scale/v_scale)", call(cache_dtype=jnp.int8)),
+      ("float8_e4m3fn cache, paged",
+       call(cache_dtype=jnp.float8_e4m3fn, page_size=64)),
+      ("float8_e5m2 cache", call(cache_dtype=jnp.float8_e5m2)),
+      ("int8 cache, float16 q", call(dtype=jnp.float16,
+                                     cache_dtype=jnp.int8)),
   ]

@@ -64,7 +64,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, transpose_rhs: bool = False,
   _backend.check_backend(OP, backend)
   tiles = _check_tiles(block_sizes)
   return _gmm(lhs, rhs, group_sizes, group_offset, rhs_scale, transpose_rhs,
-              out_dtype, tiles, backend)
+              out_dtype, tiles, backend,
+              _backend.forced_interpret_flavour())
 
 
 def _check_scale(rhs, rhs_scale, k, transpose_rhs):
@@ -174,7 +175,8 @@ def _dispatch(name, backend, tiles, args, **static):
               scale, args[0].shape[1])),
           _backend.Kernel("reference", ref)]
   return _backend.dispatch(OP, backend, rows, *args,
-                           rule=_rule(name, args, static))
+                           rule=_rule(name, args, static),
+                           batch_reference=True)
 
 
 def _rule(name, args, static):
@@ -214,22 +216,31 @@ def _run_tgmm(lhs, dout, group_sizes, group_offset, num_groups, out_dtype,
                    num_groups=num_groups, out_dtype=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
 def _gmm(lhs, rhs, group_sizes, group_offset, rhs_scale, transpose_rhs,
-         out_dtype, tiles, backend):
+         out_dtype, tiles, backend, flavour):
+  del flavour
   return _run_gmm(lhs, rhs, group_sizes, group_offset, rhs_scale,
                   transpose_rhs, out_dtype, tiles, backend)
 
 
 def _gmm_fwd(lhs, rhs, group_sizes, group_offset, rhs_scale, transpose_rhs,
-             out_dtype, tiles, backend):
+             out_dtype, tiles, backend, flavour):
+  del flavour
   out = _run_gmm(lhs, rhs, group_sizes, group_offset, rhs_scale,
                  transpose_rhs, out_dtype, tiles, backend)
   return out, (lhs, rhs, group_sizes, group_offset, rhs_scale)
 
 
-def _gmm_bwd(transpose_rhs, out_dtype, tiles, backend, residuals, dout):
-  del out_dtype
+def _gmm_bwd(transpose_rhs, out_dtype, tiles, backend, flavour, residuals,
+             dout):
+  """The backward, traced under the interpreter the forward was (``flavour``):
+  jax may trace it after the caller's ``force_interpret`` block ended."""
+  with _backend.forced_flavour_exactly(flavour):
+    return _gmm_grads(transpose_rhs, tiles, backend, residuals, dout)
+
+
+def _gmm_grads(transpose_rhs, tiles, backend, residuals, dout):
   lhs, rhs, group_sizes, group_offset, rhs_scale = residuals
   dout = dout.astype(lhs.dtype)
   weights = rhs

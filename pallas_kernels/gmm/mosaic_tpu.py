@@ -29,7 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _backend, _compat
+from pallas_kernels import _backend, _compat, _cost
 from pallas_kernels._compat import pl, pltpu
 from pallas_kernels.gmm import reference
 
@@ -47,12 +47,12 @@ def vmem_limit() -> int:
   return min(48 << 20, (spec.vmem if spec else 16 << 20) * 3 // 4)
 
 
-def _launch(kernel, grid_spec, out_shape, semantics, name, interpret):
+def _launch(kernel, grid_spec, out_shape, semantics, name, interpret, cost):
   return _compat.pallas_call(
       kernel, grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=semantics, vmem_limit_bytes=vmem_limit()),
-      interpret=interpret, name=name)
+      interpret=interpret, name=name, cost_estimate=cost)
 
 
 def work_items(starts, ends, m: int, tm: int, *, with_uncovered: bool):
@@ -265,9 +265,14 @@ def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False,
   )
   kernel = functools.partial(_gmm_kernel, num_groups=num_groups, nk=nk,
                              transpose_rhs=transpose_rhs, scaling=scaling)
-  return _launch(kernel, grid_spec, jax.ShapeDtypeStruct((m, n), out_dtype),
+  out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+  # Each row meets one group's weights; every weight is read once.
+  cost = _cost.estimate(flops=2 * m * k * n,
+                        bytes_accessed=_cost.nbytes(lhs, rhs, rhs_scale,
+                                                    out_shape))
+  return _launch(kernel, grid_spec, out_shape,
                  ("parallel", "arbitrary", "arbitrary"), "grouped_matmul",
-                 interpret)(group, tile, starts, ends, *operands)
+                 interpret, cost)(group, tile, starts, ends, *operands)
 
 
 def _tgmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref,
@@ -329,9 +334,11 @@ def tgmm(lhs, dout, group_sizes, num_groups: int, *, out_dtype=None,
       out_specs=pl.BlockSpec((1, tk, tn), out_index),
       scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
   )
+  out_shape = jax.ShapeDtypeStruct((num_groups, k, n), out_dtype)
+  cost = _cost.estimate(flops=2 * m * k * n,
+                        bytes_accessed=_cost.nbytes(lhs, dout, out_shape))
   out = _launch(functools.partial(_tgmm_kernel, num_groups=num_groups),
-                grid_spec,
-                jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+                grid_spec, out_shape,
                 ("parallel", "parallel", "arbitrary"), "grouped_matmul_tgmm",
-                interpret)(group, tile, starts, ends, lhs, dout)
+                interpret, cost)(group, tile, starts, ends, lhs, dout)
   return out

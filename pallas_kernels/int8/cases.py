@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_kernels._cases import Case, max_abs_error
+from pallas_kernels._cases import Case, abstract, max_abs_error
 from pallas_kernels.int8 import api
 
 SHAPES = {  # (M, K, N)
@@ -78,4 +78,40 @@ def main_job_cases(size):
       Case("quantize_int8", f"{m}x{k} rows", quantize, (xb,), 0.0),
       Case("int8_dense", f"{shape} fwd+bwd", dense_grad,
            (xb.astype(jnp.float32), wf, bias), 2**-7, _relative_error),
+  ]
+
+
+def support_cases():
+  """(label, run(backend)) rows of the docs' backend-support table: each run
+  traces one call with ``jax.eval_shape``."""
+  import jax
+  import jax.numpy as jnp
+  def call(m=256, k=512, n=384, weight_only=False, layout="kn",
+           scales=True):
+    x = abstract((m, k), jnp.bfloat16 if weight_only else jnp.int8)
+    w = abstract((k, n) if layout == "kn" else (n, k), jnp.int8)
+    operands = [x, w]
+    if scales:
+      operands.append(abstract((n,), jnp.float32))
+      if not weight_only:
+        operands.append(abstract((m, 1), jnp.float32))
+
+    def run(backend):
+      def f(x, w, *scale):
+        return api.int8_matmul(x, w, w_scale=scale[0] if scale else None,
+                              x_scale=scale[1] if len(scale) > 1 else None,
+                              weight_only=weight_only, weight_layout=layout,
+                              backend=backend)
+      return jax.eval_shape(f, *operands)
+    return run
+
+  return [
+      ("int8 x int8, fused dequant", call()),
+      ("int8 x int8, int32 out (no scales)", call(scales=False)),
+      ("weight-only, M = 16, w [N, K]", call(m=16, weight_only=True,
+                                             layout="nk")),
+      ("weight-only, M = 128, w [N, K]", call(m=128, weight_only=True,
+                                              layout="nk")),
+      ("weight-only, M = 128, w [K, N]", call(m=128, weight_only=True)),
+      ("weight-only, M = 512", call(m=512, weight_only=True, layout="nk")),
   ]

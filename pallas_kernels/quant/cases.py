@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_kernels._cases import Case
+from pallas_kernels._cases import Case, abstract
 from pallas_kernels.int8.cases import _relative_error
 from pallas_kernels.quant import api
 
@@ -79,4 +79,52 @@ def main_job_cases(size):
       Case("quantized_dense", f"{shape} int4 + LoRA fwd+bwd", dense_grad,
            (x.astype(jnp.float32), w4, s4, z4, lora_a, lora_b), 2**-7,
            _relative_error),
+  ]
+
+
+def support_cases():
+  """(label, run(backend)) rows of the docs' backend-support table: each run
+  traces one call with ``jax.eval_shape``."""
+  import jax
+  import jax.numpy as jnp
+  def call(w_dtype=jnp.int4, x_dtype=jnp.bfloat16, m=16, k=512, n=384,
+           group_size=None, layout="kn", zero=False):
+    weight_only = x_dtype in (jnp.bfloat16, jnp.float32)
+    w = abstract((k, n) if layout == "kn" else (n, k), w_dtype)
+    if group_size:
+      table = (k // group_size, n) if layout == "kn" else (n, k // group_size)
+    else:
+      table = (n,)
+    operands = [abstract((m, k), x_dtype), w, abstract(table, jnp.float32)]
+    if zero:
+      operands.append(abstract(table, w_dtype))
+
+    def run(backend):
+      def f(x, w, scale, *zero_):
+        return api.quantized_matmul(
+            x, w, w_scale=scale, w_zero=zero_[0] if zero_ else None,
+            group_size=group_size, weight_only=weight_only,
+            weight_layout=layout, backend=backend)
+      return jax.eval_shape(f, *operands)
+    return run
+
+  return [
+      ("int4 weight-only, per channel", call()),
+      ("int4 weight-only, group 128 + zero, w [K, N]",
+       call(group_size=128, zero=True)),
+      ("int4 weight-only, group 128, w [N, K]",
+       call(group_size=128, layout="nk")),
+      ("int4 weight-only, w [N, K], odd K", call(k=511, layout="nk")),
+      ("fp8 e4m3 weight-only, per channel", call(w_dtype=jnp.float8_e4m3fn)),
+      ("fp8 e5m2 weight-only, group 64", call(w_dtype=jnp.float8_e5m2,
+                                              group_size=64)),
+      ("fp8 x fp8 (e4m3)", call(w_dtype=jnp.float8_e4m3fn,
+                                x_dtype=jnp.float8_e4m3fn, m=256)),
+      ("int8 weight-only, group 128", call(w_dtype=jnp.int8,
+                                           group_size=128)),
+      ("int8 x int8, group 128 (group products)",
+       call(w_dtype=jnp.int8, x_dtype=jnp.int8, group_size=128)),
+      ("fp8 x fp8 (e4m3), group 64, w [N, K]",
+       call(w_dtype=jnp.float8_e4m3fn, x_dtype=jnp.float8_e4m3fn, m=256,
+            group_size=64, layout="nk")),
   ]

@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, _cost
 from pallas_kernels._compat import pl, pltpu
 from pallas_kernels.ragged import reference
 
@@ -80,5 +80,8 @@ def write(kv_pages, new_kv, kv_lens, page_indices, cu_q_lens, num_seqs, *,
       input_output_aliases={3: 0},
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=("arbitrary",)),
+      # Only the new rows move: read from VMEM, written into the pages.
+      cost_estimate=_cost.estimate(flops=0,
+                                   bytes_accessed=2 * _cost.nbytes(new_kv)),
       interpret=interpret, name="write_kv_pages")(page, row, new_kv,
                                                   kv_pages)

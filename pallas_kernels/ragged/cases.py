@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_kernels._cases import Case
+from pallas_kernels._cases import Case, abstract
 from pallas_kernels.attention.cases import relative_error
 from pallas_kernels.ragged import api
 
@@ -45,3 +45,26 @@ def main_job_cases(size):
                       f"D{d} page{page}x{pages} {dtype.name}"),
                fn=ragged_paged_attention, args=args,
                tolerance=2e-5 if exact else 2e-2, error=relative_error)]
+
+
+def support_cases():
+  """(label, run(backend)) rows of the docs' backend-support table: each run
+  traces one call with ``jax.eval_shape``."""
+  import jax
+  import jax.numpy as jnp
+  def call(dtype=jnp.bfloat16, d=128, kv_heads=2):
+    q = abstract((64, 8, d), dtype)
+    pages = abstract((32, 16, 2 * kv_heads, d), dtype)
+    ints = [abstract((4,), jnp.int32), abstract((4, 8), jnp.int32),
+            abstract((5,), jnp.int32), abstract((1,), jnp.int32)]
+
+    def run(backend):
+      return jax.eval_shape(
+          lambda *a: api.ragged_paged_attention(*a, backend=backend), q,
+          pages, *ints)
+    return run
+
+  return [
+      ("bf16 cache, head_dim 128, GQA 4", call()),
+      ("float32 cache, head_dim 64", call(jnp.float32, 64)),
+  ]

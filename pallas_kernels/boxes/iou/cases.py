@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_kernels._cases import Case
+from pallas_kernels._cases import Case, abstract, x64
 from . import api
 
 # (batch, boxes per row) for elementwise ops and losses; (N, M) pairwise.
@@ -62,3 +62,31 @@ def main_job_cases(size):
     cases.append(Case(f"{kind}_loss", shape, bind(f"{kind}_loss"),
                       (pred, target), TOLERANCE))
   return cases
+
+
+def support_cases():
+  """(label, run(backend)) rows of the docs' backend-support table: each run
+  traces one call with ``jax.eval_shape``."""
+  import jax
+  import jax.numpy as jnp
+
+  def loss(dtype=jnp.float32, reduction="mean"):
+    def run(backend):
+      with x64(dtype == jnp.float64):
+        b = abstract((1000, 4), dtype)
+        return jax.eval_shape(
+            lambda p, t: api.giou_loss(p, t, reduction=reduction,
+                                       backend=backend), b, b)
+    return run
+
+  def pairwise(backend):
+    return jax.eval_shape(
+        lambda a, b: api.pairwise_giou(a, b, backend=backend),
+        abstract((300, 4), jnp.float32), abstract((200, 4), jnp.float32))
+
+  return [
+      ("IoU-family losses, float32 (iou/giou/diou/ciou)", loss()),
+      ("losses, bfloat16", loss(dtype=jnp.bfloat16)),
+      ("losses, float64", loss(dtype=jnp.float64)),
+      ("pairwise (iou/giou/diou/ciou)", pairwise),
+  ]

@@ -5,7 +5,7 @@ import functools
 
 import numpy as np
 
-from pallas_kernels._cases import Case
+from pallas_kernels._cases import Case, abstract
 from .api import batched_nms, nms, soft_nms
 
 SIZES = {"small": 300, "medium": 2000, "large": 20000}
@@ -46,4 +46,32 @@ def main_job_cases(size: str) -> list[Case]:
       Case("soft_nms", f"N={min(n, 2000)} gaussian M=64",
            functools.partial(soft_nms, max_output_size=64),
            (boxes[:2000], scores[:2000]), tolerance=0.0),
+  ]
+
+
+def support_cases():
+  """(label, run(backend)) rows of the docs' backend-support table: each run
+  traces one call with ``jax.eval_shape``."""
+  import jax
+  import jax.numpy as jnp
+
+  def greedy(n, batched=False):
+    def run(backend):
+      shape = (3, n) if batched else (n,)
+      op = batched_nms if batched else nms
+      return jax.eval_shape(
+          lambda b, s: op(b, s, iou_threshold=0.5, max_output_size=100,
+                          backend=backend),
+          abstract(shape + (4,), jnp.float32), abstract(shape, jnp.float32))
+    return run
+
+  def soft(backend):
+    return jax.eval_shape(
+        lambda b, s: soft_nms(b, s, max_output_size=50, backend=backend),
+        abstract((500, 4), jnp.float32), abstract((500,), jnp.float32))
+
+  return [
+      ("nms, N = 5000", greedy(5000)),
+      ("batched_nms, 3 x 5000", greedy(5000, batched=True)),
+      ("soft_nms", soft),
   ]
