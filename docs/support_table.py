@@ -45,7 +45,7 @@ def tables() -> str:
   out = []
   with _backend.target_override(gpu_capability="9.0"):
     for family in _registry.FAMILIES:
-      cases = importlib.import_module(family.package + ".cases").support_cases
+      cases = importlib.import_module(family.module("cases")).support_cases
       out.append(f"### {family.title}\n")
       out.append("| call | " + " | ".join(f"`{c}`" for c in COLUMNS) + " |")
       out.append("| --- |" + " --- |" * len(COLUMNS))

@@ -15,8 +15,8 @@ import numpy as np
 
 from pallas_kernels import _registry
 
-# Family name (as given to --families) -> its package.
-FAMILIES = {f.name: f.package for f in _registry.FAMILIES}
+# Family name (as given to --families) -> its cases module.
+FAMILIES = {f.name: f.module("cases") for f in _registry.FAMILIES}
 SIZES = ("small", "medium", "large")
 
 
@@ -73,7 +73,7 @@ def load_cases(size: str, families=FAMILIES) -> list[Case]:
   cases = []
   for family in families:
     try:
-      module = importlib.import_module(f"{FAMILIES[family]}.cases")
+      module = importlib.import_module(FAMILIES[family])
       cases.extend(module.main_job_cases(size))
     except Exception as e:  # report it in the table, run the other families
       cases.append(_broken_family(family, e))

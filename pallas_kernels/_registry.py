@@ -32,13 +32,19 @@ class Op:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """A kernel family: its package, ops, benches (``bench.<name>``) and the
-  title of its docs support table (cases: ``<package>.cases``)."""
+  """A kernel family: the package that exports its ops, the title of its docs
+  support table, its ops and benches (``bench.<name>``). Its modules
+  (``reference``, ``cases``) are ``<home><module>``, home defaulting to
+  ``<package>.``."""
   name: str
   package: str
   title: str
   ops: tuple[Op, ...]
   benches: tuple[str, ...] = ()
+  home: str = ""
+
+  def module(self, name: str) -> str:
+    return (self.home or self.package + ".") + name
 
 
 def _helper(name: str) -> Op:
@@ -63,7 +69,7 @@ FAMILIES = (
         Op("int8_matmul"),
         _helper("shard_int8_matmul"),
         Op("int8_dense", kind="layer"),
-    ), benches=("int8_matmul",)),
+    ), benches=("int8_matmul",), home="pallas_kernels.quant.int8_"),
     Family("quant", "pallas_kernels.quant", "quantized_matmul", (
         # Tensor[]: (q, scale) or (q, scale, zero).
         Op("quantize", torch_types=(("axis", "int?"),),
@@ -117,7 +123,7 @@ def exports() -> dict[str, str]:
 
 def references() -> dict[str, str]:
   """``pallas_kernels.reference.<name>`` -> the module that defines it."""
-  return {op.name: family_of(op.name).package + ".reference" for op in OPS
+  return {op.name: family_of(op.name).module("reference") for op in OPS
           if op.kind == "kernel"}
 
 

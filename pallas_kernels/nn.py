@@ -1,37 +1,13 @@
 """Layers for training: quantized dense layers and a mixture of experts.
 
-``quantized_dense`` (frozen quantized weights, QLoRA style) follows
-``int8_dense``; ``moe_feed_forward`` (top-k routed experts on
-``grouped_matmul``) is at the end.
-
-``int8_dense(x, w, bias=None, *, int8_input_grad=False, backend=None)``
-computes ``x @ w + bias`` with an int8 forward pass and a float backward
-pass (``jax.custom_vjp``):
-
-Forward. The weights are quantized per output channel
-(``quantize_int8(w, axis=0)``: one scale per column of w), the activations
-dynamically per row (``int8_matmul``'s w8a8 dynamic mode, a Pallas
-quantization pre-pass), then one int8 x int8 -> int32 matmul whose epilogue
-applies both scales and the bias. The output has x's dtype. K (= w.shape[0])
-is limited to ``int8_matmul.MAX_INT8_K``.
-
-Backward: the straight-through estimator. Rounding is treated as the
-identity, so the gradients are those of the float layer ``x @ w + bias``
-evaluated at the float (unquantized) x and w:
-
-  dx    = dy @ w.T             (float32 accumulation, cast to x's dtype)
-  dw    = x.T @ dy             (summed over x's leading dimensions)
-  dbias = sum of dy over the leading dimensions
-
-With ``int8_input_grad=True`` the input gradient dx uses an int8 matmul as
-well: dy is quantized per row on the fly and w per row (one scale per input
-channel k, i.e. per output column of w.T). That trades a little accuracy of
-dx for the int8 rate; dw stays in float because quantizing activations and
-output gradients along the token dimension loses too much.
+``int8_dense`` (int8 forward, straight-through float backward;
+``pallas_kernels.int8.layers``) and ``quantized_dense`` (frozen quantized
+weights plus a LoRA adapter; ``pallas_kernels.quant.layers``) live in their
+families; ``moe_feed_forward`` (top-k routed experts on ``grouped_matmul``)
+is here.
 """
 from __future__ import annotations
 
-import functools
 import math
 import operator
 
@@ -39,166 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _backend
-from pallas_kernels.int8 import api as _int8
 from pallas_kernels.int8 import operands as _operands
+from pallas_kernels.int8.layers import int8_dense
+from pallas_kernels.quant.layers import quantized_dense
 
 __all__ = ["int8_dense", "quantized_dense", "moe_feed_forward",
            "init_moe_feed_forward"]
-
-
-def _check(x, w, bias):
-  for name, value in (("x", x), ("w", w)):
-    if not hasattr(value, "dtype") or not _operands.is_float(value.dtype):
-      raise TypeError(f"int8_dense: {name} must be a bfloat16, float16 or "
-                      f"float32 array, got "
-                      f"{getattr(value, 'dtype', type(value).__name__)}")
-  if w.ndim != 2:
-    raise ValueError(f"int8_dense: w must be 2-D [K, N], got shape {w.shape}")
-  if x.ndim < 1 or x.shape[-1] != w.shape[0]:
-    raise ValueError(f"int8_dense: x's last dimension must equal w's first "
-                     f"(K = {w.shape[0]}), got x of shape {x.shape}")
-  if bias is not None:
-    if not hasattr(bias, "dtype") or not _operands.is_float(bias.dtype):
-      raise TypeError("int8_dense: bias must be a float array")
-    if bias.shape != (w.shape[1],):
-      raise ValueError(f"int8_dense: bias must have shape ({w.shape[1]},), "
-                       f"got {bias.shape}")
-
-
-def _quantize(w, axis, backend):
-  # quantize_int8 has no GPU kernel: on GPUs XLA's fused quantization runs.
-  if backend in _backend.GPU_KERNELS:
-    backend = "reference"
-  return _int8.quantize_int8(w, axis=axis, backend=backend)
-
-
-def _forward(x, w, bias, backend):
-  w_q, w_scale = _quantize(w, 0, backend)
-  return _int8.int8_matmul(x, w_q, w_scale=w_scale, bias=bias,
-                           out_dtype=x.dtype, backend=backend)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _int8_dense(x, w, bias, int8_input_grad, backend):
-  return _forward(x, w, bias, backend)
-
-
-def _fwd(x, w, bias, int8_input_grad, backend):
-  return _forward(x, w, bias, backend), (x, w, bias)
-
-
-def _bwd(int8_input_grad, backend, residuals, dy):
-  x, w, bias = residuals
-  k, n = w.shape
-  rows = math.prod(x.shape[:-1])  # not -1: K or N may be 0
-  dy2 = dy.reshape(rows, n)
-  x2 = x.reshape(rows, k)
-  if int8_input_grad:
-    w_q, w_scale = _quantize(w, 1, backend)  # [K, 1]
-    # dy @ w_q.T: w_q [K, N] is that product's weight in the "nk" layout.
-    dx = _int8.int8_matmul(dy2, w_q, w_scale=w_scale.reshape(k),
-                           out_dtype=x.dtype, weight_layout="nk",
-                           backend=backend)
-  else:
-    dx = jnp.dot(dy2, w.T.astype(dy2.dtype),
-                 preferred_element_type=jnp.float32).astype(x.dtype)
-  dw = jnp.dot(x2.T, dy2.astype(x2.dtype), preferred_element_type=jnp.float32)
-  dbias = (None if bias is None else
-           jnp.sum(dy2.astype(jnp.float32), axis=0).astype(bias.dtype))
-  return dx.reshape(x.shape), dw.astype(w.dtype), dbias
-
-
-_int8_dense.defvjp(_fwd, _bwd)
-
-
-def int8_dense(x, w, bias=None, *, int8_input_grad=False, backend=None):
-  """``x @ w + bias`` with an int8 forward and straight-through gradients.
-
-  Args:
-    x: [..., K] float activations.
-    w: [K, N] float weights (quantized per output channel each call).
-    bias: optional [N] float.
-    int8_input_grad: compute dx with an int8 matmul too (see module doc).
-    backend: forwarded to the int8 kernels.
-  Returns:
-    [..., N] in x's dtype.
-  """
-  _check(x, w, bias)
-  if not isinstance(int8_input_grad, bool):
-    raise TypeError(f"int8_dense: int8_input_grad must be a bool (True or "
-                    f"False), got {int8_input_grad!r}")
-  _backend.check_backend("int8_dense", backend)
-  if x.shape[-1] > _int8.MAX_INT8_K:
-    raise ValueError(f"int8_dense: K={x.shape[-1]} exceeds "
-                     f"{_int8.MAX_INT8_K}, the int32 accumulator's safe bound")
-  return _int8_dense(x, w, bias, bool(int8_input_grad), backend)
-
-
-def _check_lora(lora, k, n, lora_scale):
-  if not isinstance(lora, (tuple, list)) or len(lora) != 2:
-    raise TypeError("quantized_dense: lora must be a pair (a [K, r], "
-                    f"b [r, N]), got {type(lora).__name__}")
-  a, b = lora
-  for name, value in (("lora[0]", a), ("lora[1]", b)):
-    if not hasattr(value, "dtype") or not _operands.is_float(value.dtype):
-      raise TypeError(f"quantized_dense: {name} must be a bfloat16, float16 "
-                      "or float32 array")
-  if a.ndim != 2 or b.ndim != 2 or a.shape[0] != k or b.shape[1] != n or (
-      a.shape[1] != b.shape[0]):
-    raise ValueError(f"quantized_dense: lora must be (a [K, r], b [r, N]) "
-                     f"with K = {k}, N = {n}; got {a.shape} and {b.shape}")
-  number = (isinstance(lora_scale, (int, float))
-            and not isinstance(lora_scale, bool))
-  scalar_array = (hasattr(lora_scale, "dtype") and jnp.ndim(lora_scale) == 0
-                  and jnp.issubdtype(lora_scale.dtype, jnp.number))
-  if not (number or scalar_array):
-    raise TypeError(f"quantized_dense: lora_scale must be a scalar, got "
-                    f"{lora_scale!r}")
-
-
-def quantized_dense(x, w_q, w_scale, bias=None, *, w_zero=None,
-                    group_size=None, lora=None, lora_scale=1.0,
-                    weight_layout="kn", backend=None):
-  """``x @ dequant(w_q) + bias + lora_scale * (x @ a) @ b`` with frozen
-  quantized weights (QLoRA-style fine-tuning).
-
-  The base product is ``quantized_matmul(x, w_q, w_scale=..., w_zero=...,
-  group_size=..., weight_only=True)`` (int8, int4 or fp8 w_q; per-channel or
-  grouped scales) in float32; the LoRA term is plain JAX in float32. The
-  result has x's dtype. Differentiable in x, bias and the LoRA pair
-  ``lora = (a [K, r], b [r, N])``; asking for a gradient of w_q, w_scale or
-  w_zero raises a TypeError naming it (the quantized weights are frozen).
-
-  Args:
-    x: [..., K] float activations.
-    w_q: [K, N] quantized weight ([N, K] with weight_layout="nk").
-    w_scale, w_zero, group_size: as for ``quantized_matmul``.
-    bias: optional [N] float.
-    lora: optional (a, b) float adapter; lora_scale multiplies its product.
-    backend: forwarded to ``quantized_matmul``.
-  Returns:
-    [..., N] in x's dtype.
-  """
-  from pallas_kernels.quant import api as _quant
-  for name, value in (("x", x),):
-    if not hasattr(value, "dtype") or not _operands.is_float(value.dtype):
-      raise TypeError(f"quantized_dense: {name} must be a bfloat16, float16 "
-                      "or float32 array, got "
-                      f"{getattr(value, 'dtype', type(value).__name__)}")
-  _backend.check_backend("quantized_dense", backend)
-  out = _quant.quantized_matmul(
-      x, w_q, w_scale=w_scale, w_zero=w_zero, group_size=group_size,
-      bias=bias, out_dtype=jnp.float32, weight_only=True,
-      weight_layout=weight_layout, backend=backend)
-  if lora is not None:
-    k = x.shape[-1]
-    _check_lora(lora, k, out.shape[-1], lora_scale)
-    a, b = lora
-    low = jnp.dot(x.astype(jnp.float32), a.astype(jnp.float32),
-                  precision=jax.lax.Precision.HIGHEST)
-    out = out + lora_scale * jnp.dot(low, b.astype(jnp.float32),
-                                     precision=jax.lax.Precision.HIGHEST)
-  return out.astype(x.dtype)
 
 
 MOE = "moe_feed_forward"

@@ -96,7 +96,7 @@ def test_exports_are_the_registry():
 
 def test_every_family_has_cases_and_support_rows():
   for family in _registry.FAMILIES:
-    cases = importlib.import_module(family.package + ".cases")
+    cases = importlib.import_module(family.module("cases"))
     assert cases.support_cases(), family.name
     main_job = {c.op for c in cases.main_job_cases("small")}
     assert main_job == {op.name for op in family.ops if op.main_job}, (

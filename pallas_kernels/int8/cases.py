@@ -58,10 +58,10 @@ def main_job_cases(size):
 
   def dense_grad(x, w, b, backend=None):
     import jax
-    from pallas_kernels import nn
+    from pallas_kernels.int8 import layers
 
     def loss(x, w, b):
-      return jnp.sum(nn.int8_dense(x, w, b, backend=backend)
+      return jnp.sum(layers.int8_dense(x, w, b, backend=backend)
                      .astype(jnp.float32) ** 2)
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w, b)
 

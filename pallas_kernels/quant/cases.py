@@ -55,10 +55,10 @@ def main_job_cases(size):
     return api.quantize(x_, jnp.int8, axis=-1, backend=backend)
 
   def dense_grad(x_, w, s, z, a, b, backend=None):
-    from pallas_kernels import nn
+    from pallas_kernels.quant import layers
 
     def loss(x_, a, b):
-      return jnp.sum(nn.quantized_dense(
+      return jnp.sum(layers.quantized_dense(
           x_, w, s, w_zero=z, group_size=GROUP, lora=(a, b),
           backend=backend).astype(jnp.float32) ** 2)
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(x_, a, b)
