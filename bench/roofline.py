@@ -216,7 +216,7 @@ def op_launches(generation: str) -> dict:
   from pallas_kernels.boxes.iou import _math, mosaic_tpu as iou_tpu
   from pallas_kernels.boxes.nms import mosaic_tpu as nms_tpu
   from pallas_kernels.decode import mosaic_tpu as decode_tpu
-  from pallas_kernels.int8 import block_sizes as int8_bs
+  from pallas_kernels.quant import int8_block_sizes as int8_bs
   from pallas_kernels.quant import block_sizes as quant_bs
 
   out = {}
@@ -261,7 +261,7 @@ def quantized_launches(generation: str) -> dict:
   256, per-channel int8 / fp8 (one conversion per w value) and int4 in
   groups of 128 with zeros; fp8 x fp8 at M = 4096 on the fp8 MXU where the
   generation has one, else both tiles upcast to bf16."""
-  from pallas_kernels.int8 import block_sizes as int8_bs
+  from pallas_kernels.quant import int8_block_sizes as int8_bs
   from pallas_kernels.quant import block_sizes as quant_bs
   out = {}
   for fmt, w_bits, unpack in (("int8", 8, WEIGHT_CONVERT_VPU),

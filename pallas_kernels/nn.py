@@ -1,7 +1,7 @@
 """Layers for training: quantized dense layers and a mixture of experts.
 
 ``int8_dense`` (int8 forward, straight-through float backward;
-``pallas_kernels.int8.layers``) and ``quantized_dense`` (frozen quantized
+``pallas_kernels.quant.int8_layers``) and ``quantized_dense`` (frozen quantized
 weights plus a LoRA adapter; ``pallas_kernels.quant.layers``) live in their
 families; ``moe_feed_forward`` (top-k routed experts on ``grouped_matmul``)
 is here.
@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _backend
-from pallas_kernels.int8 import operands as _operands
-from pallas_kernels.int8.layers import int8_dense
+from pallas_kernels.quant import int8_operands as _operands
+from pallas_kernels.quant.int8_layers import int8_dense
 from pallas_kernels.quant.layers import quantized_dense
 
 __all__ = ["int8_dense", "quantized_dense", "moe_feed_forward",

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import harness, int8_matmul
-from pallas_kernels.int8 import mosaic_gpu as mg
+from pallas_kernels.quant import int8_mosaic_gpu as mg
 
 SHAPES = [(4096, 14336), (14336, 4096), (8192, 8192), (8192, 28672)]
 MS = (64, 128, 256)

@@ -25,7 +25,7 @@ from oracles import int8 as oracle
 
 import pallas_kernels as pk
 from pallas_kernels import _backend, _compat, force_interpret
-from pallas_kernels.int8 import api, block_sizes as bs
+from pallas_kernels.quant import int8_api as api, int8_block_sizes as bs
 
 MAX_K = api.MAX_INT8_K
 # A GPU's reciprocal may round q to the other side of a near tie; a CPU's
@@ -364,7 +364,7 @@ def test_triton_plan_options(rng, case, options):
 @pytest.mark.parametrize("ni,nj,group_m", [(5, 3, 2), (7, 4, 8), (1, 6, 4),
                                           (8, 2, 4)])
 def test_triton_grouped_tile_order_visits_every_tile_once(ni, nj, group_m):
-  from pallas_kernels.int8 import triton
+  from pallas_kernels.quant import int8_triton as triton
   grid, tile = triton._tile_order(ni, nj, group_m)
   seen = [tuple(int(v) for v in tile(jnp.int32(p), jnp.int32(q)))
           for p in range(grid[0]) for q in range(grid[1])]
@@ -574,7 +574,7 @@ def test_quantize_bad_inputs(kwargs, error, match):
 
 
 def test_main_job_cases_match_reference():
-  from pallas_kernels.int8 import cases
+  from pallas_kernels.quant import int8_cases as cases
   listed = cases.main_job_cases("small")
   assert {c.op for c in listed} == {"int8_matmul", "quantize_int8", "int8_dense"}
   with force_interpret("generic"):

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import tpu_aot
-from pallas_kernels.int8 import api, block_sizes as bs
+from pallas_kernels.quant import int8_api as api, int8_block_sizes as bs
 
 pytestmark = pytest.mark.tpu_aot
 

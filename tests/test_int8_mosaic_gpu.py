@@ -22,8 +22,8 @@ from oracles import int8 as oracle
 from oracles import quant as quant_oracle
 
 from pallas_kernels import _backend, _compat
-from pallas_kernels.int8 import api, mosaic_gpu
-from pallas_kernels.int8 import block_sizes as bs
+from pallas_kernels.quant import int8_api as api, int8_mosaic_gpu as mosaic_gpu
+from pallas_kernels.quant import int8_block_sizes as bs
 
 INTERPRET = mosaic_gpu.interpret_params()
 needs_interpreter = pytest.mark.skipif(

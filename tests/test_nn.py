@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import force_interpret, nn
-from pallas_kernels.int8 import api
+from pallas_kernels.quant import int8_api as api
 
 
 def _float_dense(x, w, b):

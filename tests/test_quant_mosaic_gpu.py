@@ -27,7 +27,7 @@ from oracles import quant as oracle
 
 import pallas_kernels as pk
 from pallas_kernels import _backend, _compat, _mosaic_gpu
-from pallas_kernels.int8 import api as int8_api
+from pallas_kernels.quant import int8_api
 from pallas_kernels.quant import api as quant_api
 from pallas_kernels.quant import mosaic_gpu, operands
 

@@ -25,7 +25,7 @@ from oracles import quant as oracle
 
 import pallas_kernels as pk
 from pallas_kernels import _backend, _compat, force_interpret
-from pallas_kernels.int8 import block_sizes as int8_bs
+from pallas_kernels.quant import int8_block_sizes as int8_bs
 from pallas_kernels.quant import block_sizes as bs
 
 NP_DTYPES = {"int8": np.int8, "int4": ml_dtypes.int4,
@@ -373,7 +373,7 @@ def test_group_products_need_32_value_groups_on_the_kernels(rng):
 
 
 def test_int8_calls_run_the_int8_kernels(monkeypatch, rng):
-  from pallas_kernels.int8 import mosaic_tpu as int8_tpu
+  from pallas_kernels.quant import int8_mosaic_tpu as int8_tpu
   seen = []
   original = int8_tpu.matmul
   monkeypatch.setattr(int8_tpu, "matmul", lambda *a, **kw: (

@@ -10,7 +10,7 @@ import pytest
 from pallas_kernels import _backend
 from pallas_kernels.attention import block_sizes as attn_bs
 from pallas_kernels.attention import mosaic_tpu as attn_tpu
-from pallas_kernels.int8 import block_sizes as int8_bs
+from pallas_kernels.quant import int8_block_sizes as int8_bs
 from pallas_kernels.quant import block_sizes as quant_bs
 
 GENERATIONS = _backend.TPU_GENERATIONS

@@ -50,10 +50,10 @@ import functools
 import jax.numpy as jnp
 
 from pallas_kernels import _backend, _frozen, _sharding
-from pallas_kernels.int8 import api as int8_api
-from pallas_kernels.int8 import mosaic_gpu as int8_mosaic_gpu
-from pallas_kernels.int8 import mosaic_tpu as int8_mosaic_tpu
-from pallas_kernels.int8 import triton as int8_triton
+from pallas_kernels.quant import int8_api
+from pallas_kernels.quant import int8_mosaic_gpu
+from pallas_kernels.quant import int8_mosaic_tpu
+from pallas_kernels.quant import int8_triton
 from pallas_kernels.quant import (formats, mosaic_gpu, mosaic_tpu, operands,
                                   reference, triton)
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from pallas_kernels.int8 import block_sizes as int8_bs
+from pallas_kernels.quant import int8_block_sizes as int8_bs
 
 BlockSizes = int8_bs.BlockSizes
 TpuPlan = int8_bs.TpuPlan

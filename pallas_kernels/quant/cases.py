@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_kernels._cases import Case, abstract
-from pallas_kernels.int8.cases import _relative_error
+from pallas_kernels.quant.int8_cases import _relative_error
 from pallas_kernels.quant import api
 
 SHAPES = {  # (M, K, N), K a multiple of the group size

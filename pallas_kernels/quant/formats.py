@@ -27,7 +27,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels.int8 import quant as int8_quant
+from pallas_kernels.quant import int8_quantize as int8_quant
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,9 +35,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import _backend, _cost
 from pallas_kernels._compat import pl, pltpu
-from pallas_kernels.int8 import block_sizes as int8_bs
-from pallas_kernels.int8 import mosaic_tpu as int8_tpu
-from pallas_kernels.int8 import quant as int8_quant
+from pallas_kernels.quant import int8_block_sizes as int8_bs
+from pallas_kernels.quant import int8_mosaic_tpu as int8_tpu
+from pallas_kernels.quant import int8_quantize as int8_quant
 from pallas_kernels.quant import block_sizes as bs
 from pallas_kernels.quant import formats, operands, reference
 

@@ -21,8 +21,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.int8 import operands as int8_operands
-from pallas_kernels.int8.operands import (MAX_INT8_K, check_array, check_bool,
+from pallas_kernels.quant import int8_operands
+from pallas_kernels.quant.int8_operands import (MAX_INT8_K, check_array, check_bool,
                                           dtype_name, is_float)
 from pallas_kernels.quant import formats
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.int8 import quant as int8_quant
-from pallas_kernels.int8 import reference as int8_reference
+from pallas_kernels.quant import int8_quantize as int8_quant
+from pallas_kernels.quant import int8_reference
 from pallas_kernels.quant import formats, operands
 
 

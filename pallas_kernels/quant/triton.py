@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat, _cost
 from pallas_kernels._compat import pl
-from pallas_kernels.int8 import quant as int8_quant
+from pallas_kernels.quant import int8_quantize as int8_quant
 from pallas_kernels.quant import block_sizes as bs
 from pallas_kernels.quant import formats, reference
 

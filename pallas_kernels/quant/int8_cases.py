@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_kernels._cases import Case, abstract, max_abs_error
-from pallas_kernels.int8 import api
+from pallas_kernels.quant import int8_api as api
 
 SHAPES = {  # (M, K, N)
     "small": (40, 300, 200),
@@ -58,7 +58,7 @@ def main_job_cases(size):
 
   def dense_grad(x, w, b, backend=None):
     import jax
-    from pallas_kernels.int8 import layers
+    from pallas_kernels.quant import int8_layers as layers
 
     def loss(x, w, b):
       return jnp.sum(layers.int8_dense(x, w, b, backend=backend)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.int8 import operands, quant
+from pallas_kernels.quant import int8_operands as operands, int8_quantize as quant
 
 
 def _int32_dot(x2, w):

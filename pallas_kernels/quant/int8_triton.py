@@ -33,8 +33,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat, _cost
 from pallas_kernels._compat import pl
-from pallas_kernels.int8 import block_sizes as bs
-from pallas_kernels.int8 import operands, quant
+from pallas_kernels.quant import int8_block_sizes as bs
+from pallas_kernels.quant import int8_operands as operands, int8_quantize as quant
 
 
 def _matmul_kernel(*refs, mode, nk, bk, has_xs, has_ws, has_b, w_kmajor,

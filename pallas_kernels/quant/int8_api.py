@@ -52,9 +52,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _backend, _frozen, _sharding
-from pallas_kernels.int8 import block_sizes as bs
-from pallas_kernels.int8 import (mosaic_gpu, mosaic_tpu, operands, quant,
-                                 reference, triton)
+from pallas_kernels.quant import int8_block_sizes as bs
+from pallas_kernels.quant import int8_mosaic_gpu as mosaic_gpu
+from pallas_kernels.quant import int8_mosaic_tpu as mosaic_tpu
+from pallas_kernels.quant import int8_operands as operands
+from pallas_kernels.quant import int8_quantize as quant
+from pallas_kernels.quant import int8_reference as reference
+from pallas_kernels.quant import int8_triton as triton
+from pallas_kernels.quant import mosaic_gpu as product_kernel
 
 MAX_INT8_K = operands.MAX_INT8_K
 
@@ -223,8 +228,6 @@ def _matmul_kernels(x2, w, x_scale, static, user_blocks, generation):
                              generation=generation,
                              interpret=interpret or False)
 
-  # quant's 8-bit product kernel (imported here: quant imports int8)
-  from pallas_kernels.quant import mosaic_gpu as product_kernel
   product = static["mode"] != "weight_only"
 
   def mgpu(*arrays, interpret=None):

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import _backend, _compat, _cost
 from pallas_kernels._compat import pl, pltpu
-from pallas_kernels.int8 import block_sizes as bs
-from pallas_kernels.int8 import operands, quant
+from pallas_kernels.quant import int8_block_sizes as bs
+from pallas_kernels.quant import int8_operands as operands, int8_quantize as quant
 
 MiB = 1 << 20
 QUANTIZE_VMEM_BUDGET = 8 * MiB

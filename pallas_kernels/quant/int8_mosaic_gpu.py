@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _compat, _mosaic_gpu
-from pallas_kernels.int8 import quant
+from pallas_kernels.quant import int8_quantize as quant
 
 pl = _compat.pl
 
