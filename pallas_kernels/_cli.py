@@ -21,7 +21,8 @@ OPS = ("flash_attention", "decode_attention", "quantize_int8", "int8_matmul",
        "iou", "giou", "diou", "ciou", "iou_loss", "giou_loss", "diou_loss",
        "ciou_loss", "pairwise_iou", "pairwise_giou", "pairwise_diou",
        "pairwise_ciou", "box_iou", "nms", "batched_nms", "soft_nms",
-       "grouped_matmul", "ragged_paged_attention")
+       "grouped_matmul", "ragged_paged_attention",
+       "mla_ragged_paged_attention")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ _EXPORTS = {
     "soft_nms": "pallas_kernels.boxes.nms.reference",
     "grouped_matmul": "pallas_kernels.gmm.reference",
     "ragged_paged_attention": "pallas_kernels.ragged.reference",
+    "mla_ragged_paged_attention": "pallas_kernels.ragged.reference",
     "write_kv_pages": "pallas_kernels.ragged.reference",
 }
 

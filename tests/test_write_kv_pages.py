@@ -79,7 +79,7 @@ def test_write_then_attend_equals_attention_over_the_written_cache(rng):
 
 @pytest.mark.parametrize("call, match", [
     (lambda p, n, *m: pk.write_kv_pages(p, n[:, :2], *m), "new_kv must be"),
-    (lambda p, n, *m: pk.write_kv_pages(p[0], n, *m), "kv_pages must be"),
+    (lambda p, n, *m: pk.write_kv_pages(p[0, 0], n, *m), "kv_pages must be"),
     (lambda p, n, l, t, c, s: pk.write_kv_pages(p, n, l, t, c, s[None]),
      "num_seqs must be"),
     (lambda p, n, l, t, c, s: pk.write_kv_pages(p, n, l.astype(float), t, c,
