@@ -322,12 +322,32 @@ def _ragged_cases():
   ]
 
 
+def _mla_cases():
+  def call(dtype=jnp.bfloat16, d=576, latent=512):
+    q = _spec((64, 16, d))
+    pages = _spec((32, 16, d), dtype)
+    ints = [_spec((4,), jnp.int32), _spec((4, 8), jnp.int32),
+            _spec((5,), jnp.int32), _spec((1,), jnp.int32)]
+
+    def run(backend):
+      return jax.eval_shape(
+          lambda *a: pk.mla_ragged_paged_attention(
+              *a, latent_dim=latent, backend=backend), q, pages, *ints)
+    return run
+
+  return [
+      ("bf16 cache, D 576 (latent 512 + rope 64), 16 heads", call()),
+      ("fp8 e4m3 cache, D 576", call(jnp.float8_e4m3fn)),
+  ]
+
+
 FAMILIES = (("flash_attention", _attention_cases),
             ("decode_attention", _decode_cases),
             ("int8_matmul", _int8_cases),
             ("quantized_matmul", _quantized_cases),
             ("grouped_matmul", _gmm_cases),
             ("ragged_paged_attention", _ragged_cases),
+            ("mla_ragged_paged_attention", _mla_cases),
             ("IoU family and NMS", _box_cases))
 
 

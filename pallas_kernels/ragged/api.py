@@ -237,7 +237,9 @@ def write_kv_pages(kv_pages, new_kv, kv_lens, page_indices, cu_q_lens,
     return kv_pages
   rows = [_backend.Kernel("mosaic_tpu", lambda *a, interpret=None:
                           cache_mosaic_tpu.write(
-                              *a, interpret=interpret or False)),
+                              *a, interpret=interpret or False),
+                          hardware=lambda target: cache_mosaic_tpu.hardware(
+                              kv_pages, target)),
           _backend.Kernel("reference", reference.write_kv_pages)]
   return _backend.dispatch("write_kv_pages", backend, rows, kv_pages, new_kv,
                            kv_lens, page_indices, cu_q_lens, num_seqs)

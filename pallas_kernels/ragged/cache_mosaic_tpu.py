@@ -21,6 +21,16 @@ from pallas_kernels.ragged import reference
 TOKENS_PER_STEP = 64
 
 
+def hardware(kv_pages, target) -> str | None:
+  """Why the chip's compiler cannot take the call (interpreters can)."""
+  del target
+  if kv_pages.ndim == 3 and kv_pages.dtype.itemsize != 4:
+    return (f"one row of a {kv_pages.dtype} [num_pages, page_size, D] page "
+            "shares 32-bit words with its neighbours (packed sublanes): no "
+            "DMA writes it alone; the XLA scatter (backend='reference') does")
+  return None
+
+
 def _kernel(page_ref, row_ref, new_ref, pages_in, pages_out, sem, *,
             num_pages, block):
   del pages_in  # the same buffer as pages_out (aliased)
