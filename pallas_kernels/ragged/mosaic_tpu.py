@@ -32,6 +32,13 @@ the final normalization.
 
 Scalar-prefetched: the items' (sequence, first position, tokens), the
 clipped lengths and the clipped, flattened page table.
+
+MLA (``latent_dim``): the cache is ``[num_pages, page_size, D]``, one row per
+token shared by all heads, so one kv head of ``G = H`` query heads (a
+token's heads are the item's rows of the q.k matmul) and a page is
+``page_size`` rows: K is the slot's rows (a plain load), V its first
+``latent_dim`` lanes (the same loaded block), the output and accumulator
+``latent_dim`` wide.
 """
 from __future__ import annotations
 
