@@ -52,7 +52,8 @@ _TYPES = {
                      "mask_value"), "float"),
     **dict.fromkeys(("max_output_size", "group_size", "axis",
                      "sliding_window", "num_kv_pages_per_block",
-                     "num_queries_per_block", "vmem_limit_bytes"), "int"),
+                     "num_queries_per_block", "vmem_limit_bytes",
+                     "latent_dim"), "int"),
     **dict.fromkeys(("box_format", "backend", "reduction", "iou_kind",
                      "method", "weight_layout"), "str"),
     **dict.fromkeys(("out_dtype", "dtype", "preferred_element_type"),
@@ -64,7 +65,9 @@ _OP_TYPES = {"flash_attention": {"sliding_window": "int[1]"},
              "quantize": {"axis": "int?"},
              # Static float scales (JAX's), not decode_attention's tensors.
              "ragged_paged_attention": {"k_scale": "float?",
-                                        "v_scale": "float?"}}
+                                        "v_scale": "float?"},
+             "mla_ragged_paged_attention": {"k_scale": "float?",
+                                            "v_scale": "float?"}}
 # Python parameters that are a pair of tensors: the schema's two arguments.
 _PAIRS = {"segment_ids": ("q_segment_ids", "kv_segment_ids"),
           "lora": ("lora_a", "lora_b")}
