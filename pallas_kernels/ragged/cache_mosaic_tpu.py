@@ -28,6 +28,9 @@ def hardware(kv_pages, target) -> str | None:
     return (f"one row of a {kv_pages.dtype} [num_pages, page_size, D] page "
             "shares 32-bit words with its neighbours (packed sublanes): no "
             "DMA writes it alone; the XLA scatter (backend='reference') does")
+  if kv_pages.ndim == 3 and _compat.JAX_VERSION < (0, 12):
+    return ("a [num_pages, page_size, D] pool needs jax >= 0.12: this jax's "
+            "Mosaic rejects DMAs of a single [1, D] row")
   return None
 
 
