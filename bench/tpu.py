@@ -205,11 +205,11 @@ RAGGED_BATCHES = {
 RAGGED_JAX_BLOCKS = ((8, 32), (16, 32), (16, 64), (32, 64), (16, 128))
 
 
-def ragged_metadata(q_lens, kv_lens):
+def ragged_metadata(q_lens, kv_lens, pps=None):
   """Concrete (kv_lens, flat page table, cu_q_lens, num_seqs) of a batch:
   pages in order, sequence i's pages after sequence i - 1's."""
   import numpy as np
-  pps = RAGGED["pages_per_seq"]
+  pps = pps or RAGGED["pages_per_seq"]
   s = len(q_lens)
   table = np.arange(s * pps, dtype=np.int32).reshape(s, pps)
   cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -280,6 +280,60 @@ def _ragged_cases(quick):
                   vmem_limit_bytes=None if p * b <= 1024 else 64 << 20),
               p=kvp, b=nq),
           base, params)
+  return out
+
+
+# DeepSeek-V3's absorbed MLA row (latent 512 + rope 64), bf16, 64-token pages
+# (16-token ones: the 256 x 512 table would not fit SMEM); 16 heads (128 over
+# 8-way tensor parallelism) and 128. name -> (heads, q lens, kv lens).
+MLA = dict(latent=512, rope=64, page=64, pages_per_seq=128, min_pages=8192)
+MLA_BATCHES = {
+    f"decode 256x1 kv8k H{h}": (h, [1] * 256, [8192] * 256) for h in (16, 128)}
+
+
+def _mla_cases(quick):
+  """``mla_ragged_paged_attention`` at the ``MLA_BATCHES``, ours only (JAX
+  has no MLA paged kernel), at the default query block and at one token per
+  item; work items as entry parameters as in ``_ragged_cases``."""
+  import jax.numpy as jnp
+  import numpy as np
+  import pallas_kernels as pk
+  from pallas_kernels.ragged import mosaic_tpu, reference
+  c = MLA
+  d, page, pps = c["latent"] + c["rope"], c["page"], c["pages_per_seq"]
+  out = {}
+  batches = list(MLA_BATCHES.items())[:1] if quick else MLA_BATCHES.items()
+  for name, (h, q_lens, kv_lens) in batches:
+    group = f"mla_ragged_paged_attention {name}"
+    t, s = sum(q_lens), len(q_lens)
+    lens, table, cu, ns = ragged_metadata(q_lens, kv_lens, pps)
+    base = [_S((t, h, d), jnp.bfloat16),
+            _S((max(s * pps, c["min_pages"]), page, d), jnp.bfloat16),
+            _S((s,), jnp.int32), _S((s, pps), jnp.int32),
+            _S((s + 1,), jnp.int32), _S((1,), jnp.int32)]
+    params = {2: lens.tolist(), 3: table.ravel().tolist(), 4: cu.tolist(),
+              5: ns.tolist()}
+    bounds = reference.seq_bounds(jnp.asarray(cu), jnp.asarray(ns), t)
+    for nq in (None, 1):
+      plan = mosaic_tpu.make_plan(t, h, 1, d, s, page, pps, 2, 2,
+                                  num_queries_per_block=nq, channels=1,
+                                  generation="v5e")
+      items = [np.asarray(v, np.int32) for v in mosaic_tpu.work_items(
+          bounds, jnp.asarray(lens), plan)]
+
+      def ours(q, kv, n, tb, cu_, ns_, *items, nq=nq):
+        original = mosaic_tpu.work_items
+        mosaic_tpu.work_items = lambda *_: tuple(items)
+        try:
+          return pk.mla_ragged_paged_attention(
+              q, kv, n, tb, cu_, ns_, latent_dim=c["latent"],
+              sm_scale=192 ** -0.5, num_queries_per_block=nq)
+        finally:
+          mosaic_tpu.work_items = original
+      out[f"{group}|ours{'' if nq is None else f' q{nq}'}"] = (
+          ours, base + [_S(v.shape, jnp.int32) for v in items],
+          {**params, **{6 + i: v.ravel().tolist()
+                        for i, v in enumerate(items)}})
   return out
 
 
@@ -475,7 +529,7 @@ def _budget_cases(quick):
 
 
 OPS = {"attention": _attention_cases, "decode": _decode_cases,
-       "ragged": _ragged_cases, "matmul": _matmul_cases, "boxes": _box_cases, "gmm": _gmm_cases}
+       "ragged": _ragged_cases, "mla": _mla_cases, "matmul": _matmul_cases, "boxes": _box_cases, "gmm": _gmm_cases}
 
 
 def cases(ops=tuple(OPS), quick=False) -> dict:
@@ -531,6 +585,7 @@ def _family(op: str) -> str:
   if op.startswith("budget "):
     return "budget"
   for fam, fn in (("attention", "flash_attention"),
+                  ("mla", "mla_ragged_paged_attention"),
                   ("ragged", "ragged_paged_attention"), ("decode", "decode"),
                   ("gmm", "grouped_matmul"), ("matmul", "matmul"),
                   ("boxes", "")):

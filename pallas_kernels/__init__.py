@@ -7,6 +7,8 @@ Public ops (each takes ``backend=None | "mosaic_tpu" | "gpu" | "interpret" |
   int8 matmul: quantize_int8, int8_matmul, shard_int8_matmul, nn.int8_dense
   quantized:   quantize, quantized_matmul (int8, int4, fp8), nn.quantized_dense
   experts:     grouped_matmul, nn.moe_feed_forward
+  serving:     ragged_paged_attention, mla_ragged_paged_attention,
+               write_kv_pages
   boxes:       giou, pairwise_giou, giou_loss, box_iou, ... ; nms, batched_nms,
                shard_batched_nms
 

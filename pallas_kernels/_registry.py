@@ -89,9 +89,12 @@ FAMILIES = (
         Op("grouped_matmul"),
         _helper("shard_grouped_matmul"),
     ), benches=("grouped_matmul",)),
-    Family("ragged", "pallas_kernels.ragged", "ragged_paged_attention", (
+    Family("ragged", "pallas_kernels.ragged",
+           "ragged_paged_attention, mla_ragged_paged_attention", (
         # Static float scales (JAX's), not decode_attention's tensors.
         Op("ragged_paged_attention",
+           torch_types=(("k_scale", "float?"), ("v_scale", "float?"))),
+        Op("mla_ragged_paged_attention",
            torch_types=(("k_scale", "float?"), ("v_scale", "float?"))),
         Op("write_kv_pages", main_job=False, torch=False),
     )),

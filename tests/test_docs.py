@@ -25,7 +25,7 @@ PAGES = {"attention.md": ("out", "dq"), "int8.md": ("y", "grads"),
          "quantized.md": ("y4", "y8", "grads"),
          "boxes.md": ("loss", "keep", "per_image"),
          "grouped_matmul.md": ("out", "grads"),
-         "serving.md": ("out", "windowed")}
+         "serving.md": ("out", "windowed", "mla_out")}
 
 
 def page_blocks(page: str) -> list[str]:

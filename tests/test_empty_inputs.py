@@ -211,3 +211,6 @@ def test_ragged_paged_attention(backend):
   written = backend.run(pk.write_kv_pages, pages, jnp.ones((0, 4, 16)),
                         *metadata)
   np.testing.assert_array_equal(np.asarray(written), np.asarray(pages))
+  out = backend.run(pk.mla_ragged_paged_attention, jnp.ones((0, 4, 24)),
+                    jnp.ones((8, 4, 24)), *metadata, latent_dim=16)
+  assert out.shape == (0, 4, 16)

@@ -88,6 +88,15 @@ OPS = {
          S((1,), jnp.int32)],
         # Counted for full caches: one token per sequence over 256 keys.
         ["ragged_paged_attention"], 4 * SEQS * 8 * CACHE * D // 2, 0),
+    "mla_ragged_paged_attention": (
+        functools.partial(pk.mla_ragged_paged_attention, latent_dim=512),
+        [S((SEQS, 16, 576), jnp.bfloat16),
+         S((PAGES, PAGE, 576), jnp.bfloat16), S((SEQS,), jnp.int32),
+         S((SEQS, CACHE // PAGE), jnp.int32), S((SEQS + 1,), jnp.int32),
+         S((1,), jnp.int32)],
+        # one token per sequence: q.k over 576 lanes, p.v over 512
+        ["mla_ragged_paged_attention"],
+        2 * SEQS * 16 * CACHE * (576 + 512) // 2, 0),
     "write_kv_pages": (
         pk.write_kv_pages,
         [S((PAGES, PAGE, 2 * 2, D), jnp.bfloat16),

@@ -29,11 +29,14 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 
 def make_batch(rng, q_lens, kv_lens, *, heads, kv_heads, head_dim, page_size,
                pages_per_seq, dtype=jnp.float32, cache_dtype=None,
-               extra_tokens=2, extra_seqs=0, spare_pages=3):
+               extra_tokens=2, extra_seqs=0, spare_pages=3, kv_row=None):
   """Inputs of one call: sequences with the given query and cache lengths
   (``extra_seqs`` more table rows past ``num_seqs`` holding garbage), pages
   dealt at random from a pool with spare pages; unused table entries are
-  garbage ids, unused cache rows NaN (float caches)."""
+  garbage ids, unused cache rows NaN (float caches). ``kv_row``: the shape
+  of a token's cache row (default ``(2 * kv_heads, head_dim)``; MLA's
+  ``(head_dim,)``)."""
+  row = tuple(kv_row or (2 * kv_heads, head_dim))
   n = len(q_lens)
   s = n + extra_seqs
   used = [-(-k // page_size) for k in kv_lens]
@@ -43,16 +46,16 @@ def make_batch(rng, q_lens, kv_lens, *, heads, kv_heads, head_dim, page_size,
   cache_dtype = cache_dtype or dtype
   is_float = jnp.issubdtype(cache_dtype, jnp.floating)
   if is_float and jnp.dtype(cache_dtype).itemsize >= 2:
-    pool = rng.standard_normal((num_pages, page_size, 2 * kv_heads, head_dim))
+    pool = rng.standard_normal((num_pages, page_size) + row)
     pool[:] = np.nan    # rows never written
   else:
-    pool = np.zeros((num_pages, page_size, 2 * kv_heads, head_dim))
+    pool = np.zeros((num_pages, page_size) + row)
   at = 0
   for i, (k, u) in enumerate(zip(kv_lens, used)):
     table[i, :u] = perm[at:at + u]
     for p in range(u):
       rows = min(page_size, k - p * page_size)
-      data = rng.standard_normal((rows, 2 * kv_heads, head_dim))
+      data = rng.standard_normal((rows,) + row)
       if not is_float or jnp.dtype(cache_dtype).itemsize == 1:
         data = np.round(data * 30) if not is_float else data * 4
       pool[perm[at + p], :rows] = data

@@ -32,6 +32,8 @@ NOT_COVERED = {
         "quantize": "symmetric int8 runs quantize_int8's kernel (its case)",
         "ragged_paged_attention": "tests/test_ragged_paged_attention.py "
                                   "shards it over heads and sequences",
+        "mla_ragged_paged_attention": "not yet run sharded; it shares "
+                                      "ragged's kernel and metadata path",
         "write_kv_pages": "a cache update aliased in place: sharded with "
                           "the attention step that follows it",
     },
@@ -41,6 +43,8 @@ NOT_COVERED = {
                           "every backend against one float64 oracle",
         "ragged_paged_attention": "tests/test_ragged_paged_attention.py's "
                                   "shared suite, likewise",
+        "mla_ragged_paged_attention": "tests/test_mla_ragged_paged_attention"
+                                      ".py's shared suite, likewise",
         "write_kv_pages": "tests/test_write_kv_pages.py, likewise",
         "quantize_int8": "int8_matmul's dynamic mode runs its kernel",
     },

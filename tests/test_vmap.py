@@ -231,3 +231,9 @@ def test_ragged_paged_attention(backend, rng):
   live = jnp.asarray([[2], [3]], jnp.int32)
   check(backend, pk.ragged_paged_attention, (q, pages, lens, table, cu, live),
         rtol=1e-4)
+  latent_pages = pages.reshape(MAPPED, 12, 8, 64)[..., :48]  # D 48
+  q_latent = jnp.asarray(rng.standard_normal((MAPPED, 6, 4, 48)),
+                         jnp.float32)
+  check(backend, pk.mla_ragged_paged_attention,
+        (q_latent, latent_pages, lens, table, cu, live), rtol=1e-4,
+        latent_dim=32)

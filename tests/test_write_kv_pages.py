@@ -13,6 +13,7 @@ import pytest
 
 import backends
 import pallas_kernels as pk
+from pallas_kernels import _compat
 from test_ragged_paged_attention import make_batch
 
 KERNELS = backends.params(["interpret", "interpret_generic", "reference"])
@@ -34,21 +35,24 @@ def _oracle(pages, new_kv, lens, table, cu, n):
   return out
 
 
-def _batch(rng, dtype=jnp.float32):
+def _batch(rng, dtype=jnp.float32, latent=False):
   # A prefill chunk, decodes, an empty sequence, one row past num_seqs.
   args = make_batch(rng, [6, 1, 0, 1], [9, 13, 5, 1], heads=4, kv_heads=2,
                     head_dim=128, page_size=4, pages_per_seq=4, dtype=dtype,
                     extra_seqs=1, extra_tokens=3)
   q, pages = args[0], args[1]
   pages = jnp.nan_to_num(pages, nan=-7.0)   # exact comparison below
+  if latent:   # MLA's pool: one [D] row per token
+    pages = pages[:, :, 0]
   new_kv = jnp.asarray(rng.standard_normal((q.shape[0],) + pages.shape[2:]),
                        dtype)
   return (pages, new_kv) + args[2:]
 
 
+@pytest.mark.parametrize("latent", [False, True], ids=["kv", "latent"])
 @pytest.mark.parametrize("backend", KERNELS)
-def test_matches_the_per_token_loop(backend, rng):
-  pages, new_kv, lens, table, cu, num = _batch(rng)
+def test_matches_the_per_token_loop(backend, latent, rng):
+  pages, new_kv, lens, table, cu, num = _batch(rng, latent=latent)
   got = backend.run(jax.jit(pk.write_kv_pages, static_argnames="backend"),
                     pages, new_kv, lens, table, cu, num)
   want = _oracle(np.asarray(pages), np.asarray(new_kv), np.asarray(lens),
@@ -79,7 +83,7 @@ def test_write_then_attend_equals_attention_over_the_written_cache(rng):
 
 @pytest.mark.parametrize("call, match", [
     (lambda p, n, *m: pk.write_kv_pages(p, n[:, :2], *m), "new_kv must be"),
-    (lambda p, n, *m: pk.write_kv_pages(p[0], n, *m), "kv_pages must be"),
+    (lambda p, n, *m: pk.write_kv_pages(p[0, 0], n, *m), "kv_pages must be"),
     (lambda p, n, l, t, c, s: pk.write_kv_pages(p, n, l, t, c, s[None]),
      "num_seqs must be"),
     (lambda p, n, l, t, c, s: pk.write_kv_pages(p, n, l.astype(float), t, c,
@@ -103,3 +107,33 @@ def test_compiles_for_tpu_with_the_cache_aliased(tpu_topologies):
       topology="v5e:2x2")
   assert any(name.startswith("write_kv_pages")
              for name in result.kernel_vmem_bytes)
+
+
+@pytest.mark.tpu_aot
+def test_latent_pool_write_compiles_for_tpu(tpu_topologies):
+  """MLA's [P, page_size, D] pool: a float32 one by the kernel (one [1, D]
+  row DMA per token, aliased); a bfloat16 one's rows share 32-bit words, so
+  the kernel is refused with that reason and backend=None runs XLA's
+  scatter."""
+  from pallas_kernels import tpu_aot
+  s = jax.ShapeDtypeStruct
+
+  def args(dtype):
+    return (s((512, 16, 576), dtype), s((300, 576), dtype),
+            s((8,), jnp.int32), s((8, 64), jnp.int32), s((9,), jnp.int32),
+            s((1,), jnp.int32))
+
+  def compile_(dtype, backend):
+    return tpu_aot.compile_for_tpu(
+        lambda *a: pk.write_kv_pages(*a, backend=backend), *args(dtype),
+        topology="v5e:2x2").kernel_vmem_bytes
+
+  if _compat.JAX_VERSION < (0, 12):   # no single-row DMAs there
+    with pytest.raises(tpu_aot.TpuCompileError, match="needs jax >= 0.12"):
+      compile_(jnp.float32, "mosaic_tpu")
+  else:
+    assert any(n.startswith("write_kv_pages")
+               for n in compile_(jnp.float32, "mosaic_tpu"))
+  assert not compile_(jnp.bfloat16, None)   # XLA's scatter, no kernel
+  with pytest.raises(tpu_aot.TpuCompileError, match="32-bit words"):
+    compile_(jnp.bfloat16, "mosaic_tpu")

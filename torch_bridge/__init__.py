@@ -8,8 +8,9 @@ operator ``torch.ops.pallas_kernels.<name>`` with a typed schema (tensors and
 static parameters as typed arguments; ``torch_bridge.schemas``, registered
 when ``torch_bridge.ops`` is imported):
 
-  attention     flash_attention, decode_attention, ragged_paged_attention
-                (serving: ragged prefill + decode over a paged KV cache)
+  attention     flash_attention, decode_attention, ragged_paged_attention,
+                mla_ragged_paged_attention (serving: ragged prefill +
+                decode over a paged KV cache, or MLA's latent one)
   int8          quantize_int8, int8_matmul, int8_dense
   quantized     quantize, quantized_matmul, quantized_dense (int8, float8;
                 float8 crosses DLPack as bytes)

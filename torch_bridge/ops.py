@@ -1021,10 +1021,19 @@ def _ragged_jax(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
       cu_q_lens, num_seqs, sinks=sinks, **static)
 
 
+def _mla_jax(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks,
+             *, cache_format, **static):
+  import pallas_kernels
+  return pallas_kernels.mla_ragged_paged_attention(
+      q, _from_bytes(kv_pages, cache_format), kv_lens, page_indices,
+      cu_q_lens, num_seqs, sinks=sinks, **static)
+
+
 # pallas_kernels.ragged's (JAX's) default, computed without importing JAX.
 _RAGGED_MASK_VALUE = -0.7 * float(torch.finfo(torch.float32).max)
-# Forward only (serving): the kernel has no VJP.
+# Forward only (serving): the kernels have no VJP.
 _RAGGED = JaxOp("ragged_paged_attention", _ragged_jax, differentiable=())
+_MLA = JaxOp("mla_ragged_paged_attention", _mla_jax, differentiable=())
 
 
 def _static_float(op: str, name: str, value):
@@ -1058,9 +1067,52 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
   SPMD it runs unsharded).
   """
   op = "ragged_paged_attention"
+  args, static = _paged_args(
+      op, 4, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks,
+      sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+      k_scale=k_scale, v_scale=v_scale,
+      num_kv_pages_per_block=num_kv_pages_per_block,
+      num_queries_per_block=num_queries_per_block,
+      vmem_limit_bytes=vmem_limit_bytes, backend=backend)
+  del mask_value
+  return _RAGGED(args, **static)[0]
+
+
+def mla_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+                               num_seqs, *, latent_dim, sm_scale=None,
+                               sliding_window=None, soft_cap=None,
+                               k_scale=None, v_scale=None,
+                               num_kv_pages_per_block=None,
+                               num_queries_per_block=None,
+                               vmem_limit_bytes=None, sinks=None,
+                               backend=None):
+  """``pallas_kernels.mla_ragged_paged_attention``: DeepSeek's absorbed MLA
+  over a paged cache of one latent row per token, ``kv_pages [num_pages,
+  page_size, D]`` (latent ‖ rope); every head of ``q [T, H, D]`` attends
+  with keys the whole row and values its first ``latent_dim`` columns.
+  Metadata and options as ``ragged_paged_attention``'s; ``sm_scale``
+  defaults to ``1 / sqrt(D)``. Returns ``[T, H, latent_dim]`` in q's dtype.
+  Forward only; no ``partition_spec``.
+  """
+  op = "mla_ragged_paged_attention"
+  args, static = _paged_args(
+      op, 3, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sinks,
+      sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+      k_scale=k_scale, v_scale=v_scale,
+      num_kv_pages_per_block=num_kv_pages_per_block,
+      num_queries_per_block=num_queries_per_block,
+      vmem_limit_bytes=vmem_limit_bytes, backend=backend)
+  return _MLA(args, latent_dim=latent_dim, **static)[0]
+
+
+def _paged_args(op, cache_ndim, q, kv_pages, kv_lens, page_indices,
+                cu_q_lens, num_seqs, sinks, *, sm_scale, soft_cap, k_scale,
+                v_scale, **static):
+  """The paged ops' checked tensors (lengths as int32, the cache as bytes)
+  and static arguments."""
   _check_tensor(op, "q", q, dtypes=_FLOATS, ndim=3)
   _check_tensor(op, "kv_pages", kv_pages,
-                dtypes=_FLOATS + tuple(_QUANT_DTYPES), ndim=4)
+                dtypes=_FLOATS + tuple(_QUANT_DTYPES), ndim=cache_ndim)
   _check_tensor(op, "kv_lens", kv_lens, dtypes=_INTS, ndim=1)
   _check_tensor(op, "page_indices", page_indices, dtypes=_INTS, ndim=2)
   _check_tensor(op, "cu_q_lens", cu_q_lens, dtypes=_INTS, ndim=1)
@@ -1073,18 +1125,13 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
   kv_lens, page_indices, cu_q_lens, num_seqs = (
       t if t.dtype == torch.int32 else t.to(torch.int32)
       for t in (kv_lens, page_indices, cu_q_lens, num_seqs))
-  static = dict(cache_format=_format_name(kv_pages),
+  static = dict(static, cache_format=_format_name(kv_pages),
                 sm_scale=_static_float(op, "sm_scale", sm_scale),
-                sliding_window=sliding_window,
                 soft_cap=_static_float(op, "soft_cap", soft_cap),
                 k_scale=_static_float(op, "k_scale", k_scale),
-                v_scale=_static_float(op, "v_scale", v_scale),
-                num_kv_pages_per_block=num_kv_pages_per_block,
-                num_queries_per_block=num_queries_per_block,
-                vmem_limit_bytes=vmem_limit_bytes, backend=backend)
-  del mask_value
-  return _RAGGED([q, _bytes_of(kv_pages), kv_lens, page_indices, cu_q_lens,
-                  num_seqs, sinks], **static)[0]
+                v_scale=_static_float(op, "v_scale", v_scale))
+  return [q, _bytes_of(kv_pages), kv_lens, page_indices, cu_q_lens,
+          num_seqs, sinks], static
 
 
 # ------------------------------------------------------------ IoU family --

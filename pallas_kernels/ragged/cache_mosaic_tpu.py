@@ -2,7 +2,8 @@
 
 The cache is aliased to the output and stays in HBM (``pl.ANY``): nothing
 of it is copied. Each grid step holds a block of new tokens' rows in VMEM
-and issues one DMA per token, ``[2 Hkv, D]`` into (page, row) of its slot
+and issues one DMA per token, ``[2 Hkv, D]`` (MLA's pool: ``[1, D]``, one
+row of the page's tiles) into (page, row) of its slot
 (scalar-prefetched, computed in XLA); tokens without a slot issue nothing.
 The step waits for its DMAs before its block's buffer is reused.
 """
@@ -20,15 +21,32 @@ from pallas_kernels.ragged import reference
 TOKENS_PER_STEP = 64
 
 
+def hardware(kv_pages, target) -> str | None:
+  """Why the chip's compiler cannot take the call (interpreters can)."""
+  del target
+  if kv_pages.ndim == 3 and kv_pages.dtype.itemsize != 4:
+    return (f"one row of a {kv_pages.dtype} [num_pages, page_size, D] page "
+            "shares 32-bit words with its neighbours (packed sublanes): no "
+            "DMA writes it alone; the XLA scatter (backend='reference') does")
+  if kv_pages.ndim == 3 and _compat.JAX_VERSION < (0, 12):
+    return ("a [num_pages, page_size, D] pool needs jax >= 0.12: this jax's "
+            "Mosaic rejects DMAs of a single [1, D] row")
+  return None
+
+
 def _kernel(page_ref, row_ref, new_ref, pages_in, pages_out, sem, *,
             num_pages, block):
   del pages_in  # the same buffer as pages_out (aliased)
   first = pl.program_id(0) * block
 
   def copy(i):
-    return pltpu.make_async_copy(
-        new_ref.at[i], pages_out.at[page_ref[first + i], row_ref[first + i]],
-        sem.at[0])
+    page, row = page_ref[first + i], row_ref[first + i]
+    if len(pages_out.shape) == 3:   # MLA's [P, page_size, D]: a [1, D] row
+      return pltpu.make_async_copy(new_ref.at[pl.ds(i, 1)],
+                                   pages_out.at[page, pl.ds(row, 1)],
+                                   sem.at[0])
+    return pltpu.make_async_copy(new_ref.at[i], pages_out.at[page, row],
+                                 sem.at[0])
 
   def start(i, carry):
     @pl.when(page_ref[first + i] < num_pages)
@@ -48,8 +66,9 @@ def _kernel(page_ref, row_ref, new_ref, pages_in, pages_out, sem, *,
 
 def write(kv_pages, new_kv, kv_lens, page_indices, cu_q_lens, num_seqs, *,
           interpret=False):
-  """kv_pages [P, page_size, 2 Hkv, D] with new_kv [T, 2 Hkv, D] written
-  to each token's slot; see ``write_kv_pages``."""
+  """kv_pages [P, page_size, 2 Hkv, D] with new_kv [T, 2 Hkv, D] (or
+  [P, page_size, D] with [T, D]) written to each token's slot; see
+  ``write_kv_pages``."""
   if interpret not in (False, True) and _compat.JAX_VERSION < (0, 8, 0):
     # jax 0.7's TPU-semantics interpreter cannot alias a pl.ANY output:
     # there the same write runs as XLA's scatter.
@@ -64,12 +83,13 @@ def write(kv_pages, new_kv, kv_lens, page_indices, cu_q_lens, num_seqs, *,
   if padded != tokens:  # padding tokens have no slot
     page = jnp.pad(page, (0, padded - tokens), constant_values=num_pages)
     row = jnp.pad(row, (0, padded - tokens))
-    new_kv = jnp.pad(new_kv, ((0, padded - tokens), (0, 0), (0, 0)))
+    new_kv = jnp.pad(new_kv, ((0, padded - tokens),) + ((0, 0),) * (
+        new_kv.ndim - 1))
   new_kv = new_kv.astype(kv_pages.dtype)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2, grid=(padded // block,),
       in_specs=[pl.BlockSpec((block,) + new_kv.shape[1:],
-                             lambda i, p, r: (i, 0, 0)),
+                             lambda i, p, r: (i,) + (0,) * (new_kv.ndim - 1)),
                 pl.BlockSpec(memory_space=pl.ANY)],
       out_specs=pl.BlockSpec(memory_space=pl.ANY),
       scratch_shapes=[pltpu.SemaphoreType.DMA((1,))])

@@ -32,6 +32,13 @@ the final normalization.
 
 Scalar-prefetched: the items' (sequence, first position, tokens), the
 clipped lengths and the clipped, flattened page table.
+
+MLA (``latent_dim``): the cache is ``[num_pages, page_size, D]``, one row per
+token shared by all heads, so one kv head of ``G = H`` query heads (a
+token's heads are the item's rows of the q.k matmul) and a page is
+``page_size`` rows: K is the slot's rows (a plain load), V its first
+``latent_dim`` lanes (the same loaded block), the output and accumulator
+``latent_dim`` wide.
 """
 from __future__ import annotations
 
@@ -92,7 +99,9 @@ def supports(q, kv_pages, page_indices) -> str | None:
 def hardware(kv_pages, target) -> str | None:
   """Why the chip's compiler cannot take the call (interpreters can)."""
   del target
-  if kv_pages.dtype.itemsize != 4 and _compat.JAX_VERSION < (0, 12):
+  interleaved = kv_pages.ndim == 4   # MLA's [P, page_size, D] is not
+  if (interleaved and kv_pages.dtype.itemsize != 4
+      and _compat.JAX_VERSION < (0, 12)):
     return (f"a {kv_pages.dtype} cache needs jax >= 0.12: this jax's Mosaic "
             "has no strided loads of 16- or 8-bit data (the K and V heads "
             "are interleaved in a page)")
@@ -105,7 +114,9 @@ def hardware(kv_pages, target) -> str | None:
 def make_plan(tokens, heads, kv_heads, head_dim, max_seqs, page_size,
               pages_per_seq, q_itemsize, kv_itemsize, *,
               num_queries_per_block=None, num_kv_pages_per_block=None,
-              generation=None) -> Plan:
+              generation=None, channels=None) -> Plan:
+  """``channels``: cache rows per token (2 Hkv; MLA's shared row 1)."""
+  channels = channels or 2 * kv_heads
   group = heads // kv_heads
   tq = num_queries_per_block or max(1, ROWS // group)
   tq = max(1, min(tq, max(tokens, 1)))
@@ -114,7 +125,7 @@ def make_plan(tokens, heads, kv_heads, head_dim, max_seqs, page_size,
     generation = generation or _backend.target().tpu_generation
     block_bytes = BLOCK_BYTES.get(generation, BLOCK_BYTES["v5e"])
     lanes = _round_up(head_dim, LANES)
-    keys = min(block_bytes // (2 * kv_heads * lanes * kv_itemsize),
+    keys = min(block_bytes // (channels * lanes * kv_itemsize),
                SCORE_BYTES // (rows * 4))
     chunks = max(1, keys // page_size)
   else:
@@ -125,15 +136,18 @@ def make_plan(tokens, heads, kv_heads, head_dim, max_seqs, page_size,
               num_blocks=-(-pages_per_seq // chunks), items=max(items, 1))
 
 
-def vmem_bytes(plan: Plan, kv_heads, head_dim, q_itemsize, kv_itemsize):
+def vmem_bytes(plan: Plan, kv_heads, head_dim, q_itemsize, kv_itemsize,
+               channels=None, value_dim=None):
   """Double-buffered q and out, the K/V slots, the float32 state and the
   step's temporaries (logits, probabilities, mask)."""
+  channels = channels or 2 * kv_heads
   lanes = _round_up(head_dim, LANES)
-  qo = 2 * 2 * kv_heads * plan.rows * lanes * q_itemsize
-  kv = 2 * 2 * kv_heads * plan.block * lanes * kv_itemsize
+  v_lanes = _round_up(value_dim or head_dim, LANES)
+  qo = 2 * kv_heads * plan.rows * (lanes + v_lanes) * q_itemsize
+  kv = 2 * channels * plan.block * lanes * kv_itemsize
   if kv_itemsize != q_itemsize:   # one head's K and V converted at a time
     kv += 2 * plan.block * lanes * 4
-  state = kv_heads * plan.rows * (2 * LANES + lanes) * 4
+  state = kv_heads * plan.rows * (2 * LANES + v_lanes) * 4
   temps = 4 * plan.rows * _round_up(plan.block, LANES) * 4
   return qo + kv + state + temps
 
@@ -142,7 +156,7 @@ def vmem_bytes(plan: Plan, kv_heads, head_dim, q_itemsize, kv_itemsize):
 
 def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
             *refs, plan: Plan, group, kv_heads, page_size, pages_per_seq,
-            window, sm_scale, cap, v_scale, sinks):
+            window, sm_scale, cap, v_scale, sinks, latent):
   sinks_ref = refs[0] if sinks else None
   o_ref, m_ref, l_ref, acc_ref, buf, sems = refs[sinks:]
   w, j = pl.program_id(0), pl.program_id(1)
@@ -159,7 +173,7 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
   run = live & (blk <= hi)
   slot = lax.rem(j, 2)
   used_pages = lax.div(length + (page_size - 1), jnp.int32(page_size))
-  channels = 2 * kv_heads
+  channels = 1 if latent else 2 * kv_heads
 
   def loaded(b):  # pages of block b holding keys below the length
     return jnp.clip(used_pages - b * plan.chunks, 0, plan.chunks)
@@ -227,12 +241,16 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
           jnp.int32, (plan.block, 1), 0) < length
     for h in range(kv_heads):
       q = q_ref[h]
-      # Keys of head h are rows 2h, 2h + C, ... of the slot (a static
-      # start: Mosaic's strided loads of packed types need one).
-      at = sl * plan.block * channels + 2 * h
-      k = buf[pl.ds(at, plan.block, stride=channels)]
-      v = buf[pl.ds(at + 1, plan.block, stride=channels)]
-      k, v = k.astype(q.dtype), v.astype(q.dtype)
+      if latent:  # MLA: one row per key; V is its first `latent` lanes
+        k = buf[pl.ds(sl * plan.block, plan.block)].astype(q.dtype)
+        v = k[:, :latent]
+      else:
+        # Keys of head h are rows 2h, 2h + C, ... of the slot (a static
+        # start: Mosaic's strided loads of packed types need one).
+        at = sl * plan.block * channels + 2 * h
+        k = buf[pl.ds(at, plan.block, stride=channels)]
+        v = buf[pl.ds(at + 1, plan.block, stride=channels)]
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
       s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
       s = s * sm_scale
       if cap is not None:
@@ -285,17 +303,24 @@ def work_items(bounds, kv_lens, plan: Plan):
 def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
            sinks=None, *, sm_scale, sliding_window, soft_cap, k_scale, v_scale,
            num_queries_per_block, num_kv_pages_per_block, vmem_limit_bytes,
-           interpret):
-  """[T, H, D] in q's dtype (arguments as checked by the API)."""
+           interpret, latent_dim=None):
+  """[T, H, Dv] in q's dtype (arguments as checked by the API).
+
+  ``kv_pages`` [P, page_size, 2 Hkv, D] (Dv = D), or with ``latent_dim``
+  MLA's [P, page_size, D]: one kv head, K the whole row, V its first
+  ``latent_dim`` lanes (Dv), one DMA'd row serving both."""
   tokens, heads, head_dim = q.shape
-  num_pages, page_size, combined, _ = kv_pages.shape
-  kv_heads = combined // 2
+  num_pages, page_size = kv_pages.shape[:2]
+  combined = 1 if latent_dim else kv_pages.shape[2]
+  kv_heads = 1 if latent_dim else combined // 2
+  value_dim = latent_dim or head_dim
   group = heads // kv_heads
   max_seqs, pages_per_seq = page_indices.shape
   plan = make_plan(tokens, heads, kv_heads, head_dim, max_seqs, page_size,
                    pages_per_seq, q.dtype.itemsize, kv_pages.dtype.itemsize,
                    num_queries_per_block=num_queries_per_block,
-                   num_kv_pages_per_block=num_kv_pages_per_block)
+                   num_kv_pages_per_block=num_kv_pages_per_block,
+                   channels=combined)
   bounds = _ref.seq_bounds(cu_q_lens, num_seqs, tokens)
   lens = jnp.clip(kv_lens.astype(jnp.int32), 0, pages_per_seq * page_size)
   seq, pos0, nq, first_item, qoff = work_items(bounds, lens, plan)
@@ -317,9 +342,12 @@ def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
   kernel = functools.partial(
       _kernel, plan=plan, group=group, kv_heads=kv_heads, page_size=page_size,
       pages_per_seq=pages_per_seq, window=sliding_window, sm_scale=scale,
-      cap=soft_cap, v_scale=v_scale, sinks=sinks is not None)
+      cap=soft_cap, v_scale=v_scale, sinks=sinks is not None,
+      latent=latent_dim)
   spec = pl.BlockSpec((_SQ, kv_heads, plan.rows, head_dim),
                       lambda w, j, *_: (w, 0, 0, 0))
+  out_spec = pl.BlockSpec((_SQ, kv_heads, plan.rows, value_dim),
+                          lambda w, j, *_: (w, 0, 0, 0))
   in_specs = [spec, pl.BlockSpec(memory_space=pl.ANY)]
   extra = []
   if sinks is not None:   # [Hkv, rows, 128]: row r holds head r % G's sink
@@ -332,39 +360,44 @@ def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                  lambda w, j, *_: (0, 0, 0)))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=5, grid=(w_items, plan.num_blocks),
-      in_specs=in_specs, out_specs=spec,
+      in_specs=in_specs, out_specs=out_spec,
       scratch_shapes=[
           pltpu.VMEM((kv_heads, plan.rows, LANES), jnp.float32),
           pltpu.VMEM((kv_heads, plan.rows, LANES), jnp.float32),
-          pltpu.VMEM((kv_heads, plan.rows, head_dim), jnp.float32),
+          pltpu.VMEM((kv_heads, plan.rows, value_dim), jnp.float32),
           pltpu.VMEM((2 * plan.block * combined, head_dim), kv_pages.dtype),
           pltpu.SemaphoreType.DMA((2,))])
-  sizes = (kv_heads, head_dim, q.dtype.itemsize, kv_pages.dtype.itemsize)
+  sizes = (kv_heads, head_dim, q.dtype.itemsize, kv_pages.dtype.itemsize,
+           combined, value_dim)
   if vmem_limit_bytes is None:
     need = vmem_bytes(plan, *sizes) * 5 // 4
     vmem_limit_bytes = max(16 << 20, _round_up(need, 1 << 20))
   pairs = w_items * heads * tq * pages_per_seq * page_size
-  work = dict(flops=4 * pairs * head_dim, transcendentals=pairs,
-              bytes_accessed=(2 * max_seqs * pages_per_seq * page_size
-                              * kv_heads * head_dim * kv_pages.dtype.itemsize
-                              + 2 * qi.size * q.dtype.itemsize))
+  work = dict(flops=2 * pairs * (head_dim + value_dim), transcendentals=pairs,
+              bytes_accessed=(max_seqs * pages_per_seq * page_size * combined
+                              * head_dim * kv_pages.dtype.itemsize
+                              + qi.size * q.dtype.itemsize
+                              + qi.size // head_dim * value_dim
+                              * q.dtype.itemsize))
   out = _compat.pallas_call(
       kernel, grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct(qi.shape, q.dtype),
+      out_shape=jax.ShapeDtypeStruct(qi.shape[:3] + (value_dim,), q.dtype),
       compiler_params=_compat.tpu_compiler_params(
           # Items are independent (each item's DMA chain is its own).
           dimension_semantics=("parallel", "arbitrary"),
           disable_bounds_checks=True,   # page ids clipped above
           vmem_limit_bytes=vmem_limit_bytes),
       interpret=interpret, cost_estimate=_cost.estimate(**work),
-      name="ragged_paged_attention",
+      name="mla_ragged_paged_attention" if latent_dim
+      else "ragged_paged_attention",
   )(seq, pos0, nq, lens, table, qi,
     kv_pages.reshape(num_pages, page_size * combined, head_dim), *extra)
 
   # Scatter back: token t of sequence i is row (t - c_i) % tq of item
   # first_item[i] + (t - c_i) // tq.
-  out = out[:, :, :tq * group].reshape(w_items, kv_heads, tq, group, head_dim)
-  out = out.transpose(0, 2, 1, 3, 4).reshape(w_items * tq, heads, head_dim)
+  out = out[:, :, :tq * group].reshape(w_items, kv_heads, tq, group,
+                                       value_dim)
+  out = out.transpose(0, 2, 1, 3, 4).reshape(w_items * tq, heads, value_dim)
   owner = _ref.token_seqs(bounds, tokens)
   live = owner < max_seqs
   owner = jnp.minimum(owner, max_seqs - 1)

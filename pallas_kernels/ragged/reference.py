@@ -37,9 +37,50 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
   its pages gathered and every token attends to them (float32 softmax),
   masked to the sequence's own tokens. Arguments as the op's (checked)."""
   del unused
+  _, _, combined, head_dim = kv_pages.shape
+  capacity = page_indices.shape[1] * kv_pages.shape[1]
+
+  def kv(pages):   # [pages_per_seq, page_size, 2 Hkv, D] -> K, V
+    pages = pages.reshape(capacity, combined, head_dim)
+    return pages[:, 0::2], pages[:, 1::2]
+
+  return _attend(q, kv_pages, kv, combined // 2, head_dim, kv_lens,
+                 page_indices, cu_q_lens, num_seqs, sinks, sm_scale=sm_scale,
+                 sliding_window=sliding_window, soft_cap=soft_cap,
+                 k_scale=k_scale, v_scale=v_scale)
+
+
+def mla_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+                               num_seqs, sinks=None, *, latent_dim,
+                               sm_scale=None, sliding_window=None,
+                               soft_cap=None, k_scale=None, v_scale=None,
+                               **unused):
+  """``pallas_kernels.mla_ragged_paged_attention`` in plain JAX: as
+  ``ragged_paged_attention`` with one kv head whose K is the whole cache row
+  and V its first ``latent_dim`` columns. Arguments as the op's (checked);
+  ``sm_scale`` defaults to ``1 / sqrt(D)``."""
+  del unused
+  if sm_scale is None:
+    sm_scale = kv_pages.shape[2] ** -0.5
+  capacity = page_indices.shape[1] * kv_pages.shape[1]
+
+  def kv(pages):   # [pages_per_seq, page_size, D] -> K, V of one head
+    rows = pages.reshape(capacity, 1, kv_pages.shape[2])
+    return rows, rows[..., :latent_dim]
+
+  return _attend(q, kv_pages, kv, 1, latent_dim, kv_lens, page_indices,
+                 cu_q_lens, num_seqs, sinks, sm_scale=sm_scale,
+                 sliding_window=sliding_window, soft_cap=soft_cap,
+                 k_scale=k_scale, v_scale=v_scale)
+
+
+def _attend(q, kv_pages, kv, kv_heads, value_dim, kv_lens, page_indices,
+            cu_q_lens, num_seqs, sinks, *, sm_scale, sliding_window,
+            soft_cap, k_scale, v_scale):
+  """[T, H, Dv] in q's dtype. ``kv(pages)`` turns one sequence's gathered
+  pages into K [C, Hkv, D] and V [C, Hkv, Dv] (C = its capacity)."""
   tokens, heads, head_dim = q.shape
-  num_pages, page_size, combined, _ = kv_pages.shape
-  kv_heads = combined // 2
+  num_pages, page_size = kv_pages.shape[:2]
   group = heads // kv_heads
   s, pages_per_seq = page_indices.shape
   capacity = pages_per_seq * page_size
@@ -54,9 +95,8 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
     sink = sinks.astype(jnp.float32).reshape(1, kv_heads, group, 1)
 
   def one(i):
-    pages = kv_pages[table[i]].reshape(capacity, combined, head_dim)
-    k = pages[:, 0::2].astype(jnp.float32)   # [C, Hkv, D]
-    v = pages[:, 1::2].astype(jnp.float32)
+    k, v = kv(kv_pages[table[i]])
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     if k_scale is not None:
       k = k * k_scale
     if v_scale is not None:
@@ -89,8 +129,9 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
   def body(i, acc):
     return acc + one(i)
 
-  out = lax.fori_loop(0, s, body, jnp.zeros(qf.shape, jnp.float32))
-  return out.reshape(tokens, heads, head_dim).astype(q.dtype)
+  out = lax.fori_loop(0, s, body, jnp.zeros(
+      (tokens, kv_heads, group, value_dim), jnp.float32))
+  return out.reshape(tokens, heads, value_dim).astype(q.dtype)
 
 
 def token_slots(kv_lens, page_indices, cu_q_lens, num_seqs, tokens: int,

@@ -46,3 +46,45 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
         total = p.sum() + (0 if sinks is None else np.exp(sinks[h] - top))
         out[t, h] = p @ v[lo:hi, kh] / total
   return out
+
+
+def mla_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+                               num_seqs, sinks=None, *, latent_dim, sm_scale,
+                               sliding_window=None, soft_cap=None,
+                               k_scale=None, v_scale=None):
+  """[T, H, latent_dim] float64: every head of token t attends to its
+  sequence's rows ``kv_pages [P, page_size, D]`` with key the whole row and
+  value its first ``latent_dim`` columns; otherwise as
+  ``ragged_paged_attention`` (same input rules)."""
+  q = np.asarray(q, np.float64)
+  pages = np.asarray(kv_pages, np.float64)
+  tokens, heads, d = q.shape
+  page_size = pages.shape[1]
+  out = np.zeros((tokens, heads, latent_dim))
+  cu = np.asarray(cu_q_lens)
+  for i in range(int(np.asarray(num_seqs).reshape(-1)[0])):
+    start, end = int(cu[i]), int(cu[i + 1])
+    length = int(kv_lens[i])
+    rows = np.concatenate(
+        [pages[int(page_indices[i][p])] for p in
+         range(-(-length // page_size))] or [np.zeros((0, d))])[:length]
+    k = rows * (1.0 if k_scale is None else k_scale)
+    v = rows[:, :latent_dim] * (1.0 if v_scale is None else v_scale)
+    for t in range(start, end):
+      pos = length - (end - start) + (t - start)
+      lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+      hi = min(pos + 1, length)
+      if hi <= lo:
+        continue
+      s = q[t] @ k[lo:hi].T * sm_scale           # [H, keys]
+      if soft_cap is not None:
+        s = soft_cap * np.tanh(s / soft_cap)
+      top = s.max(axis=1)
+      if sinks is not None:
+        top = np.maximum(top, np.asarray(sinks, np.float64))
+      p = np.exp(s - top[:, None])
+      total = p.sum(axis=1)
+      if sinks is not None:
+        total = total + np.exp(np.asarray(sinks, np.float64) - top)
+      out[t] = p @ v[lo:hi] / total[:, None]
+  return out

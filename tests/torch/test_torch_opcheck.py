@@ -28,7 +28,7 @@ on CPU and several for the box ops' backward):
   their own (no double backward), so they are checked on inputs that do not
   require grad. Ops with no gradient (NMS family, ``quantize_int8``,
   ``int8_matmul``, ``grouped_matmul_tgmm``: ``custom_kernel.tgmm``,
-  ``ragged_paged_attention``) never
+  ``ragged_paged_attention``, ``mla_ragged_paged_attention``) never
   call their save/vjp/restore ops; only the forward is checked.
 """
 from __future__ import annotations
@@ -128,6 +128,10 @@ CALLS = {
         torch.tensor([4, 0, 5]), transpose_rhs=True),
     "ragged_paged_attention": lambda g: tb.ragged_paged_attention(
         *_ragged_sample(g), sliding_window=5, soft_cap=20.0),
+    "mla_ragged_paged_attention": lambda g: tb.mla_ragged_paged_attention(
+        torch.randn(5, 4, 12, generator=g),
+        torch.randn(6, 4, 12, generator=g), *_ragged_sample(g)[2:],
+        latent_dim=8, soft_cap=20.0),
     "grouped_matmul_tgmm": lambda g: custom_kernel.tgmm(
         torch.randn(6, 11, generator=g), torch.randn(11, 5, generator=g),
         torch.tensor([4, 0, 5], dtype=torch.int32)),

@@ -110,6 +110,27 @@ def test_int64_metadata_and_int8_cache(rng):
   _close(out, _oracle(args, k_scale=0.02, v_scale=0.03))
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_mla_matches_float64_oracle(rng, kv_dtype):
+  """MLA's latent pool [P, page_size, D] (D 80, latent 64), int64
+  metadata, a window; the int8 pool with scales."""
+  args = _case(rng, MIXED, heads=3, kv_heads=1, head_dim=80, extra_tokens=1,
+               kv_dtype=kv_dtype)
+  pool = args[1][:, :, 0]   # one row of the pair per token
+  args = (args[0], pool) + args[2:]
+  kw = dict(latent_dim=64, sm_scale=0.1, sliding_window=5)
+  if kv_dtype == torch.int8:
+    kw.update(k_scale=0.02, v_scale=0.03)
+  out = tb.mla_ragged_paged_attention(
+      args[0], pool, *(a.long() for a in args[2:]), **kw)
+  assert out.shape == (args[0].shape[0], 3, 64)
+  want = oracle.mla_ragged_paged_attention(
+      *[a.float().numpy() if a.is_floating_point() else a.numpy()
+        for a in args], **kw)
+  _close(out, want)
+  assert not out[-1:].any()
+
+
 @pytest.mark.slow
 def test_xla_tensors(rng, xla_device):
   args = _case(rng, MIXED)

@@ -111,6 +111,11 @@ def _sample_arguments(name, gen):
             torch.randperm(6, generator=gen).reshape(2, 3),
             torch.tensor([0, 1, 5]), torch.tensor([2])), dict(
                 sliding_window=5, soft_cap=20.0, k_scale=0.5)
+  if name == "mla_ragged_paged_attention":
+    return (randn(5, 4, 12), randn(6, 4, 12), torch.tensor([3, 7]),
+            torch.randperm(6, generator=gen).reshape(2, 3),
+            torch.tensor([0, 1, 5]), torch.tensor([2])), dict(
+                latent_dim=8, sliding_window=5, v_scale=0.5)
   raise AssertionError(f"no sample for {name}")
 
 
@@ -260,6 +265,7 @@ def test_opcheck_can_fail(torch_gen, monkeypatch):
 COMPILED = [("flash_attention", True), ("decode_attention", False),
             ("int8_dense", True), ("quantized_matmul", False),
             ("grouped_matmul", True), ("ragged_paged_attention", False),
+            ("mla_ragged_paged_attention", False),
             ("giou_loss", True), ("pairwise_diou", False), ("nms", False),
             ("soft_nms", False)]
 
@@ -388,8 +394,8 @@ def test_compile_inductor_cpu(torch_gen):
 @pytest.mark.parametrize("name", PUBLIC)
 def test_signature_is_the_jax_ops(name):
   """The JAX op's parameters (names, kinds, defaults, order), then
-  partition_spec and mesh (except ``quantize`` and
-  ``ragged_paged_attention``, which take no spec).
+  partition_spec and mesh (except ``quantize`` and the paged attention
+  ops, which take no spec).
   ``int8_dense`` takes nn.Linear's ``weight [out, in]`` where the JAX op
   takes ``w [in, out]``."""
   import pallas_kernels
@@ -397,7 +403,8 @@ def test_signature_is_the_jax_ops(name):
   jax_op = getattr(pallas_kernels, name, None) or getattr(nn, name)
   ours = list(inspect.signature(getattr(tb, name)).parameters.values())
   theirs = inspect.signature(jax_op).parameters.values()
-  if name not in ("quantize", "ragged_paged_attention"):
+  if name not in ("quantize", "ragged_paged_attention",
+                  "mla_ragged_paged_attention"):
     assert [p.name for p in ours[-2:]] == ["partition_spec", "mesh"]
     ours = ours[:-2]
   renamed = {"weight": "w"} if name == "int8_dense" else {}
