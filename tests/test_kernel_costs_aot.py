@@ -82,21 +82,23 @@ OPS = {
         ["grouped_matmul"], 2 * MKN[0] * MKN[1] * MKN[2], 0),
     "ragged_paged_attention": (
         pk.ragged_paged_attention,
-        [S((SEQS, 8, D), jnp.bfloat16),
-         S((PAGES, PAGE, 2 * 2, D), jnp.bfloat16), S((SEQS,), jnp.int32),
+        # float32: jax < 0.12 runs the kernel on 32-bit caches only
+        [S((SEQS, 8, D), jnp.float32),
+         S((PAGES, PAGE, 2 * 2, D), jnp.float32), S((SEQS,), jnp.int32),
          S((SEQS, CACHE // PAGE), jnp.int32), S((SEQS + 1,), jnp.int32),
          S((1,), jnp.int32)],
         # Counted for full caches: one token per sequence over 256 keys.
         ["ragged_paged_attention"], 4 * SEQS * 8 * CACHE * D // 2, 0),
     "mla_ragged_paged_attention": (
         functools.partial(pk.mla_ragged_paged_attention, latent_dim=512),
-        [S((SEQS, 16, 576), jnp.bfloat16),
-         S((PAGES, PAGE, 576), jnp.bfloat16), S((SEQS,), jnp.int32),
+        # rows of latent 512 + rope 128 (jax < 0.12 takes D % 128 == 0)
+        [S((SEQS, 16, 640), jnp.float32),
+         S((PAGES, PAGE, 640), jnp.float32), S((SEQS,), jnp.int32),
          S((SEQS, CACHE // PAGE), jnp.int32), S((SEQS + 1,), jnp.int32),
          S((1,), jnp.int32)],
-        # one token per sequence: q.k over 576 lanes, p.v over 512
+        # one token per sequence: q.k over 640 lanes, p.v over 512
         ["mla_ragged_paged_attention"],
-        2 * SEQS * 16 * CACHE * (576 + 512) // 2, 0),
+        2 * SEQS * 16 * CACHE * (640 + 512) // 2, 0),
     "write_kv_pages": (
         pk.write_kv_pages,
         [S((PAGES, PAGE, 2 * 2, D), jnp.bfloat16),
