@@ -14,14 +14,16 @@ status=0
 
 ensure_newest_jax_env
 echo "=== [1/2] newest jax: $("$ENV_PYTHON" -c 'import jax; print(jax.__version__)')"
-"$ENV_PYTHON" -m pytest -n "$workers" -p no:cacheprovider tests "$@" || status=1
+"$ENV_PYTHON" -m pytest -n "$workers" --dist worksteal -p no:cacheprovider \
+  tests "$@" || status=1
 
 ensure_env torch "$REPO_ROOT/requirements/torch-xla.txt"
 echo "=== [2/2] torch_xla env, jax $("$ENV_PYTHON" -c 'import jax; print(jax.__version__)')"
 tier=(-m compat)
 for arg in "$@"; do [[ "$arg" == "--runslow" ]] && tier=(); done
-PJRT_DEVICE=CPU "$ENV_PYTHON" -m pytest -n "$workers" -p no:cacheprovider \
-  "${tier[@]}" tests "$@" || status=1
+PK_TEST_TIER="${tier[*]:+compat}" PJRT_DEVICE=CPU "$ENV_PYTHON" -m pytest \
+  -n "$workers" --dist worksteal -p no:cacheprovider "${tier[@]}" tests "$@" \
+  || status=1
 
 if [[ $status -ne 0 ]]; then echo "FAILED in at least one environment"; fi
 exit $status

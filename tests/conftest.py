@@ -45,16 +45,20 @@ def pytest_addoption(parser):
                    help="also run tests marked slow")
 
 
-# The oldest-jax environment reruns these files (plus tests/torch): every op
-# on every CPU backend, vmap, empty inputs, sharding and each generation's AOT
-# compile, which is where jax 0.7.1 and libtpu 0.0.21 differ from the newest.
+# The oldest-jax environment reruns these files (plus tests/torch and the
+# tests marked ``compat`` in other files): every op on every CPU backend, vmap,
+# empty inputs, sharding and each generation's AOT compile, which is where
+# jax 0.7.1 and libtpu 0.0.21 differ from the newest.
 COMPAT_TIER = frozenset({
     "test_backends_agree.py", "test_vmap.py", "test_empty_inputs.py",
     "test_sharding.py", "test_generations_aot.py", "test_kernel_costs_aot.py",
     "test_package.py", "test_shard_helpers.py", "test_checked_shard_map.py",
-    "test_grouped_matmul.py", "test_ragged_paged_attention.py",
+    "test_registry.py", "test_ragged_paged_attention.py",
     "test_write_kv_pages.py",
 })
+# scripts/test.sh sets PK_TEST_TIER=compat for that run: hypothesis tests
+# that draw every backend's options then draw one example each.
+COMPAT_RUN = os.environ.get("PK_TEST_TIER") == "compat"
 
 
 def pytest_collection_modifyitems(config, items):

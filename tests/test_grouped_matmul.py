@@ -103,6 +103,7 @@ def test_matches_float64_oracle(backend, case, rng):
   _close(out, _oracle(lhs, rhs, sizes, transpose_rhs), dtype)
 
 
+@pytest.mark.compat  # forward and backward on every backend, once
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 def test_gradients_match_float64_oracle(backend, transpose_rhs, rng):
@@ -149,6 +150,7 @@ def test_group_offset_matches_float64_oracle(backend, offset, rng):
   _close(drhs, want_rhs, jnp.float32)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("axes", [
     {"expert_axis": "x"}, {"n_axis": "x"}, {"k_axis": "x"},
     {"expert_axis": "x", "n_axis": "y"}])
@@ -345,6 +347,7 @@ def test_bad_inputs_raise(call, match):
     call(lhs, rhs, jnp.array([2, 3, 3], jnp.int32))
 
 
+@pytest.mark.compat
 def test_empty_dimensions():
   for m, k, n in ((0, 16, 8), (8, 0, 8), (8, 16, 0)):
     out = pk.grouped_matmul(jnp.ones((m, k)), jnp.ones((2, k, n)),
@@ -352,6 +355,7 @@ def test_empty_dimensions():
     assert out.shape == (m, n) and not np.asarray(out).any()
 
 
+@pytest.mark.compat
 @pytest.mark.tpu_aot
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
 def test_compiles_for_tpu_forward_and_backward(topology, tpu_topologies):

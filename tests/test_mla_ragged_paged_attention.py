@@ -93,6 +93,7 @@ def _oracle_params():
                                           else [pytest.mark.slow]))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("backend,name", _oracle_params())
 def test_against_oracle(backend, name, rng):
   case = dict(CASES[name])
@@ -115,6 +116,7 @@ def test_8bit_cache_with_scales(backend, cache_dtype, rng):
          k_scale=0.01 if cache_dtype == jnp.int8 else 0.2, v_scale=0.03)
 
 
+@pytest.mark.compat
 def test_written_cache_is_what_attention_reads(rng):
   """A step: ``write_kv_pages`` puts the new tokens' rows into the latent
   pool (in the TPU kernel, interpreted), then attention over it equals the
@@ -257,6 +259,7 @@ def test_compiles_for_tpu(topology, t, h, page, pages, s, dtype, kw,
   assert max(vmem.values()) <= limit, vmem
 
 
+@pytest.mark.compat
 @pytest.mark.tpu_aot
 def test_old_jax_compiles_a_lane_aligned_row(tpu_topologies):
   """D a multiple of 128 (no strided or odd-width DMAs) compiles on every
