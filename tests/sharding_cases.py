@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
+from pallas_kernels import _compat
 
 MESH_AXES = ("data", "model")
 
@@ -173,9 +174,13 @@ CASES = [
                                   jnp.float32),),
          _quantize, specs=(P("data", "model"),),
          out_specs=(P("data", "model"), P("data", "model"))),
+    # jax < 0.8 cannot differentiate it on sharded inputs: the frozen-weight
+    # JVP's tangent carries the mesh, the partitioned kernel's output none,
+    # and custom_jvp's type check rejects the pair (a known defect).
     Case("quantized_matmul", _quantized_inputs, _quantized,
          specs=(P("data"), P(None, "model"), P(None, "model")),
-         out_specs=(P("data", "model"),), grad=(0,), atol=1e-4),
+         out_specs=(P("data", "model"),),
+         grad=() if _compat.JAX_VERSION < (0, 8) else (0,), atol=1e-4),
     # rows follow their groups: N splits, not M
     Case("grouped_matmul", _grouped_inputs, _grouped,
          specs=(P(), P(None, None, ("data", "model")), P()),
