@@ -1,12 +1,14 @@
 """Public op: ``ragged_paged_attention``, JAX's calling convention
 (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``).
 
-Kernels (``backend=``): "mosaic_tpu" (``ragged.mosaic_tpu``), "reference"
-(``ragged.reference``). Forward only.
+Kernels (``backend=``): "mosaic_tpu" (``ragged.mosaic_tpu``), "triton"
+(``ragged.triton``, NVIDIA GPUs), "reference" (``ragged.reference``).
+Forward only.
 """
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +62,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
     sinks: None or [H] float: per query head, ``exp(sinks[h])`` joins the
       softmax denominator (attention sinks; not scaled or capped).
     backend: None (the best kernel for the platform), "mosaic_tpu",
-      "interpret" or "reference".
+      "triton", "gpu", "interpret" or "reference".
 
   Returns:
     [T, H, D] in q's dtype. Token t of sequence i sits at position
@@ -103,6 +105,10 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
           "mosaic_tpu", tpu,
           supports=lambda: mosaic_tpu.supports(q, kv_pages, page_indices),
           hardware=lambda target: mosaic_tpu.hardware(kv_pages, target)),
+      _backend.Kernel(
+          "triton", lambda *a, interpret=None: _gpu().ragged(
+              *a, interpret=interpret or False, **static, **blocks),
+          supports=lambda: _gpu().supports(q, kv_pages)),
       _backend.Kernel("reference", functools.partial(
           reference.ragged_paged_attention, **static)),
   ]
@@ -155,6 +161,11 @@ def write_kv_pages(kv_pages, new_kv, kv_lens, page_indices, cu_q_lens,
           _backend.Kernel("reference", reference.write_kv_pages)]
   return _backend.dispatch("write_kv_pages", backend, rows, kv_pages, new_kv,
                            kv_lens, page_indices, cu_q_lens, num_seqs)
+
+
+def _gpu():
+  """The Triton kernel's module (imported when a call considers it)."""
+  return importlib.import_module("pallas_kernels.ragged.triton")
 
 
 def _positive_int(name, value):
