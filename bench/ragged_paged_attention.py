@@ -9,7 +9,8 @@ Cases (H=32, Hkv=8, D=128, bf16, pages of 16; page tables shuffled):
 an 8k prompt (its cache holds 6144 earlier tokens); ``decode page 32``.
 ours: ``pk.ragged_paged_attention`` (backend=None: the Triton kernel on a
 GPU), timed in-program (``Timer.jax``). ``ours[...]``: tile variants of
-the short-item launch (``RPA_VARIANTS=1``). Peer: torch SDPA on the same
+the short- or long-item launch (``RPA_VARIANTS=1``; ``hf``: kv heads the
+fastest grid axis). Peer: torch SDPA on the same
 tokens in contiguous ``[B, H, S, D]`` caches, one call per group of
 equal-length sequences (the decodes batched, the prefill its own call;
 the chunk's causal mask bottom-right aligned, K/V heads repeated); ``err``
@@ -151,8 +152,12 @@ def _torch_peer(q, k, v, seqs, heads):
   return thunk, gather
 
 
-VARIANTS = [  # (block, warps, stages) of the short-item launch
-    (32, 4, 3), (128, 4, 3), (64, 4, 4), (64, 8, 3), (128, 8, 3)]
+SHORT_VARIANTS = [  # (block, warps, stages, heads_first): short items
+    (64, 4, 3, False), (128, 4, 3, True), (64, 4, 4, True),
+    (32, 4, 4, True), (128, 4, 4, True)]
+LONG_VARIANTS = [  # (rows, block, warps, stages, heads_first): long items
+    (128, 64, 8, 3, False), (128, 128, 8, 2, True), (64, 64, 4, 3, True),
+    (128, 64, 4, 3, True), (128, 32, 8, 3, True)]
 
 
 def run(case, timer):
@@ -163,14 +168,24 @@ def run(case, timer):
   rows, outs = [], {}
   impls = {"ours": functools.partial(pk.ragged_paged_attention,
                                      sm_scale=sm_scale)}
-  if os.environ.get("RPA_VARIANTS") and case["decodes"]:
+  if os.environ.get("RPA_VARIANTS"):
     from pallas_kernels.ragged import triton as rt
     group = case["heads"] // case["kv_heads"]
     short, long = rt.tiles(group, case["head_dim"])
-    for block, warps, stages in VARIANTS:
-      tiles = (rt.Tiles(short.tq, short.rows, block, warps, stages), long)
-      impls[f"ours[b{block} w{warps} s{stages}]"] = functools.partial(
-          _variant, tiles=tiles, sm_scale=sm_scale)
+    variants = {}
+    if case["decodes"]:
+      for block, warps, stages, first in SHORT_VARIANTS:
+        variants[f"ours[short b{block} w{warps} s{stages}"
+                 f"{' hf' if first else ''}]"] = (rt.Tiles(
+                     short.tq, short.rows, block, warps, stages, first), long)
+    if case["prefill"]:
+      for rows, block, warps, stages, first in LONG_VARIANTS:
+        variants[f"ours[long r{rows} b{block} w{warps} s{stages}"
+                 f"{' hf' if first else ''}]"] = (short, rt.Tiles(
+                     rows // group, rows, block, warps, stages, first))
+    for name, tiles in variants.items():
+      impls[name] = functools.partial(_variant, tiles=tiles,
+                                      sm_scale=sm_scale)
   for impl, fn in impls.items():
     def timed(fn=fn, impl=impl):
       seconds, out = timer.jax(fn, *args)

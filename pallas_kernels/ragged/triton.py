@@ -20,7 +20,8 @@ combined head 2h, V at 2h + 1, each a row of D contiguous elements), so any
 page size works and a block spans pages. Every block masks by position
 (row r sees key j iff ``r >= (j - pos0) * G``, and inside the window) and
 zeroes value rows at or past the length (garbage there never reaches the
-output). Decode items split their keys over ``splits`` programs when the
+output), except the blocks that every row of the item sees whole, walked
+by their own unmasked loop. float32 dots are exact (IEEE, not tf32). Decode items split their keys over ``splits`` programs when the
 items alone leave SMs idle (flash decoding); the splits' ``(out, lse)`` are
 merged in XLA (``decode.splits.combine``). 8-bit caches are converted to
 q's dtype in registers; ``k_scale`` joins the logit scale, ``v_scale`` the
@@ -62,6 +63,9 @@ class Tiles:
   block: int
   num_warps: int
   num_stages: int
+  # Grid (Hkv, W, splits): the kv heads of an item run side by side, so
+  # together they read its pages (K/V heads interleaved) whole.
+  heads_first: bool = True
 
 
 def _next_pow2(n: int) -> int:
@@ -108,10 +112,10 @@ def tiles(group: int, head_dim: int, num_queries_per_block=None,
 
 def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, k_ref,
             v_ref, *rest, group, block, page_size, pages_per_seq, window,
-            sm_scale, cap, v_scale, sinks, num_splits):
+            sm_scale, cap, v_scale, sinks, num_splits, heads_first):
   rest = list(rest)
   sink_ref = rest.pop(0) if sinks else None
-  w, split = pl.program_id(0), pl.program_id(2)
+  w, split = pl.program_id(1 if heads_first else 0), pl.program_id(2)
   seq, pos0, nq = seq_ref[w], pos_ref[w], nq_ref[w]
   length = lens_ref[seq]
   last = jnp.minimum(length, pos0 + nq) - 1      # the item's last key
@@ -136,7 +140,7 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, k_ref,
   value_iota = lax.broadcasted_iota(jnp.int32, (block, 1), 0)
   base = seq * pages_per_seq
 
-  def body(b, carry):
+  def body(b, carry, masked):
     accs, m_prev, l_prev = carry
     key0 = b * block
     keys = key0 + slot_iota
@@ -146,37 +150,52 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, k_ref,
                                                    jnp.int32(page_size))
     qk = sum(lax.dot_general(
         q, k_ref[slots, pl.ds(s, width)].astype(dtype),
-        (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32)
              for q, (s, width) in zip(qs, pieces))
     if cap is None:
       s = qk * (sm_scale * LOG2E)
     else:
       s = cap * LOG2E * jnp.tanh(qk * (sm_scale / cap))
-    cols = key0 + key_iota
-    visible = (cols < length) & (rows >= (cols - pos0) * group)
-    if window is not None:
-      visible &= rows < (cols + window - pos0) * group
-    s = jnp.where(visible, s, -jnp.inf)
+    if masked:
+      cols = key0 + key_iota
+      visible = (cols < length) & (rows >= (cols - pos0) * group)
+      if window is not None:
+        visible &= rows < (cols + window - pos0) * group
+      s = jnp.where(visible, s, -jnp.inf)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
     alpha = jnp.exp2(m_prev - m_shift)
     p = jnp.exp2(s - m_shift[:, None])
     l_next = l_prev * alpha + jnp.sum(p, axis=1)
     p = p.astype(dtype)
-    written = key0 + value_iota < length
     new = []
     for acc, (s0, width) in zip(accs, pieces):
       v = v_ref[slots, pl.ds(s0, width)].astype(dtype)
-      v = jnp.where(written, v, jnp.zeros_like(v))
+      if masked:
+        v = jnp.where(key0 + value_iota < length, v, jnp.zeros_like(v))
       new.append(acc * alpha[:, None] + lax.dot_general(
-          p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32))
+          p, v, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+          preferred_element_type=jnp.float32))
     return tuple(new), m_next, l_next
 
+  # Blocks every row sees whole (no mask): [whole_lo, whole_hi); the
+  # masked ones before (window edge) and after (diagonal, length).
+  whole_lo = jnp.int32(0)
+  if window is not None:
+    edge = jnp.maximum(pos0 + nq - window, 0)
+    whole_lo = lax.div(edge + (block - 1), jnp.int32(block))
+  whole_hi = lax.div(jnp.minimum(pos0 + 1, length), jnp.int32(block))
+  a = jnp.clip(whole_lo, start, end)
+  b = jnp.clip(whole_hi, a, end)
   carry = (tuple(jnp.zeros((rows_n, width), jnp.float32)
                  for _, width in pieces),
            jnp.full((rows_n,), -jnp.inf, jnp.float32),
            jnp.zeros((rows_n,), jnp.float32))
-  accs, m, l = lax.fori_loop(start, end, body, carry)
+  masked = functools.partial(body, masked=True)
+  carry = lax.fori_loop(start, a, masked, carry)
+  carry = lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
+  accs, m, l = lax.fori_loop(b, end, masked, carry)
 
   if num_splits == 1:
     o_ref, = rest
@@ -207,23 +226,28 @@ def _launch(t: Tiles, items: int, num_splits: int, qi, pool, seq, pos0, nq,
   splits the (out, lse) partials [W, Hkv, splits, rows(, D)] float32."""
   kv_heads, head_dim = qi.shape[1], qi.shape[3]
   slots = pool.shape[0]
-  full = lambda n: pl.BlockSpec((n,), lambda w, h, s: (0,))  # noqa: E731
+  if t.heads_first and items > 65535:   # CUDA's grid y limit
+    t = dataclasses.replace(t, heads_first=False)
+  order = (lambda f: lambda h, w, s: f(w, h, s)) if t.heads_first else (
+      lambda f: f)
+  full = lambda n: pl.BlockSpec((n,), order(lambda w, h, s: (0,)))  # noqa
   in_specs = [full(items), full(items), full(items), full(lens.shape[0]),
               full(table.shape[0]),
               pl.BlockSpec((None, None, t.rows, head_dim),
-                           lambda w, h, s: (w, h, 0, 0)),
+                           order(lambda w, h, s: (w, h, 0, 0))),
               pl.BlockSpec((slots, None, head_dim),
-                           lambda w, h, s: (0, 2 * h, 0)),
+                           order(lambda w, h, s: (0, 2 * h, 0))),
               pl.BlockSpec((slots, None, head_dim),
-                           lambda w, h, s: (0, 2 * h + 1, 0))]
+                           order(lambda w, h, s: (0, 2 * h + 1, 0)))]
   operands = [seq, pos0, nq, lens, table, qi, pool, pool]
   if sink_rows is not None:
-    in_specs.append(pl.BlockSpec((None, t.rows), lambda w, h, s: (h, 0)))
+    in_specs.append(pl.BlockSpec((None, t.rows),
+                                 order(lambda w, h, s: (h, 0))))
     operands.append(sink_rows)
   if num_splits == 1:
     out_shape = jax.ShapeDtypeStruct(qi.shape, qi.dtype)
     out_specs = pl.BlockSpec((None, None, t.rows, head_dim),
-                             lambda w, h, s: (w, h, 0, 0))
+                             order(lambda w, h, s: (w, h, 0, 0)))
   else:
     out_shape = (
         jax.ShapeDtypeStruct((items, kv_heads, num_splits, t.rows, head_dim),
@@ -231,17 +255,20 @@ def _launch(t: Tiles, items: int, num_splits: int, qi, pool, seq, pos0, nq,
         jax.ShapeDtypeStruct((items, kv_heads, num_splits, t.rows),
                              jnp.float32))
     out_specs = (pl.BlockSpec((None, None, None, t.rows, head_dim),
-                              lambda w, h, s: (w, h, s, 0, 0)),
+                              order(lambda w, h, s: (w, h, s, 0, 0))),
                  pl.BlockSpec((None, None, None, t.rows),
-                              lambda w, h, s: (w, h, s, 0)))
+                              order(lambda w, h, s: (w, h, s, 0))))
+  grid = ((kv_heads, items, num_splits) if t.heads_first
+          else (items, kv_heads, num_splits))
   kernel = functools.partial(
       _kernel, group=group, block=t.block, page_size=page_size,
       pages_per_seq=pages_per_seq, window=window, sm_scale=sm_scale, cap=cap,
-      v_scale=v_scale, sinks=sink_rows is not None, num_splits=num_splits)
+      v_scale=v_scale, sinks=sink_rows is not None, num_splits=num_splits,
+      heads_first=t.heads_first)
   keys = items * pages_per_seq * page_size
   pairs = keys * kv_heads * t.rows
   return _compat.pallas_call(
-      kernel, grid=(items, kv_heads, num_splits), in_specs=in_specs,
+      kernel, grid=grid, in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape,
       compiler_params=_compat.gpu_compiler_params(
           num_warps=t.num_warps, num_stages=t.num_stages),
