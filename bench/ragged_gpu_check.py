@@ -3,7 +3,7 @@ against the tests' float64 oracle: the shared suite's cases and a random
 sweep (page sizes 4-32, GQA 1-8, head_dim 64/96/128, window, soft cap,
 sinks, int8/fp8 caches with scales, splits). Run on a GPU:
 
-    python -m bench.ragged_gpu_check
+    python -m bench.ragged_gpu_check [NAME_SUBSTRING ...]
 """
 from __future__ import annotations
 
@@ -65,6 +65,8 @@ def main():
     checks.append((f"sweep{seed} {cache and jnp.dtype(cache).name} q{q_lens} "
                    f"kv{[int(k) for k in kv_lens]} "
                    f"p{page_size} G{group}", args, t.TOL[dtype], kw))
+  only = sys.argv[1:]   # substrings of the checks to run (default: all)
+  checks = [c for c in checks if not only or any(o in c[0] for o in only)]
   for name, args, tol, kw in checks:
     start = time.perf_counter()
     try:
