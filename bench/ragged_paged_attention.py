@@ -210,7 +210,6 @@ def run(case, timer):
 
 
 def _variant(*args, tiles, sm_scale):
-  from pallas_kernels.ragged import reference as _r  # noqa: F401
   from pallas_kernels.ragged import triton as rt
   return rt.ragged(*args, sm_scale=sm_scale, sliding_window=None,
                    soft_cap=None, k_scale=None, v_scale=None,

@@ -2,8 +2,8 @@
 
     python -m bench.run [OP ...] [-- ARGS]
 
-OP: attention, attention_masks, decode_attention, int8_matmul,
-quantized_matmul, giou, nms, torch_bridge (default: all). ARGS go to every
+OP: attention, attention_masks, decode_attention, ragged_paged_attention,
+int8_matmul, quantized_matmul, giou, nms, torch_bridge (default: all). ARGS go to every
 bench, e.g. ``-- --quick`` or ``-- --tag before``. The exit status is 1 if
 any bench failed to finish.
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-OPS = ("attention", "attention_masks", "decode_attention", "int8_matmul",
+OPS = ("attention", "attention_masks", "decode_attention",
+       "ragged_paged_attention", "int8_matmul",
        "quantized_matmul", "grouped_matmul", "giou", "nms", "torch_bridge")
 
 

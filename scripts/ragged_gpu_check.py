@@ -3,7 +3,7 @@ against the tests' float64 oracle: the shared suite's cases and a random
 sweep (page sizes 4-32, GQA 1-8, head_dim 64/96/128, window, soft cap,
 sinks, int8/fp8 caches with scales, splits). Run on a GPU:
 
-    python -m bench.ragged_gpu_check [NAME_SUBSTRING ...]
+    PYTHONPATH=. python scripts/ragged_gpu_check.py [NAME_SUBSTRING ...]
 """
 from __future__ import annotations
 
