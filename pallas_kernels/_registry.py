@@ -97,7 +97,7 @@ FAMILIES = (
         Op("mla_ragged_paged_attention",
            torch_types=(("k_scale", "float?"), ("v_scale", "float?"))),
         Op("write_kv_pages", main_job=False, torch=False),
-    )),
+    ), benches=("ragged_paged_attention",)),
 )
 
 FAMILY_NAMES = tuple(f.name for f in FAMILIES)

@@ -1,5 +1,6 @@
 """ragged_paged_attention against the float64 oracle (tests/oracles/ragged.py)
-on the reference and the TPU kernel in interpret mode: mixed prefill and
+on the reference, the TPU kernel and the GPU (Triton) kernel in interpret
+mode: mixed prefill and
 decode batches with empty sequences, GQA at ratios 1-3, page tables in any
 order whose unused entries hold garbage (out-of-range ids), NaN in cache
 rows past each length and in unused pages, sliding window, soft cap, sinks,
@@ -23,7 +24,8 @@ import pallas_kernels as pk
 from oracles import ragged as oracle
 from pallas_kernels import _compat, tpu_aot
 
-KERNELS = backends.params(["interpret", "interpret_generic", "reference"])
+KERNELS = backends.params(["interpret", "interpret_generic", "triton",
+                           "reference"])
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 
 
@@ -101,6 +103,15 @@ CASES = {
                                sinks=jnp.linspace(-1.0, 2.0, 6),
                                num_kv_pages_per_block=1,
                                num_queries_per_block=2)),
+    # GQA 4 over 2 kv heads: a prefill (the GPU kernel's 128-row items),
+    # decodes and a 3-token step (its 16-row items, keys split over 3
+    # programs, the window leaving one split empty); sinks and soft cap
+    "two_classes": dict(q_lens=[20, 1, 3, 0], kv_lens=[40, 150, 70, 5],
+                        heads=8, kv_heads=2, head_dim=64, page_size=16,
+                        pages_per_seq=10,
+                        kw=dict(sm_scale=0.15, sliding_window=50,
+                                soft_cap=3.0,
+                                sinks=jnp.linspace(-2.0, 1.0, 8))),
     # decode only, bfloat16, MHA, two garbage table rows past num_seqs
     "decode_bf16": dict(q_lens=[1, 1, 1], kv_lens=[3, 17, 9], heads=2,
                         kv_heads=2, head_dim=128, page_size=8,
@@ -120,7 +131,7 @@ def test_against_oracle(backend, name):
 
 
 @pytest.mark.parametrize("backend",
-                         backends.params(["interpret", "reference"]))
+                         backends.params(["interpret", "triton", "reference"]))
 def test_int8_cache_with_scales(backend):
   args = make_batch(np.random.default_rng(1), [3, 1], [6, 10], heads=4,
                     kv_heads=1, head_dim=128, page_size=8, pages_per_seq=2,

@@ -3,8 +3,9 @@
 ``mla_ragged_paged_attention``, the same over MLA's shared latent cache;
 ``write_kv_pages``, the cache update of either.
 
-Kernels (``backend=``): "mosaic_tpu" (``ragged.mosaic_tpu``), "reference"
-(``ragged.reference``). Forward only.
+Kernels (``backend=``): "mosaic_tpu" (``ragged.mosaic_tpu``), "triton"
+(``ragged.triton``, NVIDIA GPUs), "reference" (``ragged.reference``).
+Forward only.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _backend
-from pallas_kernels.ragged import cache_mosaic_tpu, mosaic_tpu, reference
+from pallas_kernels.ragged import (cache_mosaic_tpu, mosaic_tpu, reference,
+                                   triton)
 
 OP = "ragged_paged_attention"
 Q_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -62,7 +64,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
     sinks: None or [H] float: per query head, ``exp(sinks[h])`` joins the
       softmax denominator (attention sinks; not scaled or capped).
     backend: None (the best kernel for the platform), "mosaic_tpu",
-      "interpret" or "reference".
+      "triton", "gpu", "interpret" or "reference".
 
   Returns:
     [T, H, D] in q's dtype. Token t of sequence i sits at position
@@ -183,6 +185,12 @@ def _attention(op, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
           "mosaic_tpu", tpu,
           supports=lambda: mosaic_tpu.supports(q, kv_pages, page_indices),
           hardware=lambda target: mosaic_tpu.hardware(kv_pages, target)),
+      _backend.Kernel(
+          "triton", lambda *a, interpret=None: triton.ragged(
+              *a, interpret=interpret or False, **static, **blocks),
+          supports=lambda: ("the Triton kernel reads K/V-interleaved pages, "
+                            "not MLA's latent rows" if latent_dim else
+                            triton.supports(q, kv_pages))),
       _backend.Kernel("reference", ref),
   ]
   return _backend.dispatch(op, backend, rows, *args)

@@ -1,0 +1,85 @@
+"""The GPU kernel of ragged_paged_attention compiled (not interpreted)
+against the tests' float64 oracle: the shared suite's cases and a random
+sweep (page sizes 4-32, GQA 1-8, head_dim 64/96/128, window, soft cap,
+sinks, int8/fp8 caches with scales, splits). Run on a GPU:
+
+    PYTHONPATH=. python scripts/ragged_gpu_check.py [NAME_SUBSTRING ...]
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import backends  # noqa: E402
+import test_ragged_paged_attention as t  # noqa: E402
+
+GPU = backends.Backend("triton_compiled", "triton", None)
+
+
+def main():
+  failed = 0
+  checks = []
+  for name, case in sorted(t.CASES.items()):
+    case = dict(case)
+    kw = case.pop("kw")
+    dtype = case.get("dtype", jnp.float32)
+    checks.append((name, t.make_batch(np.random.default_rng(len(name)),
+                                      **case), t.TOL[dtype], kw))
+  for seed in range(24):
+    rng = np.random.default_rng(1000 + seed)
+    kv_heads = int(rng.choice([1, 2, 4]))
+    group = int(rng.choice([1, 2, 3, 4, 8]))
+    page_size = int(rng.choice([4, 8, 16, 32]))
+    pages_per_seq = int(rng.integers(1, 40))
+    n = int(rng.integers(1, 7))
+    kv_lens = rng.integers(0, pages_per_seq * page_size + 1, n)
+    q_lens = [int(rng.integers(0, k + 1)) if rng.random() < 0.4
+              else min(int(k), 1) for k in kv_lens]
+    cache = [None, None, jnp.int8, jnp.float8_e4m3fn,
+             jnp.float8_e5m2][seed % 5]
+    dtype = jnp.bfloat16 if seed % 3 == 0 or cache else jnp.float32
+    kw = dict(sm_scale=float(rng.uniform(0.05, 0.3)))
+    if cache is not None:
+      kw.update(k_scale=0.03, v_scale=0.05)
+    if seed % 2:
+      kw["sliding_window"] = int(rng.integers(1, 200))
+    if seed % 4 == 1:
+      kw["soft_cap"] = 3.0
+    if seed % 3 == 1:
+      kw["sinks"] = jnp.asarray(rng.standard_normal(kv_heads * group),
+                                jnp.float32)
+    if seed % 6 == 5:
+      kw["num_queries_per_block"] = int(rng.integers(1, 40))
+      kw["num_kv_pages_per_block"] = int(rng.integers(1, 8))
+    args = t.make_batch(rng, q_lens, kv_lens, heads=kv_heads * group,
+                        kv_heads=kv_heads,
+                        head_dim=int(rng.choice([64, 96, 128])),
+                        page_size=page_size, pages_per_seq=pages_per_seq,
+                        dtype=dtype, cache_dtype=cache,
+                        extra_seqs=int(rng.integers(0, 3)))
+    checks.append((f"sweep{seed} {cache and jnp.dtype(cache).name} q{q_lens} "
+                   f"kv{[int(k) for k in kv_lens]} "
+                   f"p{page_size} G{group}", args, t.TOL[dtype], kw))
+  only = sys.argv[1:]   # substrings of the checks to run (default: all)
+  checks = [c for c in checks if not only or any(o in c[0] for o in only)]
+  for name, args, tol, kw in checks:
+    start = time.perf_counter()
+    try:
+      t._check(GPU, args, tol, **kw)
+      status = "ok"
+    except Exception as e:  # noqa: BLE001
+      failed += 1
+      status = f"FAIL {type(e).__name__}: {str(e)[:400]}"
+    print(f"{name}: {status} ({time.perf_counter() - start:.1f} s)",
+          flush=True)
+  print(f"{len(checks) - failed}/{len(checks)} passed")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
