@@ -22,7 +22,7 @@ import backends
 import pallas_kernels as pk
 from oracles import ragged as oracle
 from pallas_kernels import _compat, tpu_aot
-from test_ragged_paged_attention import make_batch
+from test_ragged_paged_attention import _Fixed, make_batch
 
 OP = pk.mla_ragged_paged_attention
 KERNELS = backends.params(["interpret", "interpret_generic", "reference"])
@@ -271,3 +271,21 @@ def test_old_jax_compiles_a_lane_aligned_row(tpu_topologies):
       lambda *a: OP(*a, latent_dim=512, backend="mosaic_tpu"), *args,
       topology="v5e:2x2")
   assert result.kernel_vmem_bytes
+
+
+@pytest.mark.parametrize("backend", backends.params(["interpret",
+                                                     "reference"]))
+def test_sharded_over_heads(backend, rng):
+  """Tensor parallel: each device takes half the query heads; the latent
+  cache, one row per token for every head, is replicated. The result
+  matches the oracle of the whole call."""
+  args = mla_batch(rng, [5, 1, 0, 3], [9, 6, 2, 12], heads=4, head_dim=80,
+                   page_size=4, pages_per_seq=4)
+  P = jax.sharding.PartitionSpec
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
+  run = lambda *a: backend.run(OP, *a, latent_dim=64, sm_scale=0.2)  # noqa: E731
+  sharded = jax.jit(_compat.shard_map(
+      run, mesh=mesh, in_specs=(P(None, "model"),) + (P(),) * 5,
+      out_specs=P(None, "model")))
+  _check(_Fixed(sharded(*args)), args, TOL[jnp.float32], latent_dim=64,
+         sm_scale=0.2)

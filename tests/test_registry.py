@@ -32,8 +32,8 @@ NOT_COVERED = {
         "quantize": "symmetric int8 runs quantize_int8's kernel (its case)",
         "ragged_paged_attention": "tests/test_ragged_paged_attention.py "
                                   "shards it over heads and sequences",
-        "mla_ragged_paged_attention": "not yet run sharded; it shares "
-                                      "ragged's kernel and metadata path",
+        "mla_ragged_paged_attention": "tests/test_mla_ragged_paged_attention"
+                                      ".py shards it over heads",
         "write_kv_pages": "a cache update aliased in place: sharded with "
                           "the attention step that follows it",
     },
