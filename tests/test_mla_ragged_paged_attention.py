@@ -22,7 +22,7 @@ import backends
 import pallas_kernels as pk
 from oracles import ragged as oracle
 from pallas_kernels import _compat, tpu_aot
-from test_ragged_paged_attention import _Fixed, make_batch
+from test_ragged_paged_attention import _Fixed, make_batch, serve_per_device
 
 OP = pk.mla_ragged_paged_attention
 KERNELS = backends.params(["interpret", "interpret_generic", "reference"])
@@ -289,3 +289,19 @@ def test_sharded_over_heads(backend, rng):
       out_specs=P(None, "model")))
   _check(_Fixed(sharded(*args)), args, TOL[jnp.float32], latent_dim=64,
          sm_scale=0.2)
+
+
+@pytest.mark.parametrize("backend", backends.params(["interpret",
+                                                     "reference"]))
+def test_sharded_over_sequences(backend, rng):
+  """Data parallel: each device serves its own batch over its own latent
+  cache; each shard matches the oracle of its batch."""
+  shape = dict(heads=3, head_dim=80, page_size=4, pages_per_seq=3,
+               spare_pages=2)
+  batches = [mla_batch(rng, [4, 1], [7, 10], **shape),
+             mla_batch(rng, [1, 2], [3, 12], **shape)]
+  padded, out = serve_per_device(backend, OP, batches, latent_dim=64,
+                                 sm_scale=0.3)
+  for i, parts in enumerate(padded):
+    _check(_Fixed(out[i]), parts, TOL[jnp.float32], latent_dim=64,
+           sm_scale=0.3)

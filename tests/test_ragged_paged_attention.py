@@ -347,24 +347,31 @@ def test_sharded_over_sequences(backend, rng):
                pages_per_seq=3, spare_pages=2)
   batches = [make_batch(rng, [4, 1], [7, 10], **shape),
              make_batch(rng, [1, 2], [3, 12], **shape)]
+  padded, out = serve_per_device(backend, pk.ragged_paged_attention, batches,
+                                 sm_scale=0.3)
+  for i, parts in enumerate(padded):
+    _check(_Fixed(out[i]), parts, TOL[jnp.float32], sm_scale=0.3)
+
+
+def serve_per_device(backend, op, batches, **kw):
+  """Each batch served on its own device (data parallel: every argument
+  padded to the largest batch and stacked on a leading device axis):
+  (the padded batches, the stacked results)."""
   tokens = max(b[0].shape[0] for b in batches)
   pages = max(b[1].shape[0] for b in batches)
   padded = [(jnp.pad(b[0], ((0, tokens - b[0].shape[0]), (0, 0), (0, 0))),
-             jnp.pad(b[1], ((0, pages - b[1].shape[0]),) + ((0, 0),) * 3))
-            + b[2:] for b in batches]
+             jnp.pad(b[1], ((0, pages - b[1].shape[0]),)
+                     + ((0, 0),) * (b[1].ndim - 1))) + b[2:]
+            for b in batches]
   stacked = [jnp.stack(parts) for parts in zip(*padded)]
   P = jax.sharding.PartitionSpec
 
   def run(*a):
-    out = backend.run(pk.ragged_paged_attention, *(x[0] for x in a),
-                      sm_scale=0.3)
-    return out[None]
+    return backend.run(op, *(x[0] for x in a), **kw)[None]
   sharded = jax.jit(_compat.shard_map(run, mesh=_mesh("data"),
                                       in_specs=(P("data"),) * 6,
                                       out_specs=P("data")))
-  out = sharded(*stacked)
-  for i, parts in enumerate(padded):
-    _check(_Fixed(out[i]), parts, TOL[jnp.float32], sm_scale=0.3)
+  return padded, sharded(*stacked)
 
 
 class _Fixed:

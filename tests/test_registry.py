@@ -33,7 +33,8 @@ NOT_COVERED = {
         "ragged_paged_attention": "tests/test_ragged_paged_attention.py "
                                   "shards it over heads and sequences",
         "mla_ragged_paged_attention": "tests/test_mla_ragged_paged_attention"
-                                      ".py shards it over heads",
+                                      ".py shards it over heads and "
+                                      "sequences",
         "write_kv_pages": "a cache update aliased in place: sharded with "
                           "the attention step that follows it",
     },
