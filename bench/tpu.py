@@ -224,12 +224,10 @@ def _ragged_cases(quick):
   with the values those fusions compute, so the walk follows its data-
   dependent steps exactly; the XLA work that computes them is not
   counted (a few small fusions over S and T)."""
-  import jax.numpy as jnp
-  import numpy as np
   import pallas_kernels as pk
   from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
       kernel as rpa)
-  from pallas_kernels.ragged import mosaic_tpu, reference
+  from pallas_kernels.ragged import mosaic_tpu
   c = RAGGED
   h, hk, d, page, pps = (c["heads"], c["kv_heads"], c["head_dim"], c["page"],
                          c["pages_per_seq"])
@@ -239,36 +237,18 @@ def _ragged_cases(quick):
     group = f"ragged_paged_attention {name}"
     t, s = sum(q_lens), len(q_lens)
     lens, table, cu, ns = ragged_metadata(q_lens, kv_lens)
-    base = [_S((t, h, d), jnp.bfloat16),
-            _S((max(s * pps, c["min_pages"]), page, 2 * hk, d),
-               jnp.bfloat16),
-            _S((s,), jnp.int32), _S((s, pps), jnp.int32),
-            _S((s + 1,), jnp.int32), _S((1,), jnp.int32)]
-    params = {2: lens.tolist(), 3: table.ravel().tolist(), 4: cu.tolist(),
-              5: ns.tolist()}
-    bounds = reference.seq_bounds(jnp.asarray(cu), jnp.asarray(ns), t)
+    pool = (max(s * pps, c["min_pages"]), page, 2 * hk, d)
+    base, params = _ragged_entry(t, h, pool, pps, lens, table, cu, ns)
     # Ours at its default query block, and at the one that suits the
     # batch (1 token per item for decodes, 128 for prefill).
     for nq in (None, 1 if max(q_lens) == 1 else 128):
       plan = mosaic_tpu.make_plan(t, h, hk, d, s, page, pps, 2, 2,
                                   num_queries_per_block=nq,
                                   generation="v5e")  # items: any generation
-      items = [np.asarray(v, np.int32) for v in mosaic_tpu.work_items(
-          bounds, jnp.asarray(lens), plan)]
-
-      def ours(q, kv, n, tb, cu_, ns_, *items, nq=nq):
-        original = mosaic_tpu.work_items
-        mosaic_tpu.work_items = lambda *_: tuple(items)
-        try:
-          return pk.ragged_paged_attention(q, kv, n, tb, cu_, ns_,
-                                           sm_scale=d ** -0.5,
-                                           num_queries_per_block=nq)
-        finally:
-          mosaic_tpu.work_items = original
+      call = functools.partial(pk.ragged_paged_attention, sm_scale=d ** -0.5,
+                               num_queries_per_block=nq)
       out[f"{group}|ours{'' if nq is None else f' q{nq}'}"] = (
-          ours, base + [_S(v.shape, jnp.int32) for v in items],
-          {**params, **{6 + i: v.ravel().tolist()
-                        for i, v in enumerate(items)}})
+          _with_work_items(call, plan, cu, ns, lens, t, base, params))
     for kvp, nq in RAGGED_JAX_BLOCKS[:1] if quick else RAGGED_JAX_BLOCKS:
       out[f"{group}|jax ragged_paged_attention {kvp}x{page} q{nq}"] = (
           functools.partial(
@@ -295,10 +275,8 @@ def _mla_cases(quick):
   """``mla_ragged_paged_attention`` at the ``MLA_BATCHES``, ours only (JAX
   has no MLA paged kernel), at the default query block and at one token per
   item; work items as entry parameters as in ``_ragged_cases``."""
-  import jax.numpy as jnp
-  import numpy as np
   import pallas_kernels as pk
-  from pallas_kernels.ragged import mosaic_tpu, reference
+  from pallas_kernels.ragged import mosaic_tpu
   c = MLA
   d, page, pps = c["latent"] + c["rope"], c["page"], c["pages_per_seq"]
   out = {}
@@ -307,34 +285,55 @@ def _mla_cases(quick):
     group = f"mla_ragged_paged_attention {name}"
     t, s = sum(q_lens), len(q_lens)
     lens, table, cu, ns = ragged_metadata(q_lens, kv_lens, pps)
-    base = [_S((t, h, d), jnp.bfloat16),
-            _S((max(s * pps, c["min_pages"]), page, d), jnp.bfloat16),
-            _S((s,), jnp.int32), _S((s, pps), jnp.int32),
-            _S((s + 1,), jnp.int32), _S((1,), jnp.int32)]
-    params = {2: lens.tolist(), 3: table.ravel().tolist(), 4: cu.tolist(),
-              5: ns.tolist()}
-    bounds = reference.seq_bounds(jnp.asarray(cu), jnp.asarray(ns), t)
+    pool = (max(s * pps, c["min_pages"]), page, d)
+    base, params = _ragged_entry(t, h, pool, pps, lens, table, cu, ns)
     for nq in (None, 1):
       plan = mosaic_tpu.make_plan(t, h, 1, d, s, page, pps, 2, 2,
                                   num_queries_per_block=nq, channels=1,
                                   generation="v5e")
-      items = [np.asarray(v, np.int32) for v in mosaic_tpu.work_items(
-          bounds, jnp.asarray(lens), plan)]
-
-      def ours(q, kv, n, tb, cu_, ns_, *items, nq=nq):
-        original = mosaic_tpu.work_items
-        mosaic_tpu.work_items = lambda *_: tuple(items)
-        try:
-          return pk.mla_ragged_paged_attention(
-              q, kv, n, tb, cu_, ns_, latent_dim=c["latent"],
-              sm_scale=192 ** -0.5, num_queries_per_block=nq)
-        finally:
-          mosaic_tpu.work_items = original
+      call = functools.partial(pk.mla_ragged_paged_attention,
+                               latent_dim=c["latent"], sm_scale=192 ** -0.5,
+                               num_queries_per_block=nq)
       out[f"{group}|ours{'' if nq is None else f' q{nq}'}"] = (
-          ours, base + [_S(v.shape, jnp.int32) for v in items],
+          _with_work_items(call, plan, cu, ns, lens, t, base, params))
+  return out
+
+
+def _ragged_entry(t, h, pool, pps, lens, table, cu, ns):
+  """The ragged ops' entry specs (bf16 q [t, h, D] and page pool ``pool``,
+  int32 metadata) and the metadata's values as entry parameters."""
+  import jax.numpy as jnp
+  s = len(lens)
+  base = [_S((t, h, pool[-1]), jnp.bfloat16), _S(pool, jnp.bfloat16),
+          _S((s,), jnp.int32), _S((s, pps), jnp.int32),
+          _S((s + 1,), jnp.int32), _S((1,), jnp.int32)]
+  params = {2: lens.tolist(), 3: table.ravel().tolist(), 4: cu.tolist(),
+            5: ns.tolist()}
+  return base, params
+
+
+def _with_work_items(call, plan, cu, ns, lens, t, base, params):
+  """(fn, specs, params) of ``call(q, kv, lens, table, cu, ns)`` whose work
+  items (XLA fusions of the metadata) are entry parameters holding the
+  values those fusions compute, so the walk follows the kernel's data-
+  dependent steps exactly."""
+  import jax.numpy as jnp
+  import numpy as np
+  from pallas_kernels.ragged import mosaic_tpu, reference
+  bounds = reference.seq_bounds(jnp.asarray(cu), jnp.asarray(ns), t)
+  items = [np.asarray(v, np.int32) for v in mosaic_tpu.work_items(
+      bounds, jnp.asarray(lens), plan)]
+
+  def ours(q, kv, n, tb, cu_, ns_, *fixed):
+    original = mosaic_tpu.work_items
+    mosaic_tpu.work_items = lambda *_: tuple(fixed)
+    try:
+      return call(q, kv, n, tb, cu_, ns_)
+    finally:
+      mosaic_tpu.work_items = original
+  return (ours, base + [_S(v.shape, jnp.int32) for v in items],
           {**params, **{6 + i: v.ravel().tolist()
                         for i, v in enumerate(items)}})
-  return out
 
 
 def _matmul_cases(quick):

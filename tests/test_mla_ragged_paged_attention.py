@@ -22,7 +22,8 @@ import backends
 import pallas_kernels as pk
 from oracles import ragged as oracle
 from pallas_kernels import _compat, tpu_aot
-from test_ragged_paged_attention import _Fixed, make_batch, serve_per_device
+from test_ragged_paged_attention import (_Fixed, make_batch, random_step,
+                                         serve_per_device)
 
 OP = pk.mla_ragged_paged_attention
 KERNELS = backends.params(["interpret", "interpret_generic", "reference"])
@@ -178,27 +179,11 @@ def test_random_sweep(backend, seed):
   rng = np.random.default_rng(200 + seed)
   heads = int(rng.choice([1, 3, 16]))
   head_dim, latent_dim = [(80, 64), (576, 512), (136, 128)][seed % 3]
-  page_size = int(rng.choice([4, 8, 16]))
-  pages_per_seq = int(rng.integers(1, 5))
-  n = int(rng.integers(1, 6))
-  kv_lens = rng.integers(0, pages_per_seq * page_size + 1, n)
-  q_lens = [int(rng.integers(0, k + 1)) if rng.random() < 0.4
-            else min(int(k), 1) for k in kv_lens]
-  dtype = jnp.bfloat16 if seed % 3 == 1 else jnp.float32
-  kw = dict(sm_scale=float(rng.uniform(0.02, 0.1)))
-  if seed % 2:
-    kw["sliding_window"] = int(rng.integers(1, 20))
-  if seed % 4 == 1:
-    kw["soft_cap"] = 3.0
-  if seed % 3 == 2:
-    kw["sinks"] = jnp.asarray(rng.standard_normal(heads), jnp.float32)
-  if rng.random() < 0.5:
-    kw["num_queries_per_block"] = int(rng.integers(1, 9))
-    kw["num_kv_pages_per_block"] = int(rng.integers(1, pages_per_seq + 1))
-  args = mla_batch(rng, q_lens, kv_lens, heads=heads, head_dim=head_dim,
-                   page_size=page_size, pages_per_seq=pages_per_seq,
-                   dtype=dtype, extra_seqs=int(rng.integers(0, 3)))
-  _check(backend, args, TOL[dtype], latent_dim=latent_dim, **kw)
+  step, kw = random_step(rng, seed, heads, sm_scale=(0.02, 0.1))
+  args = mla_batch(rng, step["q_lens"], step["kv_lens"], heads=heads,
+                   head_dim=head_dim, **step["batch"])
+  _check(backend, args, TOL[step["batch"]["dtype"]], latent_dim=latent_dim,
+         **kw)
 
 
 # ------------------------------------------------------------------- AOT --

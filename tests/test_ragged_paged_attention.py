@@ -195,7 +195,18 @@ def test_bad_inputs(bad, match):
 def test_random_sweep(backend, seed):
   rng = np.random.default_rng(100 + seed)
   kv_heads = int(rng.choice([1, 2]))
-  group = int(rng.choice([1, 2, 3, 4]))
+  heads = kv_heads * int(rng.choice([1, 2, 3, 4]))
+  step, kw = random_step(rng, seed, heads, sm_scale=(0.05, 0.3))
+  args = make_batch(rng, step["q_lens"], step["kv_lens"], heads=heads,
+                    kv_heads=kv_heads, head_dim=128, **step["batch"])
+  _check(backend, args, TOL[step["batch"]["dtype"]], **kw)
+
+
+def random_step(rng, seed, heads, *, sm_scale):
+  """The sweeps' random serving step: lengths (q lengths 0, 1 or many),
+  pages, dtype and options (window, soft cap, sinks, block sizes), drawn
+  from ``rng``, the option mix cycling with ``seed``. Returns (lengths and
+  ``make_batch`` keywords, op keywords)."""
   page_size = int(rng.choice([4, 8, 16]))
   pages_per_seq = int(rng.integers(1, 5))
   n = int(rng.integers(1, 6))
@@ -203,22 +214,19 @@ def test_random_sweep(backend, seed):
   q_lens = [int(rng.integers(0, k + 1)) if rng.random() < 0.4
             else min(int(k), 1) for k in kv_lens]
   dtype = jnp.bfloat16 if seed % 3 == 0 else jnp.float32
-  kw = dict(sm_scale=float(rng.uniform(0.05, 0.3)))
+  kw = dict(sm_scale=float(rng.uniform(*sm_scale)))
   if seed % 2:
     kw["sliding_window"] = int(rng.integers(1, 20))
   if seed % 4 == 1:
     kw["soft_cap"] = 3.0
   if seed % 3 == 1:
-    kw["sinks"] = jnp.asarray(rng.standard_normal(kv_heads * group),
-                              jnp.float32)
+    kw["sinks"] = jnp.asarray(rng.standard_normal(heads), jnp.float32)
   if rng.random() < 0.5:
     kw["num_queries_per_block"] = int(rng.integers(1, 9))
     kw["num_kv_pages_per_block"] = int(rng.integers(1, pages_per_seq + 1))
-  args = make_batch(rng, q_lens, kv_lens, heads=kv_heads * group,
-                    kv_heads=kv_heads, head_dim=128, page_size=page_size,
-                    pages_per_seq=pages_per_seq, dtype=dtype,
-                    extra_seqs=int(rng.integers(0, 3)))
-  _check(backend, args, TOL[dtype], **kw)
+  batch = dict(page_size=page_size, pages_per_seq=pages_per_seq,
+               dtype=dtype, extra_seqs=int(rng.integers(0, 3)))
+  return dict(q_lens=q_lens, kv_lens=kv_lens, batch=batch), kw
 
 
 # ------------------------------------------------------------------- AOT --
