@@ -154,19 +154,27 @@ def vmem_bytes(plan: Plan, kv_heads, head_dim, q_itemsize, kv_itemsize,
 
 # ----------------------------------------------------------------- kernel --
 
+def item_keys(seq_ref, pos_ref, nq_ref, lens_ref, w, window):
+  """Work item ``w``: its sequence, first query position, query count and
+  sequence length, and the first and last key any of its queries sees
+  (``live``: it sees one)."""
+  seq, pos0, nq = seq_ref[w], pos_ref[w], nq_ref[w]
+  length = lens_ref[seq]
+  last = jnp.minimum(length, pos0 + nq) - 1
+  first = jnp.int32(0)
+  if window is not None:
+    first = jnp.maximum(pos0 - (window - 1), 0)
+  return seq, pos0, nq, length, first, last, (nq > 0) & (last >= first)
+
+
 def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
             *refs, plan: Plan, group, kv_heads, page_size, pages_per_seq,
             window, sm_scale, cap, v_scale, sinks, latent):
   sinks_ref = refs[0] if sinks else None
   o_ref, m_ref, l_ref, acc_ref, buf, sems = refs[sinks:]
   w, j = pl.program_id(0), pl.program_id(1)
-  seq, pos0, nq = seq_ref[w], pos_ref[w], nq_ref[w]
-  length = lens_ref[seq]
-  last = jnp.minimum(length, pos0 + nq) - 1     # the item's last key
-  first = jnp.int32(0)
-  if window is not None:
-    first = jnp.maximum(pos0 - (window - 1), 0)
-  live = (nq > 0) & (last >= first)
+  seq, pos0, nq, length, first, last, live = item_keys(
+      seq_ref, pos_ref, nq_ref, lens_ref, w, window)
   lo = lax.div(first, jnp.int32(plan.block))
   hi = lax.div(jnp.maximum(last, 0), jnp.int32(plan.block))
   blk = lo + j

@@ -118,13 +118,8 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, k_ref,
   rest = list(rest)
   sink_ref = rest.pop(0) if sinks else None
   w, split = pl.program_id(1 if heads_first else 0), pl.program_id(2)
-  seq, pos0, nq = seq_ref[w], pos_ref[w], nq_ref[w]
-  length = lens_ref[seq]
-  last = jnp.minimum(length, pos0 + nq) - 1      # the item's last key
-  first = jnp.int32(0)
-  if window is not None:
-    first = jnp.maximum(pos0 - (window - 1), 0)
-  live = (nq > 0) & (last >= first)
+  seq, pos0, nq, length, first, last, live = _tpu.item_keys(
+      seq_ref, pos_ref, nq_ref, lens_ref, w, window)
   lo = lax.div(first, jnp.int32(block))
   count = jnp.where(live, lax.div(jnp.maximum(last, 0), jnp.int32(block))
                     - lo + 1, 0)
