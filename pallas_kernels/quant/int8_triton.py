@@ -117,6 +117,41 @@ def _tile_order(ni, nj, group_m):
   return (ni * nj, 1), tile
 
 
+def split_k_call(kernel, operands, in_specs, *, grid, tile, plan, padded,
+                 out_dtype, partial_dtype, x_side, w_side, name, interpret):
+  """The Triton matmuls' launch over ``(*grid, split)``: program (p, q, s)
+  writes the [bm, bn] output tile ``tile(p, q)`` of the padded [mp, np]
+  result (``padded`` = (mp, kp, np)); with a K split (``plan.split_k`` > 1)
+  each part writes its own ``partial_dtype`` partial product and the parts
+  are summed (exact for int32). The cost counts each program streaming its
+  x rows (``x_side`` arrays) and w columns (``w_side``) once."""
+  mp, kp, np_ = padded
+  bm, bn, split = plan.bm, plan.bn, plan.split_k
+  if split == 1:
+    out_spec = pl.BlockSpec((bm, bn), lambda p, q, s: tile(p, q))
+    out_struct = jax.ShapeDtypeStruct((mp, np_), out_dtype)
+  else:
+    out_spec = pl.BlockSpec((None, bm, bn), lambda p, q, s: (s, *tile(p, q)))
+    out_struct = jax.ShapeDtypeStruct((split, mp, np_), partial_dtype)
+  bytes_accessed = ((np_ // bn) * _cost.nbytes(*x_side)
+                    + (mp // bm) * _cost.nbytes(*w_side)
+                    + _cost.nbytes(out_struct))
+  out = _compat.pallas_call(
+      kernel,
+      grid=(*grid, split),
+      in_specs=in_specs,
+      out_specs=out_spec,
+      out_shape=out_struct,
+      compiler_params=_compat.gpu_compiler_params(
+          num_warps=plan.num_warps, num_stages=plan.num_stages),
+      interpret=interpret,
+      cost_estimate=_cost.estimate(flops=2 * mp * np_ * kp,
+                                   bytes_accessed=bytes_accessed),
+      name=name,
+  )(*operands)
+  return out.sum(axis=0) if split > 1 else out
+
+
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
            w_layout="kn", interpret=False):
   """The normalized operands (``operands.MatmulCall``) -> [M, N] out_dtype
@@ -163,35 +198,12 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
       has_xs=fused[0] is not None, has_ws=fused[1] is not None,
       has_b=fused[2] is not None, w_kmajor=w_kmajor, split=split > 1,
       swap_ab=plan.swap_ab, stream_w=plan.stream_w)
-  if split == 1:
-    out_spec = pl.BlockSpec((bm, bn), lambda p, q, s: tile(p, q))
-    out_struct = jax.ShapeDtypeStruct((mp, np_), out_dtype)
-  else:
-    out_spec = pl.BlockSpec((None, bm, bn), lambda p, q, s: (s, *tile(p, q)))
-    out_struct = jax.ShapeDtypeStruct(
-        (split, mp, np_), jnp.float32 if mode == "weight_only" else jnp.int32)
-  # Each program streams its x rows and w columns over K once.
-  grid_m, grid_n = mp // bm, np_ // bn
-  bytes_accessed = (grid_n * _cost.nbytes(operands[0], fused[0])
-                    + grid_m * _cost.nbytes(operands[1], *fused[1:])
-                    + _cost.nbytes(out_struct))
-  out = _compat.pallas_call(
-      kernel,
-      grid=(*grid, split),
-      in_specs=in_specs,
-      out_specs=out_spec,
-      out_shape=out_struct,
-      compiler_params=_compat.gpu_compiler_params(
-          num_warps=plan.num_warps, num_stages=plan.num_stages),
-      interpret=interpret,
-      cost_estimate=_cost.estimate(flops=2 * mp * np_ * kp,
-                                   bytes_accessed=bytes_accessed),
-      name=f"int8_matmul_{mode}_gpu",
-  )(*operands)
-  if split > 1:
-    out = out.sum(axis=0)  # int32: exact
-  if (mp, np_) != (m, n):
-    out = out[:m, :n]
+  out = split_k_call(
+      kernel, operands, in_specs, grid=grid, tile=tile, plan=plan,
+      padded=(mp, kp, np_), out_dtype=out_dtype,
+      partial_dtype=jnp.float32 if mode == "weight_only" else jnp.int32,
+      x_side=(operands[0], fused[0]), w_side=(operands[1], *fused[1:]),
+      name=f"int8_matmul_{mode}_gpu", interpret=interpret)[:m, :n]
   if split > 1 and mode != "raw":
     out = quant.epilogue(out, x_scale, w_scale, bias, out_dtype)
   return out

@@ -33,9 +33,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _compat, _cost
 from pallas_kernels._compat import pl
 from pallas_kernels.quant import int8_quantize as int8_quant
+from pallas_kernels.quant import int8_triton
 from pallas_kernels.quant import block_sizes as bs
 from pallas_kernels.quant import formats, reference
 
@@ -276,34 +276,14 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
       group_size=group_size, split=split > 1,
       stream_w=plan.stream_w and mp == bm, compute_dtype=compute_dtype,
       group_products=group_products)
-  out_dtype = jnp.dtype(out_dtype)
-  if split == 1:
-    out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
-    out_struct = jax.ShapeDtypeStruct((mp, np_), out_dtype)
-  else:
-    out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
-    out_struct = jax.ShapeDtypeStruct((split, mp, np_), jnp.float32)
-  grid = (mp // bm, np_ // bn, split)
   w_and_tables = arrays[1:2] + arrays[2 + (fused[0] is not None):]
-  bytes_accessed = (grid[1] * _cost.nbytes(x, fused[0])
-                    + grid[0] * _cost.nbytes(*w_and_tables)
-                    + _cost.nbytes(out_struct))
-  out = _compat.pallas_call(
-      kernel,
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_spec,
-      out_shape=out_struct,
-      compiler_params=_compat.gpu_compiler_params(
-          num_warps=plan.num_warps, num_stages=plan.num_stages),
-      interpret=interpret,
-      cost_estimate=_cost.estimate(flops=2 * mp * np_ * kp,
-                                   bytes_accessed=bytes_accessed),
+  out = int8_triton.split_k_call(
+      kernel, arrays, in_specs, grid=(mp // bm, np_ // bn),
+      tile=lambda i, j: (i, j), plan=plan, padded=(mp, kp, np_),
+      out_dtype=jnp.dtype(out_dtype), partial_dtype=jnp.float32,
+      x_side=(x, fused[0]), w_side=w_and_tables,
       name=f"quantized_matmul_{mode}_{fmt.name}_gpu",
-  )(*arrays)
-  if split > 1:
-    out = out.sum(axis=0)
-  out = out[:m, :n]
+      interpret=interpret)[:m, :n]
   if split > 1:
     out = int8_quant.epilogue(out, None if group_products else x_scale,
                               None if grouped else w_scale,
