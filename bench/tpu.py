@@ -56,6 +56,7 @@ def _S(shape, dtype):
 
 
 TOPOLOGY = None                    # set by compile_and_walk
+GENERATION = None                  # set by compile_and_walk
 ATTN = (1, 8, 2048, 128)          # batch, heads, length, head_dim
 DECODE = dict(batch=8, heads=32, kv_heads=8, length=4096, head_dim=128,
               page=64)
@@ -547,10 +548,15 @@ def compile_and_walk(case: str, generation: str, dump: str,
   from bench import tpu_bundles
   import pallas_kernels.tpu_aot as tpu_aot
   op = case.split("|")[0]
-  table = cases((_family(op),), quick)
-  fn, args, params = table[case]
-  global TOPOLOGY
+  global TOPOLOGY, GENERATION
   TOPOLOGY = tpu_aot.GENERATION_TOPOLOGY[generation]
+  GENERATION = generation
+  if op.startswith("search "):
+    from bench import tpu_search
+    table = tpu_search.cases(names=[case])
+  else:
+    table = cases((_family(op),), quick)
+  fn, args, params = table[case]
   t0 = time.time()
   tpu_aot.compile_for_tpu(fn, *args,
                           topology=tpu_aot.GENERATION_TOPOLOGY[generation])
