@@ -1,25 +1,8 @@
-"""Static attention masks for ``flash_attention(..., mask=...)``.
-
-A mask says which (query ``i``, key ``j``) pairs may attend. Positions are
-aligned at the sequence ends, as for ``causal=True``: query ``i`` sits at
-position ``p = i + kv_len - q_len``.
-
-  Causal()               j <= p
-  Local(left, right)     p - left <= j <= p + right (None: unbounded side)
-  ChunkedCausal(size)    j <= p and j // size == p // size (Llama 4 chunks)
-  PrefixLM(length)       j <= p or j < length (bidirectional prefix)
-  Dense(array)           array[i, j] (a concrete bool ``[q_len, kv_len]``)
-
-Masks combine with ``&`` and ``|``; a list with one mask per query head
-gives each head its own. Masks are static: they are hashable values, known
-at trace time, so the kernels can skip the blocks a mask empties.
-
-Each mask answers two questions. ``allowed(p, j)``: the elementwise rule on
-broadcast position arrays (NumPy or, inside a kernel, jax). ``block_bounds``:
-for rectangles of positions, whether *some* pair is allowed and whether
-*every* pair is. The answers may err only towards "some" and away from
-"every": a block called partial that is really full or empty costs time,
-never correctness. ``Dense`` has no formula: it is evaluated from its array.
+"""Static attention masks for ``flash_attention(..., mask=...)``: ``Causal``,
+``Local``, ``ChunkedCausal``, ``PrefixLM``, ``Dense``, combined with ``&``/``|``.
+Positions are ends-aligned (query ``i`` at ``i + kv_len - q_len``). Each mask
+gives ``allowed(p, j)`` elementwise and ``block_bounds`` per block, which may
+err only towards "partial" (costs time, never correctness).
 """
 from __future__ import annotations
 

@@ -1,43 +1,9 @@
 """Flash-attention forward for Hopper GPUs: a Pallas Mosaic GPU kernel.
 
-One CTA per (head, 128-row q tile, batch) runs three warpgroups. Two compute
-warpgroups own 64 query rows each; the memory warpgroup streams the K/V
-blocks of the tile's band through a ring of ``STAGES`` SMEM slots with TMA
-(a "loaded" barrier per slot, and a "consumed" one that both compute
-warpgroups arrive on). A compute warpgroup issues ``S = Q K^T`` with wgmma,
-runs the online softmax in registers (base 2: running max ``m``, sum ``l``)
-and issues ``acc += P V`` with P taken from registers; the epilogue writes
-``out = acc / l`` and ``lse = (m + log2 l) ln 2`` through SMEM and TMA.
-The compute warpgroups take turns, so that one's softmax overlaps the
-other's matmuls; ``default_schedule`` picks how:
-  rendezvous  a two-arrival barrier both pass together (head_dim 64, and
-              above 128 with a masked step);
-  named       ping-pong through the hardware barriers ``bar.sync`` /
-              ``bar.arrive`` (head_dim 80..128 with a masked step);
-  overlap     FlashAttention-3 pipelining within a warpgroup: step c issues
-              S_c and P_{c-1} V_{c-1} back to back and runs block c's softmax
-              while P V runs; V is released a step after K, so the memory
-              warpgroup loads it a refill later (head_dim above 64, no
-              mask).
-Block skipping: the memory warpgroup loads the union of the two warpgroups'
-bands; a warpgroup passes over slots outside its own band and masks only
-the band's edge blocks. Lq is padded to 128 and Lk to ``BLOCK_K`` (masked).
-A static mask (``masks``, shared by every head) comes as a table instead
-(``mask_tables``): per 128-row tile the live key blocks, partial ones first,
-tiles with most blocks launched first; both warpgroups walk the tile's list
-(scalars read from global memory), mask the partial blocks and run the full
-ones unmasked. Partial blocks are masked from iota through the mask's
-formula, or, for a mask without one (``Dense``), from its element tile:
-the distinct partial tiles are stored once (float32 0/1) and each
-warpgroup loads its rows of one straight into the wgmma layout.
-Head dims: multiples of 16 from 64 to 256 run at their own width; the
-SMEM tiles take the widest swizzle whose span divides a row (128 bytes at
-64/128/192/256, 64 at 96/160/224, 32 at 80/112/144/...), which wgmma needs
-for both operands alike; other head dims run zero-padded to the next
-multiple of 16. Not handled (``supports``): bias, segment ids, per-head
-mask lists, float32, head_dim below 64 or above 256. In the Mosaic GPU interpreter (jax >= 0.10)
-the wgmmas are float32-accumulated dots of the same SMEM tiles and layout
-casts are dropped; the rest is the code the GPU runs.
+One CTA per (head, 128-row q tile, batch): two compute warpgroups (64 query
+rows each: wgmma ``S = Q K^T``, online softmax in base 2, ``acc += P V``) and
+a memory warpgroup streaming the band's K/V blocks through a TMA ring; static
+masks come as block tables. Structure: docs/design/attention.md.
 """
 from __future__ import annotations
 

@@ -1,40 +1,10 @@
 """Flash-attention backward for Hopper GPUs: Pallas Mosaic GPU kernels.
 
-Two kernels, as in the Triton backward, so that no atomics are needed; both
-recompute ``P = exp2(S * scale2 - lse2)`` from the forward's lse, and
-``delta = rowsum(dO * O) - d_lse`` is one XLA reduction before them.
-dk/dv (``dkv``): one CTA per (kv head, 128-key tile, batch) runs three
-warpgroups. Each compute warpgroup owns 64 keys: its K and V rows stay in
-SMEM and its float32 dK and dV accumulators in registers. The memory
-warpgroup streams Q, dO, lse2 and delta blocks (``block_size`` query rows)
-of every query head of the GQA group and every q block of the tile's band
-through a ring of ``STAGES`` SMEM slots with TMA. Per block a compute
-warpgroup issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` together, forms
-``P^T`` and ``dS^T = P^T (dP^T - delta)`` in registers, then issues
-``dV += P^T dO`` and ``dK += dS^T Q`` with the left operands in registers.
-The two compute warpgroups are not synchronised, so one's exponentials
-overlap the other's matmuls.
-dq (``dq``): the forward's structure; each compute warpgroup owns 64 query
-rows (Q, dO, lse2, delta loaded once) and a float32 dQ accumulator, and the
-memory warpgroup streams K and V blocks; per block ``S = Q K^T`` and
-``dP = dO V^T`` together, then ``dQ += dS K``.
-Above head_dim 128 (``split_of``) one warpgroup's float32 dK and dV
-accumulators would not fit its registers, so both compute warpgroups of a
-CTA share one 64-key (dk/dv) or 64-row (dq) block, K/V/Q/dO held as two
-head_dim halves in SMEM, and split the work by role so that every matmul
-runs once: warpgroup 0 forms S and P and hands P (times 1 - tanh^2 under a
-soft cap) to warpgroup 1 through an SMEM tile per ring slot (an mbarrier
-per slot says it is written; the ring's release orders its reuse);
-warpgroup 1 forms dP, then dS. dk/dv: warpgroup 0 accumulates dV = P^T dO,
-warpgroup 1 dK = dS^T Q. dq: warpgroup 1 accumulates dQ = dS K.
-Rows without keys and padded rows carry lse2 = +inf, so their P is 0. dk/dv
-pads Lk to its keys per CTA and Lq to ``block_size``, dq the other way
-round. Block skipping and static masks as in the forward
-(``attention/mosaic_gpu.py``; dk/dv walks a key tile's query blocks from the
-key-major table, its element tiles transposed); head dims as there
-(multiples of 16 native, of 32 when split; others zero-padded). Not handled
-(``supports``): bias, segment ids, per-head mask lists, float32, head_dim
-below 64 or above 256.
+Two kernels (no atomics), both recomputing ``P = exp2(S * scale2 - lse2)``:
+``dkv`` (one CTA per kv head, 128-key tile and batch, streaming Q/dO blocks)
+and ``dq`` (the forward's structure, streaming K/V). Above head_dim 128 the
+two compute warpgroups split one block by role. Structure:
+docs/design/attention.md.
 """
 from __future__ import annotations
 

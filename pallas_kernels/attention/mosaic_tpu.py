@@ -1,35 +1,10 @@
 """Mosaic TPU flash attention: forward, dq and dk/dv kernels.
 
-Forward (online softmax): per (batch, head), the grid's last axes walk
-(query block, kv block) pairs, each query block's kv blocks consecutively.
-Per query block, VMEM scratch keeps the running max ``m``, the running sum
-``l`` (float32, lane-replicated ``[block_q, 128]``, kept so: no cross-lane
-broadcasts) and the float32 accumulator; the row's last step writes
-``acc / l`` and ``lse = m + log l`` (stored lane-dense as ``[B, H, 1,
-Lq]``). Without a bias or soft cap the logits stay unscaled and sm_scale
-joins exp2's multiply by log2(e) (``p = exp2(c (s - m))``).
-Backward: ``di = rowsum(dO * O) - d_lse`` in XLA; two kernels recompute the
-probabilities from lse (passed as ``log2(e) lse``: ``p = exp2(c s -
-lse2)``), sm_scale applied to dq and dk once at the row's end. dq walks like the forward, ``ds = p * (dO V^T -
-di)``, ``dq += ds K``, plus ``dbias = ds`` blocks with a bias. dk/dv: per
-(batch, kv head), each kv block's row walks the query blocks of every query
-head sharing the kv head (GQA gradients sum in VMEM), on transposed logits
-so lse/di rows broadcast without transposes: ``dv += p^T dO``, ``dk += ds^T
-Q``.
-Grids: without a mask, ``(B, H, q blocks, kv blocks)`` (dk/dv: ``(B, Hkv,
-kv blocks, group * q blocks)``). A causal/window band or static mask
-(``masks``) becomes a ``masks.Walk``: the grid is ``(B, H, steps)`` with one
-step per listed (row, block) pair (scalar-prefetched into SMEM), partial
-blocks (element mask) before full ones (no mask); consecutive steps of a
-row revisit its output block, which stays in VMEM until the row ends.
-Segment ids are data: each block's min/max id (scalar prefetch) skips, in
-the grid, blocks whose id ranges are disjoint.
-Layout: GQA reads kv head ``h // group`` (no repeat in HBM); sequences are
-padded to block multiples and head_dim (q/k's and v's, which may differ:
-MLA) each to a multiple of 128 (64 kept);
-padded queries get lse = +inf in the backward. float16 runs as float32 (no
-float16 matmul in Mosaic on v5e/v6e). Index maps divide with ``lax.div``:
-Python ``//`` lowers through ``sign``, which Mosaic lowers only on a TPU.
+Forward: online softmax over the (query block, kv block) pairs of each
+(batch, head). Backward: two kernels recompute the probabilities from lse
+(dq walks like the forward; dk/dv walks every query head of its kv head).
+Bands and static masks walk a scalar-prefetched list of blocks
+(``masks.Walk``). Structure: docs/design/attention.md.
 """
 from __future__ import annotations
 

@@ -1,33 +1,9 @@
 """Flash attention for NVIDIA GPUs: Pallas kernels with the Triton lowering.
 
-Forward (FlashAttention-2): one program per (q block, batch, head) keeps its
-q tile in registers and walks the kv blocks with ``lax.fori_loop``, doing the
-online softmax (running max ``m``, running sum ``l``, float32 accumulator) in
-base 2 (``exp2``, the scale folded into one multiply). It writes
-``out = acc / l`` and ``lse = (m + log2 l) ln 2``.
-Backward: two kernels recompute ``p = exp(s - lse)``, so no atomics are
-needed. The dq kernel (one program per q block, looping over kv blocks) also
-computes ``delta = rowsum(dO * O) - d_lse`` for its rows and writes ``dS``
-when the bias gradient is wanted; the dk/dv kernel (one program per kv block
-and kv head, looping over the GQA group's query heads and their q blocks)
-reads delta back.
-Masks: loop bounds come from the causal/window band, so kv blocks outside it
-are never loaded, and each loop splits into masked edge blocks and unmasked
-interior ones. A static mask (``masks``) comes as block tables instead: each
-program walks its row of listed blocks, partial ones (element mask) first. Segment ids mask every visited block. Under a causal mask each
-head's heaviest blocks launch first, ``band_chunk`` blocks of every head at a
-time (``_LaunchOrder``), so light blocks fill the tail.
-Padding: Triton tiles need power-of-two sizes >= 16: Lq and Lk are padded to
-block multiples, head_dim to the next power of two (padded keys masked,
-padded queries dropped, padded features zero).
-Tiles (``GpuBlockSizes``: block_q, block_k, warps, stages) by the bytes of a
-q/k/v row (head_dim * itemsize, the wider of q/k's and v's); "banded": causal
-or sliding window:
-  row bytes   forward                          dq           dk/dv
-  <= 128      128,64,4,3                       64,64,4,2    64,64,4,2
-  256         256,64,8,3; banded/bias 128,..   64,64,4,2    64,64,4,2
-  512, bf16   128,64,8,2; bias 64,32,4,2       64,32,4,2    64,64,8,2
-  other       64,32,4,2                        64,32,4,2    32,64,4,2
+Forward: FlashAttention-2, one program per (q block, batch, head), online
+softmax in base 2. Backward: a dq kernel and a dk/dv kernel that recompute
+``p`` from lse (no atomics). Bands bound the loops; static masks come as
+block tables. Tiles (``GpuBlockSizes``) and structure: docs/design/attention.md.
 """
 from __future__ import annotations
 
