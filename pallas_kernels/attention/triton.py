@@ -50,7 +50,7 @@ class GpuBlockSizes:
 
   def resolved(self, row_bytes: int, banded: bool, bias: bool = False,
                itemsize: int = 2) -> "GpuBlockSizes":
-    """Fills the defaults (module docstring's table).
+    """Fills the defaults (table: docs/design/attention.md).
 
     ``row_bytes``: bytes of one padded q/k/v row (head_dim * itemsize);
     ``banded``: causal or sliding window; ``bias``: a bias is given (its

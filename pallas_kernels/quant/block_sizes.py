@@ -26,7 +26,8 @@ def fp8_mxu(generation: str | None) -> bool:
 
 
 def k_unit(group_size: int | None) -> int:
-  """K tiles are multiples of this (module docstring)."""
+  """K tiles are multiples of this: lcm(128, 8 g) with groups (Mosaic wants
+  the group scale tile's rows a multiple of 8)."""
   if group_size is None:
     return 128
   return math.lcm(128, 8 * group_size)
@@ -56,7 +57,7 @@ def plan_tpu(m, k, n, *, x_bytes, w_bits, out_bytes, compute_bytes,
              generation=None, group_size=None, has_zero=False,
              x_upcast=False, group_products=False,
              block_sizes: BlockSizes | None = None) -> TpuPlan:
-  """Tiles for an [m, k] x [k, n] problem (module docstring);
+  """Tiles for an [m, k] x [k, n] problem, shrunk to the VMEM budget;
   ``group_products``: quantized x with group scales (a dot per group)."""
   unit = k_unit(group_size)
 

@@ -62,7 +62,7 @@ TPU_VMEM = {  # (bytes a config may use, vmem_limit_bytes passed to Mosaic)
 }
 TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 # Generations whose MXU takes int8 operands; the others run int8 modes
-# through bf16 (module docstring, "int8 on v4").
+# through bf16 (exact: docs/design/int8.md, "v4").
 INT8_MXU = frozenset({"v5e", "v5p", "v6e", "tpu7x"})
 # Most int8 x int8 products a float32 sum may hold and stay exact.
 EXACT_F32_K = 1024
@@ -277,7 +277,8 @@ def fit_tpu_plan(m, k, n, tiles, *, k_unit, generation, vmem_bytes,
 
 def plan_tpu(m, k, n, *, x_bytes, out_bytes, mode, generation=None,
              block_sizes: BlockSizes | None = None) -> TpuPlan:
-  """Tiles for an [m, k] x [k, n] problem (see the module docstring)."""
+  """Tiles for an [m, k] x [k, n] problem: the shape class's row, clamped to
+  the problem and shrunk to the VMEM budget."""
   weight_only = mode == "weight_only"
   accumulating_in_scratch = mode != "raw"
   int8_via_bf16 = not weight_only and not int8_mxu(generation)

@@ -65,7 +65,7 @@ def quantize_axis(x, axis):
 @dataclasses.dataclass(frozen=True)
 class MatmulCall:
   """One ``int8_matmul`` call, normalized."""
-  operands: tuple   # (x2, w, x_scale, w_scale, bias), see the module doc
+  operands: tuple   # (x2, w, x_scale, w_scale, bias)
   mode: str         # one of MODES
   out_dtype: jnp.dtype
   w_layout: str
