@@ -1,27 +1,8 @@
-"""The IoU-family formulas, written once for coordinate planes.
-
-Every kernel (Mosaic TPU, GPU) and the reference evaluate the same function
-``score`` on four coordinate arrays per box set, so they agree by
-construction; the tests check them against an independent float64 numpy
-transcription of torchvision's formulas.
-
-Two formula sets exist because torchvision has two:
-  "pairwise": ``box_iou`` / ``generalized_box_iou`` / ``distance_box_iou`` /
-              ``complete_box_iou``: no eps in IoU and GIoU, enclosing box
-              width/height clamped at 0, ``eps`` only added to the DIoU
-              diagonal and the CIoU alpha denominator.
-  "loss":     ``*_box_iou_loss``: IoU = inter / (union + eps), GIoU enclosing
-              term divided by (area_c + eps), enclosing box not clamped.
-
-Where torchvision divides 0 by 0 (or anything by exactly 0) and returns NaN
-or Inf, these formulas define the quotient as 0 (``safe_div``), so the
-results and their gradients stay finite:
-  * IoU of two zero-area boxes (union == 0) is 0;
-  * the GIoU enclosing term is 0 when the enclosing box has zero area;
-  * the CIoU aspect angle atan(w / h) is sign(w) * pi / 2 for h == 0 (what
-    torch gives for w / 0 = +-inf) and 0 for w == h == 0 (torch: NaN); at
-    h == 0 the angle is treated as constant in the gradient.
-Everything else equals torchvision's value, invalid boxes (x2 < x1) included.
+"""The IoU-family formulas, written once for coordinate planes: every kernel
+and the reference evaluate the same ``score``. Two formula sets, as in
+torchvision: "pairwise" (``box_iou`` and kin) and "loss" (``*_box_iou_loss``,
+eps in the denominators). Where torchvision divides by zero (NaN/Inf), the
+quotient is 0 (``safe_div``), so values and gradients stay finite.
 """
 from __future__ import annotations
 

@@ -1,26 +1,8 @@
-"""IoU-family kernels for NVIDIA GPUs (Pallas, Triton lowering).
-
-Elementwise ops and losses, ``[P, 4] x [P, 4]``: each program loads a
-contiguous ``[block, 4]`` tile of each box set (coalesced 16-byte loads),
-splits it into four coordinate vectors with a select-and-sum over the
-4-wide axis (registers only), evaluates ``_math.score`` in float32 and
-writes ``[block]`` results, or with ``reduce`` one partial sum per program.
-The backward kernel evaluates ``_math.score_vjp`` (the formula's closed-form
-derivatives) in the same way and rebuilds ``[block, 4]`` gradient tiles;
-reduced losses read one shared cotangent. ``elementwise_value_and_grad``
-writes the loss sums and both gradients in one kernel (small reduced losses,
-where launches rather than bytes set the time).
-
-Pairwise, ``[B, N, 4] x [B, M, 4] -> [B, N, M]``: a program computes one
-``tile_n x tile_m`` output tile, reading each coordinate with a stride-4 load
-straight into the broadcast layout, and writes it once; consecutive programs
-walk along a row of tiles. The time is set by operations per pair, not bytes,
-so IoU and GIoU use ``_math.pairwise_score_lean`` (one select per quotient).
-
-Ragged ends: Pallas' Triton lowering adds no bounds check, so a plain
-``ref[...] = x`` in a partial last block would write past the array. Loads
-and stores of partial blocks are masked (only in the ragged dimension);
-whole blocks use plain, cheaper ones.
+"""IoU-family kernels for NVIDIA GPUs (Pallas, Triton lowering). Elementwise
+ops and losses load coalesced ``[block, 4]`` tiles and split the coordinates
+in registers; pairwise ops compute one ``tile_n x tile_m`` tile per program
+from stride-4 loads. Partial blocks use masked loads and stores (the Triton
+lowering has no bounds checks). Structure: docs/design/iou.md.
 """
 from __future__ import annotations
 
