@@ -1,12 +1,7 @@
-"""Public NMS ops: validation, the score sort, backend dispatch.
-
-The TPU kernel's inputs are sorted by the Mosaic sort kernel (up to
-``mosaic_tpu.SORT_MAX`` boxes, beyond by XLA's sort); the GPU's by Triton
-rank / radix sorts or XLA's; all give ``reference.sort_by_score``'s order.
-
-See ``reference`` for the exact semantics and ``mosaic_tpu`` / ``triton`` for
-the kernels. Thresholds and ``max_output_size`` are static (Python numbers):
-the output shape is ``[max_output_size]`` so everything works under jit.
+"""Public NMS ops: validation, the score sort, backend dispatch. Every sort
+(Mosaic, Triton rank/radix, XLA) gives ``reference.sort_by_score``'s order.
+Thresholds and ``max_output_size`` are static, so the output shape
+``[max_output_size]`` works under jit.
 """
 from __future__ import annotations
 

@@ -1,25 +1,7 @@
-"""Pure-JAX greedy NMS with fixed shapes: the semantics every kernel matches.
-
-Semantics (those of ``torchvision.ops.nms``, made total):
-  * boxes are ``(x1, y1, x2, y2)``; a box with ``x2 < x1`` or ``y2 < y1`` is
-    empty: area 0, IoU 0 with every box, so it never suppresses and is never
-    suppressed (it can still be kept on its score);
-  * IoU = inter / (area_a + area_b - inter) in float32, with the terms
-    computed in exactly the order of :func:`iou_exceeds`; two empty boxes give
-    0/0 = NaN, which compares false, i.e. IoU 0;
-  * greedy by descending score; a box is suppressed when its IoU with an
-    already kept box is strictly greater than ``iou_threshold``;
-  * NaN scores, and scores ``<= score_threshold`` when one is given, are never
-    kept (and so never suppress anything);
-  * equal scores keep the lower index first (stable sort of ``-score``);
-  * with ``class_ids``, boxes of different classes never suppress each other;
-  * the first ``max_output_size`` kept indices (original positions, int32) in
-    decreasing score order, padded with -1, and their count.
-
-Because every implementation computes the IoU with the same float32
-operations, indices agree exactly wherever division is correctly rounded
-(CPU, the GPU kernel's explicit ``div.rn``). Boxes with NaN coordinates have
-NaN IoUs and so never suppress nor get suppressed.
+"""Pure-JAX greedy NMS with fixed shapes: the semantics every kernel matches
+(``torchvision.ops.nms``'s, made total: empty and NaN boxes, NaN scores and
+ties are defined). The IoU is computed with the kernels' float32 operations in
+the same order, so indices agree exactly. Rules: docs/design/nms.md.
 """
 from __future__ import annotations
 

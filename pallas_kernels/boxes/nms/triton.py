@@ -1,29 +1,10 @@
 """Greedy NMS for NVIDIA GPUs (Pallas, Triton lowering); no host round trip.
 
-Boxes come sorted by score: ``rank_order`` (a parallel rank count and one
-scatter) below RANK_SORT_MAX boxes, ``radix_order`` (uint32 keys, CUB's radix
-sort) up to RADIX_SORT_MAX, else XLA's sort.
-
-Bitmask design (``keep_words_bitmask``; whenever a mask chunk fits
-``block_sizes.GPU_BITMASK_MAX_BYTES``):
-* mask kernel, fully parallel: program (b, i, j) compares a block of rows
-  with ``32 * words`` columns and writes mask[r, w] = the bits "box r
-  suppresses box 32 w + c" (c > r, same class, IoU > threshold), skipping
-  blocks below the diagonal, padding, boxes already removed and everything
-  once ``max_output_size`` boxes are kept;
-* scan kernel, one program per image: walks the 32-box words in order,
-  resolves each word's own greedy chain and ORs the kept boxes' mask rows
-  into "removed" (``_scan_kernel``), recording the kept count before each
-  word so that indices are placed by one elementwise pass and a scatter;
-* rows go in chunks (mask c, then scan c) carrying removed/keep/count, so
-  scratch is linear in N. Unrolled chunks overlap scan c with mask c + 1 in
-  one launch; else a while loop ends once every image has its boxes.
-Blocked design (``kept_positions``, past the budget; one program per image):
-the TPU kernel's algorithm (``mosaic_tpu``) on register tiles.
-
-IoU tests use explicitly rounded PTX (``mul.rn``, ``add.rn``, ``sub.rn``,
-``div.rn`` or the division-free ``_FMA_ASM``), so results equal the float32
-reference bit for bit; the interpreter evaluates the reference formula.
+Sorted boxes (rank sort, radix sort or XLA's, by N); a parallel kernel writes
+the suppression bitmask and a per-image scan resolves the greedy chain word
+by word, in row chunks; past the mask budget, the TPU's blocked algorithm.
+IoU tests round explicitly (PTX ``.rn``), equal to the reference bit for
+bit. Structure: docs/design/nms.md.
 """
 from __future__ import annotations
 
