@@ -1,6 +1,5 @@
-"""Differences between the supported jax releases (0.7.1 through the newest).
-
-Everything version-dependent lives here so kernels can be written once.
+"""Differences between the supported jax releases (0.7.1 through the newest),
+so kernels are written once.
 """
 from __future__ import annotations
 

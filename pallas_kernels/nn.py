@@ -1,10 +1,6 @@
-"""Layers for training: quantized dense layers and a mixture of experts.
-
-``int8_dense`` (int8 forward, straight-through float backward;
-``pallas_kernels.quant.int8_layers``) and ``quantized_dense`` (frozen quantized
-weights plus a LoRA adapter; ``pallas_kernels.quant.layers``) live in their
-families; ``moe_feed_forward`` (top-k routed experts on ``grouped_matmul``)
-is here.
+"""Layers for training: ``moe_feed_forward`` (top-k routed experts on
+``grouped_matmul``) lives here; ``int8_dense`` and ``quantized_dense`` live in
+their families (``quant.int8_layers``, ``quant.layers``) and are re-exported.
 """
 from __future__ import annotations
 
