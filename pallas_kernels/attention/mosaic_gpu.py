@@ -316,17 +316,12 @@ TABLE_HEADER = 3  # a table row: tile, partial blocks, listed blocks, ...
 
 def mask_tables(mask, lq: int, lk: int, block_rows: int, block_cols: int,
                 rows_pad: int, cols_pad: int, kv_major: bool = False):
-  """(table, tiles) of a static mask shared by every head, for a kernel
-  tiled over ``block_rows`` query rows walking key blocks of
-  ``block_cols`` (``kv_major``: tiled over keys, walking query blocks).
-
-  ``table`` int32 ``[tiles, TABLE_HEADER + 2 width]``; program p's row:
-  (its tile, partial blocks n_p, listed blocks n, the listed blocks with
-  partial ones first, for a mask without formula the ids of those partial
-  blocks' element tiles); programs take the tiles with most blocks first.
-  ``tiles``: None for a formula mask, else the distinct element tiles,
-  float32 ``[count, block_rows, block_cols]`` (1 allowed, 0 masked; for
-  ``kv_major`` rows are keys)."""
+  """(table, tiles) of a static mask shared by every head, for a kernel tiled
+  over ``block_rows`` query rows walking key blocks (``kv_major``: the
+  reverse). Program p's ``table`` row: (tile, partial blocks, listed blocks,
+  the listed blocks partial first, their element tile ids), busiest tiles
+  first. ``tiles``: None for a formula mask, else the distinct element tiles
+  (float32 1/0)."""
   if kv_major:
     tables = _masks.block_tables(mask, lq, lk, block_cols, block_rows,
                                  cols_pad, rows_pad)
@@ -390,11 +385,7 @@ def inside_mask(formula, lq: int, lk: int, q_rows, keys, check_length=True):
 @dataclasses.dataclass(frozen=True)
 class TileWalk:
   """How a tiled kernel's program walks its blocks: the causal/window band
-  (no ``mask``: blocks in index order, ranges computed per tile by
-  ``ranges``, ``_kv_ranges`` or the backward's ``_q_ranges``), or a static
-  mask's table (``mask_tables``: blocks listed, partial ones first, their
-  elements from ``mask``'s formula or, without one, from element tiles).
-  ``width``: the table's listed-block columns."""
+  in index order (no ``mask``), or a static mask's table (``mask_tables``)."""
   band: _Band
   ranges: object
   mask: object = None
@@ -470,15 +461,10 @@ def _hardware_barrier(op: str, barrier_id: int, threads: int):
 
 
 class _Schedule:
-  """The order in which the two compute warpgroups issue their matmuls.
-
-  ``rendezvous`` (the original): one barrier of two arrivals that both
-  warpgroups pass together. Otherwise ping-pong: warpgroup w waits on its own
-  barrier (``sync_mine``) before issuing and releases the other's
-  (``arrive_other``) after, so their issues alternate. Ping-pong uses the
-  hardware barriers ``PING_PONG_BARRIER + w`` with ``named``, else one
-  mbarrier of one arrival per warpgroup (the interpreter's form).
-  """
+  """The order in which the two compute warpgroups issue their matmuls:
+  ``rendezvous`` (one two-arrival barrier) or ping-pong (wait on one's own
+  barrier, release the other's; hardware barriers with ``named``, else
+  mbarriers)."""
 
   def __init__(self, wg, barrier, *, rendezvous, named):
     self.wg, self.barrier = wg, barrier
@@ -792,14 +778,9 @@ def _plain_band(env, acc, m, l, lo_u, lo, a, b, hi, hi_u):
 
 
 def _overlapped_band(env, acc, m, l, lo_u, lo, a, b, hi, hi_u):
-  """Software-pipelined steps (FlashAttention-3's intra-warpgroup overlap):
-  step c issues S_c = Q K_c^T and acc += P_{c-1} V_{c-1} back to back, waits
-  only for S_c, and runs block c's softmax while P_{c-1} V_{c-1} still
-  occupies the tensor cores. A first step issues S_lo alone and a last step
-  P_{hi-1} V_{hi-1} alone, so a warpgroup with blocks walks one step more
-  than the tile's blocks; one without does an empty step instead, keeping
-  the ping-pong paired. Within a step: wait for the operands, take the turn
-  (``sync_mine``), issue, hand the turn over (``arrive_other``)."""
+  """Software-pipelined steps (FlashAttention-3's overlap): step c issues S_c
+  and P_{c-1} V_{c-1} together and runs block c's softmax while P V runs;
+  one extra step (an empty one without blocks) keeps the ping-pong paired."""
   schedule, slot_of = env.schedule, env.slot_of
   k_loaded, v_loaded = env.k_loaded, env.v_loaded
   k_consumed, v_consumed = env.k_consumed, env.v_consumed

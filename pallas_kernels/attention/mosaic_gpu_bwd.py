@@ -336,12 +336,9 @@ def _share_probabilities(p, t, p_smem, p_ready, dtype):
 def _dkv_roles(r, *, program, walk, batch, kv_head, wg, col0, block_q,
                blocks, lo_u, hi_u, group, slot_of, chunk, split, sm_scale,
                soft_cap, interpreting):
-  """dk/dv compute above ``SPLIT_ABOVE``, on the CTA's 64 keys (K, V and the
-  ring in head_dim halves): warpgroup 0 forms ``S^T = K Q^T`` and ``P^T``,
-  hands P^T over through SMEM and accumulates ``dV += P^T dO``; warpgroup 1
-  forms ``dP^T = V dO^T``, takes P^T, forms dS^T and accumulates ``dK +=
-  dS^T Q``. Each matmul runs once (no warpgroup repeats the other's S or
-  dP); each warpgroup writes its gradient through its own K or V tile."""
+  """dk/dv above ``SPLIT_ABOVE`` on the CTA's 64 keys: warpgroup 0 forms P^T
+  and accumulates dV, warpgroup 1 forms dP^T and dS^T and accumulates dK
+  (P^T handed over through SMEM; each matmul runs once)."""
   bk = KEYS_PER_WG
   rows = pl.ds(col0, bk)
   dtype = r.q_smem.dtype
@@ -442,11 +439,9 @@ def _dkv_roles(r, *, program, walk, batch, kv_head, wg, col0, block_q,
 
 def _dq_roles(r, *, program, walk, batch, head, wg, row0, block_k, lo_u,
               hi_u, slot_of, chunk, split, sm_scale, soft_cap, interpreting):
-  """dq compute above ``SPLIT_ABOVE``, on the CTA's 64 rows (Q, dO and the
-  ring in head_dim halves): warpgroup 0 forms ``S = Q K^T`` and P and hands
-  P over through SMEM; warpgroup 1 forms ``dP = dO V^T``, takes P, forms dS
-  and accumulates ``dQ += dS K`` (both halves), written through its dO
-  tile. Each matmul runs once."""
+  """dq above ``SPLIT_ABOVE`` on the CTA's 64 rows: warpgroup 0 forms P and
+  hands it over through SMEM, warpgroup 1 forms dP and dS and accumulates
+  dQ (each matmul runs once)."""
   bq = ROWS_PER_WG
   rows = pl.ds(row0, bq)
   dtype = r.q_smem.dtype

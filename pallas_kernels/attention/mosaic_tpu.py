@@ -52,14 +52,9 @@ class _Step(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-  """Static problem geometry and, for masked calls, the walks.
-
-  Kernels are walks of "kv" rows (forward, dq: a query block's kv blocks)
-  or "q" rows (dk/dv: a kv block's query blocks over the ``group`` query
-  heads of its kv head). Without a mask every pair is a step of a
-  rectangular grid; with one (causal, window or a static mask) a walk
-  lists only the live pairs (``masks.Walk``, read from SMEM).
-  """
+  """Static problem geometry and, for masked calls, the walks: "kv" rows
+  (forward, dq: a query block's kv blocks) or "q" rows (dk/dv: a kv block's
+  query blocks over the kv head's ``group`` query heads)."""
   q_len: int
   kv_len: int
   block_q: int
@@ -171,11 +166,9 @@ class _Geometry:
     return heads * self.num_q * self.num_kv
 
   def mask(self, i, j, shape, transposed, dense_ref=None):
-    """Allowed-entry mask of block (i, j), broadcastable to ``shape``; rows
-    are keys when transposed. ``dense_ref``: the block's tile of a dense
-    mask (tables without a formula). None: every entry is allowed.
-    Positions are ``[n, 1]`` and ``[1, n]`` iotas so that only the final
-    compares run over the whole block."""
+    """Allowed-entry mask of block (i, j), broadcastable to ``shape`` (rows
+    are keys when transposed; None: all allowed). ``dense_ref``: the block's
+    tile of a dense mask."""
     q_axis, kv_axis = (1, 0) if transposed else (0, 1)
 
     def iota(axis, start):
@@ -206,9 +199,8 @@ def _scores(a, b, sm_scale, cap):
 
 
 _reciprocal = getattr(pltpu, "reciprocal", None) or pl.reciprocal
-# Generations whose f32 division compiles to a guarded refinement sequence
-# (final bundles of the forward's row finish, 1024 rows: v5e 742 -> 459,
-# v5p -280); v6e divides with one vrcp, where a Newton step adds ~100.
+# Generations whose f32 division compiles to a long guarded sequence, so
+# two Newton steps on an approximate reciprocal win (docs/design/attention.md).
 _NEWTON_RECIPROCAL = ("v5e", "v5p")
 
 
@@ -261,15 +253,10 @@ def _lanes_to(x, n):
 
 
 def online_softmax_step(s, v, m_ref, l_ref, acc_ref, scale=1.0):
-  """One online-softmax update with logits ``scale * s`` (``s [rows, n]``
-  float32, -inf where masked) and values ``v [n, D]``: rescales the running
-  sum ``l`` and accumulator by ``exp(scale (m_old - m_new))`` and adds this
-  block. ``m_ref`` (the running max of ``s``, unscaled) and ``l_ref`` are
-  lane-replicated ``[rows, 128]`` and stay so: the row reductions land in
-  all lanes and whole vregs are reused across the block's lanes, so no
-  cross-lane broadcast is issued. ``scale`` is folded into the exp2
-  argument (one multiply per logit in all). A row whose max is still -inf
-  keeps l = 0."""
+  """One online-softmax update with logits ``scale * s`` (-inf where masked)
+  and values ``v [n, D]``. ``m_ref`` (max of the unscaled ``s``) and
+  ``l_ref`` stay lane-replicated ``[rows, 128]`` (no cross-lane broadcasts);
+  a row whose max is still -inf keeps l = 0."""
   m_prev, l_prev = m_ref[...], l_ref[...]
   rows = m_prev.shape
   m_new = jnp.maximum(m_prev, lax.broadcast_in_dim(jnp.max(s, axis=1), rows,
@@ -648,10 +635,8 @@ def _pallas_call(kernel, prefetch, args, *, grid, in_specs, out_specs,
 
 
 def _dense_input(geom, major):
-  """(BlockSpec, int8 array) of a dense mask's tiles: ``[Ht, q_pad, kv_pad]``
-  indexed (head, q block, kv block), transposed for the "q" walk (dk/dv).
-  The walk's ``dense_col`` holds the row's last partial block, so full
-  blocks load no new tile."""
+  """(BlockSpec, int8 array) of a dense mask's tiles, indexed (head, q block,
+  kv block), transposed for the "q" walk (dk/dv)."""
   t = geom.tables
   dense = jnp.asarray(t.dense)
   def head(at):

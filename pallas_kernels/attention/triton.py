@@ -355,16 +355,10 @@ def _kv_block_logits(q, k, bias_ref, kvseg_ref, qseg, rows, c, kv_slice,
 @dataclasses.dataclass(frozen=True)
 class _LaunchOrder:
   """Grid of ``blocks`` per (batch, head) program and its index mapping.
-
-  Triton starts programs in grid order, first axis fastest. The plain grid
-  ``(blocks, batch, heads)`` runs one head's blocks together, so they share
-  that head's k/v (or q/dO) tiles in L2. Under a causal mask block costs
-  differ up to ``blocks``-fold: ``reverse`` puts a head's heavy (last) blocks
-  first, and ``chunk`` > 0 launches ``chunk`` blocks of every head before the
-  next chunk, so the heaviest programs of all heads start early and the
-  lightest fill the tail (list scheduling, heaviest first) while ``chunk``
-  programs still share each head's tiles.
-  """
+  Triton starts programs in grid order; ``reverse`` puts a head's heavy
+  (causal) blocks first and ``chunk`` > 0 launches ``chunk`` blocks of every
+  head at a time, so the heaviest start early and a head's blocks still
+  share its tiles in L2."""
   blocks: int
   heads: int
   reverse: bool = False
