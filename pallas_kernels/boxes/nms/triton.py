@@ -226,8 +226,8 @@ def _exceeds_bits(a, b, iou_threshold, exact_ptx):
   return hit != 0
 
 
-# Interpret mode writes this into the mask words that compiled kernels skip
-# (leave unwritten), so the tests would see a scan that reads one with effect.
+# Written (interpret mode only) where compiled kernels skip a mask word, so
+# a scan that read one with effect would fail the tests.
 SKIPPED_WORD = -1
 
 
@@ -237,22 +237,10 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
                  chunk_start=None):
   """mask[r, w] bit c: box r suppresses box 32 * w + c (c > r, same class).
 
-  Rows are those of the current chunk (its first row is state[1]); columns
-  are absolute. Words the scan will not read with effect are not written:
-  blocks below the diagonal, padding, everything once max_output_size boxes
-  are kept, rows whose 32 boxes are all already removed (by earlier chunks),
-  and column words whose 32 boxes are all already removed.
-
-  band_ref (the "band" scan form): for row word k of the chunk,
-  band[k, c] (c < 32) holds the bits r "box 32k + r suppresses box 32k + c"
-  and band[k, 32 + c] "... suppresses box 32(k + 1) + c": the diagonal and
-  next blocks transposed, so the scan reads them as two vectors with one
-  box per lane. Written by the program that owns that column word, with the
-  same skips.
-
-  ``tile`` = (i, j) and ``chunk_start`` (the overlapped form, see
-  ``_overlap_kernel``): mask_ref is the whole chunk's mask, this call fills
-  row block i, word block j of it.
+  Rows are the current chunk's (first row state[1]), columns absolute; words
+  the scan cannot read with effect are skipped. ``band_ref``: the diagonal
+  and next blocks, transposed (one box per lane). ``tile`` = (i, j): fill
+  row block i, word block j of the chunk's mask (the overlapped form).
   """
   if tile is None:
     i, j = pl.program_id(1), pl.program_id(2)
@@ -342,26 +330,10 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
 def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
                  band_ref, removed_out, keep_out, base_out, state_out, *,
                  chunk, num_words, max_output_size, interpret):
-  """Greedy scan of one chunk's words, 32 boxes per step, one program/image.
-
-  Step w resolves word w's own chain (the greedy keep bits of its 32
-  boxes, given the "removed" bits from earlier words) and ORs the mask rows
-  of the boxes it kept into "removed"; base[w] records the kept count before
-  word w, so kept indices are placed without a prefix sum afterwards.
-
-  Pipelined: the next word's removed bits are formed from scalars only (its
-  bits in the removed vector, plus word w + 1 of the rows kept now, loaded a
-  step ahead with the diagonal words); the kept rows' full ORs are issued now
-  and land a step later, so no memory latency sits on the step-to-step path.
-  A word keeping at most FEW_ROWS boxes ORs only their rows (found by bit
-  scans) instead of issuing 32 predicated row loads.
-
-  ``band_ref`` given (the "band" form): the diagonal and next blocks come
-  transposed, one box per lane (see ``_mask_kernel``), as two vector loads;
-  the chain is the fixed point of k = alive & ~(boxes hit by a box of k),
-  iterated with lane ballots until it stops changing (bit c is final after
-  c + 1 rounds; usually 2-3), and the next word's removed bits are one
-  ballot. Without it, the chain is 32 scalar bit steps on the diagonal words.
+  """Greedy scan of one chunk's words, 32 boxes per step, one program/image:
+  step w resolves word w's chain and ORs the kept boxes' mask rows into
+  "removed"; base[w] is the kept count before word w. With ``band_ref`` the
+  chain is a fixed point over lane ballots, else 32 scalar bit steps.
   """
   padded_words = removed_ref.shape[0]
   lanes = jnp.arange(padded_words, dtype=jnp.int32)
@@ -505,12 +477,8 @@ def _overlap_kernel(state_ref, removed_ref, keep_ref, base_ref, mask_ref,
                     keep_out, base_out, state_out, *, scan_kernel,
                     mask_kernel, chunk, tiles_j):
   """Program 0: scan this chunk; program 1 + t: tile t of the next chunk's
-  mask.
-
-  Nothing flows between the two parts inside the launch (the mask reads the
-  removed words and count from before this scan: a subset of the final
-  ones, so it skips less but never wrongly), so any schedule is correct.
-  """
+  mask (from the removed words before this scan: it skips less, never
+  wrongly, so any schedule is correct)."""
   p = pl.program_id(1)
   next_start = state_ref[1] + chunk  # dynamic: one kernel for every chunk
 
@@ -564,20 +532,8 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
   ``planes`` [B, 5, N] (x1, y1, x2, y2, area), ``cls``/``flags`` [B, N].
   Returns (keep words [B, W] int32: bit c of word w = position 32 w + c is
   kept; base [B, W]: kept count before word w; count [B], which may pass
-  max_output_size within the last word).
-
-  ``band``: the scan's form (see ``_scan_kernel``); None: the band form
-  below ``block_sizes.SMALL_BOXES`` boxes. Chunks are unrolled when
-  ``static_chunks`` says so (the scalar form then overlaps scans and masks),
-  else they run in a while loop that ends once every image has
-  max_output_size boxes; one chunk needs no chunk state. Mask words that the mask
-  kernel skips are left unwritten; the scan reads them only where the
-  result cannot change: words below the diagonal (already decided),
-  padding words (never scanned), words of boxes already removed (ORing
-  into all-ones words), rows of removed boxes (never kept, their diagonal
-  words never consulted), and nothing at all once the count is reached.
-  Interpret mode writes SKIPPED_WORD (all ones) there instead, so a scan
-  that read one with effect would fail the tests.
+  max_output_size within the last word). ``band``: the scan's form (None:
+  the band form below ``block_sizes.SMALL_BOXES`` boxes).
   """
   batch, _, n = planes.shape
   layout = bitmask_layout(batch, n, rows=rows, words=words,
