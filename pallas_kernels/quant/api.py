@@ -33,7 +33,8 @@ def quantize(x, dtype, *, axis=-1, group_size=None, symmetric=True,
   clipped to +-qmax (fp8: saturated, then rounded to the fp8 grid).
   Asymmetric (int8, int4): scale = (max(x, 0) - min(x, 0)) / (2^bits - 1),
   zero = round(qmin - min / scale), q = round(x / scale) + zero, clipped.
-  Details and NaN handling: ``pallas_kernels.quant.formats``.
+  NaN quantizes to 0 and makes its group's scale NaN. Formulas:
+  ``quant.formats`` (docs/design/quantized.md).
 
   Args:
     x: bfloat16, float16 or float32 array.
