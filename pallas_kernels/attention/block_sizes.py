@@ -25,11 +25,9 @@ TABLE = {
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Query/key block sizes; None entries are taken from the table.
-
   ``block_q``/``block_kv`` apply to the forward kernel,
-  ``block_q_bwd``/``block_kv_bwd`` to both backward kernels (dq and dk/dv);
-  when only the forward ones are given the backward uses them too.
-  """
+  ``block_q_bwd``/``block_kv_bwd`` to both backward kernels (dq and dk/dv); when
+  only the forward ones are given the backward uses them too."""
   block_q: int | None = None
   block_kv: int | None = None
   block_q_bwd: int | None = None
@@ -49,12 +47,9 @@ class BlockSizes:
 
 
 def as_block_sizes(value):
-  """Normalizes the user's ``block_sizes=`` argument.
-
-  Another backend's frozen block-size dataclass (``triton.GpuBlockSizes``) is
-  passed through unchanged: the GPU kernel reads it, the TPU kernel uses its
-  table instead.
-  """
+  """Normalizes the user's ``block_sizes=`` argument. Another backend's frozen
+  block-size dataclass (``triton.GpuBlockSizes``) is passed through unchanged:
+  the GPU kernel reads it, the TPU kernel uses its table instead."""
   if value is None or isinstance(value, BlockSizes):
     return value
   if (dataclasses.is_dataclass(value) and not isinstance(value, type)

@@ -1,5 +1,6 @@
 """Static attention masks for ``flash_attention(..., mask=...)``: ``Causal``,
-``Local``, ``ChunkedCausal``, ``PrefixLM``, ``Dense``, combined with ``&``/``|``.
+``Local``, ``ChunkedCausal``, ``PrefixLM``, ``Dense``, combined with ``&`` and
+``|``.
 Positions are ends-aligned (query ``i`` at ``i + kv_len - q_len``). Each mask
 gives ``allowed(p, j)`` elementwise and ``block_bounds`` per block, which may
 err only towards "partial" (costs time, never correctness).
@@ -373,12 +374,10 @@ def dense(mask: Mask, q_len: int, kv_len: int) -> np.ndarray:
 
 def block_classes(mask: Mask, q_len: int, kv_len: int, block_q: int,
                   block_kv: int) -> np.ndarray:
-  """int8 ``[num_q_blocks, num_kv_blocks]``: 0 empty, 1 partial, 2 full.
-
-  Blocks cover the sequences rounded up to their block sizes; padded keys
-  count as masked (a block holding some is never full), padded queries are
-  ignored (their rows are dropped).
-  """
+  """int8 ``[num_q_blocks, num_kv_blocks]``: 0 empty, 1 partial, 2 full. Blocks
+  cover the sequences rounded up to their block sizes; padded keys count as
+  masked (a block holding some is never full), padded queries are ignored (their
+  rows are dropped)."""
   num_q, num_kv = -(-q_len // block_q), -(-kv_len // block_kv)
   q_lo = np.arange(num_q) * block_q
   q_hi = np.minimum(q_lo + block_q, q_len) - 1

@@ -284,11 +284,9 @@ def stream_ring(first, end, stages, load, refill, drain):
 
 
 def _kv_ranges(row0, rows: int, block_k: int, band: _Band):
-  """kv block ranges for q rows [row0, row0 + rows).
-
-  (lo, a, b, hi): blocks [lo, hi) hold some unmasked entry for some row; the
-  blocks in [a, b) are unmasked for every real row.
-  """
+  """kv block ranges for q rows [row0, row0 + rows). (lo, a, b, hi): blocks [lo,
+  hi) hold some unmasked entry for some row; the blocks in [a, b) are unmasked
+  for every real row."""
   nk = -(-band.lk // block_k)
   full_k = band.lk // block_k  # blocks without padded keys
   last_row = jnp.minimum(row0 + (rows - 1), band.lq - 1)
@@ -894,14 +892,12 @@ def _pad_axis(x, axis: int, size: int):
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
             causal, window_left, window_right, logit_soft_cap, interpret,
             mask=None):
-  """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32).
-
-  Same contract as ``attention.triton.forward`` for the calls ``supports``
-  accepts (it raises ValueError on the others). ``interpret``: False on a
-  GPU, or an ``InterpretGPUParams`` (``interpret_params()``) to run in the
-  Mosaic GPU interpreter; True picks the default interpreter parameters.
-  ``mask``: a static mask (``masks``) shared by every head, or None.
-  """
+  """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32). Same
+  contract as ``attention.triton.forward`` for the calls ``supports`` accepts
+  (it raises ValueError on the others). ``interpret``: False on a GPU, or an
+  ``InterpretGPUParams`` (``interpret_params()``) to run in the Mosaic GPU
+  interpreter; True picks the default interpreter parameters. ``mask``: a static
+  mask (``masks``) shared by every head, or None."""
   del kv_segment_ids  # None whenever q_segment_ids is (supports checks it)
   reason = supports(q, k, v, q_segment_ids, bias, mask)
   if reason:

@@ -138,11 +138,9 @@ def supports(q, k, v, q_segment_ids=None, bias=None,
 
 
 def _q_ranges(col0, cols: int, block_q: int, band):
-  """q block ranges for keys [col0, col0 + cols), see ``fwd._kv_ranges``.
-
-  (lo, a, b, hi): blocks [lo, hi) hold some unmasked entry for some key;
-  those in [a, b) are unmasked for every key. Padding needs no mask here.
-  """
+  """q block ranges for keys [col0, col0 + cols), see ``fwd._kv_ranges``. (lo,
+  a, b, hi): blocks [lo, hi) hold some unmasked entry for some key; those in [a,
+  b) are unmasked for every key. Padding needs no mask here."""
   nq = -(-band.lq // block_q)
   last_col = col0 + (cols - 1)
   off = band.offset
@@ -602,15 +600,12 @@ def _launch(body, scratch, barriers, out_type, grid, grid_names, interpret,
 
 def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
         window_right, logit_soft_cap, interpret=False, mask=None):
-  """(dk, dv) [B, Hk, Lk, D] for the attention forward's (out, lse).
-
-  ``lse`` [B, H, Lq] natural-log (-inf for empty rows); ``delta`` [B, H, Lq]
-  = rowsum(dO * O) - d_lse, both float32 (longer arrays, padded rows beyond
-  ``q.shape[2]``, are cut). Raises ValueError where ``supports`` declines.
-  ``interpret``: False on a GPU or ``InterpretGPUParams``; True picks the
-  default interpreter parameters. ``mask``: a static mask shared by every
-  head, or None.
-  """
+  """(dk, dv) [B, Hk, Lk, D] for the attention forward's (out, lse). ``lse`` [B,
+  H, Lq] natural-log (-inf for empty rows); ``delta`` [B, H, Lq] = rowsum(dO *
+  O) - d_lse, both float32 (longer arrays, padded rows beyond ``q.shape[2]``,
+  are cut). Raises ValueError where ``supports`` declines. ``interpret``: False
+  on a GPU or ``InterpretGPUParams``; True picks the default interpreter
+  parameters. ``mask``: a static mask shared by every head, or None."""
   batch, heads, lq, head_dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
   group = heads // kv_heads

@@ -668,15 +668,12 @@ def vmem_bytes(block_q, block_kv, head_dim, itemsize, has_bias=False,
 def cost(batch, heads, q_len, kv_len, head_dim, itemsize, *, kv_heads=None,
          causal=False, window_left=None, window_right=None, block_q=512,
          block_kv=512, backward=False, bias_itemsize=0, value_dim=None):
-  """Work of the kernels as they run (skipped blocks excluded).
-
-  Returns dict(flops, transcendentals, bytes_accessed, visited_blocks,
-  total_blocks, vmem_bytes): matmul flops are 2 * bq * bk * (D + Dv) per
-  visited block forward, 2 * bq * bk * (4 D + 3 Dv) backward (dq: 3
-  matmuls, dk/dv: 4; Dv = ``value_dim``, default D). HBM bytes count the
-  k/v (or q/dO) blocks streamed per visited block plus one pass over the
-  other operands and the outputs.
-  """
+  """Work of the kernels as they run (skipped blocks excluded). Returns
+  dict(flops, transcendentals, bytes_accessed, visited_blocks, total_blocks,
+  vmem_bytes): matmul flops are 2 * bq * bk * (D + Dv) per visited block
+  forward, 2 * bq * bk * (4 D + 3 Dv) backward (dq: 3 matmuls, dk/dv: 4; Dv =
+  ``value_dim``, default D). HBM bytes count the k/v (or q/dO) blocks streamed
+  per visited block plus one pass over the other operands and the outputs."""
   kv_heads = kv_heads or heads
   geom = _geometry(q_len, kv_len, block_q, block_kv, False, causal,
                    window_left, window_right)

@@ -50,12 +50,10 @@ class GpuBlockSizes:
 
   def resolved(self, row_bytes: int, banded: bool, bias: bool = False,
                itemsize: int = 2) -> "GpuBlockSizes":
-    """Fills the defaults (table: docs/design/attention.md).
-
-    ``row_bytes``: bytes of one padded q/k/v row (head_dim * itemsize);
-    ``banded``: causal or sliding window; ``bias``: a bias is given (its
-    float32 tiles also sit in shared memory); ``itemsize`` of q/k/v.
-    """
+    """Fills the defaults (table: docs/design/attention.md). ``row_bytes``:
+    bytes of one padded q/k/v row (head_dim * itemsize); ``banded``: causal or
+    sliding window; ``bias``: a bias is given (its float32 tiles also sit in
+    shared memory); ``itemsize`` of q/k/v."""
     if row_bytes <= 128:  # head_dim <= 64 in bf16
       fwd, dq, dkv = (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)
     elif row_bytes <= 256:  # head_dim 128 in bf16
@@ -207,11 +205,9 @@ def _zero_unlisted(dbias, tables, bq, bk):
 
 
 def _kv_blocks(row0, rows: int, block_k: int, mask: _Mask):
-  """kv block ranges for q rows [row0, row0 + rows).
-
-  Returns (lo, a, b, hi): blocks [lo, hi) hold some unmasked entry; those in
-  [a, b) are unmasked for every row (no mask needed).
-  """
+  """kv block ranges for q rows [row0, row0 + rows). Returns (lo, a, b, hi):
+  blocks [lo, hi) hold some unmasked entry; those in [a, b) are unmasked for
+  every row (no mask needed)."""
   nk = -(-mask.lk // block_k)  # blocks holding some real key
   last_row = jnp.minimum(row0 + rows - 1, mask.lq - 1)
   full_k = mask.lk // block_k  # kv blocks without padded keys
@@ -238,9 +234,7 @@ def _kv_blocks(row0, rows: int, block_k: int, mask: _Mask):
 
 def _q_blocks(col0, cols: int, block_q: int, mask: _Mask):
   """q block ranges for kv columns [col0, col0 + cols); see ``_kv_blocks``.
-
-  Padded q rows need no mask here: their dO is zero and their lse +inf.
-  """
+  Padded q rows need no mask here: their dO is zero and their lse +inf."""
   nq = -(-mask.lq // block_q)  # blocks holding some real query
   last_col = jnp.minimum(col0 + cols - 1, mask.lk - 1)
   off = mask.offset
@@ -390,10 +384,8 @@ class _LaunchOrder:
 def _launch_order(blocks, batch, heads, mask: _Mask, sizes,
                   heavy_last: bool):
   """Causal masks: heavy blocks first, chunked (``GpuBlockSizes.band_chunk``).
-
-  ``heavy_last``: the last blocks carry the most work (q blocks of the
-  forward and dq kernels; for the dk/dv kernel it is the first kv blocks).
-  """
+  ``heavy_last``: the last blocks carry the most work (q blocks of the forward
+  and dq kernels; for the dk/dv kernel it is the first kv blocks)."""
   if mask.right is None or mask.left is not None:
     return _LaunchOrder(blocks, heads)
   chunk = math.gcd(blocks, sizes.band_chunk) if sizes.band_chunk else 0
@@ -550,16 +542,14 @@ def _q_major_inputs(order, q, k, v, qseg, kvseg, bias, *, bq, group):
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
             causal, window_left, window_right, logit_soft_cap, block_sizes,
             interpret, mask=None):
-  """Attention forward. Returns (out [B,H,Lq,Dv] q.dtype, lse [B,H,Lq] f32).
-
-  q [B, H, Lq, D]; k [B, Hk, Lk, D]; v [B, Hk, Lk, Dv]; segment ids [B, Lq] / [B, Lk] or
-  None; bias [B or 1, H or 1, Lq, Lk] or None; the window already split into
-  ``window_left``/``window_right`` (None: unbounded); no dimension empty
+  """Attention forward. Returns (out [B,H,Lq,Dv] q.dtype, lse [B,H,Lq] f32). q
+  [B, H, Lq, D]; k [B, Hk, Lk, D]; v [B, Hk, Lk, Dv]; segment ids [B, Lq] / [B,
+  Lk] or None; bias [B or 1, H or 1, Lq, Lk] or None; the window already split
+  into ``window_left``/``window_right`` (None: unbounded); no dimension empty
   (``flash_attention`` answers those itself). ``block_sizes``: a
-  ``GpuBlockSizes`` (anything else: the defaults). ``interpret``: run in
-  Pallas' interpreter. ``mask``: a static mask (``masks``) or per-head
-  tuple, walked as block tables.
-  """
+  ``GpuBlockSizes`` (anything else: the defaults). ``interpret``: run in Pallas'
+  interpreter. ``mask``: a static mask (``masks``) or per-head tuple, walked as
+  block tables."""
   batch, heads, lq, dim = q.shape
   lk, dim_v = k.shape[2], v.shape[3]
   static_mask = mask
@@ -750,12 +740,10 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
              d_lse, *, sm_scale, causal, window_left, window_right,
              logit_soft_cap, block_sizes, interpret, mask=None):
   """Attention backward: (dq, dk, dv, dbias or None) for ``forward``'s output.
-
   ``out``/``lse`` may come from any forward kernel (lse natural-log, -inf for
-  rows without keys). ``d_lse`` ([B, H, Lq] or None) is the cotangent of
-  lse: since d lse_i / d s_ij = p_ij it only shifts delta
-  (ds = p * (dp - delta + d_lse)).
-  """
+  rows without keys). ``d_lse`` ([B, H, Lq] or None) is the cotangent of lse:
+  since d lse_i / d s_ij = p_ij it only shifts delta (ds = p * (dp - delta +
+  d_lse))."""
   batch, heads, lq, dim = q.shape
   kv_heads, lk, dim_v = k.shape[1], k.shape[2], v.shape[3]
   dbias_wanted = bias is not None
