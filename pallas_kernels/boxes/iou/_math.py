@@ -32,10 +32,8 @@ def safe_div(num, den):
 
 def atan(x):
   """float32 arctangent from elementwise ops only (Mosaic and Triton lower it).
-
-  Cephes-style range reduction to |x| <= tan(pi/8) and an odd polynomial;
-  error below 2 ulp in float32. float64 (reference only) uses jnp.arctan.
-  """
+  Cephes-style range reduction to |x| <= tan(pi/8) and an odd polynomial; error
+  below 2 ulp in float32. float64 (reference only) uses jnp.arctan."""
   if x.dtype == jnp.float64:
     return jnp.arctan(x)
   ax = jnp.abs(x)
@@ -70,11 +68,9 @@ def to_xyxy(box_format, a, b, c, d):
 
 
 def score(kind, formula, eps, box1, box2):
-  """IoU / GIoU / DIoU / CIoU of matching elements of two box sets.
-
-  box1, box2: (x1, y1, x2, y2) tuples of broadcast-compatible float arrays.
-  The loss is ``1 - score`` for every kind (torchvision's losses).
-  """
+  """IoU / GIoU / DIoU / CIoU of matching elements of two box sets. box1, box2:
+  (x1, y1, x2, y2) tuples of broadcast-compatible float arrays. The loss is
+  ``1 - score`` for every kind (torchvision's losses)."""
   x1, y1, x2, y2 = box1
   u1, v1, u2, v2 = box2
   loss = formula == "loss"
@@ -145,10 +141,8 @@ def score_from_planes(kind, formula, eps, box_format, planes1, planes2):
 
 def score_vjp(kind, formula, eps, box_format, planes1, planes2, cotangent):
   """(d planes1, d planes2) of sum(cotangent * score): 8 closed-form planes.
-
   jax.vjp here runs at trace time and emits elementwise ops only, so inside a
-  kernel this is the analytic derivative evaluated in the same pass.
-  """
+  kernel this is the analytic derivative evaluated in the same pass."""
   def fn(p1, p2):
     return score_from_planes(kind, formula, eps, box_format, p1, p2)
   _, pullback = jax.vjp(fn, tuple(planes1), tuple(planes2))

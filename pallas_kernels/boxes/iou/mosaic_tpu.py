@@ -99,10 +99,8 @@ def _compiler_params():
 def elementwise(boxes1, boxes2, *, kind, formula, eps, box_format,
                 as_loss=False, reduce=False, out_dtype=jnp.float32,
                 interpret=None, block_rows=FORWARD_BLOCK_ROWS):
-  """Score (or 1 - score) of matching boxes: [P, 4] x [P, 4] -> [P].
-
-  With ``reduce`` the result is the float32 sum over the P boxes instead.
-  """
+  """Score (or 1 - score) of matching boxes: [P, 4] x [P, 4] -> [P]. With
+  ``reduce`` the result is the float32 sum over the P boxes instead."""
   num_boxes = boxes1.shape[0]
   block = _block_boxes(num_boxes, block_rows)
   x1, x2 = as_planes(boxes1), as_planes(boxes2)
@@ -180,10 +178,8 @@ def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
                     box_format, shared_cotangent=False, interpret=None,
                     block_rows=BACKWARD_BLOCK_ROWS):
   """Gradients of sum(cotangent * score) w.r.t. boxes1 and boxes2 ([P, 4]).
-
   ``cotangent`` is [P] float32, or with ``shared_cotangent`` shape (1,): one
-  value for all boxes (reduced losses: no cotangent traffic at all).
-  """
+  value for all boxes (reduced losses: no cotangent traffic at all)."""
   num_boxes = boxes1.shape[0]
   block = _block_boxes(num_boxes, block_rows)
   x1, x2 = as_planes(boxes1), as_planes(boxes2)
@@ -251,11 +247,9 @@ def _pairwise_kernel(a_ref, b_ref, o_ref, a_cols_ref, *, kind, eps, tile_n,
 
 def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
              tile=PAIRWISE_TILE):
-  """[B, N, 4] x [B, M, 4] (xyxy, float32) -> [B, N, M] in ``out_dtype``.
-
-  The exact [B, N, M] is written: edge tiles are partial blocks (Pallas
-  drops their out-of-bounds rows and lanes), nothing is padded or sliced.
-  """
+  """[B, N, 4] x [B, M, 4] (xyxy, float32) -> [B, N, M] in ``out_dtype``. The
+  exact [B, N, M] is written: edge tiles are partial blocks (Pallas drops their
+  out-of-bounds rows and lanes), nothing is padded or sliced."""
   batch, n, _ = boxes1.shape
   m = boxes2.shape[1]
   tile_n = min(tile[0], _round_up(n, LANES))
