@@ -92,10 +92,8 @@ def _validate(op, boxes, scores, class_ids, iou_threshold, max_output_size,
 def _sorted_inputs(boxes, scores, class_ids, score_threshold, padded,
                    sort=None):
   """Per image: score order, planes [B, 5, Np], classes and flags [B, Np].
-
   ``sort(scores, score_threshold) -> (order, valid)`` replaces the stable
-  argsort (same result).
-  """
+  argsort (same result)."""
   batch, n = scores.shape
   if sort is None:
     order, valid = jax.vmap(
@@ -142,12 +140,10 @@ def _tpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
 
 
 def _inclusive_counts(x):
-  """Inclusive prefix sums of int32 [B, N] small counts (< 2^24 in all).
-
-  Rows of 128 are prefix-summed by a matmul with an upper-triangular ones
-  matrix (exact: integers in float32) and offset by the prefix sums of the
-  row totals, recursively: XLA's TPU cumsum of 100k compiles for seconds.
-  """
+  """Inclusive prefix sums of int32 [B, N] small counts (< 2^24 in all). Rows of
+  128 are prefix-summed by a matmul with an upper-triangular ones matrix (exact:
+  integers in float32) and offset by the prefix sums of the row totals,
+  recursively: XLA's TPU cumsum of 100k compiles for seconds."""
   batch, n = x.shape
   if n <= 128:
     return jnp.cumsum(x, axis=1)

@@ -193,11 +193,9 @@ INVALID_KEY = 0x7FFFFFFF        # unkeepable boxes and padding
 
 def score_keys(scores, score_threshold=None):
   """int32 keys [..., N] whose ascending order is ``reference.sort_by_score``'s.
-
-  Keepable scores map to the order-preserving integer of ``-score + 0.0``
-  (so 0.0 and -0.0 tie); unkeepable ones to INVALID_KEY, above every
-  keepable key. With the box index as tie-break the order is total.
-  """
+  Keepable scores map to the order-preserving integer of ``-score + 0.0`` (so
+  0.0 and -0.0 tie); unkeepable ones to INVALID_KEY, above every keepable key.
+  With the box index as tie-break the order is total."""
   scores = scores.astype(jnp.float32)
   valid = ~jnp.isnan(scores)
   if score_threshold is not None:
@@ -228,11 +226,9 @@ def _flipped(mask, flip):
 
 
 def _partner(x, pos, distance):
-  """x at chunk position pos ^ distance (distance a power of two < CHUNK).
-
-  Both rotations are computed and the one whose rotated positions equal
-  pos ^ distance is taken, so no rotation direction is assumed.
-  """
+  """x at chunk position pos ^ distance (distance a power of two < CHUNK). Both
+  rotations are computed and the one whose rotated positions equal pos ^
+  distance is taken, so no rotation direction is assumed."""
   axis, step, size = ((1, distance, LANES) if distance < LANES
                       else (0, distance // LANES, CHUNK_ROWS))
   source = pltpu.roll(pos, step, axis)
@@ -243,11 +239,9 @@ def _partner(x, pos, distance):
 
 def _exchange_in_chunk(keys, index, pos, first_pos, distance, log2_run):
   """One bitonic step within a chunk: partners at ``distance`` (< CHUNK).
-
-  ``first_pos`` is the global position of the chunk's first key; a key
-  keeps the smaller of the pair when its bit ``log2(distance)`` equals its
-  bit ``log2_run`` (runs of 2^log2_run keys alternate direction).
-  """
+  ``first_pos`` is the global position of the chunk's first key; a key keeps the
+  smaller of the pair when its bit ``log2(distance)`` equals its bit
+  ``log2_run`` (runs of 2^log2_run keys alternate direction)."""
   other_keys = _partner(keys, pos, distance)
   other_index = _partner(index, pos, distance)
   mine_first = _first(keys, index, other_keys, other_index)

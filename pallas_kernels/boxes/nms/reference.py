@@ -28,11 +28,9 @@ def _inter_union(a, b):
 
 def iou_exceeds(a, b, iou_threshold, div=None):
   """Whether IoU(a, b) > iou_threshold; ``a``, ``b`` are (x1, y1, x2, y2, area).
-
   The one IoU formula of the package: kernels call it on their tiles so every
-  backend rounds identically. ``div`` lets a kernel supply a correctly
-  rounded division where its platform's ``/`` is approximate.
-  """
+  backend rounds identically. ``div`` lets a kernel supply a correctly rounded
+  division where its platform's ``/`` is approximate."""
   inter, union = _inter_union(a, b)
   iou = inter / union if div is None else div(inter, union)
   return iou > iou_threshold
@@ -47,9 +45,7 @@ def box_areas(boxes):
 
 def sort_by_score(scores, score_threshold=None):
   """Stable descending-score order and, in that order, which boxes may be kept.
-
-  Unkeepable boxes (NaN score, score <= score_threshold) sort last.
-  """
+  Unkeepable boxes (NaN score, score <= score_threshold) sort last."""
   scores = scores.astype(jnp.float32)
   valid = ~jnp.isnan(scores)
   if score_threshold is not None:

@@ -123,9 +123,7 @@ def kept_positions(x1, y1, x2, y2, area, cls, flag, *, iou_threshold,
                    max_output_size, tile=DEFAULT_TILE, num_warps=8,
                    interpret=None):
   """Sorted positions of kept boxes [B, M] (garbage past count) and count [B].
-
-  Inputs are [B, Np] planes in score order, Np a multiple of ``tile``.
-  """
+  Inputs are [B, Np] planes in score order, Np a multiple of ``tile``."""
   batch, padded = x1.shape
   assert padded % tile == 0 and padded > 0, x1.shape
   num_tiles = padded // tile
@@ -235,13 +233,11 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
                  band_ref=None, *, iou_threshold, rows, words, num_boxes,
                  max_output_size, exact_ptx, use_classes, tile=None,
                  chunk_start=None):
-  """mask[r, w] bit c: box r suppresses box 32 * w + c (c > r, same class).
-
-  Rows are the current chunk's (first row state[1]), columns absolute; words
-  the scan cannot read with effect are skipped. ``band_ref``: the diagonal
-  and next blocks, transposed (one box per lane). ``tile`` = (i, j): fill
-  row block i, word block j of the chunk's mask (the overlapped form).
-  """
+  """mask[r, w] bit c: box r suppresses box 32 * w + c (c > r, same class). Rows
+  are the current chunk's (first row state[1]), columns absolute; words the scan
+  cannot read with effect are skipped. ``band_ref``: the diagonal and next
+  blocks, transposed (one box per lane). ``tile`` = (i, j): fill row block i,
+  word block j of the chunk's mask (the overlapped form)."""
   if tile is None:
     i, j = pl.program_id(1), pl.program_id(2)
     out_rows, out_word = slice(None), 0
@@ -502,11 +498,9 @@ def _next_pow2(x):
 def bitmask_layout(batch, num_boxes, *, rows=64, words=4, chunk_rows=4096,
                    max_bytes=256 << 20):
   """(padded words, rows per chunk, chunks, mask bytes) of the bitmask design.
-
   The mask of one chunk of rows is [B, chunk, padded_words] int32; the chunk
-  shrinks so that it stays within ``max_bytes``; None when even ``rows``
-  rows do not fit.
-  """
+  shrinks so that it stays within ``max_bytes``; None when even ``rows`` rows do
+  not fit."""
   num_words = -(-num_boxes // WORD)
   padded_words = max(_next_pow2(num_words), words)
   padded_rows = -(-num_boxes // rows) * rows
@@ -527,14 +521,12 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
                        rows=64, words=4, mask_warps=4, scan_warps=None,
                        chunk_rows=4096, max_bytes=256 << 20, use_classes=True,
                        band=None, interpret=None):
-  """Kept boxes over sorted positions via the chunked bitmask design.
-
-  ``planes`` [B, 5, N] (x1, y1, x2, y2, area), ``cls``/``flags`` [B, N].
-  Returns (keep words [B, W] int32: bit c of word w = position 32 w + c is
-  kept; base [B, W]: kept count before word w; count [B], which may pass
-  max_output_size within the last word). ``band``: the scan's form (None:
-  the band form below ``block_sizes.SMALL_BOXES`` boxes).
-  """
+  """Kept boxes over sorted positions via the chunked bitmask design. ``planes``
+  [B, 5, N] (x1, y1, x2, y2, area), ``cls``/``flags`` [B, N]. Returns (keep
+  words [B, W] int32: bit c of word w = position 32 w + c is kept; base [B, W]:
+  kept count before word w; count [B], which may pass max_output_size within the
+  last word). ``band``: the scan's form (None: the band form below
+  ``block_sizes.SMALL_BOXES`` boxes)."""
   batch, _, n = planes.shape
   layout = bitmask_layout(batch, n, rows=rows, words=words,
                           chunk_rows=chunk_rows, max_bytes=max_bytes)
@@ -737,11 +729,9 @@ def static_chunks(num_chunks, num_boxes, max_output_size):
 
 
 def words_to_indices(keep, base, count, order, max_output_size):
-  """Keep words -> (original indices [B, M] padded with -1, count [B]).
-
-  Slot of kept position 32 w + c = base[w] + kept bits of word w below c:
-  elementwise, then one scatter.
-  """
+  """Keep words -> (original indices [B, M] padded with -1, count [B]). Slot of
+  kept position 32 w + c = base[w] + kept bits of word w below c: elementwise,
+  then one scatter."""
   batch, n = order.shape
   shifts = jnp.arange(WORD, dtype=jnp.int32)
   word = keep[..., None]
@@ -810,11 +800,9 @@ def _sort_keys(scores, score_threshold):
 
 
 def radix_order(scores, score_threshold=None):
-  """(order, valid) as ``reference.sort_by_score``, by a uint32-key sort.
-
-  The key maps -score (+0.0 for -0.0; +inf for unkeepable boxes) to uint32
-  monotonically; the radix sort is stable, so ties go by index.
-  """
+  """(order, valid) as ``reference.sort_by_score``, by a uint32-key sort. The
+  key maps -score (+0.0 for -0.0; +inf for unkeepable boxes) to uint32
+  monotonically; the radix sort is stable, so ties go by index."""
   batch, n = scores.shape
   valid, key = _sort_keys(scores, score_threshold)
   bits = jax.lax.bitcast_convert_type(key, jnp.uint32)
@@ -832,10 +820,8 @@ def radix_order(scores, score_threshold=None):
 
 def rank_order(scores, score_threshold=None, *, interpret=None):
   """(order [B, N], valid in that order [B, N]) as ``reference.sort_by_score``.
-
   Keys: -score (+0.0 for -0.0), +inf for unkeepable boxes; ties and the
-  infinities go by index, which is the stable sort's order.
-  """
+  infinities go by index, which is the stable sort's order."""
   batch, n = scores.shape
   valid, key = _sort_keys(scores, score_threshold)
   padded = -(-n // RANK_COLS) * RANK_COLS
