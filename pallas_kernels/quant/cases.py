@@ -1,4 +1,5 @@
-"""Main-job cases for the quantized matmul family (``python -m pallas_kernels``)."""
+"""Main-job cases for the quantized matmul family (``python -m
+pallas_kernels``)."""
 from __future__ import annotations
 
 import numpy as np

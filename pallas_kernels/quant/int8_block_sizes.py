@@ -15,13 +15,10 @@ MiB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes for ``int8_matmul(block_sizes=...)``.
-
-  The x tile is bm x bk, the w tile bk x bn, the output tile bm x bn. TPU:
-  bm a multiple of 32, bk and bn of 128 (unless the whole dimension); GPU
-  (Triton): powers of two >= 16. The other fields are Triton options, None
-  taking the table's value.
-  """
+  """Tile sizes for ``int8_matmul(block_sizes=...)``. The x tile is bm x bk, the
+  w tile bk x bn, the output tile bm x bn. TPU: bm a multiple of 32, bk and bn
+  of 128 (unless the whole dimension); GPU (Triton): powers of two >= 16. The
+  other fields are Triton options, None taking the table's value."""
   bm: int
   bk: int
   bn: int

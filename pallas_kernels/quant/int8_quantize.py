@@ -46,9 +46,7 @@ def quantize(x, axis=-1):
 
 def epilogue(acc, x_scale, w_scale, bias, out_dtype):
   """acc [M, N] -> ((acc * x_scale) * w_scale + bias) in float32 -> out_dtype.
-
-  x_scale is [M, 1] or None, w_scale and bias are [1, N] or None.
-  """
+  x_scale is [M, 1] or None, w_scale and bias are [1, N] or None."""
   out = acc.astype(jnp.float32)
   if x_scale is not None:
     out = out * x_scale

@@ -26,13 +26,10 @@ def _float_dot(x2, w):
 
 def matmul_2d(x2, w, x_scale, w_scale, bias, *, mode, out_dtype,
               w_layout="kn"):
-  """The normalized 2-D problem (``operands.MatmulCall``).
-
-  mode: "raw" (int8 x, int32 out), "dequant" (int8 x), "dynamic" (float x,
-  quantized per row here) or "weight_only" (float x). Scales are float32
-  [M, 1] / [1, N] or None, bias float32 [1, N] or None. w is [K, N], or
-  [N, K] for w_layout "nk".
-  """
+  """The normalized 2-D problem (``operands.MatmulCall``). mode: "raw" (int8 x,
+  int32 out), "dequant" (int8 x), "dynamic" (float x, quantized per row here) or
+  "weight_only" (float x). Scales are float32 [M, 1] / [1, N] or None, bias
+  float32 [1, N] or None. w is [K, N], or [N, K] for w_layout "nk"."""
   if w_layout == "nk":
     w = w.T
   if mode == "raw":

@@ -78,11 +78,9 @@ def _pad_to(a, shape, value=0):
 
 def _tile_order(ni, nj, group_m):
   """(grid, tile(p, q) -> (i, j)): the output tile each program computes.
-
-  group_m > 1 launches one flat program axis in bands: consecutive programs
-  walk down group_m row tiles of one column tile, then the next column tile,
-  so the programs resident together share their x rows and w columns in L2.
-  """
+  group_m > 1 launches one flat program axis in bands: consecutive programs walk
+  down group_m row tiles of one column tile, then the next column tile, so the
+  programs resident together share their x rows and w columns in L2."""
   if group_m <= 1 or ni == 1:
     return (ni, nj), lambda p, q: (p, q)
   per_band = group_m * nj

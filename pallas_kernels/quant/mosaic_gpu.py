@@ -336,13 +336,11 @@ def _kernel_call(x, w, vectors, t: Tiles, out_dtype, interpreting, interpret):
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
            tiles: Tiles | None = None, interpret=False):
-  """x2 [M, K] . w -> [M, N] out_dtype for 8-bit x and w.
-
-  w is [N, K] (w_layout "nk") or [K, N] ("kn", transposed first); x_scale
-  [M, 1], w_scale and bias [1, N] float32 or None. ``tiles``: None picks
-  ``tiles_for(M, N)``. Call only where ``supports`` is None. ``interpret``: False on a GPU, an
-  ``InterpretGPUParams`` (or True) for the Mosaic GPU interpreter.
-  """
+  """x2 [M, K] . w -> [M, N] out_dtype for 8-bit x and w. w is [N, K] (w_layout
+  "nk") or [K, N] ("kn", transposed first); x_scale [M, 1], w_scale and bias [1,
+  N] float32 or None. ``tiles``: None picks ``tiles_for(M, N)``. Call only where
+  ``supports`` is None. ``interpret``: False on a GPU, an ``InterpretGPUParams``
+  (or True) for the Mosaic GPU interpreter."""
   why = supports(x2, w, mode=mode, out_dtype=out_dtype, tiles=tiles)
   if why is not None:
     raise ValueError(f"quant.mosaic_gpu.matmul: unsupported call: {why}")
