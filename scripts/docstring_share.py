@@ -33,8 +33,8 @@ def measure(path):
 
 def main(argv):
   root = pathlib.Path(next((a for a in argv if a != "-v"), "."))
-  rows = [(str(p.relative_to(root)),) + measure(p)
-          for package in PACKAGES for p in sorted((root / package).rglob("*.py"))]
+  rows = [(str(p.relative_to(root)),) + measure(p) for package in PACKAGES
+          for p in sorted((root / package).rglob("*.py"))]
   for scope in PACKAGES + ("all",):
     sel = [r for r in rows if scope == "all" or r[0].startswith(scope + "/")]
     lines, doc = sum(r[1] for r in sel), sum(r[2] for r in sel)
