@@ -10,13 +10,16 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-  """One public function. kind: "kernel" (a Pallas kernel beside a reference of
-  the same name in the family's ``reference`` module), "helper" (a sharding or
-  cache wrapper exported beside the kernels) or "layer" (``pallas_kernels.nn``).
+  """One public function.
+
+  kind: "kernel" (a Pallas kernel beside a reference of the same name in the
+  family's ``reference`` module), "helper" (a sharding or cache wrapper
+  exported beside the kernels) or "layer" (``pallas_kernels.nn``).
   main_job: the main job has cases for it. torch: it is also
-  ``torch_bridge.<name>`` and ``torch.ops.pallas_kernels.<name>``, whose schema
-  types differ from the bridge's defaults by ``torch_types`` and whose outputs
-  are ``torch_returns``."""
+  ``torch_bridge.<name>`` and ``torch.ops.pallas_kernels.<name>``, whose
+  schema types differ from the bridge's defaults by ``torch_types`` and
+  whose outputs are ``torch_returns``.
+  """
   name: str
   kind: str = "kernel"
   main_job: bool = True

@@ -181,13 +181,15 @@ def compile_for_tpu(fn: Callable, *args: jax.ShapeDtypeStruct,
                     in_specs: Sequence[PartitionSpec] | None = None,
                     out_specs: Any = None,
                     static_kwargs: dict | None = None) -> CompileResult:
-  """AOT-compiles ``fn(*args)`` for ``topology``. Kernels are lowered with the
-  topology's generation as their target (``_backend.target_override``), so they
-  pick that chip's block tables. Without ``mesh_axes`` the arguments live on the
-  topology's first chip. With ``mesh_axes`` (and ``in_specs``/``out_specs``),
-  ``fn`` runs per shard under ``shard_map`` over all chips of the topology:
-  Mosaic kernels cannot be partitioned automatically, so multi-chip use always
-  shards them manually."""
+  """AOT-compiles ``fn(*args)`` for ``topology``.
+
+  Kernels are lowered with the topology's generation as their target
+  (``_backend.target_override``), so they pick that chip's block tables.
+  Without ``mesh_axes`` the arguments live on the topology's first chip.
+  With ``mesh_axes`` (and ``in_specs``/``out_specs``), ``fn`` runs per shard
+  under ``shard_map`` over all chips of the topology: Mosaic kernels cannot be
+  partitioned automatically, so multi-chip use always shards them manually.
+  """
   devices = topology_devices(topology)
   call = functools.partial(fn, **(static_kwargs or {}))
   if mesh_axes is None:
