@@ -1,21 +1,10 @@
 """Pallas kernels for TPU (Mosaic) and GPU, each beside a pure-JAX reference.
 
-Public ops (each takes ``backend=None | "mosaic_tpu" | "gpu" | "interpret" |
-"reference"``; see ``pallas_kernels._backend`` for how None is resolved):
-
-  attention:   flash_attention, shard_flash_attention; decode_attention
-  int8 matmul: quantize_int8, int8_matmul, shard_int8_matmul, nn.int8_dense
-  quantized:   quantize, quantized_matmul (int8, int4, fp8), nn.quantized_dense
-  experts:     grouped_matmul, nn.moe_feed_forward
-  serving:     ragged_paged_attention, mla_ragged_paged_attention,
-               write_kv_pages
-  boxes:       giou, pairwise_giou, giou_loss, box_iou, ... ; nms, batched_nms,
-               shard_batched_nms
-
-``pallas_kernels.reference`` holds the plain-JAX versions with identical
-semantics. ``force_interpret()`` runs everything in Pallas interpret mode.
-Importing the package on a machine with no TPU or GPU attached selects JAX's
-CPU platform unless ``JAX_PLATFORMS`` is set (libtpu's TPU probe is noisy).
+Ops: attention, int8 and quantized matmuls, grouped matmul, ragged paged
+attention, IoU family and NMS (``_registry.FAMILIES``); each takes ``backend=``
+(``_backend``). ``pallas_kernels.reference`` holds the plain-JAX versions.
+Without a TPU or GPU, importing selects JAX's CPU platform unless
+``JAX_PLATFORMS`` is set.
 """
 from __future__ import annotations
 

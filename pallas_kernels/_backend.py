@@ -1,42 +1,9 @@
-"""The one place where an op's kernel is chosen.
-
-Each op lists its implementations as ``Kernel`` rows, best first, and calls
-``dispatch``. A row names its kernel after its lowering:
-
-  "mosaic_tpu"  Pallas compiled by Mosaic for TPU.
-  "triton"      Pallas lowered through Triton for NVIDIA GPUs.
-  "mosaic_gpu"  Pallas compiled by Mosaic GPU (Hopper).
-  "reference"   plain JAX with identical semantics (XLA fuses it).
-
-``backend=`` picks one of them, or:
-  None          the first row that supports the call on the platform the
-                computation is *lowered for* (``jax.lax.platform_dependent``):
-                TPU -> its TPU rows, CUDA -> its GPU rows, anything else (CPU)
-                -> the TPU kernel in Pallas' generic interpreter; the reference
-                where no row supports the call. AOT-compiling for a TPU from a
-                CPU host therefore picks the Mosaic kernel.
-  "gpu"         the first GPU row that supports the call ("best GPU kernel").
-  "interpret"   the TPU kernel run by the Pallas interpreter (any platform).
-
-A named kernel that cannot run the call raises ValueError with its reason.
-
-A row's ``supports`` says whether the kernel handles the call's shapes and
-options; its ``hardware`` whether the chip does (``Target``: TPU generation,
-GPU compute capability). Hardware facts come from the lowering target: the
-``target_override`` context (set by ``tpu_aot`` from the AOT topology), else
-the attached devices of that platform, else the defaults (v5e; no Hopper).
-
-Interpret mode is forced everywhere by ``PALLAS_KERNELS_INTERPRET`` or the
-``force_interpret`` context; the value picks the interpreter flavour:
-  "1" / "tpu"   TPU-semantics interpreter (``pltpu.InterpretParams``), which
-                simulates VMEM, DMAs and semaphores;
-  "races"       the same, with data-race detection;
-  "generic"     Pallas' generic interpreter (``interpret=True``).
-Under it, ``backend=None`` means "interpret"; GPU kernels run in their own
-interpreter (Triton: generic; Mosaic GPU: its simulator). A named kernel then
-needs only its ``supports``, since the interpreter needs no chip; "gpu" still
-chooses by the target's chip. The context is
-read at trace time: a jitted function keeps the choice it was traced with.
+"""The one place where an op's kernel is chosen: each op lists ``Kernel`` rows
+("mosaic_tpu", "triton", "mosaic_gpu", "reference"), best first, and calls
+``dispatch``; ``backend=None`` takes the first row that supports the call on
+the platform it is lowered for. Interpret mode (``force_interpret``,
+``PALLAS_KERNELS_INTERPRET``) is read at trace time. Rules in full:
+docs/design/architecture.md.
 """
 from __future__ import annotations
 

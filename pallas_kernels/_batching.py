@@ -1,24 +1,7 @@
-"""How every kernel call composes with ``jax.vmap``: one batching rule per
-kernel call, read from the op's sharding :class:`~pallas_kernels._sharding.Rule`.
-
-A rule names the factors of a call's arrays and which of them are *split*
-factors, rows the kernel treats independently. The mapped axis of a
-``jax.vmap`` is folded into the first split factor of the first operand that
-every result carries (the batch of attention and of NMS images, the boxes of
-an elementwise IoU, the rows of a matmul): each operand that has the factor
-gets the mapped axis merged into that dimension (mapped index major; an
-operand not mapped is repeated), operands without it are shared by every row
-(a matmul's weights), and the results are split back. One kernel call then
-runs on the whole batch, as if the caller had concatenated it.
-
-Where no such fold exists, the call runs once per mapped index
-(``jax.lax.map``; unrolled under the TPU-semantics interpreter): a result without the factor (a reduced loss, the gradient
-of a bias broadcast over the batch) or a mapped operand without it (a mapped
-matmul weight).
-
-Pallas' own batching of ``pallas_call`` (a new grid dimension) is never
-used: the TPU-semantics interpreter cannot run it, and a kernel's grid and
-block choice is made for the shapes it is called with.
+"""How every kernel call composes with ``jax.vmap``: the mapped axis is folded
+into the first split factor of the op's sharding ``Rule`` (one kernel call on
+the whole batch); where no fold exists, one call per mapped index
+(``jax.lax.map``). Details: docs/design/architecture.md.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Cases the main job (``python -m pallas_kernels``) runs: one per op and size.
-
-Each kernel family lists its cases in ``<family>/cases.py`` as
-``main_job_cases(size) -> list[Case]``.
+"""Cases the main job (``python -m pallas_kernels``) runs: one per op and size,
+listed by each family's ``<family>/cases.py`` as ``main_job_cases(size)``.
 """
 from __future__ import annotations
 

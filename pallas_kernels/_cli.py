@@ -1,9 +1,6 @@
-"""The main job's command line, checked with the standard library alone.
-
-``scripts/main.sh`` runs this file with the system Python before it builds
-any environment, so ``--help`` and argument errors answer at once:
-
-    python3 pallas_kernels/_cli.py --check [ARGS ...]   # exit 0, or 2 + why
+"""The main job's command line, checked with the standard library alone
+(``scripts/main.sh`` runs it before any environment exists):
+``python3 pallas_kernels/_cli.py --check [ARGS ...]`` exits 0, or 2 and why.
 """
 from __future__ import annotations
 

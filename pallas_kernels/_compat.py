@@ -1,6 +1,5 @@
-"""Differences between the supported jax releases (0.7.1 through the newest).
-
-Everything version-dependent lives here so kernels can be written once.
+"""Differences between the supported jax releases (0.7.1 through the newest),
+so kernels are written once.
 """
 from __future__ import annotations
 
@@ -55,13 +54,11 @@ def _pallas_call_scopes_its_name() -> bool:
 
 
 def pallas_call(kernel, *, name: str, **kwargs):
-  """``pl.pallas_call`` whose launches carry ``name`` in HLO and profiles.
-
-  Newer jax opens a ``named_scope(name)`` around the call itself, which
-  names the custom-call instruction; older jax only records the name inside
-  the kernel's config, so the instruction took its enclosing function's name
-  (``branch_0_fun``). Here the scope is opened where jax does not.
-  """
+  """``pl.pallas_call`` whose launches carry ``name`` in HLO and profiles. Newer
+  jax opens a ``named_scope(name)`` around the call itself, which names the
+  custom-call instruction; older jax only records the name inside the kernel's
+  config, so the instruction took its enclosing function's name
+  (``branch_0_fun``). Here the scope is opened where jax does not."""
   if (JAX_VERSION < (0, 12, 0) and HAS_TPU_INTERPRETER
       and isinstance(kwargs.get("interpret"), TpuInterpretParams)):
     kwargs["compiler_params"] = _without_grid_semantics(
@@ -117,22 +114,18 @@ def _tpu_interpreter_module():
 
 
 def races_found() -> bool:
-  """Whether the TPU interpreter's *last* kernel launch saw a data race.
-
-  The interpreter makes a fresh race-detector state for every launch, so an
-  op of several kernels needs ``record_races`` to see them all.
-  """
+  """Whether the TPU interpreter's *last* kernel launch saw a data race. The
+  interpreter makes a fresh race-detector state for every launch, so an op of
+  several kernels needs ``record_races`` to see them all."""
   module = _tpu_interpreter_module()
   races = getattr(module, "races", None)
   return bool(getattr(races, "races_found", False))
 
 
 class RaceLog:
-  """The race-detector states of the TPU interpreter's kernel launches.
-
-  One state per interpreted ``pallas_call`` launch, in launch order (the
-  interpreter makes one when a launch sets up its simulated memory).
-  """
+  """The race-detector states of the TPU interpreter's kernel launches. One
+  state per interpreted ``pallas_call`` launch, in launch order (the interpreter
+  makes one when a launch sets up its simulated memory)."""
 
   def __init__(self):
     self._states: list[Any] = []
@@ -164,15 +157,13 @@ class RaceLog:
 
 @contextlib.contextmanager
 def record_races():
-  """Collects the race-detector state of every TPU-interpreter launch.
-
-  Yields a ``RaceLog``. It wraps the interpreter's ``RaceDetectionState``
-  constructor, which the interpreter calls at run time once per launch, so
-  it sees launches of functions jitted before the block too. Races are
-  recorded and logged, never raised (jax >= 0.8's ``on_race="raise"``
-  would stop at the first). Kernels still need race detection turned on
-  (``tpu_interpret_params(detect_races=True)``, the "races" flavour).
-  """
+  """Collects the race-detector state of every TPU-interpreter launch. Yields a
+  ``RaceLog``. It wraps the interpreter's ``RaceDetectionState`` constructor,
+  which the interpreter calls at run time once per launch, so it sees launches
+  of functions jitted before the block too. Races are recorded and logged, never
+  raised (jax >= 0.8's ``on_race="raise"`` would stop at the first). Kernels
+  still need race detection turned on
+  (``tpu_interpret_params(detect_races=True)``, the "races" flavour)."""
   module = _tpu_interpreter_module()
   if module is None:
     raise RuntimeError("record_races: this jax has no TPU interpreter with "
@@ -210,12 +201,10 @@ def shard_map(fn, *, mesh, in_specs, out_specs):
 @contextlib.contextmanager
 def mosaic_version_for_aot(max_version: int = 7):
   """Caps the Mosaic serialization version while AOT-compiling from a CPU host.
-
-  jax < 0.8 picks the Mosaic IR version by asking the *running* backend's
-  libtpu how old it is; on a CPU host there is none, so it emits the newest
-  version (8), which the libtpu paired with jax 0.7.1 (0.0.20/0.0.21) cannot
-  read. A real TPU takes the version check's own path and is not affected.
-  """
+  jax < 0.8 picks the Mosaic IR version by asking the *running* backend's libtpu
+  how old it is; on a CPU host there is none, so it emits the newest version
+  (8), which the libtpu paired with jax 0.7.1 (0.0.20/0.0.21) cannot read. A
+  real TPU takes the version check's own path and is not affected."""
   if JAX_VERSION >= (0, 8, 0):
     yield
     return
@@ -279,15 +268,12 @@ def _typed_varying(aval, axes):
 @functools.cache
 def _vary_cast_p():
   """A no-op cast that retypes a value's varying manual axes to ``axes``.
-
-  ``pvary`` casts an *invariant* value (its transpose sums over the axes);
-  this one only changes the type of a value that varies over ``axes``
-  anyway, both ways, so its transpose is the reverse cast. Its abstract
-  evaluation sets the type whatever ``check_vma`` says, so a jaxpr traced
-  from it stays consistently typed when jax traces it again with the check
-  on (lowering a ``custom_vmap``, or Pallas' generic interpreter lowering a
-  kernel).
-  """
+  ``pvary`` casts an *invariant* value (its transpose sums over the axes); this
+  one only changes the type of a value that varies over ``axes`` anyway, both
+  ways, so its transpose is the reverse cast. Its abstract evaluation sets the
+  type whatever ``check_vma`` says, so a jaxpr traced from it stays consistently
+  typed when jax traces it again with the check on (lowering a ``custom_vmap``,
+  or Pallas' generic interpreter lowering a kernel)."""
   from jax.extend.core import Primitive
   from jax.interpreters import ad, batching, mlir
   prim = Primitive("pallas_kernels_vary_cast")
@@ -303,12 +289,10 @@ def _vary_cast_p():
 
 
 def forget_varying(x) -> Any:
-  """``x`` typed as varying over no manual axis (its values unchanged).
-
-  For a computation local to each device (a kernel call) that jax cannot
-  type: its results must get their type back with ``remember_varying``
-  before they meet anything else.
-  """
+  """``x`` typed as varying over no manual axis (its values unchanged). For a
+  computation local to each device (a kernel call) that jax cannot type: its
+  results must get their type back with ``remember_varying`` before they meet
+  anything else."""
   axes = varying_axes(x)
   if not axes:
     return x
@@ -356,14 +340,12 @@ def reshard(x, spec):
 
 
 def load_tpu_plugin_for_aot() -> None:
-  """Loads libtpu's PJRT plugin for compile-only use, with JAX's callbacks.
-
-  On a CPU host (JAX_PLATFORMS=cpu) jax loads the plugin only to build a
-  topology and skips the callbacks it gives discovered plugins, among them
-  the custom-partitioning callbacks; a sharded program using
-  ``custom_partitioning`` then fails to compile ("Custom emitter for
-  CustomSPMDPartitioning not found"). Loading it here first runs them.
-  """
+  """Loads libtpu's PJRT plugin for compile-only use, with JAX's callbacks. On a
+  CPU host (JAX_PLATFORMS=cpu) jax loads the plugin only to build a topology and
+  skips the callbacks it gives discovered plugins, among them the
+  custom-partitioning callbacks; a sharded program using ``custom_partitioning``
+  then fails to compile ("Custom emitter for CustomSPMDPartitioning not found").
+  Loading it here first runs them."""
   import jax.experimental.custom_partitioning  # noqa: F401  (its callbacks)
   from jax._src import xla_bridge
   from jax._src.lib import xla_client
@@ -381,10 +363,8 @@ def load_tpu_plugin_for_aot() -> None:
 # ---------------------------------------------- Mosaic GPU, GPU lowering --
 
 def mosaic_gpu_load(ref, idx=(), *, layout=None, optimized=True):
-  """``plgpu.load`` of ``ref[idx]`` into registers in ``layout``.
-
-  jax 0.12 dropped load's index argument (slice the ref with ``.at``).
-  """
+  """``plgpu.load`` of ``ref[idx]`` into registers in ``layout``. jax 0.12
+  dropped load's index argument (slice the ref with ``.at``)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   if "idx" in inspect.signature(plgpu.load).parameters:
     return plgpu.load(ref, idx, layout=layout, optimized=optimized)
@@ -400,13 +380,11 @@ ABSTRACT_GPU_KIND = "NVIDIA H100 80GB HBM3"
 
 @contextlib.contextmanager
 def abstract_gpu_target(device_kind: str = ABSTRACT_GPU_KIND):
-  """Lets GPU (Triton) kernels lower for ``device_kind`` without that GPU.
-
-  jax >= 0.12's Triton lowering reads the target's compute capability from
-  the device and raises without a GPU unless an abstract GPU device is set
-  through an abstract mesh; older jax picks a default target itself. The
-  abstract mesh is part of the trace context: trace inside the context too.
-  """
+  """Lets GPU (Triton) kernels lower for ``device_kind`` without that GPU. jax
+  >= 0.12's Triton lowering reads the target's compute capability from the
+  device and raises without a GPU unless an abstract GPU device is set through
+  an abstract mesh; older jax picks a default target itself. The abstract mesh
+  is part of the trace context: trace inside the context too."""
   sharding = jax.sharding
   if not hasattr(sharding, "AbstractDevice"):
     yield

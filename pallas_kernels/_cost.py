@@ -1,9 +1,6 @@
-"""``pl.CostEstimate`` figures for the kernels' ``pallas_call``s.
-
-XLA cannot see inside a custom call; the estimate (flops, transcendentals,
-HBM bytes) is what its scheduler and cost analysis use for it. Each kernel
-computes its figures from its shapes; elementwise formulas (the IoU family)
-are counted from their jaxpr on scalars.
+"""``pl.CostEstimate`` figures (flops, transcendentals, HBM bytes) for the
+kernels' ``pallas_call``s, which XLA's scheduler cannot see into; elementwise
+formulas are counted from their jaxpr on scalars.
 """
 from __future__ import annotations
 

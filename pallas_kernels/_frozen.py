@@ -1,13 +1,7 @@
-"""Differentiation of matmuls with frozen quantized weights.
-
-``frozen(op, run, names, operands, linear, reasons)`` returns ``run(*operands)``
-(a kernel call, which JAX cannot differentiate) under a ``jax.custom_jvp``
-whose tangent is plain JAX, so that reverse mode transposes it: each operand
-named in ``linear`` contributes ``linear[name](tangent, *operands)`` (linear
-in the tangent). A non-zero tangent of any other float operand (quantized
-weights stored as fp8, scales, zero points, quantized activations) raises a
-TypeError that names the operand and says why, instead of JAX's opaque
-"Linearization failed" inside the kernel.
+"""Differentiation of matmuls with frozen quantized weights: ``frozen`` wraps a
+kernel call in a ``jax.custom_jvp`` whose tangent is plain JAX, linear in the
+operands named in ``linear``; a tangent of any other float operand raises a
+TypeError naming it (not JAX's "Linearization failed").
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Pallas interpret mode: which interpreter runs the TPU kernels.
-
-Flavours: "tpu" (TPU-semantics interpreter: VMEM, DMAs, semaphores),
-"races" (the same, detecting races), "generic" (Pallas' generic
-interpreter). Forced per context (``force_interpret``) or by the
-``PALLAS_KERNELS_INTERPRET`` environment variable.
+"""Pallas interpret mode: which interpreter runs the TPU kernels ("tpu",
+"races", "generic"), forced per context (``force_interpret``) or by
+``PALLAS_KERNELS_INTERPRET``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""What every Mosaic GPU (Hopper) kernel of the package shares: the Pallas
-Mosaic GPU module where this jax has one, the check that it has the API a
-kernel uses, its CPU interpreter, and whether the default device is a Hopper.
+"""What every Mosaic GPU (Hopper) kernel shares: the Pallas Mosaic GPU module
+where this jax has one, the check for the API a kernel uses, its CPU
+interpreter, and whether the default device is a Hopper.
 """
 from __future__ import annotations
 

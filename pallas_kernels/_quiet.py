@@ -1,10 +1,6 @@
-"""Keeps libtpu's start-up noise away on machines without a TPU.
-
-With libtpu installed (needed for AOT TPU compilation), JAX probes for a TPU
-when it first initialises backends and libtpu logs warnings about a missing
-TPU VM environment. Where no TPU is attached and the user chose no platform,
-we select the CPU platform for *execution*; compile-only TPU topologies
-(``pallas_kernels.tpu_aot``) keep working.
+"""Keeps libtpu's start-up noise away on machines without a TPU: where none is
+attached and no platform was chosen, JAX executes on CPU; compile-only TPU
+topologies (``tpu_aot``) keep working.
 """
 from __future__ import annotations
 

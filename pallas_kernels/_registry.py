@@ -1,9 +1,7 @@
-"""Every op of the package, declared once.
-
-The package exports, ``pallas_kernels.reference``, the main job's families
-and ``--ops``, the torch ops and their schemas, the bench list and the docs'
-support tables are read from ``FAMILIES``. Standard library only: the main
-job's command line is checked with it before any environment exists.
+"""Every op of the package, declared once in ``FAMILIES``: the exports, the
+references, the main job, the torch ops, the bench list and the docs' tables
+read it. Standard library only (the command line is checked before any
+environment exists).
 """
 from __future__ import annotations
 

@@ -1,39 +1,9 @@
-"""How every kernel call composes with JAX sharding: one rule per op.
-
-An op's :class:`Rule` names each dimension of its array operands and results
-with a factor (einsum style) and says which factors may be *split*: rows that
-the kernel treats independently (batch, heads, boxes, matrix rows/columns).
-A result may be a *sum* over a split factor (a reduced loss, the gradient of
-a broadcast bias): its per-shard values are added across devices. Given the
-rule, :func:`run` executes the kernel call the way the inputs are sharded:
-
-* inside ``jax.shard_map`` (manual axes): on the local shards. With
-  ``check_vma=True`` the kernel is traced with the check off on operands
-  retyped as varying over no axis, and its results are retyped as varying
-  over every axis its inputs vary over (``_compat.forget_varying`` /
-  ``remember_varying``: no-op casts, no collectives). A Pallas ``out_shape``
-  carries no such type, and jax traces an interpreted kernel (its grid
-  loop) and a ``custom_vmap`` again at lowering with the check on, where
-  values of both types would meet.
-* inputs sharded over **Explicit** mesh axes: a ``shard_map`` over the mesh
-  whose specs follow the inputs' split factors; each device runs the kernel
-  on its slice, sums are ``psum``-ed.
-* otherwise (Auto axes, a plain ``jax.jit`` with ``NamedSharding`` inputs):
-  ``custom_partitioning`` on CPU and GPU, so Shardy/GSPMD run the kernel
-  once per shard with the shardings of the split factors and no all-gather
-  of operands. A split factor that its mesh axes do not divide evenly is
-  replicated instead (padding rows would enter sums). Under one device the
-  kernel is inlined. ``jax.vmap`` of the call batches the unpartitioned
-  kernel. On TPU, where ``custom_partitioning`` does not compile
-  (jax-ml/jax#38196), XLA replicates the operands of a Mosaic kernel under
-  Auto axes: use Explicit axes, ``shard_map`` or the family's helper there.
-
-The ``shard_*`` helpers run their ``shard_map`` through :func:`shard_map`,
-which first places each input as its spec says (any mesh, plain inputs).
-
-A sharded dimension that is not a split factor (a sequence, head_dim, K of a
-matmul, the boxes of one NMS image) raises ``ValueError`` naming the op, the
-argument, the dimension and the helper to use, never a silent all-gather.
+"""How every kernel call composes with JAX sharding: one ``Rule`` per op names
+each dimension with a factor and says which may be *split* (or *summed*).
+:func:`run` runs the call on local shards inside ``shard_map``, through a
+``shard_map`` on Explicit mesh axes, else through ``custom_partitioning``
+(CPU/GPU); a sharded dimension that is not a split factor raises
+ValueError. Details: docs/design/architecture.md.
 """
 from __future__ import annotations
 

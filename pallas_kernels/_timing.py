@@ -10,11 +10,9 @@ import jax
 
 def time_call(fn: Callable[[], Any], *, warmup: int = 2, iters: int = 10,
               min_seconds: float = 0.0) -> dict:
-  """Median/min seconds of ``fn()`` after ``warmup`` calls.
-
-  ``fn`` must return JAX arrays: each call is waited for with
-  ``jax.block_until_ready`` so asynchronous dispatch is not mistaken for speed.
-  """
+  """Median/min seconds of ``fn()`` after ``warmup`` calls. ``fn`` must return
+  JAX arrays: each call is waited for with ``jax.block_until_ready`` so
+  asynchronous dispatch is not mistaken for speed."""
   for _ in range(warmup):
     jax.block_until_ready(fn())
   samples = []

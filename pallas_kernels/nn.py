@@ -1,10 +1,6 @@
-"""Layers for training: quantized dense layers and a mixture of experts.
-
-``int8_dense`` (int8 forward, straight-through float backward;
-``pallas_kernels.quant.int8_layers``) and ``quantized_dense`` (frozen quantized
-weights plus a LoRA adapter; ``pallas_kernels.quant.layers``) live in their
-families; ``moe_feed_forward`` (top-k routed experts on ``grouped_matmul``)
-is here.
+"""Layers for training: ``moe_feed_forward`` (top-k routed experts on
+``grouped_matmul``) lives here; ``int8_dense`` and ``quantized_dense`` live in
+their families (``quant.int8_layers``, ``quant.layers``) and are re-exported.
 """
 from __future__ import annotations
 
@@ -79,20 +75,11 @@ def moe_feed_forward(x, w_router, w_gate, w_up, w_down, *, top_k: int,
     out_t = sum_{e in S} w_e * (silu(x_t @ w_gate[e]) * (x_t @ w_up[e]))
                                  @ w_down[e]
 
-  Algorithm: the T * top_k (token, slot) pairs are sorted by expert (stable
-  argsort), their rows gathered, ``group_sizes`` = tokens per expert; three
-  ``grouped_matmul`` calls (gate, up, down) run every expert on its rows
-  with no capacity limit (no token is dropped), then the rows are put back
-  in (token, slot) order and summed with the routing weights.
-
-  ``renormalize=True`` (the default) is Mixtral's and Qwen3-MoE's routing;
-  ``False`` is DeepSeek-V2's and Switch's (with top_k=1 renormalising makes
-  every weight 1, so the router would learn from the auxiliary loss alone).
-
-  The expert matmuls run in x's dtype (weights are cast to it) with float32
-  sums; the router and the weighted sum run in float32. Gradients reach x
-  and every weight; the choice of experts is piecewise constant, so the
-  router's gradient comes through the weights w_e (and the auxiliary loss).
+  The (token, slot) pairs are sorted by expert and run through three
+  ``grouped_matmul`` calls (gate, up, down) with no capacity limit. Expert
+  matmuls run in x's dtype with float32 sums; the router and the weighted
+  sum in float32. Gradients reach x and every weight (the router's through
+  w_e and the auxiliary loss).
 
   Args:
     x: [..., D] float activations.
@@ -100,7 +87,9 @@ def moe_feed_forward(x, w_router, w_gate, w_up, w_down, *, top_k: int,
     w_gate, w_up: [E, D, F] per-expert gate and up projections.
     w_down: [E, F, D] per-expert down projections.
     top_k: experts per token, 1 <= top_k <= E.
-    renormalize: scale each token's top_k weights to sum to 1.
+    renormalize: scale each token's top_k weights to sum to 1 (Mixtral,
+      Qwen3-MoE); False: DeepSeek-V2, Switch (with top_k=1 every weight
+      would be 1).
     return_aux_loss: also return the Switch-Transformer load-balancing loss
       ``E * sum_e f_e * P_e``: f_e the fraction of the T * top_k assignments
       that go to expert e, P_e the mean router probability of e (1 when

@@ -1,17 +1,11 @@
-"""Real TPU compilation on a machine without a TPU.
-
-With ``libtpu`` installed (``pip install "jax[tpu]==<jax version>"``),
-``jax.experimental.topologies.get_topology_desc`` yields compile-only TPU
-devices. Lowering a jitted function with ``ShapeDtypeStruct`` arguments placed
-on those devices and calling ``.compile()`` runs the real XLA/Mosaic TPU
-compiler here: it rejects layouts Mosaic cannot tile, unsupported ops and
-VMEM overflow exactly as on a TPU VM.
+"""Real TPU compilation on a machine without a TPU: with ``libtpu`` installed,
+compile-only TPU devices (``jax.experimental.topologies``) let ``.compile()``
+run the real XLA/Mosaic TPU compiler, which rejects what a TPU VM would.
 
 Example::
 
-    from pallas_kernels import tpu_aot
-    result = tpu_aot.compile_for_tpu(my_fn, jax.ShapeDtypeStruct((8, 128), jnp.float32),
-                                     topology="v6e:2x2")
+    result = tpu_aot.compile_for_tpu(
+        my_fn, jax.ShapeDtypeStruct((8, 128), jnp.float32), topology="v6e:2x2")
     print(result.memory, result.cost)
 """
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """Flash attention: Mosaic TPU, Mosaic GPU and Triton kernels plus a JAX
-reference.
-
-    from pallas_kernels import flash_attention, shard_flash_attention
-
-``api`` holds the arguments and the kernel choice, ``sharded`` the
-``shard_map`` wrapper (and ``ring`` its sequence-parallel ring), ``reference`` the exact
-semantics, ``mosaic_tpu``/``mosaic_gpu``/``mosaic_gpu_bwd``/``triton`` the
-kernels and ``block_sizes`` the TPU block table. Names load on first use, so
-importing ``reference`` does not import the API.
+reference (``flash_attention``, ``shard_flash_attention``). Names load on first
+use, so importing ``reference`` does not import the API.
 """
 from __future__ import annotations
 

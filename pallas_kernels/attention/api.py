@@ -1,14 +1,8 @@
 """Public flash-attention API: validation, custom VJP, kernel choice.
 
-``flash_attention`` computes softmax attention with the semantics documented
-in :mod:`pallas_kernels.attention.reference` (causal masks align the *ends* of
-the query and key sequences, as in decoding: with ``q_len < kv_len`` query
-``i`` sees keys ``j <= i + kv_len - q_len``). Forward and backward each pick
-their kernel (``_backend.dispatch``) from the rows, best first:
-``mosaic_tpu`` (TPU), ``mosaic_gpu`` (Hopper; bf16/fp16 without bias,
-segment ids or per-head mask lists; head_dim 64..256, native at multiples
-of 16, zero-padded to the next one otherwise; v's head_dim equal to q's), ``triton`` (any GPU, every
-feature), ``reference`` (autodiff of the plain-JAX reference).
+Semantics: :mod:`pallas_kernels.attention.reference`. Forward and backward
+each pick the first kernel whose rule (``_rows``) accepts the call:
+``mosaic_tpu``, ``mosaic_gpu``, ``triton``, ``reference``.
 """
 from __future__ import annotations
 

@@ -1,36 +1,7 @@
-"""Block sizes for the Mosaic TPU flash-attention kernels.
-
-A block is ``block_q`` query rows by ``block_kv`` key rows, both multiples of
-128 (lane-replicated statistics, ``[128, block_q]`` transposes, the MXU
-width). ``TABLE[generation]`` (generation from ``_backend.target()``, the
-lowering target; the v5e row for a generation it does not list):
-
-  generation   head_dim   forward (q, kv)   backward (q, kv)
-  v4           <= 128     (512, 512)        (512, 512)
-  v4           256        (512, 512)        (256, 512)
-  v5e, v6e     any        (1024, 1024)      (1024, 1024)
-  v5p, tpu7x   any        (1024, 512)       (512, 1024)
-
-Why: a grid step costs ~0.35 us besides its work, and a 512 x 512 block's
-MXU work is ~0.7 us on v5e and ~0.6 us on v6e (whose 256-wide MXU pads a
-128 head_dim), so larger blocks save 15-25% (``python -m bench.roofline``).
-The VMEM they need (``mosaic_tpu.vmem_bytes``, double buffers included)
-stays within the generation's VMEM per core for bf16 and float32 inputs:
-v5e/v6e have 128 MiB, v5p and tpu7x 64 MiB (a 1024 x 1024 block with a bias
-would ask for more), v4 16 MiB. docs/design/attention.md has the numbers.
-
-With v's head_dim different from q's (MLA), rows are looked up by the wider
-of the two and the VMEM counts q/k tiles at one and v/dO/out tiles and
-accumulators at the other, so the equal-dims rows bound it.
-
-A block never exceeds the sequence rounded up to 128, and it is halved (down
-to 128) while rounding the sequence up to it would pad more than 1/8 of it.
-Sequences are computed as if rounded up to their block, head_dim as if
-rounded up to a multiple of 128 (64 kept): decoding with ``q_len=1`` does the
-work of 128 query rows. ``flash_attention(..., block_sizes=BlockSizes(...))``,
-a ``(block_q, block_kv)`` pair or a dict overrides the table; another
-kernel's block sizes (``triton.GpuBlockSizes``) leave the table in charge.
-Why these sizes: docs/design/attention.md.
+"""Block sizes for the Mosaic TPU flash-attention kernels: ``TABLE[generation]``
+gives (block_q, block_kv) for the forward and the backward, multiples of 128,
+shrunk for short sequences; ``block_sizes=`` overrides it. The table and why:
+docs/design/attention.md.
 """
 from __future__ import annotations
 
@@ -54,11 +25,9 @@ TABLE = {
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Query/key block sizes; None entries are taken from the table.
-
   ``block_q``/``block_kv`` apply to the forward kernel,
-  ``block_q_bwd``/``block_kv_bwd`` to both backward kernels (dq and dk/dv);
-  when only the forward ones are given the backward uses them too.
-  """
+  ``block_q_bwd``/``block_kv_bwd`` to both backward kernels (dq and dk/dv); when
+  only the forward ones are given the backward uses them too."""
   block_q: int | None = None
   block_kv: int | None = None
   block_q_bwd: int | None = None
@@ -78,12 +47,9 @@ class BlockSizes:
 
 
 def as_block_sizes(value):
-  """Normalizes the user's ``block_sizes=`` argument.
-
-  Another backend's frozen block-size dataclass (``triton.GpuBlockSizes``) is
-  passed through unchanged: the GPU kernel reads it, the TPU kernel uses its
-  table instead.
-  """
+  """Normalizes the user's ``block_sizes=`` argument. Another backend's frozen
+  block-size dataclass (``triton.GpuBlockSizes``) is passed through unchanged:
+  the GPU kernel reads it, the TPU kernel uses its table instead."""
   if value is None or isinstance(value, BlockSizes):
     return value
   if (dataclasses.is_dataclass(value) and not isinstance(value, type)

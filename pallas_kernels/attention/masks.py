@@ -1,25 +1,9 @@
-"""Static attention masks for ``flash_attention(..., mask=...)``.
-
-A mask says which (query ``i``, key ``j``) pairs may attend. Positions are
-aligned at the sequence ends, as for ``causal=True``: query ``i`` sits at
-position ``p = i + kv_len - q_len``.
-
-  Causal()               j <= p
-  Local(left, right)     p - left <= j <= p + right (None: unbounded side)
-  ChunkedCausal(size)    j <= p and j // size == p // size (Llama 4 chunks)
-  PrefixLM(length)       j <= p or j < length (bidirectional prefix)
-  Dense(array)           array[i, j] (a concrete bool ``[q_len, kv_len]``)
-
-Masks combine with ``&`` and ``|``; a list with one mask per query head
-gives each head its own. Masks are static: they are hashable values, known
-at trace time, so the kernels can skip the blocks a mask empties.
-
-Each mask answers two questions. ``allowed(p, j)``: the elementwise rule on
-broadcast position arrays (NumPy or, inside a kernel, jax). ``block_bounds``:
-for rectangles of positions, whether *some* pair is allowed and whether
-*every* pair is. The answers may err only towards "some" and away from
-"every": a block called partial that is really full or empty costs time,
-never correctness. ``Dense`` has no formula: it is evaluated from its array.
+"""Static attention masks for ``flash_attention(..., mask=...)``: ``Causal``,
+``Local``, ``ChunkedCausal``, ``PrefixLM``, ``Dense``, combined with ``&`` and
+``|``.
+Positions are ends-aligned (query ``i`` at ``i + kv_len - q_len``). Each mask
+gives ``allowed(p, j)`` elementwise and ``block_bounds`` per block, which may
+err only towards "partial" (costs time, never correctness).
 """
 from __future__ import annotations
 
@@ -278,18 +262,10 @@ def _global_pieces(lo, hi, starts, piece):
 
 @dataclasses.dataclass(frozen=True)
 class Placed(Mask):
-  """A formula mask evaluated at global positions of a block pair cut out of
-  a longer call. Local query index ``x`` lies in piece ``x // q_piece`` (the
-  last piece runs on), at global position ``q_starts[x // q_piece] + x %
-  q_piece``; keys likewise with ``kv_starts``/``kv_piece``. The block is
-  its own call of ``len(q_starts) * q_piece`` queries and ``len(kv_starts) *
-  kv_piece`` keys, whose query positions (ends aligned) are ``x +
-  local_offset``; ``allowed`` and ``block_bounds`` take those and undo the
-  offset. Ring attention gives each (query shard, key shard) pair its
-  ``Placed`` mask. Use :func:`place`, which also slices ``Dense`` masks.
-  Equality is by ``key``: per (query piece, key piece), empty (0), full (2)
-  or the pieces' starts moved by a multiple of ``shift_period`` (equal
-  keys and pieces: equal masks)."""
+  """A formula mask evaluated at the global positions of a block pair cut out
+  of a longer call (ring attention's shard pairs): local index ``x`` maps to
+  ``starts[x // piece] + x % piece``. Built by :func:`place`; equal ``key``
+  (per piece pair: empty, full or normalized starts) means an equal mask."""
   base: Mask
   q_starts: tuple[int, ...] = dataclasses.field(compare=False)
   kv_starts: tuple[int, ...] = dataclasses.field(compare=False)
@@ -343,13 +319,11 @@ def shift_period(mask: Mask) -> int | None:
 
 def place(mask: Mask, q_starts, kv_starts, q_piece: int,
           kv_piece: int | None = None, offset: int = 0) -> Mask:
-  """``mask`` (of a call whose query positions are its query indices plus
-  ``offset``, i.e. kv_len - q_len) at a block pair whose queries are the
-  pieces of ``q_piece`` indices starting at ``q_starts`` and whose keys are
-  the pieces of ``kv_piece`` (default ``q_piece``) starting at
-  ``kv_starts`` (see :class:`Placed`). ``Dense`` masks are sliced; a leaf
-  that repeats under shifts (:func:`shift_period`) is moved to its smallest
-  equivalent non-negative starts, so equal blocks get equal masks."""
+  """``mask`` (query positions = indices + ``offset``) at the block pair whose
+  queries are pieces of ``q_piece`` starting at ``q_starts`` and keys pieces
+  of ``kv_piece`` at ``kv_starts``. ``Dense`` masks are sliced; periodic
+  leaves move to their smallest equivalent starts, so equal blocks compare
+  equal."""
   kv_piece = q_piece if kv_piece is None else kv_piece
   q_starts, kv_starts = tuple(map(int, q_starts)), tuple(map(int, kv_starts))
   if isinstance(mask, Dense):
@@ -400,12 +374,10 @@ def dense(mask: Mask, q_len: int, kv_len: int) -> np.ndarray:
 
 def block_classes(mask: Mask, q_len: int, kv_len: int, block_q: int,
                   block_kv: int) -> np.ndarray:
-  """int8 ``[num_q_blocks, num_kv_blocks]``: 0 empty, 1 partial, 2 full.
-
-  Blocks cover the sequences rounded up to their block sizes; padded keys
-  count as masked (a block holding some is never full), padded queries are
-  ignored (their rows are dropped).
-  """
+  """int8 ``[num_q_blocks, num_kv_blocks]``: 0 empty, 1 partial, 2 full. Blocks
+  cover the sequences rounded up to their block sizes; padded keys count as
+  masked (a block holding some is never full), padded queries are ignored (their
+  rows are dropped)."""
   num_q, num_kv = -(-q_len // block_q), -(-kv_len // block_kv)
   q_lo = np.arange(num_q) * block_q
   q_hi = np.minimum(q_lo + block_q, q_len) - 1
@@ -485,19 +457,11 @@ def _compress(classes: np.ndarray):
 
 @dataclasses.dataclass(frozen=True)
 class BlockTables:
-  """A mask laid out for block-sparse kernels (NumPy, built at trace time).
-
-  ``classes [heads_in_table, num_q, num_kv]`` (0 empty, 1 partial, 2 full;
-  ``heads_in_table`` is 1 for a mask shared by every head). Query-major
-  tables, for kernels that walk a query block's kv blocks:
-  ``kv_partial/kv_total [Ht, num_q]`` and ``kv_index/kv_dense_index [Ht,
-  num_q, max_kv]``: step ``t < kv_total`` visits kv block ``kv_index[.., t]``
-  and needs the element mask when ``t < kv_partial``; ``kv_dense_index``
-  stays on the last partial block (the dense mask tile to load). The
-  key-major ``q_*`` tables are the same for kernels walking a kv block's
-  query blocks. ``formula``: the mask evaluated from positions in-kernel, or
-  None; then ``dense [Ht, q_pad, kv_pad]`` int8 holds it.
-  """
+  """A mask laid out for block-sparse kernels (NumPy, built at trace time):
+  block ``classes`` (0 empty, 1 partial, 2 full) and query-major ``kv_*`` /
+  key-major ``q_*`` tables listing each row's blocks, partial ones first.
+  ``formula`` or, without one, ``dense`` int8 holds the elements. Layout:
+  docs/design/attention.md."""
   q_len: int
   kv_len: int
   block_q: int
@@ -579,22 +543,10 @@ HEAD_SHIFT = 4
 
 @dataclasses.dataclass(frozen=True)
 class Walk:
-  """Every listed block of a table as one flat sequence of grid steps.
-
-  ``row/col/flags [walk_heads, entries]`` int32: entry ``e`` of walk head
-  ``w`` visits block (``row``, ``col``), row-major: a row's entries are
-  consecutive, per head of its group (head offset ``flags >> HEAD_SHIFT``)
-  partial blocks (``MASKED``) before full ones. ``FIRST``/``LAST`` mark a
-  row's first and last entries (initialise accumulators / write outputs);
-  a row with no listed block gets one entry without ``RUNS`` (it writes
-  the empty row's outputs). Walk heads with fewer entries end with copies
-  of their last entry with no flags (no DMA, no compute).
-  ``dense_col`` (dense masks): the col of the entry's head-row segment's
-  last partial block so far, the dense tile to load (full blocks load none).
-  ``repeat``: grid steps per entry, one per head of the group when a shared
-  table serves a group of heads (step ``s``: entry ``s // repeat``, head
-  offset ``s % repeat``).
-  """
+  """Every listed block of a table as one flat sequence of grid steps:
+  ``row/col/flags [walk_heads, entries]`` int32, row-major, partial blocks
+  (``MASKED``) first, ``FIRST``/``LAST`` marking a row's ends; ``repeat``
+  grid steps per entry. Layout: docs/design/attention.md."""
   row: np.ndarray
   col: np.ndarray
   flags: np.ndarray

@@ -1,43 +1,9 @@
 """Flash-attention forward for Hopper GPUs: a Pallas Mosaic GPU kernel.
 
-One CTA per (head, 128-row q tile, batch) runs three warpgroups. Two compute
-warpgroups own 64 query rows each; the memory warpgroup streams the K/V
-blocks of the tile's band through a ring of ``STAGES`` SMEM slots with TMA
-(a "loaded" barrier per slot, and a "consumed" one that both compute
-warpgroups arrive on). A compute warpgroup issues ``S = Q K^T`` with wgmma,
-runs the online softmax in registers (base 2: running max ``m``, sum ``l``)
-and issues ``acc += P V`` with P taken from registers; the epilogue writes
-``out = acc / l`` and ``lse = (m + log2 l) ln 2`` through SMEM and TMA.
-The compute warpgroups take turns, so that one's softmax overlaps the
-other's matmuls; ``default_schedule`` picks how:
-  rendezvous  a two-arrival barrier both pass together (head_dim 64, and
-              above 128 with a masked step);
-  named       ping-pong through the hardware barriers ``bar.sync`` /
-              ``bar.arrive`` (head_dim 80..128 with a masked step);
-  overlap     FlashAttention-3 pipelining within a warpgroup: step c issues
-              S_c and P_{c-1} V_{c-1} back to back and runs block c's softmax
-              while P V runs; V is released a step after K, so the memory
-              warpgroup loads it a refill later (head_dim above 64, no
-              mask).
-Block skipping: the memory warpgroup loads the union of the two warpgroups'
-bands; a warpgroup passes over slots outside its own band and masks only
-the band's edge blocks. Lq is padded to 128 and Lk to ``BLOCK_K`` (masked).
-A static mask (``masks``, shared by every head) comes as a table instead
-(``mask_tables``): per 128-row tile the live key blocks, partial ones first,
-tiles with most blocks launched first; both warpgroups walk the tile's list
-(scalars read from global memory), mask the partial blocks and run the full
-ones unmasked. Partial blocks are masked from iota through the mask's
-formula, or, for a mask without one (``Dense``), from its element tile:
-the distinct partial tiles are stored once (float32 0/1) and each
-warpgroup loads its rows of one straight into the wgmma layout.
-Head dims: multiples of 16 from 64 to 256 run at their own width; the
-SMEM tiles take the widest swizzle whose span divides a row (128 bytes at
-64/128/192/256, 64 at 96/160/224, 32 at 80/112/144/...), which wgmma needs
-for both operands alike; other head dims run zero-padded to the next
-multiple of 16. Not handled (``supports``): bias, segment ids, per-head
-mask lists, float32, head_dim below 64 or above 256. In the Mosaic GPU interpreter (jax >= 0.10)
-the wgmmas are float32-accumulated dots of the same SMEM tiles and layout
-casts are dropped; the rest is the code the GPU runs.
+One CTA per (head, 128-row q tile, batch): two compute warpgroups (64 query
+rows each: wgmma ``S = Q K^T``, online softmax in base 2, ``acc += P V``) and
+a memory warpgroup streaming the band's K/V blocks through a TMA ring; static
+masks come as block tables. Structure: docs/design/attention.md.
 """
 from __future__ import annotations
 
@@ -318,11 +284,9 @@ def stream_ring(first, end, stages, load, refill, drain):
 
 
 def _kv_ranges(row0, rows: int, block_k: int, band: _Band):
-  """kv block ranges for q rows [row0, row0 + rows).
-
-  (lo, a, b, hi): blocks [lo, hi) hold some unmasked entry for some row; the
-  blocks in [a, b) are unmasked for every real row.
-  """
+  """kv block ranges for q rows [row0, row0 + rows). (lo, a, b, hi): blocks [lo,
+  hi) hold some unmasked entry for some row; the blocks in [a, b) are unmasked
+  for every real row."""
   nk = -(-band.lk // block_k)
   full_k = band.lk // block_k  # blocks without padded keys
   last_row = jnp.minimum(row0 + (rows - 1), band.lq - 1)
@@ -350,17 +314,12 @@ TABLE_HEADER = 3  # a table row: tile, partial blocks, listed blocks, ...
 
 def mask_tables(mask, lq: int, lk: int, block_rows: int, block_cols: int,
                 rows_pad: int, cols_pad: int, kv_major: bool = False):
-  """(table, tiles) of a static mask shared by every head, for a kernel
-  tiled over ``block_rows`` query rows walking key blocks of
-  ``block_cols`` (``kv_major``: tiled over keys, walking query blocks).
-
-  ``table`` int32 ``[tiles, TABLE_HEADER + 2 width]``; program p's row:
-  (its tile, partial blocks n_p, listed blocks n, the listed blocks with
-  partial ones first, for a mask without formula the ids of those partial
-  blocks' element tiles); programs take the tiles with most blocks first.
-  ``tiles``: None for a formula mask, else the distinct element tiles,
-  float32 ``[count, block_rows, block_cols]`` (1 allowed, 0 masked; for
-  ``kv_major`` rows are keys)."""
+  """(table, tiles) of a static mask shared by every head, for a kernel tiled
+  over ``block_rows`` query rows walking key blocks (``kv_major``: the
+  reverse). Program p's ``table`` row: (tile, partial blocks, listed blocks,
+  the listed blocks partial first, their element tile ids), busiest tiles
+  first. ``tiles``: None for a formula mask, else the distinct element tiles
+  (float32 1/0)."""
   if kv_major:
     tables = _masks.block_tables(mask, lq, lk, block_cols, block_rows,
                                  cols_pad, rows_pad)
@@ -424,11 +383,7 @@ def inside_mask(formula, lq: int, lk: int, q_rows, keys, check_length=True):
 @dataclasses.dataclass(frozen=True)
 class TileWalk:
   """How a tiled kernel's program walks its blocks: the causal/window band
-  (no ``mask``: blocks in index order, ranges computed per tile by
-  ``ranges``, ``_kv_ranges`` or the backward's ``_q_ranges``), or a static
-  mask's table (``mask_tables``: blocks listed, partial ones first, their
-  elements from ``mask``'s formula or, without one, from element tiles).
-  ``width``: the table's listed-block columns."""
+  in index order (no ``mask``), or a static mask's table (``mask_tables``)."""
   band: _Band
   ranges: object
   mask: object = None
@@ -504,15 +459,10 @@ def _hardware_barrier(op: str, barrier_id: int, threads: int):
 
 
 class _Schedule:
-  """The order in which the two compute warpgroups issue their matmuls.
-
-  ``rendezvous`` (the original): one barrier of two arrivals that both
-  warpgroups pass together. Otherwise ping-pong: warpgroup w waits on its own
-  barrier (``sync_mine``) before issuing and releases the other's
-  (``arrive_other``) after, so their issues alternate. Ping-pong uses the
-  hardware barriers ``PING_PONG_BARRIER + w`` with ``named``, else one
-  mbarrier of one arrival per warpgroup (the interpreter's form).
-  """
+  """The order in which the two compute warpgroups issue their matmuls:
+  ``rendezvous`` (one two-arrival barrier) or ping-pong (wait on one's own
+  barrier, release the other's; hardware barriers with ``named``, else
+  mbarriers)."""
 
   def __init__(self, wg, barrier, *, rendezvous, named):
     self.wg, self.barrier = wg, barrier
@@ -826,14 +776,9 @@ def _plain_band(env, acc, m, l, lo_u, lo, a, b, hi, hi_u):
 
 
 def _overlapped_band(env, acc, m, l, lo_u, lo, a, b, hi, hi_u):
-  """Software-pipelined steps (FlashAttention-3's intra-warpgroup overlap):
-  step c issues S_c = Q K_c^T and acc += P_{c-1} V_{c-1} back to back, waits
-  only for S_c, and runs block c's softmax while P_{c-1} V_{c-1} still
-  occupies the tensor cores. A first step issues S_lo alone and a last step
-  P_{hi-1} V_{hi-1} alone, so a warpgroup with blocks walks one step more
-  than the tile's blocks; one without does an empty step instead, keeping
-  the ping-pong paired. Within a step: wait for the operands, take the turn
-  (``sync_mine``), issue, hand the turn over (``arrive_other``)."""
+  """Software-pipelined steps (FlashAttention-3's overlap): step c issues S_c
+  and P_{c-1} V_{c-1} together and runs block c's softmax while P V runs;
+  one extra step (an empty one without blocks) keeps the ping-pong paired."""
   schedule, slot_of = env.schedule, env.slot_of
   k_loaded, v_loaded = env.k_loaded, env.v_loaded
   k_consumed, v_consumed = env.k_consumed, env.v_consumed
@@ -947,14 +892,12 @@ def _pad_axis(x, axis: int, size: int):
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
             causal, window_left, window_right, logit_soft_cap, interpret,
             mask=None):
-  """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32).
-
-  Same contract as ``attention.triton.forward`` for the calls ``supports``
-  accepts (it raises ValueError on the others). ``interpret``: False on a
-  GPU, or an ``InterpretGPUParams`` (``interpret_params()``) to run in the
-  Mosaic GPU interpreter; True picks the default interpreter parameters.
-  ``mask``: a static mask (``masks``) shared by every head, or None.
-  """
+  """Attention forward. Returns (out [B,H,Lq,D] q.dtype, lse [B,H,Lq] f32). Same
+  contract as ``attention.triton.forward`` for the calls ``supports`` accepts
+  (it raises ValueError on the others). ``interpret``: False on a GPU, or an
+  ``InterpretGPUParams`` (``interpret_params()``) to run in the Mosaic GPU
+  interpreter; True picks the default interpreter parameters. ``mask``: a static
+  mask (``masks``) shared by every head, or None."""
   del kv_segment_ids  # None whenever q_segment_ids is (supports checks it)
   reason = supports(q, k, v, q_segment_ids, bias, mask)
   if reason:

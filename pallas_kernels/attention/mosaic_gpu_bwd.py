@@ -1,40 +1,10 @@
 """Flash-attention backward for Hopper GPUs: Pallas Mosaic GPU kernels.
 
-Two kernels, as in the Triton backward, so that no atomics are needed; both
-recompute ``P = exp2(S * scale2 - lse2)`` from the forward's lse, and
-``delta = rowsum(dO * O) - d_lse`` is one XLA reduction before them.
-dk/dv (``dkv``): one CTA per (kv head, 128-key tile, batch) runs three
-warpgroups. Each compute warpgroup owns 64 keys: its K and V rows stay in
-SMEM and its float32 dK and dV accumulators in registers. The memory
-warpgroup streams Q, dO, lse2 and delta blocks (``block_size`` query rows)
-of every query head of the GQA group and every q block of the tile's band
-through a ring of ``STAGES`` SMEM slots with TMA. Per block a compute
-warpgroup issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` together, forms
-``P^T`` and ``dS^T = P^T (dP^T - delta)`` in registers, then issues
-``dV += P^T dO`` and ``dK += dS^T Q`` with the left operands in registers.
-The two compute warpgroups are not synchronised, so one's exponentials
-overlap the other's matmuls.
-dq (``dq``): the forward's structure; each compute warpgroup owns 64 query
-rows (Q, dO, lse2, delta loaded once) and a float32 dQ accumulator, and the
-memory warpgroup streams K and V blocks; per block ``S = Q K^T`` and
-``dP = dO V^T`` together, then ``dQ += dS K``.
-Above head_dim 128 (``split_of``) one warpgroup's float32 dK and dV
-accumulators would not fit its registers, so both compute warpgroups of a
-CTA share one 64-key (dk/dv) or 64-row (dq) block, K/V/Q/dO held as two
-head_dim halves in SMEM, and split the work by role so that every matmul
-runs once: warpgroup 0 forms S and P and hands P (times 1 - tanh^2 under a
-soft cap) to warpgroup 1 through an SMEM tile per ring slot (an mbarrier
-per slot says it is written; the ring's release orders its reuse);
-warpgroup 1 forms dP, then dS. dk/dv: warpgroup 0 accumulates dV = P^T dO,
-warpgroup 1 dK = dS^T Q. dq: warpgroup 1 accumulates dQ = dS K.
-Rows without keys and padded rows carry lse2 = +inf, so their P is 0. dk/dv
-pads Lk to its keys per CTA and Lq to ``block_size``, dq the other way
-round. Block skipping and static masks as in the forward
-(``attention/mosaic_gpu.py``; dk/dv walks a key tile's query blocks from the
-key-major table, its element tiles transposed); head dims as there
-(multiples of 16 native, of 32 when split; others zero-padded). Not handled
-(``supports``): bias, segment ids, per-head mask lists, float32, head_dim
-below 64 or above 256.
+Two kernels (no atomics), both recomputing ``P = exp2(S * scale2 - lse2)``:
+``dkv`` (one CTA per kv head, 128-key tile and batch, streaming Q/dO blocks)
+and ``dq`` (the forward's structure, streaming K/V). Above head_dim 128 the
+two compute warpgroups split one block by role. Structure:
+docs/design/attention.md.
 """
 from __future__ import annotations
 
@@ -168,11 +138,9 @@ def supports(q, k, v, q_segment_ids=None, bias=None,
 
 
 def _q_ranges(col0, cols: int, block_q: int, band):
-  """q block ranges for keys [col0, col0 + cols), see ``fwd._kv_ranges``.
-
-  (lo, a, b, hi): blocks [lo, hi) hold some unmasked entry for some key;
-  those in [a, b) are unmasked for every key. Padding needs no mask here.
-  """
+  """q block ranges for keys [col0, col0 + cols), see ``fwd._kv_ranges``. (lo,
+  a, b, hi): blocks [lo, hi) hold some unmasked entry for some key; those in [a,
+  b) are unmasked for every key. Padding needs no mask here."""
   nq = -(-band.lq // block_q)
   last_col = col0 + (cols - 1)
   off = band.offset
@@ -366,12 +334,9 @@ def _share_probabilities(p, t, p_smem, p_ready, dtype):
 def _dkv_roles(r, *, program, walk, batch, kv_head, wg, col0, block_q,
                blocks, lo_u, hi_u, group, slot_of, chunk, split, sm_scale,
                soft_cap, interpreting):
-  """dk/dv compute above ``SPLIT_ABOVE``, on the CTA's 64 keys (K, V and the
-  ring in head_dim halves): warpgroup 0 forms ``S^T = K Q^T`` and ``P^T``,
-  hands P^T over through SMEM and accumulates ``dV += P^T dO``; warpgroup 1
-  forms ``dP^T = V dO^T``, takes P^T, forms dS^T and accumulates ``dK +=
-  dS^T Q``. Each matmul runs once (no warpgroup repeats the other's S or
-  dP); each warpgroup writes its gradient through its own K or V tile."""
+  """dk/dv above ``SPLIT_ABOVE`` on the CTA's 64 keys: warpgroup 0 forms P^T
+  and accumulates dV, warpgroup 1 forms dP^T and dS^T and accumulates dK
+  (P^T handed over through SMEM; each matmul runs once)."""
   bk = KEYS_PER_WG
   rows = pl.ds(col0, bk)
   dtype = r.q_smem.dtype
@@ -472,11 +437,9 @@ def _dkv_roles(r, *, program, walk, batch, kv_head, wg, col0, block_q,
 
 def _dq_roles(r, *, program, walk, batch, head, wg, row0, block_k, lo_u,
               hi_u, slot_of, chunk, split, sm_scale, soft_cap, interpreting):
-  """dq compute above ``SPLIT_ABOVE``, on the CTA's 64 rows (Q, dO and the
-  ring in head_dim halves): warpgroup 0 forms ``S = Q K^T`` and P and hands
-  P over through SMEM; warpgroup 1 forms ``dP = dO V^T``, takes P, forms dS
-  and accumulates ``dQ += dS K`` (both halves), written through its dO
-  tile. Each matmul runs once."""
+  """dq above ``SPLIT_ABOVE`` on the CTA's 64 rows: warpgroup 0 forms P and
+  hands it over through SMEM, warpgroup 1 forms dP and dS and accumulates
+  dQ (each matmul runs once)."""
   bq = ROWS_PER_WG
   rows = pl.ds(row0, bq)
   dtype = r.q_smem.dtype
@@ -637,15 +600,12 @@ def _launch(body, scratch, barriers, out_type, grid, grid_names, interpret,
 
 def dkv(q, k, v, d_out, lse, delta, *, sm_scale, causal, window_left,
         window_right, logit_soft_cap, interpret=False, mask=None):
-  """(dk, dv) [B, Hk, Lk, D] for the attention forward's (out, lse).
-
-  ``lse`` [B, H, Lq] natural-log (-inf for empty rows); ``delta`` [B, H, Lq]
-  = rowsum(dO * O) - d_lse, both float32 (longer arrays, padded rows beyond
-  ``q.shape[2]``, are cut). Raises ValueError where ``supports`` declines.
-  ``interpret``: False on a GPU or ``InterpretGPUParams``; True picks the
-  default interpreter parameters. ``mask``: a static mask shared by every
-  head, or None.
-  """
+  """(dk, dv) [B, Hk, Lk, D] for the attention forward's (out, lse). ``lse`` [B,
+  H, Lq] natural-log (-inf for empty rows); ``delta`` [B, H, Lq] = rowsum(dO *
+  O) - d_lse, both float32 (longer arrays, padded rows beyond ``q.shape[2]``,
+  are cut). Raises ValueError where ``supports`` declines. ``interpret``: False
+  on a GPU or ``InterpretGPUParams``; True picks the default interpreter
+  parameters. ``mask``: a static mask shared by every head, or None."""
   batch, heads, lq, head_dim = q.shape
   kv_heads, lk = k.shape[1], k.shape[2]
   group = heads // kv_heads

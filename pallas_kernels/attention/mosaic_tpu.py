@@ -1,35 +1,10 @@
 """Mosaic TPU flash attention: forward, dq and dk/dv kernels.
 
-Forward (online softmax): per (batch, head), the grid's last axes walk
-(query block, kv block) pairs, each query block's kv blocks consecutively.
-Per query block, VMEM scratch keeps the running max ``m``, the running sum
-``l`` (float32, lane-replicated ``[block_q, 128]``, kept so: no cross-lane
-broadcasts) and the float32 accumulator; the row's last step writes
-``acc / l`` and ``lse = m + log l`` (stored lane-dense as ``[B, H, 1,
-Lq]``). Without a bias or soft cap the logits stay unscaled and sm_scale
-joins exp2's multiply by log2(e) (``p = exp2(c (s - m))``).
-Backward: ``di = rowsum(dO * O) - d_lse`` in XLA; two kernels recompute the
-probabilities from lse (passed as ``log2(e) lse``: ``p = exp2(c s -
-lse2)``), sm_scale applied to dq and dk once at the row's end. dq walks like the forward, ``ds = p * (dO V^T -
-di)``, ``dq += ds K``, plus ``dbias = ds`` blocks with a bias. dk/dv: per
-(batch, kv head), each kv block's row walks the query blocks of every query
-head sharing the kv head (GQA gradients sum in VMEM), on transposed logits
-so lse/di rows broadcast without transposes: ``dv += p^T dO``, ``dk += ds^T
-Q``.
-Grids: without a mask, ``(B, H, q blocks, kv blocks)`` (dk/dv: ``(B, Hkv,
-kv blocks, group * q blocks)``). A causal/window band or static mask
-(``masks``) becomes a ``masks.Walk``: the grid is ``(B, H, steps)`` with one
-step per listed (row, block) pair (scalar-prefetched into SMEM), partial
-blocks (element mask) before full ones (no mask); consecutive steps of a
-row revisit its output block, which stays in VMEM until the row ends.
-Segment ids are data: each block's min/max id (scalar prefetch) skips, in
-the grid, blocks whose id ranges are disjoint.
-Layout: GQA reads kv head ``h // group`` (no repeat in HBM); sequences are
-padded to block multiples and head_dim (q/k's and v's, which may differ:
-MLA) each to a multiple of 128 (64 kept);
-padded queries get lse = +inf in the backward. float16 runs as float32 (no
-float16 matmul in Mosaic on v5e/v6e). Index maps divide with ``lax.div``:
-Python ``//`` lowers through ``sign``, which Mosaic lowers only on a TPU.
+Forward: online softmax over the (query block, kv block) pairs of each
+(batch, head). Backward: two kernels recompute the probabilities from lse
+(dq walks like the forward; dk/dv walks every query head of its kv head).
+Bands and static masks walk a scalar-prefetched list of blocks
+(``masks.Walk``). Structure: docs/design/attention.md.
 """
 from __future__ import annotations
 
@@ -77,14 +52,9 @@ class _Step(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-  """Static problem geometry and, for masked calls, the walks.
-
-  Kernels are walks of "kv" rows (forward, dq: a query block's kv blocks)
-  or "q" rows (dk/dv: a kv block's query blocks over the ``group`` query
-  heads of its kv head). Without a mask every pair is a step of a
-  rectangular grid; with one (causal, window or a static mask) a walk
-  lists only the live pairs (``masks.Walk``, read from SMEM).
-  """
+  """Static problem geometry and, for masked calls, the walks: "kv" rows
+  (forward, dq: a query block's kv blocks) or "q" rows (dk/dv: a kv block's
+  query blocks over the kv head's ``group`` query heads)."""
   q_len: int
   kv_len: int
   block_q: int
@@ -196,11 +166,9 @@ class _Geometry:
     return heads * self.num_q * self.num_kv
 
   def mask(self, i, j, shape, transposed, dense_ref=None):
-    """Allowed-entry mask of block (i, j), broadcastable to ``shape``; rows
-    are keys when transposed. ``dense_ref``: the block's tile of a dense
-    mask (tables without a formula). None: every entry is allowed.
-    Positions are ``[n, 1]`` and ``[1, n]`` iotas so that only the final
-    compares run over the whole block."""
+    """Allowed-entry mask of block (i, j), broadcastable to ``shape`` (rows
+    are keys when transposed; None: all allowed). ``dense_ref``: the block's
+    tile of a dense mask."""
     q_axis, kv_axis = (1, 0) if transposed else (0, 1)
 
     def iota(axis, start):
@@ -231,9 +199,8 @@ def _scores(a, b, sm_scale, cap):
 
 
 _reciprocal = getattr(pltpu, "reciprocal", None) or pl.reciprocal
-# Generations whose f32 division compiles to a guarded refinement sequence
-# (final bundles of the forward's row finish, 1024 rows: v5e 742 -> 459,
-# v5p -280); v6e divides with one vrcp, where a Newton step adds ~100.
+# Generations whose f32 division compiles to a long guarded sequence, so
+# two Newton steps on an approximate reciprocal win (docs/design/attention.md).
 _NEWTON_RECIPROCAL = ("v5e", "v5p")
 
 
@@ -286,15 +253,10 @@ def _lanes_to(x, n):
 
 
 def online_softmax_step(s, v, m_ref, l_ref, acc_ref, scale=1.0):
-  """One online-softmax update with logits ``scale * s`` (``s [rows, n]``
-  float32, -inf where masked) and values ``v [n, D]``: rescales the running
-  sum ``l`` and accumulator by ``exp(scale (m_old - m_new))`` and adds this
-  block. ``m_ref`` (the running max of ``s``, unscaled) and ``l_ref`` are
-  lane-replicated ``[rows, 128]`` and stay so: the row reductions land in
-  all lanes and whole vregs are reused across the block's lanes, so no
-  cross-lane broadcast is issued. ``scale`` is folded into the exp2
-  argument (one multiply per logit in all). A row whose max is still -inf
-  keeps l = 0."""
+  """One online-softmax update with logits ``scale * s`` (-inf where masked)
+  and values ``v [n, D]``. ``m_ref`` (max of the unscaled ``s``) and
+  ``l_ref`` stay lane-replicated ``[rows, 128]`` (no cross-lane broadcasts);
+  a row whose max is still -inf keeps l = 0."""
   m_prev, l_prev = m_ref[...], l_ref[...]
   rows = m_prev.shape
   m_new = jnp.maximum(m_prev, lax.broadcast_in_dim(jnp.max(s, axis=1), rows,
@@ -673,10 +635,8 @@ def _pallas_call(kernel, prefetch, args, *, grid, in_specs, out_specs,
 
 
 def _dense_input(geom, major):
-  """(BlockSpec, int8 array) of a dense mask's tiles: ``[Ht, q_pad, kv_pad]``
-  indexed (head, q block, kv block), transposed for the "q" walk (dk/dv).
-  The walk's ``dense_col`` holds the row's last partial block, so full
-  blocks load no new tile."""
+  """(BlockSpec, int8 array) of a dense mask's tiles, indexed (head, q block,
+  kv block), transposed for the "q" walk (dk/dv)."""
   t = geom.tables
   dense = jnp.asarray(t.dense)
   def head(at):
@@ -708,15 +668,12 @@ def vmem_bytes(block_q, block_kv, head_dim, itemsize, has_bias=False,
 def cost(batch, heads, q_len, kv_len, head_dim, itemsize, *, kv_heads=None,
          causal=False, window_left=None, window_right=None, block_q=512,
          block_kv=512, backward=False, bias_itemsize=0, value_dim=None):
-  """Work of the kernels as they run (skipped blocks excluded).
-
-  Returns dict(flops, transcendentals, bytes_accessed, visited_blocks,
-  total_blocks, vmem_bytes): matmul flops are 2 * bq * bk * (D + Dv) per
-  visited block forward, 2 * bq * bk * (4 D + 3 Dv) backward (dq: 3
-  matmuls, dk/dv: 4; Dv = ``value_dim``, default D). HBM bytes count the
-  k/v (or q/dO) blocks streamed per visited block plus one pass over the
-  other operands and the outputs.
-  """
+  """Work of the kernels as they run (skipped blocks excluded). Returns
+  dict(flops, transcendentals, bytes_accessed, visited_blocks, total_blocks,
+  vmem_bytes): matmul flops are 2 * bq * bk * (D + Dv) per visited block
+  forward, 2 * bq * bk * (4 D + 3 Dv) backward (dq: 3 matmuls, dk/dv: 4; Dv =
+  ``value_dim``, default D). HBM bytes count the k/v (or q/dO) blocks streamed
+  per visited block plus one pass over the other operands and the outputs."""
   kv_heads = kv_heads or heads
   geom = _geometry(q_len, kv_len, block_q, block_kv, False, causal,
                    window_left, window_right)

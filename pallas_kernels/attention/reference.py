@@ -1,23 +1,9 @@
 """Plain-JAX attention with exactly the semantics of the flash kernels.
 
-Shapes: q/k ``[B, H or Hkv, Lq or Lk, D]``, v ``[B, Hkv, Lk, Dv]`` (Dv may
-differ from D, as in MLA), out ``[B, H, Lq, Dv]``; ``H % Hkv == 0``, query
-head ``h`` reads kv head ``h // (H // Hkv)``.
-
-    s[i, j] = sm_scale * q_i . k_j                      (float32)
-    s = cap * tanh(s / cap)                             (logit_soft_cap)
-    s = s + bias[b, h, i, j]                            (bias, broadcast)
-    mask: offset = Lk - Lq (ends aligned, as in decoding)
-          causal:          j <= i + offset
-          window (l, r):   i + offset - l <= j <= i + offset + r
-          segment ids:     q_seg[b, i] == kv_seg[b, j]
-          mask:            a static mask (``masks``), per head or shared
-    out = softmax over unmasked j of s, times v (float32), cast to q.dtype
-    lse[b, h, i] = log sum_j exp(s_ij) over unmasked j (float32)
-
-A row with no unmasked key (or whose unmasked logits are all -inf) gives
-``out = 0``, ``lse = -inf`` and zero gradients. Sinks (``with_sinks``) add
-one logit per head to every row's softmax denominator.
+``s = cap(sm_scale q k^T) + bias``, masked (causal/window ends-aligned,
+segment ids, static mask), ``out = softmax(s) v`` in float32 cast to q's
+dtype, ``lse`` float32; a row with no allowed key gives 0, -inf and zero
+gradients. Sinks (``with_sinks``) add one logit per head to the denominator.
 """
 from __future__ import annotations
 

@@ -1,66 +1,10 @@
 """Context parallelism: ring attention over the mesh axis of the sequence.
 
-``shard_flash_attention(..., sequence_axis=axis)`` runs the ring inside
-``shard_map``. Each of the ``N`` devices on ``axis`` holds a slice of
-the queries and of the keys/values along the sequence. The K/V slice (with
-its kv segment ids) travels around the ring with ``ppermute``: at step ``s``
-device ``r`` holds the slice of device ``(r - s) mod N``. The send of the
-next slice is issued before the compute on the current one (they are
-independent, so XLA overlaps them). Each step runs the flash-attention
-forward kernel of the local queries against the visiting slice and merges
-the partial results by log-sum-exp::
-
-    lse = logaddexp(lse_a, lse_b)
-    out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
-
-Causal attention is balanced in zig-zag order: the sequence is cut into
-``2N`` chunks and device ``r`` holds chunks ``r`` and ``2N-1-r``. Against the
-slice of device ``src``: ``src == r`` is causal attention of the local
-slices; ``src < r``: all local queries see the first visiting chunk,
-unmasked; ``src > r``: the second local chunk of queries sees both visiting
-chunks, unmasked; the other chunk pairs lie in the future and are skipped.
-Every device does the same work at every step. Contiguous inputs (device
-``r`` holds chunks ``2r, 2r+1``) are moved to zig-zag order and back inside
-the op (:func:`to_zigzag`, :func:`from_zigzag`). Non-causal attention needs
-no order: every step is one unmasked block.
-
-Sliding windows and static masks (``masks``) apply at global positions. At
-trace time a plan (:func:`_mask_plan`) places the mask on each (device,
-step) pair (``masks.place``), classifies it as empty (skipped), full
-(unmasked block) or partial (the kernel with the placed mask, which skips
-the blocks it empties), and each step switches on the device's entry. The
-ring ends after the last step with a live pair anywhere; contiguous inputs
-move to zig-zag order when that balances the work.
-
-``q_len != kv_len``: q is split along its length and K/V along theirs over
-the same ``N`` devices (each divisible by ``N``; in zig-zag order each is
-cut into its own ``2N`` chunks), and K/V travel as above. Positions follow
-``flash_attention``: ends aligned, query ``i`` at ``i + kv_len - q_len``.
-Causal attention (and any window or mask) then goes through the plan:
-each pair's placed mask carries the global positions of its pieces, so
-the schedule is correct for any lengths, and zig-zag order balances causal
-prefill against a longer cache exactly (every device the same live
-blocks); the price is O(N) distinct kernels, one per place of the diagonal
-in a pair.
-
-``bias [B or 1, H or 1, q_len, kv_len]`` is split along its rows with the
-queries; each device holds every key column of its rows, and each step
-slices the visiting slice's columns locally (two chunks when contiguous
-inputs moved to zig-zag order; rows then move with the queries). So the
-bias never travels around the ring and a device holds ``1/N`` of it, as
-little as any split of it can; its gradient is written in place, column
-block by column block. ``sinks`` join only the final softmax: they are
-applied once, to the merged (out, lse), as ``flash_attention`` applies
-them after its kernel.
-
-The backward is a ring too (custom VJP; its residuals are q, the local k, v,
-segment ids, bias rows and the final out and lse, never the visiting
-slices). The K/V slice travels again, followed by float32 dK/dV
-accumulators; each step runs the flash backward kernel with the *final*
-(out, lse), so its ``P = exp(s - lse)`` is the global softmax restricted to
-the block and its ``dS = P (dP - D)`` terms add up to the full gradient.
-After ``N`` steps the accumulators are back on the device that owns the
-slice.
+Each device holds a slice of q and K/V; the K/V slices travel around the ring
+(``ppermute``) and each step's flash-attention partial is merged by
+log-sum-exp. Causal attention runs in zig-zag order (device r: chunks r and
+2N-1-r of 2N); windows and static masks follow a trace-time plan. The backward
+is a ring too. Design: docs/design/attention.md.
 """
 from __future__ import annotations
 
@@ -90,15 +34,10 @@ class _Ring:
   config: Any   # api._Config of the whole (unsharded) call
   axis: str     # the mesh axis that splits the sequence
   size: int     # devices on it
-  # Kernels run in the TPU-semantics interpreter, which waits for every
-  # device at each kernel launch.
+  # The TPU-semantics interpreter waits for every device at each launch.
   launches_wait_for_all: bool
-  # The per-pair blocks of a window or static mask (None: plain causal or
-  # no mask).
-  plan: _Plan | None = None
-  # The local bias rows hold every key column in the order of the slices
-  # (device src's slice: columns src * w ..), else in contiguous order
-  # while the slices are in zig-zag order (chunks src and 2N-1-src).
+  plan: _Plan | None = None   # None: plain causal or no mask
+  # Else the bias columns are in contiguous order, the slices in zig-zag.
   bias_in_slice_order: bool = True
 
   @property
@@ -118,13 +57,9 @@ class _Ring:
         lambda x: lax.ppermute(x, self.axis, perm), self.fence(tree)))
 
   def fence(self, tree):
-    """``tree``, ordered against the kernels' interpreter callbacks under
-    ``launches_wait_for_all``: a device must not wait in a send that another
-    device, waiting for it inside a kernel launch, has not joined. The fence
-    is an ordered host callback (after every callback traced before it)
-    reading ``tree`` (after what computes it), and ``tree`` is returned
-    through it (before what uses it). Otherwise nothing is ordered: XLA
-    overlaps the sends with the compute."""
+    """``tree`` through an ordered host callback under
+    ``launches_wait_for_all`` (so no device waits in a send another device,
+    blocked in a kernel launch, has not joined); else ``tree``."""
     if not self.launches_wait_for_all:
       return tree
     leaves = [jnp.ravel(x)[:1] for x in jax.tree_util.tree_leaves(tree)]
@@ -181,14 +116,8 @@ def _unmasked(config):
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """How a window or static mask splits over the ring's block pairs.
-
-  ``branches[0]`` is None (a pair with no allowed entry: skipped); the
-  others are block configs (unmasked for full pairs, else the pair's
-  ``masks.place``-d mask). ``table[step][r]`` is the branch of device
-  ``r``'s pair at ``step`` (its queries against the slice of device ``(r -
-  step) mod N``); ``zigzag``: the positions are in zig-zag order.
-  """
+  """How a window or static mask splits over the ring's block pairs:
+  ``table[step][r]`` indexes ``branches`` (0: skipped; else a block config)."""
   branches: tuple
   table: tuple
   last_step: int
@@ -255,11 +184,8 @@ def _band_mask(config, q_len, kv_len):
 
 
 def _mask_plan(config, mask, n, q_len, kv_len, zigzag_inputs):
-  """The ``_Plan`` of ``mask`` for sequences of ``q_len`` queries and
-  ``kv_len`` keys on ``n`` devices. Contiguous inputs move to zig-zag order
-  when that lowers the busiest device's work (``_busiest``): causal-like
-  masks with a long reach; narrow windows and short chunks stay in place,
-  which also lets the ring stop after its last live step."""
+  """The ``_Plan`` of ``mask`` on ``n`` devices; contiguous inputs move to
+  zig-zag order when that lowers the busiest device's work."""
   zigzag = zigzag_inputs or (
       n > 1 and q_len % (2 * n) == 0 and kv_len % (2 * n) == 0
       and _busiest(mask, n, q_len, kv_len, True)
@@ -317,11 +243,7 @@ def _halves(x, axis):
 
 def to_zigzag(x, axis_name, n, axis):
   """The local slice of contiguous order (chunks ``2r, 2r+1``) -> zig-zag
-  order (chunks ``r, 2n-1-r``), along dimension ``axis``.
-
-  Even chunks travel by one ``ppermute`` and odd ones by another; device
-  ``r`` receives one chunk from each, the even one first when ``r`` is even.
-  """
+  order (chunks ``r, 2n-1-r``), along dimension ``axis``."""
   if n == 1:
     return x
   even, odd = _halves(x, axis)
@@ -598,17 +520,9 @@ _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 def _local_ring_attention(config, axis_name, num_shards, q, k, v, q_seg=None,
                           kv_seg=None, bias=None, *, zigzag_inputs=False,
                           plan=None):
-  """Per-device ring attention, called inside ``shard_map``.
-
-  q ``[b, h, Lq/N, d]``, k/v ``[b, hk, Lk/N, d]`` and segment ids ``[b,
-  Lq/N]``, ``[b, Lk/N]`` are this device's slices along mesh axis
-  ``axis_name`` (``num_shards`` devices), contiguous unless
-  ``zigzag_inputs``; ``bias`` ``[b or 1, h or 1, Lq/N, Lk]`` holds the rows
-  of the local queries and every key column (in the inputs' order).
-  ``config`` comes from ``api._validate`` of the unsharded call; ``plan``
-  (``_mask_plan``) splits its window or mask over the pairs. Returns (out,
-  lse) of the local queries, in the layout of the inputs.
-  """
+  """Per-device ring attention inside ``shard_map``: (out, lse) of the local
+  queries. q/k/v/segment ids are this device's sequence slices (contiguous
+  unless ``zigzag_inputs``); ``bias`` holds the local rows, every column."""
   rows = _api._rows(config, "forward", q, k, v, q_seg, bias)
   zigzag = config.causal if plan is None else plan.zigzag
   reorder = zigzag and not zigzag_inputs and num_shards > 1
@@ -683,7 +597,6 @@ def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
     why_2n = "zig-zag masked" if zigzag_inputs else None
   _check_lengths(q_len, kv_len, n, sequence_axis, why_2n)
   if 0 in (q.shape[0], q.shape[1], q_len, kv_len):
-    # Nothing to attend to (flash_attention's zeros and -inf).
     out = jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
     lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
   else:
@@ -694,9 +607,7 @@ def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
     has_segments = q_seg is not None
     args = [q, k, v] + ([q_seg, kv_seg] if has_segments else [])
     in_specs = [qkv_spec] * 3 + [seg_spec] * (2 * has_segments)
-    if bias is not None:
-      # Rows split with the queries, every key column local: each step
-      # slices the visiting slice's columns, so the bias never travels.
+    if bias is not None:   # rows split with q; never travels
       args.append(bias)
       in_specs.append(P(batch_axis if bias.shape[0] > 1 else None,
                         head_axis if bias.shape[1] > 1 else None,
@@ -712,8 +623,6 @@ def shard_ring_attention(mesh, q, k, v, *, batch_axis, head_axis,
     out, lse = _sharding.shard_map(
         local, mesh=mesh, in_specs=tuple(in_specs),
         out_specs=(qkv_spec, P(batch_axis, head_axis, sequence_axis)))(*args)
-  if sinks is not None:
-    # The sink joins the merged softmax once, on the ring's (out, lse), as
-    # flash_attention applies it after its kernel.
+  if sinks is not None:   # once, on the merged (out, lse)
     out, lse = _reference.with_sinks(out, lse, sinks)
   return (out, lse) if return_lse else out

@@ -15,34 +15,36 @@ def shard_flash_attention(mesh, q, k, v, *, batch_axis="data",
                           bias=None, **kwargs):
   """``flash_attention`` with batch, heads and sequence sharded over ``mesh``.
 
-  Mosaic kernels cannot be partitioned by XLA, so this wraps the op in
-  ``shard_map``: batch is split over mesh axis ``batch_axis`` and the query
-  and kv heads over ``head_axis`` (either may be None to replicate). Each
-  device runs the kernel on its shard with no communication; GQA groups stay
-  intact because both head counts are split evenly. ``segment_ids`` follow
-  the batch; a bias with a size-1 batch or head dimension is replicated
-  along it; ``sinks`` follow the heads. A per-head mask list needs the heads
-  unsplit (``head_axis=None``). Other keyword arguments are passed to
-  ``flash_attention``.
+  Wraps the op in ``shard_map`` (XLA cannot partition Mosaic kernels); each
+  device runs the kernel on its shard. GQA groups stay intact: both head
+  counts are split evenly.
 
-  ``sequence_axis`` (context parallelism) also splits q/k/v and the segment
-  ids along their lengths over that mesh axis and runs ring attention
-  (``pallas_kernels.attention.ring``): K/V slices travel around the axis'
-  devices, forward and backward. ``q_len`` and ``kv_len`` may differ (ends
-  aligned, as without sharding: e.g. chunked prefill against a longer
-  cache); each must be divisible by the axis size (causal attention of
-  equal lengths, or a window/mask/unequal causal on zig-zag inputs: twice
-  the axis size). A ``bias`` is split along its query rows (each device
-  holds every key column of its rows; the bias never travels). Sliding
-  windows, segment ids and static masks apply at global positions: each
-  step's (query slice, key slice) pair gets its part of the mask, and
-  pairs it empties are skipped; sinks join the merged result once.
-  ``sequence_layout="contiguous"`` (default) takes plain sequence slices;
-  causal attention (and masks whose work it balances) then moves them to
-  the load-balanced zig-zag order and back inside the op. ``"zigzag"``
-  takes tensors already in that order (``ring.zigzag_order(q_len, N)`` for
-  q and ``ring.zigzag_order(kv_len, N)`` for k/v; a bias permuted along both
-  axes), saving those moves.
+  Args:
+    mesh: the device mesh.
+    q, k, v: as for ``flash_attention``.
+    batch_axis: mesh axis splitting the batch and ``segment_ids`` (None:
+      replicated).
+    head_axis: mesh axis splitting query and kv heads and ``sinks`` (None:
+      replicated); a per-head mask list needs None.
+    sequence_axis: None, or a mesh axis splitting q/k/v and segment ids along
+      their lengths: ring attention (``attention.ring``), forward and
+      backward. ``q_len`` and ``kv_len`` may differ (ends aligned) and must
+      each be divisible by the axis size (twice it for causal attention of
+      equal lengths, and for a window, mask or unequal causal on zig-zag
+      inputs). Windows, segment ids and masks apply at global positions;
+      pairs a mask empties are skipped; sinks join the merged result once.
+    sequence_layout: "contiguous": plain slices (causal attention, and masks
+      whose work it balances, move to zig-zag order and back inside the op);
+      "zigzag": already in ``ring.zigzag_order(q_len, N)`` order for q and
+      ``ring.zigzag_order(kv_len, N)`` for k/v (a bias permuted along both).
+    segment_ids: as for ``flash_attention``.
+    bias: as for ``flash_attention``; a size-1 batch or head dimension is
+      replicated; with ``sequence_axis`` it is split along its query rows
+      (every key column local, never sent).
+    **kwargs: passed to ``flash_attention``.
+
+  Returns:
+    As ``flash_attention``, sharded like q.
 
   Example::
 

@@ -1,33 +1,9 @@
 """Flash attention for NVIDIA GPUs: Pallas kernels with the Triton lowering.
 
-Forward (FlashAttention-2): one program per (q block, batch, head) keeps its
-q tile in registers and walks the kv blocks with ``lax.fori_loop``, doing the
-online softmax (running max ``m``, running sum ``l``, float32 accumulator) in
-base 2 (``exp2``, the scale folded into one multiply). It writes
-``out = acc / l`` and ``lse = (m + log2 l) ln 2``.
-Backward: two kernels recompute ``p = exp(s - lse)``, so no atomics are
-needed. The dq kernel (one program per q block, looping over kv blocks) also
-computes ``delta = rowsum(dO * O) - d_lse`` for its rows and writes ``dS``
-when the bias gradient is wanted; the dk/dv kernel (one program per kv block
-and kv head, looping over the GQA group's query heads and their q blocks)
-reads delta back.
-Masks: loop bounds come from the causal/window band, so kv blocks outside it
-are never loaded, and each loop splits into masked edge blocks and unmasked
-interior ones. A static mask (``masks``) comes as block tables instead: each
-program walks its row of listed blocks, partial ones (element mask) first. Segment ids mask every visited block. Under a causal mask each
-head's heaviest blocks launch first, ``band_chunk`` blocks of every head at a
-time (``_LaunchOrder``), so light blocks fill the tail.
-Padding: Triton tiles need power-of-two sizes >= 16: Lq and Lk are padded to
-block multiples, head_dim to the next power of two (padded keys masked,
-padded queries dropped, padded features zero).
-Tiles (``GpuBlockSizes``: block_q, block_k, warps, stages) by the bytes of a
-q/k/v row (head_dim * itemsize, the wider of q/k's and v's); "banded": causal
-or sliding window:
-  row bytes   forward                          dq           dk/dv
-  <= 128      128,64,4,3                       64,64,4,2    64,64,4,2
-  256         256,64,8,3; banded/bias 128,..   64,64,4,2    64,64,4,2
-  512, bf16   128,64,8,2; bias 64,32,4,2       64,32,4,2    64,64,8,2
-  other       64,32,4,2                        64,32,4,2    32,64,4,2
+Forward: FlashAttention-2, one program per (q block, batch, head), online
+softmax in base 2. Backward: a dq kernel and a dk/dv kernel that recompute
+``p`` from lse (no atomics). Bands bound the loops; static masks come as
+block tables. Tiles (``GpuBlockSizes``) and structure: docs/design/attention.md.
 """
 from __future__ import annotations
 
@@ -74,12 +50,10 @@ class GpuBlockSizes:
 
   def resolved(self, row_bytes: int, banded: bool, bias: bool = False,
                itemsize: int = 2) -> "GpuBlockSizes":
-    """Fills the defaults (module docstring's table).
-
-    ``row_bytes``: bytes of one padded q/k/v row (head_dim * itemsize);
-    ``banded``: causal or sliding window; ``bias``: a bias is given (its
-    float32 tiles also sit in shared memory); ``itemsize`` of q/k/v.
-    """
+    """Fills the defaults (table: docs/design/attention.md). ``row_bytes``:
+    bytes of one padded q/k/v row (head_dim * itemsize); ``banded``: causal or
+    sliding window; ``bias``: a bias is given (its float32 tiles also sit in
+    shared memory); ``itemsize`` of q/k/v."""
     if row_bytes <= 128:  # head_dim <= 64 in bf16
       fwd, dq, dkv = (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)
     elif row_bytes <= 256:  # head_dim 128 in bf16
@@ -231,11 +205,9 @@ def _zero_unlisted(dbias, tables, bq, bk):
 
 
 def _kv_blocks(row0, rows: int, block_k: int, mask: _Mask):
-  """kv block ranges for q rows [row0, row0 + rows).
-
-  Returns (lo, a, b, hi): blocks [lo, hi) hold some unmasked entry; those in
-  [a, b) are unmasked for every row (no mask needed).
-  """
+  """kv block ranges for q rows [row0, row0 + rows). Returns (lo, a, b, hi):
+  blocks [lo, hi) hold some unmasked entry; those in [a, b) are unmasked for
+  every row (no mask needed)."""
   nk = -(-mask.lk // block_k)  # blocks holding some real key
   last_row = jnp.minimum(row0 + rows - 1, mask.lq - 1)
   full_k = mask.lk // block_k  # kv blocks without padded keys
@@ -262,9 +234,7 @@ def _kv_blocks(row0, rows: int, block_k: int, mask: _Mask):
 
 def _q_blocks(col0, cols: int, block_q: int, mask: _Mask):
   """q block ranges for kv columns [col0, col0 + cols); see ``_kv_blocks``.
-
-  Padded q rows need no mask here: their dO is zero and their lse +inf.
-  """
+  Padded q rows need no mask here: their dO is zero and their lse +inf."""
   nq = -(-mask.lq // block_q)  # blocks holding some real query
   last_col = jnp.minimum(col0 + cols - 1, mask.lk - 1)
   off = mask.offset
@@ -379,16 +349,10 @@ def _kv_block_logits(q, k, bias_ref, kvseg_ref, qseg, rows, c, kv_slice,
 @dataclasses.dataclass(frozen=True)
 class _LaunchOrder:
   """Grid of ``blocks`` per (batch, head) program and its index mapping.
-
-  Triton starts programs in grid order, first axis fastest. The plain grid
-  ``(blocks, batch, heads)`` runs one head's blocks together, so they share
-  that head's k/v (or q/dO) tiles in L2. Under a causal mask block costs
-  differ up to ``blocks``-fold: ``reverse`` puts a head's heavy (last) blocks
-  first, and ``chunk`` > 0 launches ``chunk`` blocks of every head before the
-  next chunk, so the heaviest programs of all heads start early and the
-  lightest fill the tail (list scheduling, heaviest first) while ``chunk``
-  programs still share each head's tiles.
-  """
+  Triton starts programs in grid order; ``reverse`` puts a head's heavy
+  (causal) blocks first and ``chunk`` > 0 launches ``chunk`` blocks of every
+  head at a time, so the heaviest start early and a head's blocks still
+  share its tiles in L2."""
   blocks: int
   heads: int
   reverse: bool = False
@@ -420,10 +384,8 @@ class _LaunchOrder:
 def _launch_order(blocks, batch, heads, mask: _Mask, sizes,
                   heavy_last: bool):
   """Causal masks: heavy blocks first, chunked (``GpuBlockSizes.band_chunk``).
-
-  ``heavy_last``: the last blocks carry the most work (q blocks of the
-  forward and dq kernels; for the dk/dv kernel it is the first kv blocks).
-  """
+  ``heavy_last``: the last blocks carry the most work (q blocks of the forward
+  and dq kernels; for the dk/dv kernel it is the first kv blocks)."""
   if mask.right is None or mask.left is not None:
     return _LaunchOrder(blocks, heads)
   chunk = math.gcd(blocks, sizes.band_chunk) if sizes.band_chunk else 0
@@ -580,16 +542,14 @@ def _q_major_inputs(order, q, k, v, qseg, kvseg, bias, *, bq, group):
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale,
             causal, window_left, window_right, logit_soft_cap, block_sizes,
             interpret, mask=None):
-  """Attention forward. Returns (out [B,H,Lq,Dv] q.dtype, lse [B,H,Lq] f32).
-
-  q [B, H, Lq, D]; k [B, Hk, Lk, D]; v [B, Hk, Lk, Dv]; segment ids [B, Lq] / [B, Lk] or
-  None; bias [B or 1, H or 1, Lq, Lk] or None; the window already split into
-  ``window_left``/``window_right`` (None: unbounded); no dimension empty
+  """Attention forward. Returns (out [B,H,Lq,Dv] q.dtype, lse [B,H,Lq] f32). q
+  [B, H, Lq, D]; k [B, Hk, Lk, D]; v [B, Hk, Lk, Dv]; segment ids [B, Lq] / [B,
+  Lk] or None; bias [B or 1, H or 1, Lq, Lk] or None; the window already split
+  into ``window_left``/``window_right`` (None: unbounded); no dimension empty
   (``flash_attention`` answers those itself). ``block_sizes``: a
-  ``GpuBlockSizes`` (anything else: the defaults). ``interpret``: run in
-  Pallas' interpreter. ``mask``: a static mask (``masks``) or per-head
-  tuple, walked as block tables.
-  """
+  ``GpuBlockSizes`` (anything else: the defaults). ``interpret``: run in Pallas'
+  interpreter. ``mask``: a static mask (``masks``) or per-head tuple, walked as
+  block tables."""
   batch, heads, lq, dim = q.shape
   lk, dim_v = k.shape[2], v.shape[3]
   static_mask = mask
@@ -780,12 +740,10 @@ def backward(q, k, v, q_segment_ids, kv_segment_ids, bias, out, lse, d_out,
              d_lse, *, sm_scale, causal, window_left, window_right,
              logit_soft_cap, block_sizes, interpret, mask=None):
   """Attention backward: (dq, dk, dv, dbias or None) for ``forward``'s output.
-
   ``out``/``lse`` may come from any forward kernel (lse natural-log, -inf for
-  rows without keys). ``d_lse`` ([B, H, Lq] or None) is the cotangent of
-  lse: since d lse_i / d s_ij = p_ij it only shifts delta
-  (ds = p * (dp - delta + d_lse)).
-  """
+  rows without keys). ``d_lse`` ([B, H, Lq] or None) is the cotangent of lse:
+  since d lse_i / d s_ij = p_ij it only shifts delta (ds = p * (dp - delta +
+  d_lse))."""
   batch, heads, lq, dim = q.shape
   kv_heads, lk, dim_v = k.shape[1], k.shape[2], v.shape[3]
   dbias_wanted = bias is not None

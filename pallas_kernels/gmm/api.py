@@ -1,8 +1,7 @@
-"""Public op: ``grouped_matmul``, ``jax.lax.ragged_dot``'s semantics.
-
-Kernels (``backend=``): "mosaic_tpu" (``gmm.mosaic_tpu``), "triton"
-(``gmm.triton``), "reference" (``jax.lax.ragged_dot``). Gradients: d lhs by the same kernel
-on the transposed weights, d rhs by the transposed grouped matmul (tgmm).
+"""Public op: ``grouped_matmul``, ``jax.lax.ragged_dot``'s semantics. Kernels:
+mosaic_tpu, triton, reference (``ragged_dot``). Gradients: d lhs by the same
+kernel on the transposed weights, d rhs by the transposed grouped matmul
+(tgmm).
 """
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
 """Mosaic TPU grouped matmul (gmm) and its transpose in rhs (tgmm).
 
-Rows of lhs are cut into tiles of ``tm``. A *work item* is one (group, row
-tile) pair whose rows overlap, listed in row order (groups are contiguous).
-gmm also lists the row tiles no group reaches (items with no group, which
-write zeros); tgmm lists each empty group once (it writes the group's zero
-gradient). The lists, at most ``tiles_m + G`` long, are computed in XLA from
-``group_sizes`` and scalar-prefetched with their used length, the grid's
-dynamic bound: routing changes never recompile and padding costs no steps.
-
-gmm grid (N tiles, items, K tiles): each item sums its row tile times its
-group's weight tile over K in a float32 [tm, tn] accumulator and, at its
-last K step, stores the rows of its group (``where``) into the output tile,
-which stays in VMEM while consecutive items share a row tile (zeroed by the
-first) and is flushed when the row tile changes. A tile straddling groups is
-read once per group it holds (the extra read is that tile's lhs block, not
-the output).
-
-tgmm grid (K tiles, N tiles, items): per item, the group's rows of the lhs
-tile (others zeroed) transposed times the dout tile add into a [tk, tn]
-accumulator that lives while consecutive items share a group, written at
-the group's last item.
+A scalar-prefetched list of (group, row tile) work items, built in XLA from
+``group_sizes`` with its used length as the grid's dynamic bound (routing
+changes never recompile). gmm grid (N tiles, items, K tiles); tgmm grid
+(K tiles, N tiles, items). Structure: docs/design/grouped_matmul.md.
 """
 from __future__ import annotations
 
@@ -205,8 +189,8 @@ def _gmm_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref, rhs_ref,
 def gmm(lhs, rhs, group_sizes, rhs_scale=None, *, transpose_rhs=False,
         out_dtype=None, group_offset=0, tiles=None, items=None,
         interpret=False):
-  """lhs [M, K] x rhs [G, K, N] ([G, N, K] transposed) -> [M, N]; see the
-  module docstring. rhs[g] is group ``group_offset + g`` of group_sizes.
+  """lhs [M, K] x rhs [G, K, N] ([G, N, K] transposed) -> [M, N].
+  rhs[g] is group ``group_offset + g`` of group_sizes.
   A quantized rhs (int8, int4, fp8) comes with ``rhs_scale`` [G, S, N]
   float32, S = 1 (per channel, applied to the products) or K / group size
   (applied to the weight tile, which is then cast to lhs's dtype).

@@ -1,19 +1,9 @@
 """Grouped matmul (gmm) for NVIDIA GPUs: Pallas lowered through Triton.
 
-Work items are tiles of ``bm`` rows *within one group* (a group of s rows
-has ceil(s / bm) items starting at its first row), then tiles of the rows
-past the last group, which are written as zeros. Every output row belongs
-to exactly one item, so no row is computed twice and no tile is shared:
-a group's last, partial tile loads and stores under a row mask. The list is
-computed in XLA (``metadata``) and read by each program; its length is
-static, ``cdiv(M, bm) + G``, and programs past the used items exit at once.
-
-tgmm (d rhs): a program per (group, K tile, N tile) sums the group's row
-chunks. Grid of gmm (items, N tiles); each program walks K in a ``fori_loop`` (Triton
-pipelines it), float32 accumulation, masked loads for the K and N tails.
-Quantized rhs is upcast in registers; per-channel scales multiply the
-accumulator once, K-group scales each K step's product (bk divides the
-group size).
+Work items are ``bm``-row tiles within one group (then the rows past the last
+group, written as zeros), so no output tile is shared; the list (length
+``cdiv(M, bm) + G``) is built in XLA. tgmm: a program per (group, K tile, N
+tile). Quantized rhs is dequantized in registers.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Quantized matmul family: int8, int4 and fp8 weights (and fp8 x fp8).
-
-See ``api`` for the modes and semantics, ``formats`` for the quantization
-arithmetic, ``mosaic_tpu`` / ``triton`` for the kernels and ``block_sizes``
-for the tiles.
+"""Quantized matmul family: int8, int4 and fp8 weights (and fp8 x fp8), the int8
+ops, and their layers.
 """
 from pallas_kernels.quant.api import quantize, quantized_matmul  # noqa: F401
 

@@ -1,47 +1,8 @@
 """Public ops: ``quantize`` and ``quantized_matmul`` for int8, int4,
-float8_e4m3fn and float8_e5m2 (``w.dtype`` picks the format).
-
-Modes of ``quantized_matmul(x, w, ...)`` (``operands`` normalizes them):
-
-  raw          int8 x, int8 w, no scales or bias: exact int32 x @ w.
-  dequant      int8 x with int8 w, or fp8 x with fp8 w (w8a8, fp8 x fp8),
-               with x_scale (per row [M] / [..., 1] or a scalar), w_scale
-               (per channel [N] or a scalar), bias: ((acc * x_scale) *
-               w_scale + bias) in float32, cast to out_dtype (default
-               bfloat16). int8 sums are exact int32 (K <= MAX_INT8_K); fp8
-               products are exact, summed in float32. With group_size g
-               (sub-channel scales on both sides): x_scale [..., G]
-               (per row and group; per row or scalar also accepted), w_scale
-               [G, N] ([N, G] for "nk"), G = ceil(K / g), no w_zero; out = sum over
-               groups j of (x_j @ w_j) * x_scale[:, j] * w_scale[j, :] in
-               float32, + bias, where x_j @ w_j is the group's exact int32
-               sum (g <= MAX_INT8_K) or its fp8 products summed in float32.
-  dynamic      float x, int8 or fp8 w, weight_only=False: x is quantized per
-               row into w's format (``quantize(x, w.dtype)``), then dequant.
-  weight_only  float x, weight_only=True, any w format: per channel, x @ w
-               with w converted exactly to x's dtype and w_scale after the
-               float32 sum; with ``group_size`` g, w_scale (and optional
-               w_zero, integer formats: w_real = (w - zero) * scale) are
-               [G, N] ([N, G] for weight_layout="nk") and w is
-               dequantized per group in float32, rounded to x's dtype, then
-               multiplied (float32 sums). float16 x computes as float32.
-
-Groups run along K from its start; where g does not divide K, the last
-group holds the remaining K mod g values (x and w are zero-padded along K
-for the kernels, a copy of w per call). Empty inputs give
-empty (or bias-only) outputs. Not differentiable in w; train through
-``pallas_kernels.nn.quantized_dense``.
-
-Kernels (``backend=``): "mosaic_tpu", "mosaic_gpu" (Hopper; weight-only
-with bf16 x, w in either layout: per-channel int8/fp8/int4 w, and int4 w
-with group scales (and zeros) for group sizes that are multiples of 64; and
-8-bit x times 8-bit w without
-group_size, dequant, raw and dynamic modes, whose fp8 sums use the tensor
-cores' narrower adds: ``quant.mosaic_gpu``), "triton" (NVIDIA GPUs),
-"reference"; int8 x int8 modes without group_size and per-channel int8
-weight-only calls run the int8 family's kernels (``int8_matmul``).
-``backend=None`` takes the first that supports the call on the platform it
-is lowered for.
+float8_e4m3fn and float8_e5m2 weights (``w.dtype`` picks the format); modes
+raw, dequant, dynamic and weight-only, per channel or with group scales.
+Kernel choice: the first of mosaic_tpu, mosaic_gpu, triton, reference that
+supports the call; int8 x int8 calls without groups run the int8 kernels.
 """
 from __future__ import annotations
 
@@ -72,7 +33,8 @@ def quantize(x, dtype, *, axis=-1, group_size=None, symmetric=True,
   clipped to +-qmax (fp8: saturated, then rounded to the fp8 grid).
   Asymmetric (int8, int4): scale = (max(x, 0) - min(x, 0)) / (2^bits - 1),
   zero = round(qmin - min / scale), q = round(x / scale) + zero, clipped.
-  Details and NaN handling: ``pallas_kernels.quant.formats``.
+  NaN quantizes to 0 and makes its group's scale NaN. Formulas:
+  ``quant.formats`` (docs/design/quantized.md).
 
   Args:
     x: bfloat16, float16 or float32 array.
@@ -131,8 +93,14 @@ def quantized_matmul(x, w, *, x_scale=None, w_scale=None, w_zero=None,
                      group_size=None, bias=None, out_dtype=None,
                      weight_only=False, weight_layout="kn", block_sizes=None,
                      backend=None):
-  """x @ w for quantized w (int8, int4, fp8) with a fused epilogue; modes in
-  the module docstring.
+  """x @ w for quantized w (int8, int4, fp8) with a fused epilogue.
+
+  Modes: raw (int8 x int8, exact int32); dequant (int8 x int8 or fp8 x fp8
+  with scales: ``((acc * x_scale) * w_scale + bias)`` in float32, per group
+  with ``group_size``); dynamic (float x quantized per row into w's format,
+  then dequant); weight_only (float x times w dequantized exactly or per
+  group in float32, rounded to x's dtype; float32 sums). Not differentiable
+  in w. Details: docs/design/quantized.md.
 
   Args:
     x: [..., K] bfloat16/float16/float32, or int8 / fp8 (with x_scale).

@@ -1,34 +1,7 @@
-"""Tiles for the quantized matmul kernels (int4, fp8, grouped int8).
-
-TPU (Mosaic). Grid (M/bm, N/bn, K/bk) as for int8 (``int8.block_sizes``);
-the generation's VMEM budget and limit are int8's (``TPU_VMEM``). VMEM of a
-config:
-
-  2 * (bm*bk*x_bytes + bk*bn*w_bits/8)      double-buffered x and w tiles
-  + bm*bn*4 (+ bm*bn*4 accumulator)         dot result, running sum
-  + 2 * bm*bn*out_bytes                     double-buffered output tile
-  + bk*bn*(4 + c)                           the w tile converted through
-                                            float32 to the compute dtype
-  + (bm*bk*(4 + 2) when x is upcast: fp8 x off tpu7x)
-  + grouped: bk*bn*4 per expanded scale / zero tile, and the [bk/g, bn]
-    scale/zero tiles, double-buffered
-  + scale and bias tiles
-
-Quantized x with group scales (a dot per group, scaled in float32) holds a
-group's [bm, bn] product, its scaled copy and the [bm, bk/g] x scale tile
-(lanes padded to 128) instead of the expanded tiles, and bk spans at most
-``MAX_GROUP_DOTS`` groups (unrolled dots).
-
-Group scales ([K/g, N]) are read in [bk/g, bn] tiles, and Mosaic wants
-their row count a multiple of 8 or all of K/g: bk is a multiple of
-lcm(128, 8g) unless one tile spans K. A config over budget halves its
-largest tile dimension (bk keeping that unit). The rows start from int8's
-table: the weight tiles hold 2x (int4) the values per byte, but the float32
-dequantization temporaries dominate, so the same tiles fit.
-
-GPU (Triton): powers of two; weight-only decode (int4: up to M = 64)
-streams w with a K split (``split_k``) when the column tiles alone cannot
-fill the GPU; bk <= the group size (one scale row per K step).
+"""Tiles for the quantized matmul kernels (int4, fp8, grouped int8): the int8
+TPU table checked against a VMEM model of the weight conversion and group
+tiles, and Triton tiles (powers of two, ``split_k`` for weight-only decode).
+The VMEM model: docs/design/quantized.md.
 """
 from __future__ import annotations
 
@@ -53,7 +26,8 @@ def fp8_mxu(generation: str | None) -> bool:
 
 
 def k_unit(group_size: int | None) -> int:
-  """K tiles are multiples of this (module docstring)."""
+  """K tiles are multiples of this: lcm(128, 8 g) with groups (Mosaic wants
+  the group scale tile's rows a multiple of 8)."""
   if group_size is None:
     return 128
   return math.lcm(128, 8 * group_size)
@@ -83,7 +57,7 @@ def plan_tpu(m, k, n, *, x_bytes, w_bits, out_bytes, compute_bytes,
              generation=None, group_size=None, has_zero=False,
              x_upcast=False, group_products=False,
              block_sizes: BlockSizes | None = None) -> TpuPlan:
-  """Tiles for an [m, k] x [k, n] problem (module docstring);
+  """Tiles for an [m, k] x [k, n] problem, shrunk to the VMEM budget;
   ``group_products``: quantized x with group scales (a dot per group)."""
   unit = k_unit(group_size)
 

@@ -1,25 +1,7 @@
-"""The four weight formats and the arithmetic every quantized kernel shares.
-
-  format          values                          symmetric scale
-  int8            integers in [-128, 127]         amax * float32(1/127)
-  int4            integers in [-8, 7]             amax * float32(1/7)
-  float8_e4m3fn   fp8, 3 mantissa bits, max 448   amax * float32(1/448)
-  float8_e5m2     fp8, 2 mantissa bits, max 57344 amax * float32(1/57344)
-
-Symmetric quantization (every format): scale as above, or 1 where amax is
-0; q = x * (1 / scale) (one reciprocal per group, float32), then for integer
-formats round half to even and clip to [-qmax, qmax] (qmax 127 / 7), for
-fp8 clip to [-max, max] (saturating) and round half to even onto the fp8
-grid. NaN quantizes to 0 and makes its group's scale NaN (as quantize_int8).
-
-Asymmetric (integer formats): lo = min(x, 0), hi = max(x, 0) over the group;
-scale = (hi - lo) * float32(1/(qmax - qmin)), or 1 where that is 0;
-zero = clip(round(qmin - lo * (1/scale)), qmin, qmax);
-q = clip(round(x * (1/scale)) + zero, qmin, qmax); x ~= (q - zero) * scale.
-
-fp8 rounding is done in float32 arithmetic (exact power-of-two steps) and
-the value then converted, which is exact: every jax rounds alike (XLA's own
-float32 -> fp8 conversion differs between releases).
+"""The four weight formats (int8, int4, float8_e4m3fn, float8_e5m2) and the
+quantization arithmetic every kernel shares: symmetric (scale = amax / qmax)
+and asymmetric (scale and zero point) rounding, so that all round alike.
+Formulas: docs/design/quantized.md.
 """
 from __future__ import annotations
 

@@ -1,48 +1,7 @@
-"""Public int8 ops: ``quantize_int8`` and ``int8_matmul``.
-
-Modes of ``int8_matmul(x, w, ...)`` (w is int8 [K, N], or [N, K] with
-``weight_layout="nk"``):
-
-  raw          x int8, no scales, no bias, out_dtype None/int32: exact int32
-               x @ w. int32 accumulation is exact while K <= MAX_INT8_K
-               (= floor((2**31 - 1) / 128**2) = 131071: the worst product is
-               (-128) * (-128)); larger K raises ValueError in every int8 x
-               int8 mode rather than risk overflow.
-  dequant      x int8 with x_scale and/or w_scale, bias or a float out_dtype:
-               ((acc * x_scale) * w_scale + bias) in float32, cast to
-               out_dtype (default bfloat16), fused into the kernel epilogue.
-  dynamic      x float ("w8a8 dynamic"): x is quantized per row
-               (``quantize_int8(x, axis=-1)``, a one-pass Pallas kernel on
-               TPU) and then multiplied as in dequant mode.
-  weight_only  x float with ``weight_only=True`` ("w8a16"): w is upcast to x's
-               dtype inside the kernel, float32 accumulation, then
-               ``* w_scale + bias``. float16 x is computed as float32.
-
-Scales: x_scale is a scalar (any size-1 array) or x.shape[:-1] + (1,) (as
-``quantize_int8(x, axis=-1)`` returns); w_scale a scalar, [N] or [1, N] (as
-``quantize_int8(w, axis=0)`` returns; for "nk" also [N, 1], as
-``quantize_int8(w, axis=1)`` returns); bias [N] or [1, N]. All are used in
-float32. Float outputs default to bfloat16 for int8 x and to x's dtype for
-float x. Any M, N, K; leading batch dimensions of x are kept. Empty inputs
-give empty (or, for K == 0, bias-only) outputs. ``int8_matmul`` is
-differentiable in float x of weight-only calls and in bias; a gradient of
-anything else (w_scale, dynamically quantized x) raises a TypeError naming
-it (``pallas_kernels._frozen``). Train through ``pallas_kernels.nn.int8_dense``.
-
-Weight layout: ``weight_layout="nk"`` takes w as [N, K] (``torch.nn.Linear``
-stores weights so; quantize it per output channel with
-``quantize_int8(w, axis=1)`` and pass its [N, 1] scale as it is). The result
-is the same as with w.T in the default "kn" layout. Store inference weights
-this way on GPUs: Hopper's int8 tensor cores read both operands K-major, so
-a [K, N] weight costs a transpose per call and an [N, K] one none. TPUs read
-either layout at the same speed.
-
-Kernels (``backend=``): "mosaic_tpu" (TPU), "mosaic_gpu" (Hopper, weight-only
-with bf16 x and M in ``block_sizes.GPU_WEIGHT_ONLY_MOSAIC_AUTO_M``;
-int8 x int8 in raw, dequant and dynamic modes from M =
-``quant.mosaic_gpu.AUTO_MIN_M["int8"]``),
-"triton" (NVIDIA GPUs), "reference" (plain JAX); ``backend=None`` takes the
-first that supports the call on the platform it is lowered for.
+"""Public int8 ops: ``quantize_int8`` and ``int8_matmul`` (modes raw, dequant,
+dynamic and weight-only; w [K, N] or [N, K] with ``weight_layout="nk"``).
+Kernel choice: the first of mosaic_tpu, mosaic_gpu, triton, reference that
+supports the call. Modes and layouts: docs/design/int8.md.
 """
 from __future__ import annotations
 
@@ -137,7 +96,13 @@ def as_block_sizes(block_sizes, op="int8_matmul"):
 def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
                 block_sizes=None, weight_only=False, weight_layout="kn",
                 backend=None):
-  """x @ w for int8 w with a fused epilogue; modes in the module docstring.
+  """x @ w for int8 w with a fused epilogue.
+
+  Modes: raw (int8 x, no scales or bias: exact int32); dequant (int8 x with
+  scales, bias or a float out_dtype: ``((acc * x_scale) * w_scale + bias)``
+  in float32); dynamic (float x quantized per row, then dequant); weight_only
+  (float x times w upcast to x's dtype, float32 sums). Differentiable in
+  weight-only x and in bias only. Details: docs/design/int8.md.
 
   Args:
     x: [..., K] int8, or bfloat16/float16/float32 (dynamic or weight-only).
@@ -151,12 +116,15 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
       or a TPU generation name ("v5e", "v6e", ...) to use that table row.
     weight_only: float x is multiplied by the dequantized w (w8a16).
     weight_layout: "kn" (w is [K, N]) or "nk" (w is [N, K], no transpose
-      per call on GPUs; see the module docstring).
+      per call on GPUs).
     backend: None (chosen per platform), "mosaic_tpu", "triton",
       "mosaic_gpu", "gpu" (the best GPU kernel), "interpret" or "reference".
   Returns:
     x.shape[:-1] + (N,): int32 in raw mode, else out_dtype (default
     bfloat16 for int8 x, x's dtype for float x).
+  Raises:
+    ValueError: K > MAX_INT8_K (131071) in an int8 x int8 mode, where the
+      int32 sum could overflow.
   """
   _backend.check_backend("int8_matmul", backend)
   call = operands.matmul_call(x, w, x_scale=x_scale, w_scale=w_scale,

@@ -1,63 +1,7 @@
-"""Block sizes for the int8 matmul kernels: per TPU generation and shape class.
-
-TPU (Mosaic). A config is (bm, bk, bn): the x tile is bm x bk, the w tile
-bk x bn, the output tile bm x bn; the grid is (M/bm, N/bn, K/bk) with K last
-("arbitrary") and M, N "parallel" (megacore chips split those).
-VMEM bytes of a config, which must stay inside the generation's budget:
-
-  2 * (bm*bk*x_bytes + bk*bn*w_bytes)     double-buffered input tiles
-  + bm*bn*4                               int32/float32 accumulator scratch
-                                          (dequantized modes with K/bk > 1)
-  + bm*bn*4                               the dot's result before accumulation
-  + 2 * bm*bn*out_bytes                   double-buffered output tile
-  + bk*bn*x_bytes                         weight-only: the upcast w tile
-  + (bm + bn) * min(bk, 1024) * 2         int8 modes on v4: bf16 copies of a
-                                          K chunk of both tiles
-  + 2 * (bm*128*4 + 8*bn*4 * 2)           scale/bias tiles (padded to (8,128))
-
-int8 on v4. Its MXU takes no int8 operands (Mosaic rejects an i8 dot), so
-int8 modes on v4 upcast K chunks of both tiles to bf16 in VMEM and multiply
-at the bf16 rate with float32 sums, converted to int32 per chunk. Exact:
-|x|, |w| <= 128 are bf16 integers, each product (|p| <= 2^14) is exact in
-float32, and a chunk of at most ``EXACT_F32_K`` = 1024 products keeps every
-partial sum within 2^24, where float32 holds all integers; the int32 sum
-over chunks and K steps is then the exact result.
-
-Shape classes: "decode" (M <= 128: memory-bound on the weights, so big
-weight tiles to amortize the ~0.35 us per grid step), "medium" (M <= 1024)
-and "large". A tile's arithmetic intensity is about 2*bm*bn/(bm+bn) int8
-ops per HBM byte; a generation needs its int8 rate over its HBM rate (per
-JAX device, ``_backend.TPU_SPECS``): v4 ~230 (bf16 rate, see below: 275
-TOP/s over 1200 GB/s), v5e ~480 (393 over 819), v5p ~330 (918 over 2765),
-v6e ~1120 (1836 over 1638); tpu7x publishes no int8 rate (its bf16 rate,
-1153 TFLOP/s per TensorCore over 3690 GB/s, gives ~310). Hence 1024-wide
-tiles for large problems, and 2048 x 1024 on v6e (1365 ops/byte).
-
-| gen       | decode (bm=M)   | medium           | large             | budget / limit |
-|-----------|-----------------|------------------|-------------------|----------------|
-| v5e       | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 1024 x 1024| 28 / 48 MiB    |
-| v6e       | bk 4096 bn 2048 | 512 x 1024 x 2048| 2048 x 1024 x 1024| 40 / 64 MiB    |
-| v5p       | bk 2048 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
-| tpu7x     | bk 4096 bn 2048 | 256 x 1024 x 2048| 1024 x 512 x 1024 | 28 / 48 MiB    |
-| v4, other | bk 1024 bn 1024 | 256 x 1024 x 1024| 512 x 1024 x 1024 | 12 / 16 MiB    |
-
-A grid step's MXU work should outlast its ~0.35 us fixed cost several
-times: 1024 x 1024 x 1024 is ~5.5 us on v5e (1024 x 512 x 1024 was 2.7); a
-tpu7x TensorCore streams a 4096 x 2048 weight tile in ~2.3 us (2048 x 2048:
-~1.1). ``python -m bench.roofline`` gives each term per generation.
-
-VMEM per TensorCore (``_backend.TPU_VMEM_BYTES``): v4 16 MiB, v5e and v6e
-128 MiB, v5p and tpu7x 64 MiB; the budgets stay well inside it.
-
-A config is clamped to the problem (a dimension smaller than its tile uses
-the whole dimension), K tiles divide K (K is zero-padded to a multiple of
-128 only when it is not one and exceeds the tile), and a config over the
-budget is shrunk by halving its largest tile dimension. The TPU rows come
-from the chips' rates and budgets, untuned on hardware.
-
-GPU (Triton): ``GPU_TABLE*`` by shape class of M, powers of two; fields in
-``BlockSizes`` and triton.py. Record of the measurements behind both tables:
-docs/design/int8.md.
+"""Block sizes for the int8 matmul kernels, per TPU generation and shape class
+("decode" M <= 128, "medium" M <= 1024, "large"): (bm, bk, bn) clamped to the
+problem and shrunk to the generation's VMEM budget; ``GPU_TABLE*`` for
+Triton. The VMEM model, the tables and why: docs/design/int8.md.
 """
 from __future__ import annotations
 
@@ -71,13 +15,10 @@ MiB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes for ``int8_matmul(block_sizes=...)``.
-
-  The x tile is bm x bk, the w tile bk x bn, the output tile bm x bn. TPU:
-  bm a multiple of 32, bk and bn of 128 (unless the whole dimension); GPU
-  (Triton): powers of two >= 16. The other fields are Triton options, None
-  taking the table's value.
-  """
+  """Tile sizes for ``int8_matmul(block_sizes=...)``. The x tile is bm x bk, the
+  w tile bk x bn, the output tile bm x bn. TPU: bm a multiple of 32, bk and bn
+  of 128 (unless the whole dimension); GPU (Triton): powers of two >= 16. The
+  other fields are Triton options, None taking the table's value."""
   bm: int
   bk: int
   bn: int
@@ -118,7 +59,7 @@ TPU_VMEM = {  # (bytes a config may use, vmem_limit_bytes passed to Mosaic)
 }
 TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 # Generations whose MXU takes int8 operands; the others run int8 modes
-# through bf16 (module docstring, "int8 on v4").
+# through bf16 (exact: docs/design/int8.md, "v4").
 INT8_MXU = frozenset({"v5e", "v5p", "v6e", "tpu7x"})
 # Most int8 x int8 products a float32 sum may hold and stay exact.
 EXACT_F32_K = 1024
@@ -333,7 +274,8 @@ def fit_tpu_plan(m, k, n, tiles, *, k_unit, generation, vmem_bytes,
 
 def plan_tpu(m, k, n, *, x_bytes, out_bytes, mode, generation=None,
              block_sizes: BlockSizes | None = None) -> TpuPlan:
-  """Tiles for an [m, k] x [k, n] problem (see the module docstring)."""
+  """Tiles for an [m, k] x [k, n] problem: the shape class's row, clamped to
+  the problem and shrunk to the VMEM budget."""
   weight_only = mode == "weight_only"
   accumulating_in_scratch = mode != "raw"
   int8_via_bf16 = not weight_only and not int8_mxu(generation)

@@ -1,28 +1,6 @@
-"""``int8_dense``: a dense layer with an int8 forward and a float backward.
-
-``int8_dense(x, w, bias=None, *, int8_input_grad=False, backend=None)``
-computes ``x @ w + bias`` with an int8 forward pass and a float backward
-pass (``jax.custom_vjp``):
-
-Forward. The weights are quantized per output channel
-(``quantize_int8(w, axis=0)``: one scale per column of w), the activations
-dynamically per row (``int8_matmul``'s w8a8 dynamic mode, a Pallas
-quantization pre-pass), then one int8 x int8 -> int32 matmul whose epilogue
-applies both scales and the bias. The output has x's dtype. K (= w.shape[0])
-is limited to ``int8_matmul.MAX_INT8_K``.
-
-Backward: the straight-through estimator. Rounding is treated as the
-identity, so the gradients are those of the float layer ``x @ w + bias``
-evaluated at the float (unquantized) x and w:
-
-  dx    = dy @ w.T             (float32 accumulation, cast to x's dtype)
-  dw    = x.T @ dy             (summed over x's leading dimensions)
-  dbias = sum of dy over the leading dimensions
-
-With ``int8_input_grad=True`` the input gradient dx uses an int8 matmul as
-well: dy is quantized per row on the fly and w per row (one scale per input
-channel k, i.e. per output column of w.T). That trades a little accuracy of
-dx for the int8 rate; dw stays in float because quantizing activations and
+"""``int8_dense``: a dense layer with an int8 forward (w quantized per output
+channel, x per row, one int8 x int8 matmul with a fused epilogue) and
+straight-through float gradients (``jax.custom_vjp``).
 """
 from __future__ import annotations
 
@@ -109,7 +87,8 @@ def int8_dense(x, w, bias=None, *, int8_input_grad=False, backend=None):
     x: [..., K] float activations.
     w: [K, N] float weights (quantized per output channel each call).
     bias: optional [N] float.
-    int8_input_grad: compute dx with an int8 matmul too (see module doc).
+    int8_input_grad: compute dx with an int8 matmul too (dy quantized per
+      row, w per input channel); dw stays float.
     backend: forwarded to the int8 kernels.
   Returns:
     [..., N] in x's dtype.

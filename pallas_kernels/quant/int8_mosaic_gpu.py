@@ -1,46 +1,9 @@
 """Weight-only matmul of 8-bit and int4 weights for Hopper GPUs: Mosaic GPU.
 
-out [M, N] = x [M, K] (bf16) @ dequant(w), w int8, float8_e4m3fn,
-float8_e5m2 or int4 stored [N, K] or [K, N], bias optional, M <= 256.
-Per-channel ``w_scale`` [N] multiplies the float32 sums; int4 w may instead
-carry group scales (and zero points) [K // g, N] (``group_size`` g, a
-multiple of 64): each K chunk of a w tile lies in one group and is
-dequantized before its wgmma as ``(w - zero) * scale`` in float32, rounded
-to bf16, as the reference does (for w [N, K], integer zero points are
-subtracted in bf16, where the difference is exact). Up to M = 128 the time is that of
-streaming w once.
-
-The product is formed transposed, out^T [N, M] = w [N, K] . x^T, so that w's
-rows fill the wgmma's M side (64 rows per compute warpgroup, two per CTA)
-and x's rows, padded to Mp in {16, 32, 64, 128}, its N side. w [N, K]: each
-step a compute warpgroup converts its w tile from shared memory to bf16 in
-registers (exact for all formats; int4 per K chunk of ``k_chunk``) and
-issues a wgmma with it as the register operand A and the x tile (a
-transposed shared-memory view) as B, accumulating in float32.
-w [K, N]: the w tile is [tile_k, 128] (N minor), and a register operand
-would need it transposed; instead each compute warpgroup converts 64-row
-K chunks of its 64 columns into a bf16 shared-memory buffer (two per
-warpgroup, so converting one chunk overlaps the wgmma of the previous)
-and issues the wgmma with that buffer, transposed, as A from shared
-memory. Group scale and zero tables ([G, N] float32) stream through the
-ring with w as [tile_k // g, 128] tiles; each chunk reads its group's 64
-values per table and warpgroup.
-
-One CTA per (column tile of 128 output channels, K piece). A memory
-warpgroup streams w and x tiles with TMA into a ring of ``stages`` slots
-(``plgpu.emit_pipeline_warp_specialized``); a slot is released once the
-wgmma reading it has completed. From Mp = 128 on, except for 8-bit w [N,
-K] (``pairs_ctas``), CTAs of adjacent column tiles form pairs and each x
-tile is loaded once for both (TMA multicast).
-
-K is split over the largest power of two of CTAs (<= ``max_split``) that
-still run in one wave of ``target_ctas``. Unsplit, the epilogue (w_scale,
-bias, cast) runs on the accumulator in registers, which a register shuffle
-turns into out's orientation for one TMA store; split, each CTA writes its
-float32 partial out^T and one XLA fusion sums, scales and transposes.
-
-Without a GPU, jax's Mosaic GPU interpreter runs the same pipeline, with a
-float32 dot of the same tiles for the wgmma and single-CTA clusters.
+``out = x (bf16, M <= 256) @ dequant(w)``, w int8/fp8/int4 in either layout,
+per-channel or int4 group scales. Formed transposed (``out^T = w x^T``) so
+w's rows fill the wgmma's M side; K split over CTAs when the column tiles
+alone cannot fill the GPU. Structure: docs/design/int8.md.
 """
 from __future__ import annotations
 

@@ -1,30 +1,7 @@
-"""Mosaic TPU kernels: tiled int8 matmul with fused epilogue, row quantization.
-
-Matmul. Grid (M/bm, N/bn, K/bk), K innermost and "arbitrary", M and N
-"parallel" (megacore chips split them). Each step multiplies an x tile by a
-w tile on the MXU: int8 x int8 with int32 accumulation, or for weight-only
-mode the int8 w tile upcast in VMEM to x's float dtype (exact: |w| <= 128
-fits bf16's 8-bit significand) with float32 accumulation. On a generation
-without int8 MXU operands (v4) int8 x int8 runs as bf16 x bf16 over K
-chunks of at most ``block_sizes.EXACT_F32_K``, each float32 chunk sum
-converted to int32: exact (block_sizes, "int8 on v4"). The running sum
-lives in VMEM; at the last K step the epilogue converts it to float32,
-multiplies by x_scale [bm, 1] and w_scale [1, bn], adds bias [1, bn] and
-stores out_dtype: no int32 matrix reaches HBM. Raw int32 mode accumulates
-straight into the resident output tile (its index ignores k), with no
-scratch. A single K step skips the accumulator altogether.
-
-Padding. M and N need none: edge tiles past the array read unspecified
-values that only reach output rows/columns that are never stored. K must be
-exact, so x and w are zero-padded along K (costs a copy of both) only when K
-exceeds the K tile and is not a multiple of 128; block_sizes picks K tiles
-that divide K otherwise.
-
-Row quantization ("w8a8 dynamic" pre-pass). Grid over row blocks of
-[bm, K]: one read of x computes each row's amax, the scale and the int8 row
-(quant.quantize's formula, shared code), one write of int8 + scale.
-XLA's version reads x twice (reduction, then the elementwise pass). Rows
-longer than the VMEM budget allows fall back to XLA.
+"""Mosaic TPU kernels: tiled int8 matmul with a fused dequantizing epilogue,
+and one-pass row quantization (the dynamic mode's pre-pass). Grid (M/bm,
+N/bn, K/bk), K innermost; the running sum stays in VMEM and no int32 matrix
+reaches HBM. Structure: docs/design/int8.md.
 """
 from __future__ import annotations
 

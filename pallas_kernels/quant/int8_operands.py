@@ -1,10 +1,7 @@
-"""The int8 ops' arguments: checked, and normalized into the 2-D operands
-that the reference and every kernel take.
-
-``int8_matmul``'s operands are ``(x2 [M, K], w, x_scale [M, 1] | None,
-w_scale [1, N] | None, bias [1, N] | None)`` (scales and bias float32; w
-[K, N], or [N, K] for the "nk" layout) with static ``mode``, ``out_dtype``
-and ``w_layout``; Pallas kernels receive them as refs in that order.
+"""The int8 ops' arguments, checked and normalized into the 2-D operands the
+reference and every kernel take: ``(x2 [M, K], w, x_scale [M, 1] | None,
+w_scale [1, N] | None, bias [1, N] | None)`` (float32 scales and bias; w [K, N]
+or [N, K] for "nk"), with static ``mode``, ``out_dtype`` and ``w_layout``.
 """
 from __future__ import annotations
 
@@ -68,7 +65,7 @@ def quantize_axis(x, axis):
 @dataclasses.dataclass(frozen=True)
 class MatmulCall:
   """One ``int8_matmul`` call, normalized."""
-  operands: tuple   # (x2, w, x_scale, w_scale, bias), see the module doc
+  operands: tuple   # (x2, w, x_scale, w_scale, bias)
   mode: str         # one of MODES
   out_dtype: jnp.dtype
   w_layout: str

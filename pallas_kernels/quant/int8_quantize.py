@@ -1,15 +1,8 @@
-"""Symmetric int8 quantization and the dequantizing epilogue: the arithmetic
-that the reference and every int8 kernel share, so that they round alike.
-
-  amax  = max |x|, NaN where x holds a NaN
-  scale = amax * float32(1/127), or 1 where amax == 0
-  q     = clip(round_half_to_even(x * (1 / scale)), -127, 127) as int8;
-          NaN -> 0
-  out   = ((float32(acc) * x_scale) * w_scale + bias) -> out_dtype
-
-Every step rounds to float32, except that the last multiply and the bias
-add may be one FMA (a single rounding): XLA's CPU and GPU backends and
-Triton contract them.
+"""Symmetric int8 quantization and the dequantizing epilogue, shared by the
+reference and every int8 kernel so that they round alike:
+``scale = amax / 127`` (1 where amax is 0), ``q = round_half_even(x / scale)``
+clipped to [-127, 127] (NaN -> 0), ``out = ((acc * x_scale) * w_scale + bias)``
+in float32 (the last multiply-add may be one FMA).
 """
 from __future__ import annotations
 
@@ -53,9 +46,7 @@ def quantize(x, axis=-1):
 
 def epilogue(acc, x_scale, w_scale, bias, out_dtype):
   """acc [M, N] -> ((acc * x_scale) * w_scale + bias) in float32 -> out_dtype.
-
-  x_scale is [M, 1] or None, w_scale and bias are [1, N] or None.
-  """
+  x_scale is [M, 1] or None, w_scale and bias are [1, N] or None."""
   out = acc.astype(jnp.float32)
   if x_scale is not None:
     out = out * x_scale

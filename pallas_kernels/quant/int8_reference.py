@@ -1,24 +1,8 @@
-"""Plain-JAX int8 quantization and int8 matmul: the semantics every kernel
-matches (the arithmetic itself is ``quant``'s).
-
-quantize_int8(x, axis)
-  amax  = max |x| over ``axis`` (keepdims; every axis when ``axis=None``)
-  scale = amax * float32(1/127), or 1 where amax == 0 (never a division by 0)
-  q     = clip(round_half_to_even(x * (1 / scale)), -127, 127) as int8;
-          NaN -> 0
-  Returned scale is float32 with ``axis`` kept as size 1 (a 0-d scalar for
-  ``axis=None``), so ``q * scale`` broadcasts back to ``x``. A row holding
-  NaN or +-inf gets a NaN/inf scale, so anything dequantized from it is
-  non-finite too: quantization never turns a bad value into a plausible one.
-
-int8_matmul(x, w, x_scale, w_scale, bias, out_dtype, weight_only)
-  acc = x @ w with exact int32 accumulation (int8 x) or float32 accumulation
-        of x @ float(w) (weight-only, float x).
-  raw mode (int8 x, no scale, no bias, out_dtype None/int32): acc itself.
-  otherwise: out = ((float32(acc) * x_scale) * w_scale + bias) -> out_dtype,
-        in that order, all in float32; a missing scale is 1, missing bias 0.
-  float x without ``weight_only`` is first quantized per row
-  (``quantize_int8(x, axis=-1)``) and its scale used as x_scale.
+"""Plain-JAX ``quantize_int8`` and ``int8_matmul``: the semantics every int8
+kernel matches. Quantization is symmetric per ``axis`` (scale float32 with
+``axis`` kept as size 1; NaN/inf rows get a non-finite scale); the matmul
+sums exactly in int32 (float32 for weight-only) and applies
+``((acc * x_scale) * w_scale + bias)`` in float32.
 """
 from __future__ import annotations
 
@@ -42,13 +26,10 @@ def _float_dot(x2, w):
 
 def matmul_2d(x2, w, x_scale, w_scale, bias, *, mode, out_dtype,
               w_layout="kn"):
-  """The normalized 2-D problem (``operands.MatmulCall``).
-
-  mode: "raw" (int8 x, int32 out), "dequant" (int8 x), "dynamic" (float x,
-  quantized per row here) or "weight_only" (float x). Scales are float32
-  [M, 1] / [1, N] or None, bias float32 [1, N] or None. w is [K, N], or
-  [N, K] for w_layout "nk".
-  """
+  """The normalized 2-D problem (``operands.MatmulCall``). mode: "raw" (int8 x,
+  int32 out), "dequant" (int8 x), "dynamic" (float x, quantized per row here) or
+  "weight_only" (float x). Scales are float32 [M, 1] / [1, N] or None, bias
+  float32 [1, N] or None. w is [K, N], or [N, K] for w_layout "nk"."""
   if w_layout == "nk":
     w = w.T
   if mode == "raw":

@@ -1,28 +1,9 @@
 """int8 matmul for NVIDIA GPUs: Pallas lowered through Triton.
 
-Grid (M/bm, N/bn, split_k); each program walks its K range in a
-``fori_loop`` that Triton software-pipelines ``num_stages`` deep: int8 x int8
--> int32 tensor-core dots, or in weight-only mode the int8 w tile upcast to
-x's dtype in registers and a float32-accumulating dot. The epilogue
-(x_scale [bm, 1], w_scale [1, bn], bias [1, bn], cast) runs on the
-accumulator before the single store: no int32 matrix reaches HBM.
-
-Weight layout: the int8 MMA reads both operands K-major, so w [N, K]
-(``weight_layout="nk"``) is read as it is; w [K, N] is either read directly
-or, with ``w_kmajor``, transposed once per call by XLA.
-
-Plan switches (``block_sizes.GpuPlan``): ``group_m`` > 1 orders programs in
-bands of group_m row tiles so that programs resident together share x rows
-and w columns in L2; ``split_k`` > 1 gives each program 1/split_k of K (for
-small M), writes unscaled partial accumulators (int32; weight-only:
-float32) that one XLA pass sums before the epilogue, so the scales apply
-to the whole sum in the documented order; ``swap_ab`` computes a weight-only tile as
-(w_tile @ x_tile.T).T so the upcast w is the MMA's register operand and bn
-fills its M; ``stream_w`` loads w tiles evict-first (read once) so x stays
-in L2.
-
-Tiles are powers of two (a Triton rule): M, N and K are zero-padded to tile
-multiples. The dynamic (w8a8) mode quantizes x per row with XLA first.
+Grid (M/bm, N/bn, split_k); each program walks its K range in a pipelined
+``fori_loop`` of int8 tensor-core dots (or upcast weight-only dots) and runs
+the epilogue before its one store. ``GpuPlan`` switches (group_m, split_k,
+swap_ab, stream_w): docs/design/int8.md.
 """
 from __future__ import annotations
 
@@ -97,11 +78,9 @@ def _pad_to(a, shape, value=0):
 
 def _tile_order(ni, nj, group_m):
   """(grid, tile(p, q) -> (i, j)): the output tile each program computes.
-
-  group_m > 1 launches one flat program axis in bands: consecutive programs
-  walk down group_m row tiles of one column tile, then the next column tile,
-  so the programs resident together share their x rows and w columns in L2.
-  """
+  group_m > 1 launches one flat program axis in bands: consecutive programs walk
+  down group_m row tiles of one column tile, then the next column tile, so the
+  programs resident together share their x rows and w columns in L2."""
   if group_m <= 1 or ni == 1:
     return (ni, nj), lambda p, q: (p, q)
   per_band = group_m * nj

@@ -1,5 +1,6 @@
 """``quantized_dense``: a dense layer over frozen quantized weights (QLoRA
-style): int8, int4 or fp8 base product, float LoRA adapter."""
+style): int8, int4 or fp8 base product, float LoRA adapter.
+"""
 from __future__ import annotations
 
 import jax

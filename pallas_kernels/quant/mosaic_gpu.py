@@ -1,28 +1,9 @@
 """8-bit x 8-bit matmul for Hopper GPUs: Mosaic GPU.
 
-out [M, N] = x [M, K] . w [N, K]^T on the 8-bit tensor cores: float8 x
-float8 (e4m3fn / e5m2, mixed allowed) summed in float32, int8 x int8 summed
-exactly in int32. Epilogue (``quantized_matmul``'s dequant mode):
-((acc * x_scale[m]) * w_scale[n] + bias[n]) in float32, cast to out_dtype;
-int8 raw mode stores the int32 sums; dynamic mode quantizes float x per row
-into w's format with XLA first. On Hopper the 8-bit tensor cores add fp8
-products with fewer bits than float32 (as cuBLAS's fp8 "fast accumulation"
-does): about 3e-4 relative error in a float32 result at K = 512, below a
-bfloat16 result's own rounding. int8 sums are exact.
-
-8-bit wgmma reads both operands K-major: x tiles [block_m, tile_k] are the
-A operand in shared memory, w tiles [block_n, tile_k] the B operand through
-a transposed view. A w stored [K, N] is transposed once per call by XLA.
-
-Persistent kernel: one CTA per SM walks the output tiles in a planar snake
-(``snake`` tiles wide along ``minor``, for L2 reuse of x and w). Per tile a
-memory warpgroup streams x and w tiles with TMA into a ring of ``stages``
-slots (``plgpu.emit_pipeline_warp_specialized``); two compute warpgroups
-each own block_m / 2 rows and all block_n columns of the tile, and keep one
-wgmma in flight (a slot is released one step after its wgmma is issued).
-After the last K step each compute warpgroup applies the epilogue to its
-accumulator in registers and stores it through a double-buffered shared
-memory tile with TMA, 64 rows at a time.
+``out = x . w^T`` on the 8-bit tensor cores (fp8 summed in the tensor cores'
+narrower float adds, int8 exactly in int32) with the dequant epilogue; a
+persistent kernel, one CTA per SM walking output tiles in a snake order.
+Structure and precision: docs/design/quantized.md.
 """
 from __future__ import annotations
 
@@ -355,13 +336,11 @@ def _kernel_call(x, w, vectors, t: Tiles, out_dtype, interpreting, interpret):
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
            tiles: Tiles | None = None, interpret=False):
-  """x2 [M, K] . w -> [M, N] out_dtype for 8-bit x and w (module docstring).
-
-  w is [N, K] (w_layout "nk") or [K, N] ("kn", transposed first); x_scale
-  [M, 1], w_scale and bias [1, N] float32 or None. ``tiles``: None picks
-  ``tiles_for(M, N)``. Call only where ``supports`` is None. ``interpret``: False on a GPU, an
-  ``InterpretGPUParams`` (or True) for the Mosaic GPU interpreter.
-  """
+  """x2 [M, K] . w -> [M, N] out_dtype for 8-bit x and w. w is [N, K] (w_layout
+  "nk") or [K, N] ("kn", transposed first); x_scale [M, 1], w_scale and bias [1,
+  N] float32 or None. ``tiles``: None picks ``tiles_for(M, N)``. Call only where
+  ``supports`` is None. ``interpret``: False on a GPU, an ``InterpretGPUParams``
+  (or True) for the Mosaic GPU interpreter."""
   why = supports(x2, w, mode=mode, out_dtype=out_dtype, tiles=tiles)
   if why is not None:
     raise ValueError(f"quant.mosaic_gpu.matmul: unsupported call: {why}")

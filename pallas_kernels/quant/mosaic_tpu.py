@@ -1,30 +1,8 @@
 """Mosaic TPU kernel: matmul of int4 / fp8 / grouped int8 weights, and of
-quantized x with group scales.
-
-Grid (M/bm, N/bn, K/bk), K innermost and "arbitrary", M and N "parallel"
-(megacore chips split them); the running float32 sum lives in VMEM and the
-epilogue (x_scale [bm, 1], w_scale [1, bn], bias [1, bn], cast) runs at the
-last K step, as in the int8 kernel (``int8.mosaic_tpu``), which serves the
-int8 x int8 modes without groups and per-channel int8 weight-only calls.
-
-Each step converts the w tile in VMEM:
-  weight-only, per channel: w -> x's dtype (int4, int8 and both fp8 formats
-    are exact in bf16), one MXU dot, w_scale in the epilogue;
-  weight-only, grouped: w -> float32 (w [N, K]: the [bn, bk] tile transposed
-    to [bk, bn]), minus the zero and times the scale of its group (the
-    [bk/g, bn] scale tile broadcast along sublanes to [bk, bn]), rounded to
-    x's dtype, one MXU dot at full depth (no per-group dots of depth g);
-    the group tables are [K/g, N] in either layout (``operands``);
-  fp8 x fp8: native fp8 MXU operands on tpu7x; elsewhere (no fp8 MXU) both
-    tiles are upcast to bf16 (exact; products exact in float32);
-  quantized x with group scales: one dot per group of the tile (static
-    slices; int8 in int32 on an int8 MXU, else bf16 products summed exactly
-    in float32 chunks), each [bm, bn] product scaled by its x scale column
-    and w scale row in float32 and summed; x_scale [M, K/g] is passed as
-    [K steps, M, bk/g] so a step's scales form a whole trailing dimension.
-int4 tiles are read as jnp.int4 refs (Mosaic packs them two per byte).
-K is zero-padded (x, w and the group scale rows) when it exceeds the K tile
-and is not a multiple of the tile unit; M and N edges need no padding.
+quantized x with group scales. Grid (M/bm, N/bn, K/bk), K innermost; each
+step converts its w tile in VMEM (to x's dtype, or dequantized per group in
+float32) for one MXU dot, or runs one dot per group for quantized x; the
+epilogue runs at the last K step. Per-mode details: docs/design/quantized.md.
 """
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
-"""``quantized_matmul``'s and ``quantize``'s arguments: checked, and
-normalized into the 2-D operands the reference and every kernel take.
-
-Operands: ``(x2 [M, K], w, x_scale [M, 1] | None, w_scale, w_zero, bias
-[1, N] | None)``, all scales float32. w keeps its dtype and layout ([K, N],
-or [N, K] for "nk"). w_scale is [1, N] (per channel; a scalar broadcast) or,
-with ``group_size`` g, [G, N] in either layout, G = ceil(K / g); w_zero
-(integer weights of weight-only calls) the same [G, N] or None. Per-channel
-tables take w's shape with K kept as 1 (quantize's), and per-channel zero
-points make one group of all K (g = K).
-Quantized x with ``group_size``: x_scale is [M, G] (per row or scalar
-broadcast, ones when absent). A partial last group (g not dividing K):
-x2 and w are zero-padded along K to G * g. Static: ``mode`` (raw, dequant,
-dynamic, weight_only), ``out_dtype``, ``w_layout``, ``group_size``.
+"""``quantized_matmul``'s and ``quantize``'s arguments, checked and normalized
+into the 2-D operands the reference and every kernel take: ``(x2 [M, K], w,
+x_scale [M, 1] or [M, G] | None, w_scale [1, N] or [G, N], w_zero, bias [1, N]
+| None)``, scales float32, w in its dtype and layout; a partial last group
+zero-pads x2 and w along K to G * g.
 """
 from __future__ import annotations
 

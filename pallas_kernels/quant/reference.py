@@ -1,27 +1,8 @@
-"""Plain-JAX ``quantize`` and ``quantized_matmul``: the semantics every
-kernel matches (the arithmetic itself is ``formats``').
-
-quantize(x, dtype, axis, group_size, symmetric)
-  Groups of ``group_size`` consecutive values along ``axis`` (all of it
-  without a group size; every value for ``axis=None``) share a scale (and a
-  zero point; the last group holds the remainder when ``group_size`` does
-  not divide the axis); formulas in ``formats``. scale (and zero) have x's
-  shape with ``axis`` of length ceil(length / group_size), or 1 (0-d for
-  None).
-
-quantized_matmul, after ``operands.matmul_call``:
-  raw          int8 x @ int8 w, exact int32.
-  dequant      acc = x @ w, int8: exact int32; fp8: exact products summed
-               in float32; out = ((acc * x_scale) * w_scale + bias). With
-               group_size: out = sum over groups g, in order, of (x_g @ w_g
-               as above) * x_scale[:, g] * w_scale[g, :] in float32, + bias.
-  dynamic      float x quantized per row to w's format (``quantize(x,
-               w.dtype)``), then dequant.
-  weight_only  per channel: acc = x @ w (w converted exactly to x's dtype,
-               float32 sums), out = acc * w_scale + bias. With group_size:
-               w_deq = (w - w_zero) * w_scale in float32 (per group),
-               rounded to x's dtype, out = x @ w_deq (float32 sums) + bias.
-  float16 x computes as float32; the result is cast to out_dtype.
+"""Plain-JAX ``quantize`` and ``quantized_matmul``: the semantics every kernel
+matches (the arithmetic is ``formats``'). Integer sums are exact, fp8
+products exact and summed in float32; group scales apply per group in order,
+then bias; weight-only dequantizes w per group in float32 and rounds to x's
+dtype before the float32-summed dot. Modes in full: docs/design/quantized.md.
 """
 from __future__ import annotations
 

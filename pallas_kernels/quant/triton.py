@@ -1,30 +1,9 @@
 """Quantized matmul for NVIDIA GPUs: Pallas lowered through Triton.
 
-Grid (M/bm, N/bn, split_k); each program walks its K range in a
-``fori_loop``. Per K step the w tile is dequantized in registers: converted
-to x's dtype (per-channel scales follow in the epilogue) or, with group
-scales, ``(w - zero) * scale`` in float32 with the step's one scale (and
-zero) row, then rounded to x's dtype: bk divides the group size, so a K step
-lies in one group. fp8 x fp8 multiplies fp8 operands directly (Hopper's fp8
-tensor cores; w is fed K-major, [N, K], as they read it), float32 sums.
-Quantized x with group scales (int8 x int8 or fp8 x fp8): the steps of a
-group sum their dots in a second carry (int32 for int8, exact), which at the
-group's last step is scaled by the x scale column and w scale row of the
-group ([M, G] and [G, N] tables) and added to the float32 sum.
-
-int4. Triton has no 4-bit type: w is bitcast to uint8 bytes holding two
-neighbours along w's minor dimension (low nibble first, as XLA packs
-jnp.int4; no copy). Each nibble plane is decoded with integer ops only into
-float32 INT4_BIAS + value (``_int4_planes``), then dequantized like any
-other w. w [K, N]: the planes are the even and odd output columns, each with
-its own accumulator and stride-2 scale rows; the two are interleaved once,
-in registers, before the epilogue. w [N, K]: the planes are K neighbours
-and meet x's even and odd columns (stride-2 loads of x), one accumulator.
-
-Split K (small M): programs write unscaled float32 partial sums that XLA adds
-before the epilogue; group scales are applied per step (per group), so the
-sum is the dequantized product; a group cut by the split is scaled in parts.
-Tiles are powers of two: M, N, K are zero-padded.
+Grid (M/bm, N/bn, split_k); per K step the w tile is dequantized in
+registers (a K step lies in one group) and multiplied at x's dtype, or fp8 x
+fp8 directly; int4 is decoded from bytes with integer ops. Structure:
+docs/design/quantized.md.
 """
 from __future__ import annotations
 

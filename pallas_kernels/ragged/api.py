@@ -1,10 +1,6 @@
-"""Public ops: ``ragged_paged_attention``, JAX's calling convention
-(``jax.experimental.pallas.ops.tpu.ragged_paged_attention``);
-``mla_ragged_paged_attention``, the same over MLA's shared latent cache;
-``write_kv_pages``, the cache update of either.
-
-Kernels (``backend=``): "mosaic_tpu" (``ragged.mosaic_tpu``), "triton"
-(``ragged.triton``, NVIDIA GPUs), "reference" (``ragged.reference``).
+"""Public ops: ``ragged_paged_attention`` (JAX's calling convention),
+``mla_ragged_paged_attention`` over MLA's latent cache, and ``write_kv_pages``,
+the cache update of either. Kernels: mosaic_tpu, triton, reference.
 Forward only.
 """
 from __future__ import annotations

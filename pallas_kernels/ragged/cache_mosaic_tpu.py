@@ -1,11 +1,7 @@
-"""Mosaic TPU write of new K/V rows into their pages (``write_kv_pages``).
-
-The cache is aliased to the output and stays in HBM (``pl.ANY``): nothing
-of it is copied. Each grid step holds a block of new tokens' rows in VMEM
-and issues one DMA per token, ``[2 Hkv, D]`` (MLA's pool: ``[1, D]``, one
-row of the page's tiles) into (page, row) of its slot
-(scalar-prefetched, computed in XLA); tokens without a slot issue nothing.
-The step waits for its DMAs before its block's buffer is reused.
+"""Mosaic TPU write of new K/V rows into their pages (``write_kv_pages``): the
+cache is aliased to the output and stays in HBM; each grid step DMAs its
+block of tokens' rows into their (page, row) slots, skipping tokens without
+a slot, and waits for its DMAs before the buffer is reused.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Main-job cases for ragged paged attention and its MLA form
-(``python -m pallas_kernels``)."""
+"""Main-job cases for ragged paged attention and its MLA form (``python -m
+pallas_kernels``).
+"""
 from __future__ import annotations
 
 import numpy as np

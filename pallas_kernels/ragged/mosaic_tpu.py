@@ -1,44 +1,10 @@
 """Mosaic TPU ragged paged attention: work items over a paged KV cache.
 
-The ragged token axis is cut into work items outside the kernel (XLA, on
-traced metadata): each sequence's query tokens in runs of ``tq``
-(``num_queries_per_block``), so a decode token is one item and a long
-prefill several. The number of items is bounded statically,
-``W = (T + min(S, T) * (tq - 1)) // tq``; items past the real ones are
-empty. Each item's queries are gathered into ``[Hkv, rows, D]`` (its
-``tq`` tokens times the ``G = H / Hkv`` query heads of each kv head, padded
-to the sublane tile) and the outputs scattered back to their tokens.
-
-Grid ``(W, kv blocks)``, the last axis sequential. A kv block is
-``chunks`` pages (``num_kv_pages_per_block``). Step ``j`` of item ``w``
-reads block ``lo + j`` of the item's visible run ``lo..hi`` (from the
-window's first key to the item's last query position): the cache stays in
-HBM and the kernel DMAs the block's pages itself, one DMA per page (a page
-``[page_size, 2 * Hkv, D]`` is contiguous; the cache is passed as
-``[num_pages, page_size * 2 * Hkv, D]``), into two VMEM slots: the next
-block's while this one computes. Per-slice DMAs of one combined head
-(``kv_pages[page, :, c]``) do not lower: Mosaic wants tile-aligned slices of
-the tiled head axis. K of head h is then rows ``2h, 2h + 2Hkv, ...`` of the
-slot: a strided load with a static start (Mosaic takes strided loads of
-16- and 8-bit data only at static offsets, and from jax 0.12 on), hence one
-code path per slot. Steps past ``hi`` do nothing; the item axis is
-parallel (each item's DMA chain is its own, nothing is prefetched across
-items). Online softmax per kv head (float32 state in VMEM); blocks that
-every query of the item sees whole skip the mask, the others mask by
-position and zero value rows at or past the length (pages past it are not
-read; garbage there never reaches the output). ``sinks`` join the
-denominator at the end; ``k_scale`` joins the logit scale and ``v_scale``
-the final normalization.
-
-Scalar-prefetched: the items' (sequence, first position, tokens), the
-clipped lengths and the clipped, flattened page table.
-
-MLA (``latent_dim``): the cache is ``[num_pages, page_size, D]``, one row per
-token shared by all heads, so one kv head of ``G = H`` query heads (a
-token's heads are the item's rows of the q.k matmul) and a page is
-``page_size`` rows: K is the slot's rows (a plain load), V its first
-``latent_dim`` lanes (the same loaded block), the output and accumulator
-``latent_dim`` wide.
+The ragged token axis is cut (in XLA) into items of ``tq`` query tokens of one
+sequence; grid ``(items, kv blocks)``, each step DMAs its block's pages into
+one of two VMEM slots and runs the online softmax per kv head, masking only
+blocks some query sees in part. MLA reads one latent row per token. Structure:
+docs/design/ragged_paged_attention.md.
 """
 from __future__ import annotations
 

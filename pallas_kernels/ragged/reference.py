@@ -1,7 +1,6 @@
-"""Pure-JAX ragged paged attention (gathers each sequence's pages).
-
-Shared definitions: ``seq_bounds`` (which tokens belong to which sequence)
-is the normalization the kernel uses too.
+"""Pure-JAX ragged paged attention (gathers each sequence's pages);
+``seq_bounds``, which tokens belong to which sequence, is shared with the
+kernels.
 """
 from __future__ import annotations
 

@@ -1,33 +1,10 @@
 """Ragged paged attention for NVIDIA GPUs: Pallas with the Triton lowering.
 
-Work items are the TPU kernel's (``mosaic_tpu.work_items``, computed in XLA
-on the traced metadata): each sequence's query tokens in runs of ``tq``.
-Sequences fall in two classes, each its own launch with its own tiles:
-short ones (at most ``tq_small = 16 // G`` new tokens: decodes, speculative
-steps) go one item each into 16-row blocks, the others (prefills, chunks)
-into items of ``tq = 128 // G`` tokens (128 rows). An item's queries are
-gathered as ``[Hkv, tq * G, D]`` rows (t-major: row ``r = t * G + g``, the
-``G = H / Hkv`` query heads of a kv head packed into the rows, so each key
-tile is loaded once per kv head) and the outputs scattered back.
-
-One program per (item, kv head, split) walks the item's visible keys
-(from its window's first key to its last query's position) in blocks of
-``block`` keys with ``lax.fori_loop`` and the online softmax in base 2. A
-block's keys are gathered through the page table: key ``j`` of sequence
-``s`` is slot ``table[s, j // page_size] * page_size + j % page_size`` of
-the pool seen as ``[num_pages * page_size, 2 * Hkv, D]`` (K of head h at
-combined head 2h, V at 2h + 1, each a row of D contiguous elements), so any
-page size works and a block spans pages. Every block masks by position
-(row r sees key j iff ``r >= (j - pos0) * G``, and inside the window) and
-zeroes value rows at or past the length (garbage there never reaches the
-output), except the blocks that every row of the item sees whole, walked
-by their own unmasked loop. float32 dots are exact (IEEE, not tf32). Decode items split their keys over ``splits`` programs when the
-items alone leave SMs idle (flash decoding); the splits' ``(out, lse)`` are
-merged in XLA (``decode.splits.combine``). 8-bit caches are converted to
-q's dtype in registers; ``k_scale`` joins the logit scale, ``v_scale`` the
-output. Triton tiles need power-of-two sizes: head_dim is read in
-power-of-two pieces (``decode.triton.head_dim_pieces``), so it must be a
-multiple of 16.
+The TPU kernel's work items, in two launches (short sequences in 16-row
+blocks, the others in 128-row items); one program per (item, kv head, split)
+walks the item's visible keys through the page table with the online softmax
+in base 2; decode items may split their keys (flash decoding). Structure:
+docs/design/ragged_paged_attention.md.
 """
 from __future__ import annotations
 
@@ -105,7 +82,7 @@ def tiles(group: int, head_dim: int, num_queries_per_block=None,
   short = Tiles(max(1, small_rows // group), small_rows,
                 block(32 if wide else 64), 4, 3)
   large_rows = max(LARGE_ROWS, small_rows)
-  # 4 warps: 1.4x faster than 8 on an H200 (2048-token chunk, D128).
+  # 4 warps on narrow heads (docs/design/ragged_paged_attention.md).
   long = Tiles(max(1, large_rows // group), large_rows,
                block(32 if wide else 64), 8 if wide else 4,
                2 if wide else 3)

@@ -1,27 +1,8 @@
-"""The IoU-family formulas, written once for coordinate planes.
-
-Every kernel (Mosaic TPU, GPU) and the reference evaluate the same function
-``score`` on four coordinate arrays per box set, so they agree by
-construction; the tests check them against an independent float64 numpy
-transcription of torchvision's formulas.
-
-Two formula sets exist because torchvision has two:
-  "pairwise": ``box_iou`` / ``generalized_box_iou`` / ``distance_box_iou`` /
-              ``complete_box_iou``: no eps in IoU and GIoU, enclosing box
-              width/height clamped at 0, ``eps`` only added to the DIoU
-              diagonal and the CIoU alpha denominator.
-  "loss":     ``*_box_iou_loss``: IoU = inter / (union + eps), GIoU enclosing
-              term divided by (area_c + eps), enclosing box not clamped.
-
-Where torchvision divides 0 by 0 (or anything by exactly 0) and returns NaN
-or Inf, these formulas define the quotient as 0 (``safe_div``), so the
-results and their gradients stay finite:
-  * IoU of two zero-area boxes (union == 0) is 0;
-  * the GIoU enclosing term is 0 when the enclosing box has zero area;
-  * the CIoU aspect angle atan(w / h) is sign(w) * pi / 2 for h == 0 (what
-    torch gives for w / 0 = +-inf) and 0 for w == h == 0 (torch: NaN); at
-    h == 0 the angle is treated as constant in the gradient.
-Everything else equals torchvision's value, invalid boxes (x2 < x1) included.
+"""The IoU-family formulas, written once for coordinate planes: every kernel
+and the reference evaluate the same ``score``. Two formula sets, as in
+torchvision: "pairwise" (``box_iou`` and kin) and "loss" (``*_box_iou_loss``,
+eps in the denominators). Where torchvision divides by zero (NaN/Inf), the
+quotient is 0 (``safe_div``), so values and gradients stay finite.
 """
 from __future__ import annotations
 
@@ -51,10 +32,8 @@ def safe_div(num, den):
 
 def atan(x):
   """float32 arctangent from elementwise ops only (Mosaic and Triton lower it).
-
-  Cephes-style range reduction to |x| <= tan(pi/8) and an odd polynomial;
-  error below 2 ulp in float32. float64 (reference only) uses jnp.arctan.
-  """
+  Cephes-style range reduction to |x| <= tan(pi/8) and an odd polynomial; error
+  below 2 ulp in float32. float64 (reference only) uses jnp.arctan."""
   if x.dtype == jnp.float64:
     return jnp.arctan(x)
   ax = jnp.abs(x)
@@ -89,11 +68,9 @@ def to_xyxy(box_format, a, b, c, d):
 
 
 def score(kind, formula, eps, box1, box2):
-  """IoU / GIoU / DIoU / CIoU of matching elements of two box sets.
-
-  box1, box2: (x1, y1, x2, y2) tuples of broadcast-compatible float arrays.
-  The loss is ``1 - score`` for every kind (torchvision's losses).
-  """
+  """IoU / GIoU / DIoU / CIoU of matching elements of two box sets. box1, box2:
+  (x1, y1, x2, y2) tuples of broadcast-compatible float arrays. The loss is
+  ``1 - score`` for every kind (torchvision's losses)."""
   x1, y1, x2, y2 = box1
   u1, v1, u2, v2 = box2
   loss = formula == "loss"
@@ -164,10 +141,8 @@ def score_from_planes(kind, formula, eps, box_format, planes1, planes2):
 
 def score_vjp(kind, formula, eps, box_format, planes1, planes2, cotangent):
   """(d planes1, d planes2) of sum(cotangent * score): 8 closed-form planes.
-
   jax.vjp here runs at trace time and emits elementwise ops only, so inside a
-  kernel this is the analytic derivative evaluated in the same pass.
-  """
+  kernel this is the analytic derivative evaluated in the same pass."""
   def fn(p1, p2):
     return score_from_planes(kind, formula, eps, box_format, p1, p2)
   _, pullback = jax.vjp(fn, tuple(planes1), tuple(planes2))

@@ -1,32 +1,9 @@
-"""Public IoU-family ops (torchvision semantics): validation, custom VJPs,
-kernel choice.
-
-* metrics ``iou, giou, diou, ciou``: boxes ``[..., 4] x [..., 4] -> [...]``,
-  the diagonal of torchvision's ``box_iou`` / ``generalized_box_iou`` /
-  ``distance_box_iou`` / ``complete_box_iou`` (shapes broadcast);
-* pairwise ``pairwise_iou`` (= ``box_iou``), ``pairwise_giou``,
-  ``pairwise_diou``, ``pairwise_ciou``: ``[..., N, 4] x [..., M, 4] ->
-  [..., N, M]`` (leading dims broadcast);
-* losses ``iou_loss, giou_loss, diou_loss, ciou_loss``: torchvision's
-  ``*_box_iou_loss`` (``iou_loss`` = 1 - inter / (union + eps)).
-
-Arguments shared by the ops: boxes are real floating or integer arrays in
-``box_format`` "xyxy" (x1, y1, x2, y2) or "cxcywh" (centre x, centre y,
-width, height); ``eps`` is a Python float >= 0; ``reduction`` is "none",
-"mean" (0 for no boxes) or "sum"; ``backend`` is None (chosen for the
-lowering platform), "mosaic_tpu", "triton", "gpu" (the best GPU kernel),
-"interpret" (the TPU kernel in the interpreter) or "reference".
-
-Results have the inputs' floating dtype (float32 for integers); kernels
-compute in float32, so float64 boxes run the reference (naming a kernel
-raises). Degenerate boxes (zero area, x2 < x1, identical, far apart) give
-finite values and gradients: where torchvision divides by zero the quotient
-is 0 (``_math``). NaN coordinates propagate.
-
-Gradients: metrics and losses differentiate through the chosen kernel's
-backward (reduced losses read no cotangent array; small ones compute the
-gradients in the forward pass); pairwise ops through the reference formula
-(XLA). The reference row's backward is JAX autodiff of the formula.
+"""Public IoU-family ops (torchvision semantics): metrics ``[..., 4] x [..., 4]
+-> [...]``, pairwise ``[..., N, 4] x [..., M, 4] -> [..., N, M]`` and losses.
+Shared arguments: boxes real float or integer; ``box_format`` "xyxy" or
+"cxcywh"; ``eps`` a float >= 0; ``reduction`` "none", "mean" (0 for no boxes)
+or "sum"; ``backend`` None, "mosaic_tpu", "triton", "gpu", "interpret" or
+"reference". Results in the inputs' float dtype (float32 for integers).
 """
 from __future__ import annotations
 

@@ -1,29 +1,8 @@
-"""IoU-family kernels for TPU (Mosaic).
-
-Elementwise ops and losses: XLA stores a float ``[P, 4]`` array on TPU with
-layout ``{0,1:T(4,128)}``, per group of 128 boxes the 4 coordinates each as
-128 contiguous values, so ``boxes.T`` (``[4, P]``, tiles (4, 128)) is a
-bitcast for any P. Blocks of ``(4, B)`` boxes (B a multiple of 1024; the
-last block may be partial: Pallas drops its out-of-bounds stores, and
-reduced losses exclude its boxes by index) are read eight 128-box tiles at a
-time with sublane-strided loads, one full ``[8, 128]`` vreg per coordinate,
-so all arithmetic runs on full vregs; the result ``[ceil(P / 128), 128]`` is
-row-major ``[P]`` (and slicing it to P boxes a bitcast, XLA pads ``[P]`` to
-1024); reduced losses write one ``[8, 128]`` partial sum per grid step. The
-backward kernel evaluates ``_math.score_vjp`` on the planes and writes
-``[4, P]`` gradient planes through strided stores (``.T`` is again a
-bitcast). Strided access needs 32-bit data: bf16/f16 blocks are first
-widened into an f32 VMEM scratch.
-
-Pairwise: boxes1 arrive as ``[4, TN]`` planes (a bitcast of ``[N, 4]``),
-transposed once per grid step in VMEM so that each box's coordinates can be
-broadcast across lanes; boxes2 transposed with each coordinate row repeated
-on 8 sublanes, ``[32, M]`` (an O(M) copy), so its planes are plain
-``[8, 128]`` loads. The ``[TN, TM]`` output tile (N on sublanes, M on lanes)
-is computed 8 x 128 at a time and written once, straight into the exact
-``[N, M]`` (edge tiles are partial blocks); IoU and GIoU use
-``_math.pairwise_score_lean``. Block sizes below fit VMEM with double
-buffering (forward 2 x 2 x 2 MiB, backward 4 x 2 x 1 MiB of f32).
+"""IoU-family kernels for TPU (Mosaic). Boxes are read as coordinate planes
+``[4, P]``, a bitcast of XLA's TPU layout of ``[P, 4]``, in full ``[8, 128]``
+vregs; pairwise ops compute ``[TN, TM]`` output tiles from boxes1 planes
+transposed in VMEM and boxes2 planes repeated on sublanes. Structure:
+docs/design/iou.md.
 """
 from __future__ import annotations
 
@@ -120,10 +99,8 @@ def _compiler_params():
 def elementwise(boxes1, boxes2, *, kind, formula, eps, box_format,
                 as_loss=False, reduce=False, out_dtype=jnp.float32,
                 interpret=None, block_rows=FORWARD_BLOCK_ROWS):
-  """Score (or 1 - score) of matching boxes: [P, 4] x [P, 4] -> [P].
-
-  With ``reduce`` the result is the float32 sum over the P boxes instead.
-  """
+  """Score (or 1 - score) of matching boxes: [P, 4] x [P, 4] -> [P]. With
+  ``reduce`` the result is the float32 sum over the P boxes instead."""
   num_boxes = boxes1.shape[0]
   block = _block_boxes(num_boxes, block_rows)
   x1, x2 = as_planes(boxes1), as_planes(boxes2)
@@ -201,10 +178,8 @@ def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
                     box_format, shared_cotangent=False, interpret=None,
                     block_rows=BACKWARD_BLOCK_ROWS):
   """Gradients of sum(cotangent * score) w.r.t. boxes1 and boxes2 ([P, 4]).
-
   ``cotangent`` is [P] float32, or with ``shared_cotangent`` shape (1,): one
-  value for all boxes (reduced losses: no cotangent traffic at all).
-  """
+  value for all boxes (reduced losses: no cotangent traffic at all)."""
   num_boxes = boxes1.shape[0]
   block = _block_boxes(num_boxes, block_rows)
   x1, x2 = as_planes(boxes1), as_planes(boxes2)
@@ -272,11 +247,9 @@ def _pairwise_kernel(a_ref, b_ref, o_ref, a_cols_ref, *, kind, eps, tile_n,
 
 def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
              tile=PAIRWISE_TILE):
-  """[B, N, 4] x [B, M, 4] (xyxy, float32) -> [B, N, M] in ``out_dtype``.
-
-  The exact [B, N, M] is written: edge tiles are partial blocks (Pallas
-  drops their out-of-bounds rows and lanes), nothing is padded or sliced.
-  """
+  """[B, N, 4] x [B, M, 4] (xyxy, float32) -> [B, N, M] in ``out_dtype``. The
+  exact [B, N, M] is written: edge tiles are partial blocks (Pallas drops their
+  out-of-bounds rows and lanes), nothing is padded or sliced."""
   batch, n, _ = boxes1.shape
   m = boxes2.shape[1]
   tile_n = min(tile[0], _round_up(n, LANES))

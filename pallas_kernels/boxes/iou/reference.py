@@ -1,11 +1,7 @@
-"""Plain-JAX IoU-family ops with exactly the kernels' semantics.
-
-XLA fuses these into one or two loops; they are the baseline the kernels are
-measured against and the ``backend="reference"`` implementation. Arithmetic
-runs in float32 (float64 for float64 inputs); results come back in the
-inputs' floating dtype (float32 for integer boxes). Semantics, including the
-values defined where torchvision divides by zero, are described in
-``pallas_kernels.boxes.iou._math``.
+"""Plain-JAX IoU-family ops with exactly the kernels' semantics (``_math``):
+the ``backend="reference"`` implementation and the baseline the kernels are
+measured against. Arithmetic in float32 (float64 for float64 inputs); results
+in the inputs' floating dtype (float32 for integer boxes).
 """
 from __future__ import annotations
 

@@ -1,26 +1,8 @@
-"""IoU-family kernels for NVIDIA GPUs (Pallas, Triton lowering).
-
-Elementwise ops and losses, ``[P, 4] x [P, 4]``: each program loads a
-contiguous ``[block, 4]`` tile of each box set (coalesced 16-byte loads),
-splits it into four coordinate vectors with a select-and-sum over the
-4-wide axis (registers only), evaluates ``_math.score`` in float32 and
-writes ``[block]`` results, or with ``reduce`` one partial sum per program.
-The backward kernel evaluates ``_math.score_vjp`` (the formula's closed-form
-derivatives) in the same way and rebuilds ``[block, 4]`` gradient tiles;
-reduced losses read one shared cotangent. ``elementwise_value_and_grad``
-writes the loss sums and both gradients in one kernel (small reduced losses,
-where launches rather than bytes set the time).
-
-Pairwise, ``[B, N, 4] x [B, M, 4] -> [B, N, M]``: a program computes one
-``tile_n x tile_m`` output tile, reading each coordinate with a stride-4 load
-straight into the broadcast layout, and writes it once; consecutive programs
-walk along a row of tiles. The time is set by operations per pair, not bytes,
-so IoU and GIoU use ``_math.pairwise_score_lean`` (one select per quotient).
-
-Ragged ends: Pallas' Triton lowering adds no bounds check, so a plain
-``ref[...] = x`` in a partial last block would write past the array. Loads
-and stores of partial blocks are masked (only in the ragged dimension);
-whole blocks use plain, cheaper ones.
+"""IoU-family kernels for NVIDIA GPUs (Pallas, Triton lowering). Elementwise
+ops and losses load coalesced ``[block, 4]`` tiles and split the coordinates
+in registers; pairwise ops compute one ``tile_n x tile_m`` tile per program
+from stride-4 loads. Partial blocks use masked loads and stores (the Triton
+lowering has no bounds checks). Structure: docs/design/iou.md.
 """
 from __future__ import annotations
 
@@ -56,11 +38,8 @@ def _params(num_warps=NUM_WARPS):
 
 
 def _columns(ref, rows_left=None):
-  """[B, 4] box block -> four [B] float32 coordinate vectors.
-
-  With ``rows_left`` only the first rows_left rows are read (the others are
-  zero boxes).
-  """
+  """[B, 4] box block -> four [B] float32 coordinate vectors. With ``rows_left``
+  only the first rows_left rows are read (the others are zero boxes)."""
   if rows_left is None:
     tile = ref[...]
   else:
@@ -106,10 +85,8 @@ def _forward_kernel(b1_ref, b2_ref, out_ref, *, kind, formula, eps,
 def elementwise(boxes1, boxes2, *, kind, formula, eps, box_format,
                 as_loss=False, reduce=False, out_dtype=jnp.float32,
                 interpret=None, block=None):
-  """Score (or 1 - score) of matching boxes: [P, 4] x [P, 4] -> [P].
-
-  With ``reduce`` the result is the float32 sum over the P boxes instead.
-  """
+  """Score (or 1 - score) of matching boxes: [P, 4] x [P, 4] -> [P]. With
+  ``reduce`` the result is the float32 sum over the P boxes instead."""
   num_boxes = boxes1.shape[0]
   block = _block_for(num_boxes, block)
   steps = pl.cdiv(num_boxes, block)
@@ -161,10 +138,8 @@ def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
                     box_format, shared_cotangent=False, interpret=None,
                     block=None):
   """Gradients of sum(cotangent * score) w.r.t. boxes1 and boxes2 ([P, 4]).
-
-  ``cotangent`` is [P], or with ``shared_cotangent`` shape (1,): one value
-  for all boxes.
-  """
+  ``cotangent`` is [P], or with ``shared_cotangent`` shape (1,): one value for
+  all boxes."""
   num_boxes = boxes1.shape[0]
   block = _block_for(num_boxes, block)
   box_spec = pl.BlockSpec((block, COORDS), lambda i: (i, 0))
@@ -218,12 +193,10 @@ def elementwise_value_and_grad(boxes1, boxes2, *, kind, formula, eps,
                                box_format, as_loss, grad_scale,
                                value_scale=1.0, interpret=None, block=None):
   """(value_scale * sum of score or loss over P boxes, d/dboxes1, d/dboxes2).
-
   One kernel writes the scaled per-program sums and the gradients of
   ``grad_scale * sum(score)`` ([P, 4], the box dtype); one XLA reduction adds
-  the sums (float32). Scaling inside the kernel (e.g. by 1 / P for a mean)
-  saves a third launch.
-  """
+  the sums (float32). Scaling inside the kernel (e.g. by 1 / P for a mean) saves
+  a third launch."""
   num_boxes = boxes1.shape[0]
   block = _block_for(num_boxes, block)
   steps = pl.cdiv(num_boxes, block)
@@ -291,10 +264,8 @@ def _pairwise_kernel(a_ref, b_ref, o_ref, *, kind, eps, n, m, tile_n, tile_m):
 
 def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
              tile=PAIRWISE_TILE):
-  """[B, N, 4] x [B, M, 4] (xyxy) -> [B, N, M] in ``out_dtype``.
-
-  ``tile``: (rows, columns) of the output tile one program computes.
-  """
+  """[B, N, 4] x [B, M, 4] (xyxy) -> [B, N, M] in ``out_dtype``. ``tile``:
+  (rows, columns) of the output tile one program computes."""
   batch, n, _ = boxes1.shape
   m = boxes2.shape[1]
   tile_n, tile_m = tile

@@ -1,12 +1,7 @@
-"""Public NMS ops: validation, the score sort, backend dispatch.
-
-The TPU kernel's inputs are sorted by the Mosaic sort kernel (up to
-``mosaic_tpu.SORT_MAX`` boxes, beyond by XLA's sort); the GPU's by Triton
-rank / radix sorts or XLA's; all give ``reference.sort_by_score``'s order.
-
-See ``reference`` for the exact semantics and ``mosaic_tpu`` / ``triton`` for
-the kernels. Thresholds and ``max_output_size`` are static (Python numbers):
-the output shape is ``[max_output_size]`` so everything works under jit.
+"""Public NMS ops: validation, the score sort, backend dispatch. Every sort
+(Mosaic, Triton rank/radix, XLA) gives ``reference.sort_by_score``'s order.
+Thresholds and ``max_output_size`` are static, so the output shape
+``[max_output_size]`` works under jit.
 """
 from __future__ import annotations
 
@@ -97,10 +92,8 @@ def _validate(op, boxes, scores, class_ids, iou_threshold, max_output_size,
 def _sorted_inputs(boxes, scores, class_ids, score_threshold, padded,
                    sort=None):
   """Per image: score order, planes [B, 5, Np], classes and flags [B, Np].
-
   ``sort(scores, score_threshold) -> (order, valid)`` replaces the stable
-  argsort (same result).
-  """
+  argsort (same result)."""
   batch, n = scores.shape
   if sort is None:
     order, valid = jax.vmap(
@@ -147,12 +140,10 @@ def _tpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
 
 
 def _inclusive_counts(x):
-  """Inclusive prefix sums of int32 [B, N] small counts (< 2^24 in all).
-
-  Rows of 128 are prefix-summed by a matmul with an upper-triangular ones
-  matrix (exact: integers in float32) and offset by the prefix sums of the
-  row totals, recursively: XLA's TPU cumsum of 100k compiles for seconds.
-  """
+  """Inclusive prefix sums of int32 [B, N] small counts (< 2^24 in all). Rows of
+  128 are prefix-summed by a matmul with an upper-triangular ones matrix (exact:
+  integers in float32) and offset by the prefix sums of the row totals,
+  recursively: XLA's TPU cumsum of 100k compiles for seconds."""
   batch, n = x.shape
   if n <= 128:
     return jnp.cumsum(x, axis=1)

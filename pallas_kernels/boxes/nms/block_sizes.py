@@ -1,17 +1,7 @@
-"""Tile sizes (boxes per tile) of the NMS kernels; why these values:
-docs/design/nms.md.
-
-TPU: the (T, T) float32 suppression matrix lives in VMEM (T = 512: 1 MiB);
-T is the smallest of TPU_TILES that holds the whole image, else the largest.
-
-GPU, bitmask design: a mask program covers MASK_ROWS rows x ``mask_words(N)``
-words of 32 boxes (narrower below SMALL_BOXES boxes: more programs to fill
-the chip); rows go in chunks of ``mask_chunk_rows(N)`` (capped by
-max_output_size from SMALL_BOXES on, see ``triton.chunk_rows_for``;
-MASK_CHUNK_ROWS_OVERLAP when the chunks are unrolled and overlapped); the
-scan runs SCAN_WARPS warps per image (None: by row length). The blocked
-design (past GPU_BITMASK_MAX_BYTES of mask per chunk) uses GPU_TILE-box
-register tiles with GPU_NUM_WARPS warps.
+"""Tile sizes (boxes per tile) of the NMS kernels: TPU tiles (the (T, T)
+suppression matrix in VMEM), the GPU bitmask design's mask rows, words,
+chunks and scan warps, and the blocked design's register tiles. Why these
+values: docs/design/nms.md.
 """
 from __future__ import annotations
 

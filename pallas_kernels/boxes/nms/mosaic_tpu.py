@@ -1,33 +1,8 @@
-"""Greedy NMS for TPU (Mosaic): a score sort kernel and a blocked NMS kernel.
-
-Sort (``sort_keys``): the boxes' int32 score keys (``score_keys``) with
-their indices as tie-break, by a bitonic network in VMEM (up to SORT_MAX
-keys, 8 bytes each); see ``sort_keys``.
-
-NMS (``keep_mask``): O(N) HBM, VMEM bounded independent of N. The wrapper
-lays the sorted boxes out as planes
-``rows[B, 8, Np]`` float32: x1, y1, x2, y2, area, class id (int32 bits),
-keepable flag (1/0), zero; Np pads N to the tile size T with unkeepable
-boxes. Grid ``(B, Np // T)``: images "parallel" (megacore chips split them),
-tiles "arbitrary" (in order on one core, sharing SMEM state). Per tile:
-
-1. Cross-tile suppression: every earlier tile that kept a box was appended
-   to an HBM store (output ``store``) as its (8, T) slab with the flag
-   replaced by its keep mask. Each stored slab is DMA'd into VMEM (two
-   buffers: slab s + 1 is in flight while slab s is tested), transposed to
-   (T, 8), and (8, T) IoU blocks of its boxes against the tile's row
-   vectors are or-reduced (non-kept boxes have flag 0).
-2. Within-tile chain: S[i, j] = (i < j) & same class & IoU > threshold goes
-   to a (T, T) VMEM scratch; the greedy keep vector is the unique fixed
-   point of k = alive & (k @ S == 0) (S is acyclic), reached from k = alive
-   after (longest suppression chain + 1) MXU matvecs.
-3. The keep mask is written; a non-empty slab is appended to the store; the
-   kept count lives in SMEM. Once ``max_output_size`` boxes are kept, later
-   tiles skip all compute.
-
-Cost: about (stored slabs + 1) * N * T IoU tests, N^2 / 2 at worst. VMEM at
-T = 512: about 1.4 MiB whatever N (mostly the (T, T) matrix). HBM: the
-planes and the store (32 bytes per box each) and a 4-byte keep mask.
+"""Greedy NMS for TPU (Mosaic): a bitonic score-sort kernel and a blocked NMS
+kernel. Tiles of T sorted boxes run in order; each tile is tested against the
+stored slabs of earlier tiles' kept boxes, then its own greedy chain is the
+fixed point of ``k = alive & (k @ S == 0)`` (MXU matvecs). O(N) HBM, VMEM
+independent of N. Structure: docs/design/nms.md.
 """
 from __future__ import annotations
 
@@ -218,11 +193,9 @@ INVALID_KEY = 0x7FFFFFFF        # unkeepable boxes and padding
 
 def score_keys(scores, score_threshold=None):
   """int32 keys [..., N] whose ascending order is ``reference.sort_by_score``'s.
-
-  Keepable scores map to the order-preserving integer of ``-score + 0.0``
-  (so 0.0 and -0.0 tie); unkeepable ones to INVALID_KEY, above every
-  keepable key. With the box index as tie-break the order is total.
-  """
+  Keepable scores map to the order-preserving integer of ``-score + 0.0`` (so
+  0.0 and -0.0 tie); unkeepable ones to INVALID_KEY, above every keepable key.
+  With the box index as tie-break the order is total."""
   scores = scores.astype(jnp.float32)
   valid = ~jnp.isnan(scores)
   if score_threshold is not None:
@@ -253,11 +226,9 @@ def _flipped(mask, flip):
 
 
 def _partner(x, pos, distance):
-  """x at chunk position pos ^ distance (distance a power of two < CHUNK).
-
-  Both rotations are computed and the one whose rotated positions equal
-  pos ^ distance is taken, so no rotation direction is assumed.
-  """
+  """x at chunk position pos ^ distance (distance a power of two < CHUNK). Both
+  rotations are computed and the one whose rotated positions equal pos ^
+  distance is taken, so no rotation direction is assumed."""
   axis, step, size = ((1, distance, LANES) if distance < LANES
                       else (0, distance // LANES, CHUNK_ROWS))
   source = pltpu.roll(pos, step, axis)
@@ -268,11 +239,9 @@ def _partner(x, pos, distance):
 
 def _exchange_in_chunk(keys, index, pos, first_pos, distance, log2_run):
   """One bitonic step within a chunk: partners at ``distance`` (< CHUNK).
-
-  ``first_pos`` is the global position of the chunk's first key; a key
-  keeps the smaller of the pair when its bit ``log2(distance)`` equals its
-  bit ``log2_run`` (runs of 2^log2_run keys alternate direction).
-  """
+  ``first_pos`` is the global position of the chunk's first key; a key keeps the
+  smaller of the pair when its bit ``log2(distance)`` equals its bit
+  ``log2_run`` (runs of 2^log2_run keys alternate direction)."""
   other_keys = _partner(keys, pos, distance)
   other_index = _partner(index, pos, distance)
   mine_first = _first(keys, index, other_keys, other_index)

@@ -1,25 +1,7 @@
-"""Pure-JAX greedy NMS with fixed shapes: the semantics every kernel matches.
-
-Semantics (those of ``torchvision.ops.nms``, made total):
-  * boxes are ``(x1, y1, x2, y2)``; a box with ``x2 < x1`` or ``y2 < y1`` is
-    empty: area 0, IoU 0 with every box, so it never suppresses and is never
-    suppressed (it can still be kept on its score);
-  * IoU = inter / (area_a + area_b - inter) in float32, with the terms
-    computed in exactly the order of :func:`iou_exceeds`; two empty boxes give
-    0/0 = NaN, which compares false, i.e. IoU 0;
-  * greedy by descending score; a box is suppressed when its IoU with an
-    already kept box is strictly greater than ``iou_threshold``;
-  * NaN scores, and scores ``<= score_threshold`` when one is given, are never
-    kept (and so never suppress anything);
-  * equal scores keep the lower index first (stable sort of ``-score``);
-  * with ``class_ids``, boxes of different classes never suppress each other;
-  * the first ``max_output_size`` kept indices (original positions, int32) in
-    decreasing score order, padded with -1, and their count.
-
-Because every implementation computes the IoU with the same float32
-operations, indices agree exactly wherever division is correctly rounded
-(CPU, the GPU kernel's explicit ``div.rn``). Boxes with NaN coordinates have
-NaN IoUs and so never suppress nor get suppressed.
+"""Pure-JAX greedy NMS with fixed shapes: the semantics every kernel matches
+(``torchvision.ops.nms``'s, made total: empty and NaN boxes, NaN scores and
+ties are defined). The IoU is computed with the kernels' float32 operations in
+the same order, so indices agree exactly. Rules: docs/design/nms.md.
 """
 from __future__ import annotations
 
@@ -46,11 +28,9 @@ def _inter_union(a, b):
 
 def iou_exceeds(a, b, iou_threshold, div=None):
   """Whether IoU(a, b) > iou_threshold; ``a``, ``b`` are (x1, y1, x2, y2, area).
-
   The one IoU formula of the package: kernels call it on their tiles so every
-  backend rounds identically. ``div`` lets a kernel supply a correctly
-  rounded division where its platform's ``/`` is approximate.
-  """
+  backend rounds identically. ``div`` lets a kernel supply a correctly rounded
+  division where its platform's ``/`` is approximate."""
   inter, union = _inter_union(a, b)
   iou = inter / union if div is None else div(inter, union)
   return iou > iou_threshold
@@ -65,9 +45,7 @@ def box_areas(boxes):
 
 def sort_by_score(scores, score_threshold=None):
   """Stable descending-score order and, in that order, which boxes may be kept.
-
-  Unkeepable boxes (NaN score, score <= score_threshold) sort last.
-  """
+  Unkeepable boxes (NaN score, score <= score_threshold) sort last."""
   scores = scores.astype(jnp.float32)
   valid = ~jnp.isnan(scores)
   if score_threshold is not None:

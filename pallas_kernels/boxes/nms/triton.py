@@ -1,29 +1,10 @@
 """Greedy NMS for NVIDIA GPUs (Pallas, Triton lowering); no host round trip.
 
-Boxes come sorted by score: ``rank_order`` (a parallel rank count and one
-scatter) below RANK_SORT_MAX boxes, ``radix_order`` (uint32 keys, CUB's radix
-sort) up to RADIX_SORT_MAX, else XLA's sort.
-
-Bitmask design (``keep_words_bitmask``; whenever a mask chunk fits
-``block_sizes.GPU_BITMASK_MAX_BYTES``):
-* mask kernel, fully parallel: program (b, i, j) compares a block of rows
-  with ``32 * words`` columns and writes mask[r, w] = the bits "box r
-  suppresses box 32 w + c" (c > r, same class, IoU > threshold), skipping
-  blocks below the diagonal, padding, boxes already removed and everything
-  once ``max_output_size`` boxes are kept;
-* scan kernel, one program per image: walks the 32-box words in order,
-  resolves each word's own greedy chain and ORs the kept boxes' mask rows
-  into "removed" (``_scan_kernel``), recording the kept count before each
-  word so that indices are placed by one elementwise pass and a scatter;
-* rows go in chunks (mask c, then scan c) carrying removed/keep/count, so
-  scratch is linear in N. Unrolled chunks overlap scan c with mask c + 1 in
-  one launch; else a while loop ends once every image has its boxes.
-Blocked design (``kept_positions``, past the budget; one program per image):
-the TPU kernel's algorithm (``mosaic_tpu``) on register tiles.
-
-IoU tests use explicitly rounded PTX (``mul.rn``, ``add.rn``, ``sub.rn``,
-``div.rn`` or the division-free ``_FMA_ASM``), so results equal the float32
-reference bit for bit; the interpreter evaluates the reference formula.
+Sorted boxes (rank sort, radix sort or XLA's, by N); a parallel kernel writes
+the suppression bitmask and a per-image scan resolves the greedy chain word
+by word, in row chunks; past the mask budget, the TPU's blocked algorithm.
+IoU tests round explicitly (PTX ``.rn``), equal to the reference bit for
+bit. Structure: docs/design/nms.md.
 """
 from __future__ import annotations
 
@@ -142,9 +123,7 @@ def kept_positions(x1, y1, x2, y2, area, cls, flag, *, iou_threshold,
                    max_output_size, tile=DEFAULT_TILE, num_warps=8,
                    interpret=None):
   """Sorted positions of kept boxes [B, M] (garbage past count) and count [B].
-
-  Inputs are [B, Np] planes in score order, Np a multiple of ``tile``.
-  """
+  Inputs are [B, Np] planes in score order, Np a multiple of ``tile``."""
   batch, padded = x1.shape
   assert padded % tile == 0 and padded > 0, x1.shape
   num_tiles = padded // tile
@@ -245,8 +224,8 @@ def _exceeds_bits(a, b, iou_threshold, exact_ptx):
   return hit != 0
 
 
-# Interpret mode writes this into the mask words that compiled kernels skip
-# (leave unwritten), so the tests would see a scan that reads one with effect.
+# Written (interpret mode only) where compiled kernels skip a mask word, so
+# a scan that read one with effect would fail the tests.
 SKIPPED_WORD = -1
 
 
@@ -254,25 +233,11 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
                  band_ref=None, *, iou_threshold, rows, words, num_boxes,
                  max_output_size, exact_ptx, use_classes, tile=None,
                  chunk_start=None):
-  """mask[r, w] bit c: box r suppresses box 32 * w + c (c > r, same class).
-
-  Rows are those of the current chunk (its first row is state[1]); columns
-  are absolute. Words the scan will not read with effect are not written:
-  blocks below the diagonal, padding, everything once max_output_size boxes
-  are kept, rows whose 32 boxes are all already removed (by earlier chunks),
-  and column words whose 32 boxes are all already removed.
-
-  band_ref (the "band" scan form): for row word k of the chunk,
-  band[k, c] (c < 32) holds the bits r "box 32k + r suppresses box 32k + c"
-  and band[k, 32 + c] "... suppresses box 32(k + 1) + c": the diagonal and
-  next blocks transposed, so the scan reads them as two vectors with one
-  box per lane. Written by the program that owns that column word, with the
-  same skips.
-
-  ``tile`` = (i, j) and ``chunk_start`` (the overlapped form, see
-  ``_overlap_kernel``): mask_ref is the whole chunk's mask, this call fills
-  row block i, word block j of it.
-  """
+  """mask[r, w] bit c: box r suppresses box 32 * w + c (c > r, same class). Rows
+  are the current chunk's (first row state[1]), columns absolute; words the scan
+  cannot read with effect are skipped. ``band_ref``: the diagonal and next
+  blocks, transposed (one box per lane). ``tile`` = (i, j): fill row block i,
+  word block j of the chunk's mask (the overlapped form)."""
   if tile is None:
     i, j = pl.program_id(1), pl.program_id(2)
     out_rows, out_word = slice(None), 0
@@ -361,26 +326,10 @@ def _mask_kernel(state_ref, removed_ref, x1, y1, x2, y2, area, cls, mask_ref,
 def _scan_kernel(removed_ref, keep_ref, base_ref, state_ref, mask_ref,
                  band_ref, removed_out, keep_out, base_out, state_out, *,
                  chunk, num_words, max_output_size, interpret):
-  """Greedy scan of one chunk's words, 32 boxes per step, one program/image.
-
-  Step w resolves word w's own chain (the greedy keep bits of its 32
-  boxes, given the "removed" bits from earlier words) and ORs the mask rows
-  of the boxes it kept into "removed"; base[w] records the kept count before
-  word w, so kept indices are placed without a prefix sum afterwards.
-
-  Pipelined: the next word's removed bits are formed from scalars only (its
-  bits in the removed vector, plus word w + 1 of the rows kept now, loaded a
-  step ahead with the diagonal words); the kept rows' full ORs are issued now
-  and land a step later, so no memory latency sits on the step-to-step path.
-  A word keeping at most FEW_ROWS boxes ORs only their rows (found by bit
-  scans) instead of issuing 32 predicated row loads.
-
-  ``band_ref`` given (the "band" form): the diagonal and next blocks come
-  transposed, one box per lane (see ``_mask_kernel``), as two vector loads;
-  the chain is the fixed point of k = alive & ~(boxes hit by a box of k),
-  iterated with lane ballots until it stops changing (bit c is final after
-  c + 1 rounds; usually 2-3), and the next word's removed bits are one
-  ballot. Without it, the chain is 32 scalar bit steps on the diagonal words.
+  """Greedy scan of one chunk's words, 32 boxes per step, one program/image:
+  step w resolves word w's chain and ORs the kept boxes' mask rows into
+  "removed"; base[w] is the kept count before word w. With ``band_ref`` the
+  chain is a fixed point over lane ballots, else 32 scalar bit steps.
   """
   padded_words = removed_ref.shape[0]
   lanes = jnp.arange(padded_words, dtype=jnp.int32)
@@ -524,12 +473,8 @@ def _overlap_kernel(state_ref, removed_ref, keep_ref, base_ref, mask_ref,
                     keep_out, base_out, state_out, *, scan_kernel,
                     mask_kernel, chunk, tiles_j):
   """Program 0: scan this chunk; program 1 + t: tile t of the next chunk's
-  mask.
-
-  Nothing flows between the two parts inside the launch (the mask reads the
-  removed words and count from before this scan: a subset of the final
-  ones, so it skips less but never wrongly), so any schedule is correct.
-  """
+  mask (from the removed words before this scan: it skips less, never
+  wrongly, so any schedule is correct)."""
   p = pl.program_id(1)
   next_start = state_ref[1] + chunk  # dynamic: one kernel for every chunk
 
@@ -553,11 +498,9 @@ def _next_pow2(x):
 def bitmask_layout(batch, num_boxes, *, rows=64, words=4, chunk_rows=4096,
                    max_bytes=256 << 20):
   """(padded words, rows per chunk, chunks, mask bytes) of the bitmask design.
-
   The mask of one chunk of rows is [B, chunk, padded_words] int32; the chunk
-  shrinks so that it stays within ``max_bytes``; None when even ``rows``
-  rows do not fit.
-  """
+  shrinks so that it stays within ``max_bytes``; None when even ``rows`` rows do
+  not fit."""
   num_words = -(-num_boxes // WORD)
   padded_words = max(_next_pow2(num_words), words)
   padded_rows = -(-num_boxes // rows) * rows
@@ -578,26 +521,12 @@ def keep_words_bitmask(planes, cls, flags, *, iou_threshold, max_output_size,
                        rows=64, words=4, mask_warps=4, scan_warps=None,
                        chunk_rows=4096, max_bytes=256 << 20, use_classes=True,
                        band=None, interpret=None):
-  """Kept boxes over sorted positions via the chunked bitmask design.
-
-  ``planes`` [B, 5, N] (x1, y1, x2, y2, area), ``cls``/``flags`` [B, N].
-  Returns (keep words [B, W] int32: bit c of word w = position 32 w + c is
-  kept; base [B, W]: kept count before word w; count [B], which may pass
-  max_output_size within the last word).
-
-  ``band``: the scan's form (see ``_scan_kernel``); None: the band form
-  below ``block_sizes.SMALL_BOXES`` boxes. Chunks are unrolled when
-  ``static_chunks`` says so (the scalar form then overlaps scans and masks),
-  else they run in a while loop that ends once every image has
-  max_output_size boxes; one chunk needs no chunk state. Mask words that the mask
-  kernel skips are left unwritten; the scan reads them only where the
-  result cannot change: words below the diagonal (already decided),
-  padding words (never scanned), words of boxes already removed (ORing
-  into all-ones words), rows of removed boxes (never kept, their diagonal
-  words never consulted), and nothing at all once the count is reached.
-  Interpret mode writes SKIPPED_WORD (all ones) there instead, so a scan
-  that read one with effect would fail the tests.
-  """
+  """Kept boxes over sorted positions via the chunked bitmask design. ``planes``
+  [B, 5, N] (x1, y1, x2, y2, area), ``cls``/``flags`` [B, N]. Returns (keep
+  words [B, W] int32: bit c of word w = position 32 w + c is kept; base [B, W]:
+  kept count before word w; count [B], which may pass max_output_size within the
+  last word). ``band``: the scan's form (None: the band form below
+  ``block_sizes.SMALL_BOXES`` boxes)."""
   batch, _, n = planes.shape
   layout = bitmask_layout(batch, n, rows=rows, words=words,
                           chunk_rows=chunk_rows, max_bytes=max_bytes)
@@ -800,11 +729,9 @@ def static_chunks(num_chunks, num_boxes, max_output_size):
 
 
 def words_to_indices(keep, base, count, order, max_output_size):
-  """Keep words -> (original indices [B, M] padded with -1, count [B]).
-
-  Slot of kept position 32 w + c = base[w] + kept bits of word w below c:
-  elementwise, then one scatter.
-  """
+  """Keep words -> (original indices [B, M] padded with -1, count [B]). Slot of
+  kept position 32 w + c = base[w] + kept bits of word w below c: elementwise,
+  then one scatter."""
   batch, n = order.shape
   shifts = jnp.arange(WORD, dtype=jnp.int32)
   word = keep[..., None]
@@ -873,11 +800,9 @@ def _sort_keys(scores, score_threshold):
 
 
 def radix_order(scores, score_threshold=None):
-  """(order, valid) as ``reference.sort_by_score``, by a uint32-key sort.
-
-  The key maps -score (+0.0 for -0.0; +inf for unkeepable boxes) to uint32
-  monotonically; the radix sort is stable, so ties go by index.
-  """
+  """(order, valid) as ``reference.sort_by_score``, by a uint32-key sort. The
+  key maps -score (+0.0 for -0.0; +inf for unkeepable boxes) to uint32
+  monotonically; the radix sort is stable, so ties go by index."""
   batch, n = scores.shape
   valid, key = _sort_keys(scores, score_threshold)
   bits = jax.lax.bitcast_convert_type(key, jnp.uint32)
@@ -895,10 +820,8 @@ def radix_order(scores, score_threshold=None):
 
 def rank_order(scores, score_threshold=None, *, interpret=None):
   """(order [B, N], valid in that order [B, N]) as ``reference.sort_by_score``.
-
   Keys: -score (+0.0 for -0.0), +inf for unkeepable boxes; ties and the
-  infinities go by index, which is the stable sort's order.
-  """
+  infinities go by index, which is the stable sort's order."""
   batch, n = scores.shape
   valid, key = _sort_keys(scores, score_threshold)
   padded = -(-n // RANK_COLS) * RANK_COLS
