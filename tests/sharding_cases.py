@@ -56,6 +56,7 @@ def _attention(backend):
 
 
 def _decode_inputs(rng, paged=False):
+  """The paged cache is MLA's: v's head_dim (48) is not q's and k's."""
   b, h, g, t, length, d, page = 4, 8, 4, 2, 48, 32, 16
   f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
   lengths = jnp.asarray(rng.integers(t, length + 1, b), jnp.int32)
@@ -63,7 +64,7 @@ def _decode_inputs(rng, paged=False):
     return f(b, h, t, d), f(b, g, length, d), f(b, g, length, d), lengths
   pool = b * length // page + 2
   table = rng.permutation(pool)[:b * length // page].reshape(b, -1)
-  return (f(b, h, t, d), f(pool, g, page, d), f(pool, g, page, d), lengths,
+  return (f(b, h, t, d), f(pool, g, page, d), f(pool, g, page, 48), lengths,
           jnp.asarray(table, jnp.int32))
 
 

@@ -61,10 +61,15 @@ class Case:
   page_size: int | None = None
   lengths: tuple | None = None
   quant: str | None = None   # an 8-bit cache dtype (scales per kv head)
+  dv: int | None = None      # v's head_dim (MLA), None: d
 
   @property
   def capacity(self):
     return self.s * (self.page_size or 1)
+
+  @property
+  def out_shape(self):
+    return (self.b, self.h, self.t, self.dv or self.d)
 
   def inputs(self, rng):
     """(q, k_cache, v_cache, kv_lengths, kwargs)."""
@@ -81,21 +86,22 @@ class Case:
               sm_scale=self.sm_scale)
     if self.sinks:
       kw["sinks"] = jnp.asarray(2 * normal(self.h), jnp.float32)
+    dims = self.d, self.dv or self.d
     if self.page_size is None:
-      k, v = (normal(self.b, self.hk, self.s, self.d) for _ in range(2))
+      k, v = (normal(self.b, self.hk, self.s, d) for d in dims)
       past = np.arange(self.s)[None, :] >= lengths[:, None]
-      k[past[:, None, :, None].repeat(self.hk, 1).repeat(self.d, 3)] = np.nan
-      v[past[:, None, :, None].repeat(self.hk, 1).repeat(self.d, 3)] = np.nan
+      for x in (k, v):
+        x[np.broadcast_to(past[:, None, :, None], x.shape)] = np.nan
     else:
       pool = self.b * self.s + 3
-      k, v = (np.full((pool, self.hk, self.page_size, self.d), np.nan)
-              for _ in range(2))
+      k, v = (np.full((pool, self.hk, self.page_size, d), np.nan)
+              for d in dims)
       table = rng.permutation(pool)[:self.b * self.s].reshape(self.b, self.s)
       for b in range(self.b):
         for p in range(self.s):
           rows = np.clip(lengths[b] - p * self.page_size, 0, self.page_size)
           for x in (k, v):
-            x[table[b, p], :, :rows] = normal(self.hk, rows, self.d)
+            x[table[b, p], :, :rows] = normal(self.hk, rows, x.shape[3])
       kw["page_table"] = jnp.asarray(table, jnp.int32)
     q = jnp.asarray(normal(self.b, self.h, self.t, self.d), dtype)
     lengths = jnp.asarray(lengths, jnp.int32)
@@ -141,8 +147,22 @@ CASES = {
     "e4m3_bf16_cap": Case(2, 4, 1, 4, 90, 64, "bfloat16", cap=4.0,
                           quant="float8_e4m3fn"),
     "e5m2": Case(2, 2, 1, 1, 40, 32, quant="float8_e5m2"),
+    # MLA: v's head_dim differs from q's and k's (DeepSeek-V3's 192 / 128),
+    # narrower and wider, contiguous and paged, float and int8 caches.
+    "mla_192_128_bf16_gqa_window_sinks": Case(2, 8, 2, 2, 70, 192,
+                                              "bfloat16", window=50,
+                                              sinks=True, dv=128),
+    "mla_v_wider_paged_int8_cap": Case(3, 4, 2, 3, 5, 32, cap=3.0,
+                                       sm_scale=0.2, page_size=16, dv=80,
+                                       lengths=(80, 0, 37), quant="int8"),
+    "mla_int8_paged_window": Case(2, 4, 1, 1, 7, 48, window=50,
+                                  page_size=16, quant="int8", dv=32),
 }
-SLOW_CASES = {"e5m2"}   # by default: test_e5m2_reference_with_scalar_scales
+# By default: test_e5m2_reference_with_scalar_scales; the MLA int8 paged
+# window: the MLA cases above and KERNEL_CASES.
+SLOW_CASES = {"e5m2", "mla_int8_paged_window"}
+# The oldest-jax tier runs these on every backend.
+COMPAT_CASES = {"mla_v_wider_paged_int8_cap"}
 
 
 def _refusal(backend, case) -> bool:
@@ -152,18 +172,24 @@ def _refusal(backend, case) -> bool:
   if backend.name == "interpret":
     return case.dtype == "float16"
   if backend.name == "triton":
-    return (case.d % 16 != 0
+    return ((case.d % 16 or (case.dv or case.d) % 16) != 0
             or (case.page_size or 16) & ((case.page_size or 16) - 1) != 0)
   return False
 
 
-def _names(cases, slow):
-  return [pytest.param(n, marks=[pytest.mark.slow] if n in slow else [])
+def _unless_runslow(request, why):
+  if not request.config.getoption("--runslow"):
+    pytest.skip(f"{why} (--runslow runs it)")
+
+
+def _names(cases, slow, compat=()):
+  return [pytest.param(n, marks=([pytest.mark.slow] if n in slow else [])
+                       + ([pytest.mark.compat] if n in compat else []))
           for n in sorted(cases)]
 
 
 @pytest.mark.parametrize("backend", ALL)
-@pytest.mark.parametrize("name", _names(CASES, SLOW_CASES))
+@pytest.mark.parametrize("name", _names(CASES, SLOW_CASES, COMPAT_CASES))
 def test_matches_oracle(backend, name, rng):
   case = CASES[name]
   q, k, v, lengths, kw = case.inputs(rng)
@@ -175,7 +201,7 @@ def test_matches_oracle(backend, name, rng):
                             static_argnames=("sm_scale", "logit_soft_cap",
                                              "sliding_window", "backend")),
                     q, k, v, lengths, **kw)
-  assert out.shape == q.shape and out.dtype == q.dtype
+  assert out.shape == case.out_shape and out.dtype == q.dtype
   want = oracle.decode_attention(q, k, v, lengths, **kw)
   _assert_close(out, want, TOLERANCES[case.dtype], name)
   # Queries before the first cached token (position < 0) see nothing.
@@ -272,19 +298,31 @@ KERNEL_CASES = {
                        quant="int8"),
     "e4m3_contiguous": Case(2, 4, 2, 1, 517, 32, window=300,
                             quant="float8_e4m3fn"),
+    "mla_contiguous": Case(3, 4, 2, 3, 300, 48, window=200, sinks=True,
+                           dv=32),
+    "mla_paged": Case(2, 4, 1, 2, 11, 32, window=90, sinks=True,
+                      page_size=16, dv=48),
 }
 # 8-bit caches by default: test_matches_oracle (the default plans split too).
 SLOW_KERNEL_CASES = {"int8_paged", "e4m3_contiguous"}
+# MLA by default: (case, kernel, block) of several blocks and splits.
+MLA_KERNEL_DEFAULTS = {("mla_contiguous", mosaic_tpu, 128),
+                       ("mla_paged", mosaic_tpu, 128),
+                       ("mla_paged", triton, 16)}
 
 
 @pytest.mark.parametrize("name", _names(KERNEL_CASES, SLOW_KERNEL_CASES))
 @pytest.mark.parametrize("kernel,block,num_splits", [
     (mosaic_tpu, 128, 3), (mosaic_tpu, 256, 1), (triton, 16, 2),
     (triton, 32, 4), (triton, 64, 1)])
-def test_kernel_blocks_and_splits(kernel, block, num_splits, name, rng):
+def test_kernel_blocks_and_splits(kernel, block, num_splits, name, rng,
+                                  request):
   """Many blocks per split, several splits, ragged lengths: each kernel in
   Pallas' generic interpreter. A paged block holds several pages (Triton:
   1, 2 or 4 of 16 rows, the table's last entries past its width)."""
+  if name.startswith("mla") and (name, kernel, block) not in (
+      MLA_KERNEL_DEFAULTS):
+    _unless_runslow(request, "MLA: a few plans by default")
   case = KERNEL_CASES[name]
   q, k, v, lengths, kw = case.inputs(rng)
   page_table = kw.pop("page_table", None)
@@ -455,7 +493,16 @@ def _args(b=2, h=4, hk=2, t=2, s=32, d=16, dtype=jnp.float32):
     (dict(q=jnp.zeros((2, 4, 2, 16), jnp.int32)), TypeError, "q must be"),
     (dict(k_cache=jnp.zeros((2, 2, 32, 16), jnp.bfloat16)), TypeError,
      "share a dtype"),
-    (dict(v_cache=jnp.zeros((2, 2, 31, 16))), ValueError, "same shape"),
+    # v_cache may differ from k_cache in head_dim only (MLA).
+    (dict(v_cache=jnp.zeros((2, 2, 31, 16))), ValueError,
+     r"capacity of v_cache \(31\) != capacity of k_cache \(32\).*only in "
+     "head_dim"),
+    (dict(v_cache=jnp.zeros((3, 2, 32, 8))), ValueError,
+     r"batch of v_cache \(3\) != batch of k_cache \(2\)"),
+    (dict(v_cache=jnp.zeros((2, 1, 32, 24))), ValueError,
+     r"kv_heads of v_cache \(1\) != kv_heads of k_cache \(2\)"),
+    (dict(k_cache=jnp.zeros((2, 2, 32, 24))), ValueError,
+     r"head_dim of k_cache \(24\) != head_dim of q \(16\)"),
     (dict(q=jnp.zeros((2, 4, 17, 16))), ValueError, "at most 16"),
     (dict(q=jnp.zeros((2, 3, 2, 16))), ValueError, "multiple of"),
     (dict(q=jnp.zeros((2, 4, 2, 8))), ValueError, "head_dim"),
@@ -509,6 +556,11 @@ def test_bad_page_table_raises():
     pk.decode_attention(q, cache, cache, lengths, page_table=table)
   with pytest.raises(ValueError, match="page_table must have shape"):
     pk.decode_attention(q, cache, cache, lengths, page_table=table[:1])
+  for v_cache, dim in ((jnp.zeros((6, 2, 8, 16)), "pages"),
+                       (jnp.zeros((5, 2, 4, 32)), "page_size")):
+    with pytest.raises(ValueError, match=f"{dim} of v_cache .* != {dim} of "
+                       "k_cache"):
+      pk.decode_attention(q, cache, v_cache, lengths, page_table=table)
   with pytest.raises(ValueError, match="needs page_table"):
     pk.decode_attention(q, cache, cache, lengths)
   with pytest.raises(ValueError, match="outside"):
@@ -520,6 +572,10 @@ def test_triton_refuses_what_it_cannot_tile():
   q, k, v, lengths = _args(d=24)
   with pytest.raises(ValueError, match="multiple of 16"):
     pk.decode_attention(q, k, v, lengths, backend="triton")
+  q, k, v, lengths = _args()
+  with pytest.raises(ValueError, match="v_cache's head_dim a multiple of 16"):
+    pk.decode_attention(q, k, jnp.zeros(v.shape[:3] + (40,)), lengths,
+                        backend="triton")
 
 
 def test_triton_refuses_e4m3_before_ada():
@@ -543,6 +599,11 @@ def test_empty_inputs(shapes):
   out = pk.decode_attention(q, k, v, lengths, backend="interpret")
   assert out.shape == q.shape and out.dtype == q.dtype
   assert not np.any(np.asarray(out))
+  # MLA: the output takes v's head_dim (0 included).
+  for dv in (0, 24):
+    out = pk.decode_attention(q, k, jnp.zeros(v.shape[:3] + (dv,), v.dtype),
+                              lengths, backend="interpret")
+    assert out.shape == q.shape[:3] + (dv,) and not np.any(np.asarray(out))
 
 
 def test_no_visible_key_gives_zero_with_sinks():
@@ -588,20 +649,33 @@ def _garbage_past_lengths(x, rng):
   return np.where(np.isnan(x), junk, x)
 
 
+GARBAGE_CASES = {
+    "contiguous": Case(3, 4, 2, 2, 70, 32, window=40, cap=3.0, sinks=True,
+                       lengths=(70, 23, 1)),
+    "paged": Case(2, 4, 2, 2, 5, 32, window=40, cap=3.0, sinks=True,
+                  page_size=16, lengths=(45, 17)),
+    # MLA: dv (48) past d (32); dk and dv land in pools of their own width.
+    "paged_mla": Case(2, 4, 2, 2, 5, 32, window=40, cap=3.0, sinks=True,
+                      page_size=16, lengths=(45, 17), dv=48),
+    "contiguous_mla": Case(3, 4, 2, 2, 70, 48, window=40, cap=3.0,
+                           sinks=True, lengths=(70, 23, 1), dv=32),
+}
+
+
 @pytest.mark.parametrize("backend", ALL)
-@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("layout", sorted(GARBAGE_CASES))
 def test_nan_and_inf_past_the_lengths_reach_no_value_or_gradient(
-    backend, layout, rng):
+    backend, layout, rng, request):
   """Cache rows past kv_lengths may hold anything: NaN, +inf and -inf
   there leave out, dq, dk, dv and dsinks finite and equal to the float64
   oracle's (the unused rows' own gradient is 0)."""
-  case = (Case(2, 4, 2, 2, 5, 32, window=40, cap=3.0, sinks=True,
-               page_size=16, lengths=(45, 17)) if layout == "paged"
-          else Case(3, 4, 2, 2, 70, 32, window=40, cap=3.0, sinks=True,
-                    lengths=(70, 23, 1)))
+  if layout.endswith("mla") and backend.name != "reference":
+    # The gradient is the reference's; test_matches_oracle runs the kernels.
+    _unless_runslow(request, "MLA: the reference by default")
+  case = GARBAGE_CASES[layout]
   q, k, v, lengths, kw = case.inputs(rng)
   k, v = (jnp.asarray(_garbage_past_lengths(x, rng)) for x in (k, v))
-  d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  d_out = jnp.asarray(rng.standard_normal(case.out_shape), jnp.float32)
   sinks = kw.pop("sinks")
 
   def grads_and_out(q, k, v, sinks, backend):
@@ -686,14 +760,17 @@ def test_vmap_over_a_leading_axis(rng):
     _assert_close(got[i], want, 2e-5)
 
 
-@pytest.mark.parametrize("paged,cache_dtype,head_dim", [
-    (False, jnp.bfloat16, 128), (True, jnp.bfloat16, 128),
-    (False, jnp.int8, 128), (True, jnp.float8_e4m3fn, 128),
-    (False, jnp.bfloat16, 80), (True, jnp.int8, 112)])
-def test_cuda_lowering_runs_the_triton_kernel(paged, cache_dtype, head_dim):
+@pytest.mark.parametrize("paged,cache_dtype,head_dim,dv", [
+    (False, jnp.bfloat16, 128, 128), (True, jnp.bfloat16, 128, 128),
+    (False, jnp.int8, 128, 128), (True, jnp.float8_e4m3fn, 128, 128),
+    (False, jnp.bfloat16, 80, 80), (True, jnp.int8, 112, 112),
+    (True, jnp.bfloat16, 192, 128)])
+def test_cuda_lowering_runs_the_triton_kernel(paged, cache_dtype, head_dim,
+                                              dv):
   """backend=None lowered for CUDA on this host: the Triton kernel (not the
-  reference), with an odd batch and page-table width; 8-bit caches too, and
-  head_dims off the powers of two (read in pieces: 80 = 64 + 16)."""
+  reference), with an odd batch and page-table width; 8-bit caches too,
+  head_dims off the powers of two (read in pieces: 80 = 64 + 16), and
+  MLA's (q/k 192, v 128)."""
   spec = jax.ShapeDtypeStruct
   q = spec((3, 32, 1, head_dim), jnp.bfloat16)
   lengths = spec((3,), jnp.int32)
@@ -701,15 +778,16 @@ def test_cuda_lowering_runs_the_triton_kernel(paged, cache_dtype, head_dim):
   if cache_dtype != jnp.bfloat16:
     scales = dict(k_scale=jnp.full((8,), 0.1), v_scale=0.2)
   if paged:
-    cache = spec((70, 8, 64, head_dim), cache_dtype)
-    args = (q, cache, cache, lengths, spec((3, 21), jnp.int32))
+    k, v = (spec((70, 8, 64, d), cache_dtype) for d in (head_dim, dv))
+    args = (q, k, v, lengths, spec((3, 21), jnp.int32))
     fn = lambda q, k, v, n, t: pk.decode_attention(  # noqa: E731
         q, k, v, n, page_table=t, sliding_window=100, **scales)
   else:
-    cache = spec((3, 8, 1000, head_dim), cache_dtype)
-    args = (q, cache, cache, lengths)
+    k, v = (spec((3, 8, 1000, d), cache_dtype) for d in (head_dim, dv))
+    args = (q, k, v, lengths)
     fn = lambda q, k, v, n: pk.decode_attention(  # noqa: E731
         q, k, v, n, logit_soft_cap=30.0, **scales)
+  assert jax.eval_shape(fn, *args).shape == (3, 32, 1, dv)
   text = _compat.lower_for_cuda(fn, *args).as_text()
   assert text.count('"decode_attention_gpu"') == 1
   # One launch: the splits are merged inside it, not by XLA reductions.

@@ -3,9 +3,11 @@
 Default: contiguous and paged caches up to 128k positions at head_dim 128
 (and an odd head_dim and page size) on v5e and v6e, each kernel's VMEM
 within its generation's, and a 4-chip sharded call; an int8 cache on v5e
-and a float8_e4m3fn paged one on v6e. ``--runslow`` sweeps head_dim
+and a float8_e4m3fn paged one on v6e; MLA's q/k head_dim 192 with v's 128,
+paged on v5e and contiguous on v6e. ``--runslow`` sweeps head_dim
 64/128/256, caches 8k..128k, contiguous and paged, on every generation
-libtpu compiles for, and the 8-bit formats on every generation.
+libtpu compiles for, the 8-bit formats on every generation, and v head_dims
+narrower and wider than q's.
 """
 from __future__ import annotations
 
@@ -34,25 +36,29 @@ def _spec(*shape, dtype=jnp.bfloat16):
 
 
 def _compile(topology, b, h, hk, t, length, d, page_size=None,
-             cache_dtype=jnp.bfloat16, **kw):
+             cache_dtype=jnp.bfloat16, dv=None, **kw):
   """Compiles one call; checks it ran the Mosaic kernel within VMEM. An
-  8-bit ``cache_dtype`` comes with per-head scales."""
+  8-bit ``cache_dtype`` comes with per-head scales; ``dv``: v's head_dim
+  (MLA), default d."""
   q = _spec(b, h, t, d)
   lengths = _spec(b, dtype=jnp.int32)
   if cache_dtype != jnp.bfloat16:
     kw.update(k_scale=jnp.full((hk,), 0.02), v_scale=jnp.full((hk,), 0.03))
   if page_size is None:
-    cache = _spec(b, hk, length, d, dtype=cache_dtype)
-    args = (q, cache, cache, lengths)
+    k_cache, v_cache = (_spec(b, hk, length, dim, dtype=cache_dtype)
+                        for dim in (d, dv or d))
+    args = (q, k_cache, v_cache, lengths)
     fn = lambda q, k, v, n: decode_attention(  # noqa: E731
         q, k, v, n, backend="mosaic_tpu", **kw)
   else:
     pages = length // page_size
-    cache = _spec(b * pages, hk, page_size, d, dtype=cache_dtype)
-    args = (q, cache, cache, lengths, _spec(b, pages, dtype=jnp.int32))
+    k_cache, v_cache = (_spec(b * pages, hk, page_size, dim,
+                              dtype=cache_dtype) for dim in (d, dv or d))
+    args = (q, k_cache, v_cache, lengths, _spec(b, pages, dtype=jnp.int32))
     fn = lambda q, k, v, n, table: decode_attention(  # noqa: E731
         q, k, v, n, page_table=table, backend="mosaic_tpu", **kw)
   result = tpu_aot.compile_for_tpu(fn, *args, topology=topology)
+  assert jax.eval_shape(fn, *args).shape == (b, h, t, dv or d)
   vmem = result.kernel_vmem_bytes
   assert vmem, "no Mosaic kernel in the program"
   limit = _backend.TPU_VMEM_BYTES[tpu_aot.topology_generation(topology)]
@@ -93,6 +99,21 @@ def test_8bit_caches_compile(tpu_topologies):
     stored = {jnp.int8: "s8", jnp.float8_e4m3fn: "f8e4m3fn"}[dtype]
     assert f"{stored}[{cache}]" in result.hlo_text
     assert f"bf16[{cache}]" not in result.hlo_text
+
+
+@pytest.mark.parametrize("topology,page_size", [("v5e:2x2", 128),
+                                                ("v6e:2x2", None)])
+def test_mla_value_head_dim_compiles(topology, page_size, tpu_topologies):
+  """MLA (DeepSeek-V3): q/k head_dim 192, v's 128; B4 H16/2 T2 over 32k
+  positions with a window, paged on v5e, contiguous on v6e (both on both:
+  ``test_mla_sweep``)."""
+  _need(topology, tpu_topologies)
+  args = (topology, 4, 16, 2, 2, 32768, 192, page_size)
+  if page_size and _compat.JAX_VERSION < (0, 12):
+    with pytest.raises(tpu_aot.TpuCompileError, match="need jax >= 0.12"):
+      _compile(*args, dv=128, sliding_window=4096)
+    return
+  _compile(*args, dv=128, sliding_window=4096)
 
 
 def test_sinks_and_sixteen_tokens_compile(tpu_topologies):
@@ -152,6 +173,18 @@ def test_sweep(topology, d, length, page_size, tpu_topologies):
   _need(topology, tpu_topologies)
   _compile(topology, 2, 16, 4, 4, length, d, page_size,
            sliding_window=length // 2, logit_soft_cap=50.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ALL_GENERATIONS)
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 256), (64, 128)])
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_mla_sweep(topology, d, dv, page_size, tpu_topologies):
+  _need(topology, tpu_topologies)
+  if page_size and (d % 128 or dv % 128) and _compat.JAX_VERSION < (0, 12):
+    pytest.skip("paged head_dims off the 128 grid need jax >= 0.12")
+  _compile(topology, 2, 16, 4, 4, 32768, d, page_size, dv=dv,
+           sliding_window=8000, logit_soft_cap=50.0)
 
 
 @pytest.mark.slow

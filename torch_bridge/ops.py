@@ -758,8 +758,9 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
   """``pallas_kernels.decode_attention``: ``q [B, H, T, D]`` attending to a
   contiguous ``[B, Hkv, S, D]`` or paged ``[pages, Hkv, page_size, D]`` KV
   cache (``page_table [B, pages_per_seq]``) of ``kv_lengths [B]`` tokens;
-  8-bit caches (int8, float8) with ``k_scale``/``v_scale [Hkv]``.
-  Differentiable in q and sinks.
+  v_cache's head_dim ``Dv`` may differ from D (MLA) and the output ``[B,
+  H, T, Dv]`` takes it; 8-bit caches (int8, float8) with
+  ``k_scale``/``v_scale [Hkv]``. Differentiable in q and sinks.
 
   ``partition_spec``: 4 entries for q's dims; only the batch may be split
   (a contiguous cache, kv_lengths and the page table follow it; a paged

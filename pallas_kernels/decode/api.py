@@ -63,23 +63,25 @@ def _reference_run(config, *arrays):
   return _reference.decode_attention_reference(*arrays, **config.kwargs())
 
 
-def _rows(config, q, k_cache, page_table):
+def _rows(config, q, k_cache, v_cache, page_table):
   return [
       _backend.Kernel(
           "mosaic_tpu", _kernel_run(config, "mosaic_tpu"),
           supports=lambda: _module("mosaic_tpu").supports(q, k_cache,
                                                           page_table),
           hardware=lambda target: _module("mosaic_tpu").hardware(
-              q, page_table, target)),
+              q, v_cache, page_table, target)),
       _backend.Kernel(
           "triton", _kernel_run(config, "triton"),
-          supports=lambda: _module("triton").supports(q, k_cache, page_table)),
+          supports=lambda: _module("triton").supports(q, k_cache, v_cache,
+                                                      page_table)),
       _backend.Kernel("reference", functools.partial(_reference_run, config)),
   ]
 
 
 _FACTOR_NAMES = {"b": "batch", "h": "heads", "g": "kv_heads", "t": "queries",
-                 "s": "cache positions", "d": "head_dim", "p": "pages",
+                 "s": "cache positions", "d": "head_dim",
+                 "e": "v_head_dim", "p": "pages",
                  "n": "pages per sequence"}
 
 
@@ -90,16 +92,17 @@ def _sharding_rule(sinks, page_table, scales=False, backward=False):
   with the kv heads."""
   from pallas_kernels import _sharding
   cache = "b g s d" if page_table is None else "p g s d"
-  operands = [("q", "b h t d"), ("k_cache", cache), ("v_cache", cache),
+  v_cache = cache[:-1] + "e"   # v's head_dim (MLA: not q's)
+  operands = [("q", "b h t d"), ("k_cache", cache), ("v_cache", v_cache),
               ("kv_lengths", "b"), ("sinks", None if sinks is None else "h"),
               ("page_table", None if page_table is None else "b n")]
   if scales:
     operands += [("k_scale", "g"), ("v_scale", "g")]
-  results, sums = ["b h t d"], None
+  results, sums = ["b h t e"], None
   if backward:
-    operands.append(("d_out", "b h t d"))
+    operands.append(("d_out", "b h t e"))
     cache_sum = "" if page_table is None else "b"
-    results, sums = ["b h t d", cache, cache], ["", cache_sum, cache_sum]
+    results, sums = ["b h t d", cache, v_cache], ["", cache_sum, cache_sum]
     if sinks is not None:
       results.append("h")
       sums.append("b")
@@ -111,7 +114,7 @@ def _sharding_rule(sinks, page_table, scales=False, backward=False):
 def _forward(config, q, k_cache, v_cache, kv_lengths, sinks, page_table,
              *scales):
   return _backend.dispatch(
-      OP, config.backend, _rows(config, q, k_cache, page_table),
+      OP, config.backend, _rows(config, q, k_cache, v_cache, page_table),
       q, k_cache, v_cache, kv_lengths, sinks, page_table, *scales,
       rule=_sharding_rule(sinks, page_table, scales=bool(scales)))
 
@@ -254,9 +257,15 @@ def _validate(q, k_cache, v_cache, kv_lengths, sm_scale, logit_soft_cap,
   for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
     _check_array(name, x, 4)
   _check_dtypes(q, k_cache, v_cache)
-  if k_cache.shape != v_cache.shape:
-    raise ValueError(f"{OP}: k_cache and v_cache must have the same shape, "
-                     f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+  # v's head_dim may differ from k's (MLA); nothing else may.
+  dims = (("pages" if page_table is not None else "batch"), "kv_heads",
+          ("page_size" if page_table is not None else "capacity"))
+  for dim, k_size, v_size in zip(dims, k_cache.shape, v_cache.shape):
+    if k_size != v_size:
+      raise ValueError(
+          f"{OP}: {dim} of v_cache ({v_size}) != {dim} of k_cache ({k_size})"
+          f": the caches may differ only in head_dim, got "
+          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
   batch, heads, queries, head_dim = q.shape
   kv_heads = k_cache.shape[1]
   if queries > MAX_QUERIES:
@@ -264,8 +273,8 @@ def _validate(q, k_cache, v_cache, kv_lengths, sm_scale, logit_soft_cap,
         f"{OP}: q holds {queries} new tokens per sequence (q.shape[2]); at "
         f"most {MAX_QUERIES} are supported: use flash_attention for prefill")
   if k_cache.shape[3] != head_dim:
-    raise ValueError(f"{OP}: head_dim of k_cache/v_cache ({k_cache.shape[3]})"
-                     f" != head_dim of q ({head_dim})")
+    raise ValueError(f"{OP}: head_dim of k_cache ({k_cache.shape[3]}) != "
+                     f"head_dim of q ({head_dim})")
   if (kv_heads == 0 and heads > 0) or (kv_heads and heads % kv_heads):
     raise ValueError(f"{OP}: heads of q ({heads}) must be a multiple of the "
                      f"caches' kv_heads ({kv_heads})")
@@ -349,6 +358,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
       Hkv, page_size, D]`` with ``page_table``; ``H % Hkv == 0`` (query head
       ``h`` reads kv head ``h // (H // Hkv)``). q's dtype, or 8-bit (int8,
       float8_e4m3fn, float8_e5m2; both the same) with ``k_scale``/``v_scale``.
+      v_cache's head_dim ``Dv`` may differ from ``D`` (MLA, e.g. 192 and
+      128); the caches agree in every other dimension.
     kv_lengths: ``[B]`` integers, ``0 <= kv_lengths[b] <= S`` (paged:
       ``pages_per_seq * page_size``). Cache rows at or past the length are
       never used. Traced lengths out of range are clipped.
@@ -370,7 +381,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
       "mosaic_tpu", "triton", "gpu", "interpret" or "reference".
 
   Returns:
-    ``[B, H, T, D]`` in q's dtype; a query with no visible key gets 0.
+    ``[B, H, T, Dv]`` (v_cache's head_dim) in q's dtype; a query with no
+    visible key gets 0.
     Differentiable in q, the caches and sinks (through the reference); with
     8-bit caches in q and sinks only (a gradient in a cache or scale raises
     a TypeError).
@@ -379,8 +391,9 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
                                logit_soft_cap, sliding_window, sinks,
                                page_table, backend)
   k_scale, v_scale = _check_scales(k_cache, v_cache, k_scale, v_scale)
-  if 0 in q.shape or 0 in k_cache.shape or capacity == 0:
-    return jnp.zeros(q.shape, q.dtype)
+  if 0 in q.shape or 0 in k_cache.shape or 0 in v_cache.shape or (
+      capacity == 0):
+    return jnp.zeros(q.shape[:3] + v_cache.shape[3:], q.dtype)
   kv_lengths = jnp.clip(jnp.asarray(kv_lengths).astype(jnp.int32), 0,
                         capacity)
   if page_table is not None:

@@ -61,15 +61,17 @@ def support_cases():
   import jax
   import jax.numpy as jnp
   def call(d=128, dtype=jnp.bfloat16, t=1, page_size=None, cache_dtype=None,
-           **kw):
+           dv=None, **kw):
     q = abstract((2, 8, t, d), dtype)
     lengths = abstract((2,), jnp.int32)
     cache_dtype = cache_dtype or dtype
     if page_size is None:
-      cache = abstract((2, 2, 1024, d), cache_dtype)
+      cache, v_cache = (abstract((2, 2, 1024, dim), cache_dtype)
+                        for dim in (d, dv or d))
       extra = []
     else:
-      cache = abstract((64, 2, page_size, d), cache_dtype)
+      cache, v_cache = (abstract((64, 2, page_size, dim), cache_dtype)
+                        for dim in (d, dv or d))
       extra = [abstract((2, 1024 // page_size), jnp.int32)]
     if "sinks" in kw:
       extra.append(abstract((8,), jnp.float32))
@@ -85,7 +87,7 @@ def support_cases():
         if "sinks" in options:
           options["sinks"] = rest.pop(0)
         return decode_attention(q, k, v, n, backend=backend, **options)
-      return jax.eval_shape(f, q, cache, cache, lengths, *extra)
+      return jax.eval_shape(f, q, cache, v_cache, lengths, *extra)
     return run
 
   return [
@@ -93,6 +95,9 @@ def support_cases():
       ("head_dim 64", call(d=64)),
       ("head_dim 96", call(d=96)),
       ("head_dim 256", call(d=256)),
+      ("MLA (q/k head_dim 192, v 128)", call(d=192, dv=128)),
+      ("MLA, paged, page_size 64 (192, v 128)",
+       call(d=192, dv=128, page_size=64)),
       ("float32", call(dtype=jnp.float32)),
       ("float16", call(dtype=jnp.float16)),
       ("16 new tokens", call(t=16)),

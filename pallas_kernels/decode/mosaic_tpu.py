@@ -36,6 +36,9 @@ float16 vectors on v5e/v6e.
 they are (half the bytes of bfloat16) and converted to q's dtype in VMEM;
 the kv head's ``k_scale`` (scalar-prefetched) joins ``sm_scale``, and
 ``v_scale`` multiplies the merged output (``splits.finish``).
+
+v's head_dim may differ from q's and k's (MLA): the V blocks, the
+accumulator and the outputs take it.
 """
 from __future__ import annotations
 
@@ -100,12 +103,12 @@ def supports(q, k_cache, page_table) -> str | None:
   return None
 
 
-def hardware(q, page_table, target) -> str | None:
+def hardware(q, v_cache, page_table, target) -> str | None:
   """Why the chip's compiler cannot take the call (interpreters can)."""
   del target
-  if (page_table is not None and q.shape[-1] % 128
-      and _compat.JAX_VERSION < (0, 12)):
-    return (f"paged caches with head_dim {q.shape[-1]} (not a multiple of "
+  odd = [d for d in (q.shape[-1], v_cache.shape[-1]) if d % 128]
+  if page_table is not None and odd and _compat.JAX_VERSION < (0, 12):
+    return (f"paged caches with head_dim {odd[0]} (not a multiple of "
             "128) need jax >= 0.12 for the page DMAs; this jax's Mosaic "
             "rejects them")
   return None
@@ -118,10 +121,12 @@ def _sublanes(itemsize: int) -> int:
 def make_plan(batch, kv_heads, row_count, capacity, head_dim, itemsize, *,
               page_size=None, pages_per_seq=None, block_kv=None,
               num_splits=None, generation=None,
-              compute_itemsize=None) -> Plan:
+              compute_itemsize=None, value_dim=None) -> Plan:
   """Rows, block and splits of a call (``block_kv``/``num_splits``: override
   the defaults; a paged block is a whole number of pages). ``itemsize``:
-  the cache's, ``compute_itemsize`` q's (default the cache's).
+  the cache's, ``compute_itemsize`` q's (default the cache's);
+  ``value_dim``: v's head_dim (default ``head_dim``; a K and a V block
+  together hold ``2 * BLOCK_BYTES``).
   ``generation``: whose ``BLOCK_BYTES`` (default: the lowering target's).
   An 8-bit block (``BLOCK_BYTES`` of DMA, twice the keys of a bfloat16
   one) also keeps its buffers, its converted copy and its logits within
@@ -131,13 +136,13 @@ def make_plan(batch, kv_heads, row_count, capacity, head_dim, itemsize, *,
   compute_itemsize = compute_itemsize or itemsize
   heads = kv_heads if page_size is not None else 1
   rows = _splits.round_up(row_count, _sublanes(compute_itemsize))
-  lanes = _splits.round_up(head_dim, LANES)
-  by_bytes = min(block_bytes // (heads * lanes * itemsize),
+  kv_lanes = _kv_lanes(head_dim, value_dim)   # a K and a V row
+  by_bytes = min(2 * block_bytes // (heads * kv_lanes * itemsize),
                  SCORE_BYTES // (rows * 4))
   if compute_itemsize != itemsize:
     vmem = _backend.TPU_VMEM_BYTES.get(generation, 16 << 20)
-    per_key = (heads * lanes * 4 * itemsize + lanes * 2 * CONVERTED_ITEMSIZE
-               + 16 * rows)
+    per_key = (heads * kv_lanes * 2 * itemsize
+               + kv_lanes * CONVERTED_ITEMSIZE + 16 * rows)
     by_bytes = min(by_bytes, vmem // 2 // per_key)
   target = max(LANES, by_bytes // LANES * LANES)
   if block_kv is not None:
@@ -161,45 +166,59 @@ def make_plan(batch, kv_heads, row_count, capacity, head_dim, itemsize, *,
               paged=page_size is not None, heads=heads)
 
 
+def _kv_lanes(head_dim, value_dim=None) -> int:
+  """Lanes of one K row plus one V row in VMEM."""
+  return (_splits.round_up(head_dim, LANES)
+          + _splits.round_up(value_dim or head_dim, LANES))
+
+
 def vmem_bytes(plan: Plan, head_dim: int, itemsize: int,
-               compute_itemsize=None) -> int:
+               compute_itemsize=None, value_dim=None) -> int:
   """VMEM of one launch: double-buffered q, K/V and outputs, the scratch and
   the step's float32 temporaries (logits, probabilities, mask); an 8-bit
   cache adds its K/V block converted (``CONVERTED_ITEMSIZE``).
-  ``compute_itemsize``: q's, default the cache's."""
+  ``compute_itemsize``: q's, default the cache's; ``value_dim``: v's
+  head_dim, default ``head_dim``."""
   compute_itemsize = compute_itemsize or itemsize
   lanes = _splits.round_up(head_dim, LANES)
-  kv = 2 * 2 * plan.heads * plan.block * lanes * itemsize
+  v_lanes = _splits.round_up(value_dim or head_dim, LANES)
+  kv_lanes = lanes + v_lanes
+  kv = 2 * plan.heads * plan.block * kv_lanes * itemsize
   if compute_itemsize != itemsize:   # one head's block at a time
-    kv += 2 * plan.block * lanes * CONVERTED_ITEMSIZE
+    kv += plan.block * kv_lanes * CONVERTED_ITEMSIZE
   q = 2 * plan.heads * plan.rows * lanes * compute_itemsize
-  outs = 2 * plan.heads * plan.rows * (lanes + LANES) * 4
-  scratch = plan.heads * plan.rows * (2 * LANES + lanes) * 4
+  outs = 2 * plan.heads * plan.rows * (v_lanes + LANES) * 4
+  scratch = plan.heads * plan.rows * (2 * LANES + v_lanes) * 4
   temps = 4 * plan.rows * _splits.round_up(plan.block, LANES) * 4
   return kv + q + outs + scratch + temps
 
 
 def vmem_limit_bytes(plan: Plan, head_dim: int, itemsize: int,
-                     compute_itemsize=None) -> int:
+                     compute_itemsize=None, value_dim=None) -> int:
   """The scoped VMEM a launch asks for: its ``vmem_bytes`` with a quarter to
   spare, at least 16 MiB (the smallest default scoped limit)."""
-  need = vmem_bytes(plan, head_dim, itemsize, compute_itemsize) * 5 // 4
+  need = vmem_bytes(plan, head_dim, itemsize, compute_itemsize,
+                    value_dim) * 5 // 4
   return max(16 << 20, _splits.round_up(need, 1 << 20))
 
 
 def cost(batch, kv_heads, plan: Plan, head_dim, itemsize, capacity=None,
-         compute_itemsize=None):
+         compute_itemsize=None, value_dim=None):
   """Work at full length (every key of ``capacity`` visible): flops,
   transcendentals and HBM bytes (K and V once at the cache's ``itemsize``,
-  q at ``compute_itemsize``, the partial outputs)."""
+  q at ``compute_itemsize``, the partial outputs of ``value_dim``, default
+  ``head_dim``)."""
+  value_dim = value_dim or head_dim
   capacity = plan.num_blocks * plan.block if capacity is None else capacity
   pairs = batch * kv_heads * plan.rows * capacity
-  kv_bytes = 2 * batch * kv_heads * capacity * head_dim * itemsize
+  kv_bytes = (batch * kv_heads * capacity * (head_dim + value_dim)
+              * itemsize)
   q_bytes = (batch * kv_heads * plan.rows * head_dim
              * (compute_itemsize or itemsize))
   out_bytes = (batch * kv_heads * plan.num_splits * plan.rows
-               * (head_dim + LANES) * 4)
-  return dict(flops=4 * pairs * head_dim, transcendentals=pairs,
+               * (value_dim + LANES) * 4)
+  return dict(flops=2 * pairs * (head_dim + value_dim),
+              transcendentals=pairs,
               bytes_accessed=kv_bytes + q_bytes + out_bytes)
 
 
@@ -423,7 +442,7 @@ def _visible_block(lengths_ref, b, split, j, plan, queries, window):
 def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
            v_scale=None, *, sm_scale, logit_soft_cap, sliding_window,
            interpret, block_kv=None, num_splits=None):
-  """``[B, H, T, D]`` in q's dtype (arguments as checked by the API, scales
+  """``[B, H, T, Dv]`` in q's dtype (arguments as checked by the API, scales
   ``[Hkv]`` float32 with 8-bit caches; ``block_kv``/``num_splits``
   override the plan)."""
   kwargs = dict(sm_scale=sm_scale, logit_soft_cap=logit_soft_cap,
@@ -445,6 +464,7 @@ def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale,
             v_scale, *, sm_scale, logit_soft_cap, sliding_window, interpret,
             block_kv, num_splits):
   batch, heads, queries, head_dim = q.shape
+  value_dim = v_cache.shape[3]
   kv_heads, group, itemsize, page_size, pages_per_seq, capacity = (
       _splits.cache_layout(q, k_cache, page_table))
   sizes = (itemsize, q.dtype.itemsize)
@@ -452,7 +472,8 @@ def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale,
   plan = make_plan(batch, kv_heads, queries * group, capacity, head_dim,
                    itemsize, page_size=page_size,
                    pages_per_seq=pages_per_seq, block_kv=block_kv,
-                   num_splits=num_splits, compute_itemsize=sizes[1])
+                   num_splits=num_splits, compute_itemsize=sizes[1],
+                   value_dim=value_dim)
   rows = _splits.pack_queries(q, kv_heads, plan.rows)
   window = sliding_window
   visible = functools.partial(_visible_block, plan=plan, queries=queries,
@@ -467,15 +488,16 @@ def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale,
   else:
     def index(b, h, split, j, lengths_ref, *_):
       return b, h, visible(lengths_ref, b, split, j), 0
-    spec = pl.BlockSpec((_SQ, _SQ, plan.block, head_dim), index)
-    kv_specs, kv_args = [spec, spec], [k_cache, v_cache]
+    kv_specs = [pl.BlockSpec((_SQ, _SQ, plan.block, dim), index)
+                for dim in (head_dim, value_dim)]
+    kv_args = [k_cache, v_cache]
     prefetch = [kv_lengths]
   if k_scale is not None:
     prefetch.append(k_scale)
 
   out_shape = [
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, plan.rows,
-                            head_dim), jnp.float32),
+                            value_dim), jnp.float32),
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, plan.rows,
                             LANES), jnp.float32)]
   kw = dict(plan=plan, queries=queries, group=group, window=window,
@@ -489,15 +511,15 @@ def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale,
     q_spec = pl.BlockSpec((_SQ, heads_, plan.rows, head_dim),
                           lambda b, split, j, *_: (b, 0, 0, 0))
     out_specs = [
-        pl.BlockSpec((_SQ, heads_, _SQ, plan.rows, head_dim),
+        pl.BlockSpec((_SQ, heads_, _SQ, plan.rows, value_dim),
                      lambda b, split, j, *_: (b, 0, split, 0, 0)),
         pl.BlockSpec((_SQ, heads_, _SQ, plan.rows, LANES),
                      lambda b, split, j, *_: (b, 0, split, 0, 0))]
     scratch = [pltpu.VMEM((heads_, plan.rows, LANES), jnp.float32),
                pltpu.VMEM((heads_, plan.rows, LANES), jnp.float32),
-               pltpu.VMEM((heads_, plan.rows, head_dim), jnp.float32),
+               pltpu.VMEM((heads_, plan.rows, value_dim), jnp.float32),
                pltpu.VMEM((2, heads_, plan.block, head_dim), k_cache.dtype),
-               pltpu.VMEM((2, heads_, plan.block, head_dim), k_cache.dtype),
+               pltpu.VMEM((2, heads_, plan.block, value_dim), v_cache.dtype),
                pltpu.SemaphoreType.DMA((2, 2))]
     kernel = functools.partial(_paged_kernel, pages_per_seq=pages_per_seq,
                                **kw)
@@ -507,13 +529,13 @@ def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale,
     q_spec = pl.BlockSpec((_SQ, _SQ, plan.rows, head_dim),
                           lambda b, h, split, j, *_: (b, h, 0, 0))
     out_specs = [
-        pl.BlockSpec((_SQ, _SQ, _SQ, plan.rows, head_dim),
+        pl.BlockSpec((_SQ, _SQ, _SQ, plan.rows, value_dim),
                      lambda b, h, split, j, *_: (b, h, split, 0, 0)),
         pl.BlockSpec((_SQ, _SQ, _SQ, plan.rows, LANES),
                      lambda b, h, split, j, *_: (b, h, split, 0, 0))]
     scratch = [pltpu.VMEM((plan.rows, LANES), jnp.float32),
                pltpu.VMEM((plan.rows, LANES), jnp.float32),
-               pltpu.VMEM((plan.rows, head_dim), jnp.float32)]
+               pltpu.VMEM((plan.rows, value_dim), jnp.float32)]
     kernel = functools.partial(_kernel, **kw)
     grid = (batch, kv_heads, plan.num_splits, plan.steps)
     semantics = ("parallel", "parallel", "parallel", "arbitrary")
@@ -522,14 +544,15 @@ def _decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale,
       in_specs=[q_spec] + kv_specs, out_specs=out_specs,
       scratch_shapes=scratch)
   work = cost(batch, kv_heads, plan, head_dim, itemsize, capacity,
-              compute_itemsize=sizes[1])
+              compute_itemsize=sizes[1], value_dim=value_dim)
   out, lse = _compat.pallas_call(
       kernel, grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=semantics,
           # The paged path's DMA addresses are clamped into range already.
           disable_bounds_checks=paged,
-          vmem_limit_bytes=vmem_limit_bytes(plan, head_dim, *sizes)),
+          vmem_limit_bytes=vmem_limit_bytes(plan, head_dim, *sizes,
+                                            value_dim=value_dim)),
       interpret=interpret, cost_estimate=_cost.estimate(**work),
       name="decode_attention_paged" if paged else "decode_attention",
   )(*prefetch, rows, *kv_args)

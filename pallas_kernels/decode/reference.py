@@ -4,7 +4,8 @@ Shapes: q ``[B, H, T, D]``; a contiguous cache ``[B, Hkv, S, D]``, or a
 paged one ``[num_pages, Hkv, page_size, D]`` read through ``page_table
 [B, pages_per_seq]`` (position ``j`` of sequence ``b`` is row ``j %
 page_size`` of page ``page_table[b, j // page_size]``); ``kv_lengths [B]``.
-Query head ``h`` reads kv head ``h // (H // Hkv)``.
+Query head ``h`` reads kv head ``h // (H // Hkv)``. v's head_dim ``Dv`` may
+differ from ``D`` (MLA); the output takes it.
 
     pos[b, t]  = kv_lengths[b] - T + t          (the last query is the
                                                  newest cached token)
@@ -41,7 +42,7 @@ def dequantize(cache, scale):
 def decode_attention_reference(q, k_cache, v_cache, kv_lengths, sinks=None,
                                page_table=None, k_scale=None, v_scale=None, *,
                                sm_scale, logit_soft_cap, sliding_window):
-  """``[B, H, T, D]`` in q's dtype; arguments as checked by the API."""
+  """``[B, H, T, Dv]`` in q's dtype; arguments as checked by the API."""
   if k_scale is not None:
     k_cache = dequantize(k_cache, k_scale)
     v_cache = dequantize(v_cache, v_scale)

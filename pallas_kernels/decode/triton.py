@@ -31,7 +31,9 @@ summed in power-of-two column pieces (``head_dim_pieces``: 96 = 64 + 32);
 other calls take another kernel. 8-bit caches (int8, float8_e4m3fn, float8_e5m2) are loaded
 as they are and converted to q's dtype in registers; the kv head's
 ``k_scale`` joins ``sm_scale`` and ``v_scale`` multiplies the output. Triton
-has float8_e4m3fn only from sm_89 (Ada) on.
+has float8_e4m3fn only from sm_89 (Ada) on. v's head_dim may differ from
+q's and k's (MLA; on the 16 grid too): the P V products, the accumulator
+and the outputs take its pieces.
 """
 from __future__ import annotations
 
@@ -82,12 +84,13 @@ def _floor_pow2(n: int) -> int:
   return 1 << (max(1, n).bit_length() - 1)
 
 
-def supports(q, k_cache, page_table) -> str | None:
+def supports(q, k_cache, v_cache, page_table) -> str | None:
   """Why the kernel cannot run the call, else None."""
-  head_dim = q.shape[3]
-  if head_dim % MIN_TILE:
-    return (f"the Triton decode kernel reads the cache in place and needs "
-            f"head_dim a multiple of {MIN_TILE}, got {head_dim}")
+  for name, head_dim in (("head_dim", q.shape[3]),
+                         ("v_cache's head_dim", v_cache.shape[3])):
+    if head_dim % MIN_TILE:
+      return (f"the Triton decode kernel reads the cache in place and needs "
+              f"{name} a multiple of {MIN_TILE}, got {head_dim}")
   if page_table is not None and not _pow2(k_cache.shape[2]):
     return (f"the Triton decode kernel needs page_size a power of two >= "
             f"{MIN_TILE}, got {k_cache.shape[2]}")
@@ -131,7 +134,8 @@ def _attend(lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, *,
             queries, row_count, window, cap, block, num_splits, paged,
             capacity):
   """This program's run of blocks: (acc, m, l) of the online softmax (acc
-  unnormalized, m in base-2 logits) for the padded rows."""
+  unnormalized, one per piece of v's head_dim; m in base-2 logits) for the
+  padded rows."""
   b, split = pl.program_id(0), pl.program_id(2)
   length = lengths_ref[b]
   start, per, hi = _splits.split_range(length, split, queries, window, block,
@@ -140,6 +144,7 @@ def _attend(lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, *,
   base = length - queries
   rows_n, head_dim = q_ref.shape
   pieces = head_dim_pieces(head_dim)
+  v_pieces = head_dim_pieces(v_ref.shape[-1])
   qs = [plgpu.load(q_ref.at[:, pl.ds(start, width)],
                    mask=lax.broadcasted_iota(jnp.int32, (rows_n, width), 0)
                    < row_count, other=0)
@@ -203,7 +208,7 @@ def _attend(lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, *,
       p = p.astype(qs[0].dtype)
       value_cols = first + value_iota
       live_values = (value_cols >= c * block) & (value_cols < length)
-      for i, (start, width) in enumerate(pieces):
+      for i, (start, width) in enumerate(v_pieces):
         v = v_ref[rows_at + (pl.ds(start, width),)].astype(qs[0].dtype)
         v = jnp.where(live_values, v, jnp.zeros_like(v))
         new_accs[i] += lax.dot_general(
@@ -212,7 +217,7 @@ def _attend(lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, *,
     return tuple(new_accs), m_next, l_next
 
   carry = (tuple(jnp.zeros((rows_n, width), jnp.float32)
-                 for _, width in pieces),
+                 for _, width in v_pieces),
            jnp.full((rows_n,), -jnp.inf, jnp.float32),
            jnp.zeros((rows_n,), jnp.float32))
   return lax.fori_loop(start, end, body, carry)
@@ -255,7 +260,7 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, *rest, queries, row_count,
       lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, queries=queries,
       row_count=row_count, window=window, cap=cap, block=block,
       num_splits=num_splits, paged=paged, capacity=capacity)
-  pieces = head_dim_pieces(q_ref.shape[1])
+  pieces = head_dim_pieces(v_ref.shape[-1])
   if num_splits == 1:
     outs = _finish(accs, m, l, sink_ref, v_scale, row_count)
     _store_pieces(o_ref, outs, pieces, row_count)
@@ -328,19 +333,21 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
            v_scale=None, *, sm_scale, logit_soft_cap, sliding_window,
            interpret, block_kv=None, num_splits=None, num_warps=NUM_WARPS,
            num_stages=NUM_STAGES):
-  """``[B, H, T, D]`` in q's dtype (arguments as checked by the API and
+  """``[B, H, T, Dv]`` in q's dtype (arguments as checked by the API and
   ``supports``, scales ``[Hkv]`` float32 with 8-bit caches;
   ``block_kv`` (keys per step; paged: a multiple of the page size) and
   ``num_splits`` override the defaults;
   a split count is rounded down to a power of two)."""
   batch, heads, queries, head_dim = q.shape
+  value_dim = v_cache.shape[3]
   paged = page_table is not None
   if not paged and k_cache.shape[2] < MIN_TILE:  # tiny: pad it to one tile
     pad = ((0, 0), (0, 0), (0, MIN_TILE - k_cache.shape[2]), (0, 0))
     k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
   kv_heads, group, itemsize, page_size, _, capacity = _splits.cache_layout(
       q, k_cache, page_table)
-  block = block_kv or block_rows(capacity, head_dim, itemsize, page_size,
+  block = block_kv or block_rows(capacity, max(head_dim, value_dim),
+                                 itemsize, page_size,
                                  programs=batch * kv_heads)
   if paged and (block % page_size or not _pow2(block)):
     raise ValueError(f"block_kv={block} must be a power-of-two multiple of "
@@ -358,12 +365,12 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
   head_block = lambda b, h, s: (b, h, 0, 0)  # noqa: E731
   in_specs = [pl.BlockSpec((batch,), index_map),
               pl.BlockSpec((None, None, rows, head_dim), head_block)]
-  if paged:
-    kv_spec = pl.BlockSpec((k_cache.shape[0], None, page_size, head_dim),
-                           lambda b, h, s: (0, h, 0, 0))
-  else:
-    kv_spec = pl.BlockSpec((None, None, capacity, head_dim), head_block)
-  in_specs += [kv_spec, kv_spec]
+  for dim in (head_dim, value_dim):
+    if paged:
+      in_specs.append(pl.BlockSpec((k_cache.shape[0], None, page_size, dim),
+                                   lambda b, h, s: (0, h, 0, 0)))
+    else:
+      in_specs.append(pl.BlockSpec((None, None, capacity, dim), head_block))
   operands = [kv_lengths, grouped, k_cache, v_cache]
   if paged:
     in_specs.append(pl.BlockSpec((None, page_table.shape[1]),
@@ -377,8 +384,9 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
                            queries, axis=1)
     in_specs.append(pl.BlockSpec((None, rows), lambda b, h, s: (h, 0)))
     operands.append(sink_rows)
-  out_shape = [jax.ShapeDtypeStruct(grouped.shape, q.dtype)]
-  out_specs = [pl.BlockSpec((None, None, rows, head_dim), head_block)]
+  out_shape = [jax.ShapeDtypeStruct(grouped.shape[:3] + (value_dim,),
+                                    q.dtype)]
+  out_specs = [pl.BlockSpec((None, None, rows, value_dim), head_block)]
   aliases = {}
   if num_splits > 1:
     tickets = batch * kv_heads
@@ -387,12 +395,12 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
     operands.append(jnp.zeros((tickets,), jnp.int32))
     out_shape += [
         jax.ShapeDtypeStruct((batch, kv_heads, num_splits, merged_rows,
-                              head_dim), jnp.float32),
+                              value_dim), jnp.float32),
         jax.ShapeDtypeStruct((batch, kv_heads, num_splits, merged_rows),
                              jnp.float32),
         jax.ShapeDtypeStruct((tickets,), jnp.int32)]
     out_specs += [
-        pl.BlockSpec((None, None, num_splits, rows, head_dim),
+        pl.BlockSpec((None, None, num_splits, rows, value_dim),
                      lambda b, h, s: (b, h, 0, 0, 0)),
         pl.BlockSpec((None, None, num_splits, rows),
                      lambda b, h, s: (b, h, 0, 0)),
@@ -416,9 +424,10 @@ def decode(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale=None,
                                                   num_stages=num_stages),
       interpret=interpret,
       cost_estimate=_cost.estimate(
-          flops=4 * pairs * head_dim, transcendentals=pairs,
-          bytes_accessed=(2 * batch * kv_heads * capacity * head_dim
-                          * itemsize + 2 * _cost.nbytes(grouped))),
+          flops=2 * pairs * (head_dim + value_dim), transcendentals=pairs,
+          bytes_accessed=(batch * kv_heads * capacity * (head_dim + value_dim)
+                          * itemsize + _cost.nbytes(grouped)
+                          + _cost.nbytes(out_shape[0]))),
       name="decode_attention_gpu",
   )(*operands)
-  return outs[0].reshape(q.shape)
+  return outs[0].reshape(q.shape[:3] + (value_dim,))

@@ -7,8 +7,9 @@ kv_lengths[b]``) and sees cache positions ``p - window <= j <= p``; logits
 also holds ``exp(sink_h)``; a query with no visible key gives 0. A paged
 cache is first laid out per sequence: position j is row ``j % page_size``
 of page ``page_table[b, j // page_size]``. An 8-bit cache holds ``k_cache
-* k_scale[hk]`` (v the same), multiplied out in float64 first. Each query
-is computed on its own, by loops over sequences, heads and queries.
+* k_scale[hk]`` (v the same), multiplied out in float64 first. v's head_dim may
+differ from q's and k's (MLA): the output takes v's. Each query is
+computed on its own, by loops over sequences, heads and queries.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def gather_pages(cache, page_table):
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
                      logit_soft_cap=None, sliding_window=None, sinks=None,
                      page_table=None, k_scale=None, v_scale=None):
-  """``[B, H, T, D]`` float64."""
+  """``[B, H, T, Dv]`` float64 (``Dv``: v_cache's head_dim)."""
   k = np.asarray(k_cache).astype(np.float64)
   v = np.asarray(v_cache).astype(np.float64)
   if k_scale is not None:   # kv heads are axis 1 of either layout
@@ -47,7 +48,7 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
   b_n, h_n, t_n, d = q.shape
   group = h_n // k.shape[1]
   scale = 1 / math.sqrt(d) if sm_scale is None else sm_scale
-  out = np.zeros(q.shape)
+  out = np.zeros(q.shape[:3] + v.shape[3:])
   for b in range(b_n):
     for h in range(h_n):
       kh, vh = k[b, h // group], v[b, h // group]
@@ -85,7 +86,7 @@ def decode_attention_grads(q, k_cache, v_cache, kv_lengths, d_out, *,
   if k_scale is not None:
     k = k * np.asarray(k_scale, np.float64).reshape(-1, 1, 1)
     v = v * np.asarray(v_scale, np.float64).reshape(-1, 1, 1)
-  pool_shape = k.shape
+  pool_shapes = k.shape, v.shape
   if page_table is not None:
     k = gather_pages(k, page_table)
     v = gather_pages(v, page_table)
@@ -124,7 +125,8 @@ def decode_attention_grads(q, k_cache, v_cache, kv_lengths, d_out, *,
         if sinks is not None:
           dsinks[h] -= p_all[-1] * delta
   if page_table is not None:
-    dk, dv = (_scatter_pages(x, page_table, pool_shape) for x in (dk, dv))
+    dk, dv = (_scatter_pages(x, page_table, shape)
+              for x, shape in zip((dk, dv), pool_shapes))
   return dq, dk, dv, (None if sinks is None else dsinks)
 
 

@@ -151,7 +151,8 @@ def test_quantized_dense_gradients_match_float64(rng):
 
 
 def _decode64(q, k, v, lengths, sinks, sm_scale):
-  """[B, H, T, D] float64 decode attention (GQA, sinks), differentiable."""
+  """[B, H, T, Dv] float64 decode attention (GQA, sinks, v's head_dim Dv),
+  differentiable."""
   b_n, h_n, t_n, d = q.shape
   group = h_n // k.shape[1]
   k = k.repeat_interleave(group, 1)
@@ -167,17 +168,18 @@ def _decode64(q, k, v, lengths, sinks, sm_scale):
   return weights @ v
 
 
-@pytest.mark.parametrize("queries", [1, 3])
-def test_decode_attention_and_its_gradients_match_float64(rng, queries):
+@pytest.mark.parametrize("queries,dv", [(1, 16), (3, 40)])  # 40: MLA
+def test_decode_attention_and_its_gradients_match_float64(rng, queries, dv):
   b, h, hkv, d, s = 3, 4, 2, 16, 37
   q = torch.tensor(rng.standard_normal((b, h, queries, d)),
                    dtype=torch.float32, requires_grad=True)
-  k, v = (torch.tensor(rng.standard_normal((b, hkv, s, d)),
-                       dtype=torch.float32) for _ in range(2))
+  k, v = (torch.tensor(rng.standard_normal((b, hkv, s, dim)),
+                       dtype=torch.float32) for dim in (d, dv))
   sinks = torch.tensor(rng.standard_normal(h), dtype=torch.float32,
                        requires_grad=True)
   lengths = torch.tensor([queries, 20, s], dtype=torch.int64)
   out = tb.decode_attention(q, k, v, lengths, sinks=sinks)
+  assert out.shape == (b, h, queries, dv)
   cot = torch.tensor(rng.standard_normal(out.shape), dtype=torch.float32)
   dq, dsinks = torch.autograd.grad(out, (q, sinks), cot)
   leaves = [t.detach().double().requires_grad_() for t in (q, sinks)]
