@@ -589,14 +589,23 @@ def test_cost_model_counts_skipped_blocks():
 
 
 def test_block_size_table_follows_the_target_and_fits_lengths():
-  def forward_blocks(generation=None):
-    chosen = block_sizes.choose(4096, 4096, 128, generation=generation)
+  def forward_blocks(generation=None, length=4096, masked=False):
+    chosen = block_sizes.choose(length, length, 128, generation=generation,
+                                masked=masked)
     return chosen.fwd_q, chosen.fwd_kv
-  assert forward_blocks() == (1024, 1024)      # no TPU attached: v5e
-  for generation, want in (("v6e", (1024, 1024)), ("v5p", (1024, 512)),
+  assert forward_blocks() == (1024, 2048)      # no TPU attached: v5e
+  for generation, want in (("v6e", (2048, 1024)), ("v5p", (512, 2048)),
                            ("tpu7x", (1024, 512)), ("v4", (512, 512))):
     with _backend.target_override(tpu_generation=generation):
       assert forward_blocks() == want, generation
+  # Masked calls (causal, window, mask) have their own rows, by length.
+  for generation, length, want in (("v5e", 2048, (512, 512)),
+                                   ("v5e", 8192, (1024, 1024)),
+                                   ("v5p", 8192, (1024, 1024)),
+                                   ("v6e", 2048, (1024, 1024))):
+    assert forward_blocks(generation, length, True) == want, (generation,
+                                                              length)
+  assert forward_blocks("v5e", 256, False) == (256, 256)   # shrunk to fit
   chosen = block_sizes.choose(4096, 4096, 128, generation="tpu7x")
   assert (chosen.bwd_q, chosen.bwd_kv) == (512, 1024)
   # Short or awkward lengths shrink the block instead of padding a lot.

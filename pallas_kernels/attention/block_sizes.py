@@ -6,19 +6,41 @@ docs/design/attention.md.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from pallas_kernels import _backend
 
 LANES = 128
 DEFAULT_GENERATION = _backend.DEFAULT_TPU_GENERATION
 
-# generation -> ((max head_dim, (fwd_q, fwd_kv), (bwd_q, bwd_kv)), ...)
+class Row(NamedTuple):
+  """A table row: applies to head_dims up to ``head_dim`` (None: any), to
+  ``mask`` calls ("full": no block-skipping mask, "masked": causal, window or
+  ``mask``, "any") and sequences up to ``length`` (None: any)."""
+  head_dim: int | None
+  mask: str
+  length: int | None
+  fwd: tuple[int, int]
+  bwd: tuple[int, int]
+
+
+# generation -> rows, the first that applies wins. v5e, v6e and v5p at
+# head_dim <= 128: python -m bench.tpu_search (bench/results/tpu-search-*),
+# restricted to rows whose VMEM fits float32 inputs with a bias; the others
+# from the roofline (docs/design/attention.md).
 TABLE = {
-    "v4": ((128, (512, 512), (512, 512)), (None, (512, 512), (256, 512))),
-    "v5e": ((None, (1024, 1024), (1024, 1024)),),
-    "v6e": ((None, (1024, 1024), (1024, 1024)),),
-    "v5p": ((None, (1024, 512), (512, 1024)),),
-    "tpu7x": ((None, (1024, 512), (512, 1024)),),
+    "v4": (Row(128, "any", None, (512, 512), (512, 512)),
+           Row(None, "any", None, (512, 512), (256, 512))),
+    "v5e": (Row(128, "masked", 2048, (512, 512), (512, 512)),
+            Row(128, "full", None, (1024, 2048), (1024, 1024)),
+            Row(None, "any", None, (1024, 1024), (1024, 1024))),
+    "v6e": (Row(128, "full", None, (2048, 1024), (1024, 1024)),
+            Row(None, "any", None, (1024, 1024), (1024, 1024))),
+    "v5p": (Row(128, "masked", 2048, (512, 512), (512, 512)),
+            Row(128, "masked", None, (1024, 1024), (1024, 1024)),
+            Row(128, "full", None, (512, 2048), (1024, 1024)),
+            Row(None, "any", None, (1024, 512), (512, 1024))),
+    "tpu7x": (Row(None, "any", None, (1024, 512), (512, 1024)),),
 }
 
 
@@ -92,24 +114,30 @@ class ChosenBlocks:
   bwd_kv: int
 
 
-def table_block_sizes(generation: str, head_dim: int) -> BlockSizes:
-  """The table's unshrunk blocks for a generation, e.g. to AOT-compile for
-  v6e from a host whose own default is the v5e row."""
-  rows = TABLE.get(generation, TABLE[DEFAULT_GENERATION])
-  for max_dim, fwd, bwd in rows:
-    if max_dim is None or head_dim <= max_dim:
+def table_block_sizes(generation: str, head_dim: int, masked: bool = False,
+                      length: int | None = None) -> BlockSizes:
+  """The table's unshrunk blocks for a generation (e.g. to AOT-compile for v6e
+  from a host whose default is v5e), a call with or without a block-skipping
+  mask, and its longer sequence (None: long)."""
+  kind = "masked" if masked else "full"
+  for row in TABLE.get(generation, TABLE[DEFAULT_GENERATION]):
+    if ((row.head_dim is None or head_dim <= row.head_dim)
+        and row.mask in ("any", kind)
+        and (row.length is None
+             or (length is not None and length <= row.length))):
       break
-  return BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0],
-                    block_kv_bwd=bwd[1])
+  return BlockSizes(block_q=row.fwd[0], block_kv=row.fwd[1],
+                    block_q_bwd=row.bwd[0], block_kv_bwd=row.bwd[1])
 
 
 def choose(q_len: int, kv_len: int, head_dim: int,
            override: BlockSizes | None = None,
-           generation: str | None = None) -> ChosenBlocks:
+           generation: str | None = None, masked: bool = False) -> ChosenBlocks:
   """Block sizes for one problem: the table row of ``generation`` (default:
-  the lowering target's, ``_backend.target()``), then the user's override."""
+  the lowering target's, ``_backend.target()``), then the user's override;
+  ``masked``: the call skips blocks (causal, window or ``mask``)."""
   table = table_block_sizes(generation or _backend.target().tpu_generation,
-                            head_dim)
+                            head_dim, masked, max(q_len, kv_len))
   if not isinstance(override, BlockSizes):
     override = BlockSizes()     # None, or another backend's block sizes
   fq = override.block_q or fit_block(table.block_q, q_len)

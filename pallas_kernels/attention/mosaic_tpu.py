@@ -528,7 +528,9 @@ def _geometry(q_len, kv_len, block_q, block_kv, has_segments, causal,
 def _geometries(q_len, kv_len, head_dim, group, has_segments, causal,
                 window_left, window_right, mask, block_sizes):
   """(forward geometry, backward geometry) at the chosen blocks."""
-  blocks = _bs.choose(q_len, kv_len, head_dim, block_sizes)
+  masked = (causal or window_left is not None or window_right is not None
+            or mask is not None)
+  blocks = _bs.choose(q_len, kv_len, head_dim, block_sizes, masked=masked)
   def at(block_q, block_kv):
     return _geometry(q_len, kv_len, block_q, block_kv, has_segments, causal,
                      window_left, window_right, mask, group)
