@@ -67,6 +67,11 @@ def local_only():
     _local_only.reset(token)
 
 
+def is_local_only() -> bool:
+  """Whether a ``local_only`` block is active here."""
+  return _local_only.get()
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
   """Dimension factors of an op's operands and results (see module doc).
@@ -151,7 +156,7 @@ def run(rule: Rule, fn: Callable, *args, auto: bool = True):
                            f"rule ({factors}, {getattr(arg, 'shape', None)})")
   if _compat.vma_checked():
     return _in_checked_shard_map(fn, args)
-  if _local_only.get() or _compat.in_manual_context():
+  if is_local_only() or _compat.in_manual_context():
     return fn(*args)
   explicit = _explicit_mesh(args)
   if explicit is not None:

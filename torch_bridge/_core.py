@@ -347,10 +347,7 @@ def _specs_of(arrays) -> tuple:
 
 def _trace_context() -> tuple:
   """What, besides the arguments, can change the traced pullback."""
-  from pallas_kernels import _sharding
-  return (_backend.forced_interpret_flavour(),
-          tuple(sorted(_backend._override.get().items())),
-          _sharding._local_only.get())
+  return _backend.trace_context()
 
 
 @functools.lru_cache(maxsize=None)
