@@ -137,6 +137,21 @@ def broadcast_factors(shape, factors: str, prefix: str) -> str:
                   for i, (size, name) in enumerate(zip(shape, names)))
 
 
+def trailing_factors(shape, factors: str, prefix: str) -> str:
+  """:func:`broadcast_factors` of a ``shape`` that broadcasts against
+  ``factors`` numpy-style: a shorter shape takes the trailing factors."""
+  names = factors.split()
+  return broadcast_factors(
+      shape, " ".join(names[max(len(names) - len(shape), 0):]), prefix)
+
+
+def row_factors(ndim: int, name: str = "m") -> str:
+  """Factors of ``ndim`` leading row dimensions (``name``, ``name``1, ...):
+  an operand ``[..., K]`` whose rows a kernel flattens into one."""
+  return " ".join(([name] if ndim else []) +
+                  [f"{name}{i}" for i in range(1, ndim)])
+
+
 # ------------------------------------------------------------------ entry --
 
 def run(rule: Rule, fn: Callable, *args, auto: bool = True):

@@ -41,7 +41,7 @@ import functools
 import torch
 
 from pallas_kernels import _registry
-from torch_bridge import schemas
+from torch_bridge import _shards, schemas
 from torch_bridge._core import JaxOp, UnshardedWarning
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -156,37 +156,6 @@ def _sharding(static: dict, partition_spec, mesh, op: str):
   return static
 
 
-def _spec_length(op, spec, arg, shape, what=None):
-  if len(spec) != len(shape):
-    what = f" ({what})" if what else ""
-    raise ValueError(f"{op}: partition_spec {spec!r} must have one entry per "
-                     f"dimension of {arg}{what}, shape {tuple(shape)}")
-
-
-def _unsplittable(op, spec, arg, dims: dict[int, str], why: str):
-  """ValueError for the first of ``dims`` (dim -> its name) that ``spec``
-  splits: the op needs that dimension whole on every device."""
-  owner = arg + ("'" if arg.endswith("s") else "'s")
-  for dim, name in dims.items():
-    if spec[dim] is not None:
-      raise ValueError(f"{op}: partition_spec {spec!r} splits {owner} dim "
-                       f"{dim} ({name}) over mesh axis {spec[dim]!r}, but "
-                       f"{why}")
-
-
-def _broadcast_spec(spec, shape, full_shape):
-  """The spec of an input of ``shape`` that broadcasts (numpy rules) to
-  ``full_shape`` split by ``spec``: its broadcast (size-1) dimensions are
-  replicated."""
-  offset = len(full_shape) - len(shape)
-  return tuple(None if size == 1 and full_shape[offset + i] != 1
-               else spec[offset + i] for i, size in enumerate(shape))
-
-
-def _replicated(t):
-  return None if t is None else (None,) * t.dim()
-
-
 def _plain_block_sizes(block_sizes):
   """A block-size dataclass as a literal dict (the op schema's static string)
   tagged with its class, so ``_block_sizes_from_plain`` can rebuild it."""
@@ -297,13 +266,18 @@ def _attention_jax(q, k, v, q_segment_ids, kv_segment_ids, bias, sinks,
 
 
 def _attention_shards(static, spec, arrays, mesh):
-  q, k, _, _, _, bias, sinks = arrays
+  from pallas_kernels.attention import api
+  q, k, _, q_seg, kv_seg, bias, sinks = arrays
   op = "flash_attention"
-  _spec_length(op, spec, "q", q.shape, "batch, heads, seq, head_dim")
-  _unsplittable(op, spec, "q", {2: "sequence", 3: "head_dim"},
-                "only batch (dim 0) and heads (dim 1) can be split: each "
-                "query needs every key and the whole head_dim")
-  batch_axis, head_axis = spec[0], spec[1]
+  ins, outs = _shards.specs(
+      op, api.call_rule(q_seg, kv_seg, bias, sinks), spec, arrays,
+      ("q", "k", "v", "q_segment_ids", "kv_segment_ids", "bias", "sinks"),
+      lead="q", what="batch, heads, seq, head_dim",
+      describe={"l": "sequence"},
+      why="only batch (dim 0) and heads (dim 1) can be split: each query "
+      "needs every key and the whole head_dim",
+      results=2 if static.get("return_lse") else 1)
+  head_axis = spec[1]
   if head_axis is not None and mesh is not None and k.shape[1] != q.shape[1]:
     from torch_bridge import _xla
     n = _xla.entry_size(mesh, head_axis)
@@ -315,14 +289,6 @@ def _attention_shards(static, spec, arrays, mesh):
           f"attention, {q.shape[1]} query heads; padding would regroup "
           "them): use a multiple of that many kv heads or leave heads "
           "unsplit")
-  bias_spec = None if bias is None else (
-      batch_axis if bias.shape[0] > 1 else None,
-      head_axis if bias.shape[1] > 1 else None, None, None)
-  seg = (batch_axis, None)
-  ins = (spec, spec, spec, seg, seg, bias_spec,
-         None if sinks is None else (head_axis,))
-  outs = (spec, (batch_axis, head_axis, None)) if static.get(
-      "return_lse") else (spec,)
   return ins, outs
 
 
@@ -385,19 +351,17 @@ def _quantize_jax(x, *, axis, backend=None):
 
 
 def _quantize_shards(static, spec, arrays, mesh):
+  from pallas_kernels.quant import int8_api
   (x,), axis, op = arrays, static["axis"], "quantize_int8"
-  _spec_length(op, spec, "x", x.shape)
-  if axis is None:
-    _unsplittable(op, spec, "x", {d: "axis=None" for d in range(x.dim())},
-                  "axis=None takes one scale over the whole tensor")
-    return (spec,), (spec, ())
-  if not -x.dim() <= axis < x.dim():
+  if axis is not None and not -x.dim() <= axis < x.dim():
     raise ValueError(f"{op}: axis={axis} is out of range for x of rank "
                      f"{x.dim()}")
-  axis %= x.dim()
-  _unsplittable(op, spec, "x", {axis: f"axis={static['axis']}"},
-                "the scale is the maximum over that dimension")
-  return (spec,), (spec, spec)  # scale keeps that dimension (size 1)
+  rule = int8_api.quantize_rule(op, x.dim(),
+                                None if axis is None else axis % x.dim())
+  return _shards.specs(
+      op, rule, spec, arrays, ("x",), lead="x", describe={"r": f"axis={axis}"},
+      why="axis=None takes one scale over the whole tensor" if axis is None
+      else "the scale is the maximum over that dimension")
 
 
 _QUANTIZE = JaxOp("quantize_int8", _quantize_jax, differentiable=(),
@@ -425,22 +389,22 @@ def _matmul_jax(x, w, x_scale, w_scale, bias, **static):
                                     bias=bias, **static)
 
 
-def _rows_spec(op, spec, x, k_name):
-  """Checks a spec of ``x [..., K]``: rows may be split, K may not."""
-  _spec_length(op, spec, "x", x.shape)
-  _unsplittable(op, spec, "x", {x.dim() - 1: k_name},
-                "the matmul contracts over it (only rows can be split)")
+def _rows_specs(op, rule, spec, arrays, names, k_name):
+  """Specs of a matmul on ``x [..., K]`` (the first array): rows may be
+  split, K may not; the weights are replicated."""
+  return _shards.specs(op, rule, spec, arrays, names, lead="x",
+                       describe={"k": k_name},
+                       why="the matmul contracts over it (only rows can be "
+                       "split)")
 
 
 def _matmul_shards(static, spec, arrays, mesh):
-  x, w, x_scale, w_scale, bias = arrays
-  _rows_spec("int8_matmul", spec, x, "K")
-  x_scale_spec = (None if x_scale is None else
-                  _replicated(x_scale) if x_scale.numel() == 1 else
-                  _broadcast_spec(spec, x_scale.shape, x.shape))
-  ins = (spec, _replicated(w), x_scale_spec, _replicated(w_scale),
-         _replicated(bias))
-  return ins, (spec,)
+  from pallas_kernels.quant import int8_api
+  x, _, x_scale, w_scale, bias = arrays
+  rule = int8_api.matmul_rule(static["weight_layout"], x_scale, w_scale,
+                              bias, x.dim())
+  return _rows_specs("int8_matmul", rule, spec, arrays,
+                     ("x", "w", "x_scale", "w_scale", "bias"), "K")
 
 
 _MATMUL = JaxOp("int8_matmul", _matmul_jax, differentiable=(0, 4),
@@ -487,9 +451,11 @@ def _dense_jax(x, weight, bias, **static):
 
 
 def _dense_shards(static, spec, arrays, mesh):
-  x, weight, bias = arrays
-  _rows_spec("int8_dense", spec, x, "in_features")
-  return (spec, _replicated(weight), _replicated(bias)), (spec,)
+  from pallas_kernels.quant import int8_api
+  x, _, bias = arrays
+  rule = int8_api.matmul_rule("nk", None, None, bias, x.dim())
+  return _rows_specs("int8_dense", rule, spec, arrays,
+                     ("x", "w", "bias"), "in_features")
 
 
 _DENSE = JaxOp("int8_dense", _dense_jax, shard_specs=_dense_shards)
@@ -609,13 +575,13 @@ def _quantized_matmul_jax(x, w, x_scale, w_scale, w_zero, bias, *, x_format,
 
 
 def _quantized_matmul_shards(static, spec, arrays, mesh):
-  x, w, x_scale, w_scale, w_zero, bias = arrays
-  _rows_spec("quantized_matmul", spec, x, "K")
-  x_scale_spec = (None if x_scale is None else
-                  _replicated(x_scale) if x_scale.numel() == 1 else
-                  _broadcast_spec(spec, x_scale.shape, x.shape))
-  return (spec, _replicated(w), x_scale_spec, _replicated(w_scale),
-          _replicated(w_zero), _replicated(bias)), (spec,)
+  from pallas_kernels.quant import api
+  x, _, x_scale, w_scale, w_zero, bias = arrays
+  rule = api.matmul_rule(x_scale, w_scale, w_zero, bias,
+                         group_size=static["group_size"],
+                         weight_layout=static["weight_layout"],
+                         x_ndim=x.dim())
+  return _rows_specs("quantized_matmul", rule, spec, arrays, api.NAMES, "K")
 
 
 _QUANTIZED_MATMUL = JaxOp("quantized_matmul", _quantized_matmul_jax,
@@ -677,9 +643,12 @@ def _quantized_dense_jax(x, w_q, w_scale, bias, w_zero, lora_a, lora_b, *,
 
 
 def _quantized_dense_shards(static, spec, arrays, mesh):
-  x = arrays[0]
-  _rows_spec("quantized_dense", spec, x, "K")
-  return ((spec,) + tuple(_replicated(a) for a in arrays[1:]), (spec,))
+  from pallas_kernels.quant import api
+  rule = api.matmul_rule(None, None, None, None, group_size=None,
+                         weight_layout="kn", x_ndim=arrays[0].dim())
+  return _rows_specs("quantized_dense", rule, spec, arrays,
+                     ("x", "w_q", "w_scale", "bias", "w_zero", "lora_a",
+                      "lora_b"), "K")
 
 
 _QUANTIZED_DENSE = JaxOp("quantized_dense", _quantized_dense_jax,
@@ -733,18 +702,13 @@ def _decode_jax(q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale,
 
 
 def _decode_shards(static, spec, arrays, mesh):
-  q, k_cache, v_cache, kv_lengths, sinks, page_table, k_scale, v_scale = (
-      arrays)
-  op = "decode_attention"
-  _spec_length(op, spec, "q", q.shape)
-  _unsplittable(op, spec, "q", {1: "heads", 2: "new tokens", 3: "head_dim"},
-                "only the batch may be split")
-  batch_axis = spec[0]
-  paged = page_table is not None
-  cache = (None,) * 4 if paged else (batch_axis, None, None, None)
-  return ((spec, cache, cache, (batch_axis,), _replicated(sinks),
-           None if page_table is None else (batch_axis, None),
-           _replicated(k_scale), _replicated(v_scale)), (spec,))
+  from pallas_kernels.decode import api
+  _, _, _, _, sinks, page_table, k_scale, _ = arrays
+  return _shards.specs(
+      "decode_attention", api.call_rule(sinks, page_table, k_scale), spec,
+      arrays, ("q", "k_cache", "v_cache", "kv_lengths", "sinks", "page_table",
+               "k_scale", "v_scale"),
+      lead="q", split="b", why="only the batch may be split")
 
 
 _DECODE = JaxOp("decode_attention", _decode_jax, differentiable=(0, 4),
@@ -808,18 +772,14 @@ def _grouped_matmul_jax(lhs, rhs, group_sizes, group_offset, rhs_scale, *,
 
 
 def _grouped_matmul_shards(static, spec, arrays, mesh):
-  lhs, rhs = arrays[:2]
-  op = "grouped_matmul"
-  n = rhs.shape[1] if static["transpose_rhs"] else rhs.shape[2]
-  _spec_length(op, spec, "the output", (lhs.shape[0], n), "[M, N]")
-  _unsplittable(op, spec, "the output", {0: "rows"},
-                "group_sizes count rows of all of lhs (each group a "
-                "consecutive range); only N (dim 1) can be split")
-  rhs_spec = ((None, spec[1], None) if static["transpose_rhs"]
-              else (None, None, spec[1]))
-  offset_spec = None if arrays[3] is None else (None,) * arrays[3].ndim
-  scale_spec = None if arrays[4] is None else rhs_spec
-  return ((None, None), rhs_spec, (None,), offset_spec, scale_spec), (spec,)
+  from pallas_kernels.gmm import api
+  return _shards.specs(
+      "grouped_matmul", api.call_rule(arrays[4], static["transpose_rhs"]),
+      spec, arrays, ("lhs", "rhs", "group_sizes", "group_offset",
+                     "rhs_scale"),
+      lead=("the output", "m n"), what="[M, N]",
+      why="group_sizes count rows of all of lhs (each group a consecutive "
+      "range); only N (dim 1) can be split")
 
 
 _GROUPED_MATMUL = JaxOp("grouped_matmul", _grouped_matmul_jax,
@@ -1168,24 +1128,27 @@ def _elementwise_box_shards(op, names):
           "run per shard: each device would reduce only its own boxes. "
           f"torch_bridge.{op} computes the per-box losses sharded and "
           "reduces them in torch")
-    full = _broadcast_shape(op, names, b1, b2) + (4,)
-    _spec_length(op, spec, "the boxes", full, "boxes broadcast to [..., 4]")
-    _unsplittable(op, spec, "the boxes", {len(full) - 1: "coordinates"},
-                  "each box needs its 4 coordinates")
-    ins = tuple(_broadcast_spec(spec, b.shape, full) for b in arrays)
-    return ins, (spec[:-1],)
+    from pallas_kernels.boxes.iou import api
+    _broadcast_shape(op, names, b1, b2)
+    rule = api.call_rule(op, b1.shape, b2.shape, names=names)
+    return _shards.specs(
+        op, rule, spec, arrays, names,
+        lead=("the boxes", " ".join(rule.results[0] + ("c",))),
+        what="boxes broadcast to [..., 4]",
+        why="each box needs its 4 coordinates")
   return shards
 
 
 def _pairwise_shards(op):
   def shards(static, spec, arrays, mesh):
+    from pallas_kernels.boxes.iou import api
     b1, b2 = arrays
-    batch = _broadcast_shape(op, ("boxes1", "boxes2"), b1, b2, keep=2)
-    full = batch + (b1.shape[-2], b2.shape[-2])
-    _spec_length(op, spec, "the output", full, "[..., N, M]")
-    ins = (_broadcast_spec(spec[:-2], b1.shape[:-2], batch) + (spec[-2], None),
-           _broadcast_spec(spec[:-2], b2.shape[:-2], batch) + (spec[-1], None))
-    return ins, (spec,)
+    names = ("boxes1", "boxes2")
+    _broadcast_shape(op, names, b1, b2, keep=2)
+    rule = api.call_rule(op, b1.shape, b2.shape, pairwise=True)
+    return _shards.specs(op, rule, spec, arrays, names,
+                         lead=("the output", " ".join(rule.results[0])),
+                         what="[..., N, M]", why="")
   return shards
 
 
@@ -1407,23 +1370,24 @@ def _one_image_shards(op, n_indexed):
   pair of its boxes: nothing can be split. Outputs: ``n_indexed`` arrays
   ``[max_output_size]``, then a scalar count."""
   def shards(static, spec, arrays, mesh):
-    boxes = arrays[0]
-    _spec_length(op, spec, "boxes", boxes.shape)
-    _unsplittable(op, spec, "boxes", {0: "boxes", 1: "coordinates"},
-                  f"{op} compares every pair of boxes of the image; "
-                  "batched_nms can split images")
-    return ((None, None), (None,), (None,)), ((None,),) * n_indexed + ((),)
+    from pallas_kernels.boxes.nms import api
+    rule = api.sharding_rule(op, arrays[2], batched=False, indexed=n_indexed)
+    return _shards.specs(op, rule, spec, arrays, _NMS_ARRAYS, lead="boxes",
+                         why=f"{op} compares every pair of boxes of the "
+                         "image; batched_nms can split images")
   return shards
 
 
+_NMS_ARRAYS = ("boxes", "scores", "class_ids")
+
+
 def _batched_nms_shards(static, spec, arrays, mesh):
-  boxes, op = arrays[0], "batched_nms"
-  _spec_length(op, spec, "boxes", boxes.shape, "images, boxes, 4")
-  _unsplittable(op, spec, "boxes", {1: "boxes", 2: "coordinates"},
-                "greedy NMS compares every pair of boxes of an image; only "
-                "images (dim 0) can be split")
-  image = (spec[0], None)
-  return (spec, image, image), (image, (spec[0],))
+  from pallas_kernels.boxes.nms import api
+  op = "batched_nms"
+  return _shards.specs(op, api.sharding_rule(op, arrays[2]), spec, arrays,
+                       _NMS_ARRAYS, lead="boxes", what="images, boxes, 4",
+                       why="greedy NMS compares every pair of boxes of an "
+                       "image; only images (dim 0) can be split")
 
 
 def _nms_op(name, shards):
