@@ -156,6 +156,15 @@ def target_override(*, tpu_generation: str | None = None,
     _override.reset(token)
 
 
+def trace_context() -> tuple:
+  """What, besides its arguments, changes how a kernel call traces: the
+  forced interpreter flavour, the ``target_override`` and whether calls run
+  ``_sharding.local_only``. A hashable key for caches of traced functions."""
+  from pallas_kernels import _sharding
+  return (forced_interpret_flavour(), tuple(sorted(_override.get().items())),
+          _sharding.is_local_only())
+
+
 def generation_from_device_kind(kind: str) -> str:
   """"TPU v5 lite" -> "v5e", "TPU v5" -> "v5p", "TPU v6 lite" -> "v6e",
   "TPU7x" -> "tpu7x"."""

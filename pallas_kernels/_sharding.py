@@ -37,6 +37,11 @@ def local_only():
     _local_only.reset(token)
 
 
+def is_local_only() -> bool:
+  """Whether a ``local_only`` block is active here."""
+  return _local_only.get()
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
   """Dimension factors of an op's operands and results (see module doc).
@@ -102,6 +107,21 @@ def broadcast_factors(shape, factors: str, prefix: str) -> str:
                   for i, (size, name) in enumerate(zip(shape, names)))
 
 
+def trailing_factors(shape, factors: str, prefix: str) -> str:
+  """:func:`broadcast_factors` of a ``shape`` that broadcasts against
+  ``factors`` numpy-style: a shorter shape takes the trailing factors."""
+  names = factors.split()
+  return broadcast_factors(
+      shape, " ".join(names[max(len(names) - len(shape), 0):]), prefix)
+
+
+def row_factors(ndim: int, name: str = "m") -> str:
+  """Factors of ``ndim`` leading row dimensions (``name``, ``name``1, ...):
+  an operand ``[..., K]`` whose rows a kernel flattens into one."""
+  return " ".join(([name] if ndim else []) +
+                  [f"{name}{i}" for i in range(1, ndim)])
+
+
 # ------------------------------------------------------------------ entry --
 
 def run(rule: Rule, fn: Callable, *args, auto: bool = True):
@@ -121,7 +141,7 @@ def run(rule: Rule, fn: Callable, *args, auto: bool = True):
                            f"rule ({factors}, {getattr(arg, 'shape', None)})")
   if _compat.vma_checked():
     return _in_checked_shard_map(fn, args)
-  if _local_only.get() or _compat.in_manual_context():
+  if is_local_only() or _compat.in_manual_context():
     return fn(*args)
   explicit = _explicit_mesh(args)
   if explicit is not None:

@@ -187,6 +187,25 @@ def test_shard_grouped_matmul_bad_axes():
     pk.shard_grouped_matmul(mesh, lhs, rhs, sizes, expert_axis="x")
 
 
+@pytest.mark.parametrize("transpose_rhs, scale_shape, want", [
+    (False, (3, 2, 8), (None, None, "x")), (False, (3, 1, 8), (None, None, "x")),
+    (True, (3, 8, 2), (None, "x", None)), (True, (3, 8, 1), (None, "x", None))])
+def test_rule_splits_the_scale_as_rhs(transpose_rhs, scale_shape, want):
+  """Under an N split, rhs_scale ([G, S, N], [G, N, S] transposed) is split
+  on its N dimension, whatever rhs's layout."""
+  from jax.sharding import PartitionSpec as P
+
+  from pallas_kernels import _sharding
+  from pallas_kernels.gmm import api
+  arrays = (jnp.ones((8, 16)), jnp.ones((3, 8, 16) if transpose_rhs else
+                                        (3, 16, 8), jnp.int8),
+            jnp.ones((3,), jnp.int32), jnp.ones(scale_shape),
+            jnp.zeros((), jnp.int32))
+  rule = api._rule("gmm", arrays, {"transpose_rhs": transpose_rhs})
+  ins, _ = _sharding._specs_for(rule, {"n": ("x",)})
+  assert ins[3] == P(*want)
+
+
 QUANTIZED = [  # format, group size (None: per channel), lhs dtype, transpose
     (jnp.int8, None, jnp.bfloat16, False),
     (jnp.int8, 64, jnp.float32, True),

@@ -199,6 +199,7 @@ class JaxOp:
   operand) to one spec per input position and output, raising ValueError
   for a dimension that cannot be split; ``mesh`` is None when only the
   spec's structure is checked (every call that has a spec, on any device).
+  The ops derive them from their pallas_kernels rule (``_shards.specs``).
   Sharded dimensions the mesh does not divide are padded and cut back
   (``_xla.call_sharded``): ``shard_specs`` must refuse those where padding
   would change the real rows' results. Under SPMD an XLA call without a
@@ -347,10 +348,7 @@ def _specs_of(arrays) -> tuple:
 
 def _trace_context() -> tuple:
   """What, besides the arguments, can change the traced pullback."""
-  from pallas_kernels import _sharding
-  return (_backend.forced_interpret_flavour(),
-          tuple(sorted(_backend._override.get().items())),
-          _sharding._local_only.get())
+  return _backend.trace_context()
 
 
 @functools.lru_cache(maxsize=None)

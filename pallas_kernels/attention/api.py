@@ -162,6 +162,15 @@ def _sharding_rule(q_seg, kv_seg, bias, forward: bool, d_lse=None):
       helper="shard_flash_attention (or jax.shard_map)", names=_FACTOR_NAMES)
 
 
+def call_rule(q_seg, kv_seg, bias, sinks):
+  """The forward rule on flash_attention's arrays (q, k, v, q_segment_ids,
+  kv_segment_ids, bias, sinks): sinks, one logit per query head, join
+  outside the kernel."""
+  rule = _sharding_rule(q_seg, kv_seg, bias, True)
+  return dataclasses.replace(rule, operands=rule.operands + (
+      ("sinks", None if sinks is None else ("h",)),))
+
+
 def _forward(config, q, k, v, q_seg, kv_seg, bias):
   return _backend.dispatch(
       OP, config.backend, _rows(config, "forward", q, k, v, q_seg, bias),

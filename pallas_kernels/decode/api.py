@@ -111,6 +111,12 @@ def _sharding_rule(sinks, page_table, scales=False, backward=False):
       helper="jax.shard_map", names=_FACTOR_NAMES)
 
 
+def call_rule(sinks, page_table, k_scale):
+  """The forward rule on decode_attention's arrays (q, k_cache, v_cache,
+  kv_lengths, sinks, page_table, k_scale, v_scale)."""
+  return _sharding_rule(sinks, page_table, scales=k_scale is not None)
+
+
 def _forward(config, q, k_cache, v_cache, kv_lengths, sinks, page_table,
              *scales):
   return _backend.dispatch(

@@ -187,13 +187,24 @@ def _rule(name, args, static):
     return _sharding.make_rule(
         "tgmm", [("lhs", "m k"), ("dout", "m n"), ("group_sizes", "t"),
                  ("group_offset", "")], ["g k n"], split="k n")
-  rhs = "g n k" if static["transpose_rhs"] else "g k n"
+  return call_rule(args[3] if len(args) == 5 else None,
+                   static["transpose_rhs"])
+
+
+def call_rule(rhs_scale, transpose_rhs):
+  """grouped_matmul's rule on (lhs, rhs, group_sizes[, rhs_scale],
+  group_offset); the scale is laid out as rhs (size-1 dims broadcast)."""
+  from pallas_kernels import _sharding
+  rhs = "g n k" if transpose_rhs else "g k n"
   operands = [("lhs", "m k"), ("rhs", rhs), ("group_sizes", "t")]
-  if len(args) == 5:
-    scale = _sharding.broadcast_factors(args[3].shape, "g k n", "s")
-    operands.append(("rhs_scale", scale))
+  if rhs_scale is not None:
+    operands.append(("rhs_scale",
+                     _sharding.broadcast_factors(rhs_scale.shape, rhs, "s")))
   operands.append(("group_offset", ""))
-  return _sharding.make_rule(OP, operands, ["m n"], split="n k", sums=["k"])
+  return _sharding.make_rule(
+      OP, operands, ["m n"], split="n k", sums=["k"],
+      names={"m": "rows", "n": "N", "k": "K", "g": "groups",
+             "t": "group sizes"})
 
 
 def _run_gmm(lhs, rhs, group_sizes, group_offset, rhs_scale, transpose_rhs,

@@ -252,16 +252,26 @@ def _kernels(call, user_blocks, generation):
 def _rule(call):
   """Rows (m) and output columns (n) split; K and groups never."""
   x2, w, x_scale, w_scale, w_zero, bias = call.operands
+  return matmul_rule(x_scale, w_scale, w_zero, bias,
+                     group_size=call.group_size, weight_layout=call.w_layout)
+
+
+def matmul_rule(x_scale, w_scale, w_zero, bias, *, group_size,
+                weight_layout, x_ndim=2):
+  """:func:`quantized_matmul`'s rule on its operands (x of rank
+  ``x_ndim``, ``[..., K]``; the kernel's x is 2-D); the scales, zeros and
+  bias broadcast against x and the output numpy-style."""
+  rows = _sharding.row_factors(x_ndim - 1)
   maybe = lambda value, factors: (  # noqa: E731
       None if value is None else
-      _sharding.broadcast_factors(value.shape, factors, "one"))
-  grouped = call.group_size is not None
+      _sharding.trailing_factors(value.shape, factors, "one"))
+  grouped = group_size is not None
   return _sharding.make_rule(
       OP,
-      [("x", "m k"), ("w", "k n" if call.w_layout == "kn" else "n k"),
-       ("x_scale", maybe(x_scale, "m g" if grouped else "m s")),
+      [("x", rows + " k"), ("w", "k n" if weight_layout == "kn" else "n k"),
+       ("x_scale", maybe(x_scale, rows + (" g" if grouped else " s"))),
        ("w_scale", maybe(w_scale, "g n" if grouped else "s n")),
        ("w_zero", maybe(w_zero, "g n")), ("bias", maybe(bias, "s n"))],
-      ["m n"], split="m n", helper="jax.shard_map",
-      names={"m": "rows", "k": "K (contracted)", "n": "N (output columns)",
-             "g": "K groups"})
+      [rows + " n"], split=rows + " n", helper="jax.shard_map",
+      names={"k": "K (contracted)", "n": "N (output columns)",
+             "g": "K groups", **{m: "rows" for m in rows.split()}})

@@ -60,14 +60,28 @@ def quantize_int8(x, *, axis=-1, backend=None):
                                     interpret=interpret or False)
     return q.reshape(x_.shape), s.reshape(x_.shape[:-1] + (1,))
 
-  lead = " ".join(f"a{i}" for i in range(x.ndim - 1))
-  rule = _sharding.make_rule(
-      "quantize_int8", [("x", lead + " r")], [lead + " r", lead + " one"],
-      split=lead, helper="jax.shard_map", names={"r": "quantized (last)"})
+  rule = quantize_rule("quantize_int8", x.ndim, x.ndim - 1)
   return _backend.dispatch(
       "quantize_int8", backend,
       [_backend.Kernel("mosaic_tpu", tpu), _backend.Kernel("reference", xla)],
       x, rule=rule)
+
+
+def quantize_rule(op, ndim, axis):
+  """Every dimension of x split but ``axis`` (the scale is the maximum over
+  it, kept as size 1); with ``axis=None`` (one scale, 0-d) none."""
+  dims = [f"a{i}" for i in range(ndim)]
+  if axis is None:
+    x = " ".join(dims)
+    return _sharding.make_rule(op, [("x", x)], [x, ""], split="",
+                               helper="jax.shard_map",
+                               names={d: "axis=None" for d in dims})
+  dims[axis] = "r"
+  x = " ".join(dims)
+  return _sharding.make_rule(
+      op, [("x", x)], [x, " ".join("one" if d == "r" else d for d in dims)],
+      split=" ".join(d for d in dims if d != "r"), helper="jax.shard_map",
+      names={"r": f"axis={axis}" if axis != ndim - 1 else "quantized (last)"})
 
 
 # ----------------------------------------------------------------------------
@@ -137,7 +151,7 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
   x2, w, x_scale, w_scale, bias = call.operands
   kernels = _matmul_kernels(x2, w, x_scale, call.static, user_blocks,
                             generation)
-  rule = _matmul_rule(weight_layout, x_scale, w_scale, bias)
+  rule = matmul_rule(weight_layout, x_scale, w_scale, bias)
   out = _frozen.frozen(
       "int8_matmul", lambda *a: _backend.dispatch("int8_matmul", backend,
                                                   kernels, *a, rule=rule),
@@ -225,18 +239,25 @@ def _matmul_kernels(x2, w, x_scale, static, user_blocks, generation):
   ]
 
 
-def _matmul_rule(weight_layout, x_scale, w_scale, bias):
-  """Rows (m) and output columns (n) split; K is contracted, never split."""
+def matmul_rule(weight_layout, x_scale, w_scale, bias, x_ndim=2):
+  """Rows (m) and output columns (n) split; K is contracted, never split.
+
+  ``x_ndim``: x's rank (``[..., K]``, the public call's; the kernel's is
+  2); the scales and bias broadcast against x and the output numpy-style.
+  """
+  rows = _sharding.row_factors(x_ndim - 1)
   maybe = lambda value, factors: (
       None if value is None else
-      _sharding.broadcast_factors(value.shape, factors, "one"))
+      _sharding.trailing_factors(value.shape, factors, "one"))
   return _sharding.make_rule(
       "int8_matmul",
-      [("x", "m k"), ("w", "k n" if weight_layout == "kn" else "n k"),
-       ("x_scale", maybe(x_scale, "m s")), ("w_scale", maybe(w_scale, "s n")),
-       ("bias", maybe(bias, "s n"))],
-      ["m n"], split="m n", helper="shard_int8_matmul (or jax.shard_map)",
-      names={"m": "rows", "k": "K (contracted)", "n": "N (output columns)"})
+      [("x", rows + " k"), ("w", "k n" if weight_layout == "kn" else "n k"),
+       ("x_scale", maybe(x_scale, rows + " s")),
+       ("w_scale", maybe(w_scale, "s n")), ("bias", maybe(bias, "s n"))],
+      [rows + " n"], split=rows + " n",
+      helper="shard_int8_matmul (or jax.shard_map)",
+      names={"k": "K (contracted)", "n": "N (output columns)",
+             **{m: "rows" for m in rows.split()}})
 
 
 def shard_int8_matmul(mesh, x, w, *, row_axis=None, n_axis=None, k_axis=None,

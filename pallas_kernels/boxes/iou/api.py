@@ -188,6 +188,27 @@ def _boxes_rule(op, results, sums=None, cotangent=None):
                              helper="jax.shard_map", names=_BOX_NAMES)
 
 
+def call_rule(op, shape1, shape2, *, pairwise=False,
+              names=("boxes1", "boxes2")):
+  """The rule over a box op's public operands (``[..., 4]``, or ``[..., N,
+  4]`` and ``[..., M, 4]`` pairwise; the kernels see them flattened): every
+  dimension of the broadcast leading shape split (never a broadcast, size-1
+  one), pairwise N and M too; the coordinates never."""
+  keep = 2 if pairwise else 1
+  lead = max(len(shape1), len(shape2)) - keep
+  batch = [f"a{i}" for i in range(lead)]
+  own = (" n c", " m c") if pairwise else (" c", " c")
+  operands = [
+      (name, " ".join(_sharding.trailing_factors(
+          shape[:len(shape) - keep], " ".join(batch), f"{name}_").split()
+          + tail.split()))
+      for name, shape, tail in zip(names, (shape1, shape2), own)]
+  result = " ".join(batch + (["n", "m"] if pairwise else []))
+  return _sharding.make_rule(
+      op, operands, [result], split=result, helper="jax.shard_map",
+      names={**_BOX_NAMES, **{a: "batch" for a in batch}})
+
+
 def _elementwise_forward(cfg, b1, b2):
   reduced = cfg.reduction != "none"
   rule = _boxes_rule(cfg.op, ["" if reduced else "n"],

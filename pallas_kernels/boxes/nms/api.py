@@ -245,13 +245,22 @@ def _run(op, backend, boxes, scores, class_ids, iou_threshold,
     return (jnp.full((batch, max_output_size), -1, jnp.int32),
             jnp.zeros((batch,), jnp.int32))
   return _backend.dispatch(op, backend, kernels, boxes, scores, class_ids,
-                           rule=_sharding.make_rule(
-      op, [("boxes", "b n c"), ("scores", "b n"),
-           ("class_ids", None if class_ids is None else "b n")],
-      ["b k", "b"], split="b",
+                           rule=sharding_rule(op, class_ids))
+
+
+def sharding_rule(op, class_ids, *, batched=True, indexed=1):
+  """Images (b) split; never an image's boxes (greedy NMS is sequential
+  over them). Results: ``indexed`` arrays over the kept boxes (indices,
+  soft-NMS scores), then the count; without ``batched``, one image."""
+  b = "b " if batched else ""
+  return _sharding.make_rule(
+      op, [("boxes", b + "n c"), ("scores", b + "n"),
+           ("class_ids", None if class_ids is None else b + "n")],
+      [b + "k"] * indexed + [b.strip()], split=b,
       helper="batched_nms with the image batch sharded (NMS of one image "
       "is sequential over its boxes)",
-      names={"b": "image batch", "n": "boxes", "c": "coordinates"}))
+      names={"b": "image batch", "n": "boxes", "c": "coordinates",
+             "k": "kept boxes"})
 
 
 # -------------------------------------------------------------------- public
