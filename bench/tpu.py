@@ -543,21 +543,19 @@ def cases(ops=tuple(OPS), quick=False) -> dict:
 
 # ----------------------------------------------------------- one compile
 def compile_and_walk(case: str, generation: str, dump: str,
-                     quick: bool = False) -> dict:
+                     quick: bool = False, case_table=None) -> dict:
   """In a process started with the dump flags for ``dump`` in
   ``LIBTPU_INIT_ARGS`` (``run_one_subprocess``): compiles ``case`` for
-  ``generation`` and walks its listings."""
+  ``generation`` and walks its listings. ``case_table``: a callable giving
+  the case table once ``GENERATION`` is set (default: this module's)."""
   from bench import tpu_bundles
   import pallas_kernels.tpu_aot as tpu_aot
   op = case.split("|")[0]
   global TOPOLOGY, GENERATION
   TOPOLOGY = tpu_aot.GENERATION_TOPOLOGY[generation]
   GENERATION = generation
-  if op.startswith("search "):
-    from bench import tpu_search
-    table = tpu_search.cases(names=[case])
-  else:
-    table = cases((_family(op),), quick)
+  table = (case_table() if case_table is not None
+           else cases((_family(op),), quick))
   fn, args, params = table[case]
   t0 = time.time()
   tpu_aot.compile_for_tpu(fn, *args,
@@ -645,14 +643,14 @@ def _prod(grid):
 
 
 def run_one_subprocess(case: str, generation: str, quick: bool,
-                       timeout: float = 900) -> dict:
+                       timeout: float = 900, module: str = "bench.tpu") -> dict:
   dump = tempfile.mkdtemp(prefix="tpubundles-")
   env = dict(os.environ)
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   # libtpu reads its flags once, when it loads: set them for the child.
   env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "") + " "
                              + DUMP_FLAGS.format(dir=dump)).strip()
-  cmd = [sys.executable, "-m", "bench.tpu", "--one", case, generation, dump]
+  cmd = [sys.executable, "-m", module, "--one", case, generation, dump]
   if quick:
     cmd.append("--quick")
   t0 = time.time()

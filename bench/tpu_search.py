@@ -166,7 +166,14 @@ def main(argv=None) -> int:
                       help="append each row here; rows already there are "
                       "not compiled again")
   parser.add_argument("--no-save", action="store_true")
+  parser.add_argument("--one", nargs=3, metavar=("CASE", "GEN", "DUMP"),
+                      help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.one:
+    case = args.one[0]
+    print(json.dumps(tpu.compile_and_walk(
+        *args.one, case_table=lambda: cases(names=[case]))))
+    return 0
   meta = dict(tpu.versions(), date=datetime.date.today().isoformat())
   work = []
   for gen in args.generations:
@@ -187,7 +194,8 @@ def main(argv=None) -> int:
   print(f"{len(work)} compiles ({len(left)} to do), {args.jobs} at a time",
         flush=True)
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-    futures = {pool.submit(tpu.run_one_subprocess, c, g, False): (c, g)
+    futures = {pool.submit(tpu.run_one_subprocess, c, g, False,
+                           module="bench.tpu_search"): (c, g)
                for c, g in left}
     for fut in concurrent.futures.as_completed(futures):
       case, gen = futures[fut]
