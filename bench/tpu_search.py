@@ -166,6 +166,8 @@ def main(argv=None) -> int:
                       help="append each row here; rows already there are "
                       "not compiled again")
   parser.add_argument("--no-save", action="store_true")
+  parser.add_argument("--report", action="store_true",
+                      help="with --resume: compile nothing, tabulate its rows")
   parser.add_argument("--one", nargs=3, metavar=("CASE", "GEN", "DUMP"),
                       help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -190,7 +192,7 @@ def main(argv=None) -> int:
         r = json.loads(line)
         done[(r["case"], r["generation"])] = r
   rows = [done[w] for w in work if w in done]
-  left = [w for w in work if w not in done]
+  left = [] if args.report else [w for w in work if w not in done]
   print(f"{len(work)} compiles ({len(left)} to do), {args.jobs} at a time",
         flush=True)
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:

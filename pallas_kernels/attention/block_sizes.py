@@ -24,17 +24,19 @@ class Row(NamedTuple):
   bwd: tuple[int, int]
 
 
-# generation -> rows, the first that applies wins. v5e, v6e and v5p at
-# head_dim <= 128: python -m bench.tpu_search (bench/results/tpu-search-*),
-# restricted to rows whose VMEM fits float32 inputs with a bias; the others
-# from the roofline (docs/design/attention.md).
+# generation -> rows, the first that applies wins. From python -m
+# bench.tpu_search (bench/results/tpu-search-*), restricted to blocks whose
+# VMEM fits float32 inputs with a bias: v5e, v6e, v5p at head_dim <= 128;
+# v5e and v6e forward at 256. The others: docs/design/attention.md.
 TABLE = {
     "v4": (Row(128, "any", None, (512, 512), (512, 512)),
            Row(None, "any", None, (512, 512), (256, 512))),
     "v5e": (Row(128, "masked", 2048, (512, 512), (512, 512)),
             Row(128, "full", None, (1024, 2048), (1024, 1024)),
+            Row(None, "masked", 2048, (512, 512), (1024, 1024)),
+            Row(None, "full", None, (2048, 1024), (1024, 1024)),
             Row(None, "any", None, (1024, 1024), (1024, 1024))),
-    "v6e": (Row(128, "full", None, (2048, 1024), (1024, 1024)),
+    "v6e": (Row(None, "full", None, (2048, 1024), (1024, 1024)),
             Row(None, "any", None, (1024, 1024), (1024, 1024))),
     "v5p": (Row(128, "masked", 2048, (512, 512), (512, 512)),
             Row(128, "masked", None, (1024, 1024), (1024, 1024)),
