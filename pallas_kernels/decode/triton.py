@@ -149,6 +149,9 @@ def _attend(lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, *,
                    mask=lax.broadcasted_iota(jnp.int32, (rows_n, width), 0)
                    < row_count, other=0)
         for start, width in pieces]
+  # float32 inputs get float32 products (the GPU's default would be TF32).
+  precision = (lax.Precision.HIGHEST if qs[0].dtype == jnp.float32
+               else None)
   # A step's pieces of rows: one contiguous run, or its pages.
   piece_rows = k_ref.shape[1] if paged else block
   # Row r's query index: r % T (g-major rows).
@@ -184,6 +187,7 @@ def _attend(lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, *,
       ks = [k_ref[rows_at + (pl.ds(start, width),)].astype(qs[0].dtype)
             for start, width in pieces]
       qk = sum(lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                               precision=precision,
                                preferred_element_type=jnp.float32)
                for q, k in zip(qs, ks))
       if cap is None:
@@ -212,7 +216,7 @@ def _attend(lengths_ref, q_ref, k_ref, v_ref, pages_ref, sm_scale, *,
         v = v_ref[rows_at + (pl.ds(start, width),)].astype(qs[0].dtype)
         v = jnp.where(live_values, v, jnp.zeros_like(v))
         new_accs[i] += lax.dot_general(
-            p, v, (((1,), (0,)), ((), ())),
+            p, v, (((1,), (0,)), ((), ())), precision=precision,
             preferred_element_type=jnp.float32)
     return tuple(new_accs), m_next, l_next
 
