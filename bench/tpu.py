@@ -773,6 +773,19 @@ def write_budget(rows: list[dict], meta: dict, path=BUDGET) -> None:
   print("wrote", path)
 
 
+def add_run_arguments(parser) -> None:
+  """--no-save, --resume, --report and the child process's --one."""
+  parser.add_argument("--no-save", action="store_true")
+  parser.add_argument("--resume", metavar="JSONL",
+                      help="append each row here; rows already there are "
+                      "not compiled again")
+  parser.add_argument("--report", action="store_true",
+                      help="with --resume: compile nothing, tabulate every "
+                      "row of the file")
+  parser.add_argument("--one", nargs=3, metavar=("CASE", "GEN", "DUMP"),
+                      help=argparse.SUPPRESS)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--ops", nargs="+", choices=sorted(OPS),
@@ -787,20 +800,12 @@ def main(argv=None) -> int:
   parser.add_argument("--write-budget", action="store_true",
                       help=f"compile only the budget cases on "
                       f"{BUDGET_GENERATION} and rewrite {BUDGET.name}")
-  parser.add_argument("--no-save", action="store_true")
-  parser.add_argument("--resume", metavar="JSONL",
-                      help="append each row here; rows already there are "
-                      "not compiled again")
+  add_run_arguments(parser)
   parser.add_argument("--rewalk", action="store_true",
                       help="with --resume: walk the kept dumps of its rows "
                       "again (after a change to bench/tpu_bundles.py)")
-  parser.add_argument("--report", action="store_true",
-                      help="with --resume: compile nothing, tabulate every "
-                      "row of the file")
   parser.add_argument("--ours-only", action="store_true",
                       help="skip the anchors (e.g. for v4 and tpu7x)")
-  parser.add_argument("--one", nargs=3, metavar=("CASE", "GEN", "DUMP"),
-                      help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.one:
     print(json.dumps(compile_and_walk(*args.one, quick=args.quick)))

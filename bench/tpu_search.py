@@ -162,14 +162,7 @@ def main(argv=None) -> int:
   parser.add_argument("--kernels", nargs="+", choices=("fwd", "bwd"),
                       default=["fwd", "bwd"])
   parser.add_argument("--jobs", type=int, default=2)
-  parser.add_argument("--resume", metavar="JSONL",
-                      help="append each row here; rows already there are "
-                      "not compiled again")
-  parser.add_argument("--no-save", action="store_true")
-  parser.add_argument("--report", action="store_true",
-                      help="with --resume: compile nothing, tabulate its rows")
-  parser.add_argument("--one", nargs=3, metavar=("CASE", "GEN", "DUMP"),
-                      help=argparse.SUPPRESS)
+  tpu.add_run_arguments(parser)
   args = parser.parse_args(argv)
   if args.one:
     case = args.one[0]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import jax
 import numpy as np
@@ -17,36 +16,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import backends  # noqa: E402
 import test_decode_attention as t  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
+import _gpu_check  # noqa: E402
 
 GPU = backends.Backend("triton", "triton", None)   # compiled: no flavour
 
 
-def main():
-  only = sys.argv[1:]   # substrings of the cases to run (default: all)
-  names = [n for n in sorted(t.CASES)
-           if (not only or any(o in n for o in only))
-           and not t._refusal(GPU, t.CASES[n])]
-  failed = 0
-  for name in names:
-    case = t.CASES[name]
-    start = time.perf_counter()
-    try:
-      q, k, v, lengths, kw = case.inputs(np.random.default_rng(len(name)))
-      out = GPU.run(jax.jit(pk.decode_attention, static_argnames=(
-          "sm_scale", "logit_soft_cap", "sliding_window", "backend")),
-          q, k, v, lengths, **kw)
-      assert out.shape == case.out_shape, (out.shape, case.out_shape)
-      want = t.oracle.decode_attention(q, k, v, lengths, **kw)
-      t._assert_close(out, want, t.TOLERANCES[case.dtype], name)
-      status = "ok"
-    except Exception as e:  # noqa: BLE001
-      failed += 1
-      status = f"FAIL {type(e).__name__}: {str(e)[:400]}"
-    print(f"{name}: {status} ({time.perf_counter() - start:.1f} s)",
-          flush=True)
-  print(f"{len(names) - failed}/{len(names)} passed")
-  return 1 if failed else 0
+def _check(name):
+  case = t.CASES[name]
+  q, k, v, lengths, kw = case.inputs(np.random.default_rng(len(name)))
+  out = GPU.run(jax.jit(pk.decode_attention, static_argnames=(
+      "sm_scale", "logit_soft_cap", "sliding_window", "backend")),
+      q, k, v, lengths, **kw)
+  assert out.shape == case.out_shape, (out.shape, case.out_shape)
+  want = t.oracle.decode_attention(q, k, v, lengths, **kw)
+  t._assert_close(out, want, t.TOLERANCES[case.dtype], name)
 
+
+def main():
+  return _gpu_check.run([(n, lambda n=n: _check(n)) for n in sorted(t.CASES)
+                         if not t._refusal(GPU, t.CASES[n])])
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,12 +16,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import backends  # noqa: E402
 import test_ragged_paged_attention as t  # noqa: E402
+import _gpu_check  # noqa: E402
 
 GPU = backends.Backend("triton_compiled", "triton", None)
 
 
 def main():
-  failed = 0
   checks = []
   for name, case in sorted(t.CASES.items()):
     case = dict(case)
@@ -65,21 +64,9 @@ def main():
     checks.append((f"sweep{seed} {cache and jnp.dtype(cache).name} q{q_lens} "
                    f"kv{[int(k) for k in kv_lens]} "
                    f"p{page_size} G{group}", args, t.TOL[dtype], kw))
-  only = sys.argv[1:]   # substrings of the checks to run (default: all)
-  checks = [c for c in checks if not only or any(o in c[0] for o in only)]
-  for name, args, tol, kw in checks:
-    start = time.perf_counter()
-    try:
-      t._check(GPU, args, tol, **kw)
-      status = "ok"
-    except Exception as e:  # noqa: BLE001
-      failed += 1
-      status = f"FAIL {type(e).__name__}: {str(e)[:400]}"
-    print(f"{name}: {status} ({time.perf_counter() - start:.1f} s)",
-          flush=True)
-  print(f"{len(checks) - failed}/{len(checks)} passed")
-  return 1 if failed else 0
-
+  return _gpu_check.run(
+      [(name, lambda a=args, tol=tol, kw=kw: t._check(GPU, a, tol, **kw))
+       for name, args, tol, kw in checks])
 
 if __name__ == "__main__":
   sys.exit(main())
