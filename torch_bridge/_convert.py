@@ -1,9 +1,6 @@
-"""Moving arrays between torch and JAX without copies where possible.
-
-CPU and CUDA tensors cross via DLPack (zero-copy when the buffer's alignment
-and layout suit the consumer); tensors DLPack cannot carry (empty tensors,
-misaligned CPU buffers) fall back to a NumPy copy. XLA tensors never come
-here: they are embedded into the torch_xla graph (``_xla.py``).
+"""Arrays between torch and JAX: DLPack (zero-copy where the buffer suits the
+consumer, cached views of torch memory), else a NumPy copy (empty tensors,
+misaligned CPU buffers). XLA tensors never come here (``_xla.py``).
 """
 from __future__ import annotations
 
@@ -172,22 +169,9 @@ def _unowned_capsule(t: torch.Tensor):
 
 
 class _Views:
-  """JAX arrays over torch memory, by (address, shape, dtype).
-
-  Importing a buffer and running a jitted call on a freshly imported array
-  each cost more host time than the op's launch on CUDA, and torch's
-  caching allocator hands the same addresses to the same-shaped tensors of
-  the next step. So each address is imported once, as a view that does not
-  keep torch's memory alive (``_unowned_capsule``): an entry is only used
-  while a live tensor of that shape and dtype sits at that address, and no
-  JAX work can still read memory torch has freed and reused: a call starts
-  JAX's work after the work queued on torch's current stream and ends by
-  ordering that stream after JAX's work when it hands back the outputs
-  (CPU: the export waits for the result), so to torch's allocator the call
-  is one more kernel on the current stream (a tensor made on another stream
-  needs ``record_stream``, as for torch's own ops). Temporaries made for
-  the call (``.contiguous()``) are imported owned instead. A view is only
-  kept if JAX took the buffer without copying it."""
+  """JAX arrays over torch memory, by (address, shape, dtype): each address
+  imported once, as a view that does not own it (``_unowned_capsule``; why
+  that is safe: docs/design/torch_bridge.md, "Cached views")."""
 
   MAX_ENTRIES = 1024
 

@@ -1,64 +1,7 @@
-"""One mechanism that turns any JAX function into a differentiable torch op.
-
-``JaxOp(name, fn)`` registers internal ``torch.library`` custom ops in the
-namespace ``pallas_kernels_impl`` (the public, typed ops of
-``torch.ops.pallas_kernels`` are built on them: ``torch_bridge.schemas``):
-
-  pallas_kernels_impl::<name>(str static, Tensor[] arrays) -> Tensor[]
-  pallas_kernels_impl::<name>_vjp(str static, Tensor[] arrays,
-                                  Tensor[] cotangents) -> Tensor[]
-
-``fn(*arrays, **static)`` is a JAX function returning an array or a tuple of
-arrays; ``static`` holds the non-array parameters, encoded as a Python
-literal in the ``static`` string so the ops have a fixed schema that
-``torch.compile`` can trace. Keys starting with ``_`` are the bridge's own
-(``_layout``: which optional array positions are present, since a tensor
-list cannot carry None through autograd; ``_interpret``: the interpreter
-flavour forced when the call was made, so that its backward, which may run
-on autograd's device thread where the caller's context is gone, is traced
-the same way; under torch.compile the ops read it when they run; ``_partition_spec``, ``_mesh``) and
-are not passed to ``fn``. The VJP op takes one cotangent per floating-point
-output.
-
-Where the arrays live decides how ``fn`` runs:
-  XLA tensors   embedded into the torch_xla graph (``_xla.py``); nothing
-                leaves the device and nothing runs eagerly.
-  CPU / CUDA    handed to a jitted ``fn`` via DLPack and back (``_convert``).
-  meta / fake   ``jax.eval_shape`` gives the output shapes (``register_fake``).
-
-Dynamic shapes (torch.compile(dynamic=True), AOT dispatch): symbolic sizes
-and symbolic int / float static parameters are specialized to their values
-(guarded), since ``jax.eval_shape`` and the JAX function's constants need
-them: the ops trace, but one graph does not serve several sizes or values.
-
-Autograd keeps the JAX op's own residuals. When a call needs gradients it
-runs a third op,
-
-  pallas_kernels_impl::<name>_save(str static, Tensor[] arrays) -> Tensor[]
-
-the forward under ``jax.vjp``: it returns the outputs followed by the
-residual arrays of the VJP closure (the pullback is a pytree whose leaves
-are the residuals: for flash attention the output and the log-sum-exp).
-Leaves that are inputs or outputs are not returned again: the backward
-takes them from the saved inputs and outputs. The backward,
-
-  pallas_kernels_impl::<name>_restore(str static, Tensor[] arrays,
-                                      Tensor[] residuals,
-                                      Tensor[] cotangents)
-
-(``residuals`` there: the outputs, then the save op's residuals)
-rebuilds the pullback from the residuals and applies it, so it runs only the
-op's backward (the Pallas backward kernels where the op has them), never the
-forward again. Calls without gradients run the plain forward op. The plain
-op ``<name>`` called directly keeps a recomputing autograd formula
-(``<name>_vjp``: ``jax.vjp`` of the forward on the saved inputs).
-Gradients flow to the floating-point inputs listed in ``differentiable``
-(all by default); integer outputs take no cotangent.
-
-Under SPMD each device's residuals are per-shard arrays of no global
-meaning: they leave the manual region stacked on a new leading axis split
-over the mesh axes the inputs use, and enter the backward the same way, so
-every device gets its own residuals back.
+"""``JaxOp``: any JAX function as differentiable torch custom ops:
+``pallas_kernels_impl::<name>`` (forward), ``<name>_vjp`` (recomputing
+backward), ``<name>_save`` and ``<name>_restore`` (backward from the JAX
+VJP's residuals). docs/design/torch_bridge.md, "_core.py", has the design.
 """
 from __future__ import annotations
 
@@ -83,11 +26,9 @@ _OPS: dict[str, "JaxOp"] = {}
 
 def _literal(value) -> str:
   # Plain string building (no json module): dynamo traces it as constants.
-  # Symbolic numbers (torch.compile(dynamic=True) makes int and float
-  # arguments symbolic; AOT tracing too) are specialized to their values:
-  # the f-strings make Dynamo guard on them, and int()/float() does so in
-  # plain tracing. A static parameter is a compile-time constant of the JAX
-  # function, so another value recompiles, as for a Python constant.
+  # Symbolic ints and floats are specialized (f-strings guard in Dynamo,
+  # int()/float() in plain tracing): a static parameter is a constant of the
+  # JAX function, so another value recompiles.
   if isinstance(value, (tuple, list)):
     return "(" + "".join(_literal(v) + "," for v in value) + ")"
   if isinstance(value, (bool, torch.SymBool)) or value is None:
@@ -120,9 +61,8 @@ _KEY_TYPES = (bool, int, float, str, type(None))
 
 
 def _typed(value):
-  """``value`` with its types, when it is a scalar or a tuple of scalars
-  (so that ``1``, ``1.0`` and ``True`` stay apart), else None. Float zeros
-  and NaN are left out (-0.0 == 0.0; NaN != NaN)."""
+  """``value`` with its types (``1``, ``1.0``, ``True`` apart) for a scalar
+  or tuple of scalars, else None; also None for float zeros and NaN."""
   if type(value) is float and (value == 0 or value != value):
     return None
   if type(value) in _KEY_TYPES:
@@ -138,8 +78,8 @@ def _encoded(key: tuple) -> str:
 
 
 def encode_static_cached(static: dict[str, Any]) -> str:
-  """``encode_static(static)``, from a cache when every value is a scalar
-  or a tuple of scalars (the common case: one call site, same keywords)."""
+  """``encode_static(static)``, cached when every value is a scalar or a
+  tuple of scalars (the common case)."""
   key = []
   for name, value in static.items():
     typed = _typed(value)
@@ -192,22 +132,14 @@ class JaxOp:
   """A JAX function registered as ``torch.ops.pallas_kernels_impl.<name>``.
 
   ``fn(*arrays, **static)`` takes its arrays positionally (None for absent
-  optional ones). ``differentiable`` lists the positions that may receive
-  gradients (default: every floating-point one).
-  ``shard_specs(static, partition_spec, arrays, mesh) -> (in_specs,
-  out_specs)`` maps the user's ``partition_spec`` (for the op's main
-  operand) to one spec per input position and output, raising ValueError
-  for a dimension that cannot be split; ``mesh`` is None when only the
-  spec's structure is checked (every call that has a spec, on any device).
-  The ops derive them from their pallas_kernels rule (``_shards.specs``).
-  Sharded dimensions the mesh does not divide are padded and cut back
-  (``_xla.call_sharded``): ``shard_specs`` must refuse those where padding
-  would change the real rows' results. Under SPMD an XLA call without a
-  spec runs unsharded and warns once (``UnshardedWarning``).
-
-  torch.library cannot carry None inside a tensor list through autograd, so
-  the custom ops take the present tensors only, and the static string
-  records which positions they fill (``_layout``).
+  optional ones; the custom ops get the present ones, ``_layout`` says
+  where). ``differentiable``: the positions that may get gradients
+  (default: every floating-point one). ``shard_specs(static,
+  partition_spec, arrays, mesh) -> (in_specs, out_specs)``: one spec per
+  input position and output (``_shards.specs``), raising ValueError for a
+  dimension that cannot be split, or whose padding (``_xla.call_sharded``)
+  would change the real rows; ``mesh`` is None when only the spec's
+  structure is checked (every call that has a spec).
   """
   name: str
   fn: Callable
@@ -325,14 +257,10 @@ def _jax_vjp(name: str, static_text: str, mask: tuple[bool, ...]) -> Callable:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """How the pullback of one traced ``jax.vjp`` is rebuilt from tensors.
-
-  ``tree`` is the pullback's pytree structure; ``sources`` says where each
-  of its leaves comes from: ``("in", i)`` the i-th present input, ``("out",
-  i)`` the i-th output, ``("saved", j)`` the j-th residual the save op
-  returns after the outputs, ``("const", value)`` a constant of the trace. ``outputs`` are the forward outputs'
-  (shape, dtype).
-  """
+  """How the pullback of one traced ``jax.vjp`` is rebuilt from tensors:
+  its pytree ``tree``, each leaf's source (``("in", i)`` present input,
+  ``("out", i)`` output, ``("saved", j)`` residual after the outputs,
+  ``("const", value)``), the residuals' and outputs' (shape, dtype)."""
   tree: Any
   sources: tuple
   saved: tuple
@@ -446,11 +374,9 @@ def _jax_fn(name, static_text, kind, mask) -> Callable:
 
 
 # ---- execution on each kind of device ---------------------------------------
-#
-# ``kind`` names the JAX function a custom op runs: "forward", "vjp"
-# (recomputing), "save" (forward + residuals), "restore" (backward from
-# residuals). ``mask`` marks the present inputs that get gradients (None for
-# "forward").
+# ``kind``: "forward", "vjp" (recomputing), "save" (forward + residuals) or
+# "restore" (backward from residuals); ``mask``: the present inputs that get
+# gradients (None for "forward").
 
 @functools.lru_cache(maxsize=None)
 def _jitted(name: str, static_text: str, flavour: str | None, kind: str,
@@ -900,10 +826,8 @@ _eager.use_programs(_jitted, _n_outputs)
 
 
 def _concrete(shape) -> tuple[int, ...]:
-  """``shape`` as ints: symbolic sizes (AOT dispatch or torch.compile with
-  dynamic shapes) are specialized to their concrete values, which
-  ``jax.eval_shape`` and the fake implementations need anyway (a SymInt is
-  not hashable, so it cannot key a cache either)."""
+  """``shape`` as ints: symbolic sizes specialized (``jax.eval_shape`` needs
+  them; a SymInt cannot key a cache)."""
   return tuple(int(n) for n in shape)
 
 

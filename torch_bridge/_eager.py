@@ -1,25 +1,7 @@
-"""The eager fast path: plain CPU/CUDA tensors straight to the jitted JAX op.
-
-``JaxOp.__call__`` sends a call here when ``plain_device`` finds nothing
-that needs the registered custom ops: no torch.compile or torch.jit trace,
-no functorch transform (vmap, grad), torch dispatch mode (fake tensors,
-make_fx, FlopCounterMode) or forward-mode AD level, and every tensor a plain
-``torch.Tensor`` or ``nn.Parameter`` on one CPU or CUDA device. Everything
-else (XLA, meta and fake tensors, subclasses, compile) goes through
-``torch.ops.pallas_kernels_impl.*``, whose dispatch costs far more than a
-small op's launch.
-
-  no gradient   ``forward``: DLPack in, the cached jitted forward, DLPack
-                out.
-  gradient      ``Residuals``, a ``torch.autograd.Function``: its forward
-                runs the jitted save function (outputs and the VJP's
-                residuals, which stay JAX arrays on the autograd context),
-                its backward the jitted restore function, so the backward
-                runs only the op's backward, never the forward again.
-
-Both run the jitted functions the custom ops run on CPU/CUDA tensors
-(``_core._jitted``, handed over by ``use_programs``), so the two paths give
-the same bits.
+"""The eager fast path: plain CPU/CUDA tensors straight to the jitted JAX op,
+``forward`` without gradients, ``Residuals`` (over the jitted save/restore
+functions) with them; the custom ops' own jitted functions (``use_programs``),
+so the same bits. When it runs: docs/torch.md.
 """
 from __future__ import annotations
 

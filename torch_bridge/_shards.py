@@ -1,13 +1,7 @@
-"""A torch op's shard specs, from its pallas_kernels sharding rule.
-
-The user's ``partition_spec`` names mesh axes for the dimensions of one
-*lead* array: an operand, or the op's output. Each of its dimensions carries
-a factor of the op's ``pallas_kernels._sharding.Rule``; a factor split there
-is split over the same axes in every operand and result that carries it
-(with the factors tied to it: GQA's query and kv heads), and every other
-dimension is replicated, as is an array the rule does not name. Splitting a
-factor the rule (or the bridge, ``split``) does not allow raises ValueError
-naming the op, the argument, the dimension and the mesh axis.
+"""A torch op's shard specs, from its pallas_kernels sharding rule:
+``partition_spec`` names mesh axes for the dims of one lead array (an operand
+or the output); each dim's factor is split the same way wherever it appears
+(tied factors with it), the rest replicated. docs/design/torch_bridge.md.
 """
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""Embedding a JAX function into the torch_xla lazy graph, with SPMD sharding.
-
-``call(key, fn, tensors)`` lowers ``fn`` once per (key, input shapes/dtypes,
-platform) to an HLO module and splices it into the graph torch_xla is building
-(the mechanism of ``torch_xla.core.xla_builder.call_jax``). Unlike ``call_jax``
-it lowers for the platform torch_xla runs on (``tpu`` for PJRT_DEVICE=TPU,
-``cpu`` for PJRT_DEVICE=CPU) rather than JAX's default backend, so
-``backend=None`` inside ``fn`` picks the Mosaic kernel on TPU and the generic
-Pallas interpreter on CPU even when JAX itself could not claim the TPU.
-
-The TPU-semantics interpreter (``force_interpret("tpu")``) runs host
-callbacks, which cannot live inside a torch_xla graph: under torch_xla a
-forced TPU/races flavour is replaced by the generic interpreter.
-
-Sharding: a Pallas kernel cannot be partitioned by the SPMD partitioner, so
-with a ``ShardSpec`` the inputs enter manual-sharding mode
-(``xs.enable_manual_sharding``), the kernel runs on each device's shard and
-the outputs leave it again (``xs.disable_manual_sharding``), as torch_xla's
-own ``custom_kernel.flash_attention`` does. Only dimensions the op treats
-independently (batch, heads, rows) may be sharded. A sharded dimension the
-mesh axes do not divide is zero-padded up to a multiple before the kernel
-and the outputs are cut back to their true shapes after it (the padded rows
-are independent of the real ones, so they change nothing but are computed).
+"""A JAX function spliced into the torch_xla lazy graph, lowered for torch_xla's
+platform; with a ``ShardSpec``, run per shard in manual-sharding mode (odd
+sizes zero-padded and cut back). docs/design/torch_bridge.md, "_xla.py".
 """
 from __future__ import annotations
 

@@ -1,41 +1,7 @@
-"""Drop-ins for ``torch_xla.experimental.custom_kernel``: flash_attention,
-gmm, tgmm, gmm_backward, ragged_paged_attention.
-
-    from torch_bridge.custom_kernel import flash_attention, gmm
-    out = flash_attention(q, k, v, causal, q_segment_ids, kv_segment_ids,
-                          sm_scale, ab=ab, partition_spec=spec, mesh=mesh)
-    y = gmm(x_sorted_by_expert, w, group_sizes)
-
-Same positional order, keywords, defaults and results as torch_xla 2.9's
-functions (docs/torch.md, "Migrating from torch_xla's flash_attention" and
-"... gmm, tgmm, gmm_backward", list every argument), running
-``torch_bridge.ops.flash_attention`` / ``grouped_matmul`` underneath: on XLA
-tensors it is the same lazy-graph kernel (Mosaic on TPU), and it also runs
-on CPU and CUDA tensors.
-
-flash_attention, differences from torch_xla: a query row that no key may
-attend to (different segment ids everywhere) gets zeros here; any sequence
-lengths work unpadded; k/v may have fewer heads than q (grouped-query
-attention); ``ab`` may broadcast over batch and heads; and the extra
-keyword-only arguments (sliding window, soft cap, block sizes, backend) of
-our op are available.
-
-gmm / tgmm / gmm_backward, differences: any M, K, N and group sizes (sums
-below M: the rows past the last group are zeros, torch_xla leaves them
-unwritten); group_sizes of any integer dtype; ``gmm`` is differentiable;
-``tiling`` is passed on as the kernel's ``block_sizes`` (tm a multiple of
-8, tk and tn of 128; clamped to the problem), None lets the kernel choose.
-``group_offset`` (rhs holding a shard of the groups, expert parallelism)
-may also be a plain int.
-
-ragged_paged_attention, differences: a token that sees no key gets zeros;
-``use_kernel=False`` runs our reference (torch_xla: its non-kernel torch
-code); ``vmem_limit_bytes=None`` lets the kernel size its VMEM (torch_xla:
-120 MiB); ``mask_value`` is accepted and unused (masked logits are excluded
-exactly); runs on CPU and CUDA tensors too.
-
-torch_xla's other kernels (paged attention, the int8 matmul) are not here: importing one raises an ImportError that names what
-serves that need in this package.
+"""Drop-ins for ``torch_xla.experimental.custom_kernel`` (torch_xla 2.9):
+flash_attention, gmm, tgmm, gmm_backward, ragged_paged_attention, on
+``torch_bridge.ops``. Arguments and differences: docs/torch.md, "Migrating
+from torch_xla's ...". Its other kernels raise an ImportError naming ours.
 """
 from __future__ import annotations
 
@@ -155,11 +121,10 @@ def flash_attention(q, k, v, causal=False, q_segment_ids=None,
     ``out`` with q's shape (v's head_dim last) and dtype. Rows that see no
     key are zero.
 
-  Algorithm: leading batch dims are flattened into one, then
-  ``torch_bridge.ops.flash_attention`` runs (its ``causal`` aligns the
-  *ends* of the sequences, so for q_len != kv_len the start-aligned mask is
-  expressed as a shifted window, or, for q_len < kv_len, by zero-padding the
-  queries to kv_len and dropping the padded rows).
+  Algorithm: ``torch_bridge.ops.flash_attention`` on the batch dims
+  flattened; its ``causal`` aligns the sequence *ends*, so the mask becomes
+  a shifted window (q_len > kv_len) or padded, dropped queries (q_len <
+  kv_len).
   """
   for name, t in (("q", q), ("k", k), ("v", v)):
     _tensor(name, t)

@@ -1,26 +1,7 @@
-"""nn.Modules built on the bridged kernels.
-
-``Attention``     q/k/v projection + ``flash_attention`` + output projection
-                  (MHA or GQA, optional causal mask); with ``num_kv_heads ==
-                  num_heads`` it keeps the write-up's single ``qkv`` Linear,
-                  so its state dict matches ``TPUAttentionBlock``'s attention.
-``Int8Linear``    drop-in ``nn.Linear``: int8 forward, straight-through
-                  backward (``ops.int8_dense``).
-``QuantizedLinear`` a frozen int8/float8 weight with a trainable LoRA
-                  adapter (``ops.quantized_dense``; QLoRA-style).
-``IoULoss``, ``GIoULoss``, ``DIoULoss``, ``CIoULoss``
-                  ``1 - IoU`` (GIoU, DIoU, CIoU) of matching boxes with a
-                  reduction (torchvision's ``*_box_iou_loss``).
-
-SPMD: give ``batch_axis`` (and for attention ``head_axis``) to run the kernels
-per shard over ``mesh`` (default: the global mesh); e.g. ``batch_axis="fsdp"``
-under FSDPv2. ``partition_spec`` instead gives the op's whole spec (see
-``torch_bridge.ops``; Int8Linear: for x, Attention: for q/k/v ``[B, H, N,
-D]``, the box losses: for the boxes). A batch the axis does not divide is padded
-inside the op and the outputs keep their true shapes; without any of these
-under SPMD the kernels run unsharded (with a one-time warning).
-``use_kernel=False`` computes the same function with plain
-PyTorch (SDPA / F.linear), for comparisons on identical weights.
+"""nn.Modules on the bridged ops: Attention, Int8Linear, QuantizedLinear and
+the box losses. ``batch_axis`` (Attention: and ``head_axis``) or a whole
+``partition_spec``, and ``mesh``, shard them as the ops under SPMD;
+``use_kernel=False`` runs plain PyTorch (SDPA / F.linear) on the same weights.
 """
 from __future__ import annotations
 
@@ -51,7 +32,7 @@ class Int8Linear(nn.Linear):
 
   The float weight stays the trainable parameter; each forward quantizes it
   per output channel and the input per row. Gradients are those of the float
-  layer (straight-through estimator).
+  layer (straight-through estimator). ``partition_spec`` is x's.
   """
 
   def __init__(self, in_features, out_features, bias=True, device=None,
@@ -156,7 +137,9 @@ class Attention(nn.Module):
   """Multi-head (or grouped-query) self-attention on ``[B, N, dim]``.
 
   ``batch_axis``/``head_axis`` split q, k, v ``[B, H, N, D]`` over those mesh
-  axes, as ``partition_spec=(batch_axis, head_axis, None, None)`` does.
+  axes, as ``partition_spec=(batch_axis, head_axis, None, None)`` does. With
+  ``num_kv_heads == num_heads`` one ``qkv`` Linear, so the state dict matches
+  the write-up's ``TPUAttentionBlock`` attention (examples/vit.py).
   """
 
   def __init__(self, dim: int, num_heads: int, *, num_kv_heads=None,
@@ -282,7 +265,8 @@ class GIoULoss(_BoxLoss):
   """``1 - GIoU(pred, target)`` (``ops.giou_loss``, torchvision's
   ``generalized_box_iou_loss``) for boxes ``[..., 4]`` in ``box_format``
   "xyxy" or "cxcywh", reduced by "none", "mean" (default) or "sum".
-  ``batch_axis`` or ``partition_spec`` shard it (module docstring)."""
+  ``batch_axis`` (dim 0 of the boxes) or a whole ``partition_spec`` shard
+  it; a mean or sum spans every shard."""
   kind = "giou"
 
 

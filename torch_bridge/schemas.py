@@ -1,29 +1,6 @@
-"""The public ops ``torch.ops.pallas_kernels.<name>``: typed schemas.
-
-Every function of ``torch_bridge.ops`` is also an ordinary torch operator
-whose schema lists its tensors and static parameters as typed arguments,
-in the function's order, with its defaults and keyword-only marker::
-
-  pallas_kernels::iou(Tensor boxes1, Tensor boxes2, *,
-                      str box_format="xyxy", str? backend=None) -> Tensor
-
-The schema is built from the Python function's signature: each parameter's
-type comes from ``_TYPES`` (by name, ``?`` where the default is None),
-its default from the function. Parameters that are pairs of tensors in
-Python become two arguments (``segment_ids`` -> ``q_segment_ids``,
-``kv_segment_ids``; ``lora`` -> ``lora_a``, ``lora_b``); flash attention's
-``sliding_window`` is ``int[1]?`` (``w`` or ``[left, right]``; an
-unbounded side, None in Python, has no schema value). Python
-objects that have no schema type are left out (``PYTHON_ONLY``): attention
-``mask`` objects, ``return_lse`` (it changes the outputs), ``block_sizes``,
-``partition_spec`` and ``mesh``; call the Python function for those.
-
-Each op has one kernel, ``CompositeImplicitAutograd``: it calls the Python
-function, which runs the internal ops (``torch_bridge._core``,
-namespace ``pallas_kernels_impl``). So autograd (the JAX VJP from saved
-residuals), fake/meta tensors, torch.compile (the op decomposes into the
-internal ops, which have fake implementations), XLA tensors and the eager
-fast path behave exactly as for the Python function.
+"""The public ops ``torch.ops.pallas_kernels.<name>``: typed schemas built from
+the Python functions' signatures, each with one CompositeImplicitAutograd
+kernel that calls the function (docs/torch.md, "Public ops").
 """
 from __future__ import annotations
 

@@ -1,42 +1,7 @@
-"""The pallas_kernels ops as torch functions (autograd, torch.library, SPMD).
-
-Each function takes and returns torch tensors, with the argument names and
-semantics of the ``pallas_kernels`` op of the same name (see there), plus:
-
-  partition_spec, mesh  under torch_xla SPMD: the kernel runs on each
-      device's shard in manual sharding mode. ``partition_spec`` has one
-      entry (a mesh axis name, a tuple of them, or None) per dimension of
-      the op's main operand; the op's docstring says which dimensions may
-      be split (those whose rows the op treats independently: batch, heads,
-      rows, boxes, images). Splitting any other dimension, or naming an axis
-      the mesh lacks, raises ValueError. A split dimension the mesh does not
-      divide (an odd batch) is zero-padded up to a multiple inside the op
-      and the results are cut back: the outputs always have the unsharded
-      shapes. ``mesh`` defaults to the global mesh. The spec is checked
-      everywhere but only used for XLA tensors under SPMD; there, calling an
-      op without one runs it unsharded and warns once per op
-      (``UnshardedWarning``; an all-None spec replicates it on purpose).
-
-Where the tensors live picks how the op runs (``torch_bridge._core``): XLA
-tensors embed the JAX op into the torch_xla graph (Mosaic kernel on TPU,
-generic Pallas interpreter on CPU), CPU and CUDA tensors go through DLPack
-to a jitted JAX call. Each function is also the public torch operator
-``torch.ops.pallas_kernels.<name>``, whose schema has the tensors and static
-parameters as typed arguments (``torch_bridge.schemas``; ``mask``,
-``return_lse``, ``block_sizes``, ``partition_spec`` and ``mesh`` are Python
-function only), and runs on internal ops
-``torch.ops.pallas_kernels_impl.*`` (static parameters encoded in a string).
-
-JAX runs without 64-bit types: ids given as int64 (torch's default;
-segment and class ids) are passed as int32 with equality kept exactly (values
-outside int32 are renumbered); box ops take integer boxes (upcast to float32,
-as torchvision does) and float64 boxes (computed in float32, returned as
-float64); index outputs are int32.
-
-The functions live in one private module per family (``_attention``,
-``_quant``, ``_decode``, ``_gmm``, ``_ragged``, ``_iou``, ``_nms``; shared
-checks in ``_common``); each op's partition specs are derived from its
-``pallas_kernels`` sharding rule by ``torch_bridge._shards``.
+"""The pallas_kernels ops as torch functions: the same names, arguments and
+semantics, plus ``partition_spec``/``mesh`` for torch_xla SPMD (docs/torch.md;
+docs/design/torch_bridge.md, "ops"). One private module per family; shared
+checks in ``_common``; partition specs from ``torch_bridge._shards``.
 """
 from __future__ import annotations
 
