@@ -2,10 +2,6 @@
 paged KV caches, Mosaic TPU and Triton, plus a JAX reference.
 
     from pallas_kernels import decode_attention
-
-``api`` holds the arguments and the kernel choice, ``reference`` the exact
-semantics, ``splits`` the split ranges both kernels share (and the TPU
-kernel's row layout and merge), ``mosaic_tpu``/``triton`` the kernels.
 """
 from __future__ import annotations
 

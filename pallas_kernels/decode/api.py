@@ -1,15 +1,6 @@
-"""Public decode-attention API: validation, gradient rule, kernel choice.
-
-``decode_attention`` attends the T newest tokens of each sequence to its KV
-cache (semantics: :mod:`pallas_kernels.decode.reference`). The forward picks
-its kernel (``_backend.dispatch``) from the rows, best first: ``mosaic_tpu``
-(TPU; bfloat16/float32, page tables up to 64k pages per sequence),
-``triton`` (NVIDIA GPUs; head_dim and page size powers of two >= 16, since
-the cache is read in place), ``reference``. Both kernels are split-KV
-(flash decoding, ``decode.splits``) and read 8-bit caches as they are. The
-gradient (decode is inference, but ``jax.grad`` works) is the VJP of the
-reference, recomputed in XLA; with 8-bit caches (frozen, ``_frozen``) only
-q and sinks are differentiable.
+"""Public decode-attention API: validation, gradient rule, kernel choice
+(``mosaic_tpu``, ``triton``, ``reference``, best first). The gradient is the
+reference's VJP, with 8-bit caches (``_frozen``) in q and sinks only.
 """
 from __future__ import annotations
 
@@ -380,9 +371,7 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, sm_scale=None,
       Entries past a sequence's last page are never read.
     k_scale, v_scale: 8-bit caches only: float ``[Hkv]`` (or a scalar); the
       cache holds ``k_real = k_cache * k_scale[hk]`` (v the same) and the
-      result is attention over those values. The kernels read the 8-bit
-      rows, convert them to q's dtype on chip and fold the scales into the
-      logit scale and the output normalisation.
+      result is attention over those values.
     backend: None (the best kernel for the platform lowered for),
       "mosaic_tpu", "triton", "gpu", "interpret" or "reference".
 

@@ -1,44 +1,7 @@
-"""Mosaic TPU decode attention: split-KV flash decoding over a KV cache.
-
-Contiguous cache: grid ``(B, Hkv, splits, steps)``, the last axis
-sequential. One step reads one block of ``block`` keys and values of kv head
-``hk`` of sequence ``b`` (BlockSpecs, pipelined by Pallas) and multiplies
-it with all ``T * G`` query rows of that kv head at once
-(``splits.pack_queries``), keeping the online-softmax state (running max
-and sum, lane-replicated ``[rows, 128]``, float32 accumulator) in VMEM.
-Split ``s`` walks its run of the sequence's visible blocks
-(``splits.split_range``) and writes its normalized ``(out, lse)``; XLA
-merges the splits and the sinks (``splits.finish``). The K/V index maps
-clamp the block index into the split's visible run, so steps past it
-repeat the previous block index (no DMA) and run nothing (``pl.when``).
-
-Paged cache: grid ``(B, splits, steps)``, one step = one block of
-``chunks`` pages of every kv head (a page ``[Hkv, page_size, D]`` is one
-DMA for K and one for V). The caches stay in HBM; the kernel issues the
-page DMAs itself into two VMEM slots, the next block's while it computes
-this one, chaining through a sequence's splits (so only the batch axis is
-parallel). Per-step scalars are shifts (power-of-two sizes) and one
-page-table load per page; the table is clipped into the pool outside the
-kernel. A block's pages past the length are not read; their rows are
-masked like the rest.
-
-``kv_lengths`` (and the flattened page table) are scalar-prefetched into
-SMEM. Blocks that every query sees whole skip the mask; the others mask
-logits by position and zero value rows at or past the length, so garbage
-there (NaN included) never reaches the output. The cache is read in place
-(no padding): a partial last block reads rows past the array that are
-masked the same way. The page table lives in SMEM (1 MiB on v5e), so a
-paged call whose table exceeds ``PAGE_TABLE_BYTES`` runs as several
-launches over slices of the batch. float16 is refused: Mosaic cannot load
-float16 vectors on v5e/v6e.
-
-8-bit caches (int8, float8_e4m3fn, float8_e5m2): the blocks are DMA'd as
-they are (half the bytes of bfloat16) and converted to q's dtype in VMEM;
-the kv head's ``k_scale`` (scalar-prefetched) joins ``sm_scale``, and
-``v_scale`` multiplies the merged output (``splits.finish``).
-
-v's head_dim may differ from q's and k's (MLA): the V blocks, the
-accumulator and the outputs take it.
+"""Mosaic TPU decode attention: split-KV flash decoding over a contiguous
+cache (pipelined blocks of one kv head per step) or a paged one (the
+kernel's own page DMAs, every kv head per step); XLA merges the splits.
+Structure: docs/design/decode.md, "decode/mosaic_tpu.py".
 """
 from __future__ import annotations
 
@@ -58,10 +21,8 @@ LANES = 128
 _SQ = pl.Squeezed() if hasattr(pl, "Squeezed") else None
 _NT = (((1,), (1,)), ((), ()))   # a @ b^T
 # Bytes of one K block in VMEM (V the same; paged: the block's pages of all
-# kv heads) per generation: a step's K and V DMA takes ~5 us at the
-# generation's HBM rate per TensorCore (tpu7x ~2.3), so the ~0.35 us fixed
-# cost of a grid step stays under ~15%; v4 keeps 1 MiB of its 16 MiB VMEM
-# (bench/roofline.py, docs/design/decode.md).
+# kv heads): the step's DMA hides a grid step's fixed cost; v4 keeps 1 MiB of
+# its 16 MiB VMEM (docs/design/decode.md, "Block bytes per generation").
 BLOCK_BYTES = {"v4": 1 << 20, "v5e": 2 << 20, "v5p": 2 << 20,
                "v6e": 4 << 20, "tpu7x": 4 << 20}
 # Bytes of one step's float32 logits (rows x block).

@@ -1,22 +1,8 @@
 """Plain-JAX decode attention with exactly the semantics of the kernels.
 
-Shapes: q ``[B, H, T, D]``; a contiguous cache ``[B, Hkv, S, D]``, or a
-paged one ``[num_pages, Hkv, page_size, D]`` read through ``page_table
-[B, pages_per_seq]`` (position ``j`` of sequence ``b`` is row ``j %
-page_size`` of page ``page_table[b, j // page_size]``); ``kv_lengths [B]``.
-Query head ``h`` reads kv head ``h // (H // Hkv)``. v's head_dim ``Dv`` may
-differ from ``D`` (MLA); the output takes it.
-
-    pos[b, t]  = kv_lengths[b] - T + t          (the last query is the
-                                                 newest cached token)
-    visible    = j <= pos  and  j >= pos - window   (window: optional)
-    s[j]       = sm_scale * q . k_j  (float32), then cap * tanh(s / cap)
-    out        = sum_j p_j v_j,  p = exp(s) / (sum_visible exp(s) + exp(sink))
-                 (no sinks: the plain softmax over the visible keys)
-
-A row with no visible key gives 0. Cache rows at or past ``kv_lengths[b]``
-are never used (they may hold anything, NaN included). An 8-bit cache is
-dequantized first, in float32: ``k = k_cache * k_scale[hk]`` (v the same).
+The T queries are the newest cached tokens (causal, optional window, soft
+cap, sinks in the denominator); 8-bit caches are dequantized in float32; a
+row with no visible key gives 0. Written out: docs/design/decode.md.
 """
 from __future__ import annotations
 

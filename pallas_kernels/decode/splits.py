@@ -1,21 +1,7 @@
-"""What the decode kernels share on the host: the TPU kernel's query-row
-layout, the block ranges of split-KV and the combine of the splits (the
-Triton kernel packs its rows g-major and merges in the kernel).
-
-Rows: the ``T * G`` queries of one kv head (``G = H // Hkv`` query heads, T
-new tokens) form the rows of one matrix, t-major: row ``r = t * G + g``. Row
-r's query sits at position ``base + r // G`` with ``base = kv_length - T``,
-so "key ``j`` is visible" needs no division in a kernel:
-
-    causal:  r // G >= j - base          <=>  r >= (j - base) * G
-    window:  r // G <= j + w - base      <=>  r <  (j + w - base + 1) * G
-
-Split-KV: the blocks holding a visible key of sequence b, ``[lo, hi]``, are
-dealt to ``num_splits`` splits in equal runs; each split writes its softmax
-over its keys as ``(out, lse)`` (float32) and ``combine`` merges them with
-the sinks: ``out = sum_s e^(lse_s - m) out_s / (sum_s e^(lse_s - m) +
-e^(sink - m))``. An 8-bit cache's value scale (one per kv head) multiplies
-the merged float32 output there, fused into the merge.
+"""What the decode kernels share on the host: the TPU kernel's t-major query
+rows (``pack_queries``), the split-KV block ranges (``split_range``) and the
+merge of the splits with the sinks and ``v_scale`` (``finish``; the Triton
+kernel merges in the kernel). Formulas: docs/design/decode.md.
 """
 from __future__ import annotations
 

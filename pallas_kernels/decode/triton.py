@@ -1,39 +1,7 @@
 """Decode attention for NVIDIA GPUs: split-KV (flash decoding) in Pallas with
-the Triton lowering, the merge of the splits fused into the same launch.
-
-Rows: the ``T * G`` queries of kv head ``hk`` are the rows of one matrix in
-q's own order, g-major (row ``r = g * T + t``), so ``q [B, H, T, D]`` and
-the output are free reshapes of ``[B, Hkv, T * G, D]``; the kernel pads the
-rows to a power of two >= 16 (the smallest Triton dot) with masked loads and
-stores. Row r's query sits at ``base + r % T`` (``base = kv_length - T``).
-
-One program per ``(b, hk, split)`` walks its run of the sequence's visible
-key blocks (``splits.split_range``) with ``lax.fori_loop`` and the online
-softmax in base 2. With one split it finishes the output itself (sinks,
-``v_scale``). With several, each writes its normalized ``(out, lse)`` to a
-float32 scratch output and takes a ticket from a per-(b, hk) counter (an
-acquire-release atomic after a block barrier); the program that draws the
-last ticket merges the splits and the sinks and writes the output, so a
-call is one launch plus the zeroing of the counters. The split count is the
-power of two at or below ``PROGRAMS / (B * Hkv)`` (rounded up): about one
-program per SM, so a batch of 1 fills the GPU, and whole blocks split
-evenly.
-
-The cache is read in place: a contiguous block is ``block`` rows (the last
-one shifted back to end at S, its rows already seen masked out); a paged
-block is ``block // page_size`` consecutive entries of the page table (as
-many rows as a contiguous block, so small pages do not shorten the loads in
-flight per step), each page its own dot. Every block masks logits
-by position and zeroes value rows at or past the length (garbage there never
-reaches the output). Triton tiles need power-of-two sizes: the page size
-must be a power of two >= 16, and head_dim a multiple of 16, read and
-summed in power-of-two column pieces (``head_dim_pieces``: 96 = 64 + 32);
-other calls take another kernel. 8-bit caches (int8, float8_e4m3fn, float8_e5m2) are loaded
-as they are and converted to q's dtype in registers; the kv head's
-``k_scale`` joins ``sm_scale`` and ``v_scale`` multiplies the output. Triton
-has float8_e4m3fn only from sm_89 (Ada) on. v's head_dim may differ from
-q's and k's (MLA; on the 16 grid too): the P V products, the accumulator
-and the outputs take its pieces.
+the Triton lowering, one program per (sequence, kv head, split) reading the
+cache in place, the merge of the splits fused into the same launch.
+Structure: docs/design/decode.md, "decode/triton.py".
 """
 from __future__ import annotations
 

@@ -9,15 +9,12 @@ from torch_bridge.ops._common import (
     _FLOATS, _INTS, _check_devices, _check_tensor, _ids_int32, _sharding)
 
 
-# Attention masks (``pallas_kernels.attention.masks``) are hashable values
-# but not literals. Formula masks travel in the static string as literals,
-# ``(class name, *fields)`` (a per-head list: ``("heads", *masks)``), and
-# are rebuilt on the JAX side: under torch.compile a mask may be new to this
-# process, and Dynamo defers the update of a registry until after the graph
-# has run, so the fake and real kernels would not find it there. Other
-# masks (``Dense``: an array) carry their number in a registry of this
-# process (equal masks, the same number); Dynamo cannot hash them, so they
-# do not compile with fullgraph=True.
+# Masks (``attention.masks``) are hashable but not literals. Formula masks
+# travel in the static string as ``(class name, *fields)`` (per head:
+# ``("heads", *masks)``), rebuilt on the JAX side: Dynamo defers a registry's
+# update until the graph has run, so the kernels would not find a new mask.
+# Others (``Dense``: an array) carry their number in this process's registry
+# (equal masks, one number); Dynamo cannot hash them (no fullgraph=True).
 _MASK_NUMBERS: dict = {}
 _MASKS: list = []
 _MASK_FIELDS = {"Causal": (), "Local": ("left", "right"),
