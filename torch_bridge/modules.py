@@ -211,15 +211,10 @@ class Attention(nn.Module):
 
 
 class _BoxLoss(nn.Module):
-  """``1 - <kind>(pred, target)`` for boxes ``[..., 4]`` (``box_format``
-  "xyxy": x1, y1, x2, y2; "cxcywh": centre, width, height), reduced by
-  "none" (``[...]``), "mean" or "sum" (a scalar): ``ops.<kind>_loss``.
-  Subclasses set ``kind`` ("iou", "giou", "diou" or "ciou").
-
-  ``batch_axis`` splits dim 0 of the boxes over that mesh axis; a whole
-  ``partition_spec`` for the (broadcast) boxes may be given instead. Under
-  SPMD the per-box losses are computed sharded and reduced in torch, so a
-  mean or sum spans every shard and never counts padding.
+  """``1 - <kind>(pred, target)`` for boxes ``[..., 4]`` ("xyxy": x1, y1, x2,
+  y2; "cxcywh": centre, width, height), reduced by "none" (``[...]``),
+  "mean" or "sum" (a scalar): ``ops.<kind>_loss``; subclasses set ``kind``.
+  ``partition_spec`` is the (broadcast) boxes'.
   """
   kind: str
 
@@ -266,7 +261,7 @@ class GIoULoss(_BoxLoss):
   ``generalized_box_iou_loss``) for boxes ``[..., 4]`` in ``box_format``
   "xyxy" or "cxcywh", reduced by "none", "mean" (default) or "sum".
   ``batch_axis`` (dim 0 of the boxes) or a whole ``partition_spec`` shard
-  it; a mean or sum spans every shard."""
+  it; a mean or sum spans every shard and never counts padding."""
   kind = "giou"
 
 

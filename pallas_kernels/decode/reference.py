@@ -1,8 +1,7 @@
-"""Plain-JAX decode attention with exactly the semantics of the kernels.
-
-The T queries are the newest cached tokens (causal, optional window, soft
-cap, sinks in the denominator); 8-bit caches are dequantized in float32; a
-row with no visible key gives 0. Written out: docs/design/decode.md.
+"""Plain-JAX decode attention with exactly the semantics of the kernels: the
+T queries are the newest cached tokens (causal, optional window, soft cap,
+sinks in the denominator); 8-bit caches are dequantized in float32; a row
+with no visible key gives 0. Written out: docs/design/decode.md.
 """
 from __future__ import annotations
 

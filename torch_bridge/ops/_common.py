@@ -55,13 +55,9 @@ _INT32 = torch.iinfo(torch.int32)
 
 
 def _ids_int32(*ids):
-  """Integer id tensors as int32 with equality kept exactly (ids are only
-  compared for equality; JAX runs without 64-bit types).
-
-  int64 values that may not fit int32 are replaced by their rank among all
-  the given ids, on their device (a sort; no host sync on XLA tensors, and
-  none while tracing: fake tensors, torch.compile, dispatch modes).
-  """
+  """Integer id tensors as int32 with equality kept exactly: int64 values
+  that may not fit are replaced by their rank among all the given ids (a
+  sort on device; no host sync on XLA tensors or while tracing)."""
   from torch._subclasses.fake_tensor import is_fake
 
   from torch_bridge import _eager
