@@ -62,7 +62,8 @@ _KEY_TYPES = (bool, int, float, str, type(None))
 
 def _typed(value):
   """``value`` with its types (``1``, ``1.0``, ``True`` apart) for a scalar
-  or tuple of scalars, else None; also None for float zeros and NaN."""
+  or tuple of scalars, else None, as for float zeros and NaN (-0.0 == 0.0,
+  NaN != NaN)."""
   if type(value) is float and (value == 0 or value != value):
     return None
   if type(value) in _KEY_TYPES:
