@@ -409,23 +409,23 @@ def _launch(plan: Plan, q, kv_flat, bounds, lens, table, seq, pos0, nq, qoff,
             sinks, *, kv_heads, combined, value_dim, page_size, max_seqs,
             kv_dtype, sm_scale, sliding_window, soft_cap, k_scale, v_scale,
             vmem_limit_bytes, interpret, latent_dim):
-  """One class's pallas_call: [W tq, H, Dv], row ``w tq + t`` token t of
-  item w."""
+  """One class's pallas_call: [(W + CORES) tq, H, Dv], row ``w tq + t``
+  token t of item w."""
   tokens, heads, head_dim = q.shape
   pages_per_seq = table.shape[0] // max_seqs
   group = heads // kv_heads
   tq, w_items = plan.tq, plan.items
   # Gather each item's queries: [W, tq, H, D] -> [W, Hkv, tq * G, D]
-  # (whole token rows: XLA's gather of single head rows is slower).
+  # (whole token rows: XLA's gather of single head rows is slower). Rows
+  # past an item's tokens hold other tokens, not zeros: rows are
+  # independent and theirs are never read back.
   r = jnp.arange(tq, dtype=jnp.int32)
-  idx = (bounds[seq] + qoff)[:, None] + r
-  rows_live = r[None] < nq[:, None]
-  qi = jnp.where(rows_live[..., None, None],
-                 q[jnp.clip(idx, 0, tokens - 1)], jnp.zeros((), q.dtype))
-  qi = qi.reshape(w_items, tq, kv_heads, group, head_dim)
+  idx = jnp.clip((bounds[seq] + qoff)[:, None] + r, 0, tokens - 1)
+  qi = q[idx].reshape(w_items, tq, kv_heads, group, head_dim)
   qi = qi.transpose(0, 2, 1, 3, 4).reshape(w_items, kv_heads, tq * group,
                                            head_dim)
-  qi = jnp.pad(qi, ((0, 0), (0, 0), (0, plan.rows - tq * group), (0, 0)))
+  if plan.rows > tq * group:
+    qi = jnp.pad(qi, ((0, 0), (0, 0), (0, plan.rows - tq * group), (0, 0)))
 
   scale = sm_scale * (1.0 if k_scale is None else k_scale)
   kernel = functools.partial(
@@ -492,7 +492,8 @@ def _launch(plan: Plan, q, kv_flat, bounds, lens, table, seq, pos0, nq, qoff,
       name="mla_ragged_paged_attention" if latent_dim
       else "ragged_paged_attention",
   )(seq, pos0, nq, lens, table, qi, kv_flat, *extra)
-  out = out[:w_items, :, :tq * group].reshape(w_items, kv_heads, tq, group,
-                                              value_dim)
-  return out.transpose(0, 2, 1, 3, 4).reshape(w_items * tq, heads,
-                                              value_dim)
+  if plan.rows > tq * group:
+    out = out[:, :, :tq * group]
+  out = out.reshape(w_items + CORES, kv_heads, tq, group, value_dim)
+  return out.transpose(0, 2, 1, 3, 4).reshape((w_items + CORES) * tq,
+                                              heads, value_dim)
