@@ -240,16 +240,18 @@ def _ragged_cases(quick):
     lens, table, cu, ns = ragged_metadata(q_lens, kv_lens)
     pool = (max(s * pps, c["min_pages"]), page, 2 * hk, d)
     base, params = _ragged_entry(t, h, pool, pps, lens, table, cu, ns)
-    # Ours at its default query block, and at the one that suits the
-    # batch (1 token per item for decodes, 128 for prefill).
-    for nq in (None, 1 if max(q_lens) == 1 else 128):
-      plan = mosaic_tpu.make_plan(t, h, hk, d, s, page, pps, 2, 2,
-                                  num_queries_per_block=nq,
-                                  generation="v5e")  # items: any generation
+    # Ours at its default (a query block per class of sequence), and at
+    # one query block for all: 32 (the single-class default before the
+    # classes) and the one that suits the batch (1 token per item for
+    # decodes, 128 for prefill).
+    for nq in (None, 32, 1 if max(q_lens) == 1 else 128):
+      plans = mosaic_tpu.make_plans(t, h, hk, d, s, page, pps, 2, 2,
+                                    num_queries_per_block=nq,
+                                    generation=GENERATION or "v5e")
       call = functools.partial(pk.ragged_paged_attention, sm_scale=d ** -0.5,
                                num_queries_per_block=nq)
       out[f"{group}|ours{'' if nq is None else f' q{nq}'}"] = (
-          _with_work_items(call, plan, cu, ns, lens, t, base, params))
+          _with_work_items(call, plans, cu, ns, lens, t, base, params))
     for kvp, nq in RAGGED_JAX_BLOCKS[:1] if quick else RAGGED_JAX_BLOCKS:
       out[f"{group}|jax ragged_paged_attention {kvp}x{page} q{nq}"] = (
           functools.partial(
@@ -289,14 +291,14 @@ def _mla_cases(quick):
     pool = (max(s * pps, c["min_pages"]), page, d)
     base, params = _ragged_entry(t, h, pool, pps, lens, table, cu, ns)
     for nq in (None, 1):
-      plan = mosaic_tpu.make_plan(t, h, 1, d, s, page, pps, 2, 2,
-                                  num_queries_per_block=nq, channels=1,
-                                  generation="v5e")
+      plans = mosaic_tpu.make_plans(t, h, 1, d, s, page, pps, 2, 2,
+                                    num_queries_per_block=nq, channels=1,
+                                    generation=GENERATION or "v5e")
       call = functools.partial(pk.mla_ragged_paged_attention,
                                latent_dim=c["latent"], sm_scale=192 ** -0.5,
                                num_queries_per_block=nq)
       out[f"{group}|ours{'' if nq is None else f' q{nq}'}"] = (
-          _with_work_items(call, plan, cu, ns, lens, t, base, params))
+          _with_work_items(call, plans, cu, ns, lens, t, base, params))
   return out
 
 
@@ -313,21 +315,32 @@ def _ragged_entry(t, h, pool, pps, lens, table, cu, ns):
   return base, params
 
 
-def _with_work_items(call, plan, cu, ns, lens, t, base, params):
+def _with_work_items(call, plans, cu, ns, lens, t, base, params):
   """(fn, specs, params) of ``call(q, kv, lens, table, cu, ns)`` whose work
-  items (XLA fusions of the metadata) are entry parameters holding the
-  values those fusions compute, so the walk follows the kernel's data-
-  dependent steps exactly."""
+  items (XLA fusions of the metadata, one set per launch's plan) are entry
+  parameters holding the values those fusions compute, so the walk follows
+  the kernel's data-dependent steps exactly."""
   import jax.numpy as jnp
   import numpy as np
   from pallas_kernels.ragged import mosaic_tpu, reference
   bounds = reference.seq_bounds(jnp.asarray(cu), jnp.asarray(ns), t)
-  items = [np.asarray(v, np.int32) for v in mosaic_tpu.work_items(
-      bounds, jnp.asarray(lens), plan)]
+
+  def key(p):   # what fixes a plan's items
+    return p.tq, p.items, p.min_q, p.max_q
+  per_plan = [(key(p), [np.asarray(v, np.int32) for v in
+                        mosaic_tpu.work_items(bounds, jnp.asarray(lens), p)])
+              for p in plans]
+  items = [v for _, vs in per_plan for v in vs]
 
   def ours(q, kv, n, tb, cu_, ns_, *fixed):
+    table, at = {}, 0
+    for k, vs in per_plan:
+      table[k] = tuple(fixed[at:at + len(vs)])
+      at += len(vs)
     original = mosaic_tpu.work_items
-    mosaic_tpu.work_items = lambda *_: tuple(fixed)
+    # Other kernels traced beside (the GPU branch) compute their own.
+    mosaic_tpu.work_items = lambda b, l, p: table.get(key(p)) or original(
+        b, l, p)
     try:
       return call(q, kv, n, tb, cu_, ns_)
     finally:

@@ -130,6 +130,73 @@ def test_against_oracle(backend, name):
   _check(backend, args, TOL[dtype], **kw)
 
 
+def _pallas_calls(fn, *args):
+  """The pallas_call equations of ``fn``'s jaxpr (nested ones included)."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found.append(eqn)
+      for v in eqn.params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+          x = getattr(x, "jaxpr", x)    # a ClosedJaxpr's Jaxpr
+          if hasattr(x, "eqns"):
+            walk(x)
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+@pytest.mark.parametrize("backend", backends.params(["interpret"]))
+def test_default_splits_items_by_query_length(backend):
+  """The default path cuts decode-like sequences (at most 16 // G tokens)
+  into one-tile items and the others into 512-row items, one launch each,
+  and matches the oracle on a batch with q lengths 0, 1, 3, 5 and 150 (two
+  large items) plus tokens past the sequences; an explicit
+  num_queries_per_block keeps one launch."""
+  args = make_batch(np.random.default_rng(7), [3, 0, 150, 1, 5, 1],
+                    [40, 9, 181, 77, 5, 1], heads=8, kv_heads=2,
+                    head_dim=128, page_size=16, pages_per_seq=12,
+                    extra_seqs=1, extra_tokens=3)
+  kw = dict(sm_scale=0.2, soft_cap=5.0)
+  _check(backend, args, TOL[jnp.float32], **kw)
+  with backend.context():
+    calls = _pallas_calls(lambda *a: pk.ragged_paged_attention(
+        *a, backend=backend.backend, **kw), *args)
+    one = _pallas_calls(lambda *a: pk.ragged_paged_attention(
+        *a, backend=backend.backend, num_queries_per_block=8, **kw), *args)
+  rows = sorted(c.outvars[0].aval.shape[2] for c in calls)
+  assert rows == [16, 512], rows    # G = 4: 4 tokens and 128 per item
+  assert [c.outvars[0].aval.shape[2] for c in one] == [32]
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e", "tpu7x"])
+def test_default_plans_fit_vmem(generation):
+  """Each launch of the default plans (the VMEM limit the kernel asks for)
+  fits the generation's VMEM, the large items shrinking where 512 rows
+  would not (v4): Llama-3-8B's heads, MHA over 64 kv heads, head_dim 256,
+  DeepSeek's MLA row at 16 and 128 heads."""
+  from pallas_kernels.ragged import mosaic_tpu
+  limit = pk._backend.TPU_VMEM_BYTES[generation]
+  shapes = [  # tokens, heads, kv heads, D, page, pages, channels, Dv
+      (2175, 32, 8, 128, 32, 256, None, None),
+      (4096, 64, 64, 128, 16, 512, None, None),
+      (4096, 32, 8, 256, 16, 512, None, None),
+      (4096, 128, 1, 576, 64, 128, 1, 512),
+      (4096, 16, 1, 576, 16, 512, 1, 512)]
+  for t, h, hk, d, page, pages, channels, dv in shapes:
+    plans = mosaic_tpu.make_plans(t, h, hk, d, 64, page, pages, 2, 2,
+                                  generation=generation, channels=channels,
+                                  value_dim=dv)
+    assert plans[0].rows == max(16, h // hk), plans  # one tile per decode
+    for plan in plans:
+      need = mosaic_tpu.vmem_bytes(plan, hk, d, 2, 2, channels, dv)
+      assert need * 5 // 4 <= limit, (generation, plan, need)
+  llama = mosaic_tpu.make_plans(*shapes[0][:4], 64, *shapes[0][4:6], 2, 2,
+                                generation=generation)
+  assert [p.rows for p in llama] == [16, 128 if generation == "v4" else 512]
+
+
 @pytest.mark.parametrize("backend",
                          backends.params(["interpret", "triton", "reference"]))
 def test_int8_cache_with_scales(backend):

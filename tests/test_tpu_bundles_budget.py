@@ -64,8 +64,9 @@ ENTRY %main (p: s32[1]) -> f32[8] {
 
 
 def test_ragged_cases_give_the_walk_every_token_once():
-  # The walk follows ours' work items from these entry parameters: they
-  # must cover each batch's tokens exactly (quick: the mixed batch).
+  # The walk follows ours' work items from these entry parameters (5
+  # arrays per launch): together they must cover each batch's tokens
+  # exactly (quick: the mixed batch; its default runs two launches).
   pytest.importorskip(
       "jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel")
   table = tpu.cases(("ragged",), quick=True)
@@ -75,11 +76,16 @@ def test_ragged_cases_give_the_walk_every_token_once():
     batch = name.split("|")[0][len("ragged_paged_attention "):]
     q_lens, kv_lens = tpu.RAGGED_BATCHES[batch]
     params = table[name][2]
-    seq, pos0, nq = (params[6 + i] for i in range(3))
-    assert sum(nq) == sum(q_lens)
-    for s, p, n in zip(seq, pos0, nq):
-      if n:   # a live item lies inside its sequence's new tokens
-        assert kv_lens[s] - q_lens[s] <= p and p + n <= kv_lens[s]
+    items = [params[k] for k in sorted(params) if k >= 6]
+    assert len(items) == 10   # decodes and the prefill: two launches
+    covered = 0
+    for at in range(0, len(items), 5):
+      seq, pos0, nq = items[at:at + 3]
+      covered += sum(nq)
+      for s, p, n in zip(seq, pos0, nq):
+        if n:   # a live item lies inside its sequence's new tokens
+          assert kv_lens[s] - q_lens[s] <= p and p + n <= kv_lens[s]
+    assert covered == sum(q_lens)
 
 
 def _budget():

@@ -55,7 +55,9 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
       exactly, so a query with no visible key gives zeros.
     k_scale, v_scale: float multipliers of the stored K and V (8-bit).
     num_kv_pages_per_block: pages per kv step of the kernel.
-    num_queries_per_block: query tokens per kernel work item.
+    num_queries_per_block: query tokens per kernel work item (TPU kernel
+      default: by sequence, at most 16 // G new tokens in one 16-row item,
+      longer sequences in items of 512 // G tokens; G = H / Hkv).
     vmem_limit_bytes: the kernel's scoped VMEM (default: what it needs).
     sinks: None or [H] float: per query head, ``exp(sinks[h])`` joins the
       softmax denominator (attention sinks; not scaled or capped).

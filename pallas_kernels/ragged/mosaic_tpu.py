@@ -3,7 +3,10 @@
 The ragged token axis is cut (in XLA) into items of ``tq`` query tokens of one
 sequence; grid ``(items, kv blocks)``, each step DMAs its block's pages into
 one of two VMEM slots and runs the online softmax per kv head, masking only
-blocks some query sees in part. MLA reads one latent row per token. Structure:
+blocks some query sees in part. By default sequences fall in two classes by
+their query length, one launch each: decode-like ones (at most
+``SMALL_ROWS // G`` tokens) in one-tile items, the others in items of
+``LARGE_ROWS // G`` tokens. MLA reads one latent row per token. Structure:
 docs/design/ragged_paged_attention.md.
 """
 from __future__ import annotations
@@ -27,8 +30,19 @@ _NT = (((1,), (1,)), ((), ()))   # a @ b^T
 BLOCK_BYTES = {"v4": 1 << 20, "v5e": 2 << 20, "v5p": 2 << 20,
                "v6e": 4 << 20, "tpu7x": 4 << 20}
 SCORE_BYTES = 1 << 20          # one step's float32 logits (rows x block)
-ROWS = 128                     # default query rows per item (tq * G)
+ROWS = 128                     # rows per item of the single-class plan
+# The default two classes' rows per item (tq * G): a sequence with at most
+# SMALL_ROWS // G new tokens (decode, short speculative steps) is one item
+# of one bf16 sublane tile; longer ones go in LARGE_ROWS-row items, which
+# re-read the cache 1 / 4 as often as ROWS-row ones (bench/results, the
+# design page's table).
+SMALL_ROWS = 16
+LARGE_ROWS = 512
 SMEM_TABLE_BYTES = 512 << 10   # page table + metadata prefetched to SMEM
+# The grid's parallel axis: core c runs items c, c + CORES, ... (v4/v5p
+# megacore), each core writing the output of its items past the real ones
+# to its own dummy block.
+CORES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +53,9 @@ class Plan:
   block: int         # keys per kv block
   num_blocks: int    # kv blocks covering pages_per_seq
   items: int         # W, the static bound on work items
+  # The class: sequences with min_q <= query length <= max_q (None: any).
+  min_q: int = 1
+  max_q: int | None = None
 
 
 def _sublanes(itemsize: int) -> int:
@@ -77,11 +94,56 @@ def hardware(kv_pages, target) -> str | None:
   return None
 
 
+def make_plans(tokens, heads, kv_heads, head_dim, max_seqs, page_size,
+               pages_per_seq, q_itemsize, kv_itemsize, *,
+               num_queries_per_block=None, num_kv_pages_per_block=None,
+               generation=None, channels=None,
+               value_dim=None) -> tuple[Plan, ...]:
+  """One Plan per launch: with ``num_queries_per_block`` one class of
+  items of that many tokens; by default two: sequences of at most
+  ``ts = SMALL_ROWS // G`` tokens in one item each, the longer ones in
+  items of ``LARGE_ROWS // G`` tokens, fewer where that would take more
+  than half the chip's VMEM (a class with no room for a sequence of its
+  lengths in ``tokens`` is left out). ``value_dim``: MLA's latent width."""
+  args = (tokens, heads, kv_heads, head_dim, max_seqs, page_size,
+          pages_per_seq, q_itemsize, kv_itemsize)
+  kw = dict(num_kv_pages_per_block=num_kv_pages_per_block,
+            generation=generation, channels=channels)
+  if num_queries_per_block is not None:
+    return (make_plan(*args, num_queries_per_block=num_queries_per_block,
+                      **kw),)
+  group = heads // kv_heads
+  small_tq = max(1, SMALL_ROWS // group)
+  if tokens <= small_tq:
+    return (make_plan(*args, num_queries_per_block=small_tq, **kw),)
+  small = make_plan(*args, num_queries_per_block=small_tq, max_q=small_tq,
+                    **kw)
+  # At most T // (ts + 1) sequences have more than ts tokens.
+  seqs = min(max_seqs, tokens // (small_tq + 1))
+  generation = generation or _backend.target().tpu_generation
+  budget = _backend.TPU_VMEM_BYTES.get(generation, 16 << 20) // 2
+  sizes = (kv_heads, head_dim, q_itemsize, kv_itemsize,
+           channels or 2 * kv_heads, value_dim)
+  rows = LARGE_ROWS
+  while True:   # halved until its VMEM takes at most half the chip's
+    large = make_plan(*args, num_queries_per_block=max(1, rows // group),
+                      min_q=small_tq + 1, seqs=seqs, **kw)
+    if rows <= SMALL_ROWS or vmem_bytes(large, *sizes) * 5 // 4 <= budget:
+      break
+    rows //= 2
+  if large.tq <= small_tq:
+    return (make_plan(*args, num_queries_per_block=small_tq, **kw),)
+  return small, large
+
+
 def make_plan(tokens, heads, kv_heads, head_dim, max_seqs, page_size,
               pages_per_seq, q_itemsize, kv_itemsize, *,
               num_queries_per_block=None, num_kv_pages_per_block=None,
-              generation=None, channels=None) -> Plan:
-  """``channels``: cache rows per token (2 Hkv; MLA's shared row 1)."""
+              generation=None, channels=None, min_q=1, max_q=None,
+              seqs=None) -> Plan:
+  """One launch's plan. ``channels``: cache rows per token (2 Hkv; MLA's
+  shared row 1); ``min_q``, ``max_q``: its class of query lengths, of at
+  most ``seqs`` sequences (default min(max_seqs, tokens))."""
   channels = channels or 2 * kv_heads
   group = heads // kv_heads
   tq = num_queries_per_block or max(1, ROWS // group)
@@ -97,9 +159,15 @@ def make_plan(tokens, heads, kv_heads, head_dim, max_seqs, page_size,
   else:
     chunks = num_kv_pages_per_block
   chunks = max(1, min(chunks, pages_per_seq))
-  items = (tokens + min(max_seqs, tokens) * (tq - 1)) // tq
+  seqs = min(max_seqs, tokens) if seqs is None else seqs
+  if max_q is not None and max_q <= tq:
+    items = seqs                  # one item per sequence
+  else:
+    items = (tokens + seqs * (tq - 1)) // tq
   return Plan(tq=tq, rows=rows, chunks=chunks, block=chunks * page_size,
-              num_blocks=-(-pages_per_seq // chunks), items=max(items, 1))
+              num_blocks=-(-pages_per_seq // chunks),
+              items=_round_up(max(items, 1), CORES),
+              min_q=min_q, max_q=max_q)
 
 
 def vmem_bytes(plan: Plan, kv_heads, head_dim, q_itemsize, kv_itemsize,
@@ -138,7 +206,8 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
             window, sm_scale, cap, v_scale, sinks, latent):
   sinks_ref = refs[0] if sinks else None
   o_ref, m_ref, l_ref, acc_ref, buf, sems = refs[sinks:]
-  w, j = pl.program_id(0), pl.program_id(1)
+  w = pl.program_id(1) * CORES + pl.program_id(0)
+  j = pl.program_id(2)
   seq, pos0, nq, length, first, last, live = item_keys(
       seq_ref, pos_ref, nq_ref, lens_ref, w, window)
   lo = lax.div(first, jnp.int32(plan.block))
@@ -182,7 +251,7 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
         return carry
       lax.fori_loop(0, n, body, 0)
 
-  @pl.when(j == 0)
+  @pl.when((j == 0) & (nq > 0))
   def _init():
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -239,8 +308,8 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
     pl.when(here & whole)(functools.partial(step, False, sl))
     pl.when(here & jnp.logical_not(whole))(functools.partial(step, True, sl))
 
-  @pl.when(j == plan.num_blocks - 1)
-  def _finish():
+  @pl.when((j == plan.num_blocks - 1) & (nq > 0))
+  def _finish():   # (items past the real ones share a dummy output block)
     l = l_ref[...]
     has_keys = l[..., :1] != 0
     scale = 1.0 if v_scale is None else v_scale
@@ -259,10 +328,15 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, kv_hbm,
 
 def work_items(bounds, kv_lens, plan: Plan):
   """Per item (sequence, position of its first query, query count) [W]
-  int32 each, and per sequence its first item [S]."""
+  int32 each, per sequence its first item [S], and per item its first
+  query's offset in its sequence [W]. Only sequences of the plan's class
+  have items; items past theirs have no queries."""
   s = bounds.shape[0] - 1
   qlens = bounds[1:] - bounds[:-1]
-  counts = -(-qlens // plan.tq)
+  member = qlens >= plan.min_q
+  if plan.max_q is not None:
+    member &= qlens <= plan.max_q
+  counts = jnp.where(member, -(-qlens // plan.tq), 0)
   ends = jnp.cumsum(counts)
   starts = ends - counts
   w = jnp.arange(plan.items, dtype=jnp.int32)
@@ -282,46 +356,95 @@ def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
 
   ``kv_pages`` [P, page_size, 2 Hkv, D] (Dv = D), or with ``latent_dim``
   MLA's [P, page_size, D]: one kv head, K the whole row, V its first
-  ``latent_dim`` lanes (Dv), one DMA'd row serving both."""
+  ``latent_dim`` lanes (Dv), one DMA'd row serving both. One launch per
+  class of ``make_plans``; each token's output comes from its sequence's
+  class."""
   tokens, heads, head_dim = q.shape
   num_pages, page_size = kv_pages.shape[:2]
   combined = 1 if latent_dim else kv_pages.shape[2]
   kv_heads = 1 if latent_dim else combined // 2
   value_dim = latent_dim or head_dim
-  group = heads // kv_heads
   max_seqs, pages_per_seq = page_indices.shape
-  plan = make_plan(tokens, heads, kv_heads, head_dim, max_seqs, page_size,
-                   pages_per_seq, q.dtype.itemsize, kv_pages.dtype.itemsize,
-                   num_queries_per_block=num_queries_per_block,
-                   num_kv_pages_per_block=num_kv_pages_per_block,
-                   channels=combined)
+  plans = make_plans(tokens, heads, kv_heads, head_dim, max_seqs, page_size,
+                     pages_per_seq, q.dtype.itemsize, kv_pages.dtype.itemsize,
+                     num_queries_per_block=num_queries_per_block,
+                     num_kv_pages_per_block=num_kv_pages_per_block,
+                     channels=combined, value_dim=value_dim)
   bounds = _ref.seq_bounds(cu_q_lens, num_seqs, tokens)
   lens = jnp.clip(kv_lens.astype(jnp.int32), 0, pages_per_seq * page_size)
-  seq, pos0, nq, first_item, qoff = work_items(bounds, lens, plan)
+  table = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
+  kv_flat = kv_pages.reshape(num_pages, page_size * combined, head_dim)
+  owner = _ref.token_seqs(bounds, tokens)
+  live = owner < max_seqs
+  owner = jnp.minimum(owner, max_seqs - 1)
+  rel = jnp.arange(tokens, dtype=jnp.int32) - bounds[owner]
+  qlens = (bounds[1:] - bounds[:-1])[owner]
+  out = jnp.zeros((tokens, heads, value_dim), q.dtype)
+  # (Each class launches even without sequences: a lax.cond skipping it
+  # would hide its kernel from bench.tpu's walk, which does not follow
+  # conditionals; such a launch runs its items' empty steps, no DMA.)
+  for plan in plans:
+    seq, pos0, nq, first_item, qoff = work_items(bounds, lens, plan)
+    res = _launch(plan, q, kv_flat, bounds, lens, table, seq, pos0, nq, qoff,
+                  sinks, kv_heads=kv_heads, combined=combined,
+                  value_dim=value_dim, page_size=page_size,
+                  max_seqs=max_seqs, kv_dtype=kv_pages.dtype,
+                  sm_scale=sm_scale, sliding_window=sliding_window,
+                  soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+                  vmem_limit_bytes=vmem_limit_bytes, interpret=interpret,
+                  latent_dim=latent_dim)
+    # Token t of sequence i is row (t - c_i) % tq of item
+    # first_item[i] + (t - c_i) // tq.
+    tq = plan.tq
+    src = (first_item[owner] + rel // tq) * tq + rel % tq
+    src = jnp.clip(src, 0, res.shape[0] - 1)
+    mine = live & (qlens >= plan.min_q)
+    if plan.max_q is not None:
+      mine &= qlens <= plan.max_q
+    out = jnp.where(mine[:, None, None], res[src], out)
+  return out
 
-  # Gather each item's queries: [W, tq, H, D] -> [W, Hkv, tq * G, D].
+
+def _launch(plan: Plan, q, kv_flat, bounds, lens, table, seq, pos0, nq, qoff,
+            sinks, *, kv_heads, combined, value_dim, page_size, max_seqs,
+            kv_dtype, sm_scale, sliding_window, soft_cap, k_scale, v_scale,
+            vmem_limit_bytes, interpret, latent_dim):
+  """One class's pallas_call: [(W + CORES) tq, H, Dv], row ``w tq + t``
+  token t of item w."""
+  tokens, heads, head_dim = q.shape
+  pages_per_seq = table.shape[0] // max_seqs
+  group = heads // kv_heads
   tq, w_items = plan.tq, plan.items
+  # Gather each item's queries: [W, tq, H, D] -> [W, Hkv, tq * G, D]
+  # (whole token rows: XLA's gather of single head rows is slower). Rows
+  # past an item's tokens hold other tokens, not zeros: rows are
+  # independent and theirs are never read back.
   r = jnp.arange(tq, dtype=jnp.int32)
-  idx = (bounds[seq] + qoff)[:, None] + r
-  rows_live = r[None] < nq[:, None]
-  qi = jnp.where(rows_live[..., None, None],
-                 q[jnp.clip(idx, 0, tokens - 1)], jnp.zeros((), q.dtype))
-  qi = qi.reshape(w_items, tq, kv_heads, group, head_dim)
+  idx = jnp.clip((bounds[seq] + qoff)[:, None] + r, 0, tokens - 1)
+  qi = q[idx].reshape(w_items, tq, kv_heads, group, head_dim)
   qi = qi.transpose(0, 2, 1, 3, 4).reshape(w_items, kv_heads, tq * group,
                                            head_dim)
-  qi = jnp.pad(qi, ((0, 0), (0, 0), (0, plan.rows - tq * group), (0, 0)))
+  if plan.rows > tq * group:
+    qi = jnp.pad(qi, ((0, 0), (0, 0), (0, plan.rows - tq * group), (0, 0)))
 
-  table = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
   scale = sm_scale * (1.0 if k_scale is None else k_scale)
   kernel = functools.partial(
       _kernel, plan=plan, group=group, kv_heads=kv_heads, page_size=page_size,
       pages_per_seq=pages_per_seq, window=sliding_window, sm_scale=scale,
       cap=soft_cap, v_scale=v_scale, sinks=sinks is not None,
       latent=latent_dim)
-  spec = pl.BlockSpec((_SQ, kv_heads, plan.rows, head_dim),
-                      lambda w, j, *_: (w, 0, 0, 0))
-  out_spec = pl.BlockSpec((_SQ, kv_heads, plan.rows, value_dim),
-                          lambda w, j, *_: (w, 0, 0, 0))
+  # Items past the real ones (nq = 0) read q's block c (fetched once) and
+  # write core c's dummy output block W + c: no DMA per item.
+  def q_block(c, i, j, seq_ref, pos_ref, nq_ref, *_):
+    w = i * CORES + c
+    return jnp.where(nq_ref[w] > 0, w, c), 0, 0, 0
+
+  def out_block(c, i, j, seq_ref, pos_ref, nq_ref, *_):
+    w = i * CORES + c
+    return jnp.where(nq_ref[w] > 0, w, w_items + c), 0, 0, 0
+
+  spec = pl.BlockSpec((_SQ, kv_heads, plan.rows, head_dim), q_block)
+  out_spec = pl.BlockSpec((_SQ, kv_heads, plan.rows, value_dim), out_block)
   in_specs = [spec, pl.BlockSpec(memory_space=pl.ANY)]
   extra = []
   if sinks is not None:   # [Hkv, rows, 128]: row r holds head r % G's sink
@@ -331,17 +454,18 @@ def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
     extra = [jnp.broadcast_to(rows_sink[..., None],
                               (kv_heads, plan.rows, LANES))]
     in_specs.append(pl.BlockSpec((kv_heads, plan.rows, LANES),
-                                 lambda w, j, *_: (0, 0, 0)))
+                                 lambda c, i, j, *_: (0, 0, 0)))
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=5, grid=(w_items, plan.num_blocks),
+      num_scalar_prefetch=5,
+      grid=(CORES, w_items // CORES, plan.num_blocks),
       in_specs=in_specs, out_specs=out_spec,
       scratch_shapes=[
           pltpu.VMEM((kv_heads, plan.rows, LANES), jnp.float32),
           pltpu.VMEM((kv_heads, plan.rows, LANES), jnp.float32),
           pltpu.VMEM((kv_heads, plan.rows, value_dim), jnp.float32),
-          pltpu.VMEM((2 * plan.block * combined, head_dim), kv_pages.dtype),
+          pltpu.VMEM((2 * plan.block * combined, head_dim), kv_dtype),
           pltpu.SemaphoreType.DMA((2,))])
-  sizes = (kv_heads, head_dim, q.dtype.itemsize, kv_pages.dtype.itemsize,
+  sizes = (kv_heads, head_dim, q.dtype.itemsize, kv_dtype.itemsize,
            combined, value_dim)
   if vmem_limit_bytes is None:
     need = vmem_bytes(plan, *sizes) * 5 // 4
@@ -349,33 +473,27 @@ def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
   pairs = w_items * heads * tq * pages_per_seq * page_size
   work = dict(flops=2 * pairs * (head_dim + value_dim), transcendentals=pairs,
               bytes_accessed=(max_seqs * pages_per_seq * page_size * combined
-                              * head_dim * kv_pages.dtype.itemsize
+                              * head_dim * kv_dtype.itemsize
                               + qi.size * q.dtype.itemsize
                               + qi.size // head_dim * value_dim
                               * q.dtype.itemsize))
   out = _compat.pallas_call(
       kernel, grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct(qi.shape[:3] + (value_dim,), q.dtype),
+      out_shape=jax.ShapeDtypeStruct(
+          (w_items + CORES,) + qi.shape[1:3] + (value_dim,), q.dtype),
       compiler_params=_compat.tpu_compiler_params(
-          # Items are independent (each item's DMA chain is its own).
-          dimension_semantics=("parallel", "arbitrary"),
+          # Items are independent (each item's DMA chain is its own); a
+          # core's items run in order (its dummy block is written by one
+          # run of steps).
+          dimension_semantics=("parallel", "arbitrary", "arbitrary"),
           disable_bounds_checks=True,   # page ids clipped above
           vmem_limit_bytes=vmem_limit_bytes),
       interpret=interpret, cost_estimate=_cost.estimate(**work),
       name="mla_ragged_paged_attention" if latent_dim
       else "ragged_paged_attention",
-  )(seq, pos0, nq, lens, table, qi,
-    kv_pages.reshape(num_pages, page_size * combined, head_dim), *extra)
-
-  # Scatter back: token t of sequence i is row (t - c_i) % tq of item
-  # first_item[i] + (t - c_i) // tq.
-  out = out[:, :, :tq * group].reshape(w_items, kv_heads, tq, group,
-                                       value_dim)
-  out = out.transpose(0, 2, 1, 3, 4).reshape(w_items * tq, heads, value_dim)
-  owner = _ref.token_seqs(bounds, tokens)
-  live = owner < max_seqs
-  owner = jnp.minimum(owner, max_seqs - 1)
-  rel = jnp.arange(tokens, dtype=jnp.int32) - bounds[owner]
-  src = (first_item[owner] + rel // tq) * tq + rel % tq
-  src = jnp.clip(src, 0, w_items * tq - 1)
-  return jnp.where(live[:, None, None], out[src], jnp.zeros((), q.dtype))
+  )(seq, pos0, nq, lens, table, qi, kv_flat, *extra)
+  if plan.rows > tq * group:
+    out = out[:, :, :tq * group]
+  out = out.reshape(w_items + CORES, kv_heads, tq, group, value_dim)
+  return out.transpose(0, 2, 1, 3, 4).reshape((w_items + CORES) * tq,
+                                              heads, value_dim)
