@@ -276,7 +276,8 @@ def _launch(t: Tiles, items: int, num_splits: int, qi, pool, seq, pos0, nq,
       cost_estimate=_cost.estimate(
           flops=2 * pairs * (head_dim + value_dim), transcendentals=pairs,
           bytes_accessed=(rows_read * keys * head_dim * pool.dtype.itemsize
-                          + _cost.nbytes(qi) * (1 + value_dim / head_dim))),
+                          + _cost.nbytes(qi) * (head_dim + value_dim)
+                          // head_dim)),
       name=("mla_ragged_paged_attention_gpu" if latent
             else "ragged_paged_attention_gpu"),
   )(*operands)
