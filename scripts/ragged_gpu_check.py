@@ -5,7 +5,7 @@ sinks, int8/fp8 caches with scales, splits); and mla_ragged_paged_attention's
 ("mla ..."): its suite's cases and a sweep over latent rows (DeepSeek's D 576
 / latent 512, 80/64, 144/128), 1-128 heads, the same options. Run on a GPU:
 
-    PYTHONPATH=. python scripts/ragged_gpu_check.py [--list] [NAME_SUBSTRING ...]
+    PYTHONPATH=. python scripts/ragged_gpu_check.py [--list] [NAME_PART ...]
 """
 from __future__ import annotations
 
