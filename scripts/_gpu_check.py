@@ -8,9 +8,13 @@ import time
 
 def run(checks) -> int:
   """``checks``: (name, callable raising on a mismatch) pairs; the command
-  line's arguments select names by substring (default: all)."""
-  only = sys.argv[1:]
+  line's arguments select names by substring (default: all); ``--list``
+  prints the selected names without running them."""
+  only = [a for a in sys.argv[1:] if a != "--list"]
   checks = [c for c in checks if not only or any(o in c[0] for o in only)]
+  if "--list" in sys.argv[1:]:
+    print("\n".join(name for name, _ in checks))
+    return 0
   failed = 0
   for name, check in checks:
     start = time.perf_counter()

@@ -26,7 +26,8 @@ from test_ragged_paged_attention import (_Fixed, make_batch, random_step,
                                          serve_per_device)
 
 OP = pk.mla_ragged_paged_attention
-KERNELS = backends.params(["interpret", "interpret_generic", "reference"])
+KERNELS = backends.params(["interpret", "interpret_generic", "triton",
+                           "reference"])
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 
 
@@ -85,17 +86,20 @@ CASES = {
 
 def _oracle_params():
   """Default: every backend on the small mix, the TPU-semantics interpreter
-  on the others (the suite's time budget); --runslow: all."""
+  on the others, the Triton kernel on all but DeepSeek's row (20 s in the
+  generic interpreter of jax 0.7; lowered for CUDA by default below);
+  --runslow: all."""
   for name in sorted(CASES):
     for b in KERNELS:
-      default = name == "mixed_small" or b.id == "interpret"
+      default = (name == "mixed_small" or b.id == "interpret"
+                 or (b.id == "triton" and name != "deepseek_bf16"))
       yield pytest.param(b.values[0], name, id=f"{name}-{b.id}",
                          marks=list(b.marks) + ([] if default
                                           else [pytest.mark.slow]))
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("backend,name", _oracle_params())
+@pytest.mark.parametrize("backend,name", list(_oracle_params()))
 def test_against_oracle(backend, name, rng):
   case = dict(CASES[name])
   kw, latent_dim = case.pop("kw"), case.pop("latent_dim")
@@ -106,7 +110,7 @@ def test_against_oracle(backend, name, rng):
 
 @pytest.mark.parametrize("cache_dtype", [jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("backend", [
-    backends.params(["interpret"])[0],
+    *backends.params(["interpret", "triton"]),
     pytest.param(*backends.params(["reference"])[0].values, id="reference",
                  marks=pytest.mark.slow)])
 def test_8bit_cache_with_scales(backend, cache_dtype, rng):
@@ -140,6 +144,39 @@ def test_written_cache_is_what_attention_reads(rng):
   np.testing.assert_array_equal(np.asarray(written), want)
   _check(backends.ALL[-1], (q, written) + meta, TOL[jnp.float32],
          latent_dim=48, sm_scale=0.3)
+
+
+@pytest.mark.parametrize("head_dim,latent_dim,match", [
+    (136, 128, "head_dim a multiple of 16, got 136"),
+    (96, 40, "latent_dim a multiple of 16 .*got 40")])
+def test_triton_refuses_rows_off_its_tiles(head_dim, latent_dim, match):
+  """Triton tiles are powers of two >= 16 columns: a row or latent width
+  off the 16 grid is refused, naming it (backend=None falls back)."""
+  args = (jnp.zeros((2, 4, head_dim)), jnp.zeros((3, 4, head_dim)),
+          jnp.full((2,), 1, jnp.int32), jnp.zeros((2, 2), jnp.int32),
+          jnp.arange(3, dtype=jnp.int32), jnp.full((1,), 2, jnp.int32))
+  with pytest.raises(ValueError, match=match):
+    OP(*args, latent_dim=latent_dim, backend="triton")
+
+
+@pytest.mark.parametrize("heads,cache_dtype", [
+    (128, jnp.bfloat16), (16, jnp.float8_e4m3fn)])
+def test_cuda_lowering_runs_the_triton_kernel(heads, cache_dtype):
+  """backend=None lowered for CUDA on this host: the Triton kernel (not the
+  reference) at DeepSeek's row (D 576, latent 512), one launch per class
+  of items (decode, prefill)."""
+  spec = jax.ShapeDtypeStruct
+  args = (spec((77, heads, 576), jnp.bfloat16),
+          spec((300, 16, 576), cache_dtype), spec((9,), jnp.int32),
+          spec((9, 33), jnp.int32), spec((10,), jnp.int32),
+          spec((1,), jnp.int32))
+  scales = {} if cache_dtype == jnp.bfloat16 else dict(k_scale=0.5,
+                                                         v_scale=0.5)
+  fn = lambda *a: OP(*a, latent_dim=512, sm_scale=192 ** -0.5,  # noqa: E731
+                     sliding_window=1000, **scales)
+  assert jax.eval_shape(fn, *args).shape == (77, heads, 512)
+  text = _compat.lower_for_cuda(fn, *args).as_text()
+  assert text.count('"mla_ragged_paged_attention_gpu"') == 2
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -179,6 +216,8 @@ def test_random_sweep(backend, seed):
   rng = np.random.default_rng(200 + seed)
   heads = int(rng.choice([1, 3, 16]))
   head_dim, latent_dim = [(80, 64), (576, 512), (136, 128)][seed % 3]
+  if backend.name == "triton" and head_dim % 16:   # Triton's 16-column tiles
+    head_dim = 144
   step, kw = random_step(rng, seed, heads, sm_scale=(0.02, 0.1))
   args = mla_batch(rng, step["q_lens"], step["kv_lens"], heads=heads,
                    head_dim=head_dim, **step["batch"])

@@ -185,10 +185,9 @@ def _attention(op, q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
           hardware=lambda target: mosaic_tpu.hardware(kv_pages, target)),
       _backend.Kernel(
           "triton", lambda *a, interpret=None: triton.ragged(
-              *a, interpret=interpret or False, **static, **blocks),
-          supports=lambda: ("the Triton kernel reads K/V-interleaved pages, "
-                            "not MLA's latent rows" if latent_dim else
-                            triton.supports(q, kv_pages))),
+              *a, interpret=interpret or False, **static, **blocks,
+              latent_dim=latent_dim),
+          supports=lambda: triton.supports(q, kv_pages, latent_dim)),
       _backend.Kernel("reference", ref),
   ]
   return _backend.dispatch(op, backend, rows, *args)

@@ -3,8 +3,10 @@
 The TPU kernel's work items, in two launches (short sequences in 16-row
 blocks, the others in 128-row items); one program per (item, kv head, split)
 walks the item's visible keys through the page table with the online softmax
-in base 2; decode items may split their keys (flash decoding). Structure:
-docs/design/ragged_paged_attention.md.
+in base 2; decode items may split their keys (flash decoding). MLA
+(``latent_dim``): one kv head, all H query heads packed as rows, and one
+load of each latent row serving as K (all D columns) and V (its first
+``latent_dim``). Structure: docs/design/ragged_paged_attention.md.
 """
 from __future__ import annotations
 
@@ -49,12 +51,15 @@ def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
-def supports(q, kv_pages) -> str | None:
+def supports(q, kv_pages, latent_dim=None) -> str | None:
   """Why the kernel cannot run the call, else None."""
   head_dim = q.shape[2]
   if head_dim % MIN_TILE:
     return (f"the Triton kernel needs head_dim a multiple of {MIN_TILE}, "
             f"got {head_dim}")
+  if latent_dim is not None and latent_dim % MIN_TILE:
+    return (f"the Triton kernel needs latent_dim a multiple of {MIN_TILE} "
+            f"(V is a column tile of the row), got {latent_dim}")
   capability = _backend.target().gpu_capability
   if (kv_pages.dtype == jnp.float8_e4m3fn and capability
       and tuple(map(int, capability.split(".")[:2])) < (8, 9)):
@@ -89,10 +94,22 @@ def tiles(group: int, head_dim: int, num_queries_per_block=None,
   return short, long
 
 
+def row_pieces(head_dim: int, value_dim: int):
+  """(K pieces, V pieces) of a row whose V is its first value_dim columns:
+  V's pieces then the rest's, so V's are a prefix of K's (MLA reuses the
+  loaded K tiles as V)."""
+  v = _decode.head_dim_pieces(value_dim)
+  rest = tuple((value_dim + s, w)
+               for s, w in _decode.head_dim_pieces(head_dim - value_dim))
+  return v + rest, v
+
+
 def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, k_ref,
-            v_ref, *rest, group, block, page_size, pages_per_seq, window,
-            sm_scale, cap, v_scale, sinks, num_splits, heads_first):
+            *rest, group, block, page_size, pages_per_seq, window,
+            sm_scale, cap, v_scale, sinks, num_splits, heads_first,
+            latent):
   rest = list(rest)
+  v_ref = None if latent else rest.pop(0)
   sink_ref = rest.pop(0) if sinks else None
   w, split = pl.program_id(1 if heads_first else 0), pl.program_id(2)
   seq, pos0, nq, length, first, last, live = _tpu.item_keys(
@@ -105,7 +122,10 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, k_ref,
   end = jnp.minimum(start + per, lo + count)
 
   rows_n, head_dim = q_ref.shape
-  pieces = _decode.head_dim_pieces(head_dim)
+  if latent:
+    pieces, v_pieces = row_pieces(head_dim, latent)
+  else:
+    pieces = v_pieces = _decode.head_dim_pieces(head_dim)
   qs = [q_ref[:, pl.ds(s, width)] for s, width in pieces]
   dtype = qs[0].dtype
   rows = lax.broadcasted_iota(jnp.int32, (rows_n, block), 0)
@@ -122,11 +142,10 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, k_ref,
                                pages_per_seq - 1)
     slots = table_ref[entry] * page_size + lax.rem(keys,
                                                    jnp.int32(page_size))
+    ks = [k_ref[slots, pl.ds(s, width)].astype(dtype) for s, width in pieces]
     qk = sum(lax.dot_general(
-        q, k_ref[slots, pl.ds(s, width)].astype(dtype),
-        (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32)
-             for q, (s, width) in zip(qs, pieces))
+        q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32) for q, k in zip(qs, ks))
     if cap is None:
       s = qk * (sm_scale * LOG2E)
     else:
@@ -144,8 +163,9 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, k_ref,
     l_next = l_prev * alpha + jnp.sum(p, axis=1)
     p = p.astype(dtype)
     new = []
-    for acc, (s0, width) in zip(accs, pieces):
-      v = v_ref[slots, pl.ds(s0, width)].astype(dtype)
+    for i, (acc, (s0, width)) in enumerate(zip(accs, v_pieces)):
+      # MLA: V's pieces are the first K tiles (one load of the row).
+      v = ks[i] if latent else v_ref[slots, pl.ds(s0, width)].astype(dtype)
       if masked:
         v = jnp.where(key0 + value_iota < length, v, jnp.zeros_like(v))
       new.append(acc * alpha[:, None] + lax.dot_general(
@@ -163,7 +183,7 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, k_ref,
   a = jnp.clip(whole_lo, start, end)
   b = jnp.clip(whole_hi, a, end)
   carry = (tuple(jnp.zeros((rows_n, width), jnp.float32)
-                 for _, width in pieces),
+                 for _, width in v_pieces),
            jnp.full((rows_n,), -jnp.inf, jnp.float32),
            jnp.zeros((rows_n,), jnp.float32))
   masked = functools.partial(body, masked=True)
@@ -182,23 +202,26 @@ def _kernel(seq_ref, pos_ref, nq_ref, lens_ref, table_ref, q_ref, k_ref,
       l = l * keep + jnp.exp2(sink - top)
     scale = 1.0 if v_scale is None else v_scale
     inv = scale / jnp.where(l == 0.0, 1.0, l)
-    for acc, (s0, width) in zip(accs, pieces):
+    for acc, (s0, width) in zip(accs, v_pieces):
       o_ref[:, pl.ds(s0, width)] = (acc * inv[:, None]).astype(o_ref.dtype)
     return
   part_o_ref, part_lse_ref = rest
   empty = l == 0.0
   inv = 1.0 / jnp.where(empty, 1.0, l)
-  for acc, (s0, width) in zip(accs, pieces):
+  for acc, (s0, width) in zip(accs, v_pieces):
     part_o_ref[:, pl.ds(s0, width)] = acc * inv[:, None]
   part_lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * LN2)
 
 
 def _launch(t: Tiles, items: int, num_splits: int, qi, pool, seq, pos0, nq,
             lens, table, sink_rows, *, group, page_size, pages_per_seq,
-            window, sm_scale, cap, v_scale, interpret):
-  """One class's pallas_call: [W, Hkv, rows, D] in q's dtype, or with
-  splits the (out, lse) partials [W, Hkv, splits, rows(, D)] float32."""
+            window, sm_scale, cap, v_scale, interpret, latent=None):
+  """One class's pallas_call: [W, Hkv, rows, Dv] in q's dtype, or with
+  splits the (out, lse) partials [W, Hkv, splits, rows(, Dv)] float32.
+  ``pool`` [slots, 2 Hkv, D] (K, V interleaved), or with ``latent``
+  [slots, 1, D] rows whose first ``latent`` columns are V."""
   kv_heads, head_dim = qi.shape[1], qi.shape[3]
+  value_dim = latent or head_dim
   slots = pool.shape[0]
   if t.heads_first and items > 65535:   # CUDA's grid y limit
     t = dataclasses.replace(t, heads_first=False)
@@ -210,25 +233,27 @@ def _launch(t: Tiles, items: int, num_splits: int, qi, pool, seq, pos0, nq,
               pl.BlockSpec((None, None, t.rows, head_dim),
                            order(lambda w, h, s: (w, h, 0, 0))),
               pl.BlockSpec((slots, None, head_dim),
-                           order(lambda w, h, s: (0, 2 * h, 0))),
-              pl.BlockSpec((slots, None, head_dim),
-                           order(lambda w, h, s: (0, 2 * h + 1, 0)))]
-  operands = [seq, pos0, nq, lens, table, qi, pool, pool]
+                           order(lambda w, h, s: (0, 2 * h, 0)))]
+  operands = [seq, pos0, nq, lens, table, qi, pool]   # MLA: h = 0, the row
+  if not latent:   # V from its own head; MLA's is in the row already read
+    in_specs.append(pl.BlockSpec((slots, None, head_dim),
+                                 order(lambda w, h, s: (0, 2 * h + 1, 0))))
+    operands.append(pool)
   if sink_rows is not None:
     in_specs.append(pl.BlockSpec((None, t.rows),
                                  order(lambda w, h, s: (h, 0))))
     operands.append(sink_rows)
   if num_splits == 1:
-    out_shape = jax.ShapeDtypeStruct(qi.shape, qi.dtype)
-    out_specs = pl.BlockSpec((None, None, t.rows, head_dim),
+    out_shape = jax.ShapeDtypeStruct(qi.shape[:3] + (value_dim,), qi.dtype)
+    out_specs = pl.BlockSpec((None, None, t.rows, value_dim),
                              order(lambda w, h, s: (w, h, 0, 0)))
   else:
     out_shape = (
-        jax.ShapeDtypeStruct((items, kv_heads, num_splits, t.rows, head_dim),
-                             jnp.float32),
+        jax.ShapeDtypeStruct((items, kv_heads, num_splits, t.rows,
+                              value_dim), jnp.float32),
         jax.ShapeDtypeStruct((items, kv_heads, num_splits, t.rows),
                              jnp.float32))
-    out_specs = (pl.BlockSpec((None, None, None, t.rows, head_dim),
+    out_specs = (pl.BlockSpec((None, None, None, t.rows, value_dim),
                               order(lambda w, h, s: (w, h, s, 0, 0))),
                  pl.BlockSpec((None, None, None, t.rows),
                               order(lambda w, h, s: (w, h, s, 0))))
@@ -238,9 +263,10 @@ def _launch(t: Tiles, items: int, num_splits: int, qi, pool, seq, pos0, nq,
       _kernel, group=group, block=t.block, page_size=page_size,
       pages_per_seq=pages_per_seq, window=window, sm_scale=sm_scale, cap=cap,
       v_scale=v_scale, sinks=sink_rows is not None, num_splits=num_splits,
-      heads_first=t.heads_first)
+      heads_first=t.heads_first, latent=latent)
   keys = items * pages_per_seq * page_size
   pairs = keys * kv_heads * t.rows
+  rows_read = 1 if latent else 2 * kv_heads
   return _compat.pallas_call(
       kernel, grid=grid, in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape,
@@ -248,24 +274,31 @@ def _launch(t: Tiles, items: int, num_splits: int, qi, pool, seq, pos0, nq,
           num_warps=t.num_warps, num_stages=t.num_stages),
       interpret=interpret,
       cost_estimate=_cost.estimate(
-          flops=4 * pairs * head_dim, transcendentals=pairs,
-          bytes_accessed=(2 * keys * kv_heads * head_dim
-                          * pool.dtype.itemsize + 2 * _cost.nbytes(qi))),
-      name="ragged_paged_attention_gpu",
+          flops=2 * pairs * (head_dim + value_dim), transcendentals=pairs,
+          bytes_accessed=(rows_read * keys * head_dim * pool.dtype.itemsize
+                          + _cost.nbytes(qi) * (head_dim + value_dim)
+                          // head_dim)),
+      name=("mla_ragged_paged_attention_gpu" if latent
+            else "ragged_paged_attention_gpu"),
   )(*operands)
 
 
 def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
            sinks=None, *, sm_scale, sliding_window, soft_cap, k_scale, v_scale,
            num_queries_per_block, num_kv_pages_per_block, vmem_limit_bytes,
-           interpret, tiles_override=None, num_splits=None):
-  """[T, H, D] in q's dtype (arguments as checked by the API).
-  ``tiles_override`` (short, long) and ``num_splits`` (short items) are
-  for tuning."""
+           interpret, tiles_override=None, num_splits=None, latent_dim=None):
+  """[T, H, Dv] in q's dtype (arguments as checked by the API).
+  ``kv_pages`` [P, page_size, 2 Hkv, D] (Dv = D), or with ``latent_dim``
+  MLA's [P, page_size, D] rows: one kv head for all H, V the first
+  ``latent_dim`` columns (Dv). ``tiles_override`` (short, long) and
+  ``num_splits`` (short items) are for tuning."""
   del vmem_limit_bytes
   tokens, heads, head_dim = q.shape
+  if latent_dim:
+    kv_pages = kv_pages[:, :, None, :]   # one "head": the row
   num_pages, page_size, combined, _ = kv_pages.shape
-  kv_heads = combined // 2
+  kv_heads = 1 if latent_dim else combined // 2
+  value_dim = latent_dim or head_dim
   group = heads // kv_heads
   max_seqs, pages_per_seq = page_indices.shape
   short, long = tiles_override or tiles(
@@ -283,7 +316,7 @@ def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
   scale = sm_scale * (1.0 if k_scale is None else k_scale)
   common = dict(group=group, page_size=page_size, pages_per_seq=pages_per_seq,
                 window=sliding_window, sm_scale=scale, cap=soft_cap,
-                interpret=interpret)
+                interpret=interpret, latent=latent_dim)
 
   classes = []   # (tiles, in class [S], static item bound)
   if short is None:
@@ -298,7 +331,7 @@ def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
     classes.append((long, ~small,
                     (tokens + n_long * (long.tq - 1)) // long.tq))
 
-  out = jnp.zeros((tokens, heads, head_dim), q.dtype)
+  out = jnp.zeros((tokens, heads, value_dim), q.dtype)
   for t, member, items in classes:
     if items <= 0:
       continue
@@ -334,8 +367,9 @@ def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
     # Scatter back: token t of sequence i is row (t - c_i) % tq of item
     # first_item[i] + (t - c_i) // tq.
     res = res[:, :, :t.tq * group].reshape(items, kv_heads, t.tq, group,
-                                           head_dim)
-    res = res.transpose(0, 2, 1, 3, 4).reshape(items * t.tq, heads, head_dim)
+                                           value_dim)
+    res = res.transpose(0, 2, 1, 3, 4).reshape(items * t.tq, heads,
+                                               value_dim)
     src = (first_item[owner] + rel // t.tq) * t.tq + rel % t.tq
     src = jnp.clip(src, 0, items * t.tq - 1)
     mine = live & member[owner]
