@@ -4,14 +4,17 @@ TPU kernel in interpret mode: mixed prefill and decode batches with empty
 sequences, page tables in any order whose unused entries hold garbage, NaN
 in cache rows past each length and in unused pages, table rows past
 ``num_seqs``; DeepSeek's row (D 576, latent 512) and an odd small one (D 80,
-latent 64, H 3); window, soft cap, sinks; int8 and float8 caches with
-scales; the latent cache written by ``write_kv_pages``; bad inputs; AOT
-compiles at DeepSeek shapes for v5e and v6e. ``--runslow``: a random sweep.
+latent 64, H 3); H 40 (two head groups in the Triton kernel); window, soft
+cap, sinks; int8 and float8 caches with scales; the latent cache written by
+``write_kv_pages``; bad inputs; AOT compiles at DeepSeek shapes for v5e and
+v6e. ``--runslow``: a random sweep.
 
 Tolerances (max |error|, outputs of magnitude <= 1-ish): float32 2e-5;
 bfloat16 and 8-bit caches 3e-2 (bfloat16 probabilities and output).
 """
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -81,17 +84,24 @@ CASES = {
                                      sinks=jnp.asarray([-1.0, 2.0]),
                                      num_kv_pages_per_block=1,
                                      num_queries_per_block=2)),
+    # 40 heads: the Triton kernel splits them into 2 programs of 20 that
+    # read the same row (per-group sinks, causal rows of a prefill)
+    "head_groups": dict(q_lens=[3, 1], kv_lens=[10, 7], heads=40,
+                        head_dim=80, latent_dim=64, page_size=4,
+                        pages_per_seq=3,
+                        kw=dict(sinks=jnp.linspace(-2.0, 2.0, 40))),
 }
 
 
 def _oracle_params():
   """Default: every backend on the small mix, the TPU-semantics interpreter
-  on the others, the Triton kernel on all but DeepSeek's row (20 s in the
-  generic interpreter of jax 0.7; lowered for CUDA by default below);
-  --runslow: all."""
+  on the others but the Triton-only head_groups, the Triton kernel on all
+  but DeepSeek's row (20 s in the generic interpreter of jax 0.7; lowered
+  for CUDA by default below); --runslow: all."""
   for name in sorted(CASES):
     for b in KERNELS:
-      default = (name == "mixed_small" or b.id == "interpret"
+      default = (name == "mixed_small"
+                 or (b.id == "interpret" and name != "head_groups")
                  or (b.id == "triton" and name != "deepseek_bf16"))
       yield pytest.param(b.values[0], name, id=f"{name}-{b.id}",
                          marks=list(b.marks) + ([] if default
@@ -164,7 +174,8 @@ def test_triton_refuses_rows_off_its_tiles(head_dim, latent_dim, match):
 def test_cuda_lowering_runs_the_triton_kernel(heads, cache_dtype):
   """backend=None lowered for CUDA on this host: the Triton kernel (not the
   reference) at DeepSeek's row (D 576, latent 512), one launch per class
-  of items (decode, prefill)."""
+  of items (decode, prefill), the heads split into programs of <= 32
+  (grid x: the virtual kv heads)."""
   spec = jax.ShapeDtypeStruct
   args = (spec((77, heads, 576), jnp.bfloat16),
           spec((300, 16, 576), cache_dtype), spec((9,), jnp.int32),
@@ -177,6 +188,7 @@ def test_cuda_lowering_runs_the_triton_kernel(heads, cache_dtype):
   assert jax.eval_shape(fn, *args).shape == (77, heads, 512)
   text = _compat.lower_for_cuda(fn, *args).as_text()
   assert text.count('"mla_ragged_paged_attention_gpu"') == 2
+  assert re.findall(r"grid_x = (\d+)", text) == [str(-(-heads // 32))] * 2
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -4,8 +4,9 @@ The TPU kernel's work items, in two launches (short sequences in 16-row
 blocks, the others in 128-row items); one program per (item, kv head, split)
 walks the item's visible keys through the page table with the online softmax
 in base 2; decode items may split their keys (flash decoding). MLA
-(``latent_dim``): one kv head, all H query heads packed as rows, and one
-load of each latent row serving as K (all D columns) and V (its first
+(``latent_dim``): the H query heads split into ``mla_groups`` virtual kv
+heads of at most MLA_HEADS heads (rows per token) that all read the same
+latent row, one load of it serving as K (all D columns) and V (its first
 ``latent_dim``). Structure: docs/design/ragged_paged_attention.md.
 """
 from __future__ import annotations
@@ -32,6 +33,10 @@ MIN_TILE = 16
 SMALL_ROWS = 16     # rows of a short (decode) item
 LARGE_ROWS = 128    # rows of a prefill item
 PROGRAMS = 132      # one per SM of an H100/H200
+# MLA: at most this many query heads per program. All H heads in one program
+# (DeepSeek's 128) hold 128 x latent float32 accumulators and spill; groups
+# of <= 32 re-read the shared latent row (from L2) once per group instead.
+MLA_HEADS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,13 @@ def supports(q, kv_pages, latent_dim=None) -> str | None:
     return (f"Triton supports float8_e4m3fn only on sm_89+ GPUs, this is "
             f"sm_{capability.replace('.', '')}")
   return None
+
+
+def mla_groups(heads: int) -> int:
+  """MLA's virtual kv heads: the fewest n dividing H with H / n <=
+  MLA_HEADS (H <= MLA_HEADS: 1, all heads in one program)."""
+  return next(n for n in range(1, heads + 1)
+              if heads % n == 0 and heads // n <= MLA_HEADS)
 
 
 def tiles(group: int, head_dim: int, num_queries_per_block=None,
@@ -219,7 +231,8 @@ def _launch(t: Tiles, items: int, num_splits: int, qi, pool, seq, pos0, nq,
   """One class's pallas_call: [W, Hkv, rows, Dv] in q's dtype, or with
   splits the (out, lse) partials [W, Hkv, splits, rows(, Dv)] float32.
   ``pool`` [slots, 2 Hkv, D] (K, V interleaved), or with ``latent``
-  [slots, 1, D] rows whose first ``latent`` columns are V."""
+  [slots, 1, D] rows whose first ``latent`` columns are V, read by every
+  (virtual) kv head h."""
   kv_heads, head_dim = qi.shape[1], qi.shape[3]
   value_dim = latent or head_dim
   slots = pool.shape[0]
@@ -233,8 +246,9 @@ def _launch(t: Tiles, items: int, num_splits: int, qi, pool, seq, pos0, nq,
               pl.BlockSpec((None, None, t.rows, head_dim),
                            order(lambda w, h, s: (w, h, 0, 0))),
               pl.BlockSpec((slots, None, head_dim),
-                           order(lambda w, h, s: (0, 2 * h, 0)))]
-  operands = [seq, pos0, nq, lens, table, qi, pool]   # MLA: h = 0, the row
+                           order(lambda w, h, s: (0, 0 if latent else 2 * h,
+                                                  0)))]
+  operands = [seq, pos0, nq, lens, table, qi, pool]   # MLA: the one row
   if not latent:   # V from its own head; MLA's is in the row already read
     in_specs.append(pl.BlockSpec((slots, None, head_dim),
                                  order(lambda w, h, s: (0, 2 * h + 1, 0))))
@@ -289,7 +303,8 @@ def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
            interpret, tiles_override=None, num_splits=None, latent_dim=None):
   """[T, H, Dv] in q's dtype (arguments as checked by the API).
   ``kv_pages`` [P, page_size, 2 Hkv, D] (Dv = D), or with ``latent_dim``
-  MLA's [P, page_size, D] rows: one kv head for all H, V the first
+  MLA's [P, page_size, D] rows: one kv head for all H (split into
+  ``mla_groups(H)`` virtual ones, one program each), V the first
   ``latent_dim`` columns (Dv). ``tiles_override`` (short, long) and
   ``num_splits`` (short items) are for tuning."""
   del vmem_limit_bytes
@@ -297,7 +312,7 @@ def ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
   if latent_dim:
     kv_pages = kv_pages[:, :, None, :]   # one "head": the row
   num_pages, page_size, combined, _ = kv_pages.shape
-  kv_heads = 1 if latent_dim else combined // 2
+  kv_heads = mla_groups(heads) if latent_dim else combined // 2
   value_dim = latent_dim or head_dim
   group = heads // kv_heads
   max_seqs, pages_per_seq = page_indices.shape
