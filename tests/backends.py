@@ -58,6 +58,7 @@ ALL = (
     Backend("mosaic_gpu", "mosaic_gpu", "generic"),
     Backend("reference", "reference", None),
 )
+REFERENCE = ALL[-1]
 
 
 def params(names=None):

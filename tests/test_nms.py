@@ -482,6 +482,14 @@ def box_sets(draw):
   return boxes, scores, n
 
 
+@functools.cache
+def _jitted_nms(thr):
+  # Every example has PROPERTY_N boxes: one trace serves them all (an eager
+  # call traces and compiles the interpreted kernel again each time).
+  return jax.jit(functools.partial(pk.nms, iou_threshold=thr,
+                                   max_output_size=PROPERTY_N))
+
+
 @pytest.mark.parametrize("thr", [0.0, 0.45])
 @settings(max_examples=5)
 @given(case=box_sets())
@@ -490,8 +498,7 @@ def test_greedy_properties(thr, case):
   boxes are distinct, by decreasing score, pairwise at most thr apart; each
   dropped box overlaps an earlier kept one."""
   boxes, scores, n = case
-  idx, count = pk.nms(boxes, scores, iou_threshold=thr,
-                      max_output_size=PROPERTY_N)
+  idx, count = _jitted_nms(thr)(boxes, scores)
   idx, count = np.asarray(idx), int(count)
   kept = idx[:count]
   assert (idx[count:] == -1).all() and len(set(kept)) == count

@@ -59,7 +59,8 @@ def _local_cases():
   return [c for c in sc.CASE_NAMES if not c.endswith(("_sum", "_mean"))]
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("check_vma", [  # the oldest jax: checked mode only
+    pytest.param(True, marks=pytest.mark.compat), False])
 @pytest.mark.parametrize("name", _local_cases())
 def test_inside_user_shard_map(name, check_vma, rng):
   case = sc.case(name)
@@ -100,6 +101,7 @@ def _setup(name, rng, axis_type):
   return case, args, want, want_grads, _mesh(axis_type)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", sc.CASE_NAMES)
 def test_jit_on_auto_sharded_inputs(name, rng):
   case, args, want, want_grads, mesh = _setup(name, rng, AxisType.Auto)
@@ -116,6 +118,7 @@ def test_jit_on_auto_sharded_inputs(name, rng):
            want_grads)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", sc.CASE_NAMES)
 def test_jit_on_explicit_axes(name, rng):
   case, args, want, want_grads, mesh = _setup(name, rng, AxisType.Explicit)
@@ -132,6 +135,7 @@ def test_jit_on_explicit_axes(name, rng):
           *sharded), want_grads)
 
 
+@pytest.mark.compat
 def test_one_dimensional_mesh_and_interpret_backend(rng):
   case = sc.case("flash_attention")
   args = case.make(rng)
@@ -144,6 +148,7 @@ def test_one_dimensional_mesh_and_interpret_backend(rng):
     _close(case, jax.jit(case.fn("interpret"))(*sharded), want)
 
 
+@pytest.mark.compat
 def test_sequence_sharding_names_the_helper(rng):
   q, k, v, _, _ = sc.case("flash_attention").make(rng)
   mesh = _mesh(AxisType.Explicit)
@@ -158,6 +163,7 @@ def test_sequence_sharding_names_the_helper(rng):
     jax.jit(pk.flash_attention)(q, k, v)
 
 
+@pytest.mark.compat
 def test_matmul_contracted_dimension_names_the_helper(rng):
   x, w, *_ = sc.case("int8_matmul").make(rng)
   mesh = _mesh(AxisType.Explicit)
@@ -168,6 +174,7 @@ def test_matmul_contracted_dimension_names_the_helper(rng):
       jax.jit(pk.int8_matmul)(x, w)
 
 
+@pytest.mark.compat
 def test_nms_of_one_image_cannot_split_its_boxes(rng):
   boxes = sc._boxes(rng, 32)
   scores = jnp.asarray(rng.uniform(size=32), jnp.float32)
@@ -178,6 +185,7 @@ def test_nms_of_one_image_cannot_split_its_boxes(rng):
       pk.nms(boxes, scores, iou_threshold=0.5, max_output_size=4)
 
 
+@pytest.mark.compat
 def test_uneven_auto_split_is_replicated_not_padded(rng):
   # 6 boxes over 8 devices: a padded split would add padding to the sum.
   p, t = sc._boxes(rng, 6), sc._boxes(rng, 6)
@@ -191,6 +199,7 @@ def test_uneven_auto_split_is_replicated_not_padded(rng):
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+@pytest.mark.compat
 def test_vmap_of_auto_partitioned_call(rng):
   q, k, v = (jnp.stack([x, -x]) for x in sc.case("flash_attention").make(
       rng)[:3])
@@ -200,6 +209,7 @@ def test_vmap_of_auto_partitioned_call(rng):
   np.testing.assert_allclose(jax.jit(fn)(q, k, v), want, atol=2e-5)
 
 
+@pytest.mark.compat
 def test_int8_in_checked_shard_map_with_tpu_interpreter(rng):
   case = sc.case("int8_matmul")
   args = case.make(rng)
@@ -209,6 +219,7 @@ def test_int8_in_checked_shard_map_with_tpu_interpreter(rng):
   _close(case, jax.jit(mapped)(*args), want)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", ["decode_attention",
                                   "decode_attention_paged"])
 def test_decode_in_checked_shard_map_with_tpu_interpreter(name, rng):
@@ -220,6 +231,7 @@ def test_decode_in_checked_shard_map_with_tpu_interpreter(name, rng):
   _close(case, jax.jit(mapped)(*args), want)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("axes", [dict(row_axis="data", n_axis="model"),
                                   dict(row_axis="data", k_axis="model")])
@@ -238,6 +250,7 @@ def test_shard_int8_matmul_helper(axes, layout, rng):
       x, w, weight_layout=layout, backend="reference"))
 
 
+@pytest.mark.compat
 def test_shard_batched_nms_helper(rng):
   boxes, scores = sc.case("batched_nms").make(rng)
   kwargs = dict(iou_threshold=0.5, max_output_size=12)

@@ -155,20 +155,23 @@ def _env(devices):
               TORCH_BRIDGE_SPMD_DEVICES=str(devices))
 
 
-def _spmd_ops(devices, config):
+def _spmd_ops(devices, config, select=()):
   runslow = ["--runslow"] if config.getoption("--runslow") else []
   proc = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       os.path.join(ROOT, "tests", "torch", "spmd_cases.py")] + runslow,
+       os.path.join(ROOT, "tests", "torch", "spmd_cases.py"), *select]
+      + runslow,
       env=_env(devices), cwd=ROOT, capture_output=True, text=True,
       timeout=900)
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
   assert " passed" in proc.stdout and " failed" not in proc.stdout
 
 
-def test_spmd_ops_4_devices(pytestconfig):
+# Two processes, so that two test workers share them (NMS takes half).
+@pytest.mark.parametrize("select", ["nms", "not nms"])
+def test_spmd_ops_4_devices(pytestconfig, select):
   """(a few attention cases only with --runslow)"""
-  _spmd_ops(4, pytestconfig)
+  _spmd_ops(4, pytestconfig, ("-k", select))
 
 
 @pytest.mark.slow
