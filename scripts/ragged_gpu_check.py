@@ -39,9 +39,7 @@ def main():
     page_size = int(rng.choice([4, 8, 16, 32]))
     pages_per_seq = int(rng.integers(1, 40))
     n = int(rng.integers(1, 7))
-    kv_lens = rng.integers(0, pages_per_seq * page_size + 1, n)
-    q_lens = [int(rng.integers(0, k + 1)) if rng.random() < 0.4
-              else min(int(k), 1) for k in kv_lens]
+    kv_lens, q_lens = t.random_lengths(rng, n, pages_per_seq * page_size)
     cache = [None, None, jnp.int8, jnp.float8_e4m3fn,
              jnp.float8_e5m2][seed % 5]
     dtype = jnp.bfloat16 if seed % 3 == 0 or cache else jnp.float32
@@ -88,9 +86,7 @@ def mla_checks():
     page_size = int(rng.choice([4, 16, 32]))
     pages_per_seq = int(rng.integers(1, 40))
     n = int(rng.integers(1, 7))
-    kv_lens = rng.integers(0, pages_per_seq * page_size + 1, n)
-    q_lens = [int(rng.integers(0, k + 1)) if rng.random() < 0.4
-              else min(int(k), 1) for k in kv_lens]
+    kv_lens, q_lens = t.random_lengths(rng, n, pages_per_seq * page_size)
     cache = [None, jnp.int8, None, jnp.float8_e4m3fn][seed % 4]
     dtype = jnp.bfloat16 if seed % 2 == 0 or cache else jnp.float32
     kw = dict(sm_scale=float(rng.uniform(0.02, 0.1)))

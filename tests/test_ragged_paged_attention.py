@@ -274,6 +274,15 @@ def test_random_sweep(backend, seed):
   _check(backend, args, TOL[step["batch"]["dtype"]], **kw)
 
 
+def random_lengths(rng, n, capacity):
+  """``n`` cache lengths in [0, capacity] and their q lengths: 0, 1 or
+  (40% of sequences) any count up to the cache length."""
+  kv_lens = rng.integers(0, capacity + 1, n)
+  q_lens = [int(rng.integers(0, k + 1)) if rng.random() < 0.4
+            else min(int(k), 1) for k in kv_lens]
+  return kv_lens, q_lens
+
+
 def random_step(rng, seed, heads, *, sm_scale):
   """The sweeps' random serving step: lengths (q lengths 0, 1 or many),
   pages, dtype and options (window, soft cap, sinks, block sizes), drawn
@@ -282,9 +291,7 @@ def random_step(rng, seed, heads, *, sm_scale):
   page_size = int(rng.choice([4, 8, 16]))
   pages_per_seq = int(rng.integers(1, 5))
   n = int(rng.integers(1, 6))
-  kv_lens = rng.integers(0, pages_per_seq * page_size + 1, n)
-  q_lens = [int(rng.integers(0, k + 1)) if rng.random() < 0.4
-            else min(int(k), 1) for k in kv_lens]
+  kv_lens, q_lens = random_lengths(rng, n, pages_per_seq * page_size)
   dtype = jnp.bfloat16 if seed % 3 == 0 else jnp.float32
   kw = dict(sm_scale=float(rng.uniform(*sm_scale)))
   if seed % 2:
