@@ -6,11 +6,14 @@ import os
 from pallas_kernels import _quiet
 
 _quiet.select_cpu_when_no_accelerator()
-# 8 CPU devices for the sharding tests (read when jax starts its backends).
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
-                                                                  ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8")
+# Read when jax starts its backends: 8 CPU devices for the sharding tests;
+# LLVM at -O0, as the suite's time is mostly compiling small interpreted
+# kernels (a quarter less; no fast-math at any level, so the same numbers).
+for flag, value in (("xla_force_host_platform_device_count", "8"),
+                    ("xla_backend_optimization_level", "0")):
+  if flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --{flag}={value}")
 os.environ.setdefault("JAX_ENABLE_X64", "0")
 
 import jax  # noqa: E402
