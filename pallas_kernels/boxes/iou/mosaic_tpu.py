@@ -225,24 +225,32 @@ def _pairwise_kernel(a_ref, b_ref, o_ref, a_cols_ref, *, kind, eps, tile_n,
   # boxes1 arrive as coordinate planes (4, TN); one transpose per step gives
   # each box's coordinates along a row, ready to broadcast across lanes.
   a_cols_ref[...] = a_ref[...].T
+  lean = kind in ("iou", "giou")  # fewer VPU operations per pair
+  # boxes2 rows arrive repeated on 8 sublanes: plain [8, 128] loads, made
+  # once per step (with their areas) and kept in vregs across the rows.
+  columns = []
+  for j in range(tile_m // LANES):
+    b = tuple(b_ref[pl.ds(c * GROUP, GROUP), pl.ds(j * LANES, LANES)]
+              for c in range(COORDS))
+    columns.append((b, _math.area(b) if lean else None))
 
   def group_body(group, carry):
     rows = pl.ds(pl.multiple_of(group * GROUP, GROUP), GROUP)
     a = a_cols_ref[rows, :]
     a_cols = tuple(jnp.broadcast_to(a[:, c:c + 1], (GROUP, LANES))
                    for c in range(COORDS))
-    for j in range(tile_m // LANES):
-      # boxes2 rows arrive repeated on 8 sublanes: plain [8, 128] loads.
-      b = tuple(b_ref[pl.ds(c * GROUP, GROUP), pl.ds(j * LANES, LANES)]
-                for c in range(COORDS))
-      if kind in ("iou", "giou"):  # fewer VPU operations per pair
-        value = _math.pairwise_score_lean(kind, a_cols, b)
+    a_area = _math.area(a_cols) if lean else None
+    for j, (b, b_area) in enumerate(columns):
+      if lean:
+        value = _math.pairwise_score_lean(kind, a_cols, b, a_area, b_area)
       else:
         value = _math.score(kind, "pairwise", eps, a_cols, b)
       o_ref[rows, pl.ds(j * LANES, LANES)] = value.astype(o_ref.dtype)
     return carry
 
-  jax.lax.fori_loop(0, tile_n // GROUP, group_body, 0)
+  # Unrolled whole, so the scheduler interleaves the row groups' independent
+  # chains (docs/design/iou.md, "TPU bundles").
+  jax.lax.fori_loop(0, tile_n // GROUP, group_body, 0, unroll=True)
 
 
 def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
