@@ -407,6 +407,44 @@ def _box_cases(quick):
                                   max_output_size=100, backend=be),
         be=backend), [_S((4096, 4), jnp.float32), _S((4096,), jnp.float32)],
         None)
+    if quick:
+      continue
+    out[f"batched_nms 4x4096 8 classes|{label}"] = (functools.partial(
+        lambda bx, sc, c, be: pk.batched_nms(
+            bx, sc, class_ids=c, iou_threshold=0.5, max_output_size=100,
+            backend=be), be=backend),
+        [_S((4, 4096, 4), jnp.float32), _S((4, 4096), jnp.float32),
+         _S((4, 4096), jnp.int32)], None)
+    for kind in ("iou", "giou", "diou", "ciou"):
+      metric, loss = getattr(pk, kind), getattr(pk, f"{kind}_loss")
+      out[f"{kind} {n}|{label}"] = (functools.partial(
+          lambda a, b, f, be: f(a, b, backend=be), f=metric, be=backend),
+          pair, None)
+      if kind != "giou":  # giou_loss: above
+        out[f"{kind}_loss|{label}"] = (functools.partial(
+            lambda a, b, f, be: f(a, b, reduction="mean", backend=be),
+            f=loss, be=backend), pair, None)
+      if kind != "iou":  # box_iou: above
+        out[f"pairwise_{kind} 1024x1024|{label}"] = (functools.partial(
+            lambda a, b, f, be: f(a, b, backend=be),
+            f=getattr(pk, f"pairwise_{kind}"), be=backend),
+            [_S((1024, 4), jnp.float32)] * 2, None)
+  return out
+
+
+def _quantize_cases(quick):
+  import jax.numpy as jnp
+  import pallas_kernels as pk
+  x = [_S((4096, 4096), jnp.bfloat16)]
+  out = {}
+  for backend, label in ((None, "ours"), ("reference", "xla reference")):
+    out[f"quantize_int8 4096x4096 bf16|{label}"] = (functools.partial(
+        lambda x, be: pk.quantize_int8(x, backend=be), be=backend), x, None)
+    if quick:
+      continue
+    out[f"quantize int4 g128 4096x4096 bf16|{label}"] = (functools.partial(
+        lambda x, be: pk.quantize(x, "int4", group_size=128, backend=be),
+        be=backend), x, None)
   return out
 
 
@@ -544,7 +582,8 @@ def _budget_cases(quick):
 
 
 OPS = {"attention": _attention_cases, "decode": _decode_cases,
-       "ragged": _ragged_cases, "mla": _mla_cases, "matmul": _matmul_cases, "boxes": _box_cases, "gmm": _gmm_cases}
+       "ragged": _ragged_cases, "mla": _mla_cases, "matmul": _matmul_cases, "boxes": _box_cases, "gmm": _gmm_cases,
+       "quantize": _quantize_cases}
 
 
 def cases(ops=tuple(OPS), quick=False) -> dict:
@@ -606,7 +645,7 @@ def _family(op: str) -> str:
                   ("mla", "mla_ragged_paged_attention"),
                   ("ragged", "ragged_paged_attention"), ("decode", "decode"),
                   ("gmm", "grouped_matmul"), ("matmul", "matmul"),
-                  ("boxes", "")):
+                  ("quantize", "quantize")):
     if fn and fn in op:
       return fam
   return "boxes"

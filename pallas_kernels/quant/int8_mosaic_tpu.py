@@ -211,11 +211,21 @@ def tiled_matmul_call(kernel, operands, in_specs, *, plan, m, n, out_dtype,
   )(*operands)
 
 
-def _quantize_kernel(x_ref, q_ref, s_ref):
-  x = x_ref[...].astype(jnp.float32)
-  scale = quant.scale_from_amax(quant.amax(x, axis=1))
-  q_ref[...] = quant.round_to_int8(x, scale)
-  s_ref[...] = scale
+QUANTIZE_ROWS = 32  # one int8 (32, 128) tile row; 8 and 16 do not lower
+
+
+def _quantize_kernel(x_ref, q_ref, s_ref, *, rows):
+  # ``rows`` rows at a time rather than whole-block float32 temporaries
+  # (fewer bundles: docs/design/int8.md, "quantize_int8 on the TPU").
+  def body(i, carry):
+    r = pl.ds(pl.multiple_of(i * rows, rows), rows)
+    x = x_ref[r, :].astype(jnp.float32)
+    scale = quant.scale_from_amax(quant.amax(x, axis=1))
+    q_ref[r, :] = quant.round_to_int8(x, scale)
+    s_ref[r, :] = scale
+    return carry
+
+  jax.lax.fori_loop(0, x_ref.shape[0] // rows, body, 0, unroll=2)
 
 
 def quantize_rows_block(m: int, k: int, in_bytes: int) -> int | None:
@@ -237,8 +247,9 @@ def quantize_rows(x2, *, interpret=False):
     return quant.quantize(x2, axis=-1)
   out_shape = [jax.ShapeDtypeStruct((m, k), jnp.int8),
                jax.ShapeDtypeStruct((m, 1), jnp.float32)]
+  rows = QUANTIZE_ROWS if bm % QUANTIZE_ROWS == 0 else bm
   return _compat.pallas_call(
-      _quantize_kernel,
+      functools.partial(_quantize_kernel, rows=rows),
       grid=(pl.cdiv(m, bm),),
       in_specs=[pl.BlockSpec((bm, k), lambda i: (i, 0))],
       out_specs=[pl.BlockSpec((bm, k), lambda i: (i, 0)),
