@@ -67,19 +67,32 @@ def to_xyxy(box_format, a, b, c, d):
   return a - half_w, b - half_h, a + half_w, b + half_h
 
 
-def score(kind, formula, eps, box1, box2):
+def box_terms(kind, box):
+  """The parts of ``score`` that depend on one box only: (width, height,
+  area, centre x, centre y, aspect angle), None where ``kind`` needs none.
+  Pairwise kernels compute them once per box instead of once per pair."""
+  x1, y1, x2, y2 = box
+  w, h = x2 - x1, y2 - y1
+  centre = kind in ("diou", "ciou")
+  return (w, h, w * h, (x1 + x2) * 0.5 if centre else None,
+          (y1 + y2) * 0.5 if centre else None,
+          aspect_angle(w, h) if kind == "ciou" else None)
+
+
+def score(kind, formula, eps, box1, box2, terms1=None, terms2=None):
   """IoU / GIoU / DIoU / CIoU of matching elements of two box sets. box1, box2:
-  (x1, y1, x2, y2) tuples of broadcast-compatible float arrays. The loss is
+  (x1, y1, x2, y2) tuples of broadcast-compatible float arrays; ``terms1``,
+  ``terms2``: their ``box_terms`` if computed already. The loss is
   ``1 - score`` for every kind (torchvision's losses)."""
   x1, y1, x2, y2 = box1
   u1, v1, u2, v2 = box2
   loss = formula == "loss"
-  w1, h1 = x2 - x1, y2 - y1
-  w2, h2 = u2 - u1, v2 - v1
+  _, _, area1, cx1, cy1, angle1 = terms1 or box_terms(kind, box1)
+  _, _, area2, cx2, cy2, angle2 = terms2 or box_terms(kind, box2)
   inter_w = jnp.maximum(jnp.minimum(x2, u2) - jnp.maximum(x1, u1), 0.0)
   inter_h = jnp.maximum(jnp.minimum(y2, v2) - jnp.maximum(y1, v1), 0.0)
   inter = inter_w * inter_h
-  union = w1 * h1 + w2 * h2 - inter
+  union = area1 + area2 - inter
   iou = safe_div(inter, union + eps if loss else union)
   if kind == "iou":
     return iou
@@ -93,21 +106,15 @@ def score(kind, formula, eps, box1, box2):
     return iou - safe_div(hull_area - union,
                           hull_area + eps if loss else hull_area)
   diagonal_sq = hull_w * hull_w + hull_h * hull_h + eps
-  dx = (x1 + x2) * 0.5 - (u1 + u2) * 0.5
-  dy = (y1 + y2) * 0.5 - (v1 + v2) * 0.5
+  dx = cx1 - cx2
+  dy = cy1 - cy2
   diou = iou - safe_div(dx * dx + dy * dy, diagonal_sq)
   if kind == "diou":
     return diou
-  angle_diff = aspect_angle(w1, h1) - aspect_angle(w2, h2)
+  angle_diff = angle1 - angle2
   v = (4.0 / (math.pi ** 2)) * angle_diff * angle_diff
   alpha = jax.lax.stop_gradient(safe_div(v, 1.0 - iou + v + eps))
   return diou - alpha * v
-
-
-def area(box):
-  """Width times height of (x1, y1, x2, y2) planes (negative if inverted)."""
-  x1, y1, x2, y2 = box
-  return (x2 - x1) * (y2 - y1)
 
 
 def pairwise_score_lean(kind, box1, box2, area1=None, area2=None):
@@ -125,8 +132,8 @@ def pairwise_score_lean(kind, box1, box2, area1=None, area2=None):
   def quotient(num, den):
     return jnp.where(den == 0, 0.0, num / den)
 
-  area1 = area(box1) if area1 is None else area1
-  area2 = area(box2) if area2 is None else area2
+  area1 = box_terms(kind, box1)[2] if area1 is None else area1
+  area2 = box_terms(kind, box2)[2] if area2 is None else area2
   inter_w = jnp.maximum(jnp.minimum(x2, u2) - jnp.maximum(x1, u1), 0.0)
   inter_h = jnp.maximum(jnp.minimum(y2, v2) - jnp.maximum(y1, v1), 0.0)
   inter = inter_w * inter_h

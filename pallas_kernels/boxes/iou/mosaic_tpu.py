@@ -227,24 +227,26 @@ def _pairwise_kernel(a_ref, b_ref, o_ref, a_cols_ref, *, kind, eps, tile_n,
   a_cols_ref[...] = a_ref[...].T
   lean = kind in ("iou", "giou")  # fewer VPU operations per pair
   # boxes2 rows arrive repeated on 8 sublanes: plain [8, 128] loads, made
-  # once per step (with their areas) and kept in vregs across the rows.
+  # once per step with their per-box terms (areas, centres, angles).
   columns = []
   for j in range(tile_m // LANES):
     b = tuple(b_ref[pl.ds(c * GROUP, GROUP), pl.ds(j * LANES, LANES)]
               for c in range(COORDS))
-    columns.append((b, _math.area(b) if lean else None))
+    columns.append((b, _math.box_terms(kind, b)))
 
   def group_body(group, carry):
     rows = pl.ds(pl.multiple_of(group * GROUP, GROUP), GROUP)
     a = a_cols_ref[rows, :]
     a_cols = tuple(jnp.broadcast_to(a[:, c:c + 1], (GROUP, LANES))
                    for c in range(COORDS))
-    a_area = _math.area(a_cols) if lean else None
-    for j, (b, b_area) in enumerate(columns):
+    a_terms = _math.box_terms(kind, a_cols)
+    for j, (b, b_terms) in enumerate(columns):
       if lean:
-        value = _math.pairwise_score_lean(kind, a_cols, b, a_area, b_area)
+        value = _math.pairwise_score_lean(kind, a_cols, b, a_terms[2],
+                                          b_terms[2])
       else:
-        value = _math.score(kind, "pairwise", eps, a_cols, b)
+        value = _math.score(kind, "pairwise", eps, a_cols, b, a_terms,
+                            b_terms)
       o_ref[rows, pl.ds(j * LANES, LANES)] = value.astype(o_ref.dtype)
     return carry
 
