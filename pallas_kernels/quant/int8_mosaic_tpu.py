@@ -225,7 +225,7 @@ def _quantize_kernel(x_ref, q_ref, s_ref, *, rows):
     s_ref[r, :] = scale
     return carry
 
-  jax.lax.fori_loop(0, x_ref.shape[0] // rows, body, 0, unroll=2)
+  jax.lax.fori_loop(0, x_ref.shape[0] // rows, body, 0)
 
 
 def quantize_rows_block(m: int, k: int, in_bytes: int) -> int | None:

@@ -221,7 +221,7 @@ def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
 
 
 def _pairwise_kernel(a_ref, b_ref, o_ref, a_cols_ref, *, kind, eps, tile_n,
-                     tile_m):
+                     tile_m, unroll):
   # boxes1 arrive as coordinate planes (4, TN); one transpose per step gives
   # each box's coordinates along a row, ready to broadcast across lanes.
   a_cols_ref[...] = a_ref[...].T
@@ -250,9 +250,10 @@ def _pairwise_kernel(a_ref, b_ref, o_ref, a_cols_ref, *, kind, eps, tile_n,
       o_ref[rows, pl.ds(j * LANES, LANES)] = value.astype(o_ref.dtype)
     return carry
 
-  # Unrolled whole, so the scheduler interleaves the row groups' independent
-  # chains (docs/design/iou.md, "TPU bundles").
-  jax.lax.fori_loop(0, tile_n // GROUP, group_body, 0, unroll=True)
+  # Compiled: unrolled whole, so the scheduler interleaves the row groups'
+  # independent chains (docs/design/iou.md, "TPU bundles"). Interpreted, the
+  # same loop rolled (the interpreter only compiles a larger program).
+  jax.lax.fori_loop(0, tile_n // GROUP, group_body, 0, unroll=unroll)
 
 
 def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
@@ -268,7 +269,8 @@ def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
   a = jnp.swapaxes(boxes1, 1, 2)  # [B, 4, N]: a bitcast on TPU
   b = jnp.repeat(jnp.swapaxes(boxes2, 1, 2), GROUP, axis=1)  # [B, 32, M]
   kernel = functools.partial(_pairwise_kernel, kind=kind, eps=eps,
-                             tile_n=tile_n, tile_m=tile_m)
+                             tile_n=tile_n, tile_m=tile_m,
+                             unroll=interpret in (None, False))
   out_shape = jax.ShapeDtypeStruct((batch, n, m), out_dtype)
   flops, transcendentals = _math.ops_per_pair(kind, eps)
   pairs = batch * grid_n * tile_n * grid_m * tile_m
