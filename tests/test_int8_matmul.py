@@ -364,7 +364,7 @@ def test_triton_plan_options(rng, case, options):
 @pytest.mark.parametrize("ni,nj,group_m", [(5, 3, 2), (7, 4, 8), (1, 6, 4),
                                           (8, 2, 4)])
 def test_triton_grouped_tile_order_visits_every_tile_once(ni, nj, group_m):
-  from pallas_kernels.quant import int8_triton as triton
+  from pallas_kernels.quant import triton
   grid, tile = triton._tile_order(ni, nj, group_m)
   seen = [tuple(int(v) for v in tile(jnp.int32(p), jnp.int32(q)))
           for p in range(grid[0]) for q in range(grid[1])]

@@ -14,7 +14,6 @@ from pallas_kernels import _backend, _frozen, _sharding
 from pallas_kernels.quant import int8_api
 from pallas_kernels.quant import int8_mosaic_gpu
 from pallas_kernels.quant import int8_mosaic_tpu
-from pallas_kernels.quant import int8_triton
 from pallas_kernels.quant import (formats, mosaic_gpu, mosaic_tpu, operands,
                                   reference, triton)
 
@@ -204,7 +203,7 @@ def _kernels(call, user_blocks, generation):
   def triton_(x2, w_, xs, ws, wz, b, interpret=None):
     interpret = interpret or False
     if int8_path:
-      return int8_triton.matmul(x2, w_, xs, ws, b, **int8_static,
+      return triton.int8_matmul(x2, w_, xs, ws, b, **int8_static,
                                 block_sizes=user_blocks, interpret=interpret)
     return triton.matmul(x2, w_, xs, ws, wz, b, **static,
                          block_sizes=user_blocks, interpret=interpret)

@@ -14,10 +14,10 @@ from pallas_kernels import _backend, _frozen, _sharding
 from pallas_kernels.quant import int8_block_sizes as bs
 from pallas_kernels.quant import int8_mosaic_gpu as mosaic_gpu
 from pallas_kernels.quant import int8_mosaic_tpu as mosaic_tpu
-from pallas_kernels.quant import int8_operands as operands
+from pallas_kernels.quant import operands
 from pallas_kernels.quant import int8_quantize as quant
 from pallas_kernels.quant import int8_reference as reference
-from pallas_kernels.quant import int8_triton as triton
+from pallas_kernels.quant import triton
 from pallas_kernels.quant import mosaic_gpu as product_kernel
 
 MAX_INT8_K = operands.MAX_INT8_K
@@ -141,7 +141,7 @@ def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None, out_dtype=None,
       int32 sum could overflow.
   """
   _backend.check_backend("int8_matmul", backend)
-  call = operands.matmul_call(x, w, x_scale=x_scale, w_scale=w_scale,
+  call = operands.int8_matmul_call(x, w, x_scale=x_scale, w_scale=w_scale,
                               bias=bias, out_dtype=out_dtype,
                               weight_only=weight_only,
                               weight_layout=weight_layout)
@@ -225,7 +225,7 @@ def _matmul_kernels(x2, w, x_scale, static, user_blocks, generation):
                               static["w_layout"], user_blocks)
 
   def triton_(*arrays, interpret=None):
-    return triton.matmul(*arrays, **static, block_sizes=user_blocks,
+    return triton.int8_matmul(*arrays, **static, block_sizes=user_blocks,
                          interpret=interpret or False)
 
   return [

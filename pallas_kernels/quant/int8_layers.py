@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _backend
 from pallas_kernels.quant import int8_api as _int8
-from pallas_kernels.quant import int8_operands as _operands
+from pallas_kernels.quant import operands as _operands
 
 
 def _check(x, w, bias):

@@ -505,7 +505,7 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, w_layout,
   ``quant.operands`` normalizes them); ``integer_zero``: w_zero holds
   integers in [-128, 127] (it came as int4, uint4 or int8).
 
-  Same contract as ``triton.matmul``; call only where ``supports`` is None.
+  Same contract as ``triton.int8_matmul``; call only where ``supports`` is None.
   ``interpret``: False on a GPU, an ``InterpretGPUParams`` (or True) to run
   in the Mosaic GPU interpreter.
   """

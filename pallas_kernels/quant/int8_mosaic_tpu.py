@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from pallas_kernels import _backend, _compat, _cost
 from pallas_kernels._compat import pl, pltpu
 from pallas_kernels.quant import int8_block_sizes as bs
-from pallas_kernels.quant import int8_operands as operands, int8_quantize as quant
+from pallas_kernels.quant import operands, int8_quantize as quant
 
 MiB = 1 << 20
 QUANTIZE_VMEM_BUDGET = 8 * MiB
@@ -58,7 +58,7 @@ def _int8_dot_via_bf16(x_ref, w_ref, w_layout):
 def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout,
                    int8_via_bf16):
   x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs = (
-      operands.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
+      operands.split_int8_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
                                  has_b=has_b))
   acc_ref = refs.pop(0) if refs else None
 
@@ -104,7 +104,7 @@ def accumulate_over_k(part, acc_ref, nk, finish):
 
 def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
            generation=None, w_layout="kn", interpret=False):
-  """The normalized operands (``operands.MatmulCall``) -> [M, N] out_dtype
+  """The normalized operands (``operands.Int8MatmulCall``) -> [M, N] out_dtype
   for modes raw / dequant / dynamic / weight_only; w is [K, N], or [N, K]
   for w_layout "nk". ``generation`` picks the block-table row (None: the
   lowering target's, ``_backend.target()``); ``block_sizes`` overrides it.

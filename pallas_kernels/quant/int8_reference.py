@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant import int8_operands as operands, int8_quantize as quant
+from pallas_kernels.quant import operands, int8_quantize as quant
 
 
 def _int32_dot(x2, w):
@@ -26,7 +26,7 @@ def _float_dot(x2, w):
 
 def matmul_2d(x2, w, x_scale, w_scale, bias, *, mode, out_dtype,
               w_layout="kn"):
-  """The normalized 2-D problem (``operands.MatmulCall``). mode: "raw" (int8 x,
+  """The normalized 2-D problem (``operands.Int8MatmulCall``). mode: "raw" (int8 x,
   int32 out), "dequant" (int8 x), "dynamic" (float x, quantized per row here) or
   "weight_only" (float x). Scales are float32 [M, 1] / [1, N] or None, bias
   float32 [1, N] or None. w is [K, N], or [N, K] for w_layout "nk"."""
@@ -49,7 +49,7 @@ def quantize_int8(x, *, axis=-1):
 def int8_matmul(x, w, *, x_scale=None, w_scale=None, bias=None,
                 out_dtype=None, weight_only=False, weight_layout="kn"):
   """Same as ``pallas_kernels.int8_matmul(..., backend="reference")``."""
-  call = operands.matmul_call(x, w, x_scale=x_scale, w_scale=w_scale,
+  call = operands.int8_matmul_call(x, w, x_scale=x_scale, w_scale=w_scale,
                               bias=bias, out_dtype=out_dtype,
                               weight_only=weight_only,
                               weight_layout=weight_layout)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _backend
-from pallas_kernels.quant import int8_operands as _operands
+from pallas_kernels.quant import operands as _operands
 from pallas_kernels.quant import api as _quant
 
 
