@@ -220,11 +220,13 @@ def ragged_metadata(q_lens, kv_lens, pps=None):
 
 def _ragged_cases(quick):
   """``ragged_paged_attention`` at the ``RAGGED_BATCHES``: ours against
-  JAX's kernel at explicit blocks (its tuned table needs an attached TPU).
+  JAX's kernel at explicit blocks, and ``write_kv_pages`` against XLA's
+  scatter (its tuned table needs an attached TPU).
   Ours' work items (XLA fusions from the metadata) are entry parameters
   with the values those fusions compute, so the walk follows its data-
   dependent steps exactly; the XLA work that computes them is not
   counted (a few small fusions over S and T)."""
+  import jax.numpy as jnp
   import pallas_kernels as pk
   from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
       kernel as rpa)
@@ -263,6 +265,16 @@ def _ragged_cases(quick):
                   vmem_limit_bytes=None if p * b <= 1024 else 64 << 20),
               p=kvp, b=nq),
           base, params)
+    # The step before: the batch's new K/V rows into their pages, against
+    # the XLA scatter (backend="reference"); the cache is donated, as a
+    # serving loop does (else both copy the whole pool first).
+    new_kv = _S((t, 2 * hk, d), jnp.bfloat16)
+    for backend, label in ((None, "ours"), ("reference", "xla reference")):
+      out[f"write_kv_pages {name}|{label}"] = (
+          functools.partial(
+              lambda kv, new, n, tb, cu_, ns_, be: pk.write_kv_pages(
+                  kv, new, n, tb, cu_, ns_, backend=be), be=backend),
+          [base[1], new_kv] + base[2:], params, (0,))
   return out
 
 
@@ -587,6 +599,8 @@ OPS = {"attention": _attention_cases, "decode": _decode_cases,
 
 
 def cases(ops=tuple(OPS), quick=False) -> dict:
+  """name -> (fn, entry specs, runtime scalar values by argument index for
+  the walk or None[, donated argument indices])."""
   out = {}
   for op in ops:
     out.update(OPS[op](quick) if op in OPS else _budget_cases(quick))
@@ -608,10 +622,11 @@ def compile_and_walk(case: str, generation: str, dump: str,
   GENERATION = generation
   table = (case_table() if case_table is not None
            else cases((_family(op),), quick))
-  fn, args, params = table[case]
+  fn, args, params, *donated = table[case]
   t0 = time.time()
   tpu_aot.compile_for_tpu(fn, *args,
-                          topology=tpu_aot.GENERATION_TOPOLOGY[generation])
+                          topology=tpu_aot.GENERATION_TOPOLOGY[generation],
+                          donate_argnums=donated[0] if donated else ())
   compile_s = time.time() - t0
   paths = tpu_bundles.program_path(dump, params)
   import shutil
@@ -642,6 +657,7 @@ def _family(op: str) -> str:
   if op.startswith("budget "):
     return "budget"
   for fam, fn in (("attention", "flash_attention"),
+                  ("ragged", "write_kv_pages"),
                   ("mla", "mla_ragged_paged_attention"),
                   ("ragged", "ragged_paged_attention"), ("decode", "decode"),
                   ("gmm", "grouped_matmul"), ("matmul", "matmul"),

@@ -180,8 +180,10 @@ def compile_for_tpu(fn: Callable, *args: jax.ShapeDtypeStruct,
                     mesh_shape: Sequence[int] | None = None,
                     in_specs: Sequence[PartitionSpec] | None = None,
                     out_specs: Any = None,
-                    static_kwargs: dict | None = None) -> CompileResult:
-  """AOT-compiles ``fn(*args)`` for ``topology``.
+                    static_kwargs: dict | None = None,
+                    donate_argnums: Sequence[int] = ()) -> CompileResult:
+  """AOT-compiles ``fn(*args)`` for ``topology``; ``donate_argnums`` as in
+  ``jax.jit`` (a donated buffer that an output aliases is updated in place).
 
   Kernels are lowered with the topology's generation as their target
   (``_backend.target_override``), so they pick that chip's block tables.
@@ -209,7 +211,8 @@ def compile_for_tpu(fn: Callable, *args: jax.ShapeDtypeStruct,
   with _captured_stderr(), _compat.mosaic_version_for_aot(), \
       _backend.target_override(tpu_generation=generation):
     try:
-      lowered = jax.jit(call).lower(*specs)
+      lowered = jax.jit(call, donate_argnums=tuple(donate_argnums)).lower(
+          *specs)
       compiled = lowered.compile()
     except Exception as e:
       error = e

@@ -491,11 +491,13 @@ def test_triton_pairwise_tiles_interpreted(rng):
                  ATOL["float32"])
 
 
-@pytest.mark.parametrize("kind", ["iou", "giou"])
-def test_lean_pairwise_formula(kind, rng):
-  """The pairwise kernels' lean IoU/GIoU (one select per quotient) equals
-  the shared formula bit for bit on random, far-apart, nested, identical,
-  zero-area and inverted (x2 < x1) boxes, at large coordinates too."""
+@pytest.mark.parametrize("kind", ["iou", "giou", "diou", "ciou"])
+@pytest.mark.parametrize("eps", [0.0, 1e-7])
+def test_lean_pairwise_formula(kind, eps, rng):
+  """The pairwise kernels' lean formula equals the shared one on random,
+  far-apart, nested, identical, zero-area and inverted (x2 < x1) boxes, at
+  large coordinates too: IoU/GIoU bit for bit (one select per quotient),
+  DIoU/CIoU (CIoU's two penalties over one division) to float32 rounding."""
   special = np.array([[0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 4, 0], [3, 3, 1, 1],
                       [0, 0, 2, 2], [0.5, 0.5, 1.5, 1.5],
                       [1e4, 1e4, 1e4 + 3, 1e4 + 1], [-50, -50, -49, -49]],
@@ -505,11 +507,19 @@ def test_lean_pairwise_formula(kind, rng):
   a = tuple(jnp.asarray(b1[:, c])[:, None] for c in range(4))
   b = tuple(jnp.asarray(b2[:, c])[None, :] for c in range(4))
   for run in (lambda f: f, jax.jit):  # eager and fused: XLA may contract
-    lean = run(functools.partial(_math.pairwise_score_lean, kind))(a, b)
-    shared = run(functools.partial(_math.score, kind, "pairwise", 0.0))(a, b)
-    np.testing.assert_array_equal(lean, shared)
-  with pytest.raises(ValueError, match="diou"):
-    _math.pairwise_score_lean("diou", a, b)
+    lean = run(functools.partial(_math.pairwise_score_lean, kind, eps=eps))(
+        a, b)
+    shared = run(functools.partial(_math.score, kind, "pairwise", eps))(a, b)
+    if kind in ("iou", "giou"):
+      np.testing.assert_array_equal(lean, shared)
+    else:
+      assert np.all(np.isfinite(lean))
+      np.testing.assert_allclose(lean, shared, rtol=1e-5, atol=1e-6)
+  if kind in ("diou", "ciou"):  # random boxes against the float64 oracle
+    k = len(special)
+    exact = oracle.pairwise(kind, b1[k:].astype(np.float64),
+                            b2[k:].astype(np.float64), eps=eps)
+    assert_close(lean[k:, k:], exact, ATOL["float32"])
 
 
 # ------------------------------------------------------------ properties

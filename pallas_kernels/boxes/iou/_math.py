@@ -117,23 +117,24 @@ def score(kind, formula, eps, box1, box2, terms1=None, terms2=None):
   return diou - alpha * v
 
 
-def pairwise_score_lean(kind, box1, box2, area1=None, area2=None):
-  """``score(kind, "pairwise", 0, box1, box2)`` for IoU and GIoU in fewer
+def pairwise_score_lean(kind, box1, box2, terms1=None, terms2=None,
+                        eps=0.0):
+  """``score(kind, "pairwise", eps, box1, box2, terms1, terms2)`` in fewer
   elementwise operations, for the pairwise kernels (whose time is set by
   operations per pair, not bytes): a quotient with a zero denominator is
-  replaced by 0 after dividing, one select instead of two. Same values as
-  ``score``; forward only (the quotients are not safe to differentiate).
+  replaced by 0 after dividing (one select instead of two); with eps > 0
+  CIoU's two penalties share one division (both denominators are >= eps).
+  IoU and GIoU equal ``score`` bit for bit, DIoU and CIoU to float32
+  rounding. Forward only (the quotients are not safe to differentiate).
   """
-  if kind not in ("iou", "giou"):
-    raise ValueError(f"pairwise_score_lean: kind {kind!r} is not iou/giou")
   x1, y1, x2, y2 = box1
   u1, v1, u2, v2 = box2
 
   def quotient(num, den):
     return jnp.where(den == 0, 0.0, num / den)
 
-  area1 = box_terms(kind, box1)[2] if area1 is None else area1
-  area2 = box_terms(kind, box2)[2] if area2 is None else area2
+  _, _, area1, cx1, cy1, angle1 = terms1 or box_terms(kind, box1)
+  _, _, area2, cx2, cy2, angle2 = terms2 or box_terms(kind, box2)
   inter_w = jnp.maximum(jnp.minimum(x2, u2) - jnp.maximum(x1, u1), 0.0)
   inter_h = jnp.maximum(jnp.minimum(y2, v2) - jnp.maximum(y1, v1), 0.0)
   inter = inter_w * inter_h
@@ -143,8 +144,25 @@ def pairwise_score_lean(kind, box1, box2, area1=None, area2=None):
     return iou
   hull_w = jnp.maximum(jnp.maximum(x2, u2) - jnp.minimum(x1, u1), 0.0)
   hull_h = jnp.maximum(jnp.maximum(y2, v2) - jnp.minimum(y1, v1), 0.0)
-  hull = hull_w * hull_h
-  return iou - quotient(hull - union, hull)
+  if kind == "giou":
+    hull = hull_w * hull_h
+    return iou - quotient(hull - union, hull)
+  diagonal_sq = hull_w * hull_w + hull_h * hull_h + eps
+  dx, dy = cx1 - cx2, cy1 - cy2
+  distance_sq = dx * dx + dy * dy
+  if kind == "diou":
+    return iou - quotient(distance_sq, diagonal_sq)
+  angle_diff = angle1 - angle2
+  v = (4.0 / (math.pi ** 2)) * angle_diff * angle_diff
+  den = 1.0 - iou + v + eps
+  if eps == 0:
+    return iou - quotient(distance_sq, diagonal_sq) - quotient(v * v, den)
+  # distance / diagonal + v^2 / den over one division; den == 0 (possible
+  # for inverted boxes) drops the aspect penalty as ``score`` does.
+  flat = den == 0
+  den = jnp.where(flat, 1.0, den)
+  v_sq = jnp.where(flat, 0.0, v * v)
+  return iou - (distance_sq * den + v_sq * diagonal_sq) / (diagonal_sq * den)
 
 
 def score_from_planes(kind, formula, eps, box_format, planes1, planes2):

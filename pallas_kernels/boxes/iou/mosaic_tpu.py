@@ -220,12 +220,25 @@ def elementwise_vjp(boxes1, boxes2, cotangent, *, kind, formula, eps,
   return d1.T, d2.T
 
 
-def _pairwise_kernel(a_ref, b_ref, o_ref, a_cols_ref, *, kind, eps, tile_n,
-                     tile_m, unroll):
-  # boxes1 arrive as coordinate planes (4, TN); one transpose per step gives
-  # each box's coordinates along a row, ready to broadcast across lanes.
-  a_cols_ref[...] = a_ref[...].T
-  lean = kind in ("iou", "giou")  # fewer VPU operations per pair
+def _box_term_rows(kind):
+  """Which of ``box_terms``' area, centre x, centre y, aspect angle
+  ``kind``'s score reads."""
+  centre = kind in ("diou", "ciou")
+  return (True, centre, centre, kind == "ciou")
+
+
+def _pairwise_kernel(a_ref, b_ref, o_ref, planes_ref, a_cols_ref, *, kind,
+                     eps, tile_n, tile_m, unroll):
+  # boxes1 arrive as coordinate planes (4, TN): their per-box terms are
+  # computed there, lane-dense, then one transpose per step puts each box's
+  # coordinates and terms along a row, ready to broadcast across lanes.
+  a = a_ref[...]
+  planes_ref[0:COORDS, :] = a
+  terms = _math.box_terms(kind, tuple(a[c:c + 1] for c in range(COORDS)))
+  used = [t for t, read in zip(terms[2:], _box_term_rows(kind)) if read]
+  for row, term in enumerate(used, COORDS):
+    planes_ref[row:row + 1, :] = term
+  a_cols_ref[...] = planes_ref[...].T
   # boxes2 rows arrive repeated on 8 sublanes: plain [8, 128] loads, made
   # once per step with their per-box terms (areas, centres, angles).
   columns = []
@@ -237,16 +250,14 @@ def _pairwise_kernel(a_ref, b_ref, o_ref, a_cols_ref, *, kind, eps, tile_n,
   def group_body(group, carry):
     rows = pl.ds(pl.multiple_of(group * GROUP, GROUP), GROUP)
     a = a_cols_ref[rows, :]
-    a_cols = tuple(jnp.broadcast_to(a[:, c:c + 1], (GROUP, LANES))
-                   for c in range(COORDS))
-    a_terms = _math.box_terms(kind, a_cols)
+    values = iter([jnp.broadcast_to(a[:, c:c + 1], (GROUP, LANES))
+                   for c in range(a.shape[1])])
+    a_cols = tuple(next(values) for _ in range(COORDS))
+    a_terms = (None, None) + tuple(next(values) if read else None
+                                   for read in _box_term_rows(kind))
     for j, (b, b_terms) in enumerate(columns):
-      if lean:
-        value = _math.pairwise_score_lean(kind, a_cols, b, a_terms[2],
-                                          b_terms[2])
-      else:
-        value = _math.score(kind, "pairwise", eps, a_cols, b, a_terms,
-                            b_terms)
+      value = _math.pairwise_score_lean(kind, a_cols, b, a_terms, b_terms,
+                                        eps)
       o_ref[rows, pl.ds(j * LANES, LANES)] = value.astype(o_ref.dtype)
     return carry
 
@@ -272,6 +283,7 @@ def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
                              tile_n=tile_n, tile_m=tile_m,
                              unroll=interpret in (None, False))
   out_shape = jax.ShapeDtypeStruct((batch, n, m), out_dtype)
+  rows = COORDS + sum(_box_term_rows(kind))  # coordinates and terms per box
   flops, transcendentals = _math.ops_per_pair(kind, eps)
   pairs = batch * grid_n * tile_n * grid_m * tile_m
   return _compat.pallas_call(
@@ -284,7 +296,8 @@ def pairwise(boxes1, boxes2, *, kind, eps, out_dtype, interpret=None,
       out_specs=pl.BlockSpec((None, tile_n, tile_m),
                              lambda b_, i, j: (b_, i, j)),
       out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM((tile_n, COORDS), jnp.float32)],
+      scratch_shapes=[pltpu.VMEM((rows, tile_n), jnp.float32),
+                      pltpu.VMEM((tile_n, rows), jnp.float32)],
       compiler_params=_compat.tpu_compiler_params(
           dimension_semantics=("parallel", "parallel", "parallel")),
       interpret=interpret,
