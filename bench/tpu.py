@@ -376,11 +376,12 @@ def _matmul_cases(quick):
         lambda x, w: jax.lax.dot_general(
             x, w, (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.int32), xw, None)
-  for m in (16,):
-    for fmt in ("int8",) if quick else ("int8", "int4 g128"):
+  for m in (16,) if quick else (16, 64):
+    for fmt in ("int8",) if quick else ("int8", "int4 g128", "fp8"):
       group = f"quantized_matmul {fmt} weight-only M={m}"
-      if fmt == "int8":
-        args = [_S((m, k), jnp.bfloat16), _S((k, n), jnp.int8),
+      if fmt in ("int8", "fp8"):  # per output channel scales
+        dtype = jnp.int8 if fmt == "int8" else jnp.float8_e4m3fn
+        args = [_S((m, k), jnp.bfloat16), _S((k, n), dtype),
                 _S((n,), jnp.float32)]
         ours = lambda x, w, s: pk.quantized_matmul(x, w, w_scale=s,
                                                    weight_only=True)
