@@ -276,7 +276,7 @@ def online_softmax_step(s, v, m_ref, l_ref, acc_ref, scale=1.0):
 
 def _first_block_softmax(s, v, scale):
   """``online_softmax_step`` from empty statistics, on values: (m, l, acc)
-  of a row whose only block is ``s``."""
+  of a row whose first block is ``s``."""
   rows = (s.shape[0], LANES)
   m = lax.broadcast_in_dim(jnp.max(s, axis=1), rows, (0,))
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
@@ -364,17 +364,24 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias,
     finish(*_first_block_softmax(logits(geom.may_mask), v_ref[...], fold))
     return
 
-  @pl.when(at.first)
-  def _init():
+  def start(masked):
+    """A row's first block: the statistics start from it."""
+    m_ref[...], l_ref[...], acc_ref[...] = _first_block_softmax(
+        logits(masked), v_ref[...], fold)
+
+  def step(masked):
+    pl.when(at.first)(lambda: start(masked))
+    pl.when(jnp.logical_not(at.first))(lambda: online_softmax_step(
+        logits(masked), v_ref[...], m_ref, l_ref, acc_ref, scale=fold))
+
+  run = _run_block(step, at, geom, ranges_ref)
+
+  @pl.when(at.first & jnp.logical_not(run))
+  def _init():       # a row whose first block does not run
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  def step(masked):
-    online_softmax_step(logits(masked), v_ref[...], m_ref, l_ref, acc_ref,
-                        scale=fold)
-
-  _run_block(step, at, geom, ranges_ref)
   pl.when(at.last)(lambda: finish(m_ref[...], l_ref[...], acc_ref[...]))
 
 
