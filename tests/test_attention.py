@@ -326,6 +326,22 @@ def test_jit_and_default_backend_on_cpu(rng):
   _assert_close(pk.reference.flash_attention(q, k, v, causal=True), ref, 2e-5)
 
 
+@pytest.mark.parametrize("causal,lk", [(True, 300), (False, 300),
+                                       (False, 100)])
+def test_forward_without_lse_writes_the_same_out(causal, lk, rng):
+  # Without return_lse (not differentiated) the TPU forward writes no lse;
+  # lk 100 at kv blocks of 128: rows of one block (softmax on values).
+  q, k, v = _qkv((1, 2, 200, 16), (1, 1, lk, 16), rng)
+  fn = functools.partial(pk.flash_attention, causal=causal,
+                         block_sizes=(128, 128))
+  with force_interpret("generic"):
+    out = jax.jit(fn)(q, k, v)
+    with_lse, _ = jax.jit(functools.partial(fn, return_lse=True))(q, k, v)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(with_lse))
+  ref, _ = oracle.attention(q, k, v, causal=causal)
+  _assert_close(out, ref, 2e-5)
+
+
 def test_vmap_over_an_extra_axis(rng):
   q, k, v = _qkv((3, 2, 50, 8), (3, 1, 60, 8), rng)
   fn = jax.vmap(lambda q, k, v: pk.flash_attention(q, k, v, causal=True))

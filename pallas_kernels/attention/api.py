@@ -37,6 +37,9 @@ class _Config:
   # A static mask (or per-head tuple) beyond the causal/window band; the
   # band fields are then folded into it.
   mask: _masks.Mask | tuple[_masks.Mask, ...] | None = None
+  # False: nothing reads the forward's lse (a primal call without
+  # return_lse); the TPU kernel then writes none.
+  need_lse: bool = True
 
   def kernel_kwargs(self):
     kwargs = dict(sm_scale=self.sm_scale, causal=self.causal,
@@ -72,12 +75,12 @@ def _mosaic_gpu_supports(config, module, *arrays):
   return supports(*arrays, mask=config.mask)
 
 
-def _run(config, module, function, block_sizes=True):
-  """A row's ``run``: ``module.function(*arrays, interpret=..., **config)``;
-  the Mosaic GPU kernels take no block sizes (their tiles are fixed per
-  head_dim)."""
+def _run(config, module, function, block_sizes=True, **extra):
+  """A row's ``run``: ``module.function(*arrays, interpret=..., **config,
+  **extra)``; the Mosaic GPU kernels take no block sizes (their tiles are
+  fixed per head_dim)."""
   def run(*arrays, interpret=None):
-    kwargs = config.kernel_kwargs()
+    kwargs = dict(config.kernel_kwargs(), **extra)
     if not block_sizes:
       del kwargs["block_sizes"]
     return getattr(_module(module), function)(
@@ -121,8 +124,11 @@ def _rows(config, function, q, k, v, q_seg, bias):
   mosaic_gpu = "mosaic_gpu" if function == "forward" else "mosaic_gpu_bwd"
   reference = {"forward": _reference_forward,
                "backward": _reference_backward}[function]
+  tpu_extra = {} if function == "backward" or config.need_lse else dict(
+      lse=False)
   return [
-      _backend.Kernel("mosaic_tpu", _run(config, "mosaic_tpu", function)),
+      _backend.Kernel("mosaic_tpu", _run(config, "mosaic_tpu", function,
+                                         **tpu_extra)),
       _backend.Kernel(
           "mosaic_gpu", _run(config, mosaic_gpu, function, block_sizes=False),
           supports=lambda: _mosaic_gpu_supports(config, mosaic_gpu, q, k, v,
@@ -181,6 +187,9 @@ def _forward(config, q, k, v, q_seg, kv_seg, bias):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(config, q, k, v, q_seg, kv_seg, bias):
+  # Not differentiated here: lse is read only when returned.
+  if not config.return_lse:
+    config = dataclasses.replace(config, need_lse=False)
   return _forward(config, q, k, v, q_seg, kv_seg, bias)
 
 

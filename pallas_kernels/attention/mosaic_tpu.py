@@ -274,6 +274,19 @@ def online_softmax_step(s, v, m_ref, l_ref, acc_ref, scale=1.0):
   l_ref[...] = l_new
 
 
+def _first_block_softmax(s, v, scale):
+  """``online_softmax_step`` from empty statistics, on values: (m, l, acc)
+  of a row whose first block is ``s``."""
+  rows = (s.shape[0], LANES)
+  m = lax.broadcast_in_dim(jnp.max(s, axis=1), rows, (0,))
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  p = jnp.exp2((s - _lanes_to(m_safe, s.shape[1])) * (scale * _LOG2E))
+  l = lax.broadcast_in_dim(jnp.sum(p, axis=1), rows, (0,))
+  acc = lax.dot_general(p.astype(v.dtype), v, _NN,
+                        preferred_element_type=jnp.float32)
+  return m, l, acc
+
+
 def _run_block(step, at: _Step, geom, ranges_ref):
   """Runs ``step`` on the block of ``at`` if listed and the segment ids
   meet; with the element mask only where needed. Returns whether it ran."""
@@ -295,7 +308,8 @@ def _grid_step(geom, major, table_ref):
   return geom.step(major, pl.program_id(1), ids, table_ref)
 
 
-def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
+def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias,
+                    write_lse=True):
   it = iter(refs)
   ranges_ref = next(it) if geom.has_segments else None
   table_ref = next(it) if geom.walks is not None else None
@@ -307,30 +321,23 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
     bias_ref = next(it)
   if geom.dense:
     dense_ref = next(it)
-  o_ref, lse_ref, m_ref, l_ref, acc_ref = it
+  o_ref = next(it)
+  lse_ref = next(it) if write_lse else None
+  m_ref, l_ref, acc_ref = it
   at = _grid_step(geom, "kv", table_ref)
-
-  @pl.when(at.first)
-  def _init():
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
   # Without a bias or soft cap, m holds the max of the unscaled logits and
   # sm_scale joins the exp2 argument's multiply (no pass scaling the block).
   fold = _folded_scale(sm_scale, cap, bias_ref is not None)
 
-  def step(masked):
+  def logits(masked):
     s, _ = _query_major_logits(q_ref[...], k_ref[...], bias_ref, qseg_ref,
                                kvseg_ref, geom, at.q_block, at.kv_block,
                                masked, sm_scale / fold, cap, dense_ref)
-    online_softmax_step(s, v_ref[...], m_ref, l_ref, acc_ref, scale=fold)
+    return s
 
-  _run_block(step, at, geom, ranges_ref)
-
-  @pl.when(at.last)
-  def _finish():
-    l = l_ref[...]             # lane-replicated [block_q, 128]
+  def finish(m, l, acc):
+    """Writes a row's outputs from its statistics (lane-replicated
+    [block_q, 128]) and accumulator."""
     has_keys = l != 0          # NaN inputs stay NaN rather than "empty"
     # A row with keys has l >= 1 (its max term is exp2(0)): max() makes
     # empty rows safe.
@@ -344,12 +351,38 @@ def _forward_kernel(*refs, geom: _Geometry, sm_scale, cap, has_bias):
       inv = inv * (2.0 - safe_l * inv)
     else:
       inv = 1.0 / safe_l
-    width = acc_ref.shape[1]
+    width = acc.shape[1]
     o_ref[...] = jnp.where(_lanes_to(l, width) != 0,
-                           acc_ref[...] * _lanes_to(inv, width),
+                           acc * _lanes_to(inv, width),
                            0.0).astype(o_ref.dtype)
-    lse = jnp.where(has_keys, m_ref[...] * fold + jnp.log(safe_l), -jnp.inf)
-    lse_ref[...] = lse.T[:1, :]
+    if write_lse:
+      lse = jnp.where(has_keys, m * fold + jnp.log(safe_l), -jnp.inf)
+      lse_ref[...] = lse.T[:1, :]
+
+  if geom.grid_ids == 2 and geom.num_kv == 1 and not geom.has_segments:
+    # Each row is one block, always computed: no statistics in scratch.
+    finish(*_first_block_softmax(logits(geom.may_mask), v_ref[...], fold))
+    return
+
+  def start(masked):
+    """A row's first block: the statistics start from it."""
+    m_ref[...], l_ref[...], acc_ref[...] = _first_block_softmax(
+        logits(masked), v_ref[...], fold)
+
+  def step(masked):
+    pl.when(at.first)(lambda: start(masked))
+    pl.when(jnp.logical_not(at.first))(lambda: online_softmax_step(
+        logits(masked), v_ref[...], m_ref, l_ref, acc_ref, scale=fold))
+
+  run = _run_block(step, at, geom, ranges_ref)
+
+  @pl.when(at.first & jnp.logical_not(run))
+  def _init():       # a row whose first block does not run
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  pl.when(at.last)(lambda: finish(m_ref[...], l_ref[...], acc_ref[...]))
 
 
 # --------------------------------------------------------------- backward --
@@ -727,21 +760,26 @@ def _cost_estimate(batch, heads, geom, dims, itemsize, has_bias):
 
 def _compiler_params(semantics, estimate):
   """Past 12 MiB of estimated VMEM, a scoped limit of twice the estimate
-  (32..96 MiB), never above the lowering target's VMEM per core."""
+  (32..96 MiB), never above the lowering target's VMEM per core. No DMA
+  bounds checks: block indices come from the grid or the walk's tables, in
+  range by construction, and a check adds scalar work to every step."""
   limit = None
   if estimate > 12 * 2**20:
     vmem = _backend.TPU_VMEM_BYTES[_backend.target().tpu_generation]
     limit = min(max(2 * estimate, 32 * 2**20), 96 * 2**20, vmem)
   return _compat.tpu_compiler_params(dimension_semantics=semantics,
-                                     vmem_limit_bytes=limit)
+                                     vmem_limit_bytes=limit,
+                                     disable_bounds_checks=True)
 
 
 def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
             window_left, window_right, logit_soft_cap, block_sizes, interpret,
-            mask=None):
+            mask=None, lse=True):
   """(out [B, H, Lq, Dv] q.dtype, lse [B, H, Lq] float32) of q [B, H, Lq,
   D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]; ``mask``: a static mask
-  (``masks``) or per-head tuple, walked as block tables."""
+  (``masks``) or per-head tuple, walked as block tables. ``lse=False``: the
+  kernel writes no lse and the lse returned is NaN (for callers that drop
+  it)."""
   if q.dtype == jnp.float16 or (bias is not None and bias.dtype == jnp.float16):
     # Mosaic has no float16 matmul on v5e/v6e: run float16 as float32.
     out, lse = forward(
@@ -749,7 +787,7 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
         *_f16_to_f32(bias), sm_scale=sm_scale, causal=causal,
         window_left=window_left, window_right=window_right,
         logit_soft_cap=logit_soft_cap, block_sizes=block_sizes,
-        interpret=interpret, mask=mask)
+        interpret=interpret, mask=mask, lse=lse)
     return out.astype(q.dtype), lse
   batch, heads, q_len, head_dim = q.shape
   kv_heads, v_dim = k.shape[1], v.shape[3]
@@ -787,23 +825,25 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
     args.append(dense)
 
   kernel = functools.partial(_forward_kernel, geom=geom, sm_scale=sm_scale,
-                             cap=logit_soft_cap, has_bias=bias is not None)
+                             cap=logit_soft_cap, has_bias=bias is not None,
+                             write_lse=lse)
   estimate = vmem_bytes(bq, bk, dim, q.dtype.itemsize, bias is not None,
                         dim_v)
   grid = geom.grid("kv", batch, heads)
-  out, lse = _pallas_call(
+  out_specs = [q_spec(dim_v)]
+  out_shape = [jax.ShapeDtypeStruct((batch, heads, geom.q_pad, dim_v),
+                                    q.dtype)]
+  if lse:
+    out_specs.append(pl.BlockSpec((_SQ, _SQ, 1, bq), walk(
+        lambda b, at: (b, at.head, 0, at.q_block))))
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, 1, geom.q_pad),
+                                          jnp.float32))
+  results = _pallas_call(
       kernel, prefetch, args,
       grid=grid,
       in_specs=in_specs,
-      out_specs=[
-          q_spec(dim_v),
-          pl.BlockSpec((_SQ, _SQ, 1, bq), walk(
-              lambda b, at: (b, at.head, 0, at.q_block))),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((batch, heads, geom.q_pad, dim_v), q.dtype),
-          jax.ShapeDtypeStruct((batch, heads, 1, geom.q_pad), jnp.float32),
-      ],
+      out_specs=out_specs,
+      out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),
                       pltpu.VMEM((bq, LANES), jnp.float32),
                       pltpu.VMEM((bq, dim_v), jnp.float32)],
@@ -813,7 +853,10 @@ def forward(q, k, v, q_segment_ids, kv_segment_ids, bias, *, sm_scale, causal,
                                                         dim_v),
                                    q.dtype.itemsize, bias is not None),
       name="flash_attention_fwd")
-  return out[:, :, :q_len, :v_dim], lse[:, :, 0, :q_len]
+  out = results[0][:, :, :q_len, :v_dim]
+  if not lse:
+    return out, jnp.full((batch, heads, q_len), jnp.nan, jnp.float32)
+  return out, results[1][:, :, 0, :q_len]
 
 
 def _semantics(grid):
