@@ -485,12 +485,14 @@ def moe_group_sizes(rows: int, experts: int, routing: str):
 GMM_TILES = (512, 1024, 1024)  # ours' default on v5e, v6e, v5p
 
 
-def _gmm_ours(rows, e, sizes, tgmm, tiles=GMM_TILES):
+def _gmm_ours(rows, e, sizes, tgmm, tiles=None):
   """(fn, metadata shapes, walker params): ours' gmm or tgmm with its work
-  list as entry parameters 2.. (values computed here from ``sizes``)."""
+  list as entry parameters 2.. (values computed here from ``sizes``), at
+  ``tiles`` or the generation's default (v4's 16 MiB takes smaller ones)."""
   import jax.numpy as jnp
   import numpy as np
   from pallas_kernels.gmm import mosaic_tpu
+  tiles = tiles or mosaic_tpu.DEFAULT_TILES.get(GENERATION, GMM_TILES)
   items = mosaic_tpu.metadata(jnp.asarray(sizes), rows, min(tiles[0], rows),
                               e, with_uncovered=not tgmm)
   params = {2 + i: np.ravel(np.asarray(v)) for i, v in enumerate(items)}
