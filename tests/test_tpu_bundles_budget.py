@@ -70,7 +70,8 @@ def test_ragged_cases_give_the_walk_every_token_once():
   pytest.importorskip(
       "jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel")
   table = tpu.cases(("ragged",), quick=True)
-  ours = [k for k in table if k.endswith("|ours")]
+  ours = [k for k in table
+          if k.startswith("ragged_paged_attention ") and k.endswith("|ours")]
   assert ours and any("|jax ragged_paged_attention" in k for k in table)
   for name in ours:
     batch = name.split("|")[0][len("ragged_paged_attention "):]
@@ -87,6 +88,19 @@ def test_ragged_cases_give_the_walk_every_token_once():
           assert kv_lens[s] - q_lens[s] <= p and p + n <= kv_lens[s]
     assert covered == sum(q_lens)
 
+
+
+def test_write_kv_pages_cases_donate_the_cache():
+  # Without donation both programs copy the whole pool first, and that copy
+  # would be most of what the rows compare.
+  pytest.importorskip(
+      "jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel")
+  table = tpu.cases(("ragged",), quick=True)
+  writes = {k: v for k, v in table.items() if k.startswith("write_kv_pages")}
+  assert {k.split("|")[1] for k in writes} == {"ours", "xla reference"}
+  for fn, specs, params, donated in writes.values():
+    assert donated == (0,) and specs[0].ndim == 4 and sorted(params) == [
+        2, 3, 4, 5]
 
 def _budget():
   return json.loads((HERE / "tpu_bundles_budget.json").read_text())
