@@ -20,7 +20,7 @@ COORDS = 4
 GROUP = 8            # plane rows per inner step: one vreg per coordinate
 FORWARD_BLOCK_ROWS = 1024
 BACKWARD_BLOCK_ROWS = 512
-PAIRWISE_TILE = (256, 512)
+PAIRWISE_TILE = (256, 1024)
 VMEM_LIMIT_BYTES = 40 * 1024 * 1024
 
 
