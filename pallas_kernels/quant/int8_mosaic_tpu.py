@@ -212,25 +212,73 @@ def tiled_matmul_call(kernel, operands, in_specs, *, plan, m, n, out_dtype,
 
 
 QUANTIZE_ROWS = 32  # one int8 (32, 128) tile row; 8 and 16 do not lower
+QUANTIZE_LANES = 128  # columns per register-resident chunk
+# Adding 1.5 * 2^23 to |c| <= 2^22 rounds c to an integer n, half to even
+# (the float32 spacing there is 1); the sum's bits are 0x4B400000 + n, whose
+# low byte is n as an int8.
+_ROUNDER = 1.5 * 2**23
+_ABS_MASK = 0x7FFFFFFF
+_INF_BITS = 0x7F800000
 
 
-def _quantize_kernel(x_ref, q_ref, s_ref, *, rows):
-  # ``rows`` rows at a time rather than whole-block float32 temporaries
-  # (fewer bundles: docs/design/int8.md, "quantize_int8 on the TPU").
+def _column_chunks(k, width):
+  return [(start, min(width, k - start)) for start in range(0, k, width)]
+
+
+def _row_amax(x_ref, rows, chunks):
+  """``quant.amax`` over axis 1 of x_ref[rows] ([R, 1]), from |x|'s bit
+  patterns: for non-negative floats integer order is float order and NaNs
+  sort above inf, so one integer max per element finds both the largest
+  magnitude and any NaN. Chunks combine elementwise first; one cross-lane
+  reduction per chunk width follows."""
+  partial = {}
+  for start, width in chunks:
+    x = x_ref[rows, pl.ds(start, width)].astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32) & _ABS_MASK
+    partial[width] = (bits if width not in partial
+                      else jnp.maximum(partial[width], bits))
+  top = functools.reduce(jnp.maximum, [jnp.max(p, axis=1, keepdims=True)
+                                       for p in partial.values()])
+  return jnp.where(top > _INF_BITS, jnp.float32(jnp.nan),
+                   jax.lax.bitcast_convert_type(top, jnp.float32))
+
+
+def _round_to_int8(x, inverse_scale):
+  """``quant.round_to_int8(x, scale)`` given 1 / scale, bit for bit:
+  clipped before rounding (the same for integer bounds), NaN -> 0, rounded
+  by adding ``_ROUNDER``, and the int8 cut from the sum's bits (no
+  floor/ceil/convert sequence)."""
+  c = jnp.clip(x * inverse_scale, -quant.INT8_MAX, quant.INT8_MAX)
+  c = jnp.where(jnp.isnan(c), 0.0, c)
+  bits = jax.lax.bitcast_convert_type(c + jnp.float32(_ROUNDER), jnp.int32)
+  return bits.astype(jnp.int8)
+
+
+def _quantize_kernel(x_ref, q_ref, s_ref, *, rows, unroll):
+  # ``rows`` rows at a time, both passes over register-sized column chunks
+  # (no block-wide float32 temporaries), the row slices unrolled so that one
+  # slice's reduction overlaps its neighbours' work (interpreted: rolled, a
+  # smaller program): docs/design/int8.md, "quantize_int8 on the TPU". x is
+  # widened twice: cheaper than storing it.
+  chunks = _column_chunks(x_ref.shape[1], QUANTIZE_LANES)
+
   def body(i, carry):
     r = pl.ds(pl.multiple_of(i * rows, rows), rows)
-    x = x_ref[r, :].astype(jnp.float32)
-    scale = quant.scale_from_amax(quant.amax(x, axis=1))
-    q_ref[r, :] = quant.round_to_int8(x, scale)
+    scale = quant.scale_from_amax(_row_amax(x_ref, r, chunks))
+    inverse_scale = 1 / scale
+    for start, width in chunks:
+      cols = pl.ds(start, width)
+      q_ref[r, cols] = _round_to_int8(
+          x_ref[r, cols].astype(jnp.float32), inverse_scale)
     s_ref[r, :] = scale
     return carry
 
-  jax.lax.fori_loop(0, x_ref.shape[0] // rows, body, 0)
+  jax.lax.fori_loop(0, x_ref.shape[0] // rows, body, 0, unroll=unroll)
 
 
 def quantize_rows_block(m: int, k: int, in_bytes: int) -> int | None:
   """Rows per block so a [bm, K] block fits the budget; None if none fits."""
-  # Double-buffered input and int8 output, plus float32 temporaries.
+  # Double-buffered input and int8 output, plus slack for float32 work.
   per_row = k * (2 * in_bytes + 2 + 8) + 2 * 128 * 4
   rows = QUANTIZE_VMEM_BUDGET // per_row
   if m <= rows:
@@ -249,7 +297,7 @@ def quantize_rows(x2, *, interpret=False):
                jax.ShapeDtypeStruct((m, 1), jnp.float32)]
   rows = QUANTIZE_ROWS if bm % QUANTIZE_ROWS == 0 else bm
   return _compat.pallas_call(
-      functools.partial(_quantize_kernel, rows=rows),
+      functools.partial(_quantize_kernel, rows=rows, unroll=not interpret),
       grid=(pl.cdiv(m, bm),),
       in_specs=[pl.BlockSpec((bm, k), lambda i: (i, 0))],
       out_specs=[pl.BlockSpec((bm, k), lambda i: (i, 0)),
