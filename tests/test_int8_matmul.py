@@ -314,7 +314,7 @@ def test_tpu_plans_fit_vmem_and_tile(generation, mode, mkn):
   plan = bs.plan_tpu(m, k, n, x_bytes=x_bytes,
                      out_bytes=4 if mode == "raw" else 2, mode=mode,
                      generation=generation)
-  budget, _ = bs.TPU_VMEM.get(generation, bs.TPU_VMEM["default"])
+  budget, _ = bs.tpu_vmem_budget(generation, mode)
   assert plan.vmem_bytes <= budget <= plan.vmem_limit_bytes
   assert plan.k_padded >= k and plan.k_padded % plan.bk == 0
   assert plan.k_padded == k or k % 128  # pads only a ragged K

@@ -97,7 +97,7 @@ def test_plan_reports_vmem_for_each_generation():
     for m in (16, 512, 8192):
       plan = bs.plan_tpu(m, 8192, 8192, x_bytes=1, out_bytes=2, mode="dequant",
                          generation=generation)
-      assert plan.vmem_bytes <= bs.TPU_VMEM[generation][0]
+      assert plan.vmem_bytes <= bs.tpu_vmem_budget(generation, "dequant")[0]
 
 
 @pytest.mark.parametrize("topology", list(GENERATIONS))

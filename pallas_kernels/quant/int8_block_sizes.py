@@ -57,6 +57,24 @@ TPU_VMEM = {  # (bytes a config may use, vmem_limit_bytes passed to Mosaic)
     "v5p": (28 * MiB, 48 * MiB), "tpu7x": (28 * MiB, 48 * MiB),
     "v4": (12 * MiB, 16 * MiB), "default": (12 * MiB, 16 * MiB),
 }
+# int8 x int8 modes (raw, dequant, dynamic) where the MXU takes int8: all of
+# K = 4096 in one step for large M and a 4096 x 4096 weight per core for
+# decode; fewer grid steps issue fewer bundles (docs/design/int8.md, "Fewer,
+# larger steps"). Other modes and generations use TPU_TABLE and TPU_VMEM.
+INT8_X_INT8_TABLE = {
+    "v5e": {"decode": (None, 4096, 4096), "medium": (256, 1024, 2048),
+            "large": (2048, 4096, 1024)},
+    "v6e": {"decode": (None, 4096, 4096), "medium": (512, 1024, 2048),
+            "large": (2048, 4096, 1024)},
+    "v5p": {"decode": (None, 4096, 2048), "medium": (256, 1024, 2048),
+            "large": (1024, 4096, 1024)},
+    "tpu7x": {"decode": (None, 4096, 2048), "medium": (256, 1024, 2048),
+              "large": (1024, 4096, 1024)},
+}
+INT8_X_INT8_VMEM = {
+    "v5e": (52 * MiB, 64 * MiB), "v6e": (52 * MiB, 64 * MiB),
+    "v5p": (32 * MiB, 48 * MiB), "tpu7x": (32 * MiB, 48 * MiB),
+}
 TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 # Generations whose MXU takes int8 operands; the others run int8 modes
 # through bf16 (exact: docs/design/int8.md, "v4").
@@ -223,11 +241,27 @@ def check_tpu_block_sizes(block_sizes: BlockSizes, m, k, n, *, k_unit=128,
   return bm, bk, bn
 
 
-def table_tiles(m: int, generation: str | None) -> tuple[int, int, int]:
-  """(bm, bk, bn) of ``TPU_TABLE`` for ``generation`` and m's shape class."""
-  gen = generation if generation in TPU_TABLE else "default"
-  bm, bk, bn = TPU_TABLE[gen][shape_class(m)]
+def table_tiles(m: int, generation: str | None,
+                table=TPU_TABLE) -> tuple[int, int, int]:
+  """(bm, bk, bn) of ``table`` for ``generation`` and m's shape class."""
+  gen = generation if generation in table else "default"
+  bm, bk, bn = table[gen][shape_class(m)]
   return bm or m, bk, bn
+
+
+def int8_x_int8_tables(mode: str, generation: str | None) -> bool:
+  """Whether ``mode`` on ``generation`` plans from ``INT8_X_INT8_TABLE`` and
+  ``INT8_X_INT8_VMEM``."""
+  return mode != "weight_only" and generation in INT8_X_INT8_TABLE
+
+
+def tpu_vmem_budget(generation: str | None,
+                    mode: str = "weight_only") -> tuple[int, int]:
+  """(bytes a config may use, vmem_limit_bytes) of ``mode`` on
+  ``generation``."""
+  if int8_x_int8_tables(mode, generation):
+    return INT8_X_INT8_VMEM[generation]
+  return TPU_VMEM.get(generation or "default", TPU_VMEM["default"])
 
 
 def k_tiling(k: int, bk: int, unit: int) -> tuple[int, int]:
@@ -248,14 +282,15 @@ def halve_bm(bm: int, m: int) -> int:
 
 
 def fit_tpu_plan(m, k, n, tiles, *, k_unit, generation, vmem_bytes,
-                 shrink=None) -> TpuPlan:
+                 shrink=None, vmem_budget=None) -> TpuPlan:
   """The plan of (bm, bk, bn) ``tiles`` on an [m, k] x [k, n] problem: tiles
   clamped to the problem (N tiles dividing N where one is at least half
   the tile), K tiled by ``k_tiling``. While ``vmem_bytes(tm, tk, tn,
-  k_steps)`` exceeds the generation's budget, ``shrink(bm, bk, bn)`` gives
-  smaller tiles (None, or no ``shrink``: keep these). The VMEM limit covers
-  the plan's bytes with 25% to spare."""
-  budget, limit = TPU_VMEM.get(generation or "default", TPU_VMEM["default"])
+  k_steps)`` exceeds the budget (``vmem_budget``, default the generation's
+  ``TPU_VMEM``), ``shrink(bm, bk, bn)`` gives smaller tiles (None, or no
+  ``shrink``: keep these). The VMEM limit covers the plan's bytes with 25%
+  to spare."""
+  budget, limit = vmem_budget or tpu_vmem_budget(generation)
   bm, bk, bn = tiles
   while True:
     tm = m if m <= bm else bm
@@ -296,12 +331,16 @@ def plan_tpu(m, k, n, *, x_bytes, out_bytes, mode, generation=None,
       return bm, bk, bn // 2
     return halve_bm(bm, m), bk, bn
 
+  budget = tpu_vmem_budget(generation, mode)
   if block_sizes is not None:
     return fit_tpu_plan(m, k, n, check_tpu_block_sizes(block_sizes, m, k, n),
-                        k_unit=128, generation=generation, vmem_bytes=vmem)
-  return fit_tpu_plan(m, k, n, table_tiles(m, generation), k_unit=128,
+                        k_unit=128, generation=generation, vmem_bytes=vmem,
+                        vmem_budget=budget)
+  table = (INT8_X_INT8_TABLE if int8_x_int8_tables(mode, generation)
+           else TPU_TABLE)
+  return fit_tpu_plan(m, k, n, table_tiles(m, generation, table), k_unit=128,
                       generation=generation, vmem_bytes=vmem,
-                      shrink=halve_largest)
+                      shrink=halve_largest, vmem_budget=budget)
 
 
 def prefer_divisor(dim: int, target: int) -> int:
