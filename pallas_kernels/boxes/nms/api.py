@@ -90,17 +90,26 @@ def _validate(op, boxes, scores, class_ids, iou_threshold, max_output_size,
 # ------------------------------------------------------------ implementations
 
 def _sorted_inputs(boxes, scores, class_ids, score_threshold, padded,
-                   sort=None):
+                   sort=None, gather_planes=False):
   """Per image: score order, planes [B, 5, Np], classes and flags [B, Np].
   ``sort(scores, score_threshold) -> (order, valid)`` replaces the stable
-  argsort (same result)."""
+  argsort (same result). ``gather_planes``: gather each coordinate plane
+  along its lanes (on TPU far fewer bundles than XLA's gather of 4-float
+  rows); same values."""
   batch, n = scores.shape
   if sort is None:
     order, valid = jax.vmap(
         lambda s: reference.sort_by_score(s, score_threshold))(scores)
   else:
     order, valid = sort(scores, score_threshold)
-  planes = jax.vmap(reference.sorted_planes)(boxes, order)
+  if gather_planes:
+    coords = jnp.take_along_axis(jnp.swapaxes(boxes, 1, 2), order[:, None],
+                                 axis=2)
+    planes = jnp.concatenate(
+        [coords, reference.box_areas(jnp.swapaxes(coords, 1, 2))[:, None]],
+        axis=1)
+  else:
+    planes = jax.vmap(reference.sorted_planes)(boxes, order)
   classes = (jnp.zeros((batch, n), jnp.int32) if class_ids is None
              else jnp.take_along_axis(class_ids, order, axis=1))
   pad = padded - n
@@ -126,7 +135,8 @@ def _tpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
   sort = (functools.partial(_tpu_order, interpret=interpret)
           if mosaic_tpu.sort_size(n) <= mosaic_tpu.SORT_MAX else None)
   order, planes, classes, flags = _sorted_inputs(
-      boxes, scores, class_ids, score_threshold, padded, sort=sort)
+      boxes, scores, class_ids, score_threshold, padded, sort=sort,
+      gather_planes=True)
   rows = jnp.concatenate([
       planes,
       jax.lax.bitcast_convert_type(classes, jnp.float32)[:, None],
@@ -135,6 +145,7 @@ def _tpu_batched(boxes, scores, class_ids, *, iou_threshold, max_output_size,
   ], axis=1)
   keep = mosaic_tpu.keep_mask(rows, iou_threshold=iou_threshold,
                               max_output_size=max_output_size, tile=tile,
+                              use_classes=class_ids is not None,
                               interpret=interpret)
   return _kept_indices(keep[:, :n], order, max_output_size)
 

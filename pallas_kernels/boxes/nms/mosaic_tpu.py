@@ -18,6 +18,7 @@ from .reference import iou_exceeds
 CLASS_ROW, FLAG_ROW = 5, 6
 PLANES = 8
 DEFAULT_TILE = 512
+LANES = 128
 SUB = 8  # boxes per IoU block row group (one sublane group)
 
 
@@ -29,18 +30,42 @@ def iou_test_flops() -> int:
   return flops + 3
 
 
-def _exceeds_block(col, row, iou_threshold):
-  """(SUB, T) bool: box i of ``col`` (SUB, 8) suppresses box j of ``row`` (8, T)."""
+def _exceeds_block(col, rows, iou_threshold, use_classes):
+  """(SUB, W) bool: box i of ``col`` (SUB, 8) suppresses box j of ``rows``
+  (planes of (SUB, W), already broadcast over sublanes). No flag test:
+  stored non-kept boxes are null boxes, and the within-tile chain ignores
+  rows of non-alive boxes."""
   a = tuple(col[:, r:r + 1] for r in range(5))
-  b = tuple(row[r:r + 1, :] for r in range(5))
-  over = iou_exceeds(a, b, iou_threshold)
-  a_cls = pltpu.bitcast(col[:, CLASS_ROW:CLASS_ROW + 1], jnp.int32)
-  b_cls = pltpu.bitcast(row[CLASS_ROW:CLASS_ROW + 1, :], jnp.int32)
-  return over & (a_cls == b_cls) & (col[:, FLAG_ROW:FLAG_ROW + 1] > 0)
+  over = iou_exceeds(a, rows[:5], iou_threshold)
+  if use_classes:
+    a_cls = pltpu.bitcast(col[:, CLASS_ROW:CLASS_ROW + 1], jnp.int32)
+    over = over & (a_cls == rows[CLASS_ROW])
+  return over
+
+
+def _row_planes(cur, use_classes):
+  """The tile's boxes as (SUB, T) planes, broadcast once per tile rather than
+  per 8-box group (the class plane as int32)."""
+  shape = (SUB, cur.shape[1])
+  planes = [jnp.broadcast_to(cur[r:r + 1, :], shape) for r in range(5)]
+  if use_classes:
+    planes.append(pltpu.bitcast(
+        jnp.broadcast_to(cur[CLASS_ROW:CLASS_ROW + 1, :], shape), jnp.int32))
+  return tuple(planes)
+
+
+def _null_boxes(slab, keep):
+  """``slab`` (8, T) with every box not in ``keep`` replaced by a null box
+  (x1 = y1 = +inf, x2 = y2 = -inf, area 0): its intersection with any box is
+  0, so its IoU is 0 or NaN and it never suppresses."""
+  row_id = jax.lax.broadcasted_iota(jnp.int32, slab.shape, 0)
+  null = jnp.where(row_id < 2, jnp.inf, jnp.where(row_id < 4, -jnp.inf, 0.0))
+  return jnp.where(jnp.broadcast_to(keep, slab.shape) > 0, slab, null)
 
 
 def _nms_kernel(rows_ref, keep_ref, store_ref, state_ref, dma_buf, col_buf,
-                s_buf, sems, *, iou_threshold, max_output_size, tile):
+                s_buf, sems, *, iou_threshold, max_output_size, tile,
+                use_classes):
   b = pl.program_id(0)
   t = pl.program_id(1)
 
@@ -59,19 +84,7 @@ def _nms_kernel(rows_ref, keep_ref, store_ref, state_ref, dma_buf, col_buf,
   def _():
     cur = rows_ref[...]                                  # (8, T)
     alive = cur[FLAG_ROW:FLAG_ROW + 1, :] > 0            # (1, T)
-
-    def suppressed_by_col_buf(row, extra=None):
-      """Or over col_buf's boxes of 'suppresses'; ``extra(i0)`` masks more."""
-      def body(g, acc):
-        i0 = pl.multiple_of(g * SUB, SUB)
-        block = _exceeds_block(col_buf[pl.ds(i0, SUB), :], row, iou_threshold)
-        if extra is not None:
-          block = block & extra(i0)
-        # Vector loop carries must not be i1 in Mosaic: accumulate as f32.
-        return jnp.maximum(acc, block.astype(jnp.float32))
-      acc = jax.lax.fori_loop(0, tile // SUB, body,
-                              jnp.zeros((SUB, tile), jnp.float32))
-      return jnp.max(acc, axis=0, keepdims=True)
+    rows = _row_planes(cur, use_classes)
 
     # 1. Against the kept boxes of earlier tiles; slab s + 1 is fetched
     # into the other buffer while slab s is tested.
@@ -86,7 +99,7 @@ def _nms_kernel(rows_ref, keep_ref, store_ref, state_ref, dma_buf, col_buf,
     def _():
       fetch(0).start()
 
-    def cross(s, sup):
+    def cross(s, acc):
       fetch(s).wait()
 
       @pl.when(s + 1 < stored)
@@ -94,11 +107,18 @@ def _nms_kernel(rows_ref, keep_ref, store_ref, state_ref, dma_buf, col_buf,
         fetch(s + 1).start()
 
       col_buf[...] = dma_buf[s % 2].T
-      return jnp.maximum(sup, suppressed_by_col_buf(cur))
+
+      def group(g, acc):
+        i0 = pl.multiple_of(g * SUB, SUB)
+        over = _exceeds_block(col_buf[pl.ds(i0, SUB), :], rows,
+                              iou_threshold, use_classes)
+        # Vector loop carries must not be i1 in Mosaic: carry f32.
+        return jnp.where(over, 1.0, acc)
+      return jax.lax.fori_loop(0, tile // SUB, group, acc)
 
     sup = jax.lax.fori_loop(0, stored, cross,
-                            jnp.zeros((1, tile), jnp.float32))
-    alive = alive & (sup == 0)
+                            jnp.zeros((SUB, tile), jnp.float32))
+    alive = alive & (jnp.max(sup, axis=0, keepdims=True) == 0)
 
     # 2. The tile's own chain: S[i, j] for i < j, built 8 rows at a time.
     col_buf[...] = cur.T
@@ -107,7 +127,8 @@ def _nms_kernel(rows_ref, keep_ref, store_ref, state_ref, dma_buf, col_buf,
 
     def build(g, carry):
       i0 = pl.multiple_of(g * SUB, SUB)
-      block = _exceeds_block(col_buf[pl.ds(i0, SUB), :], cur, iou_threshold)
+      block = _exceeds_block(col_buf[pl.ds(i0, SUB), :], rows, iou_threshold,
+                             use_classes)
       block = block & (lane > sub + i0)
       s_buf[pl.ds(i0, SUB), :] = block.astype(jnp.float32)
       return carry
@@ -128,28 +149,27 @@ def _nms_kernel(rows_ref, keep_ref, store_ref, state_ref, dma_buf, col_buf,
     keep_ref[...] = keep.astype(jnp.int32)
     kept = jnp.sum(keep).astype(jnp.int32)
     state_ref[0] = count + kept
+    state_ref[1] = stored + jnp.where(kept > 0, 1, 0)
 
-    # 3. Append the slab (flag := keep) for later tiles.
+    # 3. Append the slab (non-kept boxes nulled) for later tiles.
     @pl.when(kept > 0)
     def _():
-      row_id = jax.lax.broadcasted_iota(jnp.int32, (PLANES, tile), 0)
-      dma_buf[0] = jnp.where(row_id == FLAG_ROW,
-                             jnp.broadcast_to(keep, (PLANES, tile)), cur)
+      dma_buf[0] = _null_boxes(cur, keep)
       copy = pltpu.make_async_copy(dma_buf.at[0], store_ref.at[b, stored],
                                    sems.at[0])
       copy.start()
       copy.wait()
-      state_ref[1] = stored + 1
 
 
 def keep_mask(rows, *, iou_threshold, max_output_size, tile=DEFAULT_TILE,
-              interpret=None):
+              use_classes=True, interpret=None):
   """Keep mask int32 [B, Np] over sorted positions from planes [B, 8, Np]."""
   batch, planes, padded = rows.shape
   assert planes == PLANES and padded % tile == 0, rows.shape
   num_tiles = padded // tile
   kernel = functools.partial(_nms_kernel, iou_threshold=float(iou_threshold),
-                             max_output_size=int(max_output_size), tile=tile)
+                             max_output_size=int(max_output_size), tile=tile,
+                             use_classes=use_classes)
   out_shape = [jax.ShapeDtypeStruct((batch, 1, padded), jnp.int32),
                jax.ShapeDtypeStruct((batch, num_tiles, PLANES, tile),
                                     jnp.float32)]
@@ -184,7 +204,6 @@ def keep_mask(rows, *, iou_threshold, max_output_size, tile=DEFAULT_TILE,
 
 # ------------------------------------------------------------------ score sort
 
-LANES = 128
 CHUNK_ROWS = 8
 CHUNK = CHUNK_ROWS * LANES      # keys per (8, 128) vreg chunk
 SORT_MAX = 1 << 20              # 8 MiB of keys and indices in VMEM
