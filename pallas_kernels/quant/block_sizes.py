@@ -56,10 +56,18 @@ def tpu_vmem_bytes(bm, bk, bn, *, x_bytes, w_bits, out_bytes, compute_bytes,
 def plan_tpu(m, k, n, *, x_bytes, w_bits, out_bytes, compute_bytes,
              generation=None, group_size=None, has_zero=False,
              x_upcast=False, group_products=False,
-             block_sizes: BlockSizes | None = None) -> TpuPlan:
+             block_sizes: BlockSizes | None = None,
+             w_streamed: bool = False) -> TpuPlan:
   """Tiles for an [m, k] x [k, n] problem, shrunk to the VMEM budget;
-  ``group_products``: quantized x with group scales (a dot per group)."""
+  ``group_products``: quantized x with group scales (a dot per group);
+  ``w_streamed``: weight-only decode whose w is widened on its way into the
+  MXU (``int8_bs.weight_only_decode_streams``: its tiles and budget, no
+  converted copy)."""
   unit = k_unit(group_size)
+  budget = None
+  if w_streamed:
+    compute_bytes = 0
+    budget = int8_bs.INT8_X_INT8_VMEM[generation]
 
   def vmem(tm, tk, tn, nk):
     return tpu_vmem_bytes(tm, tk, tn, x_bytes=x_bytes, w_bits=w_bits,
@@ -87,13 +95,19 @@ def plan_tpu(m, k, n, *, x_bytes, w_bits, out_bytes, compute_bytes,
         block_sizes, m, k, n, k_unit=unit,
         k_unit_reason=f" (group_size={group_size})" if group_size else "")
     return int8_bs.fit_tpu_plan(m, k, n, tiles, k_unit=unit,
-                                generation=generation, vmem_bytes=vmem)
-  bm, bk, bn = int8_bs.table_tiles(m, generation)
+                                generation=generation, vmem_bytes=vmem,
+                                vmem_budget=budget)
+  if w_streamed:
+    bm, bk, bn = int8_bs.WEIGHT_ONLY_DECODE_TILES[generation]
+    bm = bm or m
+  else:
+    bm, bk, bn = int8_bs.table_tiles(m, generation)
   if group_products:  # each group is a dot of its own, unrolled per K tile
     bk = min(bk, max(unit, MAX_GROUP_DOTS * group_size))
   return int8_bs.fit_tpu_plan(m, k, n, (bm, max(unit, bk // unit * unit), bn),
                               k_unit=unit, generation=generation,
-                              vmem_bytes=vmem, shrink=halve_largest)
+                              vmem_bytes=vmem, shrink=halve_largest,
+                              vmem_budget=budget)
 
 
 # ------------------------------------------------------------------- GPU

@@ -60,7 +60,8 @@ TPU_VMEM = {  # (bytes a config may use, vmem_limit_bytes passed to Mosaic)
 # int8 x int8 modes (raw, dequant, dynamic) where the MXU takes int8: all of
 # K = 4096 in one step for large M and a 4096 x 4096 weight per core for
 # decode; fewer grid steps issue fewer bundles (docs/design/int8.md, "Fewer,
-# larger steps"). Other modes and generations use TPU_TABLE and TPU_VMEM.
+# larger steps"). Other modes and generations use TPU_TABLE and TPU_VMEM
+# (weight-only decode: WEIGHT_ONLY_DECODE_TILES).
 INT8_X_INT8_TABLE = {
     "v5e": {"decode": (None, 4096, 4096), "medium": (256, 1024, 2048),
             "large": (2048, 4096, 1024)},
@@ -75,6 +76,13 @@ INT8_X_INT8_VMEM = {
     "v5e": (52 * MiB, 64 * MiB), "v6e": (52 * MiB, 64 * MiB),
     "v5p": (32 * MiB, 48 * MiB), "tpu7x": (32 * MiB, 48 * MiB),
 }
+# Weight-only decode (M <= 128) with bf16 x, per-channel int8 or fp8 w: the
+# kernel widens w to float32 on its way into the MXU (no converted copy in
+# VMEM), so one step takes the whole weight per core, as INT8_X_INT8_TABLE's
+# decode rows, under INT8_X_INT8_VMEM (docs/design/quantized.md,
+# "Weight-only decode on the TPU").
+WEIGHT_ONLY_DECODE_TILES = {
+    gen: rows["decode"] for gen, rows in INT8_X_INT8_TABLE.items()}
 TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 # Generations whose MXU takes int8 operands; the others run int8 modes
 # through bf16 (exact: docs/design/int8.md, "v4").
@@ -205,13 +213,15 @@ def scale_bias_tile_bytes(bm: int, bn: int) -> int:
 
 
 def tpu_vmem_bytes(bm, bk, bn, *, x_bytes, out_bytes, accumulator, weight_only,
-                   int8_via_bf16=False):
+                   int8_via_bf16=False, w_streamed=False):
+  """``w_streamed``: weight-only w widened on its way into the MXU (no
+  converted copy)."""
   total = 2 * (bm * bk * x_bytes + bk * bn * 1)
   total += (bm + bn) * min(bk, EXACT_F32_K) * 2 if int8_via_bf16 else 0
   total += bm * bn * 4                      # dot result
   total += bm * bn * 4 if accumulator else 0
   total += 2 * bm * bn * out_bytes
-  total += bk * bn * x_bytes if weight_only else 0
+  total += bk * bn * x_bytes if weight_only and not w_streamed else 0
   total += scale_bias_tile_bytes(bm, bn)
   return total
 
@@ -253,6 +263,14 @@ def int8_x_int8_tables(mode: str, generation: str | None) -> bool:
   """Whether ``mode`` on ``generation`` plans from ``INT8_X_INT8_TABLE`` and
   ``INT8_X_INT8_VMEM``."""
   return mode != "weight_only" and generation in INT8_X_INT8_TABLE
+
+
+def weight_only_decode_streams(m: int, generation: str | None,
+                               x_dtype) -> bool:
+  """Whether a weight-only call with per-channel 8-bit w plans from
+  ``WEIGHT_ONLY_DECODE_TILES`` and streams w into the MXU as float32."""
+  return (shape_class(m) == "decode" and generation in WEIGHT_ONLY_DECODE_TILES
+          and jnp.dtype(x_dtype) == jnp.dtype(jnp.bfloat16))
 
 
 def tpu_vmem_budget(generation: str | None,
@@ -308,9 +326,11 @@ def fit_tpu_plan(m, k, n, tiles, *, k_unit, generation, vmem_bytes,
 
 
 def plan_tpu(m, k, n, *, x_bytes, out_bytes, mode, generation=None,
-             block_sizes: BlockSizes | None = None) -> TpuPlan:
+             block_sizes: BlockSizes | None = None,
+             w_streamed: bool = False) -> TpuPlan:
   """Tiles for an [m, k] x [k, n] problem: the shape class's row, clamped to
-  the problem and shrunk to the VMEM budget."""
+  the problem and shrunk to the VMEM budget. ``w_streamed``: weight-only
+  decode per ``weight_only_decode_streams``."""
   weight_only = mode == "weight_only"
   accumulating_in_scratch = mode != "raw"
   int8_via_bf16 = not weight_only and not int8_mxu(generation)
@@ -318,7 +338,8 @@ def plan_tpu(m, k, n, *, x_bytes, out_bytes, mode, generation=None,
   def vmem(bm_, bk_, bn_, nk_):
     return tpu_vmem_bytes(bm_, bk_, bn_, x_bytes=x_bytes, out_bytes=out_bytes,
                           accumulator=accumulating_in_scratch and nk_ > 1,
-                          weight_only=weight_only, int8_via_bf16=int8_via_bf16)
+                          weight_only=weight_only, int8_via_bf16=int8_via_bf16,
+                          w_streamed=w_streamed)
 
   def halve_largest(bm, bk, bn):
     """The largest tile dimension that can still shrink, halved."""
@@ -331,16 +352,21 @@ def plan_tpu(m, k, n, *, x_bytes, out_bytes, mode, generation=None,
       return bm, bk, bn // 2
     return halve_bm(bm, m), bk, bn
 
-  budget = tpu_vmem_budget(generation, mode)
+  budget = (INT8_X_INT8_VMEM[generation] if w_streamed
+            else tpu_vmem_budget(generation, mode))
   if block_sizes is not None:
     return fit_tpu_plan(m, k, n, check_tpu_block_sizes(block_sizes, m, k, n),
                         k_unit=128, generation=generation, vmem_bytes=vmem,
                         vmem_budget=budget)
-  table = (INT8_X_INT8_TABLE if int8_x_int8_tables(mode, generation)
-           else TPU_TABLE)
-  return fit_tpu_plan(m, k, n, table_tiles(m, generation, table), k_unit=128,
-                      generation=generation, vmem_bytes=vmem,
-                      shrink=halve_largest, vmem_budget=budget)
+  if w_streamed:
+    tiles = WEIGHT_ONLY_DECODE_TILES[generation]
+    tiles = (tiles[0] or m,) + tiles[1:]
+  else:
+    tiles = table_tiles(m, generation, INT8_X_INT8_TABLE
+                        if int8_x_int8_tables(mode, generation) else TPU_TABLE)
+  return fit_tpu_plan(m, k, n, tiles, k_unit=128, generation=generation,
+                      vmem_bytes=vmem, shrink=halve_largest,
+                      vmem_budget=budget)
 
 
 def prefer_divisor(dim: int, target: int) -> int:

@@ -33,8 +33,19 @@ def float_dot(x, w, w_layout):
                              preferred_element_type=jnp.float32)
 
 
-def _dot(x, w, mode, w_layout):
+def streamed_dot(x, w, w_layout):
+  """bf16 x times a w tile of small integers (or fp8 values) in one bf16 MXU
+  pass, exact: w goes in as float32, which Mosaic pushes as it widens it,
+  with no VALU op to pack it to bf16 first."""
+  return jax.lax.dot_general(x, w.astype(jnp.float32), _contraction(w_layout),
+                             precision=jax.lax.Precision.DEFAULT,
+                             preferred_element_type=jnp.float32)
+
+
+def _dot(x, w, mode, w_layout, w_streamed=False):
   if mode == "weight_only":
+    if w_streamed:
+      return streamed_dot(x, w, w_layout)
     return float_dot(x, w.astype(x.dtype), w_layout)
   return jax.lax.dot_general(x, w, _contraction(w_layout),
                              preferred_element_type=jnp.int32)
@@ -56,7 +67,7 @@ def _int8_dot_via_bf16(x_ref, w_ref, w_layout):
 
 
 def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout,
-                   int8_via_bf16):
+                   int8_via_bf16, w_streamed):
   x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, refs = (
       operands.split_int8_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
                                  has_b=has_b))
@@ -65,7 +76,7 @@ def _matmul_kernel(*refs, mode, nk, has_xs, has_ws, has_b, w_layout,
   def part():
     if int8_via_bf16 and mode != "weight_only":
       return _int8_dot_via_bf16(x_ref, w_ref, w_layout)
-    return _dot(x_ref[...], w_ref[...], mode, w_layout)
+    return _dot(x_ref[...], w_ref[...], mode, w_layout, w_streamed)
 
   def finish(acc):
     if mode == "raw":
@@ -117,9 +128,12 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
   n = w.shape[1 if kn else 0]
   generation = generation or _backend.target().tpu_generation
   out_dtype = jnp.dtype(jnp.int32 if mode == "raw" else out_dtype)
+  w_streamed = mode == "weight_only" and bs.weight_only_decode_streams(
+      m, generation, x2.dtype)
   plan = bs.plan_tpu(m, k, n, x_bytes=x2.dtype.itemsize,
                      out_bytes=out_dtype.itemsize, mode=mode,
-                     generation=generation, block_sizes=block_sizes)
+                     generation=generation, block_sizes=block_sizes,
+                     w_streamed=w_streamed)
   if plan.k_padded != k:
     x2, w = pad_k(x2, w, plan.k_padded, w_layout)
   bm, bn = plan.bm, plan.bn
@@ -142,7 +156,7 @@ def matmul(x2, w, x_scale, w_scale, bias, *, mode, out_dtype, block_sizes=None,
   kernel = functools.partial(
       _matmul_kernel, mode=mode, nk=nk, has_xs=x_scale is not None,
       has_ws=w_scale is not None, has_b=bias is not None, w_layout=w_layout,
-      int8_via_bf16=not bs.int8_mxu(generation))
+      int8_via_bf16=not bs.int8_mxu(generation), w_streamed=w_streamed)
   return tiled_matmul_call(
       kernel, operands, in_specs, plan=plan, m=m, n=n, out_dtype=out_dtype,
       scratch=scratch, x_side_bytes=_cost.nbytes(x2, x_scale),

@@ -1,8 +1,9 @@
 """Mosaic TPU kernel: matmul of int4 / fp8 / grouped int8 weights, and of
 quantized x with group scales. Grid (M/bm, N/bn, K/bk), K innermost; each
 step converts its w tile in VMEM (to x's dtype, or dequantized per group in
-float32) for one MXU dot, or runs one dot per group for quantized x; the
-epilogue runs at the last K step. Per-mode details: docs/design/quantized.md.
+float32; e4m3fn at decode: widened on its way into the MXU) for one MXU
+dot, or runs one dot per group for quantized x; the epilogue runs at the
+last K step. Per-mode details: docs/design/quantized.md.
 """
 from __future__ import annotations
 
@@ -56,8 +57,32 @@ def _group_products(x, w, x_scale, w_scale, *, group_size, w_layout,
   return total
 
 
+# e4m3fn bytes read as e4m3b11fnuz (exponent bias 11, not 7) are the value
+# / 16; the TPU widens that format to float32 in one op (vunpack), where
+# e4m3fn costs six more per value. The formats differ in 0x80 (-0 / NaN)
+# and 0x7F, 0xFF (NaN / +-30), which _e4m3fn_bytes_as_b11 remaps.
+_B11_SCALE = 16.0
+_LOW_BITS = 0x7F7F7F7F
+_ONES = 0x01010101
+_HIGH_BITS = 0x80808080 - (1 << 32)  # as an int32
+
+
+def _e4m3fn_bytes_as_b11(w):
+  """An e4m3fn tile as e4m3b11fnuz of value / 16 (NaN stays NaN, -0 becomes
+  +0), four bytes per int32 word at a time: each byte goes through the same
+  steps, whichever way the bitcast packs them, and no step carries across a
+  byte."""
+  words = pltpu.bitcast(w, jnp.int32)
+  low = words & _LOW_BITS
+  keep_sign = (low + _LOW_BITS) | _LOW_BITS  # bit 7 clear where low is 0
+  nan = (low + _ONES) & _HIGH_BITS  # bit 7 set where low is 0x7F
+  nan_low = nan - jax.lax.shift_right_logical(nan, 7)  # 0x7F there
+  words = ((words & keep_sign) | nan) ^ nan_low  # NaN -> 0x80
+  return pltpu.bitcast(words, jnp.float8_e4m3b11fnuz)
+
+
 def _kernel(*refs, nk, has_xs, has_ws, has_zero, has_b, w_layout, grouping,
-            group_size, compute_dtype, x_upcast):
+            group_size, compute_dtype, x_upcast, w_streamed):
   x_ref, w_ref, xs_ref, ws_ref, z_ref, b_ref, o_ref, rest = (
       operands.split_kernel_refs(refs, has_xs=has_xs, has_ws=has_ws,
                                  has_zero=has_zero, has_b=has_b))
@@ -84,6 +109,9 @@ def _kernel(*refs, nk, has_xs, has_ws, has_zero, has_b, w_layout, grouping,
     w = (wf * _expand_rows(ws_ref[...], rows, cols)).astype(compute_dtype)
     part = int8_tpu.float_dot(x, w, "kn")
     ws_ref = None  # applied to the weight
+  elif w_streamed:  # power-of-two rescale: exact
+    part = int8_tpu.streamed_dot(x, _e4m3fn_bytes_as_b11(w),
+                                 w_layout) * _B11_SCALE
   else:
     if compute_dtype is not None:
       w = w.astype(jnp.float32).astype(compute_dtype)
@@ -137,13 +165,22 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
   x_upcast = mode == "dequant" and not native
   out_dtype = jnp.dtype(out_dtype)
   w_bits = 4 if fmt.name == "int4" else 8
+  # The bitcast packs 4 rows of the w tile per int32 row: whole (32, 128)
+  # int8 tiles when w's row count is a multiple of 32. On an fp8 MXU
+  # (tpu7x) Mosaic keeps a widened copy of the tile: not streamed there.
+  w_streamed = (mode == "weight_only" and not grouped
+                and w.dtype == jnp.float8_e4m3fn and w.shape[0] % 32 == 0
+                and not bs.fp8_mxu(generation)
+                and int8_bs.weight_only_decode_streams(m, generation,
+                                                       x2.dtype))
   plan = bs.plan_tpu(
       m, k, n, x_bytes=x2.dtype.itemsize, w_bits=w_bits,
       out_bytes=out_dtype.itemsize,
       compute_bytes=0 if compute_dtype is None else compute_dtype.itemsize,
       generation=generation, group_size=group_size,
       has_zero=w_zero is not None, x_upcast=x_upcast,
-      group_products=grouping == "products", block_sizes=block_sizes)
+      group_products=grouping == "products", block_sizes=block_sizes,
+      w_streamed=w_streamed)
   groups_padded = plan.k_padded // group_size if grouped else 0
   if plan.k_padded != k:
     x2, w = int8_tpu.pad_k(x2, w, plan.k_padded, w_layout)
@@ -186,7 +223,7 @@ def matmul(x2, w, x_scale, w_scale, w_zero, bias, *, mode, out_dtype,
       _kernel, nk=nk, has_xs=x_scale is not None, has_ws=w_scale is not None,
       has_zero=w_zero is not None, has_b=bias is not None, w_layout=w_layout,
       grouping=grouping, group_size=group_size, compute_dtype=compute_dtype,
-      x_upcast=x_upcast)
+      x_upcast=x_upcast, w_streamed=w_streamed)
   grid_m = pl.cdiv(m, bm)
   if grouping == "products":  # scale and add each group's [bm, bn] partial
     extra_flops = 3 * m * n * groups_padded
