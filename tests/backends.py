@@ -20,6 +20,8 @@ import contextlib
 import dataclasses
 from typing import Any, Callable
 
+import jax
+import numpy as np
 import pytest
 
 from pallas_kernels import _backend, _mosaic_gpu
@@ -37,11 +39,21 @@ class Backend:
     return _backend.force_interpret(self.flavour)
 
   def run(self, op: Callable[..., Any], *args, **kwargs):
-    """``op(*args, backend=..., **kwargs)`` under this backend's interpreter;
-    skips the test where the op has no kernel of this kind."""
+    """``op(*args, backend=..., **kwargs)`` under this backend's interpreter,
+    in one ``jax.jit`` as a model calls it (array arguments traced, the rest
+    static); skips the test where the op has no kernel of this kind."""
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    traced = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+
+    def call(*arrays):
+      arrays = iter(arrays)
+      a, kw = jax.tree.unflatten(tree, [next(arrays) if t else leaf
+                                        for leaf, t in zip(leaves, traced)])
+      return op(*a, backend=self.backend, **kw)
+
     with self.context():
       try:
-        return op(*args, backend=self.backend, **kwargs)
+        return jax.jit(call)(*(leaf for leaf, t in zip(leaves, traced) if t))
       except ValueError as e:
         if "kernel exists for this op" in str(e):
           pytest.skip(str(e))
@@ -61,14 +73,21 @@ ALL = (
 REFERENCE = ALL[-1]
 
 
-def params(names=None):
+def params(names=None, every_flavour=False):
   """pytest params for the named backends (default: all), each skipped
-  where this jax cannot run it."""
+  where this jax cannot run it. Beside "interpret", "interpret_generic"
+  (the same kernel, the less strict interpreter) runs with --runslow only,
+  unless ``every_flavour``: test_backends_agree and test_empty_inputs run
+  every op on it, and the docs' examples run on it (backend=None)."""
+  selected = [b.name for b in ALL if names is None or b.name in names]
   out = []
   for b in ALL:
-    if names is not None and b.name not in names:
+    if b.name not in selected:
       continue
     marks = []
+    if (b.name == "interpret_generic" and "interpret" in selected
+        and not every_flavour):
+      marks.append(pytest.mark.slow)
     if b.name == "mosaic_gpu" and _mosaic_gpu.interpret_params() is None:
       marks.append(pytest.mark.skip(
           reason="this jax has no Mosaic GPU Pallas interpreter"))

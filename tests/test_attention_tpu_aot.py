@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import sweeps
 from pallas_kernels import _compat, flash_attention, shard_flash_attention
 from pallas_kernels import _backend, tpu_aot
 from pallas_kernels.attention import block_sizes, masks, mosaic_tpu
@@ -42,12 +43,12 @@ def _kernel_calls(result):
   return result.hlo_text.count('custom_call_target="tpu_custom_call"')
 
 
-@pytest.mark.parametrize("topology", sorted(GENERATIONS))
-@pytest.mark.parametrize("b,h,hk,length,d,kw", [
+@pytest.mark.parametrize("topology,b,h,hk,length,d,kw",
+                         sweeps.each_case_on_one_topology(sorted(GENERATIONS), [
     (2, 8, 2, 2048, 128, dict(causal=True)),
     (1, 4, 4, 4096, 64, dict(sliding_window=512, causal=True)),
     (1, 2, 1, 1024, 256, dict(logit_soft_cap=30.0)),
-])
+]))
 def test_forward_backward_compile(topology, b, h, hk, length, d, kw,
                                   tpu_topologies):
   _need(topology, tpu_topologies)

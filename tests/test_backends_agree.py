@@ -20,7 +20,8 @@ import backends
 import pallas_kernels as pk
 from conftest import COMPAT_RUN
 
-KERNEL_BACKENDS = [p for p in backends.params() if p.id != "reference"]
+KERNEL_BACKENDS = [p for p in backends.params(every_flavour=True)
+                   if p.id != "reference"]
 REFERENCE = backends.Backend("reference", "reference", None)
 # One draw per op and backend in the oldest-jax tier (conftest.COMPAT_RUN).
 EXAMPLES = [1 if COMPAT_RUN else 3, pytest.param(30, marks=pytest.mark.slow)]

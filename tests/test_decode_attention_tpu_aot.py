@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import sweeps
 from pallas_kernels import _backend, _compat, decode_attention, tpu_aot
 
 pytestmark = pytest.mark.tpu_aot
@@ -66,15 +67,15 @@ def _compile(topology, b, h, hk, t, length, d, page_size=None,
   return result
 
 
-@pytest.mark.parametrize("topology", REQUIRED)
-@pytest.mark.parametrize("b,h,hk,t,length,d,page_size,kw", [
+@pytest.mark.parametrize("topology,b,h,hk,t,length,d,page_size,kw",
+                         sweeps.each_case_on_one_topology(REQUIRED, [
     (1, 32, 8, 1, 131072, 128, None, {}),
     (64, 32, 8, 1, 8192, 128, None, dict(sliding_window=1024)),
     (4, 8, 2, 4, 1000, 96, None, dict(logit_soft_cap=30.0)),
     (8, 32, 8, 2, 131072, 128, 128, {}),
     (64, 32, 8, 1, 32768, 128, 16, {}),   # page table over two launches
     (2, 8, 2, 3, 1500, 96, 24, dict(sliding_window=100)),
-])
+]))
 def test_compiles_within_vmem(topology, b, h, hk, t, length, d, page_size, kw,
                               tpu_topologies):
   _need(topology, tpu_topologies)

@@ -13,7 +13,7 @@ import backends
 import pallas_kernels as pk
 from pallas_kernels import nn
 
-ALL = backends.params()
+ALL = backends.params(every_flavour=True)
 PAIRWISE = [pk.pairwise_iou, pk.pairwise_giou, pk.pairwise_diou,
             pk.pairwise_ciou, pk.box_iou]
 METRICS = [pk.iou, pk.giou, pk.diou, pk.ciou]

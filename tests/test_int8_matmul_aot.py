@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import sweeps
 from pallas_kernels import tpu_aot
 from pallas_kernels.quant import int8_api as api, int8_block_sizes as bs
 
@@ -57,8 +58,8 @@ def test_small_and_decode_shapes_compile(topology, tpu_topologies, mode, mkn):
   _compile(topology, tpu_topologies, mode, *mkn)
 
 
-@pytest.mark.parametrize("topology", list(GENERATIONS))
-@pytest.mark.parametrize("mode", ["raw", "fused", "w8a16"])
+@pytest.mark.parametrize("topology,mode", sweeps.each_case_on_one_topology(
+    list(GENERATIONS), [("raw",), ("fused",), ("w8a16",)]))
 def test_8192_cubed_compiles_without_an_int32_matrix_in_hbm(
     topology, tpu_topologies, mode):
   m = k = n = 8192

@@ -57,8 +57,8 @@ FORMAT_CASES = [(fmt, i) for fmt in FORMATS for i, (_, kw) in enumerate(CASES)
 
 
 @pytest.mark.parametrize("fmt,index", FORMAT_CASES)
-@pytest.mark.parametrize("backend", backends.params(
-    ["interpret", "interpret_generic", "reference"]))
+@pytest.mark.parametrize("backend", backends.params(   # generic: the fallback
+    ["interpret", "interpret_generic", "reference"], every_flavour=True))
 def test_quantize_matches_oracle(backend, fmt, index):
   x, kwargs = CASES[index]
   kernel_takes = (fmt == "int8" and kwargs.get("axis", -1) in (-1, x.ndim - 1)
