@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 
 
-def each_case_on_one_topology(topologies, cases):
-  """pytest params ``(topology, *case)``: by default case i compiles for
-  topology i mod len(topologies), so every case and every topology compile
-  at least once; the rest of the cross product is marked slow."""
+def covering_pairs(values, cases):
+  """pytest params ``(value, *case)`` of the cross product: by default case
+  i pairs with value i mod len(values), so every case and every value run
+  at least once; the other pairs are marked slow."""
   out = []
   for i, case in enumerate(cases):
-    for j, topology in enumerate(topologies):
-      marks = [] if j == i % len(topologies) else [pytest.mark.slow]
-      out.append(pytest.param(topology, *case, marks=marks))
+    for j, value in enumerate(values):
+      marks = [] if j == i % len(values) else [pytest.mark.slow]
+      out.append(pytest.param(value, *case, marks=marks))
   return out

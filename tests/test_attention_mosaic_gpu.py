@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from oracles import attention as oracle
+import sweeps
 from pallas_kernels import _compat
 from pallas_kernels.attention import masks, mosaic_gpu, mosaic_gpu_bwd
 
@@ -414,8 +415,9 @@ _LOWERED_MASKS = [
 
 @pytest.mark.skipif(mosaic_gpu.api_missing() is not None,
                     reason="no Mosaic GPU Pallas API in this jax")
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("mask", _LOWERED_MASKS, ids=["or", "and", "dense"])
+@pytest.mark.parametrize("d,mask", sweeps.covering_pairs(
+    [64, 128, 256], [(m,) for m in _LOWERED_MASKS]),
+    ids=lambda v: {64: "64", 128: "128", 256: "256"}.get(v, type(v).__name__))
 def test_masked_kernels_lower_for_cuda_on_a_cpu_host(d, mask):
   # Forward, dq and dk/dv with a table walk and an in-kernel formula (or
   # element tiles loaded from global memory).

@@ -44,7 +44,7 @@ def _kernel_calls(result):
 
 
 @pytest.mark.parametrize("topology,b,h,hk,length,d,kw",
-                         sweeps.each_case_on_one_topology(sorted(GENERATIONS), [
+                         sweeps.covering_pairs(sorted(GENERATIONS), [
     (2, 8, 2, 2048, 128, dict(causal=True)),
     (1, 4, 4, 4096, 64, dict(sliding_window=512, causal=True)),
     (1, 2, 1, 1024, 256, dict(logit_soft_cap=30.0)),

@@ -68,7 +68,7 @@ def _compile(topology, b, h, hk, t, length, d, page_size=None,
 
 
 @pytest.mark.parametrize("topology,b,h,hk,t,length,d,page_size,kw",
-                         sweeps.each_case_on_one_topology(REQUIRED, [
+                         sweeps.covering_pairs(REQUIRED, [
     (1, 32, 8, 1, 131072, 128, None, {}),
     (64, 32, 8, 1, 8192, 128, None, dict(sliding_window=1024)),
     (4, 8, 2, 4, 1000, 96, None, dict(logit_soft_cap=30.0)),

@@ -58,7 +58,7 @@ def test_small_and_decode_shapes_compile(topology, tpu_topologies, mode, mkn):
   _compile(topology, tpu_topologies, mode, *mkn)
 
 
-@pytest.mark.parametrize("topology,mode", sweeps.each_case_on_one_topology(
+@pytest.mark.parametrize("topology,mode", sweeps.covering_pairs(
     list(GENERATIONS), [("raw",), ("fused",), ("w8a16",)]))
 def test_8192_cubed_compiles_without_an_int32_matrix_in_hbm(
     topology, tpu_topologies, mode):

@@ -59,9 +59,24 @@ def _local_cases():
   return [c for c in sc.CASE_NAMES if not c.endswith(("_sum", "_mean"))]
 
 
-@pytest.mark.parametrize("check_vma", [  # the oldest jax: checked mode only
-    pytest.param(True, marks=pytest.mark.compat), False])
-@pytest.mark.parametrize("name", _local_cases())
+# Unchecked shard_map by default for these (the rest with --runslow).
+UNCHECKED_BY_DEFAULT = {"flash_attention", "decode_attention", "int8_matmul",
+                        "quantize_int8", "grouped_matmul", "pairwise_giou"}
+
+
+def _shard_map_params():
+  # Checked mode for every case (the oldest jax: only that).
+  out = []
+  for name in _local_cases():
+    out.append(pytest.param(name, True, marks=pytest.mark.compat,
+                            id=f"{name}-True"))
+    out.append(pytest.param(
+        name, False, id=f"{name}-False",
+        marks=[] if name in UNCHECKED_BY_DEFAULT else [pytest.mark.slow]))
+  return out
+
+
+@pytest.mark.parametrize("name,check_vma", _shard_map_params())
 def test_inside_user_shard_map(name, check_vma, rng):
   case = sc.case(name)
   args = case.make(rng)
