@@ -43,10 +43,10 @@ def check(backend, op, args, in_axes=0, rtol=1e-5, slices_by=None, **kwargs):
   (default: the same backend)."""
   in_axes = (in_axes,) * len(args) if isinstance(in_axes, int) else in_axes
   fn = lambda *a: backend.run(op, *a, **kwargs)
-  got = jax.jit(jax.vmap(fn, in_axes=in_axes))(*args)
+  got = jax.vmap(fn, in_axes=in_axes)(*args)
   slice_fn = fn if slices_by is None else (
       lambda *a: slices_by.run(op, *a, **kwargs))
-  want = jax.jit(lambda *a: per_slice(slice_fn, a, in_axes))(*args)
+  want = per_slice(slice_fn, args, in_axes)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert (g.shape, g.dtype) == (w.shape, w.dtype)
     np.testing.assert_allclose(np.asarray(g, np.float64),

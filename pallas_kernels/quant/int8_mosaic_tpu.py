@@ -243,18 +243,23 @@ def _row_amax(x_ref, rows, chunks):
   """``quant.amax`` over axis 1 of x_ref[rows] ([R, 1]), from |x|'s bit
   patterns: for non-negative floats integer order is float order and NaNs
   sort above inf, so one integer max per element finds both the largest
-  magnitude and any NaN. Chunks combine elementwise first; one cross-lane
-  reduction per chunk width follows."""
+  magnitude and any NaN. Chunks combine elementwise first; the cross-lane
+  reductions run in float32 (older Mosaic reduces no int32 across lanes):
+  the largest non-NaN magnitude, and a NaN flag."""
   partial = {}
   for start, width in chunks:
     x = x_ref[rows, pl.ds(start, width)].astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(x, jnp.int32) & _ABS_MASK
     partial[width] = (bits if width not in partial
                       else jnp.maximum(partial[width], bits))
-  top = functools.reduce(jnp.maximum, [jnp.max(p, axis=1, keepdims=True)
-                                       for p in partial.values()])
-  return jnp.where(top > _INF_BITS, jnp.float32(jnp.nan),
-                   jax.lax.bitcast_convert_type(top, jnp.float32))
+  def lane_max(v):
+    return functools.reduce(jnp.maximum, [jnp.max(p, axis=1, keepdims=True)
+                                          for p in v])
+  largest = lane_max([jax.lax.bitcast_convert_type(
+      jnp.minimum(p, _INF_BITS), jnp.float32) for p in partial.values()])
+  has_nan = lane_max([(p > _INF_BITS).astype(jnp.float32)
+                      for p in partial.values()])
+  return jnp.where(has_nan > 0, jnp.float32(jnp.nan), largest)
 
 
 def _round_to_int8(x, inverse_scale):
