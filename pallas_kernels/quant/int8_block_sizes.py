@@ -62,16 +62,14 @@ TPU_VMEM = {  # (bytes a config may use, vmem_limit_bytes passed to Mosaic)
 # decode; fewer grid steps issue fewer bundles (docs/design/int8.md, "Fewer,
 # larger steps"). Other modes and generations use TPU_TABLE and TPU_VMEM
 # (weight-only decode: WEIGHT_ONLY_DECODE_TILES).
+# Medium shapes keep TPU_TABLE's tiles.
 INT8_X_INT8_TABLE = {
-    "v5e": {"decode": (None, 4096, 4096), "medium": (256, 1024, 2048),
-            "large": (2048, 4096, 1024)},
-    "v6e": {"decode": (None, 4096, 4096), "medium": (512, 1024, 2048),
-            "large": (2048, 4096, 1024)},
-    "v5p": {"decode": (None, 4096, 2048), "medium": (256, 1024, 2048),
-            "large": (1024, 4096, 1024)},
-    "tpu7x": {"decode": (None, 4096, 2048), "medium": (256, 1024, 2048),
-              "large": (1024, 4096, 1024)},
-}
+    gen: {**TPU_TABLE[gen], **rows} for gen, rows in {
+        "v5e": {"decode": (None, 4096, 4096), "large": (2048, 4096, 1024)},
+        "v6e": {"decode": (None, 4096, 4096), "large": (2048, 4096, 1024)},
+        "v5p": {"decode": (None, 4096, 2048), "large": (1024, 4096, 1024)},
+        "tpu7x": {"decode": (None, 4096, 2048), "large": (1024, 4096, 1024)},
+    }.items()}
 INT8_X_INT8_VMEM = {
     "v5e": (52 * MiB, 64 * MiB), "v6e": (52 * MiB, 64 * MiB),
     "v5p": (32 * MiB, 48 * MiB), "tpu7x": (32 * MiB, 48 * MiB),
